@@ -1,0 +1,352 @@
+//! [`CmId`]: an owned `rdma_cm_id`, and [`VerbsContext`]: the device context behind it.
+//!
+//! A `CmId` holds a clone of its [`EventChannel`], so the channel cannot be destroyed under it.
+//! Dropping a `CmId` calls `rdma_destroy_id`, which waits for the acks of the events reported
+//! for the id; this crate acks every event before handing it out (see [`crate::event_channel`]),
+//! so that wait is always short.
+//!
+//! # Why PDs and CQs hold the id
+//!
+//! The verbs context (`id->verbs`) is opened and owned by librdmacm, which keeps a device open
+//! while an id bound to it exists (it counts bound ids per device). A [`VerbsContext`] is
+//! therefore an `Arc` of the id it came from: every [`ProtectionDomain`](crate::ProtectionDomain)
+//! and [`CompletionQueue`](crate::CompletionQueue) built on the context holds it, so the
+//! context outlives them whatever order the user drops things in.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::mem;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+use crate::error::{check_ibv, check_rdma, Error, Result};
+use crate::event_channel::EventChannel;
+
+/// An owned `rdma_cm_id` on the RC port space (`RDMA_PS_TCP`).
+pub struct CmId {
+    raw: NonNull<ffi::rdma_cm_id>,
+    // Dropped after `raw` is destroyed (Drop::drop runs before fields drop).
+    channel: EventChannel,
+}
+
+// SAFETY: the id is owned uniquely by this value. The operations reachable through `&CmId`
+// from several threads are reads of fields librdmacm fills before the id is shared (`verbs`,
+// the addresses) and librdmacm calls that lock the id internally; the state-changing calls are
+// made by the typestate that owns the id.
+unsafe impl Send for CmId {}
+// SAFETY: see the Send impl.
+unsafe impl Sync for CmId {}
+
+/// An opaque token naming a [`CmId`], used to match [`CmEvent`](crate::CmEvent)s to ids in an
+/// event loop. It is only compared, never dereferenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdHandle(usize);
+
+impl IdHandle {
+    pub(crate) fn of(p: *mut ffi::rdma_cm_id) -> IdHandle {
+        IdHandle(p as usize)
+    }
+}
+
+impl CmId {
+    /// Creates an RC id (`rdma_create_id`, `RDMA_PS_TCP`) on `channel`.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] when no RDMA device exists; [`Error::Call`] otherwise.
+    pub fn new(channel: &EventChannel) -> Result<CmId> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the channel is open for the call; `raw` is a valid out-pointer.
+        let ret = unsafe {
+            ffi::rdma_create_id(channel.raw(), &mut raw, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP)
+        };
+        check_rdma(ret, "rdma_create_id")?;
+        let raw = NonNull::new(raw).ok_or_else(|| Error::call("rdma_create_id", libc::EIO, None))?;
+        Ok(CmId { raw, channel: channel.clone() })
+    }
+
+    /// Wraps an id librdmacm created for us (a `CONNECT_REQUEST`'s new id).
+    ///
+    /// # Safety
+    /// `raw` must be a valid id on `channel` that nothing else will destroy.
+    pub(crate) unsafe fn from_raw(raw: NonNull<ffi::rdma_cm_id>, channel: EventChannel) -> CmId {
+        CmId { raw, channel }
+    }
+
+    /// The raw id, for calls this crate does not wrap. It stays owned by `self`.
+    pub fn as_raw(&self) -> *mut ffi::rdma_cm_id {
+        self.raw.as_ptr()
+    }
+
+    /// The token that [`CmEvent::id`](crate::CmEvent::id) carries for events of this id.
+    pub fn handle(&self) -> IdHandle {
+        IdHandle::of(self.raw.as_ptr())
+    }
+
+    /// The channel this id reports events on.
+    pub fn channel(&self) -> &EventChannel {
+        &self.channel
+    }
+
+    /// The bound local address, once bound or resolved.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the id is valid; `route.addr` is plain data inside it that librdmacm fills
+        // when the id is bound or resolved (all zero before, which maps to None).
+        unsafe { sockaddr_to_std(&(*self.raw.as_ptr()).route.addr.src_addr_union.src_storage) }
+    }
+
+    /// The peer's address, once resolved or connected.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: as in local_addr.
+        unsafe { sockaddr_to_std(&(*self.raw.as_ptr()).route.addr.dst_addr_union.dst_storage) }
+    }
+
+    /// The device port this id is bound to (0 before binding to a device).
+    pub fn port_num(&self) -> u8 {
+        // SAFETY: the id is valid; port_num is plain data.
+        unsafe { (*self.raw.as_ptr()).port_num }
+    }
+
+    pub(crate) fn verbs(&self) -> Option<NonNull<ffi::ibv_context>> {
+        // SAFETY: the id is valid; verbs is set by librdmacm once the id is bound to a device.
+        NonNull::new(unsafe { (*self.raw.as_ptr()).verbs })
+    }
+
+    pub(crate) fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let (mut sa, _) = std_to_sockaddr(addr);
+        // SAFETY: id valid; `sa` is a properly initialised sockaddr of the right family.
+        let ret = unsafe { ffi::rdma_bind_addr(self.as_raw(), (&mut sa as *mut libc::sockaddr_storage).cast()) };
+        check_rdma(ret, "rdma_bind_addr").map_err(|e| e.with_addr(addr))
+    }
+
+    pub(crate) fn listen(&self, backlog: i32) -> Result<()> {
+        // SAFETY: id valid and bound (the typestate guarantees bind came first).
+        check_rdma(unsafe { ffi::rdma_listen(self.as_raw(), backlog) }, "rdma_listen")
+    }
+
+    pub(crate) fn resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        let (mut d, _) = std_to_sockaddr(dst);
+        let mut s = src.map(|s| std_to_sockaddr(s).0);
+        let sp = s.as_mut().map_or(std::ptr::null_mut(), |s| (s as *mut libc::sockaddr_storage).cast());
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: id valid; `d` and `s` outlive the call (librdmacm copies them).
+        let ret =
+            unsafe { ffi::rdma_resolve_addr(self.as_raw(), sp, (&mut d as *mut libc::sockaddr_storage).cast(), ms) };
+        check_rdma(ret, "rdma_resolve_addr").map_err(|e| e.with_addr(dst))
+    }
+
+    pub(crate) fn resolve_route(&self, timeout: Duration) -> Result<()> {
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: id valid and address-resolved (guaranteed by the typestate).
+        check_rdma(unsafe { ffi::rdma_resolve_route(self.as_raw(), ms) }, "rdma_resolve_route")
+    }
+
+    pub(crate) fn migrate(&self, channel: &EventChannel) -> Result<()> {
+        // SAFETY: id and channel valid; the id's old channel stays alive through our field
+        // until we replace it (the caller swaps `self.channel` after success).
+        check_rdma(unsafe { ffi::rdma_migrate_id(self.as_raw(), channel.raw()) }, "rdma_migrate_id")
+    }
+
+    pub(crate) fn set_channel(&mut self, channel: EventChannel) {
+        self.channel = channel;
+    }
+
+    pub(crate) fn disconnect(&self) -> Result<()> {
+        // SAFETY: id valid; rdma_disconnect is allowed in any connected or connecting state
+        // and fails harmlessly (EINVAL) otherwise.
+        check_rdma(unsafe { ffi::rdma_disconnect(self.as_raw()) }, "rdma_disconnect")
+    }
+
+    /// The verbs context librdmacm opened for this id's device, or `None` before the id is
+    /// bound to a device (a listener on `0.0.0.0` never is).
+    pub fn context(self: &Arc<Self>) -> Option<VerbsContext> {
+        self.verbs().map(|raw| VerbsContext { raw, id: Arc::clone(self) })
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is owned by us and destroyed exactly once, here. Any QP on it was
+        // destroyed first (a QueuePair holds an Arc of its CmId), and every event of the id
+        // was acked when it was read, so rdma_destroy_id cannot deadlock waiting for acks.
+        let ret = unsafe { ffi::rdma_destroy_id(self.raw.as_ptr()) };
+        if ret != 0 {
+            crate::report_leak("rdma_destroy_id", crate::error::errno());
+        }
+    }
+}
+
+impl fmt::Debug for CmId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CmId")
+            .field("handle", &self.handle())
+            .field("local", &self.local_addr())
+            .field("peer", &self.peer_addr())
+            .finish()
+    }
+}
+
+/// The verbs device context behind a [`CmId`]. It keeps that id, and so the context, alive.
+#[derive(Clone)]
+pub struct VerbsContext {
+    raw: NonNull<ffi::ibv_context>,
+    id: Arc<CmId>,
+}
+
+// SAFETY: ibv_context is thread-safe in libibverbs (all verbs on one context may be called
+// from any thread), and the Arc<CmId> is Send + Sync.
+unsafe impl Send for VerbsContext {}
+// SAFETY: see the Send impl.
+unsafe impl Sync for VerbsContext {}
+
+/// Device limits that matter when sizing queues and buffers (from `ibv_query_device`).
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct DeviceLimits {
+    /// Largest work queue (`max_qp_wr`).
+    pub max_qp_wr: u32,
+    /// Largest scatter/gather list (`max_sge`).
+    pub max_sge: u32,
+    /// Largest CQ (`max_cqe`).
+    pub max_cqe: u32,
+    /// Largest memory region (`max_mr_size`).
+    pub max_mr_size: u64,
+    /// Most outstanding RDMA READs as responder (`max_qp_rd_atom`).
+    pub max_qp_rd_atom: u32,
+    /// Most outstanding RDMA READs as initiator (`max_qp_init_rd_atom`).
+    pub max_qp_init_rd_atom: u32,
+}
+
+impl VerbsContext {
+    /// The raw context. It is owned by librdmacm; do not close it.
+    pub fn as_raw(&self) -> *mut ffi::ibv_context {
+        self.raw.as_ptr()
+    }
+
+    /// The id that keeps this context open.
+    pub fn cm_id(&self) -> &Arc<CmId> {
+        &self.id
+    }
+
+    /// The device name, e.g. `rxe0` or `mlx5_0`.
+    pub fn device_name(&self) -> String {
+        // SAFETY: context valid; device and its name are set for the context's life, and
+        // ibv_get_device_name returns a NUL-terminated string owned by the device.
+        unsafe {
+            let name = ffi::ibv_get_device_name((*self.raw.as_ptr()).device);
+            if name.is_null() {
+                return String::from("?");
+            }
+            CStr::from_ptr(name).to_string_lossy().into_owned()
+        }
+    }
+
+    /// Queries the device's limits.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_query_device` fails.
+    pub fn limits(&self) -> Result<DeviceLimits> {
+        // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
+        let mut a: ffi::ibv_device_attr = unsafe { mem::zeroed() };
+        // SAFETY: context valid; `a` is a valid out-pointer of the right type.
+        check_ibv(unsafe { ffi::ibv_query_device(self.as_raw(), &mut a) }, "ibv_query_device")?;
+        Ok(DeviceLimits {
+            max_qp_wr: a.max_qp_wr.max(0) as u32,
+            max_sge: a.max_sge.max(0) as u32,
+            max_cqe: a.max_cqe.max(0) as u32,
+            max_mr_size: a.max_mr_size,
+            max_qp_rd_atom: a.max_qp_rd_atom.max(0) as u32,
+            max_qp_init_rd_atom: a.max_qp_init_rd_atom.max(0) as u32,
+        })
+    }
+}
+
+impl fmt::Debug for VerbsContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsContext").field("device", &self.device_name()).finish()
+    }
+}
+
+/// Converts a Rust socket address into a `sockaddr_storage` and its length.
+pub(crate) fn std_to_sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
+}
+
+/// Reads a `sockaddr_storage` as a Rust socket address (`None` for an unset or non-IP family).
+///
+/// # Safety
+/// `ss` must be an initialised `sockaddr_storage`.
+pub(crate) unsafe fn sockaddr_to_std(ss: *const libc::sockaddr_storage) -> Option<SocketAddr> {
+    // SAFETY: caller guarantees `ss` is initialised; the family field decides which layout
+    // the storage holds, and sockaddr_storage is large and aligned enough for either.
+    unsafe {
+        match (*ss).ss_family as i32 {
+            libc::AF_INET => {
+                let sin = &*ss.cast::<libc::sockaddr_in>();
+                let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                Some(SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(sin.sin_port))))
+            }
+            libc::AF_INET6 => {
+                let s6 = &*ss.cast::<libc::sockaddr_in6>();
+                let ip = Ipv6Addr::from(s6.sin6_addr.s6_addr);
+                Some(SocketAddr::V6(SocketAddrV6::new(
+                    ip,
+                    u16::from_be(s6.sin6_port),
+                    s6.sin6_flowinfo,
+                    s6.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockaddr_round_trip() {
+        for s in ["10.77.0.1:7471", "0.0.0.0:0", "[fe80::1]:9", "[::1]:65535"] {
+            let a: SocketAddr = s.parse().unwrap();
+            let (ss, len) = std_to_sockaddr(a);
+            assert!(len > 0);
+            // SAFETY: `ss` was just initialised by std_to_sockaddr.
+            assert_eq!(unsafe { sockaddr_to_std(&ss) }, Some(a), "{s}");
+        }
+        // SAFETY: all-zero sockaddr_storage is valid and means "unset".
+        let zero: libc::sockaddr_storage = unsafe { mem::zeroed() };
+        // SAFETY: `zero` is initialised.
+        assert_eq!(unsafe { sockaddr_to_std(&zero) }, None);
+    }
+}

@@ -1,0 +1,763 @@
+//! The connection typestates and the established [`Connection`].
+//!
+//! Each step consumes the previous state and returns the next, so a call out of order does
+//! not compile:
+//!
+//! ```text
+//! client: Client ─resolve_addr→ AddrResolved ─resolve_route→ RouteResolved ─create_qp→ ClientQp ─connect→ Connection
+//! server: Server ─bind→ Bound ─listen→ Listener ─get_request→ ConnectRequest ─create_qp→ ServerQp ─accept→ Connection
+//!                                                                      └─reject                └─reject
+//! ```
+//!
+//! ```compile_fail
+//! # fn f() -> rdma_cm::Result<()> {
+//! use std::time::Duration;
+//! // A client cannot connect before resolving the address and route and creating a QP.
+//! let conn = rdma_cm::Client::new()?.connect(&rdma_cm::ConnParam::new(), Duration::from_secs(1))?;
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail
+//! # fn f() -> rdma_cm::Result<()> {
+//! // A server cannot listen before binding.
+//! let l = rdma_cm::Server::new()?.listen(8)?;
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail
+//! # fn f(req: rdma_cm::ConnectRequest) -> rdma_cm::Result<()> {
+//! use std::time::Duration;
+//! // A request cannot be accepted before its QP exists.
+//! let c = req.accept(&rdma_cm::ConnParam::new(), Duration::from_secs(1))?;
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail
+//! # fn f(l: rdma_cm::AddrResolved, pd: std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {
+//! // A QP cannot be created before the route is resolved.
+//! let q = l.create_qp(&pd, rdma_cm::QpInit::new())?;
+//! # Ok(()) }
+//! ```
+//!
+//! Every blocking step takes a timeout. The blocking steps read the id's own event channel:
+//! [`Client::new`] creates one, and [`Listener::get_request`] moves each new id onto a fresh
+//! one. An event loop that serves many connections on one channel uses
+//! [`EventChannel::get_event`], [`ConnectRequest::from_event`], [`ServerQp::start_accept`] and
+//! [`Accepting::complete`] instead.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+use crate::cm_id::{CmId, IdHandle, VerbsContext};
+use crate::error::{check_rdma, Error, Result};
+use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
+use crate::pd::ProtectionDomain;
+use crate::qp::{QpInit, QueuePair};
+
+/// Most private data `rdma_connect` carries on RC.
+pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
+/// Most private data `rdma_accept` carries on RC.
+pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
+/// Most private data `rdma_reject` carries on IB/RoCE.
+pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
+
+/// Connection parameters for connect and accept. Defaults follow the seed program:
+/// responder_resources and initiator_depth 1, retry and RNR retry counts 7, no private data.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnParam {
+    responder_resources: u8,
+    initiator_depth: u8,
+    retry_count: u8,
+    rnr_retry_count: u8,
+    private_data: PrivateData,
+}
+
+impl Default for ConnParam {
+    fn default() -> Self {
+        ConnParam {
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            private_data: PrivateData::EMPTY,
+        }
+    }
+}
+
+impl ConnParam {
+    /// The defaults.
+    pub fn new() -> ConnParam {
+        ConnParam::default()
+    }
+    /// Outstanding RDMA READs the peer may send us.
+    pub fn responder_resources(mut self, n: u8) -> Self {
+        self.responder_resources = n;
+        self
+    }
+    /// Outstanding RDMA READs we may send the peer.
+    pub fn initiator_depth(mut self, n: u8) -> Self {
+        self.initiator_depth = n;
+        self
+    }
+    /// Transport retries (0..=7).
+    pub fn retry_count(mut self, n: u8) -> Self {
+        self.retry_count = n.min(7);
+        self
+    }
+    /// Receiver-not-ready retries (0..=7; 7 means retry forever).
+    pub fn rnr_retry_count(mut self, n: u8) -> Self {
+        self.rnr_retry_count = n.min(7);
+        self
+    }
+    /// Private data for the peer. Its length is checked when it is used: at most 56 bytes for
+    /// connect, 196 for accept.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] beyond 196 bytes.
+    pub fn private_data(mut self, data: &[u8]) -> Result<Self> {
+        if data.len() > MAX_ACCEPT_PRIVATE_DATA {
+            return Err(too_long("private data", data.len(), MAX_ACCEPT_PRIVATE_DATA));
+        }
+        self.private_data = PrivateData::from_slice(data);
+        Ok(self)
+    }
+
+    fn raw(&self, limit: usize, what: &str) -> Result<ffi::rdma_conn_param> {
+        if self.private_data.len() > limit {
+            return Err(too_long(what, self.private_data.len(), limit));
+        }
+        Ok(ffi::rdma_conn_param {
+            private_data: if self.private_data.is_empty() {
+                std::ptr::null()
+            } else {
+                self.private_data.as_ptr().cast()
+            },
+            private_data_len: self.private_data.len() as u8,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: 1,
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            srq: 0,
+            qp_num: 0,
+        })
+    }
+}
+
+fn too_long(what: &str, len: usize, max: usize) -> Error {
+    Error::InvalidArgument(format!("{what} is {len} bytes; at most {max} fit on RC"))
+}
+
+/// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
+fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
+    let peer = id.peer_addr();
+    let ev = id.channel().get_event(timeout).map_err(|e| match e {
+        Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
+        e => e,
+    })?;
+    if ev.event_type() == expected && ev.id() == id.handle() {
+        return Ok(ev);
+    }
+    // Resolution errors carry a negative errno: report them as the call that failed.
+    if matches!(ev.event_type(), CmEventType::AddrError | CmEventType::RouteError) && ev.status() < 0 {
+        let call = if ev.event_type() == CmEventType::AddrError { "rdma_resolve_addr" } else { "rdma_resolve_route" };
+        return Err(Error::call(call, -ev.status(), peer));
+    }
+    let mut e = ev.unexpected(op, expected);
+    if let Error::UnexpectedEvent { hint, got: CmEventType::Rejected, status, .. } = &mut e {
+        *hint = Some(reject_hint(*status));
+    }
+    Err(match peer {
+        Some(p) => e.with_addr(p),
+        None => e,
+    })
+}
+
+fn expected_hint(expected: CmEventType) -> Option<&'static str> {
+    Some(match expected {
+        CmEventType::AddrResolved => {
+            "no answer from the RDMA address resolution: check `ip link`, `rdma link` and the GID table"
+        }
+        CmEventType::ConnectRequest => "no client connected in time",
+        CmEventType::Established => {
+            "the peer did not complete the handshake: is it running and reachable over RDMA (UDP 4791 for RoCEv2)?"
+        }
+        CmEventType::Disconnected => "the peer did not confirm the disconnect",
+        _ => return None,
+    })
+}
+
+/// IB CM reject reasons that matter (IBTA table 112).
+fn reject_hint(status: i32) -> &'static str {
+    match status {
+        8 => "nobody listens on that address and port (invalid service ID): is the server running, and is the port right?",
+        28 => "the server refused the connection (consumer reject); its private data may say why",
+        _ => "the peer rejected the connection: is the server running on that port?",
+    }
+}
+
+/// A fresh client id, not yet resolved.
+pub struct Client {
+    id: CmId,
+}
+
+impl Client {
+    /// Creates a client id on its own event channel.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] without RDMA support; [`Error::Call`] otherwise.
+    pub fn new() -> Result<Client> {
+        Client::on_channel(&EventChannel::new()?)
+    }
+
+    /// Creates a client id on `channel`. The blocking steps then read that channel, so give
+    /// each concurrently connecting client its own.
+    ///
+    /// # Errors
+    /// As for [`Client::new`].
+    pub fn on_channel(channel: &EventChannel) -> Result<Client> {
+        Ok(Client { id: CmId::new(channel)? })
+    }
+
+    /// Resolves `dst` (and binds to `src` if given) within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `ETIMEDOUT`/`EADDRNOTAVAIL` and a troubleshooting hint when no RDMA
+    /// device answers for the address; [`Error::Timeout`].
+    pub fn resolve_addr(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<AddrResolved> {
+        if dst.port() == 0 {
+            return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
+        }
+        self.id.resolve_addr(src, dst, timeout)?;
+        // librdmacm reports ADDR_ERROR itself when its own timeout passes; allow for that.
+        expect(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr", timeout + Duration::from_secs(1))
+            .map_err(|e| e.with_addr(dst))?;
+        Ok(AddrResolved { id: self.id })
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+/// A client id whose address is resolved.
+pub struct AddrResolved {
+    id: CmId,
+}
+
+impl AddrResolved {
+    /// Resolves the route within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Call`] or [`Error::UnexpectedEvent`] (`ROUTE_ERROR`), [`Error::Timeout`].
+    pub fn resolve_route(self, timeout: Duration) -> Result<RouteResolved> {
+        let peer = self.id.peer_addr();
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, peer))?;
+        expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", timeout + Duration::from_secs(1))?;
+        Ok(RouteResolved { id: Arc::new(self.id) })
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+fn with_opt_addr(e: Error, a: Option<SocketAddr>) -> Error {
+    match a {
+        Some(a) => e.with_addr(a),
+        None => e,
+    }
+}
+
+fn context_of(id: &Arc<CmId>) -> Result<VerbsContext> {
+    id.context().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: id.peer_addr() })
+}
+
+/// A client id with a route: allocate the PD, register memory, then create the QP.
+pub struct RouteResolved {
+    id: Arc<CmId>,
+}
+
+impl RouteResolved {
+    /// The device context the route runs over.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution).
+    pub fn context(&self) -> Result<VerbsContext> {
+        context_of(&self.id)
+    }
+
+    /// Allocates a PD on the route's device.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_alloc_pd` fails.
+    pub fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>> {
+        ProtectionDomain::new(&self.context()?)
+    }
+
+    /// Creates the RC QP (and its CQs unless `init` supplies them).
+    ///
+    /// # Errors
+    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`].
+    pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
+        let qp = QueuePair::create(&self.id, pd, init)?;
+        Ok(ClientQp { id: self.id, qp })
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+/// A client with its QP: post receives now, then connect.
+pub struct ClientQp {
+    id: Arc<CmId>,
+    qp: QueuePair,
+}
+
+impl ClientQp {
+    /// The QP, e.g. to post receives before connecting.
+    pub fn qp_mut(&mut self) -> &mut QueuePair {
+        &mut self.qp
+    }
+
+    /// Connects (`rdma_connect`) and waits for `ESTABLISHED`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
+    /// naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a hint; [`Error::Timeout`].
+    pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+        let peer = self.id.peer_addr();
+        // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
+        // `param`) outlive the call, which copies them.
+        check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
+            .map_err(|e| with_opt_addr(e, peer))?;
+        let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+    }
+}
+
+/// A fresh server id, not yet bound.
+pub struct Server {
+    id: CmId,
+}
+
+impl Server {
+    /// Creates a server id on its own event channel.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] without RDMA support; [`Error::Call`] otherwise.
+    pub fn new() -> Result<Server> {
+        Server::on_channel(&EventChannel::new()?)
+    }
+
+    /// Creates a server id on `channel`; connection requests arrive there.
+    ///
+    /// # Errors
+    /// As for [`Server::new`].
+    pub fn on_channel(channel: &EventChannel) -> Result<Server> {
+        Ok(Server { id: CmId::new(channel)? })
+    }
+
+    /// Binds to `addr` (`0.0.0.0` for every RDMA device; port 0 picks a free port).
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `EADDRINUSE` or `EADDRNOTAVAIL` and a hint.
+    pub fn bind(self, addr: SocketAddr) -> Result<Bound> {
+        self.id.bind(addr)?;
+        Ok(Bound { id: self.id })
+    }
+}
+
+/// A bound server id.
+pub struct Bound {
+    id: CmId,
+}
+
+impl Bound {
+    /// Starts listening with `backlog` pending requests.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_listen` fails (`EADDRINUSE`: the port is taken).
+    pub fn listen(self, backlog: i32) -> Result<Listener> {
+        let local = self.id.local_addr();
+        self.id.listen(backlog).map_err(|e| with_opt_addr(e, local))?;
+        Ok(Listener { id: self.id })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.id.local_addr()
+    }
+}
+
+/// A listening id.
+pub struct Listener {
+    id: CmId,
+}
+
+impl Listener {
+    /// Waits up to `timeout` for a connection request, and moves the new id onto its own
+    /// event channel so that its blocking steps never see other connections' events.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; [`Error::UnexpectedEvent`] for any other event.
+    pub fn get_request(&self, timeout: Duration) -> Result<ConnectRequest> {
+        ConnectRequest::build(expect_any_request(&self.id, timeout)?, true)
+    }
+
+    /// The listener's channel, for an event loop ([`EventChannel::get_event`]).
+    pub fn channel(&self) -> &EventChannel {
+        self.id.channel()
+    }
+
+    /// The bound address (with the chosen port when bound to port 0).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.id.local_addr()
+    }
+
+    /// The listener's id token (a `CONNECT_REQUEST`'s [`CmEvent::listen_id`]).
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+}
+
+fn expect_any_request(listener: &CmId, timeout: Duration) -> Result<CmEvent> {
+    let ev = listener.channel().get_event(timeout).map_err(|e| match e {
+        Error::Timeout { timeout, .. } => Error::Timeout {
+            op: "waiting for CONNECT_REQUEST",
+            timeout,
+            addr: listener.local_addr(),
+            hint: expected_hint(CmEventType::ConnectRequest),
+        },
+        e => e,
+    })?;
+    if ev.event_type() == CmEventType::ConnectRequest {
+        Ok(ev)
+    } else {
+        Err(ev.unexpected("waiting for CONNECT_REQUEST", CmEventType::ConnectRequest))
+    }
+}
+
+/// A peer's connection request: inspect it, then create a QP and accept, or reject.
+pub struct ConnectRequest {
+    id: Arc<CmId>,
+    private_data: PrivateData,
+    responder_resources: u8,
+    initiator_depth: u8,
+    own_channel: bool,
+}
+
+impl ConnectRequest {
+    /// Takes the request out of a `CONNECT_REQUEST` event. The id stays on the event's
+    /// channel, so use [`ServerQp::start_accept`] and [`Accepting::complete`] with it.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] for any other event.
+    pub fn from_event(ev: CmEvent) -> Result<ConnectRequest> {
+        Self::build(ev, false)
+    }
+
+    /// `own_channel`: move the new id onto a fresh channel of its own first.
+    fn build(mut ev: CmEvent, own_channel: bool) -> Result<ConnectRequest> {
+        let Some(mut id) = ev.take_id() else {
+            return Err(ev.unexpected("taking a connection request", CmEventType::ConnectRequest));
+        };
+        if own_channel {
+            let ch = EventChannel::new()?;
+            id.migrate(&ch)?;
+            id.set_channel(ch);
+        }
+        Ok(ConnectRequest {
+            id: Arc::new(id),
+            private_data: *ev.private_data(),
+            responder_resources: ev.responder_resources(),
+            initiator_depth: ev.initiator_depth(),
+            own_channel,
+        })
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.id.peer_addr()
+    }
+
+    /// The local address the request arrived on.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.id.local_addr()
+    }
+
+    /// The peer's private data (untrusted; zero-padded by the CM).
+    pub fn private_data(&self) -> &PrivateData {
+        &self.private_data
+    }
+
+    /// RDMA READs the peer may have outstanding towards us.
+    pub fn initiator_depth(&self) -> u8 {
+        self.initiator_depth
+    }
+
+    /// RDMA READs the peer accepts from us.
+    pub fn responder_resources(&self) -> u8 {
+        self.responder_resources
+    }
+
+    /// The new id's token.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Rejects the request with `private_data` (at most 148 bytes; the peer sees `REJECTED`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for too much data; [`Error::Call`] when `rdma_reject` fails.
+    pub fn reject(self, private_data: &[u8]) -> Result<()> {
+        reject(&self.id, private_data)
+    }
+
+    /// Creates the QP on the request's device (after registering memory on `pd`).
+    ///
+    /// # Errors
+    /// As for [`RouteResolved::create_qp`].
+    pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
+        let qp = QueuePair::create(&self.id, pd, init)?;
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, own_channel: self.own_channel })
+    }
+
+    /// Allocates a PD on the request's device.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`], or [`Error::Call`] when `ibv_alloc_pd` fails.
+    pub fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>> {
+        ProtectionDomain::new(&self.context()?)
+    }
+
+    /// The device context of the request. Holding it keeps the request's id alive; PDs and CQs
+    /// made from it may serve this and later connections on the same device.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] if the request has no device (cannot happen for a request).
+    pub fn context(&self) -> Result<VerbsContext> {
+        context_of(&self.id)
+    }
+}
+
+fn reject(id: &CmId, data: &[u8]) -> Result<()> {
+    if data.len() > MAX_REJECT_PRIVATE_DATA {
+        return Err(too_long("reject private data", data.len(), MAX_REJECT_PRIVATE_DATA));
+    }
+    let ptr = if data.is_empty() { std::ptr::null() } else { data.as_ptr().cast() };
+    // SAFETY: id is a pending request; `data` outlives the call, which copies it.
+    check_rdma(unsafe { ffi::rdma_reject(id.as_raw(), ptr, data.len() as u8) }, "rdma_reject")
+}
+
+/// A request with its QP: post receives now, then accept (or reject).
+pub struct ServerQp {
+    id: Arc<CmId>,
+    qp: QueuePair,
+    private_data: PrivateData,
+    own_channel: bool,
+}
+
+impl ServerQp {
+    /// The QP, e.g. to post receives before accepting.
+    pub fn qp_mut(&mut self) -> &mut QueuePair {
+        &mut self.qp
+    }
+
+    /// The peer's private data (untrusted).
+    pub fn private_data(&self) -> &PrivateData {
+        &self.private_data
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.id.peer_addr()
+    }
+
+    /// Accepts (`rdma_accept`) and waits for `ESTABLISHED` on the id's own channel.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for private data over 196 bytes; [`Error::UnexpectedEvent`];
+    /// [`Error::Timeout`].
+    pub fn accept(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        if !self.own_channel {
+            return Err(Error::InvalidArgument(
+                "this request shares its event channel: use start_accept and Accepting::complete from the event loop"
+                    .into(),
+            ));
+        }
+        let acc = self.start_accept(param)?;
+        let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
+        acc.complete(ev)
+    }
+
+    /// Accepts without waiting; feed the id's next event to [`Accepting::complete`].
+    ///
+    /// # Errors
+    /// As for [`ServerQp::accept`], without the waiting.
+    pub fn start_accept(self, param: &ConnParam) -> Result<Accepting> {
+        let mut raw = param.raw(MAX_ACCEPT_PRIVATE_DATA, "accept private data")?;
+        // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
+        // the call, which copies them.
+        check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
+            .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, own_channel: self.own_channel })
+    }
+
+    /// Rejects the request with `private_data` (at most 148 bytes).
+    ///
+    /// # Errors
+    /// As for [`ConnectRequest::reject`].
+    pub fn reject(self, private_data: &[u8]) -> Result<()> {
+        reject(&self.id, private_data)
+    }
+}
+
+/// An accepted request waiting for `ESTABLISHED`.
+pub struct Accepting {
+    id: Arc<CmId>,
+    qp: QueuePair,
+    private_data: PrivateData,
+    own_channel: bool,
+}
+
+impl Accepting {
+    /// The id's token, to match the next event.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Completes the handshake with the id's `ESTABLISHED` event.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] for any other event or an event of another id.
+    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
+        if ev.event_type() != CmEventType::Established || ev.id() != self.id.handle() {
+            return Err(with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr()));
+        }
+        Ok(Connection::new(self.id, self.qp, self.private_data, self.own_channel))
+    }
+}
+
+/// An established RC connection: the QP for the data path, and the id for its events.
+pub struct Connection {
+    // Dropped first (after Drop::drop disconnects): the QP holds its own Arc of the id.
+    qp: QueuePair,
+    id: Arc<CmId>,
+    peer_private_data: PrivateData,
+    own_channel: bool,
+    disconnected: bool,
+}
+
+impl Connection {
+    fn new(id: Arc<CmId>, qp: QueuePair, peer_private_data: PrivateData, own_channel: bool) -> Connection {
+        Connection { qp, id, peer_private_data, own_channel, disconnected: false }
+    }
+
+    /// The QP.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// The QP, for posting and polling.
+    pub fn qp_mut(&mut self) -> &mut QueuePair {
+        &mut self.qp
+    }
+
+    /// The id.
+    pub fn id(&self) -> &Arc<CmId> {
+        &self.id
+    }
+
+    /// The private data the peer sent with its request (server side) or its accept (client
+    /// side). Untrusted, and zero-padded by the CM.
+    pub fn peer_private_data(&self) -> &PrivateData {
+        &self.peer_private_data
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.id.peer_addr()
+    }
+
+    /// The local address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.id.local_addr()
+    }
+
+    /// Returns the connection's next CM event without waiting (e.g. `DISCONNECTED` when the
+    /// peer left), when the connection has its own channel.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when reading the channel fails.
+    pub fn try_event(&mut self) -> Result<Option<CmEvent>> {
+        if !self.own_channel {
+            return Ok(None);
+        }
+        let ev = self.id.channel().try_get_event()?;
+        if ev.as_ref().is_some_and(|e| e.event_type() == CmEventType::Disconnected) {
+            self.disconnected = true;
+        }
+        Ok(ev)
+    }
+
+    /// Whether a `DISCONNECTED` event was seen.
+    pub fn is_disconnected(&self) -> bool {
+        self.disconnected
+    }
+
+    /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
+    /// that Drop would only print.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
+    pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
+        if self.disconnected {
+            return Ok(());
+        }
+        self.id.disconnect()?;
+        self.disconnected = true;
+        if self.own_channel {
+            // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
+            let deadline = std::time::Instant::now() + timeout;
+            loop {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let ev = expect(&self.id, CmEventType::Disconnected, "rdma_disconnect", left);
+                match ev {
+                    Ok(_) => break,
+                    Err(Error::UnexpectedEvent { got: CmEventType::TimewaitExit, .. }) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if !self.disconnected {
+            // Best effort: the peer learns we left. Failure (already disconnected) is harmless.
+            let _ = self.id.disconnect();
+        }
+    }
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("local", &self.local_addr())
+            .field("peer", &self.peer_addr())
+            .field("qp", &self.qp)
+            .finish()
+    }
+}

@@ -1,0 +1,399 @@
+//! The crate's one error type, and the helpers that turn each C error convention into it.
+//!
+//! librdmacm and libibverbs report failure in four different ways, and crates that mixed them
+//! up printed "os error 1" for "no RDMA device". Each convention gets exactly one helper here:
+//!
+//! | convention                                   | helper          |
+//! |----------------------------------------------|-----------------|
+//! | `rdma_*`: returns -1 and sets `errno`        | [`check_rdma`]  |
+//! | most `ibv_*`: returns the errno itself       | [`check_ibv`]   |
+//! | constructors: return NULL and set `errno`    | [`check_ptr`]   |
+//! | `ibv_poll_cq`: returns a negative value      | handled in `cq` |
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use crate::cq::WcStatus;
+use crate::event_channel::CmEventType;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in this crate.
+///
+/// Each variant names the operation that failed and carries the context that helps (the
+/// address, the event that arrived instead of the expected one, the work-completion status),
+/// and its message ends with a one-line hint where the usual cause is known.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A librdmacm or verbs call failed with an errno.
+    #[error("{op} failed: {}{}{}", Errno(.source), AddrCtx(.addr), Hint(.hint))]
+    Call {
+        /// The C function (or step) that failed, e.g. `rdma_resolve_addr`.
+        op: &'static str,
+        /// The address involved, when there is one.
+        addr: Option<SocketAddr>,
+        /// The usual cause, when known.
+        hint: Option<&'static str>,
+        /// The OS error (errno).
+        #[source]
+        source: io::Error,
+    },
+
+    /// No RDMA device is present, or none is bound to the address used.
+    #[error("{op}: no RDMA device found{}: is rdma_rxe or a NIC driver loaded? see `rdma link` and `ibv_devices`", AddrCtx(.addr))]
+    NoDevice {
+        /// The step that needed a device.
+        op: &'static str,
+        /// The address involved, when there is one.
+        addr: Option<SocketAddr>,
+    },
+
+    /// Memory registration failed because the locked-memory limit is too small.
+    #[error("ibv_reg_mr of {len} bytes failed: {}: the locked-memory limit (ulimit -l) is {}; raise it with `ulimit -l unlimited` or in /etc/security/limits.conf", Errno(.source), Limit(*.limit))]
+    MemLock {
+        /// Bytes that were to be registered.
+        len: usize,
+        /// `RLIMIT_MEMLOCK` soft limit in bytes (`None` when unlimited).
+        limit: Option<u64>,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A connection-manager event other than the expected one arrived.
+    #[error("{op}: expected {expected} but got {got}{}{}{}", Status(*.status), AddrCtx(.addr), Hint(.hint))]
+    UnexpectedEvent {
+        /// The step that was waiting.
+        op: &'static str,
+        /// The event that was expected.
+        expected: CmEventType,
+        /// The event that arrived.
+        got: CmEventType,
+        /// The event's status field (often a negative errno or a reject reason).
+        status: i32,
+        /// The peer address, when known.
+        addr: Option<SocketAddr>,
+        /// The usual cause of `got`, when known.
+        hint: Option<&'static str>,
+        /// The peer's private data carried by the event (e.g. a reject reason), at most 196 bytes.
+        private_data: Box<crate::event_channel::PrivateData>,
+    },
+
+    /// A bounded wait ran out.
+    #[error("{op} timed out after {timeout:?}{}{}", AddrCtx(.addr), Hint(.hint))]
+    Timeout {
+        /// The step that was waiting.
+        op: &'static str,
+        /// How long it waited.
+        timeout: Duration,
+        /// The address involved, when there is one.
+        addr: Option<SocketAddr>,
+        /// The usual cause, when known.
+        hint: Option<&'static str>,
+    },
+
+    /// A work request completed with an error status.
+    #[error("work request {wr_id} failed: {status} (vendor error {vendor_err:#x}){}", Hint(&.status.hint()))]
+    WorkCompletion {
+        /// The caller's `wr_id`.
+        wr_id: u64,
+        /// The completion status.
+        status: WcStatus,
+        /// The provider-specific error code.
+        vendor_err: u32,
+    },
+
+    /// A post found no free slot in the work queue.
+    #[error("{queue} queue full ({depth} work requests outstanding): poll completions first{}", if *.queue == "send" { "; unsignaled sends are only retired by a later signaled one" } else { "" })]
+    QueueFull {
+        /// `"send"` or `"receive"`.
+        queue: &'static str,
+        /// The queue's depth.
+        depth: u32,
+    },
+
+    /// Local access to a memory region was refused because the device may still use it.
+    #[error("memory region is in use by {outstanding} posted work request(s); poll their completions first")]
+    InFlight {
+        /// How many work requests still hold the region.
+        outstanding: usize,
+    },
+
+    /// A slice of a remotely writable region was requested.
+    #[error("memory region is registered with REMOTE_WRITE or REMOTE_ATOMIC: the peer may write it at any time, so no slice is handed out; use read_at/write_at")]
+    RemotelyWritable,
+
+    /// A range fell outside a memory region or a remote region.
+    #[error("range {offset}+{len} is outside the {what} of {size} bytes")]
+    OutOfBounds {
+        /// What was indexed (`"memory region"`, `"remote region"`).
+        what: &'static str,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Size of the indexed object.
+        size: u64,
+    },
+
+    /// An argument was rejected before calling into C.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The peer's private data could not be decoded (untrusted input).
+    #[error("bad private data from peer: {0}")]
+    PrivateData(&'static str),
+
+    /// A completion queue is already attached to another queue pair.
+    #[error("completion queue is already used by another queue pair; the safe data path needs a CQ per QP")]
+    CqInUse,
+}
+
+impl Error {
+    /// The errno behind this error, when there is one.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Call { source, .. } | Error::MemLock { source, .. } => source.raw_os_error(),
+            Error::Timeout { .. } => Some(libc::ETIMEDOUT),
+            Error::NoDevice { .. } => Some(libc::ENODEV),
+            _ => None,
+        }
+    }
+
+    /// Builds a [`Error::Call`] from an errno value, choosing the hint and detecting the
+    /// "no device" case.
+    pub(crate) fn call(op: &'static str, errno: i32, addr: Option<SocketAddr>) -> Error {
+        if errno == libc::ENODEV && !op.starts_with("ibv_") {
+            return Error::NoDevice { op, addr };
+        }
+        Error::Call { op, addr, hint: hint_for(op, errno), source: io::Error::from_raw_os_error(errno) }
+    }
+
+    /// Attaches an address to an error that has a slot for one.
+    pub(crate) fn with_addr(mut self, a: SocketAddr) -> Error {
+        match &mut self {
+            Error::Call { addr, .. }
+            | Error::NoDevice { addr, .. }
+            | Error::UnexpectedEvent { addr, .. }
+            | Error::Timeout { addr, .. } => {
+                addr.get_or_insert(a);
+            }
+            _ => {}
+        }
+        self
+    }
+}
+
+/// The current thread's errno.
+pub(crate) fn errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// `rdma_*` convention: 0 on success, -1 with `errno` set on failure.
+pub(crate) fn check_rdma(ret: libc::c_int, op: &'static str) -> Result<()> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(Error::call(op, errno(), None))
+    }
+}
+
+/// `ibv_*` convention: 0 on success, the errno itself on failure.
+pub(crate) fn check_ibv(ret: libc::c_int, op: &'static str) -> Result<()> {
+    match ret {
+        0 => Ok(()),
+        // Some providers return -errno; a few return -1 with errno set.
+        -1 => Err(Error::call(op, errno(), None)),
+        e => Err(Error::call(op, e.abs(), None)),
+    }
+}
+
+/// Constructor convention: non-NULL on success, NULL with `errno` set on failure.
+pub(crate) fn check_ptr<T>(ptr: *mut T, op: &'static str) -> Result<NonNull<T>> {
+    NonNull::new(ptr).ok_or_else(|| Error::call(op, errno(), None))
+}
+
+/// The symbolic name of an errno, e.g. `ETIMEDOUT`.
+pub fn errno_name(e: i32) -> &'static str {
+    match e {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EFAULT => "EFAULT",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
+        libc::EINVAL => "EINVAL",
+        libc::ENOSPC => "ENOSPC",
+        libc::ERANGE => "ERANGE",
+        libc::ENOSYS => "ENOSYS",
+        libc::ENODATA => "ENODATA",
+        libc::EPROTO => "EPROTO",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::EAFNOSUPPORT => "EAFNOSUPPORT",
+        libc::EADDRINUSE => "EADDRINUSE",
+        libc::EADDRNOTAVAIL => "EADDRNOTAVAIL",
+        libc::ENETDOWN => "ENETDOWN",
+        libc::ENETUNREACH => "ENETUNREACH",
+        libc::ECONNABORTED => "ECONNABORTED",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::EISCONN => "EISCONN",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::EHOSTUNREACH => "EHOSTUNREACH",
+        libc::EHOSTDOWN => "EHOSTDOWN",
+        libc::EALREADY => "EALREADY",
+        libc::EINPROGRESS => "EINPROGRESS",
+        _ => "errno",
+    }
+}
+
+/// The usual cause of `errno` from `op`, when the field knows it.
+pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
+    use libc::*;
+    Some(match (op, errno) {
+        ("rdma_resolve_addr", ETIMEDOUT | EADDRNOTAVAIL | ENETUNREACH | EHOSTUNREACH) => {
+            "no RDMA device answers for this address: check `ip link` (netdev up?), `rdma link` (port ACTIVE?) and the GID table (`ibv_devinfo -v`)"
+        }
+        ("rdma_resolve_route", _) => {
+            "no route over the RDMA device: check `ip route` and that the address belongs to an RDMA netdev (`rdma link`)"
+        }
+        ("rdma_bind_addr", EADDRINUSE) => "the port is already in use: choose another one with -p",
+        ("rdma_bind_addr", EADDRNOTAVAIL) => {
+            "no local interface has this address: see `ip -br addr`, and `rdma link` for the netdev behind each RDMA device"
+        }
+        ("rdma_listen", EADDRINUSE) => "the port is already in use: choose another one with -p",
+        ("rdma_create_event_channel" | "rdma_create_id", ENOENT | ENXIO | EACCES | EPERM) => {
+            "/dev/infiniband/rdma_cm is missing or not accessible: load rdma_ucm (`modprobe rdma_ucm`) and check permissions"
+        }
+        ("ibv_reg_mr", EFAULT) => "the buffer is not mapped memory",
+        ("ibv_create_qp" | "rdma_create_qp", EINVAL) => {
+            "the QP capabilities exceed the device limits (see `ibv_devinfo -v`: max_qp_wr, max_sge, max_inline)"
+        }
+        ("ibv_create_cq", EINVAL) => "the CQ depth exceeds the device's max_cqe (see `ibv_devinfo -v`)",
+        ("ibv_post_send" | "ibv_post_recv", ENOMEM) => "the work queue is full: poll completions first",
+        ("ibv_post_send" | "ibv_post_recv", EINVAL) => {
+            "the work request exceeds the QP's capabilities (max_sge, max_inline_data) or the QP is in the wrong state"
+        }
+        (_, ETIMEDOUT) => "the peer did not answer in time: is it running, and is the link up (`rdma link`)?",
+        _ => return None,
+    })
+}
+
+/// Displays "ENAME (message, os error N)".
+struct Errno<'a>(&'a io::Error);
+impl fmt::Display for Errno<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.raw_os_error() {
+            Some(e) => write!(f, "{} ({})", errno_name(e), self.0),
+            None => write!(f, "{}", self.0),
+        }
+    }
+}
+
+struct AddrCtx<'a>(&'a Option<SocketAddr>);
+impl fmt::Display for AddrCtx<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(a) => write!(f, " [{a}]"),
+            None => Ok(()),
+        }
+    }
+}
+
+struct Hint<'a>(&'a Option<&'static str>);
+impl fmt::Display for Hint<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(h) => write!(f, ": {h}"),
+            None => Ok(()),
+        }
+    }
+}
+
+struct Status(i32);
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            0 => Ok(()),
+            s if s < 0 => write!(f, " (status {})", errno_name(-s)),
+            s => write!(f, " (status {s})"),
+        }
+    }
+}
+
+struct Limit(Option<u64>);
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(l) => write!(f, "{} KiB", l / 1024),
+            None => f.write_str("unlimited"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_convention_reads_errno() {
+        // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's life.
+        unsafe { *libc::__errno_location() = libc::ETIMEDOUT };
+        let e = check_rdma(-1, "rdma_resolve_addr").unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ETIMEDOUT));
+        let msg = e.to_string();
+        assert!(msg.starts_with("rdma_resolve_addr failed: ETIMEDOUT"), "{msg}");
+        assert!(msg.contains("rdma link"), "hint missing: {msg}");
+    }
+
+    #[test]
+    fn ibv_convention_uses_return_value_not_errno() {
+        // SAFETY: as above.
+        unsafe { *libc::__errno_location() = libc::EPERM };
+        let e = check_ibv(libc::EINVAL, "ibv_modify_qp").unwrap_err();
+        assert_eq!(e.errno(), Some(libc::EINVAL));
+        assert!(check_ibv(0, "ibv_modify_qp").is_ok());
+        let e = check_ibv(-libc::ENOMEM, "ibv_post_send").unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ENOMEM));
+        assert!(e.to_string().contains("poll completions"), "{e}");
+    }
+
+    #[test]
+    fn null_constructor_reads_errno_and_maps_enodev() {
+        // SAFETY: as above.
+        unsafe { *libc::__errno_location() = libc::ENODEV };
+        let e = check_ptr(std::ptr::null_mut::<u8>(), "rdma_create_id").unwrap_err();
+        assert!(matches!(e, Error::NoDevice { .. }), "{e:?}");
+        assert!(e.to_string().contains("no RDMA device found"), "{e}");
+        let mut x = 5u8;
+        assert!(check_ptr(&mut x as *mut u8, "rdma_create_id").is_ok());
+    }
+
+    #[test]
+    fn address_appears_in_message() {
+        let a: SocketAddr = "10.0.0.1:7471".parse().unwrap();
+        let e = Error::call("rdma_bind_addr", libc::EADDRINUSE, None).with_addr(a);
+        let m = e.to_string();
+        assert!(m.contains("EADDRINUSE") && m.contains("10.0.0.1:7471") && m.contains("-p"), "{m}");
+    }
+
+    #[test]
+    fn errno_names() {
+        assert_eq!(errno_name(libc::ETIMEDOUT), "ETIMEDOUT");
+        assert_eq!(errno_name(libc::ECONNREFUSED), "ECONNREFUSED");
+        assert_eq!(errno_name(9999), "errno");
+    }
+}

@@ -1,0 +1,144 @@
+//! # rdma-cm
+//!
+//! A safe, RAII wrapper over RDMA connection management (librdmacm) and verbs (libibverbs),
+//! built on [`rdma-sys`](ffi). It runs the whole rdma_cm sequence of the classic
+//! `rdma_cm_c.c`/`rdma_cm_s.c` teaching pair (resolve, bind/listen, connect/accept, register,
+//! create the QP, exchange `qp_info` in the private data, send and receive, clean up) as owned
+//! types whose drop order is always valid, and typestates that make an out-of-order call a
+//! compile error.
+//!
+//! ## Quick start
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit, RecvWr, SendWr, WorkQueue};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let route = Client::new()?
+//!     .resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?
+//!     .resolve_route(t)?;
+//! let pd = route.alloc_pd()?;
+//! let mut buf = MemoryRegion::new(&pd, 1024, AccessFlags::LOCAL_WRITE)?;
+//! buf.as_mut_slice()?.fill(b'x');
+//! let mut pending = route.create_qp(&pd, QpInit::new())?;
+//! pending.qp_mut().post_recv(&[RecvWr::new(&buf, 0..1024).wr_id(1)])?;
+//! let mut conn = pending.connect(&ConnParam::new(), t)?;
+//! // ... the receive holds `buf` until its completion is reaped:
+//! let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 1, t)?;
+//! println!("received {} bytes: {:?}", wc.byte_len(), &buf.as_slice()?[..4]);
+//! conn.disconnect(t)?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## The connection state machine
+//!
+//! ```text
+//!  client                                         server
+//!  Client::new            (rdma_create_id)        Server::new          (rdma_create_id)
+//!   │ resolve_addr  → ADDR_RESOLVED               │ bind               (rdma_bind_addr)
+//!  AddrResolved                                   Bound
+//!   │ resolve_route → ROUTE_RESOLVED              │ listen             (rdma_listen)
+//!  RouteResolved  ── alloc_pd, MemoryRegion::new  Listener
+//!   │ create_qp     (rdma_create_qp)              │ get_request   → CONNECT_REQUEST
+//!  ClientQp       ── post_recv                    ConnectRequest ── alloc_pd, MemoryRegion::new
+//!   │ connect       → ESTABLISHED                  │ create_qp / reject
+//!  Connection  ◄──────────── RC ─────────────►   ServerQp ── post_recv
+//!   │ disconnect    → DISCONNECTED                 │ accept        → ESTABLISHED
+//!   ▼                                             Connection
+//! ```
+//!
+//! Any other event where one is expected (`REJECTED`, `UNREACHABLE`, `ADDR_ERROR`, …) becomes
+//! [`Error::UnexpectedEvent`] naming what arrived, with the usual cause. Every wait is bounded.
+//!
+//! ## Ownership and cleanup
+//!
+//! Children hold an `Arc` of what they depend on:
+//!
+//! ```text
+//! QueuePair ─► CmId ─► EventChannel      MemoryRegion ─► ProtectionDomain ─► VerbsContext ─► CmId
+//!     ├──────► CompletionQueue ─► VerbsContext
+//!     └──────► ProtectionDomain
+//! ```
+//!
+//! so whatever order values are dropped in, each C object is destroyed after everything that
+//! uses it: QP before CQs, PD and id; MR before PD; id before channel. `Drop` never panics; when
+//! a destroy call fails it prints one line to stderr and leaks the object (and any memory the
+//! device might still reach). [`Connection::disconnect`] and [`ProtectionDomain::close`] return
+//! errors to callers who want them.
+//!
+//! ## Soundness of the data path
+//!
+//! Posting moves a clone of the [`MemoryRegion`] handle into the QP's slot table; reaping the
+//! completion releases it. Local access to a region's bytes needs that handle to be unique, so
+//! Rust code never reads or writes memory the device may be using, and no memory is freed under
+//! the device, even through `mem::forget` or a panic. Remotely writable regions never hand out
+//! slices at all. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
+//! Post and poll make no heap allocation.
+//!
+//! ## Thread safety
+//!
+//! | type | Send | Sync | why |
+//! |---|---|---|---|
+//! | [`EventChannel`], [`CmId`], [`VerbsContext`] | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
+//! | [`ProtectionDomain`], [`CompletionQueue`] | yes | yes | only thread-safe verbs through `&self` |
+//! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
+//! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self` |
+//!
+//! ## Troubleshooting
+//!
+//! | symptom | likely cause | check |
+//! |---|---|---|
+//! | `NoDevice` / `ENODEV` | no RDMA driver, or no device on that address | `rdma link`, `ibv_devices`; `modprobe rdma_rxe` and `rdma link add rxe0 type rxe netdev eth0` for Soft-RoCE |
+//! | `rdma_resolve_addr … ETIMEDOUT` / `ADDR_ERROR` | netdev down, port not ACTIVE, no GID for the IP | `ip link`, `rdma link`, `ibv_devinfo -v` (GID table) |
+//! | `REJECTED` (status 8) | nobody listens on that port | server running? right `-p`? |
+//! | `UNREACHABLE` | the CM packets do not get through | route, MTU, UDP 4791 (RoCEv2) filtered? |
+//! | `MemLock` / `ENOMEM` on `ibv_reg_mr` | locked-memory limit | `ulimit -l` |
+//! | `/dev/infiniband/rdma_cm` missing | `rdma_ucm` not loaded | `modprobe rdma_ucm`, permissions |
+//! | `RNR_RETRY_EXC_ERR` | the peer posted no receive | post receives before connecting |
+//! | `RETRY_EXC_ERR` | the peer vanished or the link is down | `rdma link` on both sides |
+//!
+//! ## What you need installed
+//!
+//! Debian/Ubuntu: `libibverbs-dev librdmacm-dev libclang-dev pkg-config` to build (rdma-sys runs
+//! bindgen), and `rdma-core ibverbs-providers` plus a device (a NIC, or Soft-RoCE `rdma_rxe`) to
+//! run.
+
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod cm_id;
+pub mod connection;
+pub mod cq;
+pub mod error;
+pub mod event_channel;
+pub mod mr;
+pub mod pd;
+pub mod private_data;
+pub mod qp;
+
+pub use rdma_sys as ffi;
+
+pub use cm_id::{CmId, DeviceLimits, IdHandle, VerbsContext};
+pub use connection::{
+    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved,
+    Server, ServerQp,
+};
+pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
+pub use error::{Error, Result};
+pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
+pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
+pub use pd::ProtectionDomain;
+pub use private_data::QpInfo;
+pub use qp::{QpInit, QueuePair, RecvWr, SendWr};
+
+/// Reports a destroy call that failed in `Drop` (which must not panic): one line on stderr.
+/// The object is leaked by the caller.
+pub(crate) fn report_leak(op: &str, errno: i32) {
+    eprintln!(
+        "rdma-cm: {op} failed in drop: {} ({}); the object is leaked",
+        error::errno_name(errno.abs()),
+        std::io::Error::from_raw_os_error(errno.abs())
+    );
+}

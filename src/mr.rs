@@ -1,0 +1,335 @@
+//! [`MemoryRegion`]: an owned, registered buffer, and [`RemoteRegion`]: a peer's.
+//!
+//! # Soundness
+//!
+//! A `MemoryRegion` owns its memory (page-aligned, zero-initialised) and is a handle to a
+//! shared inner value. When a work request that uses the region is posted, the queue pair
+//! stores a clone of that handle in its slot table until the work request's completion is
+//! reaped. Local access to the bytes requires `&mut self` **and** that the handle be unique
+//! (`Arc::get_mut`), so:
+//!
+//! - while the device may read or write the region for a local work request, Rust code cannot
+//!   obtain a reference into it (the accessors return [`Error::InFlight`]);
+//! - the memory cannot be freed while a work request uses it, even if the user drops or
+//!   `mem::forget`s the region or the queue pair: forgetting leaks, and leaking is safe.
+//!
+//! Memory registered with [`AccessFlags::REMOTE_WRITE`] or [`AccessFlags::REMOTE_ATOMIC`] can be
+//! written by the peer at any moment, with nothing local to wait for. No slice of such a region
+//! is ever handed out; [`MemoryRegion::read_at`] and [`MemoryRegion::write_at`] copy through raw
+//! pointers instead, so Rust code never holds a reference that the device could change under it.
+//! A peer that knows the rkey can overwrite any byte of such a region at any time: register
+//! remotely writable memory only for data you validate after reading.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use bitflags::bitflags;
+use rdma_sys as ffi;
+
+use crate::error::{errno, Error, Result};
+use crate::pd::ProtectionDomain;
+
+bitflags! {
+    /// Access rights of a memory region (`enum ibv_access_flags`). Remote rights are opt-in.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct AccessFlags: u32 {
+        /// The local device may write (needed for receives and RDMA READ targets).
+        const LOCAL_WRITE = 1;
+        /// A peer may RDMA WRITE into the region. Implies `LOCAL_WRITE` on most devices.
+        const REMOTE_WRITE = 1 << 1;
+        /// A peer may RDMA READ the region.
+        const REMOTE_READ = 1 << 2;
+        /// A peer may run atomics on the region.
+        const REMOTE_ATOMIC = 1 << 3;
+        /// Memory-window binding is allowed.
+        const MW_BIND = 1 << 4;
+        /// Relaxed ordering of PCI writes.
+        const RELAXED_ORDERING = 1 << 20;
+    }
+}
+
+impl AccessFlags {
+    /// Whether a peer may change the region's contents at any time.
+    pub fn remotely_writable(self) -> bool {
+        self.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+    }
+}
+
+/// Page alignment of every region's buffer.
+const ALIGN: usize = 4096;
+
+pub(crate) struct MrInner {
+    mr: NonNull<ffi::ibv_mr>,
+    buf: NonNull<u8>,
+    layout: Layout,
+    access: AccessFlags,
+    // Dropped after the MR is deregistered and the buffer freed (Drop::drop runs first).
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: the buffer is only touched through `&mut MemoryRegion` with a unique handle, or by
+// the device; ibv_mr is deregistered once, in Drop. Moving or sharing the handle between
+// threads is therefore fine.
+unsafe impl Send for MrInner {}
+// SAFETY: `&MrInner` gives access only to immutable fields (keys, address, length).
+unsafe impl Sync for MrInner {}
+
+impl MrInner {
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: the MR is registered for as long as `self` exists; lkey is immutable.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+    pub(crate) fn addr(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        // SAFETY: the MR is deregistered exactly once; no posted work request holds this inner
+        // (each holds a clone), so the device has no pending use of it.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        if ret != 0 {
+            // The device may still map the pages: leak them rather than free them.
+            crate::report_leak("ibv_dereg_mr", ret);
+            return;
+        }
+        // SAFETY: `buf` was allocated with `layout` in MemoryRegion::new and is freed once;
+        // after deregistration the device can no longer reach it.
+        unsafe { alloc::dealloc(self.buf.as_ptr(), self.layout) };
+    }
+}
+
+/// An owned buffer registered on a [`ProtectionDomain`].
+pub struct MemoryRegion {
+    inner: Arc<MrInner>,
+}
+
+impl MemoryRegion {
+    /// Allocates `len` zeroed bytes (page-aligned) and registers them with `access`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `len == 0`; [`Error::MemLock`] when the locked-memory
+    /// limit is too small; [`Error::Call`] when `ibv_reg_mr` fails otherwise.
+    pub fn new(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
+        }
+        let layout = Layout::from_size_align(len, ALIGN)
+            .map_err(|_| Error::InvalidArgument(format!("memory region size {len} is too large")))?;
+        // SAFETY: layout has non-zero size.
+        let buf = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
+            .ok_or_else(|| Error::call("alloc", libc::ENOMEM, None))?;
+        // SAFETY: pd is valid; buf points to `len` bytes we own, which stay allocated until the
+        // MR is deregistered (MrInner::drop frees them only after ibv_dereg_mr succeeds).
+        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), buf.as_ptr().cast(), len, access.bits() as i32) };
+        let Some(mr) = NonNull::new(mr) else {
+            let e = errno();
+            // SAFETY: registration failed, so nothing else refers to `buf`; free it once.
+            unsafe { alloc::dealloc(buf.as_ptr(), layout) };
+            return Err(reg_error(len, e));
+        };
+        Ok(MemoryRegion { inner: Arc::new(MrInner { mr, buf, layout, access, pd: Arc::clone(pd) }) })
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<MrInner> {
+        &self.inner
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Always false: a region has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey()
+    }
+
+    /// The remote key a peer uses for RDMA READ/WRITE.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: the MR is registered while `self` exists; rkey is immutable.
+        unsafe { (*self.inner.mr.as_ptr()).rkey }
+    }
+
+    /// The region's virtual address, as a peer addresses it.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    /// The access rights it was registered with.
+    pub fn access(&self) -> AccessFlags {
+        self.inner.access
+    }
+
+    /// The PD it is registered on.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.inner.pd
+    }
+
+    /// The raw `ibv_mr`. It stays owned by `self`.
+    pub fn as_raw(&self) -> *mut ffi::ibv_mr {
+        self.inner.mr.as_ptr()
+    }
+
+    /// How many posted work requests still use this region.
+    pub fn outstanding(&self) -> usize {
+        Arc::strong_count(&self.inner) - 1
+    }
+
+    /// What a peer needs to address the whole region.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion { addr: self.addr(), rkey: self.rkey(), len: self.len() as u64 }
+    }
+
+    fn unique(&mut self) -> Result<&mut MrInner> {
+        let outstanding = self.outstanding();
+        Arc::get_mut(&mut self.inner).ok_or(Error::InFlight { outstanding })
+    }
+
+    /// The bytes, for a region no work request uses and no peer can write.
+    ///
+    /// # Errors
+    /// [`Error::InFlight`] while a posted work request uses it; [`Error::RemotelyWritable`]
+    /// for a region registered with remote write or atomic rights.
+    pub fn as_slice(&mut self) -> Result<&[u8]> {
+        self.as_mut_slice().map(|s| &*s)
+    }
+
+    /// The bytes, mutably. Same conditions as [`MemoryRegion::as_slice`].
+    ///
+    /// # Errors
+    /// As for [`MemoryRegion::as_slice`].
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        let inner = self.unique()?;
+        if inner.access.remotely_writable() {
+            return Err(Error::RemotelyWritable);
+        }
+        // SAFETY: the handle is unique (no posted WR holds the buffer) and no peer may write
+        // it, so nothing but this `&mut` borrow can access the bytes while it lives.
+        Ok(unsafe { std::slice::from_raw_parts_mut(inner.buf.as_ptr(), inner.len()) })
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region. Works for remotely
+    /// writable regions; the copy may observe a concurrent remote write partially.
+    ///
+    /// # Errors
+    /// [`Error::InFlight`] while a local work request uses it; [`Error::OutOfBounds`].
+    pub fn read_at(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let inner = self.unique()?;
+        check_range(offset, dst.len(), inner.len())?;
+        // SAFETY: the range is in bounds; the source is only accessed through this raw copy
+        // (never through a reference), and dst is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(inner.buf.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`. Works for remotely writable regions.
+    ///
+    /// # Errors
+    /// [`Error::InFlight`] while a local work request uses it; [`Error::OutOfBounds`].
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let inner = self.unique()?;
+        check_range(offset, src.len(), inner.len())?;
+        // SAFETY: as in read_at, with the direction reversed.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), inner.buf.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("len", &self.len())
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .field("access", &self.access())
+            .field("outstanding", &self.outstanding())
+            .finish()
+    }
+}
+
+pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => {
+            Err(Error::OutOfBounds { what: "memory region", offset: offset as u64, len: len as u64, size: size as u64 })
+        }
+    }
+}
+
+fn reg_error(len: usize, e: i32) -> Error {
+    if e == libc::ENOMEM || e == libc::EPERM || e == libc::EAGAIN {
+        let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: rl is a valid out-pointer for getrlimit.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } == 0;
+        if ok && rl.rlim_cur != libc::RLIM_INFINITY && (len as u64) > rl.rlim_cur / 2 {
+            return Error::MemLock { len, limit: Some(rl.rlim_cur), source: std::io::Error::from_raw_os_error(e) };
+        }
+    }
+    Error::call("ibv_reg_mr", e, None)
+}
+
+/// A region of the peer's memory: what RDMA READ and WRITE address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// The peer's virtual address.
+    pub addr: u64,
+    /// The peer's rkey.
+    pub rkey: u32,
+    /// Length in bytes the peer advertised.
+    pub len: u64,
+}
+
+impl RemoteRegion {
+    /// The address of `offset..offset+len`, checked against the advertised length.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the range leaves the advertised region.
+    pub fn at(&self, offset: u64, len: u64) -> Result<u64> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.addr.wrapping_add(offset)),
+            _ => Err(Error::OutOfBounds { what: "remote region", offset, len, size: self.len }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags_match_verbs() {
+        use ffi::ibv_access_flags as f;
+        assert_eq!(AccessFlags::LOCAL_WRITE.bits(), f::IBV_ACCESS_LOCAL_WRITE.0);
+        assert_eq!(AccessFlags::REMOTE_WRITE.bits(), f::IBV_ACCESS_REMOTE_WRITE.0);
+        assert_eq!(AccessFlags::REMOTE_READ.bits(), f::IBV_ACCESS_REMOTE_READ.0);
+        assert_eq!(AccessFlags::REMOTE_ATOMIC.bits(), f::IBV_ACCESS_REMOTE_ATOMIC.0);
+        assert_eq!(AccessFlags::MW_BIND.bits(), f::IBV_ACCESS_MW_BIND.0);
+        assert_eq!(AccessFlags::RELAXED_ORDERING.bits(), f::IBV_ACCESS_RELAXED_ORDERING.0);
+        assert!((AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).remotely_writable());
+        assert!(!(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ).remotely_writable());
+    }
+
+    #[test]
+    fn ranges_are_checked_without_overflow() {
+        assert!(check_range(0, 10, 10).is_ok());
+        assert!(check_range(10, 0, 10).is_ok());
+        assert!(check_range(1, 10, 10).is_err());
+        assert!(check_range(usize::MAX, 2, 10).is_err());
+        let r = RemoteRegion { addr: 0x1000, rkey: 7, len: 100 };
+        assert_eq!(r.at(10, 90).unwrap(), 0x100a);
+        assert!(r.at(10, 91).is_err());
+        assert!(r.at(u64::MAX, 1).is_err());
+    }
+}

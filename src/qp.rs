@@ -1,0 +1,846 @@
+//! [`QueuePair`]: an owned RC queue pair and its sound, allocation-free data path.
+//!
+//! # Ownership of in-flight memory
+//!
+//! Every work request names its local memory as a range of a [`MemoryRegion`]. Posting stores
+//! a clone of the region's handle in the QP's slot table (a fixed ring per work queue, sized by
+//! the queue depth and allocated once, when the QP is created). Reaping the completion drops
+//! that clone. Since the region's byte accessors need the handle to be unique, Rust code can
+//! never read or write memory the device may be using, and the memory can never be freed
+//! under the device. Posting clones an `Arc` (an atomic increment): no heap allocation.
+//!
+//! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
+//! completion names. That is also how unsignaled sends are retired: by the next signaled
+//! completion on the same queue. The rings never admit more work requests than the queue
+//! holds, so a full queue is a clear [`Error::QueueFull`] rather than a provider error, and
+//! the CQ (at least as deep as the queue) cannot overrun.
+//!
+//! # Leaks, panics and drop
+//!
+//! `mem::forget` on a QP leaks its slots, so the regions they hold are never freed: safe.
+//! Dropping a QP (also during unwinding) moves it to the error state, reaps the flushed
+//! completions for a bounded time, destroys the QP, and only then releases the slots. If the
+//! destroy fails, the slots are leaked rather than released.
+
+use std::fmt;
+use std::mem::{self, MaybeUninit};
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_sys as ffi;
+
+use crate::cm_id::CmId;
+use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
+use crate::error::{check_ibv, check_rdma, errno, Error, Result};
+use crate::mr::{check_range, AccessFlags, MemoryRegion, MrInner, RemoteRegion};
+use crate::pd::ProtectionDomain;
+
+/// Tags receive-queue `wr_id`s so a CQ shared by both queues of one QP routes correctly.
+const RECV_TAG: u64 = 1 << 63;
+/// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
+const CHUNK: usize = 16;
+/// Completions read per `ibv_poll_cq` call (the stack array's size).
+const POLL_CHUNK: usize = 16;
+/// How long Drop waits for flushed completions before destroying the QP anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Queue-pair capabilities. Defaults follow the seed program: 16 send and 16 receive work
+/// requests, one scatter/gather entry each, and 64 bytes of inline data.
+#[derive(Debug, Clone)]
+pub struct QpInit {
+    pub(crate) max_send_wr: u32,
+    pub(crate) max_recv_wr: u32,
+    pub(crate) max_inline_data: u32,
+    pub(crate) send_cq: Option<Arc<CompletionQueue>>,
+    pub(crate) recv_cq: Option<Arc<CompletionQueue>>,
+}
+
+impl Default for QpInit {
+    fn default() -> Self {
+        QpInit { max_send_wr: 16, max_recv_wr: 16, max_inline_data: 64, send_cq: None, recv_cq: None }
+    }
+}
+
+impl QpInit {
+    /// Defaults (16/16 work requests, 64 bytes inline).
+    pub fn new() -> QpInit {
+        QpInit::default()
+    }
+    /// Send queue depth.
+    pub fn max_send_wr(mut self, n: u32) -> Self {
+        self.max_send_wr = n;
+        self
+    }
+    /// Receive queue depth.
+    pub fn max_recv_wr(mut self, n: u32) -> Self {
+        self.max_recv_wr = n;
+        self
+    }
+    /// Largest inline send, in bytes.
+    pub fn max_inline_data(mut self, n: u32) -> Self {
+        self.max_inline_data = n;
+        self
+    }
+    /// Uses `cq` for send completions instead of creating one. It may be the same as the
+    /// receive CQ, but no other QP may use it.
+    pub fn send_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
+        self.send_cq = Some(cq);
+        self
+    }
+    /// Uses `cq` for receive completions instead of creating one.
+    pub fn recv_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
+        self.recv_cq = Some(cq);
+        self
+    }
+}
+
+/// One slot of a work queue's ring.
+#[derive(Default)]
+struct Slot {
+    user_wr_id: u64,
+    /// Never read: holding it keeps the region allocated while the device may use it.
+    _region: Option<Arc<MrInner>>,
+}
+
+/// A fixed ring of in-flight work requests, in posting order.
+struct Ring {
+    slots: Box<[Slot]>,
+    /// Sequence number of the oldest outstanding work request.
+    head: u64,
+    /// Sequence number the next work request gets.
+    tail: u64,
+}
+
+impl Ring {
+    fn new(depth: u32) -> Ring {
+        Ring { slots: (0..depth).map(|_| Slot::default()).collect(), head: 0, tail: 0 }
+    }
+    fn cap(&self) -> u64 {
+        self.slots.len() as u64
+    }
+    fn outstanding(&self) -> u64 {
+        self.tail - self.head
+    }
+    fn free(&self) -> u64 {
+        self.cap() - self.outstanding()
+    }
+    fn slot(&mut self, seq: u64) -> &mut Slot {
+        let i = (seq % self.cap()) as usize;
+        &mut self.slots[i]
+    }
+    /// Records a work request at `tail + k` (not yet committed).
+    fn stage(&mut self, k: u64, user_wr_id: u64, mr: Option<&Arc<MrInner>>) -> u64 {
+        let seq = self.tail + k;
+        *self.slot(seq) = Slot { user_wr_id, _region: mr.cloned() };
+        seq
+    }
+    /// Commits `n` staged work requests and drops the rest of `staged`.
+    fn commit(&mut self, n: u64, staged: u64) {
+        for k in n..staged {
+            let seq = self.tail + k;
+            *self.slot(seq) = Slot::default();
+        }
+        self.tail += n;
+    }
+    /// Retires every work request up to and including `seq`; returns the caller's wr_id.
+    /// A sequence number outside the outstanding window (never ours) retires nothing.
+    fn complete(&mut self, seq: u64) -> Option<u64> {
+        if seq < self.head || seq >= self.tail {
+            return None;
+        }
+        let mut id = 0;
+        while self.head <= seq {
+            let h = self.head;
+            let s = mem::take(self.slot(h));
+            id = s.user_wr_id;
+            self.head += 1;
+        }
+        Some(id)
+    }
+}
+
+/// The operation of a send-queue work request.
+#[derive(Debug, Clone, Copy)]
+enum SendOp {
+    Send,
+    Write { addr: u64, rkey: u32 },
+    Read { addr: u64, rkey: u32 },
+}
+
+/// A send-queue work request: a send, an RDMA WRITE or an RDMA READ.
+#[derive(Clone)]
+pub struct SendWr<'a> {
+    wr_id: u64,
+    op: SendOp,
+    local: Option<(&'a MemoryRegion, Range<usize>)>,
+    inline: Option<&'a [u8]>,
+    imm: Option<u32>,
+    signaled: bool,
+    solicited: bool,
+}
+
+impl<'a> SendWr<'a> {
+    fn new(op: SendOp, local: Option<(&'a MemoryRegion, Range<usize>)>) -> Self {
+        SendWr { wr_id: 0, op, local, inline: None, imm: None, signaled: true, solicited: false }
+    }
+
+    /// Sends `mr[range]`.
+    pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
+        Self::new(SendOp::Send, Some((mr, range)))
+    }
+
+    /// Sends `data` inline: the provider copies it during the post, so it needs no memory
+    /// region and may be any buffer. At most the QP's `max_inline_data` bytes.
+    pub fn send_inline(data: &'a [u8]) -> Self {
+        SendWr { inline: Some(data), ..Self::new(SendOp::Send, None) }
+    }
+
+    /// Writes `mr[range]` to `remote` at `remote_offset` (RDMA WRITE).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the target range leaves the remote region.
+    pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
+        let len = range.len() as u64;
+        let addr = remote.at(remote_offset, len)?;
+        Ok(Self::new(SendOp::Write { addr, rkey: remote.rkey }, Some((mr, range))))
+    }
+
+    /// Reads `remote` at `remote_offset` into `mr[range]` (RDMA READ). The region needs
+    /// [`AccessFlags::LOCAL_WRITE`].
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the source range leaves the remote region.
+    pub fn read(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
+        let len = range.len() as u64;
+        let addr = remote.at(remote_offset, len)?;
+        Ok(Self::new(SendOp::Read { addr, rkey: remote.rkey }, Some((mr, range))))
+    }
+
+    /// Sets the `wr_id` returned in the completion.
+    pub fn wr_id(mut self, id: u64) -> Self {
+        self.wr_id = id;
+        self
+    }
+
+    /// Adds 32 bits of immediate data (a send or WRITE with immediate; the WRITE then consumes
+    /// a receive at the peer).
+    pub fn imm(mut self, imm: u32) -> Self {
+        self.imm = Some(imm);
+        self
+    }
+
+    /// Generates no completion on success. The work request (and the region it holds) is
+    /// retired by the next signaled completion on this queue.
+    pub fn unsignaled(mut self) -> Self {
+        self.signaled = false;
+        self
+    }
+
+    /// Sets the solicited-event bit.
+    pub fn solicited(mut self) -> Self {
+        self.solicited = true;
+        self
+    }
+}
+
+/// A receive-queue work request: receive into `mr[range]`.
+#[derive(Clone)]
+pub struct RecvWr<'a> {
+    wr_id: u64,
+    mr: &'a MemoryRegion,
+    range: Range<usize>,
+}
+
+impl<'a> RecvWr<'a> {
+    /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`].
+    pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
+        RecvWr { wr_id: 0, mr, range }
+    }
+    /// Sets the `wr_id` returned in the completion.
+    pub fn wr_id(mut self, id: u64) -> Self {
+        self.wr_id = id;
+        self
+    }
+}
+
+/// An owned RC queue pair, created through librdmacm on a [`CmId`].
+pub struct QueuePair {
+    raw: NonNull<ffi::ibv_qp>,
+    qp_num: u32,
+    max_inline: u32,
+    send: Ring,
+    recv: Ring,
+    // Field order is drop order after Drop::drop: the id, CQs and PD outlive the QP, which
+    // Drop::drop destroys first.
+    id: Arc<CmId>,
+    send_cq: Arc<CompletionQueue>,
+    recv_cq: Arc<CompletionQueue>,
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: the QP is owned uniquely; posting and polling take &mut self. The regions in the
+// rings are Send + Sync handles. Verbs on a QP may be called from any thread.
+unsafe impl Send for QueuePair {}
+
+impl QueuePair {
+    /// Creates an RC QP on `id` with `rdma_create_qp`, so librdmacm drives its state changes
+    /// during connect/accept.
+    pub(crate) fn create(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
+        if init.max_send_wr == 0 || init.max_recv_wr == 0 {
+            return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
+        }
+        let ctx = pd.context();
+        let send_cq = match init.send_cq {
+            Some(cq) => cq,
+            None => CompletionQueue::new(ctx, init.max_send_wr)?,
+        };
+        let recv_cq = match init.recv_cq {
+            Some(cq) => cq,
+            None => CompletionQueue::new(ctx, init.max_recv_wr)?,
+        };
+        send_cq.claim()?;
+        if !Arc::ptr_eq(&send_cq, &recv_cq) {
+            if let Err(e) = recv_cq.claim() {
+                send_cq.unclaim();
+                return Err(e);
+            }
+        }
+        let unclaim = || {
+            send_cq.unclaim();
+            recv_cq.unclaim();
+        };
+        let shared_depth = init.max_send_wr as u64 + init.max_recv_wr as u64;
+        if (Arc::ptr_eq(&send_cq, &recv_cq) && (send_cq.depth() as u64) < shared_depth)
+            || send_cq.depth() < init.max_send_wr
+            || recv_cq.depth() < init.max_recv_wr
+        {
+            unclaim();
+            return Err(Error::InvalidArgument(
+                "a CQ is shallower than the work queues it serves; it could overrun".into(),
+            ));
+        }
+        // SAFETY: ibv_qp_init_attr is plain old data; zero is a valid start.
+        let mut attr: ffi::ibv_qp_init_attr = unsafe { mem::zeroed() };
+        attr.send_cq = send_cq.as_raw();
+        attr.recv_cq = recv_cq.as_raw();
+        attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = 0;
+        attr.cap.max_send_wr = init.max_send_wr;
+        attr.cap.max_recv_wr = init.max_recv_wr;
+        attr.cap.max_send_sge = 1;
+        attr.cap.max_recv_sge = 1;
+        attr.cap.max_inline_data = init.max_inline_data;
+        // SAFETY: id, PD and CQs are valid and on the same device (librdmacm checks the PD's
+        // context against the id's); attr is fully initialised.
+        let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), &mut attr) };
+        if let Err(e) = check_rdma(ret, "rdma_create_qp") {
+            unclaim();
+            return Err(e);
+        }
+        // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
+        let raw = unsafe { (*id.as_raw()).qp };
+        let Some(raw) = NonNull::new(raw) else {
+            unclaim();
+            return Err(Error::call("rdma_create_qp", libc::EIO, None));
+        };
+        // SAFETY: raw is a valid QP; qp_num is immutable.
+        let qp_num = unsafe { (*raw.as_ptr()).qp_num };
+        Ok(QueuePair {
+            raw,
+            qp_num,
+            max_inline: attr.cap.max_inline_data,
+            send: Ring::new(init.max_send_wr),
+            recv: Ring::new(init.max_recv_wr),
+            id: Arc::clone(id),
+            send_cq,
+            recv_cq,
+            pd: Arc::clone(pd),
+        })
+    }
+
+    /// The raw QP. It stays owned by `self`; posting to it directly bypasses the slot table,
+    /// so completions of such work requests are not routed (they are discarded by `poll`).
+    pub fn as_raw(&self) -> *mut ffi::ibv_qp {
+        self.raw.as_ptr()
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    /// The PD.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Arc<CompletionQueue> {
+        &self.send_cq
+    }
+
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Arc<CompletionQueue> {
+        &self.recv_cq
+    }
+
+    /// The largest inline send the QP accepts.
+    pub fn max_inline_data(&self) -> u32 {
+        self.max_inline
+    }
+
+    /// Send-queue work requests posted and not yet retired.
+    pub fn outstanding_sends(&self) -> usize {
+        self.send.outstanding() as usize
+    }
+
+    /// Receive-queue work requests posted and not yet completed.
+    pub fn outstanding_recvs(&self) -> usize {
+        self.recv.outstanding() as usize
+    }
+
+    fn check_local(&self, mr: &MemoryRegion, range: &Range<usize>, needs_write: bool) -> Result<(u64, u32)> {
+        if !Arc::ptr_eq(mr.pd(), &self.pd) {
+            return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
+        }
+        if range.start > range.end {
+            return Err(Error::InvalidArgument(format!("range {range:?} is reversed")));
+        }
+        check_range(range.start, range.len(), mr.len())?;
+        if range.len() > u32::MAX as usize {
+            return Err(Error::InvalidArgument("a work request moves at most 4 GiB".into()));
+        }
+        if needs_write && !mr.access().contains(AccessFlags::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "the device writes this region (receive or RDMA READ target): register it with LOCAL_WRITE".into(),
+            ));
+        }
+        Ok((mr.addr() + range.start as u64, range.len() as u32))
+    }
+
+    /// Posts send-queue work requests (sends, RDMA WRITEs, RDMA READs), linked into as few
+    /// `ibv_post_send` calls as possible. Nothing is posted unless the queue has room for all.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`], [`Error::InvalidArgument`] or [`Error::OutOfBounds`] before
+    /// anything is posted; [`Error::Call`] when `ibv_post_send` rejects a work request (the
+    /// ones before it stay posted and are tracked).
+    pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        if (wrs.len() as u64) > self.send.free() {
+            return Err(Error::QueueFull { queue: "send", depth: self.send.cap() as u32 });
+        }
+        for w in wrs {
+            if let Some(data) = w.inline {
+                if data.len() > self.max_inline as usize {
+                    return Err(Error::InvalidArgument(format!(
+                        "inline send of {} bytes exceeds the QP's max_inline_data of {}",
+                        data.len(),
+                        self.max_inline
+                    )));
+                }
+            }
+            if let Some((mr, r)) = &w.local {
+                self.check_local(mr, r, matches!(w.op, SendOp::Read { .. }))?;
+            }
+        }
+        for chunk in wrs.chunks(CHUNK) {
+            self.post_send_chunk(chunk)?;
+        }
+        Ok(())
+    }
+
+    fn post_send_chunk(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        // SAFETY: ibv_send_wr and ibv_sge are plain old data (pointers, integers, unions of
+        // those); all-zero is a valid value for each.
+        let mut raw: [ffi::ibv_send_wr; CHUNK] = unsafe { mem::zeroed() };
+        // SAFETY: as above.
+        let mut sge: [ffi::ibv_sge; CHUNK] = unsafe { mem::zeroed() };
+        let n = wrs.len();
+        for (k, w) in wrs.iter().enumerate() {
+            let mr = w.local.as_ref().map(|(m, _)| m.inner());
+            let seq = self.send.stage(k as u64, w.wr_id, mr);
+            let r = &mut raw[k];
+            r.wr_id = seq;
+            if let Some(data) = w.inline {
+                sge[k] = ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
+            } else if let Some((m, range)) = &w.local {
+                sge[k] =
+                    ffi::ibv_sge { addr: m.addr() + range.start as u64, length: range.len() as u32, lkey: m.lkey() };
+            }
+            let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
+            r.num_sge = has_data as i32;
+            r.sg_list = &mut sge[k];
+            use ffi::ibv_wr_opcode::*;
+            r.opcode = match (w.op, w.imm.is_some()) {
+                (SendOp::Send, false) => IBV_WR_SEND,
+                (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
+                (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
+                (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
+                (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
+            };
+            if let Some(imm) = w.imm {
+                r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+            }
+            if let SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } = w.op {
+                r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
+            }
+            use ffi::ibv_send_flags as f;
+            let mut flags = 0;
+            if w.signaled {
+                flags |= f::IBV_SEND_SIGNALED.0;
+            }
+            if w.solicited {
+                flags |= f::IBV_SEND_SOLICITED.0;
+            }
+            if w.inline.is_some() {
+                flags |= f::IBV_SEND_INLINE.0;
+            }
+            r.send_flags = flags;
+        }
+        for k in 0..n.saturating_sub(1) {
+            let next: *mut ffi::ibv_send_wr = &mut raw[k + 1];
+            raw[k].next = next;
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is valid; `raw[..n]` is a well-formed linked list whose sg_lists point
+        // into `sge`, both alive for the call. Every local range was checked against a region
+        // registered on this QP's PD, and each region's handle is now held by a ring slot until
+        // its completion is reaped, so the memory stays allocated while the device uses it.
+        // Inline data is copied by the provider before ibv_post_send returns.
+        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), raw.as_mut_ptr(), &mut bad) };
+        self.commit_posted(ret, bad, raw.as_ptr(), n, true, "ibv_post_send")
+    }
+
+    /// Commits the staged slots up to the first rejected work request, and maps the error.
+    fn commit_posted<T>(
+        &mut self,
+        ret: i32,
+        bad: *mut T,
+        first: *const T,
+        n: usize,
+        send: bool,
+        op: &'static str,
+    ) -> Result<()> {
+        let posted = if ret == 0 || bad.is_null() {
+            if ret == 0 {
+                n
+            } else {
+                0
+            }
+        } else {
+            // SAFETY: on failure `bad` points into the array that starts at `first`.
+            (unsafe { bad.cast_const().offset_from(first) }).clamp(0, n as isize) as usize
+        };
+        let ring = if send { &mut self.send } else { &mut self.recv };
+        ring.commit(posted as u64, n as u64);
+        check_ibv(ret, op)
+    }
+
+    /// Posts receive work requests.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::post_send`].
+    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        if (wrs.len() as u64) > self.recv.free() {
+            return Err(Error::QueueFull { queue: "receive", depth: self.recv.cap() as u32 });
+        }
+        for w in wrs {
+            self.check_local(w.mr, &w.range, true)?;
+        }
+        for chunk in wrs.chunks(CHUNK) {
+            // SAFETY: plain old data; all-zero is valid.
+            let mut raw: [ffi::ibv_recv_wr; CHUNK] = unsafe { mem::zeroed() };
+            // SAFETY: as above.
+            let mut sge: [ffi::ibv_sge; CHUNK] = unsafe { mem::zeroed() };
+            let n = chunk.len();
+            for (k, w) in chunk.iter().enumerate() {
+                let seq = self.recv.stage(k as u64, w.wr_id, Some(w.mr.inner()));
+                sge[k] = ffi::ibv_sge {
+                    addr: w.mr.addr() + w.range.start as u64,
+                    length: w.range.len() as u32,
+                    lkey: w.mr.lkey(),
+                };
+                raw[k].wr_id = seq | RECV_TAG;
+                raw[k].sg_list = &mut sge[k];
+                raw[k].num_sge = 1;
+            }
+            for k in 0..n.saturating_sub(1) {
+                let next: *mut ffi::ibv_recv_wr = &mut raw[k + 1];
+                raw[k].next = next;
+            }
+            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+            // SAFETY: as in post_send_chunk: a well-formed list over live stack arrays, ranges
+            // checked, LOCAL_WRITE checked, and each region held by a slot until reaped.
+            let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), raw.as_mut_ptr(), &mut bad) };
+            self.commit_posted(ret, bad, raw.as_ptr(), n, false, "ibv_post_recv")?;
+        }
+        Ok(())
+    }
+
+    /// Polls both CQs into `out` without waiting; returns how many entries were filled. Each
+    /// completion releases the region its work request held (and, on the send queue, those of
+    /// earlier unsignaled work requests).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut n = self.poll_cq(true, out)?;
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            n += self.poll_cq(false, &mut out[n..])?;
+        }
+        Ok(n)
+    }
+
+    fn poll_cq(&mut self, send_side: bool, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut filled = 0;
+        while filled < out.len() {
+            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+            let want = (out.len() - filled).min(POLL_CHUNK);
+            let cq = if send_side { &self.send_cq } else { &self.recv_cq };
+            let got = cq.poll_raw(&mut raw[..want])?;
+            for wc in &raw[..got] {
+                // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                if let Some(done) = self.route(wc) {
+                    out[filled] = done;
+                    filled += 1;
+                }
+            }
+            if got < want {
+                break;
+            }
+        }
+        Ok(filled)
+    }
+
+    /// Retires the slot(s) a raw completion names and builds the caller's completion.
+    fn route(&mut self, wc: &ffi::ibv_wc) -> Option<WorkCompletion> {
+        if wc.qp_num != self.qp_num {
+            return None; // not ours (a raw post by the user, or a stale entry): discard
+        }
+        let (ring, queue) = if wc.wr_id & RECV_TAG != 0 {
+            (&mut self.recv, WorkQueue::Recv)
+        } else {
+            (&mut self.send, WorkQueue::Send)
+        };
+        let user = ring.complete(wc.wr_id & !RECV_TAG)?;
+        Some(WorkCompletion::from_raw(wc, user, queue))
+    }
+
+    /// Waits up to `timeout` for at least one completion and polls it into `out`.
+    ///
+    /// It polls first, then arms both CQs and sleeps on their completion channels, so an idle
+    /// wait costs no CPU. Returns 0 only when the timeout passed.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when polling or the channels fail.
+    pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            // A short busy phase keeps latency low without burning a core while idle.
+            for _ in 0..64 {
+                let n = self.poll(out)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                std::hint::spin_loop();
+            }
+            self.send_cq.req_notify(false)?;
+            self.recv_cq.req_notify(false)?;
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(0);
+            }
+            let mut fds = [
+                libc::pollfd { fd: self.send_cq.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.recv_cq.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            // SAFETY: fds is a valid array of 2 pollfds for the call.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+            if r < 0 && errno() != libc::EINTR {
+                return Err(Error::call("poll", errno(), None));
+            }
+            self.send_cq.drain_events()?;
+            if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+                self.recv_cq.drain_events()?;
+            }
+        }
+    }
+
+    /// Waits for the completion with `wr_id` on `queue`, checking every completion on the
+    /// way: any failed completion, or running out of `timeout`, is an error. Completions of
+    /// other work requests that succeed are skipped.
+    ///
+    /// # Errors
+    /// [`Error::WorkCompletion`] for a failed completion; [`Error::Timeout`].
+    pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
+        let deadline = Instant::now() + timeout;
+        let mut wcs = [WorkCompletion::default(); 4];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let n = self.wait(&mut wcs, left)?;
+            if n == 0 {
+                let op =
+                    if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
+                return Err(Error::Timeout {
+                    op,
+                    timeout,
+                    addr: self.id.peer_addr(),
+                    hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
+                });
+            }
+            let mut found = None;
+            for wc in &wcs[..n] {
+                let wc = wc.ok()?;
+                if wc.queue() == queue && wc.wr_id() == wr_id {
+                    found = Some(wc);
+                }
+            }
+            if let Some(wc) = found {
+                return Ok(wc);
+            }
+        }
+    }
+
+    /// Moves the QP to the error state, which flushes every outstanding work request.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_modify_qp` fails.
+    pub fn set_error(&mut self) -> Result<()> {
+        // SAFETY: ibv_qp_attr is plain old data; zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: QP valid; only the state is modified, as the mask says.
+        check_ibv(
+            unsafe { ffi::ibv_modify_qp(self.as_raw(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) },
+            "ibv_modify_qp(ERR)",
+        )
+    }
+
+    /// Flushes and reaps outstanding work for up to `timeout`; true when nothing is left.
+    fn drain(&mut self, timeout: Duration) -> bool {
+        if self.send.outstanding() + self.recv.outstanding() == 0 {
+            return true;
+        }
+        if self.set_error().is_err() {
+            return false;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut wcs = [WorkCompletion::default(); POLL_CHUNK];
+        while self.send.outstanding() + self.recv.outstanding() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            // Unsignaled sends that succeeded before the flush produce no completion; the
+            // flushed ones after them do. What remains is retired by the destroy below.
+            match self.wait(&mut wcs, left.min(Duration::from_millis(50))) {
+                Ok(0) if self.send.outstanding() > 0 && self.recv.outstanding() == 0 => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.drain(DRAIN_TIMEOUT);
+        // SAFETY: the QP is destroyed exactly once, here; id->qp is cleared so that librdmacm
+        // does not use the freed QP. The id, CQs and PD are still alive (our fields).
+        let ret = unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) };
+        if ret != 0 {
+            crate::report_leak("ibv_destroy_qp", ret);
+            // The device may still access the slots' memory: leak it instead of freeing it.
+            mem::forget(mem::take(&mut self.send.slots));
+            mem::forget(mem::take(&mut self.recv.slots));
+            return;
+        }
+        // SAFETY: the id is valid; clearing `qp` mirrors rdma_destroy_qp.
+        unsafe { (*self.id.as_raw()).qp = std::ptr::null_mut() };
+        // Discard completions the destroyed QP left behind, so a CQ handed to another QP later
+        // cannot route them into that QP's rings.
+        let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+        for cq in [&self.send_cq, &self.recv_cq] {
+            while matches!(cq.poll_raw(&mut raw), Ok(n) if n > 0) {}
+        }
+        self.send_cq.unclaim();
+        self.recv_cq.unclaim();
+        // The rings (and the regions they hold) drop with the struct: the QP no longer exists.
+    }
+}
+
+impl fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qp_num", &self.qp_num)
+            .field("outstanding_sends", &self.send.outstanding())
+            .field("outstanding_recvs", &self.recv.outstanding())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_retires_in_order_and_refuses_overflow() {
+        let mut r = Ring::new(4);
+        for k in 0..3 {
+            r.stage(k, 100 + k, None);
+        }
+        r.commit(3, 3);
+        assert_eq!(r.outstanding(), 3);
+        assert_eq!(r.free(), 1);
+        // Completion of seq 1 retires seq 0 (unsignaled) and 1.
+        assert_eq!(r.complete(1), Some(101));
+        assert_eq!(r.outstanding(), 1);
+        // Stale or foreign sequence numbers retire nothing.
+        assert_eq!(r.complete(0), None);
+        assert_eq!(r.complete(7), None);
+        assert_eq!(r.complete(2), Some(102));
+        assert_eq!(r.outstanding(), 0);
+    }
+
+    #[test]
+    fn partial_commit_clears_unposted_slots() {
+        let mut r = Ring::new(4);
+        for k in 0..3 {
+            r.stage(k, k, None);
+        }
+        r.commit(1, 3);
+        assert_eq!(r.outstanding(), 1);
+        assert_eq!(r.complete(0), Some(0));
+        assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
+    }
+
+    #[test]
+    fn ring_wraps() {
+        let mut r = Ring::new(2);
+        for i in 0..10u64 {
+            r.stage(0, i, None);
+            r.commit(1, 1);
+            assert_eq!(r.complete(i), Some(i));
+        }
+        assert_eq!(r.head, 10);
+    }
+
+    #[test]
+    fn defaults_follow_the_seed() {
+        let q = QpInit::default();
+        assert_eq!((q.max_send_wr, q.max_recv_wr), (16, 16));
+    }
+}
