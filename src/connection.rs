@@ -655,11 +655,13 @@ pub struct Connection {
     id: Arc<CmId>,
     peer_private_data: PrivateData,
     own_channel: bool,
+    /// We called rdma_disconnect.
     disconnected: bool,
 }
 
 impl Connection {
-    fn new(id: Arc<CmId>, qp: QueuePair, peer_private_data: PrivateData, own_channel: bool) -> Connection {
+    fn new(id: Arc<CmId>, mut qp: QueuePair, peer_private_data: PrivateData, own_channel: bool) -> Connection {
+        qp.set_watch_cm(own_channel);
         Connection { qp, id, peer_private_data, own_channel, disconnected: false }
     }
 
@@ -704,15 +706,23 @@ impl Connection {
             return Ok(None);
         }
         let ev = self.id.channel().try_get_event()?;
-        if ev.as_ref().is_some_and(|e| e.event_type() == CmEventType::Disconnected) {
-            self.disconnected = true;
+        if let Some(ev) = &ev {
+            self.qp.on_cm_event(ev);
         }
         Ok(ev)
     }
 
-    /// Whether a `DISCONNECTED` event was seen.
+    /// Feeds an event of this connection's id, read from a shared channel by an event loop,
+    /// so that a `DISCONNECTED` flushes the QP.
+    pub fn handle_event(&mut self, ev: &CmEvent) {
+        if ev.id() == self.id.handle() {
+            self.qp.on_cm_event(ev);
+        }
+    }
+
+    /// Whether the peer disconnected (a `DISCONNECTED` event was seen).
     pub fn is_disconnected(&self) -> bool {
-        self.disconnected
+        self.qp.peer_left()
     }
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
@@ -721,7 +731,8 @@ impl Connection {
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
     pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
-        if self.disconnected {
+        if self.disconnected || self.qp.peer_left() {
+            self.disconnected = true;
             return Ok(());
         }
         self.id.disconnect()?;
@@ -745,7 +756,7 @@ impl Connection {
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        if !self.disconnected {
+        if !self.disconnected && !self.qp.peer_left() {
             // Best effort: the peer learns we left. Failure (already disconnected) is harmless.
             let _ = self.id.disconnect();
         }

@@ -84,6 +84,16 @@ pub enum Error {
         private_data: Box<crate::event_channel::PrivateData>,
     },
 
+    /// The peer disconnected (its process exited, or it called disconnect) while work was
+    /// outstanding; the posted work requests were flushed.
+    #[error("{op}: the peer disconnected{}", AddrCtx(.addr))]
+    Disconnected {
+        /// The step that was waiting.
+        op: &'static str,
+        /// The peer address.
+        addr: Option<SocketAddr>,
+    },
+
     /// A bounded wait ran out.
     #[error("{op} timed out after {timeout:?}{}{}", AddrCtx(.addr), Hint(.hint))]
     Timeout {
@@ -180,6 +190,7 @@ impl Error {
             Error::Call { addr, .. }
             | Error::NoDevice { addr, .. }
             | Error::UnexpectedEvent { addr, .. }
+            | Error::Disconnected { addr, .. }
             | Error::Timeout { addr, .. } => {
                 addr.get_or_insert(a);
             }

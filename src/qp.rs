@@ -35,6 +35,7 @@ use rdma_sys as ffi;
 use crate::cm_id::CmId;
 use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
 use crate::error::{check_ibv, check_rdma, errno, Error, Result};
+use crate::event_channel::{CmEvent, CmEventType};
 use crate::mr::{check_range, AccessFlags, MemoryRegion, MrInner, RemoteRegion};
 use crate::pd::ProtectionDomain;
 
@@ -271,6 +272,10 @@ pub struct QueuePair {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     max_inline: u32,
+    /// Whether waits also read the id's (exclusive) CM channel, to notice the peer leaving.
+    watch_cm: bool,
+    /// A DISCONNECTED (or DEVICE_REMOVAL) event was seen; the QP was moved to error.
+    peer_left: bool,
     send: Ring,
     recv: Ring,
     // Field order is drop order after Drop::drop: the id, CQs and PD outlive the QP, which
@@ -351,6 +356,8 @@ impl QueuePair {
         Ok(QueuePair {
             raw,
             qp_num,
+            watch_cm: false,
+            peer_left: false,
             max_inline: attr.cap.max_inline_data,
             send: Ring::new(init.max_send_wr),
             recv: Ring::new(init.max_recv_wr),
@@ -630,30 +637,64 @@ impl QueuePair {
         Some(WorkCompletion::from_raw(wc, user, queue))
     }
 
-    /// Waits up to `timeout` for at least one completion and polls it into `out`.
+    /// Waits up to `timeout` for at least one completion on either queue and polls it into
+    /// `out`.
     ///
-    /// It polls first, then arms both CQs and sleeps on their completion channels, so an idle
+    /// It polls first, then arms the CQs and sleeps on their completion channels, so an idle
     /// wait costs no CPU. Returns 0 only when the timeout passed.
     ///
     /// # Errors
     /// [`Error::Call`] when polling or the channels fail.
     pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        self.wait_on(None, out, timeout)
+    }
+
+    /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay in
+    /// their CQ. Needs separate send and receive CQs (the default).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when both queues share one CQ; as for [`QueuePair::wait`].
+    pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            return Err(Error::InvalidArgument(
+                "both queues share one CQ, so one queue cannot be waited for alone: use wait()".into(),
+            ));
+        }
+        self.wait_on(Some(queue), out, timeout)
+    }
+
+    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
+        match which {
+            None => self.poll(out),
+            Some(WorkQueue::Send) => self.poll_cq(true, out),
+            Some(WorkQueue::Recv) => self.poll_cq(false, out),
+        }
+    }
+
+    fn wait_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
+        let cqs: [Option<Arc<CompletionQueue>>; 2] = match which {
+            None if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(Arc::clone(&self.send_cq)), None],
+            None => [Some(Arc::clone(&self.send_cq)), Some(Arc::clone(&self.recv_cq))],
+            Some(WorkQueue::Send) => [Some(Arc::clone(&self.send_cq)), None],
+            Some(WorkQueue::Recv) => [Some(Arc::clone(&self.recv_cq)), None],
+        };
         let deadline = Instant::now() + timeout;
         loop {
             // A short busy phase keeps latency low without burning a core while idle.
             for _ in 0..64 {
-                let n = self.poll(out)?;
+                let n = self.poll_on(which, out)?;
                 if n > 0 {
                     return Ok(n);
                 }
                 std::hint::spin_loop();
             }
-            self.send_cq.req_notify(false)?;
-            self.recv_cq.req_notify(false)?;
-            let n = self.poll(out)?;
+            for cq in cqs.iter().flatten() {
+                cq.req_notify(false)?;
+            }
+            let n = self.poll_on(which, out)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -661,35 +702,67 @@ impl QueuePair {
             if left.is_zero() {
                 return Ok(0);
             }
-            let mut fds = [
-                libc::pollfd { fd: self.send_cq.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-                libc::pollfd { fd: self.recv_cq.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            ];
+            let fd = |cq: &Option<Arc<CompletionQueue>>| libc::pollfd {
+                fd: cq.as_ref().map_or(-1, |c| c.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let cm_fd = if self.watch_cm && !self.peer_left { self.id.channel().as_raw_fd() } else { -1 };
+            let mut fds = [fd(&cqs[0]), fd(&cqs[1]), libc::pollfd { fd: cm_fd, events: libc::POLLIN, revents: 0 }];
             let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            // SAFETY: fds is a valid array of 2 pollfds for the call.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+            // SAFETY: fds is a valid array of 3 pollfds for the call (poll ignores fd -1).
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
             if r < 0 && errno() != libc::EINTR {
                 return Err(Error::call("poll", errno(), None));
             }
-            self.send_cq.drain_events()?;
-            if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-                self.recv_cq.drain_events()?;
+            for cq in cqs.iter().flatten() {
+                cq.drain_events()?;
+            }
+            if fds[2].revents != 0 {
+                while let Some(ev) = self.id.channel().try_get_event()? {
+                    self.on_cm_event(&ev);
+                }
             }
         }
     }
 
-    /// Waits for the completion with `wr_id` on `queue`, checking every completion on the
-    /// way: any failed completion, or running out of `timeout`, is an error. Completions of
-    /// other work requests that succeed are skipped.
+    /// Lets the QP react to its id's CM event: when the peer left (or the device went away),
+    /// move the QP to the error state so every posted work request flushes instead of waiting
+    /// forever. librdmacm does not do this on the passive side of a disconnect.
+    pub(crate) fn on_cm_event(&mut self, ev: &CmEvent) {
+        if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) && !self.peer_left {
+            self.peer_left = true;
+            // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
+            // the fallback when the id is past that state.
+            if self.id.disconnect().is_err() {
+                let _ = self.set_error();
+            }
+        }
+    }
+
+    pub(crate) fn set_watch_cm(&mut self, on: bool) {
+        self.watch_cm = on;
+    }
+
+    /// Whether the peer disconnected (seen while waiting, or through the connection's events).
+    pub fn peer_left(&self) -> bool {
+        self.peer_left
+    }
+
+    /// Waits for the completion with `wr_id` on `queue`, checking every completion of that
+    /// queue on the way: a failed completion, or running out of `timeout`, is an error.
+    /// Successful completions of other work requests on the same queue are skipped; the other
+    /// queue is not touched. Needs separate send and receive CQs (the default).
     ///
     /// # Errors
-    /// [`Error::WorkCompletion`] for a failed completion; [`Error::Timeout`].
+    /// [`Error::WorkCompletion`] for a failed completion; [`Error::Timeout`];
+    /// [`Error::InvalidArgument`] with a shared CQ.
     pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
         let deadline = Instant::now() + timeout;
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let n = self.wait(&mut wcs, left)?;
+            let n = self.wait_queue(queue, &mut wcs, left)?;
             if n == 0 {
                 let op =
                     if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
@@ -702,8 +775,11 @@ impl QueuePair {
             }
             let mut found = None;
             for wc in &wcs[..n] {
+                if !wc.is_ok() && self.peer_left {
+                    return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
+                }
                 let wc = wc.ok()?;
-                if wc.queue() == queue && wc.wr_id() == wr_id {
+                if wc.wr_id() == wr_id {
                     found = Some(wc);
                 }
             }

@@ -1,0 +1,261 @@
+//! The rdma_cm client: connects, sends a payload, and checks the server's echo byte for byte.
+//!
+//! ```text
+//! cargo run --example client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
+//! cargo run --example client -- -a 10.77.0.1 --mode write --size 65536
+//! cargo run --example client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
+//! ```
+//!
+//! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
+//! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
+//! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
+//! perftest's format, to read next to `ib_send_lat`.
+
+mod common;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use common::{fail, fill_pattern, micros, print_latency_table, Mode, Request, DEFAULT_PORT, LEGACY_SIZE, MAX_SIZE};
+use rdma_cm::{
+    AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, RemoteRegion, SendWr,
+    WorkQueue,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "rdma_cm echo client (send/recv, RDMA WRITE, RDMA READ)")]
+struct Args {
+    /// Server address.
+    #[arg(short = 'a', long = "addr")]
+    addr: IpAddr,
+    /// Server port.
+    #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
+    port: u16,
+    /// Local address to bind (chooses the RDMA device).
+    #[arg(short = 'b', long = "bind")]
+    bind: Option<IpAddr>,
+    /// Payload bytes.
+    #[arg(long, default_value_t = 1024)]
+    size: u32,
+    /// Round trips; more than 1 prints a latency table.
+    #[arg(long, default_value_t = 1)]
+    iters: u32,
+    /// How the payload travels.
+    #[arg(long, value_enum, default_value_t = Mode::Send)]
+    mode: Mode,
+    /// Seconds any single wait may take (resolution, handshake, each message).
+    #[arg(long, default_value_t = 10)]
+    timeout: u64,
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.port == 0 {
+        fail("bad arguments", "port 0 is not a port a server listens on: choose 1..=65535 with -p");
+    }
+    if args.size == 0 || args.size > MAX_SIZE {
+        fail("bad arguments", format!("--size {} is outside 1..={MAX_SIZE}", args.size));
+    }
+    if args.iters == 0 {
+        fail("bad arguments", "--iters must be at least 1");
+    }
+    let timeout = Duration::from_secs(args.timeout.max(1));
+    let dst = SocketAddr::new(args.addr, args.port);
+    let src = args.bind.map(|ip| SocketAddr::new(ip, 0));
+    if let Err(e) = run(&args, dst, src, timeout) {
+        fail(&format!("client to {dst}"), e);
+    }
+}
+
+fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Result<(), Error> {
+    let client = Client::new()?;
+    println!("[INFO] Created CM ID");
+    let resolved = client.resolve_addr(src, dst, t)?;
+    println!("[EVENT] Address resolved");
+    let route = resolved.resolve_route(t)?;
+    println!("[EVENT] Route resolved");
+    let ctx = route.context()?;
+    println!("[INFO] Device {}", ctx.device_name());
+    let pd = route.alloc_pd()?;
+
+    let size = args.size as usize;
+    let started = Instant::now();
+    // `data`: what we send (or expose to RDMA READ); `back`: where the echo lands.
+    let (data_access, back_access) = match args.mode {
+        Mode::Send => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
+        Mode::Write => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE),
+        Mode::Read => (AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
+    };
+    let mut data = MemoryRegion::new(&pd, size, data_access)?;
+    let mut back = MemoryRegion::new(&pd, size, back_access)?;
+    let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
+    println!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
+
+    let started = Instant::now();
+    let mut pending = route.create_qp(&pd, QpInit::new())?;
+    let qp_num = pending.qp_mut().qp_num();
+    println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
+
+    // Post the first receive before connecting, so the server's first message finds it.
+    match args.mode {
+        Mode::Send => pending.qp_mut().post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
+        Mode::Write | Mode::Read => pending.qp_mut().post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
+    }
+    let region = match args.mode {
+        Mode::Send => QpInfo { qp_num, ..QpInfo::default() },
+        Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size },
+        Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size },
+    };
+    let req = Request { info: region, mode: args.mode, size: args.size, iters: args.iters };
+    println!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
+    let mut conn = pending.connect(&ConnParam::new().private_data(&req.encode())?, t)?;
+    println!("[EVENT] Connection established");
+
+    let server = if QpInfo::is_present(conn.peer_private_data()) {
+        Some(QpInfo::decode(conn.peer_private_data())?.0)
+    } else {
+        None
+    };
+    if server.is_none() {
+        if args.mode != Mode::Send || args.size != LEGACY_SIZE || args.iters != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "the server sent no qp_info (rdma-core rdma_server?); it only speaks --mode send --size {LEGACY_SIZE} --iters 1"
+            )));
+        }
+        println!("[INFO] Server sent no qp_info: rdma-core rdma_server protocol, echo content is not checked");
+    }
+    let server_region = server.and_then(|s| s.region());
+
+    let mut rtts = Vec::with_capacity(args.iters as usize);
+    let mut expected = vec![0u8; size];
+    let mut got = vec![0u8; size];
+    for i in 0..args.iters {
+        fill_pattern(data.as_mut_slice()?, i);
+        let one = args.iters == 1;
+        let start = Instant::now();
+        let n = match args.mode {
+            Mode::Send => round_trip_send(&mut conn, &data, &back, i, one, t)?,
+            Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, args.iters, one, t)?,
+            Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, args.iters, one, t)?,
+        };
+        rtts.push(start.elapsed());
+        if n != size {
+            return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
+        }
+        if server.is_some() {
+            fill_pattern(&mut expected, i);
+            back.read_at(0, &mut got)?;
+            if let Some(pos) = got.iter().zip(&expected).position(|(a, b)| a != b) {
+                return Err(Error::InvalidArgument(format!(
+                    "echo differs at byte {pos} of iteration {i}: got {:#04x}, expected {:#04x}",
+                    got[pos], expected[pos]
+                )));
+            }
+        }
+    }
+    if server.is_some() {
+        println!("[INFO] Echo verified: {} x {size} bytes match", args.iters);
+    }
+    println!("[INFO] Round-trip completed.");
+    if args.iters > 1 {
+        print_latency_table(args.size, &mut rtts);
+    }
+    conn.disconnect(t)?;
+    println!("[INFO] Disconnected");
+    Ok(())
+}
+
+fn need(r: Option<RemoteRegion>) -> Result<RemoteRegion, Error> {
+    r.ok_or(Error::PrivateData("server advertised no region for RDMA"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn round_trip_send(
+    conn: &mut Connection,
+    data: &MemoryRegion,
+    back: &MemoryRegion,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let qp = conn.qp_mut();
+    let size = data.len();
+    // The first receive was posted before connecting; later ones after checking the last echo.
+    if i > 0 {
+        qp.post_recv(&[RecvWr::new(back, 0..size).wr_id(i as u64)])?;
+    }
+    qp.post_send(&[SendWr::send(data, 0..size).wr_id(i as u64)])?;
+    qp.wait_for(WorkQueue::Send, i as u64, t)?;
+    if log {
+        println!("[INFO] Sent {size} bytes");
+    }
+    let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+    if log {
+        println!("[INFO] Received {} bytes", wc.byte_len());
+    }
+    Ok(wc.byte_len() as usize)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn round_trip_write(
+    conn: &mut Connection,
+    data: &MemoryRegion,
+    ctl: &MemoryRegion,
+    server: RemoteRegion,
+    i: u32,
+    iters: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let qp = conn.qp_mut();
+    let size = data.len();
+    qp.post_send(&[SendWr::write(data, 0..size, &server, 0)?.imm(i).wr_id(i as u64)])?;
+    qp.wait_for(WorkQueue::Send, i as u64, t)?;
+    if log {
+        println!("[INFO] Sent {size} bytes (RDMA WRITE)");
+    }
+    let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+    if wc.imm_data() != Some(i) {
+        return Err(Error::InvalidArgument(format!("expected immediate {i}, got {:?}", wc.imm_data())));
+    }
+    if log {
+        println!("[INFO] Received {size} bytes (RDMA WRITE)");
+    }
+    if i + 1 < iters {
+        qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
+    }
+    Ok(size)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn round_trip_read(
+    conn: &mut Connection,
+    back: &MemoryRegion,
+    ctl: &MemoryRegion,
+    server: RemoteRegion,
+    i: u32,
+    iters: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let qp = conn.qp_mut();
+    let size = back.len();
+    // "go": the server now RDMA-READs our data region.
+    qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
+    qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
+    if log {
+        println!("[INFO] Sent {size} bytes (exposed to RDMA READ)");
+    }
+    // "done": read the server's copy back.
+    qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+    if i + 1 < iters {
+        qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
+    }
+    qp.post_send(&[SendWr::read(back, 0..size, &server, 0)?.wr_id(i as u64)])?;
+    let wc = qp.wait_for(WorkQueue::Send, i as u64, t)?;
+    if log {
+        println!("[INFO] Received {} bytes (RDMA READ)", wc.byte_len());
+    }
+    Ok(wc.byte_len() as usize)
+}

@@ -1,0 +1,195 @@
+//! What the client and server examples share: the request they exchange in the CM private
+//! data, the payload pattern, and the one-line error exit.
+#![allow(dead_code)] // each example uses part of this module
+
+use std::fmt;
+use std::time::Duration;
+
+use rdma_cm::QpInfo;
+
+/// Default port, as in rdma-core's rdma_server/rdma_client.
+pub const DEFAULT_PORT: u16 = 7471;
+/// Largest payload the server accepts (it allocates this much for a client).
+pub const MAX_SIZE: u32 = 64 << 20;
+/// Most iterations one client may ask for.
+pub const MAX_ITERS: u32 = 10_000_000;
+/// Payload size of rdma-core's reference pair.
+pub const LEGACY_SIZE: u32 = 16;
+
+/// How the payload travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Two-sided send/recv; the server echoes each message.
+    Send,
+    /// RDMA WRITE with immediate data into the peer's region; the server writes it back.
+    Write,
+    /// The server RDMA-READs the client's region, then the client RDMA-READs it back.
+    Read,
+}
+
+impl Mode {
+    fn code(self) -> u8 {
+        match self {
+            Mode::Send => 0,
+            Mode::Write => 1,
+            Mode::Read => 2,
+        }
+    }
+    fn from_code(c: u8) -> Option<Mode> {
+        Some(match c {
+            0 => Mode::Send,
+            1 => Mode::Write,
+            2 => Mode::Read,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mode::Send => "send",
+            Mode::Write => "write",
+            Mode::Read => "read",
+        })
+    }
+}
+
+/// What the client asks for, after its `QpInfo` in the connect private data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    pub info: QpInfo,
+    pub mode: Mode,
+    pub size: u32,
+    pub iters: u32,
+}
+
+const REQ_VERSION: u8 = 1;
+pub const REQUEST_LEN: usize = QpInfo::ENCODED_LEN + 10;
+
+impl Request {
+    pub fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut b = [0u8; REQUEST_LEN];
+        b[..QpInfo::ENCODED_LEN].copy_from_slice(&self.info.encode());
+        let r = &mut b[QpInfo::ENCODED_LEN..];
+        r[0] = REQ_VERSION;
+        r[1] = self.mode.code();
+        r[2..6].copy_from_slice(&self.size.to_be_bytes());
+        r[6..10].copy_from_slice(&self.iters.to_be_bytes());
+        b
+    }
+
+    /// Decodes a client's private data (untrusted). `Ok(None)`: the peer sends no qp_info at
+    /// all (rdma-core's rdma_client), so it speaks the 16-byte legacy exchange.
+    pub fn decode(data: &[u8]) -> Result<Option<Request>, String> {
+        if !QpInfo::is_present(data) {
+            return Ok(None);
+        }
+        let (info, rest) = QpInfo::decode(data).map_err(|e| e.to_string())?;
+        if rest.len() < 10 {
+            return Err("request is shorter than 38 bytes".into());
+        }
+        if rest[0] != REQ_VERSION {
+            return Err(format!("unknown request version {}", rest[0]));
+        }
+        let mode = Mode::from_code(rest[1]).ok_or_else(|| format!("unknown mode {}", rest[1]))?;
+        let size = u32::from_be_bytes([rest[2], rest[3], rest[4], rest[5]]);
+        let iters = u32::from_be_bytes([rest[6], rest[7], rest[8], rest[9]]);
+        if size == 0 || size > MAX_SIZE {
+            return Err(format!("size {size} is outside 1..={MAX_SIZE}"));
+        }
+        if iters == 0 || iters > MAX_ITERS {
+            return Err(format!("iterations {iters} outside 1..={MAX_ITERS}"));
+        }
+        if mode != Mode::Send {
+            let region = info.region().ok_or("write/read mode needs the client to advertise a region")?;
+            if region.len < size as u64 {
+                return Err(format!("client region of {} bytes is smaller than size {size}", region.len));
+            }
+        }
+        Ok(Some(Request { info, mode, size, iters }))
+    }
+}
+
+/// The payload of iteration `iter`: a pattern that differs per byte and per iteration.
+pub fn fill_pattern(buf: &mut [u8], iter: u32) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (i as u32).wrapping_mul(31).wrapping_add(iter.wrapping_mul(7)).wrapping_add(1) as u8;
+    }
+}
+
+/// Prints `error: …` on stderr and exits 1.
+pub fn fail(context: &str, e: impl fmt::Display) -> ! {
+    eprintln!("error: {context}: {e}");
+    std::process::exit(1)
+}
+
+pub fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// Prints a latency table in perftest's format (half round trip, as ib_send_lat reports).
+pub fn print_latency_table(size: u32, rtts: &mut [Duration]) {
+    let mut us: Vec<f64> = rtts.iter().map(|d| micros(*d) / 2.0).collect();
+    us.sort_by(|a, b| a.total_cmp(b));
+    let n = us.len();
+    let avg = us.iter().sum::<f64>() / n as f64;
+    let var = us.iter().map(|x| (x - avg) * (x - avg)).sum::<f64>() / n as f64;
+    let pct = |p: f64| us[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1];
+    println!("---------------------------------------------------------------------------------------");
+    println!(" latency = round trip / 2, as ib_send_lat reports it");
+    println!(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ");
+    println!(
+        " {:<6} {:<10}       {:<7.2}        {:<7.2}      {:<7.2}          {:<7.2}        {:<7.2}          {:<7.2}                 {:<7.2}",
+        size,
+        n,
+        us[0],
+        us[n - 1],
+        us[n / 2],
+        avg,
+        var.sqrt(),
+        pct(0.99),
+        pct(0.999)
+    );
+    println!("---------------------------------------------------------------------------------------");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(mode: Mode) -> Request {
+        Request { info: QpInfo { qp_num: 5, psn: 1, rkey: 9, vaddr: 4096, len: 1024 }, mode, size: 1024, iters: 3 }
+    }
+
+    #[test]
+    fn request_round_trip_in_56_bytes() {
+        for m in [Mode::Send, Mode::Write, Mode::Read] {
+            let mut pd = [0u8; 56];
+            pd[..REQUEST_LEN].copy_from_slice(&req(m).encode());
+            assert_eq!(Request::decode(&pd).unwrap(), Some(req(m)));
+        }
+    }
+
+    #[test]
+    fn legacy_and_hostile_requests() {
+        assert_eq!(Request::decode(&[0u8; 56]).unwrap(), None, "rdma_client sends zeros");
+        let good = req(Mode::Write).encode();
+        let mut b = good;
+        b[29] = 9;
+        assert!(Request::decode(&b).unwrap_err().contains("mode"));
+        let mut b = good;
+        b[30..34].copy_from_slice(&(MAX_SIZE + 1).to_be_bytes());
+        assert!(Request::decode(&b).unwrap_err().contains("size"));
+        let mut b = good;
+        b[30..34].copy_from_slice(&0u32.to_be_bytes());
+        assert!(Request::decode(&b).is_err());
+        let mut b = good;
+        b[34..38].copy_from_slice(&0u32.to_be_bytes());
+        assert!(Request::decode(&b).unwrap_err().contains("iterations"));
+        let mut b = good;
+        b[30..34].copy_from_slice(&4096u32.to_be_bytes());
+        assert!(Request::decode(&b).unwrap_err().contains("smaller"));
+        assert!(Request::decode(&good[..30]).is_err());
+    }
+}
