@@ -103,12 +103,14 @@ impl ConnParam {
         self.initiator_depth = n;
         self
     }
-    /// Transport retries (0..=7).
+    /// Transport retries (0..=7). Meaningful in connect; the CM negotiates it for both sides.
     pub fn retry_count(mut self, n: u8) -> Self {
         self.retry_count = n.min(7);
         self
     }
-    /// Receiver-not-ready retries (0..=7; 7 means retry forever).
+    /// Receiver-not-ready retries (0..=7; 7 means retry forever) of the *peer's* sends: the
+    /// value given to connect applies to the server's QP, the one given to accept to the
+    /// client's.
     pub fn rnr_retry_count(mut self, n: u8) -> Self {
         self.rnr_retry_count = n.min(7);
         self

@@ -1,0 +1,199 @@
+//! Shared helpers of the device suite: finding the device, serialising tests, connecting a
+//! loopback pair, and proving through the kernel's accounting that nothing leaked.
+//!
+//! A device test never passes without a device: `DeviceTest::start` fails loudly when there is
+//! none, naming the harness that provides one.
+#![allow(dead_code)] // each test binary uses part of this module
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr, Server};
+
+pub const T: Duration = Duration::from_secs(10);
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// One running device test: holds the lock that serialises device tests (so the resource
+/// counts belong to one test) and the device's address.
+pub struct DeviceTest {
+    _guard: MutexGuard<'static, ()>,
+    pub addr: IpAddr,
+    baseline: Vec<(&'static str, usize)>,
+}
+
+impl DeviceTest {
+    /// Starts a device test: requires a device, and records the user-space RDMA objects that
+    /// exist already (none in the guest, where this suite is alone).
+    pub fn start() -> DeviceTest {
+        let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let addr = device_addr();
+        let baseline = resources();
+        if std::env::var_os("RDMA_VM").is_some() {
+            assert!(baseline.iter().all(|(_, n)| *n == 0), "the guest has RDMA objects before the test: {baseline:?}");
+        }
+        DeviceTest { _guard: guard, addr, baseline }
+    }
+
+    /// Fails unless the counts are back to the baseline.
+    pub fn check(&self, when: &str) {
+        wait_resources(&self.baseline, when);
+    }
+
+    /// Ends the test: every QP, CQ, MR, PD and CM id the test made must be gone.
+    pub fn finish(self) {
+        wait_resources(&self.baseline, "after the test dropped everything");
+    }
+}
+
+/// The IPv4 address of the RDMA device's netdev. Panics, with the fix, when there is none.
+pub fn device_addr() -> IpAddr {
+    if let Some(a) = std::env::var("RDMA_VM_ADDR").ok().or_else(|| std::env::var("RDMA_CM_TEST_ADDR").ok()) {
+        return a.parse().expect("RDMA_VM_ADDR/RDMA_CM_TEST_ADDR is not an IP address");
+    }
+    let devices: Vec<_> = std::fs::read_dir("/sys/class/infiniband").map(|d| d.flatten().collect()).unwrap_or_default();
+    for dev in devices {
+        let netdev = std::fs::read_to_string(dev.path().join("ports/1/gid_attrs/ndevs/0")).unwrap_or_default();
+        if let Some(ip) = ipv4_of(netdev.trim()) {
+            return IpAddr::V4(ip);
+        }
+    }
+    panic!(
+        "no RDMA device with an IPv4 address on this machine: this is a device test. Run it with \
+         `cargo test` (cargo's runner, harness/runner, starts a Soft-RoCE guest) or `harness/test`; \
+         on real hardware check `rdma link` and `ip addr`"
+    );
+}
+
+fn ipv4_of(ifname: &str) -> Option<Ipv4Addr> {
+    if ifname.is_empty() {
+        return None;
+    }
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut p = head;
+    while !p.is_null() {
+        // SAFETY: p walks the list getifaddrs returned; fields are valid until freeifaddrs.
+        let ifa = unsafe { &*p };
+        // SAFETY: ifa_name is a NUL-terminated string.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy();
+        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family says its layout.
+        if name == ifname && !ifa.ifa_addr.is_null() && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET {
+            // SAFETY: AF_INET means the sockaddr is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            break;
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: head came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    found
+}
+
+/// User-space entries in the kernel's RDMA resource tracking, per type. The kernel records
+/// the creating *thread* (and drops the pid once that thread exits), so entries are counted
+/// as "not the kernel's" (kernel objects show `comm [module]`), not by our pid. Device tests
+/// run one at a time, so the counts are the test's.
+pub fn resources() -> Vec<(&'static str, usize)> {
+    ["qp", "cq", "mr", "pd", "cm_id"]
+        .into_iter()
+        .map(|kind| {
+            let out = Command::new("rdma").args(["res", "show", kind]).output().expect("run `rdma res show`");
+            assert!(out.status.success(), "`rdma res show {kind}` failed: {}", String::from_utf8_lossy(&out.stderr));
+            let text = String::from_utf8_lossy(&out.stdout);
+            (kind, text.lines().filter(|l| !l.trim().is_empty() && !l.contains("comm [")).count())
+        })
+        .collect()
+}
+
+pub fn resource_total() -> usize {
+    resources().iter().map(|(_, n)| n).sum()
+}
+
+/// Waits (bounded) until the counts are back to `baseline`; panics with the counts if not.
+pub fn wait_resources(baseline: &[(&'static str, usize)], when: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = resources();
+        if r.iter().zip(baseline).all(|((_, n), (_, b))| n <= b) {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!("RDMA resources leaked {when}: {r:?}, baseline {baseline:?} (from `rdma res show`)");
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One side of a connected loopback pair, with the regions it registered.
+pub struct Side {
+    pub conn: Connection,
+    pub pd: Arc<ProtectionDomain>,
+    pub mrs: Vec<MemoryRegion>,
+}
+
+/// How to set up each side of a pair.
+#[derive(Clone)]
+pub struct PairSpec {
+    pub mr_sizes: Vec<usize>,
+    pub access: AccessFlags,
+    pub init: QpInit,
+    pub param: ConnParam,
+    /// Receives posted on MR 0 before connecting: (wr_id, len) each.
+    pub pre_recv: Vec<(u64, usize)>,
+}
+
+impl Default for PairSpec {
+    fn default() -> Self {
+        PairSpec {
+            mr_sizes: vec![4096],
+            access: AccessFlags::LOCAL_WRITE,
+            init: QpInit::new(),
+            param: ConnParam::new(),
+            pre_recv: vec![],
+        }
+    }
+}
+
+/// Connects a client and a server over the device at `addr`, the server accepting in a thread.
+/// Returns (client, server).
+pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
+    let listener = Server::new().unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().expect("listener has an address");
+    assert_ne!(dst.port(), 0, "bind to port 0 must pick a port");
+    let srv = thread::spawn(move || {
+        let req = listener.get_request(T).expect("server: get_request");
+        let pd = req.alloc_pd().expect("server: alloc_pd");
+        let mrs: Vec<_> =
+            server.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, server.access).expect("server: mr")).collect();
+        let mut q = req.create_qp(&pd, server.init.clone()).expect("server: create_qp");
+        for &(id, len) in &server.pre_recv {
+            q.qp_mut().post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).expect("server: pre-recv");
+        }
+        let conn = q.accept(&server.param, T).expect("server: accept");
+        Side { conn, pd, mrs }
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mrs: Vec<_> = client.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, client.access).unwrap()).collect();
+    let mut q = route.create_qp(&pd, client.init.clone()).unwrap();
+    for &(id, len) in &client.pre_recv {
+        q.qp_mut().post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).unwrap();
+    }
+    let conn = q.connect(&client.param, T).expect("client: connect");
+    let server = srv.join().expect("server thread panicked");
+    (Side { conn, pd, mrs }, server)
+}
+
+/// A deterministic pattern distinct per `seed`.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(131).wrapping_add(seed as u32 * 17 + 3) as u8).collect()
+}

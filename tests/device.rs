@@ -1,0 +1,451 @@
+//! Device tests: every public type against a real RDMA device (Soft-RoCE `rxe0` in the guest).
+//!
+//! Each test starts with `DeviceTest::start()`, which fails when no device is present, and ends
+//! with `finish()`, which fails when the kernel's resource tracking still lists a QP, CQ, MR, PD
+//! or CM id of this process.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{pair, pattern, DeviceTest, PairSpec, T};
+use rdma_cm::{
+    AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Error, EventChannel, MemoryRegion,
+    QpInfo, QpInit, RecvWr, SendWr, Server, WcStatus, WorkCompletion, WorkQueue,
+};
+
+const SIZES: [usize; 4] = [1, 1024, 64 * 1024, 1 << 20];
+
+fn all_permutations(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![vec![]];
+    }
+    let mut out = vec![];
+    for p in all_permutations(n - 1) {
+        for i in 0..=p.len() {
+            let mut q = p.clone();
+            q.insert(i, n - 1);
+            out.push(q);
+        }
+    }
+    out
+}
+
+#[test]
+fn every_object_opens_and_closes_in_every_drop_order() {
+    let t = DeviceTest::start();
+    let dst = SocketAddr::new(t.addr, 7999);
+    let perms = all_permutations(5);
+    assert_eq!(perms.len(), 120);
+    for (k, order) in perms.iter().enumerate() {
+        let ch = EventChannel::new().unwrap();
+        let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let ctx = route.context().unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let cq = CompletionQueue::new(&ctx, 32).unwrap();
+        let mut qp = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq))).unwrap();
+        // Leave work in flight too: the QP must flush it before releasing the region.
+        qp.qp_mut().post_recv(&[RecvWr::new(&mr, 0..4096)]).unwrap();
+        assert!(common::resource_total() >= 5, "objects should be visible to the kernel");
+        let mut items: Vec<Option<Box<dyn std::any::Any>>> =
+            vec![Some(Box::new(ch)), Some(Box::new(pd)), Some(Box::new(mr)), Some(Box::new(cq)), Some(Box::new(qp))];
+        drop(ctx);
+        for &i in order {
+            drop(items[i].take());
+        }
+        if k % 20 == 0 || k == perms.len() - 1 {
+            t.check(&format!("after drop order {order:?}"));
+        }
+    }
+    t.finish();
+}
+
+#[test]
+fn connect_and_accept_by_address_then_disconnect() {
+    let t = DeviceTest::start();
+    let (c, s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    assert_eq!(c.conn.peer_addr().map(|a| a.ip()), Some(t.addr));
+    assert_eq!(s.conn.local_addr().map(|a| a.ip()), Some(t.addr));
+    assert_eq!(c.conn.peer_addr().unwrap().port(), s.conn.local_addr().unwrap().port());
+    assert_eq!(c.conn.local_addr(), s.conn.peer_addr());
+    // The passive side must answer the disconnect (it does when it reads DISCONNECTED).
+    let server = thread::spawn(move || {
+        let mut s = s; // the whole side (not only the captured field) belongs to this thread
+        let deadline = Instant::now() + T;
+        while !s.conn.is_disconnected() {
+            assert!(Instant::now() < deadline, "server never saw DISCONNECTED");
+            if s.conn.try_event().unwrap().is_none() {
+                thread::sleep(Duration::from_millis(5));
+            }
+        }
+    });
+    let common::Side { conn, pd, mrs } = c;
+    conn.disconnect(T).expect("client disconnect");
+    server.join().unwrap();
+    drop((pd, mrs));
+    t.finish();
+}
+
+#[test]
+fn rejection_carries_private_data() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let srv = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        assert_eq!(&req.private_data()[..5], b"hello");
+        req.reject(b"go away: test").unwrap();
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let q = route.create_qp(&pd, QpInit::new()).unwrap();
+    let err = q.connect(&ConnParam::new().private_data(b"hello").unwrap(), T).unwrap_err();
+    srv.join().unwrap();
+    match &err {
+        Error::UnexpectedEvent { got: CmEventType::Rejected, private_data, status, .. } => {
+            assert_eq!(*status, 28, "consumer reject");
+            assert_eq!(&private_data[..13], b"go away: test");
+        }
+        e => panic!("expected REJECTED, got {e:?}"),
+    }
+    assert!(err.to_string().contains("REJECTED") && err.to_string().contains("refused"), "{err}");
+    drop(pd);
+    t.finish();
+}
+
+#[test]
+fn connecting_where_nobody_listens_is_rejected_with_a_hint() {
+    let t = DeviceTest::start();
+    let dst = SocketAddr::new(t.addr, 7998);
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let q = route.create_qp(&pd, QpInit::new()).unwrap();
+    let start = Instant::now();
+    let err = q.connect(&ConnParam::new(), T).unwrap_err();
+    assert!(start.elapsed() < T, "must fail before the timeout");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::UnexpectedEvent { got: CmEventType::Rejected, .. }), "{err:?}");
+    assert!(msg.contains("nobody listens") && msg.contains(&dst.to_string()), "{msg}");
+    drop(pd);
+    t.finish();
+}
+
+#[test]
+fn send_recv_is_byte_exact_at_1b_1k_64k_1m() {
+    let t = DeviceTest::start();
+    let max = *SIZES.last().unwrap();
+    let spec = PairSpec { mr_sizes: vec![max], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
+    for (i, &n) in SIZES.iter().enumerate() {
+        let want = pattern(n, i as u8);
+        s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..max).wr_id(i as u64)]).unwrap();
+        c.mrs[0].as_mut_slice().unwrap()[..n].copy_from_slice(&want);
+        c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..n).wr_id(100 + i as u64)]).unwrap();
+        let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 100 + i as u64, T).unwrap();
+        assert_eq!(wc.queue(), WorkQueue::Send);
+        let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, i as u64, T).unwrap();
+        assert_eq!(wc.byte_len() as usize, n, "size {n}");
+        assert_eq!(&s.mrs[0].as_slice().unwrap()[..n], &want[..], "payload of {n} bytes");
+    }
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn rdma_write_with_qp_info_exchange_is_byte_exact() {
+    let t = DeviceTest::start();
+    let max = *SIZES.last().unwrap();
+    let client = PairSpec { mr_sizes: vec![max], ..PairSpec::default() };
+    // The server's region is remotely writable; it advertises it in the accept private data.
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let srv = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let region = MemoryRegion::new(&pd, max, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+        let ctl = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+        let info =
+            QpInfo { qp_num: q.qp_mut().qp_num(), psn: 0, rkey: region.rkey(), vaddr: region.addr(), len: max as u32 };
+        for i in 0..SIZES.len() as u64 {
+            q.qp_mut().post_recv(&[RecvWr::new(&ctl, 0..16).wr_id(i)]).unwrap();
+        }
+        let conn = q.accept(&ConnParam::new().private_data(&info.encode()).unwrap(), T).unwrap();
+        (conn, region, ctl, pd)
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mut src = MemoryRegion::new(&pd, max, client.access).unwrap();
+    let q = route.create_qp(&pd, QpInit::new()).unwrap();
+    let mut conn = q.connect(&ConnParam::new(), T).unwrap();
+    let (mut sconn, mut region, ctl, spd) = srv.join().unwrap();
+    let (info, _) = QpInfo::decode(conn.peer_private_data()).expect("server's qp_info");
+    assert_eq!(info.qp_num, sconn.qp().qp_num());
+    let remote = info.region().unwrap();
+    // A slice of a remotely writable region is never handed out.
+    assert!(matches!(region.as_slice(), Err(Error::RemotelyWritable)));
+    for (i, &n) in SIZES.iter().enumerate() {
+        let want = pattern(n, 40 + i as u8);
+        src.as_mut_slice().unwrap()[..n].copy_from_slice(&want);
+        let wr = SendWr::write(&src, 0..n, &remote, 0).unwrap().imm(i as u32).wr_id(i as u64);
+        conn.qp_mut().post_send(&[wr]).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap();
+        let wc = sconn.qp_mut().wait_for(WorkQueue::Recv, i as u64, T).unwrap();
+        assert_eq!(wc.imm_data(), Some(i as u32));
+        let mut got = vec![0u8; n];
+        region.read_at(0, &mut got).unwrap();
+        assert_eq!(got, want, "RDMA WRITE of {n} bytes");
+    }
+    // Writing past the advertised region is refused before anything is posted.
+    assert!(matches!(SendWr::write(&src, 0..2, &remote, max as u64 - 1), Err(Error::OutOfBounds { .. })));
+    drop((conn, sconn, region, ctl, spd, src, pd));
+    t.finish();
+}
+
+#[test]
+fn rdma_read_is_byte_exact() {
+    let t = DeviceTest::start();
+    let max = *SIZES.last().unwrap();
+    let spec_c = PairSpec { mr_sizes: vec![max], ..PairSpec::default() };
+    let spec_s = PairSpec {
+        mr_sizes: vec![max],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, spec_c, spec_s);
+    let remote = s.mrs[0].remote();
+    for (i, &n) in SIZES.iter().enumerate() {
+        let want = pattern(n, 80 + i as u8);
+        s.mrs[0].as_mut_slice().unwrap()[..n].copy_from_slice(&want);
+        c.conn.qp_mut().post_send(&[SendWr::read(&c.mrs[0], 0..n, &remote, 0).unwrap().wr_id(i as u64)]).unwrap();
+        // The destination is locked while the READ is in flight.
+        let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap();
+        assert_eq!(wc.byte_len() as usize, n);
+        assert_eq!(&c.mrs[0].as_slice().unwrap()[..n], &want[..], "RDMA READ of {n} bytes");
+    }
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn inline_and_unsignaled_sends_and_batched_posts() {
+    let t = DeviceTest::start();
+    let spec_c = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let spec_s = PairSpec { mr_sizes: vec![16 * 64], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec_c, spec_s);
+    // 16 receives in one batched post (the queue's whole depth), in 64-byte slots.
+    let recvs: Vec<RecvWr> = (0..16).map(|k| RecvWr::new(&s.mrs[0], k * 64..(k + 1) * 64).wr_id(k as u64)).collect();
+    s.conn.qp_mut().post_recv(&recvs).unwrap();
+    assert_eq!(s.conn.qp().outstanding_recvs(), 16);
+    assert!(matches!(s.conn.qp_mut().post_recv(&recvs[..1]), Err(Error::QueueFull { .. })));
+    c.mrs[0].as_mut_slice().unwrap()[..64].copy_from_slice(&pattern(64, 1));
+    let inline = pattern(40, 2);
+    // 15 unsignaled sends from the region, then one signaled inline send: one batch.
+    let mut wrs: Vec<SendWr> = (0..15).map(|k| SendWr::send(&c.mrs[0], 0..64).wr_id(k).unsignaled()).collect();
+    wrs.push(SendWr::send_inline(&inline).wr_id(15));
+    c.conn.qp_mut().post_send(&wrs).unwrap();
+    assert_eq!(c.conn.qp().outstanding_sends(), 16);
+    assert_eq!(c.mrs[0].outstanding(), 15, "each unsignaled send holds the region");
+    assert!(matches!(c.mrs[0].as_mut_slice(), Err(Error::InFlight { outstanding: 15 })));
+    // Exactly one completion: the signaled one retires the 15 before it.
+    let mut wcs = [WorkCompletion::default(); 16];
+    let n = c.conn.qp_mut().wait_queue(WorkQueue::Send, &mut wcs, T).unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(wcs[0].wr_id(), 15);
+    assert!(wcs[0].is_ok());
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    assert_eq!(c.mrs[0].outstanding(), 0);
+    assert!(c.mrs[0].as_mut_slice().is_ok(), "region usable again after retirement");
+    let mut got = 0;
+    let deadline = Instant::now() + T;
+    while got < 16 {
+        assert!(Instant::now() < deadline, "only {got} of 16 receives completed");
+        let n = s.conn.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T).unwrap();
+        for wc in &wcs[..n] {
+            let wc = wc.ok().unwrap();
+            assert_eq!(wc.wr_id(), got as u64, "receives complete in order");
+            got += 1;
+        }
+    }
+    let buf = s.mrs[0].as_slice().unwrap();
+    for k in 0..15 {
+        assert_eq!(&buf[k * 64..k * 64 + 64], &pattern(64, 1)[..], "unsignaled send {k}");
+    }
+    assert_eq!(&buf[15 * 64..15 * 64 + 40], &inline[..], "inline send");
+    // Inline data beyond the QP's limit is refused up front.
+    let big = vec![0u8; c.conn.qp().max_inline_data() as usize + 1];
+    assert!(matches!(c.conn.qp_mut().post_send(&[SendWr::send_inline(&big)]), Err(Error::InvalidArgument(_))));
+    // The send queue refuses more work than it holds, without posting any of it.
+    let wrs: Vec<SendWr> = (0..17).map(|k| SendWr::send(&c.mrs[0], 0..1).wr_id(k)).collect();
+    assert!(matches!(c.conn.qp_mut().post_send(&wrs), Err(Error::QueueFull { depth: 16, .. })));
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn receive_queue_exhaustion_gives_rnr_error() {
+    let t = DeviceTest::start();
+    // The accepting side sets how often the connecting side retries on RNR.
+    let spec_s = PairSpec { param: ConnParam::new().rnr_retry_count(0), ..PairSpec::default() };
+    let (mut c, s) = pair(t.addr, PairSpec::default(), spec_s);
+    // The server posted no receive.
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(1)]).unwrap();
+    let err = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap_err();
+    match &err {
+        Error::WorkCompletion { status: WcStatus::RnrRetryExcErr, wr_id: 1, .. } => {}
+        e => panic!("expected RNR_RETRY_EXC_ERR, got {e:?}"),
+    }
+    assert!(err.to_string().contains("no receive posted"), "{err}");
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    assert!(c.mrs[0].as_mut_slice().is_ok());
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn message_larger_than_receive_buffer_fails_cleanly() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { pre_recv: vec![(7, 16)], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
+    let serr = s.conn.qp_mut().wait_for(WorkQueue::Recv, 7, T).unwrap_err();
+    // rxe reports LOC_QP_OP_ERR here; hardware usually reports LOC_LEN_ERR.
+    assert!(
+        matches!(serr, Error::WorkCompletion { status: WcStatus::LocLenErr | WcStatus::LocQpOpErr, .. }),
+        "{serr:?}"
+    );
+    let cerr = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap_err();
+    assert!(matches!(cerr, Error::WorkCompletion { .. } | Error::Disconnected { .. }), "{cerr:?}");
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn peer_that_leaves_flushes_the_survivors_receive_quickly() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { pre_recv: vec![(3, 64)], ..PairSpec::default() };
+    let (c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let start = Instant::now();
+    drop(c); // the client goes away without sending
+    let err = s.conn.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap_err();
+    assert!(matches!(err, Error::Disconnected { .. }), "{err:?}");
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert_eq!(s.conn.qp().outstanding_recvs(), 0, "the flush retired the receive");
+    assert!(s.mrs[0].as_mut_slice().is_ok());
+    drop(s);
+    t.finish();
+}
+
+#[test]
+fn region_stays_owned_by_the_qp_while_in_flight_even_if_dropped() {
+    let t = DeviceTest::start();
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    let mut target = MemoryRegion::new(&s.pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&target, 0..256).wr_id(9)]).unwrap();
+    assert!(matches!(target.as_slice(), Err(Error::InFlight { outstanding: 1 })));
+    assert!(matches!(target.read_at(0, &mut [0u8; 4]), Err(Error::InFlight { .. })));
+    drop(target); // the receive still holds the memory
+    c.mrs[0].as_mut_slice().unwrap()[..256].copy_from_slice(&pattern(256, 9));
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..256).wr_id(1)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 9, T).unwrap();
+    assert_eq!(wc.byte_len(), 256);
+    drop((c, s));
+    t.finish();
+}
+
+#[test]
+fn panic_with_work_in_flight_releases_everything() {
+    let t = DeviceTest::start();
+    let addr = t.addr;
+    let r = std::panic::catch_unwind(move || {
+        let spec = PairSpec { pre_recv: vec![(1, 4096)], ..PairSpec::default() };
+        let (_c, _s) = pair(addr, spec.clone(), spec);
+        panic!("user code panics while receives are posted");
+    });
+    assert!(r.is_err());
+    t.finish();
+}
+
+#[test]
+fn hundred_connections_through_one_event_channel() {
+    const N: usize = 100;
+    let t = DeviceTest::start();
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(128).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let mut accepting = HashMap::new();
+        let mut conns = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while conns.len() < N {
+            assert!(Instant::now() < deadline, "only {} of {N} established", conns.len());
+            let ev = ch.get_event(T).expect("server event");
+            match ev.event_type() {
+                CmEventType::ConnectRequest => {
+                    let req = ConnectRequest::from_event(ev).unwrap();
+                    let pd = req.alloc_pd().unwrap();
+                    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+                    let mut q = req.create_qp(&pd, QpInit::new().max_send_wr(2).max_recv_wr(2)).unwrap();
+                    q.qp_mut().post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0)]).unwrap();
+                    let acc = q.start_accept(&ConnParam::new()).unwrap();
+                    accepting.insert(acc.handle(), (acc, mr));
+                }
+                CmEventType::Established => {
+                    let (acc, mr) = accepting.remove(&ev.id()).expect("ESTABLISHED for a known id");
+                    conns.push((acc.complete(ev).unwrap(), mr));
+                }
+                other => panic!("unexpected {other} on the shared channel"),
+            }
+        }
+        drop(listener);
+        conns
+    });
+    // 10 client threads connect 10 times each.
+    let clients: Vec<_> = (0..10)
+        .map(|th| {
+            thread::spawn(move || {
+                (0..10)
+                    .map(|k| {
+                        let route =
+                            Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+                        let pd = route.alloc_pd().unwrap();
+                        let mut mr = MemoryRegion::new(&pd, 8, AccessFlags::LOCAL_WRITE).unwrap();
+                        mr.as_mut_slice().unwrap().copy_from_slice(&((th * 10 + k) as u64).to_be_bytes());
+                        let q = route.create_qp(&pd, QpInit::new().max_send_wr(2).max_recv_wr(2)).unwrap();
+                        (q.connect(&ConnParam::new(), T).expect("client connect"), mr)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut client_conns: Vec<_> = clients.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let mut server_conns = server.join().unwrap();
+    assert_eq!(client_conns.len(), N);
+    assert_eq!(server_conns.len(), N);
+    assert!(common::resources().iter().any(|(k, n)| *k == "qp" && *n >= 2 * N), "{:?}", common::resources());
+    for (conn, mr) in &mut client_conns {
+        conn.qp_mut().post_send(&[SendWr::send(mr, 0..8).wr_id(1)]).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    }
+    let mut seen = vec![false; N];
+    for (conn, mr) in &mut server_conns {
+        let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 0, T).unwrap();
+        assert_eq!(wc.byte_len(), 8);
+        let mut b = [0u8; 8];
+        mr.read_at(0, &mut b).unwrap();
+        let idx = u64::from_be_bytes(b) as usize;
+        assert!(idx < N && !seen[idx], "message {idx} duplicated or out of range");
+        seen[idx] = true;
+    }
+    assert!(seen.iter().all(|&s| s));
+    drop(client_conns);
+    drop(server_conns);
+    t.finish();
+}
