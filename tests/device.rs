@@ -434,7 +434,7 @@ fn hundred_connections_through_one_event_channel() {
         conn.qp_mut().post_send(&[SendWr::send(mr, 0..8).wr_id(1)]).unwrap();
         conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
     }
-    let mut seen = vec![false; N];
+    let mut seen = [false; N];
     for (conn, mr) in &mut server_conns {
         let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 0, T).unwrap();
         assert_eq!(wc.byte_len(), 8);
