@@ -3,7 +3,7 @@
 //! A CQ holds the [`VerbsContext`] it was created on. A [`QueuePair`](crate::QueuePair) holds
 //! an `Arc` of each of its CQs, so a CQ is destroyed only after every QP using it. The safe
 //! data path needs each CQ to serve a single QP (the QP routes each completion back to the
-//! buffer it posted), which [`CompletionQueue::claim`] enforces.
+//! buffer it posted), which the QP enforces when it claims the CQ.
 //!
 //! CQ events are acknowledged in batches (`ibv_ack_cq_events` takes a lock); the remainder is
 //! acknowledged before the CQ is destroyed, as libibverbs requires.

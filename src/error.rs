@@ -5,9 +5,9 @@
 //!
 //! | convention                                   | helper          |
 //! |----------------------------------------------|-----------------|
-//! | `rdma_*`: returns -1 and sets `errno`        | [`check_rdma`]  |
-//! | most `ibv_*`: returns the errno itself       | [`check_ibv`]   |
-//! | constructors: return NULL and set `errno`    | [`check_ptr`]   |
+//! | `rdma_*`: returns -1 and sets `errno`        | `check_rdma`    |
+//! | most `ibv_*`: returns the errno itself       | `check_ibv`     |
+//! | constructors: return NULL and set `errno`    | `check_ptr`     |
 //! | `ibv_poll_cq`: returns a negative value      | handled in `cq` |
 
 use std::fmt;

@@ -142,3 +142,8 @@ pub(crate) fn report_leak(op: &str, errno: i32) {
         std::io::Error::from_raw_os_error(errno.abs())
     );
 }
+
+/// Compiles the README's Rust example as a doctest, so the front page cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

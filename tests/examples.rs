@@ -1,0 +1,265 @@
+//! The examples themselves, run as processes on the device: their log lines, their exit codes,
+//! their errors, and interop with rdma-core's `rdma_server`/`rdma_client`.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+fn example(name: &str) -> PathBuf {
+    // target/debug/deps/examples-HASH -> target/debug/examples/NAME (cargo test builds examples)
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
+    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
+    p
+}
+
+/// A running server whose stdout is collected; `start` returns once it listens.
+struct Srv {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Srv {
+    fn start(args: &[&str]) -> Srv {
+        let mut child = Command::new(example("server"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn server");
+        let (tx, rx) = mpsc::channel();
+        for r in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                for l in BufReader::new(r).lines().map_while(Result::ok) {
+                    if tx.send(l).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        let mut s = Srv { child, lines: rx, seen: vec![] };
+        s.wait_line("Listening on port", Duration::from_secs(20));
+        s
+    }
+
+    fn wait_line(&mut self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.seen.iter().any(|l| l.contains(needle)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!("server never printed {needle:?}; it printed:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
+
+    /// Waits for the server to exit (bounded) and returns its status and whole output.
+    fn finish(mut self) -> (i32, String) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("server did not exit; output:\n{}", self.seen.join("\n"));
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(300)) {
+            self.seen.push(l);
+        }
+        (status.code().unwrap_or(-1), self.seen.join("\n"))
+    }
+}
+
+fn client(args: &[&str]) -> Output {
+    Command::new(example("client")).args(args).output().expect("run client")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn demo(port: &str, client_args: &[&str]) -> (String, String) {
+    let addr = common::device_addr().to_string();
+    let srv = Srv::start(&["-a", &addr, "-p", port, "--count", "1"]);
+    let mut args = vec!["-a", &addr, "-p", port];
+    args.extend_from_slice(client_args);
+    let out = client(&args);
+    let (cout, cerr) = text(&out);
+    let (code, sout) = srv.finish();
+    assert!(out.status.success(), "client failed:\n{cout}\n{cerr}\nserver:\n{sout}");
+    assert_eq!(code, 0, "server failed:\n{sout}");
+    (cout, sout)
+}
+
+const TRAIL_SERVER: [&str; 7] = [
+    "[INFO] Created listening ID",
+    "[INFO] Bound to address",
+    "[INFO] Listening on port 7601...",
+    "[EVENT] Received CONNECT_REQUEST from",
+    "[EVENT] Connection established",
+    "[INFO] Received 1024 bytes",
+    "[INFO] Sent 1024 bytes",
+];
+const TRAIL_CLIENT: [&str; 7] = [
+    "[EVENT] Address resolved",
+    "[EVENT] Route resolved",
+    "[EVENT] Connection established",
+    "[INFO] Sent 1024 bytes",
+    "[INFO] Received 1024 bytes",
+    "[INFO] Echo verified: 1 x 1024 bytes match",
+    "[INFO] Round-trip completed.",
+];
+
+#[test]
+fn demo_send_prints_the_seed_trail_and_timings() {
+    let (c, s) = demo("7601", &[]);
+    for l in TRAIL_SERVER {
+        assert!(s.contains(l), "server lacks {l:?}:\n{s}");
+    }
+    for l in TRAIL_CLIENT {
+        assert!(c.contains(l), "client lacks {l:?}:\n{c}");
+    }
+    for out in [&c, &s] {
+        assert!(out.contains("Memory registration took") && out.contains("QP creation took"), "{out}");
+    }
+    // The trail is in order on each side.
+    let pos = |hay: &str, l: &str| hay.find(l).unwrap();
+    for w in TRAIL_CLIENT.windows(2) {
+        assert!(pos(&c, w[0]) < pos(&c, w[1]), "{:?} before {:?}", w[0], w[1]);
+    }
+}
+
+#[test]
+fn demo_write_and_read_modes_verify_the_echo() {
+    let (c, _) = demo("7602", &["--mode", "write", "--size", "65536"]);
+    assert!(c.contains("Echo verified: 1 x 65536 bytes match"), "{c}");
+    let (c, _) = demo("7603", &["--mode", "read", "--size", "1048576"]);
+    assert!(c.contains("Echo verified: 1 x 1048576 bytes match"), "{c}");
+}
+
+#[test]
+fn demo_iterations_print_a_perftest_latency_table() {
+    let (c, s) = demo("7604", &["--size", "2", "--iters", "200"]);
+    assert!(c.contains("#bytes #iterations    t_min[usec]"), "{c}");
+    let row = c.lines().skip_while(|l| !l.contains("#bytes")).nth(1).expect("a result row");
+    let f: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!((f[0], f[1]), ("2", "200"), "{row}");
+    let nums: Vec<f64> = f[2..].iter().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(nums.len(), 7);
+    assert!(nums[0] > 0.0 && nums[0] <= nums[2] && nums[2] <= nums[1], "min <= typical <= max: {row}");
+    assert!(s.contains("Echoed 200 messages of 2 bytes"), "{s}");
+}
+
+#[test]
+fn client_without_a_server_fails_with_one_clear_line() {
+    let addr = common::device_addr().to_string();
+    let out = client(&["-a", &addr, "-p", "7605", "--timeout", "5"]);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr: {err}");
+    assert!(
+        lines[0].contains("REJECTED") && lines[0].contains("nobody listens") && lines[0].contains(":7605"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_arguments_are_refused_clearly() {
+    let out = client(&["-a", "10.0.0.1", "--size", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).1.contains("--size 0 is outside"), "{:?}", text(&out));
+    let out = client(&["-a", "10.0.0.1", "-p", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).1.contains("port 0"), "{:?}", text(&out));
+    let out = client(&["-a", "not-an-address"]);
+    assert_eq!(out.status.code(), Some(2), "clap's usage error");
+    assert!(text(&out).1.contains("invalid IP address syntax"), "{:?}", text(&out));
+    let out = client(&["-a", "10.0.0.1", "-p", "70000"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("70000"), "{:?}", text(&out));
+    let out = Command::new(example("server")).arg("--help").output().unwrap();
+    assert!(out.status.success() && text(&out).0.contains("--port"));
+}
+
+#[test]
+fn server_port_in_use_is_reported() {
+    let addr = common::device_addr().to_string();
+    let first = Srv::start(&["-a", &addr, "-p", "7606", "--count", "1"]);
+    let out = Command::new(example("server")).args(["-a", &addr, "-p", "7606"]).output().unwrap();
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("EADDRINUSE") && err.contains("-p"), "{err}");
+    // Let the first server finish with a client.
+    assert!(client(&["-a", &addr, "-p", "7606"]).status.success());
+    assert_eq!(first.finish().0, 0);
+}
+
+#[test]
+fn server_survives_a_killed_client_and_serves_the_next() {
+    let addr = common::device_addr().to_string();
+    let srv = Srv::start(&["-a", &addr, "-p", "7607", "--count", "2", "--timeout", "5"]);
+    let mut victim = Command::new(example("client"))
+        .args(["-a", &addr, "-p", "7607", "--iters", "1000000", "--size", "64"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    thread::sleep(Duration::from_secs(2));
+    victim.kill().unwrap(); // SIGKILL mid-transfer
+    victim.wait().unwrap();
+    let out = client(&["-a", &addr, "-p", "7607"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (code, s) = srv.finish();
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains("1 client(s) served, 1 failed"), "{s}");
+    assert!(s.contains("peer disconnected"), "the survivor names the cause:\n{s}");
+}
+
+#[test]
+fn server_exits_cleanly_on_sigterm() {
+    let addr = common::device_addr().to_string();
+    let srv = Srv::start(&["-a", &addr, "-p", "7608"]);
+    // SAFETY: kill(2) on our own child's pid with a valid signal.
+    assert_eq!(unsafe { libc::kill(srv.child.id() as i32, libc::SIGTERM) }, 0);
+    let (code, s) = srv.finish();
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains("Server exiting: 0 client(s) served"), "{s}");
+}
+
+#[test]
+fn interop_with_rdma_core_reference_pair() {
+    let addr = common::device_addr().to_string();
+    // Our client against rdma-core's rdma_server.
+    let mut rs = Command::new("rdma_server")
+        .args(["-p", "7609"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("rdma_server (rdmacm-utils)");
+    thread::sleep(Duration::from_secs(1));
+    let out = client(&["-a", &addr, "-p", "7609", "--size", "16"]);
+    let (c, e) = text(&out);
+    assert!(out.status.success(), "{c}\n{e}");
+    assert!(c.contains("[INFO] Received 16 bytes") && c.contains("rdma_server protocol"), "{c}");
+    assert!(rs.wait().unwrap().success(), "rdma_server failed");
+    // rdma-core's rdma_client against our server.
+    let srv = Srv::start(&["-a", &addr, "-p", "7610", "--count", "1"]);
+    let out = Command::new("rdma_client").args(["-s", &addr, "-p", "7610"]).output().unwrap();
+    assert!(out.status.success(), "rdma_client: {:?}", text(&out));
+    assert!(text(&out).0.contains("rdma_client: end 0"));
+    let (code, s) = srv.finish();
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains("rdma_client protocol") && s.contains("[INFO] Sent 16 bytes"), "{s}");
+}
