@@ -308,7 +308,7 @@ impl RouteResolved {
     /// # Errors
     /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`].
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
-        let qp = QueuePair::create(&self.id, pd, init)?;
+        let qp = QueuePair::new(&self.id, pd, init)?;
         Ok(ClientQp { id: self.id, qp })
     }
 
@@ -530,7 +530,7 @@ impl ConnectRequest {
     /// # Errors
     /// As for [`RouteResolved::create_qp`].
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
-        let qp = QueuePair::create(&self.id, pd, init)?;
+        let qp = QueuePair::new(&self.id, pd, init)?;
         Ok(ServerQp { id: self.id, qp, private_data: self.private_data, own_channel: self.own_channel })
     }
 

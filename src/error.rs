@@ -45,7 +45,7 @@ pub enum Error {
     },
 
     /// No RDMA device is present, or none is bound to the address used.
-    #[error("{op}: no RDMA device found{}: is rdma_rxe or a NIC driver loaded? see `rdma link` and `ibv_devices`", AddrCtx(.addr))]
+    #[error("{op}: no RDMA device found{}: is rdma_rxe or a NIC driver loaded? see `rdma link` and `ibv_devices` (without RDMA hardware, Soft-RoCE: `modprobe rdma_rxe && rdma link add rxe0 type rxe netdev NETDEV`)", AddrCtx(.addr))]
     NoDevice {
         /// The step that needed a device.
         op: &'static str,

@@ -60,10 +60,20 @@ impl AccessFlags {
 /// Page alignment of every region's buffer.
 const ALIGN: usize = 4096;
 
+/// Who allocated a region's memory, and so how it is freed.
+#[derive(Clone, Copy)]
+enum Alloc {
+    /// `MemoryRegion::new`: page-aligned, from the global allocator with this layout.
+    Aligned(Layout),
+    /// `MemoryRegion::register`: a `Box<[u8]>` given by the caller.
+    Boxed,
+}
+
 pub(crate) struct MrInner {
     mr: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    alloc: Alloc,
     access: AccessFlags,
     // Dropped after the MR is deregistered and the buffer freed (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
@@ -85,7 +95,20 @@ impl MrInner {
         self.buf.as_ptr() as u64
     }
     pub(crate) fn len(&self) -> usize {
-        self.layout.size()
+        self.len
+    }
+
+    /// Frees the buffer.
+    ///
+    /// # Safety
+    /// The MR must be deregistered, and the buffer freed only once.
+    unsafe fn free_buffer(&self) {
+        match self.alloc {
+            // SAFETY: allocated with this layout in MemoryRegion::new (caller: once, unmapped).
+            Alloc::Aligned(layout) => unsafe { alloc::dealloc(self.buf.as_ptr(), layout) },
+            // SAFETY: the pointer and length came from Box::into_raw of a Box<[u8]>.
+            Alloc::Boxed => drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len)) }),
+        }
     }
 }
 
@@ -99,9 +122,9 @@ impl Drop for MrInner {
             crate::report_leak("ibv_dereg_mr", ret);
             return;
         }
-        // SAFETY: `buf` was allocated with `layout` in MemoryRegion::new and is freed once;
-        // after deregistration the device can no longer reach it.
-        unsafe { alloc::dealloc(self.buf.as_ptr(), self.layout) };
+        // SAFETY: deregistered just now, so the device can no longer reach the buffer; this is
+        // the only place (besides into_buffer, which skips Drop) that frees it.
+        unsafe { self.free_buffer() };
     }
 }
 
@@ -134,7 +157,63 @@ impl MemoryRegion {
             unsafe { alloc::dealloc(buf.as_ptr(), layout) };
             return Err(reg_error(len, e));
         };
-        Ok(MemoryRegion { inner: Arc::new(MrInner { mr, buf, layout, access, pd: Arc::clone(pd) }) })
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner { mr, buf, len, alloc: Alloc::Aligned(layout), access, pd: Arc::clone(pd) }),
+        })
+    }
+
+    /// Registers a buffer the caller already has (e.g. pre-faulted, or reused across
+    /// registrations). The region owns it until [`MemoryRegion::into_buffer`] gives it back.
+    ///
+    /// # Errors
+    /// As for [`MemoryRegion::new`]; the buffer is dropped on failure.
+    pub fn register(pd: &Arc<ProtectionDomain>, buf: Box<[u8]>, access: AccessFlags) -> Result<MemoryRegion> {
+        let len = buf.len();
+        if len == 0 {
+            return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
+        }
+        let raw = Box::into_raw(buf);
+        // SAFETY: Box::into_raw never returns NULL.
+        let ptr = unsafe { NonNull::new_unchecked(raw.cast::<u8>()) };
+        // SAFETY: pd is valid; `ptr` points to `len` bytes we now own, which stay allocated until
+        // the MR is deregistered (MrInner frees them only after ibv_dereg_mr succeeds).
+        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32) };
+        let Some(mr) = NonNull::new(mr) else {
+            let e = errno();
+            // SAFETY: registration failed; `raw` came from Box::into_raw and is rebuilt once.
+            drop(unsafe { Box::from_raw(raw) });
+            return Err(reg_error(len, e));
+        };
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner { mr, buf: ptr, len, alloc: Alloc::Boxed, access, pd: Arc::clone(pd) }),
+        })
+    }
+
+    /// Deregisters the region and returns the buffer given to [`MemoryRegion::register`].
+    ///
+    /// # Errors
+    /// [`Error::InFlight`] while a work request uses it; [`Error::InvalidArgument`] for a
+    /// region made by [`MemoryRegion::new`] (its memory is page-aligned, not a `Box`);
+    /// [`Error::Call`] when `ibv_dereg_mr` fails (the buffer is then leaked, as the device may
+    /// still map it).
+    pub fn into_buffer(self) -> Result<Box<[u8]>> {
+        let outstanding = self.outstanding();
+        let inner = Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?;
+        if !matches!(inner.alloc, Alloc::Boxed) {
+            return Err(Error::InvalidArgument(
+                "into_buffer needs a region made by MemoryRegion::register".into(),
+            ));
+        }
+        let inner = std::mem::ManuallyDrop::new(inner);
+        // SAFETY: we own the last handle, so no work request uses the MR; it is deregistered
+        // exactly once (Drop will not run).
+        let ret = unsafe { ffi::ibv_dereg_mr(inner.mr.as_ptr()) };
+        // SAFETY: `inner` is never used again; moving the PD handle out releases it.
+        drop(unsafe { std::ptr::read(&inner.pd) });
+        crate::error::check_ibv(ret, "ibv_dereg_mr")?;
+        // SAFETY: deregistered, so the device cannot reach the memory; rebuilt exactly once from
+        // the pointer and length Box::into_raw gave us.
+        Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(inner.buf.as_ptr(), inner.len)) })
     }
 
     pub(crate) fn inner(&self) -> &Arc<MrInner> {

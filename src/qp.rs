@@ -292,8 +292,19 @@ unsafe impl Send for QueuePair {}
 
 impl QueuePair {
     /// Creates an RC QP on `id` with `rdma_create_qp`, so librdmacm drives its state changes
-    /// during connect/accept.
-    pub(crate) fn create(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
+    /// during connect/accept. The typestates ([`RouteResolved::create_qp`],
+    /// [`ConnectRequest::create_qp`]) are the usual way; this is for ids reached otherwise, e.g.
+    /// through [`VerbsContext::cm_id`](crate::VerbsContext::cm_id). The id must have a route
+    /// (or be a connection request) on `pd`'s device, and no QP yet.
+    ///
+    /// [`RouteResolved::create_qp`]: crate::RouteResolved::create_qp
+    /// [`ConnectRequest::create_qp`]: crate::ConnectRequest::create_qp
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for empty queues or CQs shallower than the queues;
+    /// [`Error::CqInUse`]; [`Error::Call`] when `rdma_create_qp` fails (e.g. `EINVAL` when the
+    /// capabilities exceed the device's limits).
+    pub fn new(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
         if init.max_send_wr == 0 || init.max_recv_wr == 0 {
             return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
         }

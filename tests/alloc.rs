@@ -1,0 +1,98 @@
+//! Posting and polling on a connected QP allocate nothing: a counting global allocator watches
+//! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{pair, DeviceTest, PairSpec};
+use rdma_cm::{AccessFlags, QueuePair, RecvWr, SendWr, WorkCompletion, WorkQueue};
+
+struct Counting;
+
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+static BYTES: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    // const-initialised and without a destructor: reading it never allocates.
+    static WATCH: Cell<bool> = const { Cell::new(false) };
+}
+
+// SAFETY: every call forwards to the system allocator unchanged; the counters are atomics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            BYTES.fetch_add(l.size(), Ordering::Relaxed);
+        }
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: forwarded; `p` came from System.alloc with `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            BYTES.fetch_add(n, Ordering::Relaxed);
+        }
+        // SAFETY: forwarded.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn watched<T>(f: impl FnOnce() -> T) -> T {
+    WATCH.with(|w| w.set(true));
+    let r = f();
+    WATCH.with(|w| w.set(false));
+    r
+}
+
+/// Polls `qp` until one completion arrives (bounded), counting only the poll itself.
+fn poll_one(qp: &mut QueuePair, wcs: &mut [WorkCompletion; 4]) -> WorkCompletion {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = watched(|| qp.poll(wcs)).unwrap();
+        if n > 0 {
+            assert_eq!(n, 1);
+            return wcs[0].ok().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no completion within 10 s");
+    }
+}
+
+#[test]
+fn post_and_poll_allocate_nothing() {
+    const N: u64 = 10_000;
+    let t = DeviceTest::start();
+    let spec = PairSpec { mr_sizes: vec![4096], access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
+    let remote = s.mrs[0].remote();
+    let mut wcs = [WorkCompletion::default(); 4];
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for i in 0..N {
+        let recv = RecvWr::new(&s.mrs[0], 0..64).wr_id(i);
+        watched(|| s.conn.qp_mut().post_recv(&[recv])).unwrap();
+        let send = SendWr::send(&c.mrs[0], 0..64).wr_id(i);
+        watched(|| c.conn.qp_mut().post_send(&[send])).unwrap();
+        assert_eq!(poll_one(c.conn.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_one(s.conn.qp_mut(), &mut wcs);
+        assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i, 64));
+        // An RDMA WRITE into the peer's remotely writable region.
+        let wr = SendWr::write(&c.mrs[0], 0..256, &remote, 512).unwrap().wr_id(i);
+        watched(|| c.conn.qp_mut().post_send(&[wr])).unwrap();
+        assert_eq!(poll_one(c.conn.qp_mut(), &mut wcs).wr_id(), i);
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations of post and poll");
+    drop((c, s));
+    t.finish();
+}
