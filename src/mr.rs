@@ -106,8 +106,11 @@ impl MrInner {
         match self.alloc {
             // SAFETY: allocated with this layout in MemoryRegion::new (caller: once, unmapped).
             Alloc::Aligned(layout) => unsafe { alloc::dealloc(self.buf.as_ptr(), layout) },
-            // SAFETY: the pointer and length came from Box::into_raw of a Box<[u8]>.
-            Alloc::Boxed => drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len)) }),
+            Alloc::Boxed => {
+                let raw = std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len);
+                // SAFETY: the pointer and length came from Box::into_raw of a Box<[u8]>.
+                drop(unsafe { Box::from_raw(raw) })
+            }
         }
     }
 }
@@ -200,9 +203,7 @@ impl MemoryRegion {
         let outstanding = self.outstanding();
         let inner = Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?;
         if !matches!(inner.alloc, Alloc::Boxed) {
-            return Err(Error::InvalidArgument(
-                "into_buffer needs a region made by MemoryRegion::register".into(),
-            ));
+            return Err(Error::InvalidArgument("into_buffer needs a region made by MemoryRegion::register".into()));
         }
         let inner = std::mem::ManuallyDrop::new(inner);
         // SAFETY: we own the last handle, so no work request uses the MR; it is deregistered

@@ -72,10 +72,18 @@ fn poll_one(qp: &mut QueuePair, wcs: &mut [WorkCompletion; 4]) -> WorkCompletion
 fn post_and_poll_allocate_nothing() {
     const N: u64 = 10_000;
     let t = DeviceTest::start();
-    let spec = PairSpec { mr_sizes: vec![4096], access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, ..PairSpec::default() };
+    let spec = PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        ..PairSpec::default()
+    };
     let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
     let remote = s.mrs[0].remote();
     let mut wcs = [WorkCompletion::default(); 4];
+    // The counter itself works: one watched allocation is seen.
+    ALLOCS.store(0, Ordering::SeqCst);
+    drop(watched(|| std::hint::black_box(Vec::<u8>::with_capacity(10))));
+    assert_eq!(ALLOCS.load(Ordering::SeqCst), 1, "the counting allocator must see allocations");
     ALLOCS.store(0, Ordering::SeqCst);
     BYTES.store(0, Ordering::SeqCst);
     for i in 0..N {
