@@ -714,6 +714,23 @@ impl Connection {
         Ok(ev)
     }
 
+    /// Waits up to `timeout` for the connection's next CM event (on its own channel), e.g. the
+    /// peer's `DISCONNECTED`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the connection shares its channel (read it in the event
+    /// loop and use [`Connection::handle_event`]); [`Error::Timeout`].
+    pub fn next_event(&mut self, timeout: Duration) -> Result<CmEvent> {
+        if !self.own_channel {
+            return Err(Error::InvalidArgument(
+                "this connection shares its event channel: read events in the event loop".into(),
+            ));
+        }
+        let ev = self.id.channel().get_event(timeout)?;
+        self.qp.on_cm_event(&ev);
+        Ok(ev)
+    }
+
     /// Feeds an event of this connection's id, read from a shared channel by an event loop,
     /// so that a `DISCONNECTED` flushes the QP.
     pub fn handle_event(&mut self, ev: &CmEvent) {

@@ -674,11 +674,19 @@ impl QueuePair {
         self.wait_on(Some(queue), out, timeout)
     }
 
+    /// Polls only `queue`'s CQ into `out`, without waiting. With a CQ shared by both queues,
+    /// completions of either queue come back.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.poll_cq(queue == WorkQueue::Send, out)
+    }
+
     fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
         match which {
             None => self.poll(out),
-            Some(WorkQueue::Send) => self.poll_cq(true, out),
-            Some(WorkQueue::Recv) => self.poll_cq(false, out),
+            Some(q) => self.poll_queue(q, out),
         }
     }
 

@@ -3,6 +3,11 @@
 
 mod common;
 
+// The examples' own protocol module; its unit tests (request encoding, hostile requests) run here.
+#[allow(dead_code)]
+#[path = "../examples/common/mod.rs"]
+mod example_protocol;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};

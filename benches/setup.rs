@@ -1,0 +1,364 @@
+//! The cost of setup: PD, CQ, QP and CM id creation, memory registration, and a whole
+//! connection, each measured as `raw` (the same rdma-sys calls made directly) beside `rdma_cm`
+//! (through the crate), on the same device in the same process.
+//!
+//! ```text
+//! cargo bench --bench setup            # on a machine with a device (else in the guest)
+//! harness/bench                        # everything, plus the rdma-core/perftest comparison
+//! ```
+
+mod common;
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread;
+
+use common::{criterion, raw_expect, route, zeroed, T};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use rdma_cm::ffi;
+use rdma_cm::ffi::rdma_cm_event_type::*;
+use rdma_cm::{
+    AccessFlags, Client, CmId, CompletionQueue, ConnParam, EventChannel, MemoryRegion, ProtectionDomain, QpInit,
+    QueuePair, Server,
+};
+
+fn pd_alloc(c: &mut Criterion) {
+    let route = route(7900);
+    let ctx = route.context().unwrap();
+    let mut g = c.benchmark_group("pd_alloc");
+    g.bench_function("raw", |b| {
+        b.iter(|| {
+            // SAFETY: the context is open (held by `ctx`); the PD is freed at once.
+            unsafe {
+                let pd = ffi::ibv_alloc_pd(ctx.as_raw());
+                assert!(!pd.is_null());
+                assert_eq!(ffi::ibv_dealloc_pd(pd), 0);
+            }
+        })
+    });
+    g.bench_function("rdma_cm", |b| b.iter(|| drop(black_box(ProtectionDomain::new(&ctx).unwrap()))));
+    g.finish();
+}
+
+fn cq_create(c: &mut Criterion) {
+    let route = route(7901);
+    let ctx = route.context().unwrap();
+    let mut g = c.benchmark_group("cq_create");
+    for depth in [16u32, 4096] {
+        g.bench_function(BenchmarkId::new("raw", depth), |b| {
+            b.iter(|| {
+                // SAFETY: context open; the channel and CQ are destroyed at once, CQ first.
+                unsafe {
+                    let ch = ffi::ibv_create_comp_channel(ctx.as_raw());
+                    let cq = ffi::ibv_create_cq(ctx.as_raw(), depth as i32, std::ptr::null_mut(), ch, 0);
+                    assert!(!ch.is_null() && !cq.is_null());
+                    assert_eq!(ffi::ibv_destroy_cq(cq), 0);
+                    assert_eq!(ffi::ibv_destroy_comp_channel(ch), 0);
+                }
+            })
+        });
+        g.bench_function(BenchmarkId::new("rdma_cm", depth), |b| {
+            b.iter(|| drop(black_box(CompletionQueue::new(&ctx, depth).unwrap())))
+        });
+    }
+    g.finish();
+}
+
+fn qp_create(c: &mut Criterion) {
+    let route = route(7902);
+    let ctx = route.context().unwrap();
+    let id = Arc::clone(ctx.cm_id());
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let (scq, rcq) = (CompletionQueue::new(&ctx, 16).unwrap(), CompletionQueue::new(&ctx, 16).unwrap());
+    let mut g = c.benchmark_group("qp_create");
+    g.bench_function("raw", |b| {
+        b.iter(|| {
+            // SAFETY: zeroed ibv_qp_init_attr is valid; id, PD and CQs are alive and on one
+            // device; the QP is destroyed at once with rdma_destroy_qp.
+            unsafe {
+                let mut attr: ffi::ibv_qp_init_attr = zeroed();
+                attr.send_cq = scq.as_raw();
+                attr.recv_cq = rcq.as_raw();
+                attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+                attr.cap = ffi::ibv_qp_cap {
+                    max_send_wr: 16,
+                    max_recv_wr: 16,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 64,
+                };
+                assert_eq!(ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), &mut attr), 0);
+                ffi::rdma_destroy_qp(id.as_raw());
+            }
+        })
+    });
+    g.bench_function("rdma_cm", |b| {
+        b.iter(|| {
+            let init = QpInit::new().send_cq(Arc::clone(&scq)).recv_cq(Arc::clone(&rcq));
+            drop(black_box(QueuePair::new(&id, &pd, init).unwrap()))
+        })
+    });
+    g.finish();
+}
+
+fn cm_id_create(c: &mut Criterion) {
+    let ch = EventChannel::new().unwrap();
+    let mut g = c.benchmark_group("cm_id_create");
+    g.bench_function("raw", |b| {
+        b.iter(|| {
+            let mut id = std::ptr::null_mut();
+            // SAFETY: the channel is open; the id is destroyed at once.
+            unsafe {
+                let ps = ffi::rdma_port_space::RDMA_PS_TCP;
+                assert_eq!(ffi::rdma_create_id(ch.as_raw(), &mut id, std::ptr::null_mut(), ps), 0);
+                assert_eq!(ffi::rdma_destroy_id(id), 0);
+            }
+        })
+    });
+    g.bench_function("rdma_cm", |b| b.iter(|| drop(black_box(CmId::new(&ch).unwrap()))));
+    g.finish();
+}
+
+fn mr_reg(c: &mut Criterion) {
+    let route = route(7903);
+    let pd = route.alloc_pd().unwrap();
+    let mut g = c.benchmark_group("mr_reg");
+    g.sample_size(10);
+    for (name, len) in
+        [("4KiB", 4usize << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20), ("64MiB", 64 << 20)]
+    {
+        // Pre-faulted: every page written once, so the figure is registration alone.
+        let mut buf = Some(vec![1u8; len].into_boxed_slice());
+        g.bench_function(BenchmarkId::new("raw", name), |b| {
+            let p = buf.as_mut().unwrap();
+            b.iter(|| {
+                // SAFETY: `p` is a live buffer of `len` bytes; the MR is deregistered at once.
+                unsafe {
+                    let mr = ffi::ibv_reg_mr(
+                        pd.as_raw(),
+                        p.as_mut_ptr().cast(),
+                        len,
+                        AccessFlags::LOCAL_WRITE.bits() as i32,
+                    );
+                    assert!(!mr.is_null(), "ibv_reg_mr {len}");
+                    assert_eq!(ffi::ibv_dereg_mr(mr), 0);
+                }
+            })
+        });
+        g.bench_function(BenchmarkId::new("rdma_cm", name), |b| {
+            b.iter(|| {
+                let mr = MemoryRegion::register(&pd, buf.take().unwrap(), AccessFlags::LOCAL_WRITE).unwrap();
+                buf = Some(mr.into_buffer().unwrap());
+            })
+        });
+    }
+    g.finish();
+}
+
+/// One whole connection through the crate: the server thread accepts, waits for the client's
+/// disconnect, and tears down.
+fn connect_once_crate(dst: SocketAddr, server: &Server2) {
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let q = route.create_qp(&pd, QpInit::new()).unwrap();
+    let conn = q.connect(&ConnParam::new(), T).unwrap();
+    conn.disconnect(T).unwrap();
+    server.done.recv().unwrap();
+}
+
+struct Server2 {
+    done: std::sync::mpsc::Receiver<()>,
+}
+
+fn crate_server(addr: std::net::IpAddr) -> (SocketAddr, Server2) {
+    let listener = Server::new().unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(16).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        while let Ok(req) = listener.get_request(std::time::Duration::from_secs(600)) {
+            let pd = req.alloc_pd().unwrap();
+            let q = req.create_qp(&pd, QpInit::new()).unwrap();
+            let mut conn = q.accept(&ConnParam::new(), T).unwrap();
+            while !conn.is_disconnected() {
+                conn.next_event(T).unwrap();
+            }
+            drop((conn, pd));
+            if tx.send(()).is_err() {
+                break;
+            }
+        }
+    });
+    (dst, Server2 { done: rx })
+}
+
+/// The same connection with raw librdmacm/verbs calls on both sides.
+mod raw_conn {
+    use super::*;
+
+    pub struct Qp {
+        pub pd: *mut ffi::ibv_pd,
+        pub cqs: [*mut ffi::ibv_cq; 2],
+        pub chs: [*mut ffi::ibv_comp_channel; 2],
+    }
+
+    /// Creates CQs (with channels) and an RC QP on `id`, as the crate does.
+    ///
+    /// # Safety
+    /// `id` must be route-resolved or a connection request.
+    pub unsafe fn create_qp(id: *mut ffi::rdma_cm_id) -> Qp {
+        // SAFETY: caller guarantees `id`; librdmacm set its verbs context.
+        unsafe {
+            let ctx = (*id).verbs;
+            let pd = ffi::ibv_alloc_pd(ctx);
+            let chs = [ffi::ibv_create_comp_channel(ctx), ffi::ibv_create_comp_channel(ctx)];
+            let cqs = [
+                ffi::ibv_create_cq(ctx, 16, std::ptr::null_mut(), chs[0], 0),
+                ffi::ibv_create_cq(ctx, 16, std::ptr::null_mut(), chs[1], 0),
+            ];
+            let mut attr: ffi::ibv_qp_init_attr = zeroed();
+            attr.send_cq = cqs[0];
+            attr.recv_cq = cqs[1];
+            attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+            attr.cap = ffi::ibv_qp_cap {
+                max_send_wr: 16,
+                max_recv_wr: 16,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 64,
+            };
+            assert_eq!(ffi::rdma_create_qp(id, pd, &mut attr), 0);
+            Qp { pd, cqs, chs }
+        }
+    }
+
+    /// # Safety
+    /// `id` must own the QP described by `q`, and nothing may use them afterwards.
+    pub unsafe fn destroy(id: *mut ffi::rdma_cm_id, q: Qp) {
+        // SAFETY: caller guarantees exclusivity; children are destroyed before parents.
+        unsafe {
+            ffi::rdma_destroy_qp(id);
+            for cq in q.cqs {
+                ffi::ibv_destroy_cq(cq);
+            }
+            for ch in q.chs {
+                ffi::ibv_destroy_comp_channel(ch);
+            }
+            ffi::ibv_dealloc_pd(q.pd);
+            ffi::rdma_destroy_id(id);
+        }
+    }
+
+    pub fn conn_param() -> ffi::rdma_conn_param {
+        // SAFETY: rdma_conn_param is plain old data.
+        let mut p: ffi::rdma_conn_param = unsafe { zeroed() };
+        p.responder_resources = 1;
+        p.initiator_depth = 1;
+        p.flow_control = 1;
+        p.retry_count = 7;
+        p.rnr_retry_count = 7;
+        p
+    }
+
+    /// A raw server: one channel, accept, wait for DISCONNECTED, tear down, repeat.
+    pub fn server(addr: std::net::IpAddr) -> (SocketAddr, Server2) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (atx, arx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            // SAFETY: every pointer below comes from the call before it and is used on this
+            // thread only; events are acked in raw_expect before their ids are destroyed.
+            unsafe {
+                let ch = ffi::rdma_create_event_channel();
+                let mut lid = std::ptr::null_mut();
+                assert_eq!(
+                    ffi::rdma_create_id(ch, &mut lid, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP),
+                    0
+                );
+                let (mut sa, _) = sockaddr(SocketAddr::new(addr, 0));
+                assert_eq!(ffi::rdma_bind_addr(lid, (&mut sa as *mut libc::sockaddr_storage).cast()), 0);
+                assert_eq!(ffi::rdma_listen(lid, 16), 0);
+                atx.send(u16::from_be((*lid).route.addr.src_addr_union.src_sin.sin_port)).unwrap();
+                loop {
+                    let id = raw_expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+                    let q = create_qp(id);
+                    let mut p = conn_param();
+                    assert_eq!(ffi::rdma_accept(id, &mut p), 0);
+                    raw_expect(ch, RDMA_CM_EVENT_ESTABLISHED);
+                    raw_expect(ch, RDMA_CM_EVENT_DISCONNECTED);
+                    ffi::rdma_disconnect(id);
+                    destroy(id, q);
+                    if tx.send(()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let port = arx.recv().unwrap();
+        (SocketAddr::new(addr, port), Server2 { done: rx })
+    }
+
+    /// One raw client connection through teardown.
+    pub fn connect_once(dst: SocketAddr, server: &Server2) {
+        // SAFETY: as in `server`.
+        unsafe {
+            let ch = ffi::rdma_create_event_channel();
+            let mut id = std::ptr::null_mut();
+            assert_eq!(ffi::rdma_create_id(ch, &mut id, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP), 0);
+            let (mut d, _) = sockaddr(dst);
+            assert_eq!(
+                ffi::rdma_resolve_addr(
+                    id,
+                    std::ptr::null_mut(),
+                    (&mut d as *mut libc::sockaddr_storage).cast(),
+                    10_000
+                ),
+                0
+            );
+            raw_expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED);
+            assert_eq!(ffi::rdma_resolve_route(id, 10_000), 0);
+            raw_expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED);
+            let q = create_qp(id);
+            let mut p = conn_param();
+            assert_eq!(ffi::rdma_connect(id, &mut p), 0);
+            raw_expect(ch, RDMA_CM_EVENT_ESTABLISHED);
+            assert_eq!(ffi::rdma_disconnect(id), 0);
+            raw_expect(ch, RDMA_CM_EVENT_DISCONNECTED);
+            destroy(id, q);
+            ffi::rdma_destroy_event_channel(ch);
+        }
+        server.done.recv().unwrap();
+    }
+
+    fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, ()) {
+        // SAFETY: sockaddr_storage is plain old data.
+        let mut ss: libc::sockaddr_storage = unsafe { zeroed() };
+        let SocketAddr::V4(v4) = a else { panic!("IPv4 only") };
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: v4.port().to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+        unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+        (ss, ())
+    }
+}
+
+fn connect(c: &mut Criterion) {
+    let addr = common::device_addr();
+    let (raw_dst, raw_srv) = raw_conn::server(addr);
+    let (dst, srv) = crate_server(addr);
+    let mut g = c.benchmark_group("connect");
+    g.sample_size(10);
+    g.bench_function("raw", |b| b.iter(|| raw_conn::connect_once(raw_dst, &raw_srv)));
+    g.bench_function("rdma_cm", |b| b.iter(|| connect_once_crate(dst, &srv)));
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = criterion();
+    targets = pd_alloc, cq_create, qp_create, cm_id_create, mr_reg, connect
+}
+criterion_main!(benches);
