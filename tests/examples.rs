@@ -4,7 +4,6 @@
 mod common;
 
 // The examples' own protocol module; its unit tests (request encoding, hostile requests) run here.
-#[allow(dead_code)]
 #[path = "../examples/common/mod.rs"]
 mod example_protocol;
 
