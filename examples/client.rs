@@ -47,6 +47,10 @@ struct Args {
     /// Seconds any single wait may take (resolution, handshake, each message).
     #[arg(long, default_value_t = 10)]
     timeout: u64,
+    /// With --mode write: first stream --iters RDMA WRITEs (16 in flight) and print the
+    /// bandwidth in ib_write_bw's format, then run one verified round trip.
+    #[arg(long)]
+    bw: bool,
 }
 
 fn main() {
@@ -60,6 +64,9 @@ fn main() {
     if args.iters == 0 {
         fail("bad arguments", "--iters must be at least 1");
     }
+    if args.bw && args.mode != Mode::Write {
+        fail("bad arguments", "--bw measures RDMA WRITE bandwidth: use it with --mode write");
+    }
     let timeout = Duration::from_secs(args.timeout.max(1));
     let dst = SocketAddr::new(args.addr, args.port);
     let src = args.bind.map(|ip| SocketAddr::new(ip, 0));
@@ -69,11 +76,12 @@ fn main() {
 }
 
 fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Result<(), Error> {
-    let client = Client::new()?;
+    let mut steps = Steps::default();
+    let client = steps.time(Client::new)?;
     println!("[INFO] Created CM ID");
-    let resolved = client.resolve_addr(src, dst, t)?;
+    let resolved = steps.time(|| client.resolve_addr(src, dst, t))?;
     println!("[EVENT] Address resolved");
-    let route = resolved.resolve_route(t)?;
+    let route = steps.time(|| resolved.resolve_route(t))?;
     println!("[EVENT] Route resolved");
     let ctx = route.context()?;
     println!("[INFO] Device {}", ctx.device_name());
@@ -93,7 +101,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
     println!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
 
     let started = Instant::now();
-    let mut pending = route.create_qp(&pd, QpInit::new())?;
+    let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new()))?;
     let qp_num = pending.qp_mut().qp_num();
     println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
 
@@ -107,10 +115,17 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
         Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size },
         Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size },
     };
-    let req = Request { info: region, mode: args.mode, size: args.size, iters: args.iters };
+    // With --bw the stream is one-sided; the server sees a single verified round trip.
+    let iters = if args.bw { 1 } else { args.iters };
+    let req = Request { info: region, mode: args.mode, size: args.size, iters };
     println!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
-    let mut conn = pending.connect(&ConnParam::new().private_data(&req.encode())?, t)?;
+    let param = ConnParam::new().private_data(&req.encode())?;
+    let mut conn = steps.time(|| pending.connect(&param, t))?;
     println!("[EVENT] Connection established");
+    println!(
+        "[INFO] Connection setup steps (us): create id {:.1}, resolve addr {:.1}, resolve route {:.1}, create qp {:.1}, connect {:.1}",
+        steps.us[0], steps.us[1], steps.us[2], steps.us[3], steps.us[4]
+    );
 
     let server = if QpInfo::is_present(conn.peer_private_data()) {
         Some(QpInfo::decode(conn.peer_private_data())?.0)
@@ -127,17 +142,20 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
     }
     let server_region = server.and_then(|s| s.region());
 
-    let mut rtts = Vec::with_capacity(args.iters as usize);
+    if args.bw {
+        stream_writes(&mut conn, &data, need(server_region)?, args.iters, t)?;
+    }
+    let mut rtts = Vec::with_capacity(iters as usize);
     let mut expected = vec![0u8; size];
     let mut got = vec![0u8; size];
-    for i in 0..args.iters {
+    for i in 0..iters {
         fill_pattern(data.as_mut_slice()?, i);
-        let one = args.iters == 1;
+        let one = iters == 1;
         let start = Instant::now();
         let n = match args.mode {
             Mode::Send => round_trip_send(&mut conn, &data, &back, i, one, t)?,
-            Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, args.iters, one, t)?,
-            Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, args.iters, one, t)?,
+            Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, iters, one, t)?,
+            Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, iters, one, t)?,
         };
         rtts.push(start.elapsed());
         if n != size {
@@ -155,14 +173,72 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
         }
     }
     if server.is_some() {
-        println!("[INFO] Echo verified: {} x {size} bytes match", args.iters);
+        println!("[INFO] Echo verified: {iters} x {size} bytes match");
     }
     println!("[INFO] Round-trip completed.");
-    if args.iters > 1 {
+    if iters > 1 {
         print_latency_table(args.size, &mut rtts);
     }
     conn.disconnect(t)?;
     println!("[INFO] Disconnected");
+    Ok(())
+}
+
+/// Wall-clock time of each connection-setup step, in microseconds.
+#[derive(Default)]
+struct Steps {
+    us: Vec<f64>,
+}
+
+impl Steps {
+    fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.us.push(micros(t.elapsed()));
+        r
+    }
+}
+
+/// Streams `n` RDMA WRITEs of the whole region, 16 in flight, one signaled in 8; prints the
+/// bandwidth like ib_write_bw (MB/s = 2^20 bytes per second).
+fn stream_writes(
+    conn: &mut Connection,
+    data: &MemoryRegion,
+    server: RemoteRegion,
+    n: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    const DEPTH: u32 = 16;
+    const SIGNAL_EVERY: u32 = 8;
+    let size = data.len();
+    let qp = conn.qp_mut();
+    let mut wcs = [rdma_cm::WorkCompletion::default(); 4];
+    let (mut posted, mut done) = (0u32, 0u32);
+    let start = Instant::now();
+    while done < n {
+        while posted < n && posted - done < DEPTH {
+            let mut wr = SendWr::write(data, 0..size, &server, 0)?.wr_id(posted as u64);
+            if posted % SIGNAL_EVERY != SIGNAL_EVERY - 1 && posted != n - 1 {
+                wr = wr.unsignaled();
+            }
+            qp.post_send(&[wr])?;
+            posted += 1;
+        }
+        let k = qp.wait_queue(WorkQueue::Send, &mut wcs, t)?;
+        if k == 0 {
+            return Err(Error::Timeout { op: "streaming RDMA WRITEs", timeout: t, addr: None, hint: None });
+        }
+        for wc in &wcs[..k] {
+            // A signaled completion retires itself and every unsignaled write before it.
+            done = wc.ok()?.wr_id() as u32 + 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let mbs = (size as f64 * n as f64) / secs / (1 << 20) as f64;
+    println!("---------------------------------------------------------------------------------------");
+    println!(" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]");
+    println!(" {size:<10} {n:<10}       {mbs:<7.2}            {mbs:<7.2}              {:.6}", n as f64 / secs / 1e6);
+    println!("---------------------------------------------------------------------------------------");
     Ok(())
 }
 
