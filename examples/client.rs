@@ -13,11 +13,13 @@
 
 mod common;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{fail, fill_pattern, micros, print_latency_table, Mode, Request, DEFAULT_PORT, LEGACY_SIZE, MAX_SIZE};
+use common::{
+    fail, fill_pattern, micros, print_latency_table, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE, MAX_SIZE,
+};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, RemoteRegion, SendWr,
     WorkQueue,
@@ -26,15 +28,15 @@ use rdma_cm::{
 #[derive(Parser, Debug)]
 #[command(about = "rdma_cm echo client (send/recv, RDMA WRITE, RDMA READ)")]
 struct Args {
-    /// Server address.
+    /// Server address or host name.
     #[arg(short = 'a', long = "addr")]
-    addr: IpAddr,
+    addr: String,
     /// Server port.
     #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
     port: u16,
-    /// Local address to bind (chooses the RDMA device).
+    /// Local address (or host name) to bind: chooses the RDMA device.
     #[arg(short = 'b', long = "bind")]
-    bind: Option<IpAddr>,
+    bind: Option<String>,
     /// Payload bytes.
     #[arg(long, default_value_t = 1024)]
     size: u32,
@@ -68,8 +70,8 @@ fn main() {
         fail("bad arguments", "--bw measures RDMA WRITE bandwidth: use it with --mode write");
     }
     let timeout = Duration::from_secs(args.timeout.max(1));
-    let dst = SocketAddr::new(args.addr, args.port);
-    let src = args.bind.map(|ip| SocketAddr::new(ip, 0));
+    let dst = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
+    let src = args.bind.as_deref().map(|b| resolve_host(b, 0).unwrap_or_else(|e| fail("bad arguments", e)));
     if let Err(e) = run(&args, dst, src, timeout) {
         fail(&format!("client to {dst}"), e);
     }

@@ -14,13 +14,12 @@
 
 mod common;
 
-use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{fail, micros, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
+use common::{fail, micros, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, SendWr, Server,
     WorkQueue,
@@ -29,9 +28,9 @@ use rdma_cm::{
 #[derive(Parser, Debug)]
 #[command(about = "rdma_cm echo server (send/recv, RDMA WRITE, RDMA READ)")]
 struct Args {
-    /// Address to bind (0.0.0.0: every RDMA device).
+    /// Address (or host name) to bind; 0.0.0.0: every RDMA device.
     #[arg(short = 'a', long = "addr", default_value = "0.0.0.0")]
-    addr: IpAddr,
+    addr: String,
     /// Port to listen on.
     #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
     port: u16,
@@ -67,7 +66,7 @@ fn main() {
     }
     install_signal_handlers();
     let timeout = Duration::from_secs(args.timeout.max(1));
-    let bind = SocketAddr::new(args.addr, args.port);
+    let bind = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
 
     let server = Server::new().unwrap_or_else(|e| fail("creating the listening id", e));
     println!("[INFO] Created listening ID");

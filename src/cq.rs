@@ -28,6 +28,9 @@ pub struct CompletionQueue {
     channel: NonNull<ffi::ibv_comp_channel>,
     depth: u32,
     claimed: AtomicBool,
+    /// Whether the channel's descriptor was made non-blocking (done at first use, to keep two
+    /// syscalls off CQ creation).
+    nonblocking: AtomicBool,
     unacked: AtomicU32,
     // Dropped after the CQ and channel are destroyed (Drop::drop runs first).
     ctx: VerbsContext,
@@ -40,8 +43,8 @@ unsafe impl Send for CompletionQueue {}
 unsafe impl Sync for CompletionQueue {}
 
 impl CompletionQueue {
-    /// Creates a CQ with room for `depth` completions, with its own completion channel whose
-    /// descriptor is non-blocking.
+    /// Creates a CQ with room for `depth` completions, with its own completion channel (whose
+    /// descriptor this crate makes non-blocking before it first reads it).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a zero depth; [`Error::Call`] when a verb fails.
@@ -66,11 +69,23 @@ impl CompletionQueue {
             channel,
             depth,
             claimed: AtomicBool::new(false),
+            nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
             ctx: ctx.clone(),
         };
-        let fd = cq.as_raw_fd();
-        // SAFETY: fd is the channel's open descriptor; only its flags change.
+        Ok(Arc::new(cq))
+    }
+
+    /// Makes the channel's descriptor non-blocking, once. Everything that reads the channel
+    /// calls this first, so no read can block; [`AsFd`] users get it through
+    /// [`CompletionQueue::drain_events`].
+    fn ensure_nonblocking(&self) -> Result<()> {
+        if self.nonblocking.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let fd = self.as_raw_fd();
+        // SAFETY: fd is the channel's open descriptor; only its flags change (idempotent, so a
+        // race between two threads here is harmless).
         let ok = unsafe {
             let fl = libc::fcntl(fd, libc::F_GETFL);
             fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
@@ -78,7 +93,8 @@ impl CompletionQueue {
         if !ok {
             return Err(Error::call("fcntl(O_NONBLOCK)", errno(), None));
         }
-        Ok(Arc::new(cq))
+        self.nonblocking.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The raw CQ. It stays owned by `self`.
@@ -124,6 +140,7 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Call`] when `ibv_get_cq_event` fails with anything but `EAGAIN`.
     pub fn drain_events(&self) -> Result<u32> {
+        self.ensure_nonblocking()?;
         let mut n = 0;
         loop {
             let mut cq = std::ptr::null_mut();

@@ -178,7 +178,7 @@ impl Error {
     /// Builds a [`Error::Call`] from an errno value, choosing the hint and detecting the
     /// "no device" case.
     pub(crate) fn call(op: &'static str, errno: i32, addr: Option<SocketAddr>) -> Error {
-        if errno == libc::ENODEV && !op.starts_with("ibv_") {
+        if errno == libc::ENODEV && !op.starts_with("ibv_") && !ADDRESS_OPS.contains(&op) {
             return Error::NoDevice { op, addr };
         }
         Error::Call { op, addr, hint: hint_for(op, errno), source: io::Error::from_raw_os_error(errno) }
@@ -199,6 +199,9 @@ impl Error {
         self
     }
 }
+
+/// Calls whose ENODEV means "no RDMA device behind this address", not "no device at all".
+const ADDRESS_OPS: [&str; 3] = ["rdma_resolve_addr", "rdma_resolve_route", "rdma_bind_addr"];
 
 /// The current thread's errno.
 pub(crate) fn errno() -> i32 {
@@ -277,6 +280,9 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
     Some(match (op, errno) {
         ("rdma_resolve_addr", ETIMEDOUT | EADDRNOTAVAIL | ENETUNREACH | EHOSTUNREACH) => {
             "no RDMA device answers for this address: check `ip link` (netdev up?), `rdma link` (port ACTIVE?) and the GID table (`ibv_devinfo -v`)"
+        }
+        ("rdma_resolve_addr" | "rdma_resolve_route" | "rdma_bind_addr", ENODEV) => {
+            "no RDMA device serves this address (loopback 127.0.0.1 never does): use an address of an RDMA netdev; `rdma link` lists the netdevs, `ip -br addr` their addresses"
         }
         ("rdma_resolve_route", _) => {
             "no route over the RDMA device: check `ip route` and that the address belongs to an RDMA netdev (`rdma link`)"
@@ -399,6 +405,15 @@ mod tests {
         let e = Error::call("rdma_bind_addr", libc::EADDRINUSE, None).with_addr(a);
         let m = e.to_string();
         assert!(m.contains("EADDRINUSE") && m.contains("10.0.0.1:7471") && m.contains("-p"), "{m}");
+    }
+
+    #[test]
+    fn enodev_on_an_address_names_the_address_not_the_driver() {
+        let a: SocketAddr = "127.0.0.1:7471".parse().unwrap();
+        let e = Error::call("rdma_resolve_route", libc::ENODEV, Some(a));
+        let m = e.to_string();
+        assert!(matches!(e, Error::Call { .. }) && m.contains("ENODEV") && m.contains("loopback"), "{m}");
+        assert!(matches!(Error::call("rdma_create_id", libc::ENODEV, None), Error::NoDevice { .. }));
     }
 
     #[test]

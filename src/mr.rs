@@ -69,7 +69,8 @@ enum Alloc {
     Boxed,
 }
 
-pub(crate) struct MrInner {
+/// One registration: the ibv_mr and the memory behind it. Freed when its last holder goes.
+pub(crate) struct Registration {
     mr: NonNull<ffi::ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
@@ -79,25 +80,14 @@ pub(crate) struct MrInner {
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: the buffer is only touched through `&mut MemoryRegion` with a unique handle, or by
-// the device; ibv_mr is deregistered once, in Drop. Moving or sharing the handle between
-// threads is therefore fine.
-unsafe impl Send for MrInner {}
-// SAFETY: `&MrInner` gives access only to immutable fields (keys, address, length).
-unsafe impl Sync for MrInner {}
+// SAFETY: the buffer is only touched through `&mut MemoryRegion` with a unique chunk handle, or
+// by the device; ibv_mr is deregistered once, in Drop. Moving or sharing it between threads is
+// therefore fine.
+unsafe impl Send for Registration {}
+// SAFETY: `&Registration` gives access only to immutable fields (keys, address, length).
+unsafe impl Sync for Registration {}
 
-impl MrInner {
-    pub(crate) fn lkey(&self) -> u32 {
-        // SAFETY: the MR is registered for as long as `self` exists; lkey is immutable.
-        unsafe { (*self.mr.as_ptr()).lkey }
-    }
-    pub(crate) fn addr(&self) -> u64 {
-        self.buf.as_ptr() as u64
-    }
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
+impl Registration {
     /// Frees the buffer.
     ///
     /// # Safety
@@ -115,10 +105,10 @@ impl MrInner {
     }
 }
 
-impl Drop for MrInner {
+impl Drop for Registration {
     fn drop(&mut self) {
-        // SAFETY: the MR is deregistered exactly once; no posted work request holds this inner
-        // (each holds a clone), so the device has no pending use of it.
+        // SAFETY: the MR is deregistered exactly once; every chunk (and so every posted work
+        // request, which holds a chunk) is gone, so the device has no pending use of it.
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
         if ret != 0 {
             // The device may still map the pages: leak them rather than free them.
@@ -131,12 +121,60 @@ impl Drop for MrInner {
     }
 }
 
-/// An owned buffer registered on a [`ProtectionDomain`].
+/// The unit that posting locks: a whole registration (one allocation, the common case) or a
+/// chunk of a shared one.
+pub(crate) enum MrInner {
+    Whole(Registration),
+    Chunk { reg: Arc<Registration>, offset: usize, len: usize },
+}
+
+impl MrInner {
+    fn reg(&self) -> &Registration {
+        match self {
+            MrInner::Whole(r) => r,
+            MrInner::Chunk { reg, .. } => reg,
+        }
+    }
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: the MR is registered for as long as the registration exists; lkey is immutable.
+        unsafe { (*self.reg().mr.as_ptr()).lkey }
+    }
+    fn offset(&self) -> usize {
+        match self {
+            MrInner::Whole(_) => 0,
+            MrInner::Chunk { offset, .. } => *offset,
+        }
+    }
+    pub(crate) fn addr(&self) -> u64 {
+        self.reg().buf.as_ptr() as u64 + self.offset() as u64
+    }
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            MrInner::Whole(r) => r.len,
+            MrInner::Chunk { len, .. } => *len,
+        }
+    }
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: offset + len lies within the registration (checked when the chunk was made).
+        unsafe { self.reg().buf.as_ptr().add(self.offset()) }
+    }
+}
+
+/// An owned buffer registered on a [`ProtectionDomain`], or a chunk of one (see
+/// [`MemoryRegion::split`]).
+///
+/// The lock that posting takes is per `MemoryRegion` value: while any work request uses this
+/// region, its bytes are out of reach. To read one buffer while others are in flight, split a
+/// registration into chunks, or register several regions.
 pub struct MemoryRegion {
     inner: Arc<MrInner>,
 }
 
 impl MemoryRegion {
+    fn from_registration(reg: Registration) -> MemoryRegion {
+        MemoryRegion { inner: Arc::new(MrInner::Whole(reg)) }
+    }
+
     /// Allocates `len` zeroed bytes (page-aligned) and registers them with `access`.
     ///
     /// # Errors
@@ -152,7 +190,7 @@ impl MemoryRegion {
         let buf = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
             .ok_or_else(|| Error::call("alloc", libc::ENOMEM, None))?;
         // SAFETY: pd is valid; buf points to `len` bytes we own, which stay allocated until the
-        // MR is deregistered (MrInner::drop frees them only after ibv_dereg_mr succeeds).
+        // MR is deregistered (Registration::drop frees them only after ibv_dereg_mr succeeds).
         let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), buf.as_ptr().cast(), len, access.bits() as i32) };
         let Some(mr) = NonNull::new(mr) else {
             let e = errno();
@@ -160,9 +198,14 @@ impl MemoryRegion {
             unsafe { alloc::dealloc(buf.as_ptr(), layout) };
             return Err(reg_error(len, e));
         };
-        Ok(MemoryRegion {
-            inner: Arc::new(MrInner { mr, buf, len, alloc: Alloc::Aligned(layout), access, pd: Arc::clone(pd) }),
-        })
+        Ok(Self::from_registration(Registration {
+            mr,
+            buf,
+            len,
+            alloc: Alloc::Aligned(layout),
+            access,
+            pd: Arc::clone(pd),
+        }))
     }
 
     /// Registers a buffer the caller already has (e.g. pre-faulted, or reused across
@@ -179,7 +222,7 @@ impl MemoryRegion {
         // SAFETY: Box::into_raw never returns NULL.
         let ptr = unsafe { NonNull::new_unchecked(raw.cast::<u8>()) };
         // SAFETY: pd is valid; `ptr` points to `len` bytes we now own, which stay allocated until
-        // the MR is deregistered (MrInner frees them only after ibv_dereg_mr succeeds).
+        // the MR is deregistered (Registration frees them only after ibv_dereg_mr succeeds).
         let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32) };
         let Some(mr) = NonNull::new(mr) else {
             let e = errno();
@@ -187,34 +230,69 @@ impl MemoryRegion {
             drop(unsafe { Box::from_raw(raw) });
             return Err(reg_error(len, e));
         };
-        Ok(MemoryRegion {
-            inner: Arc::new(MrInner { mr, buf: ptr, len, alloc: Alloc::Boxed, access, pd: Arc::clone(pd) }),
-        })
+        Ok(Self::from_registration(Registration { mr, buf: ptr, len, alloc: Alloc::Boxed, access, pd: Arc::clone(pd) }))
     }
 
     /// Deregisters the region and returns the buffer given to [`MemoryRegion::register`].
     ///
     /// # Errors
     /// [`Error::InFlight`] while a work request uses it; [`Error::InvalidArgument`] for a
-    /// region made by [`MemoryRegion::new`] (its memory is page-aligned, not a `Box`);
-    /// [`Error::Call`] when `ibv_dereg_mr` fails (the buffer is then leaked, as the device may
-    /// still map it).
+    /// region made by [`MemoryRegion::new`] (its memory is page-aligned, not a `Box`) or for a
+    /// chunk whose siblings still exist; [`Error::Call`] when `ibv_dereg_mr` fails (the buffer
+    /// is then leaked, as the device may still map it).
     pub fn into_buffer(self) -> Result<Box<[u8]>> {
         let outstanding = self.outstanding();
-        let inner = Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?;
-        if !matches!(inner.alloc, Alloc::Boxed) {
+        let reg = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })? {
+            MrInner::Whole(reg) => reg,
+            MrInner::Chunk { .. } => {
+                return Err(Error::InvalidArgument("into_buffer needs a whole region, not a chunk of one".into()))
+            }
+        };
+        if !matches!(reg.alloc, Alloc::Boxed) {
             return Err(Error::InvalidArgument("into_buffer needs a region made by MemoryRegion::register".into()));
         }
-        let inner = std::mem::ManuallyDrop::new(inner);
-        // SAFETY: we own the last handle, so no work request uses the MR; it is deregistered
-        // exactly once (Drop will not run).
-        let ret = unsafe { ffi::ibv_dereg_mr(inner.mr.as_ptr()) };
-        // SAFETY: `inner` is never used again; moving the PD handle out releases it.
-        drop(unsafe { std::ptr::read(&inner.pd) });
+        let reg = std::mem::ManuallyDrop::new(reg);
+        // SAFETY: we own the registration's last handle, so no work request uses the MR; it is
+        // deregistered exactly once (Drop will not run).
+        let ret = unsafe { ffi::ibv_dereg_mr(reg.mr.as_ptr()) };
+        // SAFETY: `reg` is never used again; moving the PD handle out releases it.
+        drop(unsafe { std::ptr::read(&reg.pd) });
         crate::error::check_ibv(ret, "ibv_dereg_mr")?;
         // SAFETY: deregistered, so the device cannot reach the memory; rebuilt exactly once from
         // the pointer and length Box::into_raw gave us.
-        Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(inner.buf.as_ptr(), inner.len)) })
+        Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(reg.buf.as_ptr(), reg.len)) })
+    }
+
+    /// Splits the region into chunks of `chunk_len` bytes (the last may be shorter), each
+    /// locked on its own: a chunk can be read while work requests use its siblings. The
+    /// registration lives until every chunk is dropped. All chunks share the rkey, so a peer
+    /// given one chunk's [`RemoteRegion`] can in fact address the whole registration.
+    ///
+    /// # Errors
+    /// [`Error::InFlight`] while a work request uses the region; [`Error::InvalidArgument`] for
+    /// a zero `chunk_len`.
+    pub fn split(self, chunk_len: usize) -> Result<Vec<MemoryRegion>> {
+        if chunk_len == 0 {
+            return Err(Error::InvalidArgument("chunk length must be at least 1 byte".into()));
+        }
+        let outstanding = self.outstanding();
+        let (reg, base, len) = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })? {
+            MrInner::Whole(reg) => {
+                let len = reg.len;
+                (Arc::new(reg), 0, len)
+            }
+            MrInner::Chunk { reg, offset, len } => (reg, offset, len),
+        };
+        Ok((0..len)
+            .step_by(chunk_len)
+            .map(|off| MemoryRegion {
+                inner: Arc::new(MrInner::Chunk {
+                    reg: Arc::clone(&reg),
+                    offset: base + off,
+                    len: chunk_len.min(len - off),
+                }),
+            })
+            .collect())
     }
 
     pub(crate) fn inner(&self) -> &Arc<MrInner> {
@@ -239,7 +317,7 @@ impl MemoryRegion {
     /// The remote key a peer uses for RDMA READ/WRITE.
     pub fn rkey(&self) -> u32 {
         // SAFETY: the MR is registered while `self` exists; rkey is immutable.
-        unsafe { (*self.inner.mr.as_ptr()).rkey }
+        unsafe { (*self.inner.reg().mr.as_ptr()).rkey }
     }
 
     /// The region's virtual address, as a peer addresses it.
@@ -249,17 +327,17 @@ impl MemoryRegion {
 
     /// The access rights it was registered with.
     pub fn access(&self) -> AccessFlags {
-        self.inner.access
+        self.inner.reg().access
     }
 
     /// The PD it is registered on.
     pub fn pd(&self) -> &Arc<ProtectionDomain> {
-        &self.inner.pd
+        &self.inner.reg().pd
     }
 
-    /// The raw `ibv_mr`. It stays owned by `self`.
+    /// The raw `ibv_mr` (shared by all chunks of a registration). It stays owned by `self`.
     pub fn as_raw(&self) -> *mut ffi::ibv_mr {
-        self.inner.mr.as_ptr()
+        self.inner.reg().mr.as_ptr()
     }
 
     /// How many posted work requests still use this region.
@@ -267,7 +345,7 @@ impl MemoryRegion {
         Arc::strong_count(&self.inner) - 1
     }
 
-    /// What a peer needs to address the whole region.
+    /// What a peer needs to address this region.
     pub fn remote(&self) -> RemoteRegion {
         RemoteRegion { addr: self.addr(), rkey: self.rkey(), len: self.len() as u64 }
     }
@@ -292,12 +370,13 @@ impl MemoryRegion {
     /// As for [`MemoryRegion::as_slice`].
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         let inner = self.unique()?;
-        if inner.access.remotely_writable() {
+        if inner.reg().access.remotely_writable() {
             return Err(Error::RemotelyWritable);
         }
-        // SAFETY: the handle is unique (no posted WR holds the buffer) and no peer may write
-        // it, so nothing but this `&mut` borrow can access the bytes while it lives.
-        Ok(unsafe { std::slice::from_raw_parts_mut(inner.buf.as_ptr(), inner.len()) })
+        // SAFETY: the chunk handle is unique (no posted WR holds it), chunks never overlap, and
+        // no peer may write the registration, so nothing but this `&mut` borrow can access the
+        // bytes while it lives.
+        Ok(unsafe { std::slice::from_raw_parts_mut(inner.ptr(), inner.len()) })
     }
 
     /// Copies `dst.len()` bytes starting at `offset` out of the region. Works for remotely
@@ -310,7 +389,7 @@ impl MemoryRegion {
         check_range(offset, dst.len(), inner.len())?;
         // SAFETY: the range is in bounds; the source is only accessed through this raw copy
         // (never through a reference), and dst is a distinct Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(inner.buf.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(inner.ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -322,7 +401,7 @@ impl MemoryRegion {
         let inner = self.unique()?;
         check_range(offset, src.len(), inner.len())?;
         // SAFETY: as in read_at, with the direction reversed.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), inner.buf.as_ptr().add(offset), src.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), inner.ptr().add(offset), src.len()) };
         Ok(())
     }
 }

@@ -471,26 +471,30 @@ impl QueuePair {
     }
 
     fn post_send_chunk(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
-        // SAFETY: ibv_send_wr and ibv_sge are plain old data (pointers, integers, unions of
-        // those); all-zero is a valid value for each.
-        let mut raw: [ffi::ibv_send_wr; CHUNK] = unsafe { mem::zeroed() };
-        // SAFETY: as above.
-        let mut sge: [ffi::ibv_sge; CHUNK] = unsafe { mem::zeroed() };
+        // Only the `n` entries used are initialised (zeroing whole arrays costs on every post).
+        let mut raw: [MaybeUninit<ffi::ibv_send_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
+        let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
         let n = wrs.len();
+        let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
         for (k, w) in wrs.iter().enumerate() {
             let mr = w.local.as_ref().map(|(m, _)| m.inner());
             let seq = self.send.stage(k as u64, w.wr_id, mr);
-            let r = &mut raw[k];
+            let sg = sge[k].write(match (w.inline, &w.local) {
+                (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
+                (None, Some((m, range))) => {
+                    ffi::ibv_sge { addr: m.addr() + range.start as u64, length: range.len() as u32, lkey: m.lkey() }
+                }
+                (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+            });
+            // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those);
+            // all-zero is a valid value.
+            let r = raw[k].write(unsafe { mem::zeroed() });
             r.wr_id = seq;
-            if let Some(data) = w.inline {
-                sge[k] = ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 };
-            } else if let Some((m, range)) = &w.local {
-                sge[k] =
-                    ffi::ibv_sge { addr: m.addr() + range.start as u64, length: range.len() as u32, lkey: m.lkey() };
-            }
             let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
             r.num_sge = has_data as i32;
-            r.sg_list = &mut sge[k];
+            r.sg_list = sg;
+            // SAFETY: k + 1 <= CHUNK, so the pointer stays within (or one past) `raw`.
+            r.next = if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() };
             use ffi::ibv_wr_opcode::*;
             r.opcode = match (w.op, w.imm.is_some()) {
                 (SendOp::Send, false) => IBV_WR_SEND,
@@ -518,18 +522,14 @@ impl QueuePair {
             }
             r.send_flags = flags;
         }
-        for k in 0..n.saturating_sub(1) {
-            let next: *mut ffi::ibv_send_wr = &mut raw[k + 1];
-            raw[k].next = next;
-        }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is valid; `raw[..n]` is a well-formed linked list whose sg_lists point
-        // into `sge`, both alive for the call. Every local range was checked against a region
+        // SAFETY: the QP is valid; `raw[..n]` is initialised and a well-formed linked list (the
+        // last `next` is NULL) whose sg_lists point into `sge`, both alive for the call. Every local range was checked against a region
         // registered on this QP's PD, and each region's handle is now held by a ring slot until
         // its completion is reaped, so the memory stays allocated while the device uses it.
         // Inline data is copied by the provider before ibv_post_send returns.
-        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), raw.as_mut_ptr(), &mut bad) };
-        self.commit_posted(ret, bad, raw.as_ptr(), n, true, "ibv_post_send")
+        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
+        self.commit_posted(ret, bad, base, n, true, "ibv_post_send")
     }
 
     /// Commits the staged slots up to the first rejected work request, and maps the error.

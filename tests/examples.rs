@@ -189,9 +189,12 @@ fn bad_arguments_are_refused_clearly() {
     let out = client(&["-a", "10.0.0.1", "-p", "0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).1.contains("port 0"), "{:?}", text(&out));
-    let out = client(&["-a", "not-an-address"]);
-    assert_eq!(out.status.code(), Some(2), "clap's usage error");
-    assert!(text(&out).1.contains("invalid IP address syntax"), "{:?}", text(&out));
+    for bad in ["not-an-address.invalid", "1.2.3.4.5"] {
+        let out = client(&["-a", bad]);
+        assert_eq!(out.status.code(), Some(1), "{bad}");
+        let err = text(&out).1;
+        assert!(err.contains("cannot resolve host") && err.contains(bad) && err.lines().count() == 1, "{err}");
+    }
     let out = client(&["-a", "10.0.0.1", "-p", "70000"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("70000"), "{:?}", text(&out));

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each example uses part of this module
 
 use std::fmt;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use rdma_cm::QpInfo;
@@ -116,6 +117,20 @@ pub fn fill_pattern(buf: &mut [u8], iter: u32) {
     for (i, b) in buf.iter_mut().enumerate() {
         *b = (i as u32).wrapping_mul(31).wrapping_add(iter.wrapping_mul(7)).wrapping_add(1) as u8;
     }
+}
+
+/// Resolves `host` (an IP address or a host name) to an IPv4 socket address with `port`.
+pub fn resolve_host(host: &str, port: u16) -> Result<SocketAddr, String> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            format!("cannot resolve host '{host}': {e} (give an IPv4 address, or a name in /etc/hosts or DNS)")
+        })?
+        .collect();
+    addrs.iter().find(|a| a.is_ipv4()).or(addrs.first()).copied().ok_or_else(|| format!("host '{host}' has no address"))
 }
 
 /// Prints `error: …` on stderr and exits 1.
