@@ -192,6 +192,44 @@ fn crate_server(addr: std::net::IpAddr) -> (SocketAddr, Server2) {
     (dst, Server2 { done: rx })
 }
 
+/// The crate's event-loop server: every connection stays on the listener's channel (no
+/// per-connection channel to open, migrate to and close), as a raw C server does.
+fn crate_server_shared(addr: std::net::IpAddr) -> (SocketAddr, Server2) {
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(16).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let _listener = listener;
+        let mut accepting = None;
+        let mut conn: Option<(rdma_cm::Connection, Arc<ProtectionDomain>)> = None;
+        while let Ok(ev) = ch.get_event(std::time::Duration::from_secs(600)) {
+            match ev.event_type() {
+                rdma_cm::CmEventType::ConnectRequest => {
+                    let req = rdma_cm::ConnectRequest::from_event(ev).unwrap();
+                    let pd = req.alloc_pd().unwrap();
+                    let q = req.create_qp(&pd, QpInit::new()).unwrap();
+                    accepting = Some((q.start_accept(&ConnParam::new()).unwrap(), pd));
+                }
+                rdma_cm::CmEventType::Established => {
+                    let (acc, pd) = accepting.take().unwrap();
+                    conn = Some((acc.complete(ev).unwrap(), pd));
+                }
+                rdma_cm::CmEventType::Disconnected => {
+                    let (mut c, pd) = conn.take().unwrap();
+                    c.handle_event(&ev);
+                    drop((c, pd));
+                    if tx.send(()).is_err() {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    });
+    (dst, Server2 { done: rx })
+}
+
 /// The same connection with raw librdmacm/verbs calls on both sides.
 mod raw_conn {
     use super::*;
@@ -349,10 +387,12 @@ fn connect(c: &mut Criterion) {
     let addr = common::device_addr();
     let (raw_dst, raw_srv) = raw_conn::server(addr);
     let (dst, srv) = crate_server(addr);
+    let (sdst, ssrv) = crate_server_shared(addr);
     let mut g = c.benchmark_group("connect");
     g.sample_size(10);
     g.bench_function("raw", |b| b.iter(|| raw_conn::connect_once(raw_dst, &raw_srv)));
     g.bench_function("rdma_cm", |b| b.iter(|| connect_once_crate(dst, &srv)));
+    g.bench_function("rdma_cm_event_loop", |b| b.iter(|| connect_once_crate(sdst, &ssrv)));
     g.finish();
 }
 

@@ -203,6 +203,7 @@ fn reject_hint(status: i32) -> &'static str {
 }
 
 /// A fresh client id, not yet resolved.
+#[derive(Debug)]
 pub struct Client {
     id: CmId,
 }
@@ -248,6 +249,7 @@ impl Client {
 }
 
 /// A client id whose address is resolved.
+#[derive(Debug)]
 pub struct AddrResolved {
     id: CmId,
 }
@@ -282,6 +284,7 @@ fn context_of(id: &Arc<CmId>) -> Result<VerbsContext> {
 }
 
 /// A client id with a route: allocate the PD, register memory, then create the QP.
+#[derive(Debug)]
 pub struct RouteResolved {
     id: Arc<CmId>,
 }
@@ -319,6 +322,7 @@ impl RouteResolved {
 }
 
 /// A client with its QP: post receives now, then connect.
+#[derive(Debug)]
 pub struct ClientQp {
     id: Arc<CmId>,
     qp: QueuePair,
@@ -348,6 +352,7 @@ impl ClientQp {
 }
 
 /// A fresh server id, not yet bound.
+#[derive(Debug)]
 pub struct Server {
     id: CmId,
 }
@@ -380,6 +385,7 @@ impl Server {
 }
 
 /// A bound server id.
+#[derive(Debug)]
 pub struct Bound {
     id: CmId,
 }
@@ -402,6 +408,7 @@ impl Bound {
 }
 
 /// A listening id.
+#[derive(Debug)]
 pub struct Listener {
     id: CmId,
 }
@@ -450,6 +457,7 @@ fn expect_any_request(listener: &CmId, timeout: Duration) -> Result<CmEvent> {
 }
 
 /// A peer's connection request: inspect it, then create a QP and accept, or reject.
+#[derive(Debug)]
 pub struct ConnectRequest {
     id: Arc<CmId>,
     private_data: PrivateData,
@@ -562,6 +570,7 @@ fn reject(id: &CmId, data: &[u8]) -> Result<()> {
 }
 
 /// A request with its QP: post receives now, then accept (or reject).
+#[derive(Debug)]
 pub struct ServerQp {
     id: Arc<CmId>,
     qp: QueuePair,
@@ -625,6 +634,7 @@ impl ServerQp {
 }
 
 /// An accepted request waiting for `ESTABLISHED`.
+#[derive(Debug)]
 pub struct Accepting {
     id: Arc<CmId>,
     qp: QueuePair,

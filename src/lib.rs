@@ -105,6 +105,7 @@
 //! run.
 
 #![deny(missing_docs)]
+#![deny(missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -108,7 +108,10 @@ struct Slot {
 
 /// A fixed ring of in-flight work requests, in posting order.
 struct Ring {
+    /// A power of two at least `depth` long, so a slot is `seq & mask` (no division).
     slots: Box<[Slot]>,
+    /// How many work requests the queue holds.
+    depth: u64,
     /// Sequence number of the oldest outstanding work request.
     head: u64,
     /// Sequence number the next work request gets.
@@ -117,10 +120,11 @@ struct Ring {
 
 impl Ring {
     fn new(depth: u32) -> Ring {
-        Ring { slots: (0..depth).map(|_| Slot::default()).collect(), head: 0, tail: 0 }
+        let len = (depth as usize).next_power_of_two();
+        Ring { slots: (0..len).map(|_| Slot::default()).collect(), depth: depth as u64, head: 0, tail: 0 }
     }
     fn cap(&self) -> u64 {
-        self.slots.len() as u64
+        self.depth
     }
     fn outstanding(&self) -> u64 {
         self.tail - self.head
@@ -129,8 +133,8 @@ impl Ring {
         self.cap() - self.outstanding()
     }
     fn slot(&mut self, seq: u64) -> &mut Slot {
-        let i = (seq % self.cap()) as usize;
-        &mut self.slots[i]
+        let mask = self.slots.len() - 1;
+        &mut self.slots[seq as usize & mask]
     }
     /// Records a work request at `tail + k` (not yet committed).
     fn stage(&mut self, k: u64, user_wr_id: u64, mr: Option<&Arc<MrInner>>) -> u64 {
@@ -172,7 +176,7 @@ enum SendOp {
 }
 
 /// A send-queue work request: a send, an RDMA WRITE or an RDMA READ.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct SendWr<'a> {
     wr_id: u64,
     op: SendOp,
@@ -248,7 +252,7 @@ impl<'a> SendWr<'a> {
 }
 
 /// A receive-queue work request: receive into `mr[range]`.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct RecvWr<'a> {
     wr_id: u64,
     mr: &'a MemoryRegion,
@@ -920,6 +924,20 @@ mod tests {
         assert_eq!(r.outstanding(), 1);
         assert_eq!(r.complete(0), Some(0));
         assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
+    }
+
+    #[test]
+    fn ring_of_odd_depth_admits_exactly_its_depth() {
+        let mut r = Ring::new(3);
+        assert_eq!(r.slots.len(), 4);
+        assert_eq!(r.free(), 3);
+        for k in 0..3 {
+            r.stage(k, k, None);
+        }
+        r.commit(3, 3);
+        assert_eq!(r.free(), 0);
+        assert_eq!(r.complete(2), Some(2));
+        assert_eq!(r.free(), 3);
     }
 
     #[test]

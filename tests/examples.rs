@@ -270,3 +270,170 @@ fn interop_with_rdma_core_reference_pair() {
     assert_eq!(code, 0, "{s}");
     assert!(s.contains("rdma_client protocol") && s.contains("[INFO] Sent 16 bytes"), "{s}");
 }
+
+/// Connects with `private_data` through the library; returns the connect error.
+fn connect_with(dst: std::net::SocketAddr, private_data: &[u8]) -> rdma_cm::Error {
+    use rdma_cm::{Client, ConnParam, QpInit};
+    let t = Duration::from_secs(10);
+    let route = Client::new().unwrap().resolve_addr(None, dst, t).unwrap().resolve_route(t).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let q = route.create_qp(&pd, QpInit::new()).unwrap();
+    q.connect(&ConnParam::new().private_data(private_data).unwrap(), t).expect_err("the server must reject this")
+}
+
+#[test]
+fn hostile_private_data_is_rejected_with_a_reason_and_the_server_keeps_serving() {
+    use example_protocol::{Mode, Request};
+    use rdma_cm::{CmEventType, Error, QpInfo};
+    let addr = common::device_addr();
+    let good = Request {
+        info: QpInfo { qp_num: 0x42, psn: 0, rkey: 7, vaddr: 0x10000, len: 4096 },
+        mode: Mode::Write,
+        size: 4096,
+        iters: 1,
+    };
+    let enc = good.encode();
+    let mut cases: Vec<(Vec<u8>, &str)> = vec![];
+    let mut b = enc;
+    b[2] = 9; // QpInfo version
+    cases.push((b.to_vec(), "version"));
+    let mut b = enc;
+    b[29] = 7; // mode
+    cases.push((b.to_vec(), "mode"));
+    let mut b = enc;
+    b[30..34].copy_from_slice(&u32::MAX.to_be_bytes()); // absurd size
+    cases.push((b.to_vec(), "size"));
+    let mut b = enc;
+    b[24..28].copy_from_slice(&16u32.to_be_bytes()); // advertised region smaller than the size
+    cases.push((b.to_vec(), "smaller"));
+    let mut b = enc;
+    b[16..24].copy_from_slice(&u64::MAX.to_be_bytes()); // region wrapping the address space
+    cases.push((b.to_vec(), "wraps"));
+    cases.push((b"RC".to_vec(), "version")); // wrong length: the CM pads it with zeros
+    let srv = Srv::start(&["-a", &addr.to_string(), "-p", "7611", "--count", &(cases.len() + 1).to_string()]);
+    let dst = std::net::SocketAddr::new(addr, 7611);
+    for (bytes, reason) in &cases {
+        match connect_with(dst, bytes) {
+            Error::UnexpectedEvent { got: CmEventType::Rejected, status: 28, private_data, .. } => {
+                let why = String::from_utf8_lossy(&private_data);
+                assert!(why.contains(reason), "rejection should say {reason:?}, said {why:?}");
+            }
+            e => panic!("expected a consumer reject for {reason}, got {e:?}"),
+        }
+    }
+    let out = client(&["-a", &addr.to_string(), "-p", "7611"]);
+    assert!(out.status.success(), "a good client after the hostile ones: {:?}", text(&out));
+    let (code, s) = srv.finish();
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains(&format!("1 client(s) served, {} failed", cases.len())), "{s}");
+}
+
+#[test]
+fn address_without_an_rdma_device_is_named() {
+    let out = client(&["-a", "127.0.0.1", "-p", "7612", "--timeout", "5"]);
+    let err = text(&out).1;
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no RDMA device serves this address") && err.contains("127.0.0.1"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn unanswered_address_fails_in_bounded_time_with_a_hint() {
+    // An address on the device's subnet that no host answers for. On an ARP-capable netdev
+    // address resolution times out (ETIMEDOUT, pointing at the link and GID table); on the
+    // guest's NOARP dummy netdev it resolves, and the handshake times out instead.
+    let common::IpV4(a, b, c, _) = common::IpV4::of(common::device_addr());
+    let ghost = format!("{a}.{b}.{c}.213");
+    let start = Instant::now();
+    let out = client(&["-a", &ghost, "-p", "7613", "--timeout", "2"]);
+    let err = text(&out).1;
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    assert!(err.contains(&ghost) && err.lines().count() == 1, "{err}");
+    let resolve = err.contains("rdma_resolve_addr") && err.contains("rdma link");
+    let handshake = err.contains("rdma_connect timed out") && err.contains("reachable over RDMA");
+    assert!(resolve || handshake, "{err}");
+}
+
+#[test]
+fn sizes_beyond_the_limits_are_refused() {
+    let out = client(&["-a", "10.0.0.1", "--size", "100000000"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).1.contains("outside 1..=67108864"), "{:?}", text(&out));
+    let out = client(&["-a", "10.0.0.1", "--size", "4294967296"]);
+    assert_eq!(out.status.code(), Some(2), "clap refuses a size that is not a u32");
+}
+
+#[test]
+fn memlock_limit_too_small_names_ulimit() {
+    // Root ignores RLIMIT_MEMLOCK, so run the client as nobody with a 64 KiB limit.
+    let addr = common::device_addr().to_string();
+    for dev in std::fs::read_dir("/dev/infiniband").expect("/dev/infiniband").flatten() {
+        let _ = Command::new("chmod").arg("666").arg(dev.path()).status();
+    }
+    let client_path = example("client");
+    let script = format!("ulimit -l 64 && exec {} -a {addr} -p 7614 --size 1048576", client_path.display());
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", &script])
+        .output()
+        .expect("setpriv (util-linux)");
+    let err = text(&out).1;
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("ulimit -l") && err.contains("64 KiB") && err.contains("1048576"), "{err}");
+}
+
+/// Runs `cmd` under valgrind memcheck and returns its "definitely lost" byte count.
+fn definitely_lost(cmd: &[&str]) -> (bool, u64, String) {
+    let out = Command::new("valgrind")
+        .args(["--leak-check=full", "--show-leak-kinds=definite", "--error-exitcode=0"])
+        .args(cmd)
+        .output()
+        .expect("valgrind");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lost = err
+        .lines()
+        .find(|l| l.contains("definitely lost:"))
+        .and_then(|l| l.split("definitely lost:").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .map(|n| n.replace(',', "").parse::<u64>().unwrap());
+    let clean = err.contains("All heap blocks were freed") || err.contains("no leaks are possible");
+    (out.status.success(), lost.unwrap_or(if clean { 0 } else { u64::MAX }), err)
+}
+
+#[test]
+fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
+    let addr = common::device_addr().to_string();
+    let server = example("server");
+    let srv = Command::new("valgrind")
+        .args(["--leak-check=full", "--show-leak-kinds=definite"])
+        .arg(&server)
+        .args(["-a", &addr, "-p", "7615", "--count", "1", "--timeout", "60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    thread::sleep(Duration::from_secs(15)); // valgrind starts slowly under emulation
+    let client = example("client");
+    let (ok, lost, log) = definitely_lost(&[client.to_str().unwrap(), "-a", &addr, "-p", "7615", "--timeout", "60"]);
+    assert!(ok, "client under valgrind failed:\n{log}");
+    assert_eq!(lost, 0, "client leaks:\n{log}");
+    let out = srv.wait_with_output().unwrap();
+    let slog = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "server under valgrind failed:\n{slog}");
+    let clean = slog.contains("definitely lost: 0 bytes") || slog.contains("All heap blocks were freed");
+    assert!(clean, "server leaks:\n{slog}");
+    // One integration-test binary: the zero-allocation test, run whole.
+    let deps = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
+    let alloc = std::fs::read_dir(&deps)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("alloc-") && !n.ends_with(".d")
+        })
+        .expect("the alloc test binary (built by cargo test)");
+    let (ok, lost, log) = definitely_lost(&[alloc.to_str().unwrap(), "--test-threads=1"]);
+    assert!(ok, "alloc test under valgrind failed:\n{log}");
+    assert_eq!(lost, 0, "alloc test leaks:\n{log}");
+}

@@ -147,6 +147,21 @@ pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
     (Side { conn, pd, mrs }, server)
 }
 
+/// The four octets of an IPv4 address.
+pub struct IpV4(pub u8, pub u8, pub u8, pub u8);
+
+impl IpV4 {
+    pub fn of(a: IpAddr) -> IpV4 {
+        match a {
+            IpAddr::V4(v) => {
+                let [a, b, c, d] = v.octets();
+                IpV4(a, b, c, d)
+            }
+            IpAddr::V6(_) => panic!("the device tests need an IPv4 address"),
+        }
+    }
+}
+
 /// A deterministic pattern distinct per `seed`.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u32).wrapping_mul(131).wrapping_add(seed as u32 * 17 + 3) as u8).collect()
