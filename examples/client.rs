@@ -53,6 +53,21 @@ struct Args {
     /// bandwidth in ib_write_bw's format, then run one verified round trip.
     #[arg(long)]
     bw: bool,
+    /// Run the whole client this many times in one process, one connection after another, and
+    /// print each setup step's cost per connection in cmtime's format.
+    #[arg(long, default_value_t = 1)]
+    connections: u32,
+}
+
+/// Quiets the per-step log lines when --connections runs many clients.
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+macro_rules! say {
+    ($($t:tt)*) => {
+        if !QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+            println!($($t)*);
+        }
+    };
 }
 
 fn main() {
@@ -72,21 +87,30 @@ fn main() {
     let timeout = Duration::from_secs(args.timeout.max(1));
     let dst = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
     let src = args.bind.as_deref().map(|b| resolve_host(b, 0).unwrap_or_else(|e| fail("bad arguments", e)));
-    if let Err(e) = run(&args, dst, src, timeout) {
-        fail(&format!("client to {dst}"), e);
+    if args.connections > 1 {
+        QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    let mut steps = Steps::default();
+    for _ in 0..args.connections {
+        if let Err(e) = run(&args, dst, src, timeout, &mut steps) {
+            fail(&format!("client to {dst}"), e);
+        }
+    }
+    if args.connections > 1 {
+        steps.print_cmtime_table(args.connections);
     }
 }
 
-fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Result<(), Error> {
-    let mut steps = Steps::default();
+fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps: &mut Steps) -> Result<(), Error> {
+    steps.start_connection();
     let client = steps.time(Client::new)?;
-    println!("[INFO] Created CM ID");
+    say!("[INFO] Created CM ID");
     let resolved = steps.time(|| client.resolve_addr(src, dst, t))?;
-    println!("[EVENT] Address resolved");
+    say!("[EVENT] Address resolved");
     let route = steps.time(|| resolved.resolve_route(t))?;
-    println!("[EVENT] Route resolved");
+    say!("[EVENT] Route resolved");
     let ctx = route.context()?;
-    println!("[INFO] Device {}", ctx.device_name());
+    say!("[INFO] Device {}", ctx.device_name());
     let pd = route.alloc_pd()?;
 
     let size = args.size as usize;
@@ -100,12 +124,12 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
     let mut data = MemoryRegion::new(&pd, size, data_access)?;
     let mut back = MemoryRegion::new(&pd, size, back_access)?;
     let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
-    println!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
+    say!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
 
     let started = Instant::now();
     let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new()))?;
     let qp_num = pending.qp_mut().qp_num();
-    println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
+    say!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
 
     // Post the first receive before connecting, so the server's first message finds it.
     match args.mode {
@@ -120,13 +144,14 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
     // With --bw the stream is one-sided; the server sees a single verified round trip.
     let iters = if args.bw { 1 } else { args.iters };
     let req = Request { info: region, mode: args.mode, size: args.size, iters };
-    println!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
+    say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
     let mut conn = steps.time(|| pending.connect(&param, t))?;
-    println!("[EVENT] Connection established");
-    println!(
+    say!("[EVENT] Connection established");
+    let u = steps.current();
+    say!(
         "[INFO] Connection setup steps (us): create id {:.1}, resolve addr {:.1}, resolve route {:.1}, create qp {:.1}, connect {:.1}",
-        steps.us[0], steps.us[1], steps.us[2], steps.us[3], steps.us[4]
+        u[0], u[1], u[2], u[3], u[4]
     );
 
     let server = if QpInfo::is_present(conn.peer_private_data()) {
@@ -140,7 +165,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
                 "the server sent no qp_info (rdma-core rdma_server?); it only speaks --mode send --size {LEGACY_SIZE} --iters 1"
             )));
         }
-        println!("[INFO] Server sent no qp_info: rdma-core rdma_server protocol, echo content is not checked");
+        say!("[INFO] Server sent no qp_info: rdma-core rdma_server protocol, echo content is not checked");
     }
     let server_region = server.and_then(|s| s.region());
 
@@ -175,29 +200,60 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration) -> Re
         }
     }
     if server.is_some() {
-        println!("[INFO] Echo verified: {iters} x {size} bytes match");
+        say!("[INFO] Echo verified: {iters} x {size} bytes match");
     }
-    println!("[INFO] Round-trip completed.");
+    say!("[INFO] Round-trip completed.");
     if iters > 1 {
         print_latency_table(args.size, &mut rtts);
     }
-    conn.disconnect(t)?;
-    println!("[INFO] Disconnected");
+    steps.time(|| conn.disconnect(t))?;
+    say!("[INFO] Disconnected");
+    // Teardown: QP, CQs, regions, PD, then the id and its channel.
+    steps.time(|| drop((data, back, ctl, pd, ctx)));
     Ok(())
 }
 
-/// Wall-clock time of each connection-setup step, in microseconds.
+/// Wall-clock time of each step of each connection, in microseconds.
 #[derive(Default)]
 struct Steps {
-    us: Vec<f64>,
+    runs: Vec<Vec<f64>>,
 }
 
+const STEP_NAMES: [&str; 7] =
+    ["create id", "resolve addr", "resolve route", "create qp", "connect", "disconnect", "destroy"];
+
 impl Steps {
+    fn start_connection(&mut self) {
+        self.runs.push(Vec::with_capacity(STEP_NAMES.len()));
+    }
+    fn current(&self) -> &[f64] {
+        self.runs.last().map_or(&[], |r| r.as_slice())
+    }
     fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let r = f();
-        self.us.push(micros(t.elapsed()));
+        if let Some(run) = self.runs.last_mut() {
+            run.push(micros(t.elapsed()));
+        }
         r
+    }
+    /// cmtime's table: total ms, max ms, min us and us per connection of each step.
+    fn print_cmtime_table(&self, n: u32) {
+        println!("step              total ms     max ms     min us  us / conn");
+        for (i, name) in STEP_NAMES.iter().enumerate() {
+            let v: Vec<f64> = self.runs.iter().filter_map(|r| r.get(i).copied()).collect();
+            let total: f64 = v.iter().sum();
+            let max = v.iter().cloned().fold(0.0, f64::max);
+            let min = v.iter().cloned().fold(f64::INFINITY, f64::min);
+            println!(
+                "{:<13}: {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                name,
+                total / 1000.0,
+                max / 1000.0,
+                min,
+                total / n as f64
+            );
+        }
     }
 }
 
@@ -266,11 +322,11 @@ fn round_trip_send(
     qp.post_send(&[SendWr::send(data, 0..size).wr_id(i as u64)])?;
     qp.wait_for(WorkQueue::Send, i as u64, t)?;
     if log {
-        println!("[INFO] Sent {size} bytes");
+        say!("[INFO] Sent {size} bytes");
     }
     let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
     if log {
-        println!("[INFO] Received {} bytes", wc.byte_len());
+        say!("[INFO] Received {} bytes", wc.byte_len());
     }
     Ok(wc.byte_len() as usize)
 }
@@ -291,14 +347,14 @@ fn round_trip_write(
     qp.post_send(&[SendWr::write(data, 0..size, &server, 0)?.imm(i).wr_id(i as u64)])?;
     qp.wait_for(WorkQueue::Send, i as u64, t)?;
     if log {
-        println!("[INFO] Sent {size} bytes (RDMA WRITE)");
+        say!("[INFO] Sent {size} bytes (RDMA WRITE)");
     }
     let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
     if wc.imm_data() != Some(i) {
         return Err(Error::InvalidArgument(format!("expected immediate {i}, got {:?}", wc.imm_data())));
     }
     if log {
-        println!("[INFO] Received {size} bytes (RDMA WRITE)");
+        say!("[INFO] Received {size} bytes (RDMA WRITE)");
     }
     if i + 1 < iters {
         qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
@@ -323,7 +379,7 @@ fn round_trip_read(
     qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
     qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
     if log {
-        println!("[INFO] Sent {size} bytes (exposed to RDMA READ)");
+        say!("[INFO] Sent {size} bytes (exposed to RDMA READ)");
     }
     // "done": read the server's copy back.
     qp.wait_for(WorkQueue::Recv, i as u64, t)?;
@@ -333,7 +389,7 @@ fn round_trip_read(
     qp.post_send(&[SendWr::read(back, 0..size, &server, 0)?.wr_id(i as u64)])?;
     let wc = qp.wait_for(WorkQueue::Send, i as u64, t)?;
     if log {
-        println!("[INFO] Received {} bytes (RDMA READ)", wc.byte_len());
+        say!("[INFO] Received {} bytes (RDMA READ)", wc.byte_len());
     }
     Ok(wc.byte_len() as usize)
 }

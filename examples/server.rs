@@ -186,9 +186,12 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
     result.map_err(err)?;
     // The client disconnects first; wait for it, bounded.
     let deadline = Instant::now() + timeout;
-    while !conn.is_disconnected() && Instant::now() < deadline {
-        if conn.try_event().map_err(err)?.is_none() {
-            std::thread::sleep(Duration::from_millis(5));
+    while !conn.is_disconnected() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match conn.next_event(left) {
+            Ok(_) => {}
+            Err(Error::Timeout { .. }) => break,
+            Err(e) => return Err(e.to_string()),
         }
     }
     println!("[INFO] Disconnected");

@@ -83,16 +83,8 @@ impl CompletionQueue {
         if self.nonblocking.load(Ordering::Acquire) {
             return Ok(());
         }
-        let fd = self.as_raw_fd();
-        // SAFETY: fd is the channel's open descriptor; only its flags change (idempotent, so a
-        // race between two threads here is harmless).
-        let ok = unsafe {
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
-        };
-        if !ok {
-            return Err(Error::call("fcntl(O_NONBLOCK)", errno(), None));
-        }
+        // Idempotent, so a race between two threads here is harmless.
+        crate::wait::set_nonblocking(self.as_raw_fd())?;
         self.nonblocking.store(true, Ordering::Release);
         Ok(())
     }

@@ -22,12 +22,13 @@ use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdma_sys as ffi;
 
 use crate::cm_id::{CmId, IdHandle};
 use crate::error::{check_ptr, errno, Error, Result};
+use crate::wait::{poll_readable, pollfd, Deadline};
 
 /// A librdmacm event channel. Cloning is cheap and yields another handle to the same channel.
 ///
@@ -66,22 +67,8 @@ impl EventChannel {
         // SAFETY: no preconditions; the result is checked for NULL.
         let raw = check_ptr(unsafe { ffi::rdma_create_event_channel() }, "rdma_create_event_channel")?;
         let ch = EventChannel { inner: Arc::new(ChannelInner { raw }) };
-        ch.set_nonblocking()?;
+        crate::wait::set_nonblocking(ch.as_raw_fd())?;
         Ok(ch)
-    }
-
-    fn set_nonblocking(&self) -> Result<()> {
-        let fd = self.as_raw_fd();
-        // SAFETY: fd is the channel's open descriptor; F_GETFL/F_SETFL only change its flags.
-        let ok = unsafe {
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
-        };
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::call("fcntl(O_NONBLOCK)", errno(), None))
-        }
     }
 
     pub(crate) fn raw(&self) -> *mut ffi::rdma_event_channel {
@@ -114,19 +101,23 @@ impl EventChannel {
         Ok(Some(unsafe { CmEvent::from_raw(ev, self) }))
     }
 
-    /// Waits up to `timeout` for the next event.
+    /// Waits up to `timeout` for the next event (twice that at most, if another thread takes
+    /// an event this call was woken for).
     ///
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; [`Error::Call`] when the channel fails.
     pub fn get_event(&self, timeout: Duration) -> Result<CmEvent> {
-        let deadline = Instant::now() + timeout;
+        // Wait first, read second: a blocking step asks for an event that has rarely arrived
+        // yet, so the usual cost is one poll and one read (see crate::wait for the bound).
+        let mut deadline = Deadline::new(timeout);
+        let mut fds = [pollfd(self.as_raw_fd())];
         loop {
+            let left = deadline.left();
+            if left.is_zero() || !poll_readable(&mut fds, left)? {
+                return Err(Error::Timeout { op: "rdma_get_cm_event", timeout, addr: None, hint: None });
+            }
             if let Some(ev) = self.try_get_event()? {
                 return Ok(ev);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !wait_readable(self.as_raw_fd(), left)? {
-                return Err(Error::Timeout { op: "rdma_get_cm_event", timeout, addr: None, hint: None });
             }
         }
     }
@@ -154,26 +145,6 @@ impl AsFd for EventChannel {
     fn as_fd(&self) -> BorrowedFd<'_> {
         // SAFETY: the descriptor stays open until the last handle (including `self`) drops.
         unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
-    }
-}
-
-/// Waits until `fd` is readable or `timeout` passes. Returns whether it became readable.
-pub(crate) fn wait_readable(fd: RawFd, timeout: Duration) -> Result<bool> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        // Round up so that a sub-millisecond remainder still waits instead of spinning.
-        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: pfd is a valid pollfd array of length 1 for the duration of the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        match n {
-            0 if Instant::now() >= deadline => return Ok(false),
-            0 => continue,
-            n if n > 0 => return Ok(true),
-            _ if errno() == libc::EINTR => continue,
-            _ => return Err(Error::call("poll", errno(), None)),
-        }
     }
 }
 

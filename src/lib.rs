@@ -118,6 +118,7 @@ pub mod mr;
 pub mod pd;
 pub mod private_data;
 pub mod qp;
+mod wait;
 
 pub use rdma_sys as ffi;
 

@@ -34,10 +34,11 @@ use rdma_sys as ffi;
 
 use crate::cm_id::CmId;
 use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
-use crate::error::{check_ibv, check_rdma, errno, Error, Result};
+use crate::error::{check_ibv, check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType};
 use crate::mr::{check_range, AccessFlags, MemoryRegion, MrInner, RemoteRegion};
 use crate::pd::ProtectionDomain;
+use crate::wait::{poll_readable, pollfd, Deadline};
 
 /// Tags receive-queue `wr_id`s so a CQ shared by both queues of one QP routes correctly.
 const RECV_TAG: u64 = 1 << 63;
@@ -704,7 +705,7 @@ impl QueuePair {
             Some(WorkQueue::Send) => [Some(Arc::clone(&self.send_cq)), None],
             Some(WorkQueue::Recv) => [Some(Arc::clone(&self.recv_cq)), None],
         };
-        let deadline = Instant::now() + timeout;
+        let mut deadline = Deadline::new(timeout);
         loop {
             // A short busy phase keeps latency low without burning a core while idle.
             for _ in 0..64 {
@@ -721,23 +722,14 @@ impl QueuePair {
             if n > 0 {
                 return Ok(n);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.left();
             if left.is_zero() {
                 return Ok(0);
             }
-            let fd = |cq: &Option<Arc<CompletionQueue>>| libc::pollfd {
-                fd: cq.as_ref().map_or(-1, |c| c.as_raw_fd()),
-                events: libc::POLLIN,
-                revents: 0,
-            };
+            let cq_fd = |cq: &Option<Arc<CompletionQueue>>| pollfd(cq.as_ref().map_or(-1, |c| c.as_raw_fd()));
             let cm_fd = if self.watch_cm && !self.peer_left { self.id.channel().as_raw_fd() } else { -1 };
-            let mut fds = [fd(&cqs[0]), fd(&cqs[1]), libc::pollfd { fd: cm_fd, events: libc::POLLIN, revents: 0 }];
-            let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            // SAFETY: fds is a valid array of 3 pollfds for the call (poll ignores fd -1).
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
-            if r < 0 && errno() != libc::EINTR {
-                return Err(Error::call("poll", errno(), None));
-            }
+            let mut fds = [cq_fd(&cqs[0]), cq_fd(&cqs[1]), pollfd(cm_fd)];
+            poll_readable(&mut fds, left)?;
             for cq in cqs.iter().flatten() {
                 cq.drain_events()?;
             }
@@ -781,10 +773,10 @@ impl QueuePair {
     /// [`Error::WorkCompletion`] for a failed completion; [`Error::Timeout`];
     /// [`Error::InvalidArgument`] with a shared CQ.
     pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
-        let deadline = Instant::now() + timeout;
+        let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.left();
             let n = self.wait_queue(queue, &mut wcs, left)?;
             if n == 0 {
                 let op =
