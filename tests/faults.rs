@@ -46,12 +46,9 @@ fn server_killed_mid_transfer_fails_the_client_quickly() {
     let out = client.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        killed.elapsed() < NOTICE,
-        "client took {:?} to notice (started {:?} ago)",
-        killed.elapsed(),
-        started.elapsed()
-    );
+    let noticed = killed.elapsed();
+    eprintln!("measured: the client exited {noticed:?} after the server was killed");
+    assert!(noticed < NOTICE, "client took {noticed:?} to notice (started {:?} ago)", started.elapsed());
     assert!(err.contains("peer disconnected") && err.lines().count() == 1, "{err}");
     t.finish();
 }
