@@ -112,6 +112,7 @@
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
+pub mod diagnostics;
 pub mod error;
 pub mod event_channel;
 pub mod mr;

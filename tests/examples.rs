@@ -437,3 +437,23 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     assert!(ok, "alloc test under valgrind failed:\n{log}");
     assert_eq!(lost, 0, "alloc test leaks:\n{log}");
 }
+
+#[test]
+fn doctor_reports_the_device_healthy() {
+    let addr = common::device_addr().to_string();
+    let out = Command::new(example("doctor")).output().unwrap();
+    let (text, err) = text(&out);
+    assert!(out.status.success(), "{text}{err}");
+    assert!(text.contains("[ ok ] RDMA devices:") && text.contains("port 1: state 4: ACTIVE"), "{text}");
+    assert!(text.contains("RoCE v2") && text.contains(&format!("usable with -a: {addr}")), "{text}");
+    assert!(text.contains("[ ok ] device files") && text.trim_end().ends_with("verdict: healthy"), "{text}");
+    // A buffer beyond the limit, for an unprivileged user, is flagged with the fix.
+    let script = format!("ulimit -l 64 && exec {} --size 1048576", example("doctor").display());
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let (text, _) = self::text(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("[FAIL] locked-memory limit") && text.contains("ulimit -l unlimited"), "{text}");
+}

@@ -31,4 +31,11 @@ fn no_device_is_reported_with_the_fix_by_library_and_examples() {
         assert_eq!(err.lines().count(), 1, "{bin}: one line: {err}");
         assert!(err.contains("no RDMA device found") && err.contains("Soft-RoCE"), "{bin}: {err}");
     }
+
+    // The doctor says exactly that, and how to get Soft-RoCE.
+    let out = Command::new(examples.join("doctor")).output().expect("the doctor example");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("[FAIL] RDMA devices: none") && text.contains("rdma_rxe"), "{text}");
+    assert!(text.contains("verdict:") && !text.contains("verdict: healthy"), "{text}");
 }
