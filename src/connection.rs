@@ -128,7 +128,7 @@ impl ConnParam {
         Ok(self)
     }
 
-    fn raw(&self, limit: usize, what: &str) -> Result<ffi::rdma_conn_param> {
+    pub(crate) fn raw(&self, limit: usize, what: &str) -> Result<ffi::rdma_conn_param> {
         if self.private_data.len() > limit {
             return Err(too_long(what, self.private_data.len(), limit));
         }
@@ -161,6 +161,12 @@ fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration)
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
         e => e,
     })?;
+    check_event(id, ev, expected, op)
+}
+
+/// Accepts `ev` if it is `expected` for `id`; turns anything else into a clear error.
+pub(crate) fn check_event(id: &CmId, ev: CmEvent, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
+    let peer = id.peer_addr();
     if ev.event_type() == expected && ev.id() == id.handle() {
         return Ok(ev);
     }
@@ -205,7 +211,7 @@ fn reject_hint(status: i32) -> &'static str {
 /// A fresh client id, not yet resolved.
 #[derive(Debug)]
 pub struct Client {
-    id: CmId,
+    pub(crate) id: CmId,
 }
 
 impl Client {
@@ -232,14 +238,18 @@ impl Client {
     /// [`Error::Call`] with `ETIMEDOUT`/`EADDRNOTAVAIL` and a troubleshooting hint when no RDMA
     /// device answers for the address; [`Error::Timeout`].
     pub fn resolve_addr(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<AddrResolved> {
-        if dst.port() == 0 {
-            return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
-        }
-        self.id.resolve_addr(src, dst, timeout)?;
+        self.start_resolve_addr(src, dst, timeout)?;
         // librdmacm reports ADDR_ERROR itself when its own timeout passes; allow for that.
         expect(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr", timeout + Duration::from_secs(1))
             .map_err(|e| e.with_addr(dst))?;
         Ok(AddrResolved { id: self.id })
+    }
+
+    pub(crate) fn start_resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        if dst.port() == 0 {
+            return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
+        }
+        self.id.resolve_addr(src, dst, timeout)
     }
 
     /// The id.
@@ -251,7 +261,7 @@ impl Client {
 /// A client id whose address is resolved.
 #[derive(Debug)]
 pub struct AddrResolved {
-    id: CmId,
+    pub(crate) id: CmId,
 }
 
 impl AddrResolved {
@@ -260,8 +270,7 @@ impl AddrResolved {
     /// # Errors
     /// [`Error::Call`] or [`Error::UnexpectedEvent`] (`ROUTE_ERROR`), [`Error::Timeout`].
     pub fn resolve_route(self, timeout: Duration) -> Result<RouteResolved> {
-        let peer = self.id.peer_addr();
-        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, peer))?;
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
         expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", timeout + Duration::from_secs(1))?;
         Ok(RouteResolved { id: Arc::new(self.id) })
     }
@@ -272,7 +281,7 @@ impl AddrResolved {
     }
 }
 
-fn with_opt_addr(e: Error, a: Option<SocketAddr>) -> Error {
+pub(crate) fn with_opt_addr(e: Error, a: Option<SocketAddr>) -> Error {
     match a {
         Some(a) => e.with_addr(a),
         None => e,
@@ -286,7 +295,7 @@ fn context_of(id: &Arc<CmId>) -> Result<VerbsContext> {
 /// A client id with a route: allocate the PD, register memory, then create the QP.
 #[derive(Debug)]
 pub struct RouteResolved {
-    id: Arc<CmId>,
+    pub(crate) id: Arc<CmId>,
 }
 
 impl RouteResolved {
@@ -324,8 +333,8 @@ impl RouteResolved {
 /// A client with its QP: post receives now, then connect.
 #[derive(Debug)]
 pub struct ClientQp {
-    id: Arc<CmId>,
-    qp: QueuePair,
+    pub(crate) id: Arc<CmId>,
+    pub(crate) qp: QueuePair,
 }
 
 impl ClientQp {
@@ -340,14 +349,18 @@ impl ClientQp {
     /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
     /// naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a hint; [`Error::Timeout`].
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        self.start_connect(param)?;
+        let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+    }
+
+    pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
         let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
         let peer = self.id.peer_addr();
         // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
         // `param`) outlive the call, which copies them.
         check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
-            .map_err(|e| with_opt_addr(e, peer))?;
-        let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+            .map_err(|e| with_opt_addr(e, peer))
     }
 }
 
@@ -410,7 +423,7 @@ impl Bound {
 /// A listening id.
 #[derive(Debug)]
 pub struct Listener {
-    id: CmId,
+    pub(crate) id: CmId,
 }
 
 impl Listener {
@@ -477,7 +490,7 @@ impl ConnectRequest {
     }
 
     /// `own_channel`: move the new id onto a fresh channel of its own first.
-    fn build(mut ev: CmEvent, own_channel: bool) -> Result<ConnectRequest> {
+    pub(crate) fn build(mut ev: CmEvent, own_channel: bool) -> Result<ConnectRequest> {
         let Some(mut id) = ev.take_id() else {
             return Err(ev.unexpected("taking a connection request", CmEventType::ConnectRequest));
         };
@@ -572,10 +585,10 @@ fn reject(id: &CmId, data: &[u8]) -> Result<()> {
 /// A request with its QP: post receives now, then accept (or reject).
 #[derive(Debug)]
 pub struct ServerQp {
-    id: Arc<CmId>,
-    qp: QueuePair,
-    private_data: PrivateData,
-    own_channel: bool,
+    pub(crate) id: Arc<CmId>,
+    pub(crate) qp: QueuePair,
+    pub(crate) private_data: PrivateData,
+    pub(crate) own_channel: bool,
 }
 
 impl ServerQp {
@@ -600,15 +613,21 @@ impl ServerQp {
     /// [`Error::InvalidArgument`] for private data over 196 bytes; [`Error::UnexpectedEvent`];
     /// [`Error::Timeout`].
     pub fn accept(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
-        if !self.own_channel {
-            return Err(Error::InvalidArgument(
-                "this request shares its event channel: use start_accept and Accepting::complete from the event loop"
-                    .into(),
-            ));
-        }
+        self.require_own_channel()?;
         let acc = self.start_accept(param)?;
         let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
         acc.complete(ev)
+    }
+
+    pub(crate) fn require_own_channel(&self) -> Result<()> {
+        if self.own_channel {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "this request shares its event channel: use start_accept and Accepting::complete from the event loop"
+                    .into(),
+            ))
+        }
     }
 
     /// Accepts without waiting; feed the id's next event to [`Accepting::complete`].
@@ -636,10 +655,10 @@ impl ServerQp {
 /// An accepted request waiting for `ESTABLISHED`.
 #[derive(Debug)]
 pub struct Accepting {
-    id: Arc<CmId>,
-    qp: QueuePair,
-    private_data: PrivateData,
-    own_channel: bool,
+    pub(crate) id: Arc<CmId>,
+    pub(crate) qp: QueuePair,
+    pub(crate) private_data: PrivateData,
+    pub(crate) own_channel: bool,
 }
 
 impl Accepting {
@@ -663,16 +682,21 @@ impl Accepting {
 /// An established RC connection: the QP for the data path, and the id for its events.
 pub struct Connection {
     // Dropped first (after Drop::drop disconnects): the QP holds its own Arc of the id.
-    qp: QueuePair,
-    id: Arc<CmId>,
+    pub(crate) qp: QueuePair,
+    pub(crate) id: Arc<CmId>,
     peer_private_data: PrivateData,
-    own_channel: bool,
+    pub(crate) own_channel: bool,
     /// We called rdma_disconnect.
-    disconnected: bool,
+    pub(crate) disconnected: bool,
 }
 
 impl Connection {
-    fn new(id: Arc<CmId>, mut qp: QueuePair, peer_private_data: PrivateData, own_channel: bool) -> Connection {
+    pub(crate) fn new(
+        id: Arc<CmId>,
+        mut qp: QueuePair,
+        peer_private_data: PrivateData,
+        own_channel: bool,
+    ) -> Connection {
         qp.set_watch_cm(own_channel);
         Connection { qp, id, peer_private_data, own_channel, disconnected: false }
     }

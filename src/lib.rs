@@ -85,6 +85,22 @@
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self` |
 //!
+//! ## Event loops and async
+//!
+//! [`EventChannel`] and [`CompletionQueue`] implement `AsFd`/`AsRawFd`; their descriptors are
+//! non-blocking, so an `epoll` loop waits for readability and then drains with
+//! [`EventChannel::try_get_event`] / [`CompletionQueue::drain_events`] until they report
+//! nothing (correct for edge-triggered notification). CQ events are acked in batches. For
+//! many connections on one channel: [`ConnectRequest::from_event`], [`ServerQp::start_accept`],
+//! [`Accepting::complete`] and [`Connection::handle_event`].
+//!
+//! With the `tokio` feature (off by default), every blocking step has an `_async` twin
+//! (`resolve_addr_async`, `resolve_route_async`, `connect_async`, `get_request_async`,
+//! `accept_async`, `next_event_async`, `disconnect_async`) and the QP has `wait_async` and
+//! `wait_for_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
+//! these futures is safe: posted work requests keep their regions inside the QP until their
+//! completions are polled or the QP is dropped. See `examples/async_pingpong.rs`.
+//!
 //! ## Troubleshooting
 //!
 //! | symptom | likely cause | check |
@@ -108,7 +124,10 @@
 #![deny(missing_debug_implementations)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "tokio")]
+mod asynchronous;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;

@@ -25,7 +25,7 @@
 use std::fmt;
 use std::mem::{self, MaybeUninit};
 use std::ops::Range;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -695,30 +695,67 @@ impl QueuePair {
         }
     }
 
-    fn wait_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        if out.is_empty() {
-            return Ok(0);
-        }
-        let cqs: [Option<Arc<CompletionQueue>>; 2] = match which {
+    /// The CQs a wait on `which` sleeps on (one entry is None when there is only one).
+    fn wait_cqs(&self, which: Option<WorkQueue>) -> [Option<Arc<CompletionQueue>>; 2] {
+        match which {
             None if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(Arc::clone(&self.send_cq)), None],
             None => [Some(Arc::clone(&self.send_cq)), Some(Arc::clone(&self.recv_cq))],
             Some(WorkQueue::Send) => [Some(Arc::clone(&self.send_cq)), None],
             Some(WorkQueue::Recv) => [Some(Arc::clone(&self.recv_cq)), None],
-        };
+        }
+    }
+
+    /// Polls, then arms the CQs and polls again (so no completion slips between the two);
+    /// returns what was found, or 0 when the caller should sleep on the descriptors.
+    fn poll_or_arm(
+        &mut self,
+        which: Option<WorkQueue>,
+        cqs: &[Option<Arc<CompletionQueue>>; 2],
+        out: &mut [WorkCompletion],
+    ) -> Result<usize> {
+        // A short busy phase keeps latency low without burning a core while idle.
+        for _ in 0..64 {
+            let n = self.poll_on(which, out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            std::hint::spin_loop();
+        }
+        for cq in cqs.iter().flatten() {
+            cq.req_notify(false)?;
+        }
+        self.poll_on(which, out)
+    }
+
+    /// The descriptors a sleeping wait watches: the CQ channels, and the CM channel when the
+    /// QP watches it for the peer leaving.
+    fn wait_fds(&self, cqs: &[Option<Arc<CompletionQueue>>; 2]) -> [RawFd; 3] {
+        let cq_fd = |cq: &Option<Arc<CompletionQueue>>| cq.as_ref().map_or(-1, |c| c.as_raw_fd());
+        let cm_fd = if self.watch_cm && !self.peer_left { self.id.channel().as_raw_fd() } else { -1 };
+        [cq_fd(&cqs[0]), cq_fd(&cqs[1]), cm_fd]
+    }
+
+    /// After a sleep: acks the CQ events and handles the CM events that woke us.
+    fn after_wake(&mut self, cqs: &[Option<Arc<CompletionQueue>>; 2], cm_ready: bool) -> Result<()> {
+        for cq in cqs.iter().flatten() {
+            cq.drain_events()?;
+        }
+        if cm_ready {
+            while let Some(ev) = self.id.channel().try_get_event()? {
+                self.on_cm_event(&ev);
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let cqs = self.wait_cqs(which);
         let mut deadline = Deadline::new(timeout);
         loop {
-            // A short busy phase keeps latency low without burning a core while idle.
-            for _ in 0..64 {
-                let n = self.poll_on(which, out)?;
-                if n > 0 {
-                    return Ok(n);
-                }
-                std::hint::spin_loop();
-            }
-            for cq in cqs.iter().flatten() {
-                cq.req_notify(false)?;
-            }
-            let n = self.poll_on(which, out)?;
+            let n = self.poll_or_arm(which, &cqs, out)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -726,19 +763,79 @@ impl QueuePair {
             if left.is_zero() {
                 return Ok(0);
             }
-            let cq_fd = |cq: &Option<Arc<CompletionQueue>>| pollfd(cq.as_ref().map_or(-1, |c| c.as_raw_fd()));
-            let cm_fd = if self.watch_cm && !self.peer_left { self.id.channel().as_raw_fd() } else { -1 };
-            let mut fds = [cq_fd(&cqs[0]), cq_fd(&cqs[1]), pollfd(cm_fd)];
+            let mut fds = self.wait_fds(&cqs).map(pollfd);
             poll_readable(&mut fds, left)?;
-            for cq in cqs.iter().flatten() {
-                cq.drain_events()?;
-            }
-            if fds[2].revents != 0 {
-                while let Some(ev) = self.id.channel().try_get_event()? {
-                    self.on_cm_event(&ev);
-                }
+            self.after_wake(&cqs, fds[2].revents != 0)?;
+        }
+    }
+
+    /// Like [`QueuePair::wait`], without blocking a tokio runtime: sleeps on the CQ channels
+    /// (and the CM channel, to notice the peer leaving) through tokio's reactor. Unbounded by
+    /// itself: wrap it in `tokio::time::timeout`. Cancelling it (dropping the future) is safe at
+    /// any point: the posted work requests, and the regions they hold, stay with the QP until
+    /// their completions are polled or the QP is dropped.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::wait`].
+    #[cfg(feature = "tokio")]
+    pub async fn wait_async(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.wait_on_async(None, out).await
+    }
+
+    /// [`QueuePair::wait_for`] for async code: waits for `wr_id` on `queue`, failing on any
+    /// failed completion of that queue. Unbounded by itself (use `tokio::time::timeout`);
+    /// cancellation-safe as [`QueuePair::wait_async`] is.
+    ///
+    /// # Errors
+    /// [`Error::WorkCompletion`], [`Error::Disconnected`]; [`Error::InvalidArgument`] with a
+    /// shared CQ.
+    #[cfg(feature = "tokio")]
+    pub async fn wait_for_async(&mut self, queue: WorkQueue, wr_id: u64) -> Result<WorkCompletion> {
+        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            return Err(Error::InvalidArgument(
+                "both queues share one CQ, so one queue cannot be waited for alone: use wait_async()".into(),
+            ));
+        }
+        let mut wcs = [WorkCompletion::default(); 4];
+        loop {
+            let n = self.wait_on_async(Some(queue), &mut wcs).await?;
+            if let Some(wc) = self.pick(&wcs[..n], wr_id)? {
+                return Ok(wc);
             }
         }
+    }
+
+    #[cfg(feature = "tokio")]
+    async fn wait_on_async(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let cqs = self.wait_cqs(which);
+        loop {
+            let n = self.poll_or_arm(which, &cqs, out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let fds = self.wait_fds(&cqs);
+            crate::wait::readable_any(fds).await?;
+            self.after_wake(&cqs, fds[2] >= 0)?;
+        }
+    }
+
+    /// Checks a batch of completions for `wr_id`: a failed one is an error (naming the
+    /// disconnect when the peer left), others are skipped.
+    fn pick(&self, wcs: &[WorkCompletion], wr_id: u64) -> Result<Option<WorkCompletion>> {
+        let mut found = None;
+        for wc in wcs {
+            if !wc.is_ok() && self.peer_left {
+                return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
+            }
+            let wc = wc.ok()?;
+            if wc.wr_id() == wr_id {
+                found = Some(wc);
+            }
+        }
+        Ok(found)
     }
 
     /// Lets the QP react to its id's CM event: when the peer left (or the device went away),
@@ -788,17 +885,7 @@ impl QueuePair {
                     hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
                 });
             }
-            let mut found = None;
-            for wc in &wcs[..n] {
-                if !wc.is_ok() && self.peer_left {
-                    return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
-                }
-                let wc = wc.ok()?;
-                if wc.wr_id() == wr_id {
-                    found = Some(wc);
-                }
-            }
-            if let Some(wc) = found {
+            if let Some(wc) = self.pick(&wcs[..n], wr_id)? {
                 return Ok(wc);
             }
         }

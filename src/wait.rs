@@ -73,6 +73,58 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> Result<()> {
     }
 }
 
+/// Waits until any of `fds` (-1 entries are ignored) is readable, without blocking the
+/// runtime. Each call registers the descriptors with tokio's reactor and deregisters them on
+/// return or cancellation, so a fresh registration reports readiness that is already there
+/// (nothing edge-triggered can be missed between calls), and one task at a time may await a
+/// given descriptor.
+#[cfg(feature = "tokio")]
+pub(crate) async fn readable_any(fds: [RawFd; 3]) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::task::Poll;
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::Interest;
+
+    struct Fd(RawFd);
+    impl AsRawFd for Fd {
+        fn as_raw_fd(&self) -> RawFd {
+            self.0
+        }
+    }
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(Error::InvalidArgument("the async API needs a tokio runtime (with its IO driver enabled)".into()));
+    }
+    let reg = |fd: RawFd| -> Result<Option<AsyncFd<Fd>>> {
+        if fd < 0 {
+            return Ok(None);
+        }
+        // SAFETY: `fd` is open for the whole life of this AsyncFd, which ends when this
+        // function returns or is cancelled: the callers hold the channel or CQ that owns the
+        // descriptor (by reference or Arc) across the await. Fd::as_raw_fd always returns it.
+        unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }.map(Some).map_err(|e| {
+            Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
+        })
+    };
+    let afds = [reg(fds[0])?, reg(fds[1])?, reg(fds[2])?];
+    std::future::poll_fn(|cx| {
+        for a in afds.iter().flatten() {
+            match a.poll_read_ready(cx) {
+                Poll::Ready(Ok(_guard)) => return Poll::Ready(Ok(())),
+                Poll::Ready(Err(e)) => {
+                    return Poll::Ready(Err(Error::call(
+                        "tokio readiness",
+                        e.raw_os_error().unwrap_or(libc::EIO),
+                        None,
+                    )))
+                }
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,133 @@
+//! Async ping-pong on tokio: a server task and a client task in one process, both awaiting the
+//! CM channels and completion channels through tokio's reactor.
+//!
+//! ```text
+//! cargo run --example async_pingpong --features tokio                    # in the guest without a device
+//! cargo run --example async_pingpong --features tokio -- -a 10.0.0.1 --iters 1000 --size 4096
+//! ```
+//!
+//! Without `-a` it uses the first address the doctor finds usable (a RoCE v2 GID's IPv4).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit, RecvWr, SendWr, Server, WorkQueue};
+
+#[derive(Parser, Debug)]
+#[command(about = "async RDMA ping-pong (server and client in one process)")]
+struct Args {
+    /// Address of the RDMA device (default: the first usable one).
+    #[arg(short = 'a', long = "addr")]
+    addr: Option<IpAddr>,
+    /// Port.
+    #[arg(short = 'p', long = "port", default_value_t = 7480)]
+    port: u16,
+    /// Message size.
+    #[arg(long, default_value_t = 64)]
+    size: usize,
+    /// Round trips.
+    #[arg(long, default_value_t = 100)]
+    iters: u64,
+}
+
+/// Bounds every await of the example: nothing waits forever.
+const T: Duration = Duration::from_secs(10);
+
+async fn bounded<F: std::future::Future<Output = rdma_cm::Result<R>>, R>(what: &str, f: F) -> Result<R, String> {
+    match tokio::time::timeout(T, f).await {
+        Ok(r) => r.map_err(|e| format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no progress within {T:?}")),
+    }
+}
+
+async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String> {
+    let listener = Server::new().and_then(|s| s.bind(addr)).and_then(|b| b.listen(4)).map_err(|e| e.to_string())?;
+    println!("[server] listening on {addr}");
+    let req = bounded("get_request", listener.get_request_async()).await?;
+    let pd = req.alloc_pd().map_err(|e| e.to_string())?;
+    let buf = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    let mut q = req.create_qp(&pd, QpInit::new()).map_err(|e| e.to_string())?;
+    q.qp_mut().post_recv(&[RecvWr::new(&buf, 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
+    let mut conn = bounded("accept", q.accept_async(&ConnParam::new())).await?;
+    println!("[server] connection established");
+    for i in 0..iters {
+        let qp = conn.qp_mut();
+        let wc = bounded("receive", qp.wait_for_async(WorkQueue::Recv, i)).await?;
+        let n = wc.byte_len() as usize;
+        qp.post_send(&[SendWr::send(&buf, 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
+        bounded("echo", qp.wait_for_async(WorkQueue::Send, i)).await?;
+        if i + 1 < iters {
+            qp.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+        }
+    }
+    // Wait (bounded) for the client to leave.
+    while !conn.is_disconnected() {
+        bounded("disconnect", conn.next_event_async()).await?;
+    }
+    println!("[server] echoed {iters} messages, client left");
+    Ok(())
+}
+
+async fn client(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String> {
+    let route =
+        bounded("resolve address", Client::new().map_err(|e| e.to_string())?.resolve_addr_async(None, addr, T)).await?;
+    let route = bounded("resolve route", route.resolve_route_async(T)).await?;
+    let pd = route.alloc_pd().map_err(|e| e.to_string())?;
+    let mut ping = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    let mut pong = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    let q = route.create_qp(&pd, QpInit::new()).map_err(|e| e.to_string())?;
+    let mut conn = bounded("connect", q.connect_async(&ConnParam::new())).await?;
+    println!("[client] connection established");
+    let mut rtts = Vec::with_capacity(iters as usize);
+    for i in 0..iters {
+        let byte = (i % 251) as u8;
+        ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
+        let start = Instant::now();
+        let qp = conn.qp_mut();
+        qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+        qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+        bounded("send", qp.wait_for_async(WorkQueue::Send, i)).await?;
+        bounded("echo", qp.wait_for_async(WorkQueue::Recv, i)).await?;
+        rtts.push(start.elapsed());
+        if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
+            return Err(format!("echo {i} differs"));
+        }
+    }
+    rtts.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "[client] {iters} round trips of {size} bytes verified: min {:.1} us, median {:.1} us, max {:.1} us",
+        us(rtts[0]),
+        us(rtts[rtts.len() / 2]),
+        us(rtts[rtts.len() - 1])
+    );
+    bounded("disconnect", conn.disconnect_async()).await?;
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let args = Args::parse();
+    let ip = args.addr.or_else(|| rdma_cm::diagnostics::diagnose(0).usable_addrs().first().map(|&a| IpAddr::V4(a)));
+    let Some(ip) = ip else {
+        eprintln!("error: no usable RDMA address found: run `cargo run --example doctor`, or give -a");
+        std::process::exit(1);
+    };
+    if args.size == 0 || args.iters == 0 {
+        eprintln!("error: --size and --iters must be at least 1");
+        std::process::exit(1);
+    }
+    let addr = SocketAddr::new(ip, args.port);
+    let srv = tokio::spawn(server(addr, args.size, args.iters));
+    tokio::time::sleep(Duration::from_millis(200)).await; // let the server listen
+    let c = client(addr, args.size, args.iters).await;
+    let s = srv.await.map_err(|e| e.to_string()).and_then(|r| r);
+    match (c, s) {
+        (Ok(()), Ok(())) => println!("[INFO] Round-trip completed."),
+        (c, s) => {
+            eprintln!("error: client: {:?}; server: {:?}", c.err(), s.err());
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Async connection setup and event waiting on tokio's reactor (feature `tokio`).
+//!
+//! Each blocking step has an `_async` twin that starts the same librdmacm call and then awaits
+//! the id's event channel through tokio instead of `poll(2)`. The address and route steps are
+//! bounded by librdmacm's own timers (the `timeout` they take); the handshake by the CM's
+//! retries. Wrap any of them in `tokio::time::timeout` for a tighter bound: dropping one of
+//! these futures is safe at every point, since the ids and QPs they hold are owned values
+//! that clean up in `Drop` as usual.
+//!
+//! One task at a time may await a given channel (each wait registers its descriptor with the
+//! reactor for the duration of the wait).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::cm_id::CmId;
+use crate::connection::{check_event, with_opt_addr};
+use crate::error::{Error, Result};
+use crate::event_channel::{CmEvent, CmEventType, EventChannel};
+use crate::{AddrResolved, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved, ServerQp};
+
+impl EventChannel {
+    /// Waits for the next event without blocking the runtime.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when the channel or the reactor fails.
+    pub async fn get_event_async(&self) -> Result<CmEvent> {
+        use std::os::fd::AsRawFd;
+        loop {
+            if let Some(ev) = self.try_get_event()? {
+                return Ok(ev);
+            }
+            crate::wait::readable_any([self.as_raw_fd(), -1, -1]).await?;
+        }
+    }
+}
+
+async fn expect_async(id: &CmId, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
+    let ev = id.channel().get_event_async().await?;
+    check_event(id, ev, expected, op)
+}
+
+impl Client {
+    /// [`Client::resolve_addr`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`Client::resolve_addr`].
+    pub async fn resolve_addr_async(
+        self,
+        src: Option<SocketAddr>,
+        dst: SocketAddr,
+        timeout: Duration,
+    ) -> Result<AddrResolved> {
+        self.start_resolve_addr(src, dst, timeout)?;
+        expect_async(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr").await.map_err(|e| e.with_addr(dst))?;
+        Ok(AddrResolved { id: self.id })
+    }
+}
+
+impl AddrResolved {
+    /// [`AddrResolved::resolve_route`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::resolve_route`].
+    pub async fn resolve_route_async(self, timeout: Duration) -> Result<RouteResolved> {
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        expect_async(&self.id, CmEventType::RouteResolved, "rdma_resolve_route").await?;
+        Ok(RouteResolved { id: std::sync::Arc::new(self.id) })
+    }
+}
+
+impl ClientQp {
+    /// [`ClientQp::connect`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`ClientQp::connect`].
+    pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
+        self.start_connect(param)?;
+        let ev = expect_async(&self.id, CmEventType::Established, "rdma_connect").await?;
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+    }
+}
+
+impl Listener {
+    /// [`Listener::get_request`] without blocking the runtime; the new id gets its own channel.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] for any event but a connection request.
+    pub async fn get_request_async(&self) -> Result<ConnectRequest> {
+        let ev = self.id.channel().get_event_async().await?;
+        if ev.event_type() != CmEventType::ConnectRequest {
+            return Err(ev.unexpected("waiting for CONNECT_REQUEST", CmEventType::ConnectRequest));
+        }
+        ConnectRequest::build(ev, true)
+    }
+}
+
+impl ServerQp {
+    /// [`ServerQp::accept`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`ServerQp::accept`].
+    pub async fn accept_async(self, param: &ConnParam) -> Result<Connection> {
+        self.require_own_channel()?;
+        let acc = self.start_accept(param)?;
+        let ev = expect_async(&acc.id, CmEventType::Established, "rdma_accept").await?;
+        acc.complete(ev)
+    }
+}
+
+impl Connection {
+    /// [`Connection::next_event`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the connection shares its channel.
+    pub async fn next_event_async(&mut self) -> Result<CmEvent> {
+        if !self.own_channel {
+            return Err(Error::InvalidArgument("this connection shares its event channel".into()));
+        }
+        let ev = self.id.channel().get_event_async().await?;
+        self.qp.on_cm_event(&ev);
+        Ok(ev)
+    }
+
+    /// [`Connection::disconnect`] without blocking the runtime: disconnects and awaits the
+    /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_disconnect` fails.
+    pub async fn disconnect_async(mut self) -> Result<()> {
+        if self.disconnected || self.qp.peer_left() {
+            self.disconnected = true;
+            return Ok(());
+        }
+        self.id.disconnect()?;
+        self.disconnected = true;
+        if self.own_channel {
+            loop {
+                let ev = self.id.channel().get_event_async().await?;
+                if ev.event_type() == CmEventType::Disconnected {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}

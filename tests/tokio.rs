@@ -1,0 +1,132 @@
+//! The async path (feature `tokio`) and the non-blocking descriptors, on the device.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use common::{DeviceTest, T};
+use rdma_cm::{
+    AccessFlags, Client, CmEventType, ConnParam, EventChannel, MemoryRegion, QpInit, RecvWr, SendWr, Server, WorkQueue,
+};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn within<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(T, f).await.expect("no progress within the test's bound")
+}
+
+#[test]
+fn async_connect_accept_ping_pong_and_cancelled_receive() {
+    let t = DeviceTest::start();
+    let addr = t.addr;
+    rt().block_on(async move {
+        let listener = Server::new().unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(4).unwrap();
+        let dst = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let req = within(listener.get_request_async()).await.unwrap();
+            let pd = req.alloc_pd().unwrap();
+            let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+            q.qp_mut().post_recv(&[RecvWr::new(&buf, 0..4096).wr_id(0)]).unwrap();
+            let mut conn = within(q.accept_async(&ConnParam::new())).await.unwrap();
+            let wc = within(conn.qp_mut().wait_for_async(WorkQueue::Recv, 0)).await.unwrap();
+            conn.qp_mut().post_send(&[SendWr::send(&buf, 0..wc.byte_len() as usize).wr_id(1)]).unwrap();
+            within(conn.qp_mut().wait_for_async(WorkQueue::Send, 1)).await.unwrap();
+            while !conn.is_disconnected() {
+                within(conn.next_event_async()).await.unwrap();
+            }
+            drop((conn, buf, pd));
+        });
+        let route = within(Client::new().unwrap().resolve_addr_async(None, dst, T)).await.unwrap();
+        let route = within(route.resolve_route_async(T)).await.unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mut ping = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut pong = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
+        let q = route.create_qp(&pd, QpInit::new()).unwrap();
+        let mut conn = within(q.connect_async(&ConnParam::new())).await.unwrap();
+
+        // Cancel a wait for a receive that has not arrived: the future is dropped, the receive
+        // stays posted and keeps the region.
+        conn.qp_mut().post_recv(&[RecvWr::new(&pong, 0..512).wr_id(5)]).unwrap();
+        let cancelled =
+            tokio::time::timeout(Duration::from_millis(200), conn.qp_mut().wait_for_async(WorkQueue::Recv, 5)).await;
+        assert!(cancelled.is_err(), "nothing was sent yet, so the wait must time out");
+        assert_eq!(pong.outstanding(), 1, "the cancelled wait left the receive (and its region) with the QP");
+        assert!(matches!(pong.as_slice(), Err(rdma_cm::Error::InFlight { .. })));
+
+        ping.as_mut_slice().unwrap().copy_from_slice(&common::pattern(512, 77));
+        conn.qp_mut().post_send(&[SendWr::send(&ping, 0..512).wr_id(6)]).unwrap();
+        within(conn.qp_mut().wait_for_async(WorkQueue::Send, 6)).await.unwrap();
+        let wc = within(conn.qp_mut().wait_for_async(WorkQueue::Recv, 5)).await.unwrap();
+        assert_eq!(wc.byte_len(), 512);
+        assert_eq!(pong.as_slice().unwrap(), &common::pattern(512, 77)[..], "the echo landed in live memory");
+        within(conn.disconnect_async()).await.unwrap();
+        server.await.unwrap();
+        drop((ping, pong, pd));
+    });
+    t.finish();
+}
+
+#[test]
+fn nonblocking_channel_drains_until_empty() {
+    let t = DeviceTest::start();
+    // Three clients resolving on one shared channel: wait for readability once, then drain
+    // until try_get_event says there is nothing left (what an edge-triggered loop must do).
+    let ch = EventChannel::new().unwrap();
+    // SAFETY: fcntl(F_GETFL) on the channel's open descriptor.
+    let flags = unsafe { libc::fcntl(ch.as_raw_fd(), libc::F_GETFL) };
+    assert_ne!(flags & libc::O_NONBLOCK, 0, "the channel is non-blocking from birth");
+    assert!(ch.try_get_event().unwrap().is_none(), "an empty channel returns None at once");
+    let dst = SocketAddr::new(t.addr, 7990);
+    let ids: Vec<_> = (0..3).map(|_| rdma_cm::CmId::new(&ch).unwrap()).collect();
+    for id in &ids {
+        // SAFETY: the ids are valid; dst is a valid sockaddr for the call.
+        let (mut sa, _) = sockaddr(dst);
+        assert_eq!(
+            unsafe {
+                rdma_cm::ffi::rdma_resolve_addr(
+                    id.as_raw(),
+                    std::ptr::null_mut(),
+                    (&mut sa as *mut libc::sockaddr_storage).cast(),
+                    5000,
+                )
+            },
+            0
+        );
+    }
+    let mut seen = 0;
+    let deadline = std::time::Instant::now() + T;
+    while seen < 3 {
+        assert!(std::time::Instant::now() < deadline, "only {seen} of 3 events");
+        let mut pfd = libc::pollfd { fd: ch.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, 1000) };
+        while let Some(ev) = ch.try_get_event().unwrap() {
+            assert_eq!(ev.event_type(), CmEventType::AddrResolved);
+            assert!(ids.iter().any(|id| id.handle() == ev.id()));
+            seen += 1;
+        }
+    }
+    assert!(ch.try_get_event().unwrap().is_none());
+    drop(ids);
+    t.finish();
+}
+
+fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, ()) {
+    // SAFETY: sockaddr_storage is plain old data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let SocketAddr::V4(v4) = a else { panic!("IPv4 only") };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as u16,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+    unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+    (ss, ())
+}
