@@ -312,7 +312,7 @@ mod raw_conn {
                     ffi::rdma_create_id(ch, &mut lid, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP),
                     0
                 );
-                let (mut sa, _) = sockaddr(SocketAddr::new(addr, 0));
+                let mut sa = common::sockaddr_v4(SocketAddr::new(addr, 0));
                 assert_eq!(ffi::rdma_bind_addr(lid, (&mut sa as *mut libc::sockaddr_storage).cast()), 0);
                 assert_eq!(ffi::rdma_listen(lid, 16), 0);
                 atx.send(u16::from_be((*lid).route.addr.src_addr_union.src_sin.sin_port)).unwrap();
@@ -342,7 +342,7 @@ mod raw_conn {
             let ch = ffi::rdma_create_event_channel();
             let mut id = std::ptr::null_mut();
             assert_eq!(ffi::rdma_create_id(ch, &mut id, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP), 0);
-            let (mut d, _) = sockaddr(dst);
+            let mut d = common::sockaddr_v4(dst);
             assert_eq!(
                 ffi::rdma_resolve_addr(
                     id,
@@ -365,21 +365,6 @@ mod raw_conn {
             ffi::rdma_destroy_event_channel(ch);
         }
         server.done.recv().unwrap();
-    }
-
-    fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, ()) {
-        // SAFETY: sockaddr_storage is plain old data.
-        let mut ss: libc::sockaddr_storage = unsafe { zeroed() };
-        let SocketAddr::V4(v4) = a else { panic!("IPv4 only") };
-        let sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: v4.port().to_be(),
-            sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
-        unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
-        (ss, ())
     }
 }
 

@@ -128,13 +128,7 @@ impl Connection {
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails.
     pub async fn disconnect_async(mut self) -> Result<()> {
-        if self.disconnected || self.qp.peer_left() {
-            self.disconnected = true;
-            return Ok(());
-        }
-        self.id.disconnect()?;
-        self.disconnected = true;
-        if self.own_channel {
+        if self.start_disconnect()? {
             loop {
                 let ev = self.id.channel().get_event_async().await?;
                 if ev.event_type() == CmEventType::Disconnected {

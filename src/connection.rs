@@ -778,19 +778,24 @@ impl Connection {
         self.qp.peer_left()
     }
 
+    /// Starts a disconnect; returns whether to wait for `DISCONNECTED` on the own channel.
+    pub(crate) fn start_disconnect(&mut self) -> Result<bool> {
+        if self.disconnected || self.qp.peer_left() {
+            self.disconnected = true;
+            return Ok(false);
+        }
+        self.id.disconnect()?;
+        self.disconnected = true;
+        Ok(self.own_channel)
+    }
+
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
     /// that Drop would only print.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
     pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
-        if self.disconnected || self.qp.peer_left() {
-            self.disconnected = true;
-            return Ok(());
-        }
-        self.id.disconnect()?;
-        self.disconnected = true;
-        if self.own_channel {
+        if self.start_disconnect()? {
             // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
             let deadline = std::time::Instant::now() + timeout;
             loop {

@@ -528,11 +528,9 @@ impl QueuePair {
             r.send_flags = flags;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is valid; `raw[..n]` is initialised and a well-formed linked list (the
-        // last `next` is NULL) whose sg_lists point into `sge`, both alive for the call. Every local range was checked against a region
-        // registered on this QP's PD, and each region's handle is now held by a ring slot until
-        // its completion is reaped, so the memory stays allocated while the device uses it.
-        // Inline data is copied by the provider before ibv_post_send returns.
+        // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive for
+        // the call. Each range was checked against a region on this PD, whose handle a ring slot
+        // now holds until the completion is reaped; inline data is copied before post returns.
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
         self.commit_posted(ret, bad, base, n, true, "ibv_post_send")
     }

@@ -84,19 +84,11 @@ fn nonblocking_channel_drains_until_empty() {
     let dst = SocketAddr::new(t.addr, 7990);
     let ids: Vec<_> = (0..3).map(|_| rdma_cm::CmId::new(&ch).unwrap()).collect();
     for id in &ids {
-        // SAFETY: the ids are valid; dst is a valid sockaddr for the call.
-        let (mut sa, _) = sockaddr(dst);
-        assert_eq!(
-            unsafe {
-                rdma_cm::ffi::rdma_resolve_addr(
-                    id.as_raw(),
-                    std::ptr::null_mut(),
-                    (&mut sa as *mut libc::sockaddr_storage).cast(),
-                    5000,
-                )
-            },
-            0
-        );
+        let mut sa = common::sockaddr_v4(dst);
+        let sa_ptr: *mut libc::sockaddr = (&mut sa as *mut libc::sockaddr_storage).cast();
+        // SAFETY: the id is valid and `sa` outlives the call, which copies it.
+        let ret = unsafe { rdma_cm::ffi::rdma_resolve_addr(id.as_raw(), std::ptr::null_mut(), sa_ptr, 5000) };
+        assert_eq!(ret, 0, "rdma_resolve_addr");
     }
     let mut seen = 0;
     let deadline = std::time::Instant::now() + T;
@@ -114,19 +106,4 @@ fn nonblocking_channel_drains_until_empty() {
     assert!(ch.try_get_event().unwrap().is_none());
     drop(ids);
     t.finish();
-}
-
-fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, ()) {
-    // SAFETY: sockaddr_storage is plain old data.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-    let SocketAddr::V4(v4) = a else { panic!("IPv4 only") };
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as u16,
-        sin_port: v4.port().to_be(),
-        sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
-        sin_zero: [0; 8],
-    };
-    // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
-    unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
-    (ss, ())
 }

@@ -147,6 +147,22 @@ pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
     (Side { conn, pd, mrs }, server)
 }
 
+/// An IPv4 socket address as a `sockaddr_storage`, for raw librdmacm calls.
+pub fn sockaddr_v4(a: SocketAddr) -> libc::sockaddr_storage {
+    // SAFETY: sockaddr_storage is plain old data; all-zero is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let SocketAddr::V4(v4) = a else { panic!("IPv4 only") };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+    unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+    ss
+}
+
 /// The four octets of an IPv4 address.
 pub struct IpV4(pub u8, pub u8, pub u8, pub u8);
 
