@@ -138,7 +138,9 @@ pub mod mr;
 pub mod pd;
 pub mod private_data;
 pub mod qp;
+mod ring;
 mod wait;
+pub mod wr;
 
 pub use rdma_sys as ffi;
 
@@ -153,7 +155,8 @@ pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use private_data::QpInfo;
-pub use qp::{QpInit, QueuePair, RecvWr, SendWr};
+pub use qp::{QpInit, QueuePair};
+pub use wr::{RecvWr, SendWr};
 
 /// Reports a destroy call that failed in `Drop` (which must not panic): one line on stderr.
 /// The object is leaked by the caller.

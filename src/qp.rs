@@ -36,9 +36,11 @@ use crate::cm_id::CmId;
 use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
 use crate::error::{check_ibv, check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType};
-use crate::mr::{check_range, AccessFlags, MemoryRegion, MrInner, RemoteRegion};
+use crate::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::pd::ProtectionDomain;
+use crate::ring::Ring;
 use crate::wait::{poll_readable, pollfd, Deadline};
+use crate::wr::{RecvWr, SendOp, SendWr};
 
 /// Tags receive-queue `wr_id`s so a CQ shared by both queues of one QP routes correctly.
 const RECV_TAG: u64 = 1 << 63;
@@ -95,179 +97,6 @@ impl QpInit {
     /// Uses `cq` for receive completions instead of creating one.
     pub fn recv_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
         self.recv_cq = Some(cq);
-        self
-    }
-}
-
-/// One slot of a work queue's ring.
-#[derive(Default)]
-struct Slot {
-    user_wr_id: u64,
-    /// Never read: holding it keeps the region allocated while the device may use it.
-    _region: Option<Arc<MrInner>>,
-}
-
-/// A fixed ring of in-flight work requests, in posting order.
-struct Ring {
-    /// A power of two at least `depth` long, so a slot is `seq & mask` (no division).
-    slots: Box<[Slot]>,
-    /// How many work requests the queue holds.
-    depth: u64,
-    /// Sequence number of the oldest outstanding work request.
-    head: u64,
-    /// Sequence number the next work request gets.
-    tail: u64,
-}
-
-impl Ring {
-    fn new(depth: u32) -> Ring {
-        let len = (depth as usize).next_power_of_two();
-        Ring { slots: (0..len).map(|_| Slot::default()).collect(), depth: depth as u64, head: 0, tail: 0 }
-    }
-    fn cap(&self) -> u64 {
-        self.depth
-    }
-    fn outstanding(&self) -> u64 {
-        self.tail - self.head
-    }
-    fn free(&self) -> u64 {
-        self.cap() - self.outstanding()
-    }
-    fn slot(&mut self, seq: u64) -> &mut Slot {
-        let mask = self.slots.len() - 1;
-        &mut self.slots[seq as usize & mask]
-    }
-    /// Records a work request at `tail + k` (not yet committed).
-    fn stage(&mut self, k: u64, user_wr_id: u64, mr: Option<&Arc<MrInner>>) -> u64 {
-        let seq = self.tail + k;
-        *self.slot(seq) = Slot { user_wr_id, _region: mr.cloned() };
-        seq
-    }
-    /// Commits `n` staged work requests and drops the rest of `staged`.
-    fn commit(&mut self, n: u64, staged: u64) {
-        for k in n..staged {
-            let seq = self.tail + k;
-            *self.slot(seq) = Slot::default();
-        }
-        self.tail += n;
-    }
-    /// Retires every work request up to and including `seq`; returns the caller's wr_id.
-    /// A sequence number outside the outstanding window (never ours) retires nothing.
-    fn complete(&mut self, seq: u64) -> Option<u64> {
-        if seq < self.head || seq >= self.tail {
-            return None;
-        }
-        let mut id = 0;
-        while self.head <= seq {
-            let h = self.head;
-            let s = mem::take(self.slot(h));
-            id = s.user_wr_id;
-            self.head += 1;
-        }
-        Some(id)
-    }
-}
-
-/// The operation of a send-queue work request.
-#[derive(Debug, Clone, Copy)]
-enum SendOp {
-    Send,
-    Write { addr: u64, rkey: u32 },
-    Read { addr: u64, rkey: u32 },
-}
-
-/// A send-queue work request: a send, an RDMA WRITE or an RDMA READ.
-#[derive(Clone, Debug)]
-pub struct SendWr<'a> {
-    wr_id: u64,
-    op: SendOp,
-    local: Option<(&'a MemoryRegion, Range<usize>)>,
-    inline: Option<&'a [u8]>,
-    imm: Option<u32>,
-    signaled: bool,
-    solicited: bool,
-}
-
-impl<'a> SendWr<'a> {
-    fn new(op: SendOp, local: Option<(&'a MemoryRegion, Range<usize>)>) -> Self {
-        SendWr { wr_id: 0, op, local, inline: None, imm: None, signaled: true, solicited: false }
-    }
-
-    /// Sends `mr[range]`.
-    pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
-        Self::new(SendOp::Send, Some((mr, range)))
-    }
-
-    /// Sends `data` inline: the provider copies it during the post, so it needs no memory
-    /// region and may be any buffer. At most the QP's `max_inline_data` bytes.
-    pub fn send_inline(data: &'a [u8]) -> Self {
-        SendWr { inline: Some(data), ..Self::new(SendOp::Send, None) }
-    }
-
-    /// Writes `mr[range]` to `remote` at `remote_offset` (RDMA WRITE).
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`] when the target range leaves the remote region.
-    pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
-        let len = range.len() as u64;
-        let addr = remote.at(remote_offset, len)?;
-        Ok(Self::new(SendOp::Write { addr, rkey: remote.rkey }, Some((mr, range))))
-    }
-
-    /// Reads `remote` at `remote_offset` into `mr[range]` (RDMA READ). The region needs
-    /// [`AccessFlags::LOCAL_WRITE`].
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`] when the source range leaves the remote region.
-    pub fn read(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
-        let len = range.len() as u64;
-        let addr = remote.at(remote_offset, len)?;
-        Ok(Self::new(SendOp::Read { addr, rkey: remote.rkey }, Some((mr, range))))
-    }
-
-    /// Sets the `wr_id` returned in the completion.
-    pub fn wr_id(mut self, id: u64) -> Self {
-        self.wr_id = id;
-        self
-    }
-
-    /// Adds 32 bits of immediate data (a send or WRITE with immediate; the WRITE then consumes
-    /// a receive at the peer).
-    pub fn imm(mut self, imm: u32) -> Self {
-        self.imm = Some(imm);
-        self
-    }
-
-    /// Generates no completion on success. The work request (and the region it holds) is
-    /// retired by the next signaled completion on this queue.
-    pub fn unsignaled(mut self) -> Self {
-        self.signaled = false;
-        self
-    }
-
-    /// Sets the solicited-event bit.
-    pub fn solicited(mut self) -> Self {
-        self.solicited = true;
-        self
-    }
-}
-
-/// A receive-queue work request: receive into `mr[range]`.
-#[derive(Clone, Debug)]
-pub struct RecvWr<'a> {
-    wr_id: u64,
-    mr: &'a MemoryRegion,
-    range: Range<usize>,
-}
-
-impl<'a> RecvWr<'a> {
-    /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`].
-    pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
-        RecvWr { wr_id: 0, mr, range }
-    }
-    /// Sets the `wr_id` returned in the completion.
-    pub fn wr_id(mut self, id: u64) -> Self {
-        self.wr_id = id;
         self
     }
 }
@@ -971,62 +800,6 @@ impl fmt::Debug for QueuePair {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ring_retires_in_order_and_refuses_overflow() {
-        let mut r = Ring::new(4);
-        for k in 0..3 {
-            r.stage(k, 100 + k, None);
-        }
-        r.commit(3, 3);
-        assert_eq!(r.outstanding(), 3);
-        assert_eq!(r.free(), 1);
-        // Completion of seq 1 retires seq 0 (unsignaled) and 1.
-        assert_eq!(r.complete(1), Some(101));
-        assert_eq!(r.outstanding(), 1);
-        // Stale or foreign sequence numbers retire nothing.
-        assert_eq!(r.complete(0), None);
-        assert_eq!(r.complete(7), None);
-        assert_eq!(r.complete(2), Some(102));
-        assert_eq!(r.outstanding(), 0);
-    }
-
-    #[test]
-    fn partial_commit_clears_unposted_slots() {
-        let mut r = Ring::new(4);
-        for k in 0..3 {
-            r.stage(k, k, None);
-        }
-        r.commit(1, 3);
-        assert_eq!(r.outstanding(), 1);
-        assert_eq!(r.complete(0), Some(0));
-        assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
-    }
-
-    #[test]
-    fn ring_of_odd_depth_admits_exactly_its_depth() {
-        let mut r = Ring::new(3);
-        assert_eq!(r.slots.len(), 4);
-        assert_eq!(r.free(), 3);
-        for k in 0..3 {
-            r.stage(k, k, None);
-        }
-        r.commit(3, 3);
-        assert_eq!(r.free(), 0);
-        assert_eq!(r.complete(2), Some(2));
-        assert_eq!(r.free(), 3);
-    }
-
-    #[test]
-    fn ring_wraps() {
-        let mut r = Ring::new(2);
-        for i in 0..10u64 {
-            r.stage(0, i, None);
-            r.commit(1, 1);
-            assert_eq!(r.complete(i), Some(i));
-        }
-        assert_eq!(r.head, 10);
-    }
 
     #[test]
     fn defaults_follow_the_seed() {

@@ -1,0 +1,112 @@
+//! Work requests: [`SendWr`] (send, RDMA WRITE, RDMA READ) and [`RecvWr`]. They borrow the
+//! region they name; posting them ([`QueuePair::post_send`](crate::QueuePair::post_send))
+//! takes a handle of it for as long as the device may use it.
+
+use std::ops::Range;
+
+use crate::error::Result;
+use crate::mr::{MemoryRegion, RemoteRegion};
+
+/// The operation of a send-queue work request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SendOp {
+    Send,
+    Write { addr: u64, rkey: u32 },
+    Read { addr: u64, rkey: u32 },
+}
+
+/// A send-queue work request: a send, an RDMA WRITE or an RDMA READ.
+#[derive(Clone, Debug)]
+pub struct SendWr<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) op: SendOp,
+    pub(crate) local: Option<(&'a MemoryRegion, Range<usize>)>,
+    pub(crate) inline: Option<&'a [u8]>,
+    pub(crate) imm: Option<u32>,
+    pub(crate) signaled: bool,
+    pub(crate) solicited: bool,
+}
+
+impl<'a> SendWr<'a> {
+    fn new(op: SendOp, local: Option<(&'a MemoryRegion, Range<usize>)>) -> Self {
+        SendWr { wr_id: 0, op, local, inline: None, imm: None, signaled: true, solicited: false }
+    }
+
+    /// Sends `mr[range]`.
+    pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
+        Self::new(SendOp::Send, Some((mr, range)))
+    }
+
+    /// Sends `data` inline: the provider copies it during the post, so it needs no memory
+    /// region and may be any buffer. At most the QP's `max_inline_data` bytes.
+    pub fn send_inline(data: &'a [u8]) -> Self {
+        SendWr { inline: Some(data), ..Self::new(SendOp::Send, None) }
+    }
+
+    /// Writes `mr[range]` to `remote` at `remote_offset` (RDMA WRITE).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) when the target range leaves the remote region.
+    pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
+        let len = range.len() as u64;
+        let addr = remote.at(remote_offset, len)?;
+        Ok(Self::new(SendOp::Write { addr, rkey: remote.rkey }, Some((mr, range))))
+    }
+
+    /// Reads `remote` at `remote_offset` into `mr[range]` (RDMA READ). The region needs
+    /// [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) when the source range leaves the remote region.
+    pub fn read(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
+        let len = range.len() as u64;
+        let addr = remote.at(remote_offset, len)?;
+        Ok(Self::new(SendOp::Read { addr, rkey: remote.rkey }, Some((mr, range))))
+    }
+
+    /// Sets the `wr_id` returned in the completion.
+    pub fn wr_id(mut self, id: u64) -> Self {
+        self.wr_id = id;
+        self
+    }
+
+    /// Adds 32 bits of immediate data (a send or WRITE with immediate; the WRITE then consumes
+    /// a receive at the peer).
+    pub fn imm(mut self, imm: u32) -> Self {
+        self.imm = Some(imm);
+        self
+    }
+
+    /// Generates no completion on success. The work request (and the region it holds) is
+    /// retired by the next signaled completion on this queue.
+    pub fn unsignaled(mut self) -> Self {
+        self.signaled = false;
+        self
+    }
+
+    /// Sets the solicited-event bit.
+    pub fn solicited(mut self) -> Self {
+        self.solicited = true;
+        self
+    }
+}
+
+/// A receive-queue work request: receive into `mr[range]`.
+#[derive(Clone, Debug)]
+pub struct RecvWr<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) mr: &'a MemoryRegion,
+    pub(crate) range: Range<usize>,
+}
+
+impl<'a> RecvWr<'a> {
+    /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
+    pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
+        RecvWr { wr_id: 0, mr, range }
+    }
+    /// Sets the `wr_id` returned in the completion.
+    pub fn wr_id(mut self, id: u64) -> Self {
+        self.wr_id = id;
+        self
+    }
+}
