@@ -254,7 +254,7 @@ impl QueuePair {
         self.recv.outstanding() as usize
     }
 
-    fn check_local(&self, mr: &MemoryRegion, range: &Range<usize>, needs_write: bool) -> Result<(u64, u32)> {
+    fn check_local(&self, mr: &MemoryRegion, range: &Range<usize>, needs_write: bool) -> Result<()> {
         if !Arc::ptr_eq(mr.pd(), &self.pd) {
             return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
         }
@@ -270,7 +270,7 @@ impl QueuePair {
                 "the device writes this region (receive or RDMA READ target): register it with LOCAL_WRITE".into(),
             ));
         }
-        Ok((mr.addr() + range.start as u64, range.len() as u32))
+        Ok(())
     }
 
     /// Posts send-queue work requests (sends, RDMA WRITEs, RDMA READs), linked into as few
@@ -374,15 +374,11 @@ impl QueuePair {
         send: bool,
         op: &'static str,
     ) -> Result<()> {
-        let posted = if ret == 0 || bad.is_null() {
-            if ret == 0 {
-                n
-            } else {
-                0
-            }
-        } else {
+        let posted = match (ret, bad.is_null()) {
+            (0, _) => n,
+            (_, true) => 0,
             // SAFETY: on failure `bad` points into the array that starts at `first`.
-            (unsafe { bad.cast_const().offset_from(first) }).clamp(0, n as isize) as usize
+            (_, false) => (unsafe { bad.cast_const().offset_from(first) }).clamp(0, n as isize) as usize,
         };
         let ring = if send { &mut self.send } else { &mut self.recv };
         ring.commit(posted as u64, n as u64);
@@ -489,7 +485,7 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when polling or the channels fail.
     pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_on(None, out, timeout)
+        self.wait_on(None, out, &mut Deadline::new(timeout))
     }
 
     /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay in
@@ -498,12 +494,23 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidArgument`] when both queues share one CQ; as for [`QueuePair::wait`].
     pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        self.wait_queue_until(queue, out, &mut Deadline::new(timeout))
+    }
+
+    /// [`QueuePair::wait_queue`] against a deadline the caller may reuse across waits, so that
+    /// repeated waits share one bound.
+    fn wait_queue_until(
+        &mut self,
+        queue: WorkQueue,
+        out: &mut [WorkCompletion],
+        deadline: &mut Deadline,
+    ) -> Result<usize> {
         if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
             return Err(Error::InvalidArgument(
                 "both queues share one CQ, so one queue cannot be waited for alone: use wait()".into(),
             ));
         }
-        self.wait_on(Some(queue), out, timeout)
+        self.wait_on(Some(queue), out, deadline)
     }
 
     /// Polls only `queue`'s CQ into `out`, without waiting. With a CQ shared by both queues,
@@ -575,12 +582,16 @@ impl QueuePair {
         Ok(())
     }
 
-    fn wait_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+    fn wait_on(
+        &mut self,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        deadline: &mut Deadline,
+    ) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
         let cqs = self.wait_cqs(which);
-        let mut deadline = Deadline::new(timeout);
         loop {
             let n = self.poll_or_arm(which, &cqs, out)?;
             if n > 0 {
@@ -700,8 +711,7 @@ impl QueuePair {
         let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let left = deadline.left();
-            let n = self.wait_queue(queue, &mut wcs, left)?;
+            let n = self.wait_queue_until(queue, &mut wcs, &mut deadline)?;
             if n == 0 {
                 let op =
                     if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
