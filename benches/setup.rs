@@ -19,8 +19,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rdma_cm::ffi;
 use rdma_cm::ffi::rdma_cm_event_type::*;
 use rdma_cm::{
-    AccessFlags, Client, CmId, CompletionQueue, ConnParam, EventChannel, MemoryRegion, ProtectionDomain, QpInit,
-    QueuePair, Server,
+    AccessFlags, Client, CmId, CompletionQueue, ConnParam, EventChannel, MemoryRegion, ProtectionDomain, QpInit, Server,
 };
 
 fn pd_alloc(c: &mut Criterion) {
@@ -66,8 +65,8 @@ fn cq_create(c: &mut Criterion) {
 }
 
 fn qp_create(c: &mut Criterion) {
-    let route = route(7902);
-    let ctx = route.context().unwrap();
+    let mut held = Some(route(7902));
+    let ctx = held.as_ref().unwrap().context().unwrap();
     let id = Arc::clone(ctx.cm_id());
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let (scq, rcq) = (CompletionQueue::new(&ctx, 16).unwrap(), CompletionQueue::new(&ctx, 16).unwrap());
@@ -95,8 +94,10 @@ fn qp_create(c: &mut Criterion) {
     });
     g.bench_function("rdma_cm", |b| {
         b.iter(|| {
+            // One QP per id is a type fact: create_qp consumes the route, destroy_qp returns it.
             let init = QpInit::new().send_cq(Arc::clone(&scq)).recv_cq(Arc::clone(&rcq));
-            drop(black_box(QueuePair::new(&id, &pd, init).unwrap()))
+            let q = held.take().unwrap().create_qp(&pd, init).unwrap();
+            held = Some(black_box(q).destroy_qp());
         })
     });
     g.finish();

@@ -48,7 +48,7 @@ async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     let pd = req.alloc_pd().map_err(|e| e.to_string())?;
     let buf = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
     let mut q = req.create_qp(&pd, QpInit::new()).map_err(|e| e.to_string())?;
-    q.qp_mut().post_recv(&[RecvWr::new(&buf, 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
+    q.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
     let mut conn = bounded("accept", q.accept_async(&ConnParam::new())).await?;
     println!("[server] connection established");
     for i in 0..iters {

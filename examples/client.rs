@@ -128,13 +128,13 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
 
     let started = Instant::now();
     let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new()))?;
-    let qp_num = pending.qp_mut().qp_num();
+    let qp_num = pending.qp().qp_num();
     say!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
 
     // Post the first receive before connecting, so the server's first message finds it.
     match args.mode {
-        Mode::Send => pending.qp_mut().post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
-        Mode::Write | Mode::Read => pending.qp_mut().post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
+        Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
+        Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
     }
     let region = match args.mode {
         Mode::Send => QpInfo { qp_num, ..QpInfo::default() },

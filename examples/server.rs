@@ -153,17 +153,16 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
     println!(
         "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / 16 recv WRs)",
         micros(t.elapsed()),
-        pending.qp_mut().qp_num()
+        pending.qp().qp_num()
     );
 
     let client_region = parsed.and_then(|r| r.info.region());
-    let qp = pending.qp_mut();
     match mode {
-        Mode::Send => qp.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
-        Mode::Write | Mode::Read => qp.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?,
+        Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
+        Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?,
     }
     let info = QpInfo {
-        qp_num: qp.qp_num(),
+        qp_num: pending.qp().qp_num(),
         psn: 0,
         rkey: bufs[0].rkey(),
         vaddr: bufs[0].addr(),

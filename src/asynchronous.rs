@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::cm_id::CmId;
 use crate::connection::{check_event, with_opt_addr};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::event_channel::{CmEvent, CmEventType, EventChannel};
 use crate::{AddrResolved, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved, ServerQp};
 
@@ -25,18 +25,21 @@ impl EventChannel {
     /// # Errors
     /// [`Error::Call`] when the channel or the reactor fails.
     pub async fn get_event_async(&self) -> Result<CmEvent> {
-        use std::os::fd::AsRawFd;
-        loop {
-            if let Some(ev) = self.try_get_event()? {
-                return Ok(ev);
-            }
-            crate::wait::readable_any([self.as_raw_fd(), -1, -1]).await?;
-        }
+        self.wait_async(None).await
+    }
+
+    /// [`EventChannel::get_event_for`] without blocking the runtime: the next event of the id
+    /// `id`; other ids' events read meanwhile are kept for their owners.
+    ///
+    /// # Errors
+    /// As for [`EventChannel::get_event_async`].
+    pub async fn get_event_for_async(&self, id: crate::IdHandle) -> Result<CmEvent> {
+        self.wait_async(Some(id)).await
     }
 }
 
 async fn expect_async(id: &CmId, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
-    let ev = id.channel().get_event_async().await?;
+    let ev = id.channel().get_event_for_async(id.handle()).await?;
     check_event(id, ev, expected, op)
 }
 
@@ -77,7 +80,7 @@ impl ClientQp {
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         self.start_connect(param)?;
         let ev = expect_async(&self.id, CmEventType::Established, "rdma_connect").await?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
     }
 }
 
@@ -87,7 +90,7 @@ impl Listener {
     /// # Errors
     /// [`Error::UnexpectedEvent`] for any event but a connection request.
     pub async fn get_request_async(&self) -> Result<ConnectRequest> {
-        let ev = self.id.channel().get_event_async().await?;
+        let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
         if ev.event_type() != CmEventType::ConnectRequest {
             return Err(ev.unexpected("waiting for CONNECT_REQUEST", CmEventType::ConnectRequest));
         }
@@ -101,7 +104,6 @@ impl ServerQp {
     /// # Errors
     /// As for [`ServerQp::accept`].
     pub async fn accept_async(self, param: &ConnParam) -> Result<Connection> {
-        self.require_own_channel()?;
         let acc = self.start_accept(param)?;
         let ev = expect_async(&acc.id, CmEventType::Established, "rdma_accept").await?;
         acc.complete(ev)
@@ -112,12 +114,9 @@ impl Connection {
     /// [`Connection::next_event`] without blocking the runtime.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the connection shares its channel.
+    /// [`Error::Call`] when the channel or the reactor fails.
     pub async fn next_event_async(&mut self) -> Result<CmEvent> {
-        if !self.own_channel {
-            return Err(Error::InvalidArgument("this connection shares its event channel".into()));
-        }
-        let ev = self.id.channel().get_event_async().await?;
+        let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
         self.qp.on_cm_event(&ev);
         Ok(ev)
     }
@@ -130,7 +129,7 @@ impl Connection {
     pub async fn disconnect_async(mut self) -> Result<()> {
         if self.start_disconnect()? {
             loop {
-                let ev = self.id.channel().get_event_async().await?;
+                let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
                 if ev.event_type() == CmEventType::Disconnected {
                     break;
                 }

@@ -175,7 +175,12 @@ impl Drop for CmId {
         let ret = unsafe { ffi::rdma_destroy_id(self.raw.as_ptr()) };
         if ret != 0 {
             crate::report_leak("rdma_destroy_id", crate::error::errno());
+            return;
         }
+        // No event of the id can be read any more (reads and queueing happen under the
+        // channel's lock, and rdma_destroy_id waited for the acks of every event read): drop
+        // the ones queued for it, so a later id at the same address cannot receive them.
+        self.channel.purge(self.handle());
     }
 }
 

@@ -39,11 +39,31 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Every blocking step takes a timeout. The blocking steps read the id's own event channel:
-//! [`Client::new`] creates one, and [`Listener::get_request`] moves each new id onto a fresh
-//! one. An event loop that serves many connections on one channel uses
-//! [`EventChannel::get_event`], [`ConnectRequest::from_event`], [`ServerQp::start_accept`] and
-//! [`Accepting::complete`] instead.
+//! Before the connection exists, a QP takes receives only: a send, RDMA WRITE or READ posted
+//! before `ESTABLISHED` is not something the typestates offer (on rxe such a post fails, yet the
+//! provider keeps it and runs it after the connection is up).
+//!
+//! ```compile_fail
+//! # fn f(mut q: rdma_cm::ClientQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
+//! // A client cannot send before it is connected.
+//! q.qp_mut().post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail
+//! # fn f(mut q: rdma_cm::ServerQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
+//! // Nor can a server before it has accepted.
+//! q.post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
+//! # Ok(()) }
+//! ```
+//!
+//! Every blocking step takes a timeout ([`FOREVER`](crate::FOREVER) waits without one). The
+//! blocking steps read only their own id's events ([`EventChannel::get_event_for`]), so ids may
+//! share a channel: [`Client::new`] and [`Server::new`] create a channel per id, while
+//! [`Client::on_channel`] and [`Server::on_channel`] put many ids on one, and
+//! [`Listener::get_request`] moves each new id onto a channel of its own. An event loop that
+//! serves many connections on one channel uses [`EventChannel::get_event`],
+//! [`ConnectRequest::from_event`], [`ServerQp::start_accept`] and [`Accepting::complete`].
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -157,7 +177,7 @@ fn too_long(what: &str, len: usize, max: usize) -> Error {
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
 fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
     let peer = id.peer_addr();
-    let ev = id.channel().get_event(timeout).map_err(|e| match e {
+    let ev = id.channel().get_event_for(id.handle(), timeout).map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
         e => e,
     })?;
@@ -223,8 +243,8 @@ impl Client {
         Client::on_channel(&EventChannel::new()?)
     }
 
-    /// Creates a client id on `channel`. The blocking steps then read that channel, so give
-    /// each concurrently connecting client its own.
+    /// Creates a client id on `channel`, which other ids may share: each blocking step takes
+    /// only this id's events and keeps the others' for their owners.
     ///
     /// # Errors
     /// As for [`Client::new`].
@@ -240,8 +260,8 @@ impl Client {
     pub fn resolve_addr(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<AddrResolved> {
         self.start_resolve_addr(src, dst, timeout)?;
         // librdmacm reports ADDR_ERROR itself when its own timeout passes; allow for that.
-        expect(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr", timeout + Duration::from_secs(1))
-            .map_err(|e| e.with_addr(dst))?;
+        let wait = timeout.saturating_add(Duration::from_secs(1));
+        expect(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr", wait).map_err(|e| e.with_addr(dst))?;
         Ok(AddrResolved { id: self.id })
     }
 
@@ -271,7 +291,8 @@ impl AddrResolved {
     /// [`Error::Call`] or [`Error::UnexpectedEvent`] (`ROUTE_ERROR`), [`Error::Timeout`].
     pub fn resolve_route(self, timeout: Duration) -> Result<RouteResolved> {
         self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
-        expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", timeout + Duration::from_secs(1))?;
+        let wait = timeout.saturating_add(Duration::from_secs(1));
+        expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", wait)?;
         Ok(RouteResolved { id: Arc::new(self.id) })
     }
 
@@ -315,10 +336,12 @@ impl RouteResolved {
         ProtectionDomain::new(&self.context()?)
     }
 
-    /// Creates the RC QP (and its CQs unless `init` supplies them).
+    /// Creates the RC QP (and its CQs unless `init` supplies them). An id has at most one QP:
+    /// this consumes the route, and [`ClientQp::destroy_qp`] gives it back.
     ///
     /// # Errors
-    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`].
+    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`],
+    /// [`Error::InvalidArgument`] when `pd` or a CQ belongs to another device.
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
         let qp = QueuePair::new(&self.id, pd, init)?;
         Ok(ClientQp { id: self.id, qp })
@@ -338,9 +361,25 @@ pub struct ClientQp {
 }
 
 impl ClientQp {
-    /// The QP, e.g. to post receives before connecting.
-    pub fn qp_mut(&mut self) -> &mut QueuePair {
-        &mut self.qp
+    /// The QP, to read its number and capabilities. Before the connection exists it takes
+    /// receives only ([`ClientQp::post_recv`]).
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// Posts receives before connecting, so the peer's first message has somewhere to land.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::post_recv`].
+    pub fn post_recv(&mut self, wrs: &[crate::RecvWr<'_>]) -> Result<()> {
+        self.qp.post_recv(wrs)
+    }
+
+    /// Destroys the QP (flushing any posted receives) and returns the route, e.g. to create
+    /// a QP with other capabilities.
+    pub fn destroy_qp(self) -> RouteResolved {
+        drop(self.qp);
+        RouteResolved { id: self.id }
     }
 
     /// Connects (`rdma_connect`) and waits for `ESTABLISHED`.
@@ -351,7 +390,7 @@ impl ClientQp {
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
         self.start_connect(param)?;
         let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data(), true))
+        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
@@ -379,7 +418,8 @@ impl Server {
         Server::on_channel(&EventChannel::new()?)
     }
 
-    /// Creates a server id on `channel`; connection requests arrive there.
+    /// Creates a server id on `channel`, which other ids may share; connection requests arrive
+    /// there.
     ///
     /// # Errors
     /// As for [`Server::new`].
@@ -436,11 +476,6 @@ impl Listener {
         ConnectRequest::build(expect_any_request(&self.id, timeout)?, true)
     }
 
-    /// The listener's channel, for an event loop ([`EventChannel::get_event`]).
-    pub fn channel(&self) -> &EventChannel {
-        self.id.channel()
-    }
-
     /// The bound address (with the chosen port when bound to port 0).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.id.local_addr()
@@ -453,7 +488,7 @@ impl Listener {
 }
 
 fn expect_any_request(listener: &CmId, timeout: Duration) -> Result<CmEvent> {
-    let ev = listener.channel().get_event(timeout).map_err(|e| match e {
+    let ev = listener.channel().get_event_for(listener.handle(), timeout).map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout {
             op: "waiting for CONNECT_REQUEST",
             timeout,
@@ -476,12 +511,12 @@ pub struct ConnectRequest {
     private_data: PrivateData,
     responder_resources: u8,
     initiator_depth: u8,
-    own_channel: bool,
 }
 
 impl ConnectRequest {
     /// Takes the request out of a `CONNECT_REQUEST` event. The id stays on the event's
-    /// channel, so use [`ServerQp::start_accept`] and [`Accepting::complete`] with it.
+    /// channel: an event loop uses [`ServerQp::start_accept`] and [`Accepting::complete`] with
+    /// it, and [`ServerQp::accept`] works too (it takes only this id's events).
     ///
     /// # Errors
     /// [`Error::UnexpectedEvent`] for any other event.
@@ -491,6 +526,9 @@ impl ConnectRequest {
 
     /// `own_channel`: move the new id onto a fresh channel of its own first.
     pub(crate) fn build(mut ev: CmEvent, own_channel: bool) -> Result<ConnectRequest> {
+        if ev.event_type() != CmEventType::ConnectRequest {
+            return Err(ev.unexpected("taking a connection request", CmEventType::ConnectRequest));
+        }
         let Some(mut id) = ev.take_id() else {
             return Err(ev.unexpected("taking a connection request", CmEventType::ConnectRequest));
         };
@@ -504,7 +542,6 @@ impl ConnectRequest {
             private_data: *ev.private_data(),
             responder_resources: ev.responder_resources(),
             initiator_depth: ev.initiator_depth(),
-            own_channel,
         })
     }
 
@@ -552,7 +589,7 @@ impl ConnectRequest {
     /// As for [`RouteResolved::create_qp`].
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
         let qp = QueuePair::new(&self.id, pd, init)?;
-        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, own_channel: self.own_channel })
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data })
     }
 
     /// Allocates a PD on the request's device.
@@ -588,13 +625,21 @@ pub struct ServerQp {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
     pub(crate) private_data: PrivateData,
-    pub(crate) own_channel: bool,
 }
 
 impl ServerQp {
-    /// The QP, e.g. to post receives before accepting.
-    pub fn qp_mut(&mut self) -> &mut QueuePair {
-        &mut self.qp
+    /// The QP, to read its number and capabilities. Before the connection exists it takes
+    /// receives only ([`ServerQp::post_recv`]).
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// Posts receives before accepting, so the peer's first message has somewhere to land.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::post_recv`].
+    pub fn post_recv(&mut self, wrs: &[crate::RecvWr<'_>]) -> Result<()> {
+        self.qp.post_recv(wrs)
     }
 
     /// The peer's private data (untrusted).
@@ -607,27 +652,15 @@ impl ServerQp {
         self.id.peer_addr()
     }
 
-    /// Accepts (`rdma_accept`) and waits for `ESTABLISHED` on the id's own channel.
+    /// Accepts (`rdma_accept`) and waits for the id's `ESTABLISHED`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for private data over 196 bytes; [`Error::UnexpectedEvent`];
     /// [`Error::Timeout`].
     pub fn accept(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
-        self.require_own_channel()?;
         let acc = self.start_accept(param)?;
         let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
         acc.complete(ev)
-    }
-
-    pub(crate) fn require_own_channel(&self) -> Result<()> {
-        if self.own_channel {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(
-                "this request shares its event channel: use start_accept and Accepting::complete from the event loop"
-                    .into(),
-            ))
-        }
     }
 
     /// Accepts without waiting; feed the id's next event to [`Accepting::complete`].
@@ -640,7 +673,7 @@ impl ServerQp {
         // the call, which copies them.
         check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
             .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
-        Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, own_channel: self.own_channel })
+        Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data })
     }
 
     /// Rejects the request with `private_data` (at most 148 bytes).
@@ -658,7 +691,6 @@ pub struct Accepting {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
     pub(crate) private_data: PrivateData,
-    pub(crate) own_channel: bool,
 }
 
 impl Accepting {
@@ -675,7 +707,7 @@ impl Accepting {
         if ev.event_type() != CmEventType::Established || ev.id() != self.id.handle() {
             return Err(with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr()));
         }
-        Ok(Connection::new(self.id, self.qp, self.private_data, self.own_channel))
+        Ok(Connection::new(self.id, self.qp, self.private_data))
     }
 }
 
@@ -685,20 +717,14 @@ pub struct Connection {
     pub(crate) qp: QueuePair,
     pub(crate) id: Arc<CmId>,
     peer_private_data: PrivateData,
-    pub(crate) own_channel: bool,
     /// We called rdma_disconnect.
     pub(crate) disconnected: bool,
 }
 
 impl Connection {
-    pub(crate) fn new(
-        id: Arc<CmId>,
-        mut qp: QueuePair,
-        peer_private_data: PrivateData,
-        own_channel: bool,
-    ) -> Connection {
-        qp.set_watch_cm(own_channel);
-        Connection { qp, id, peer_private_data, own_channel, disconnected: false }
+    pub(crate) fn new(id: Arc<CmId>, mut qp: QueuePair, peer_private_data: PrivateData) -> Connection {
+        qp.set_connected();
+        Connection { qp, id, peer_private_data, disconnected: false }
     }
 
     /// The QP.
@@ -733,34 +759,25 @@ impl Connection {
     }
 
     /// Returns the connection's next CM event without waiting (e.g. `DISCONNECTED` when the
-    /// peer left), when the connection has its own channel.
+    /// peer left). Other ids' events on a shared channel stay there for their owners.
     ///
     /// # Errors
     /// [`Error::Call`] when reading the channel fails.
     pub fn try_event(&mut self) -> Result<Option<CmEvent>> {
-        if !self.own_channel {
-            return Ok(None);
-        }
-        let ev = self.id.channel().try_get_event()?;
+        let ev = self.id.channel().try_get_event_for(self.id.handle())?;
         if let Some(ev) = &ev {
             self.qp.on_cm_event(ev);
         }
         Ok(ev)
     }
 
-    /// Waits up to `timeout` for the connection's next CM event (on its own channel), e.g. the
-    /// peer's `DISCONNECTED`.
+    /// Waits up to `timeout` for the connection's next CM event, e.g. the peer's
+    /// `DISCONNECTED`. Other ids' events on a shared channel stay there for their owners.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the connection shares its channel (read it in the event
-    /// loop and use [`Connection::handle_event`]); [`Error::Timeout`].
+    /// [`Error::Timeout`]; [`Error::Call`] when reading the channel fails.
     pub fn next_event(&mut self, timeout: Duration) -> Result<CmEvent> {
-        if !self.own_channel {
-            return Err(Error::InvalidArgument(
-                "this connection shares its event channel: read events in the event loop".into(),
-            ));
-        }
-        let ev = self.id.channel().get_event(timeout)?;
+        let ev = self.id.channel().get_event_for(self.id.handle(), timeout)?;
         self.qp.on_cm_event(&ev);
         Ok(ev)
     }
@@ -778,7 +795,7 @@ impl Connection {
         self.qp.peer_left()
     }
 
-    /// Starts a disconnect; returns whether to wait for `DISCONNECTED` on the own channel.
+    /// Starts a disconnect; returns whether to wait for our `DISCONNECTED`.
     pub(crate) fn start_disconnect(&mut self) -> Result<bool> {
         if self.disconnected || self.qp.peer_left() {
             self.disconnected = true;
@@ -786,7 +803,7 @@ impl Connection {
         }
         self.id.disconnect()?;
         self.disconnected = true;
-        Ok(self.own_channel)
+        Ok(true)
     }
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
@@ -797,9 +814,9 @@ impl Connection {
     pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
         if self.start_disconnect()? {
             // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
-            let deadline = std::time::Instant::now() + timeout;
+            let mut deadline = crate::wait::Deadline::new(timeout);
             loop {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let left = deadline.left();
                 let ev = expect(&self.id, CmEventType::Disconnected, "rdma_disconnect", left);
                 match ev {
                     Ok(_) => break,

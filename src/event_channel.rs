@@ -11,17 +11,34 @@
 //! The one thing an event hands over is the new id of a `CONNECT_REQUEST`, which becomes an
 //! owned [`CmId`] inside the [`CmEvent`].
 //!
+//! # Routing events to ids
+//!
+//! One channel may carry the events of many ids. Every read of the channel happens under the
+//! channel's lock, and the crate's own waits are *targeted*: a step of one id takes only that
+//! id's events, and keeps every other event it reads in the channel's queue for its owner
+//! ([`EventChannel::get_event_for`]). Nothing is consumed silently: an untargeted read
+//! ([`EventChannel::get_event`], [`EventChannel::try_get_event`]) returns queued events first,
+//! and skips the events of ids that a targeted wait is waiting for at that moment.
+//!
+//! The same lock serialises everything that touches an id's `qp` field on this channel:
+//! librdmacm reads and modifies `id->qp` while it processes `CONNECT_RESPONSE` and `REJECTED`
+//! inside `rdma_get_cm_event`, and the crate creates and destroys QPs under the lock, so a QP
+//! is never destroyed while another thread's event processing uses it.
+//!
 //! # Bounded waits
 //!
 //! The channel's descriptor is non-blocking from birth. Waits use `poll(2)` with the caller's
 //! timeout, so no call here can block forever, and the descriptor can be handed to `epoll` or
-//! an async runtime through [`AsFd`].
+//! an async runtime through [`AsFd`]. Of several threads waiting on one channel, one polls the
+//! descriptor and the others sleep on a condition variable until the poller queues an event
+//! for them or leaves.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdma_sys as ffi;
@@ -41,20 +58,83 @@ pub struct EventChannel {
 
 pub(crate) struct ChannelInner {
     raw: NonNull<ffi::rdma_event_channel>,
+    demux: Mutex<Demux>,
+    /// Signalled when an event is queued for another waiter, or when the poller leaves.
+    changed: Condvar,
 }
 
-// SAFETY: an rdma_event_channel is a file descriptor plus nothing mutable on the Rust side;
-// librdmacm's rdma_get_cm_event and rdma_create_id are thread-safe on one channel (the kernel
-// serialises reads of the fd), so the handle may move to and be shared between threads.
+/// What the channel's lock guards besides the reads themselves.
+#[derive(Default)]
+pub(crate) struct Demux {
+    /// Events read for an id other than the reader's, oldest first.
+    queued: VecDeque<CmEvent>,
+    /// The ids that targeted waits are waiting for right now (a multiset).
+    waiting: Vec<IdHandle>,
+    /// A thread is in `poll(2)` on the descriptor for the targeted waiters.
+    polling: bool,
+    /// Bumped whenever an event is queued, so async waiters notice events read by others.
+    generation: u64,
+    /// Async waiters to wake when an event is queued.
+    #[cfg(feature = "tokio")]
+    pub(crate) wakers: Vec<std::task::Waker>,
+}
+
+/// The guard of a channel's lock; while it is held, no event of the channel is processed.
+pub(crate) type ChannelLock<'a> = MutexGuard<'a, Demux>;
+
+// SAFETY: an rdma_event_channel is a file descriptor; librdmacm's calls on one channel are
+// thread-safe, and every read of it here happens under `demux`'s lock. The queued events are
+// Send (owned copies, and owned ids).
 unsafe impl Send for ChannelInner {}
-// SAFETY: see the Send impl: all operations through &ChannelInner are thread-safe in librdmacm.
+// SAFETY: see the Send impl: all operations through &ChannelInner lock or are thread-safe.
 unsafe impl Sync for ChannelInner {}
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
+        // Queued CONNECT_REQUESTs own new ids on this channel: destroy them (which rejects
+        // their peers) before the channel. They hold no handle of this channel by now: a
+        // queued event's id holds one, so the channel could not be dropping if any were left
+        // (see `EventChannel::purge`), but be thorough.
+        let queued = std::mem::take(&mut self.demux.get_mut().unwrap_or_else(|e| e.into_inner()).queued);
+        drop(queued);
         // SAFETY: `raw` came from rdma_create_event_channel and is destroyed only here, once.
         // Every CmId on this channel holds an Arc of this inner, so none is alive now.
         unsafe { ffi::rdma_destroy_event_channel(self.raw.as_ptr()) };
+    }
+}
+
+/// Whether `ev` belongs to the id `h` (a `CONNECT_REQUEST` belongs to its listener).
+fn is_for(ev: &CmEvent, h: IdHandle) -> bool {
+    if ev.kind == CmEventType::ConnectRequest {
+        ev.listen_id == Some(h)
+    } else {
+        ev.id == h
+    }
+}
+
+/// The id whose owner an event belongs to.
+fn owner(ev: &CmEvent) -> IdHandle {
+    match (ev.kind, ev.listen_id) {
+        (CmEventType::ConnectRequest, Some(l)) => l,
+        _ => ev.id,
+    }
+}
+
+/// Which events a read takes.
+#[derive(Clone, Copy)]
+enum Want {
+    /// The events of one id.
+    For(IdHandle),
+    /// Any event not awaited by a targeted wait.
+    Any,
+}
+
+impl Want {
+    fn takes(self, ev: &CmEvent, d: &Demux) -> bool {
+        match self {
+            Want::For(h) => is_for(ev, h),
+            Want::Any => !d.waiting.contains(&owner(ev)),
+        }
     }
 }
 
@@ -66,7 +146,9 @@ impl EventChannel {
     pub fn new() -> Result<EventChannel> {
         // SAFETY: no preconditions; the result is checked for NULL.
         let raw = check_ptr(unsafe { ffi::rdma_create_event_channel() }, "rdma_create_event_channel")?;
-        let ch = EventChannel { inner: Arc::new(ChannelInner { raw }) };
+        let ch = EventChannel {
+            inner: Arc::new(ChannelInner { raw, demux: Mutex::new(Demux::default()), changed: Condvar::new() }),
+        };
         crate::wait::set_nonblocking(ch.as_raw_fd())?;
         Ok(ch)
     }
@@ -80,14 +162,25 @@ impl EventChannel {
         self.raw()
     }
 
-    /// Returns the next event without waiting, or `None` when none is pending. Use this to drain
-    /// the channel after an edge-triggered readiness notification: call until it returns `None`.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `rdma_get_cm_event` fails with anything but `EAGAIN`.
-    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+    /// Takes the channel's lock. While it is held no event of this channel is processed, so
+    /// librdmacm does not touch the `qp` field of any id on it.
+    pub(crate) fn lock(&self) -> ChannelLock<'_> {
+        // A panic while holding the lock leaves the queue consistent (every change to it is
+        // one push or remove), so a poisoned lock is used as it is.
+        self.inner.demux.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this handle and the ids on the channel are all there is: no other handle of
+    /// it exists, so nobody else can read it.
+    pub(crate) fn is_exclusive(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1
+    }
+
+    /// Reads one event from the channel, if one is pending. Call with the lock held.
+    fn read_locked(&self, _lock: &mut ChannelLock<'_>) -> Result<Option<CmEvent>> {
         let mut ev: *mut ffi::rdma_cm_event = std::ptr::null_mut();
-        // SAFETY: the channel is open (we hold it); `ev` is a valid out-pointer.
+        // SAFETY: the channel is open (we hold it); `ev` is a valid out-pointer. The caller
+        // holds the channel's lock, which serialises this with QP creation and destruction.
         let ret = unsafe { ffi::rdma_get_cm_event(self.raw(), &mut ev) };
         if ret != 0 {
             let e = errno();
@@ -101,30 +194,184 @@ impl EventChannel {
         Ok(Some(unsafe { CmEvent::from_raw(ev, self) }))
     }
 
-    /// Waits up to `timeout` for the next event (twice that at most, if another thread takes
-    /// an event this call was woken for).
+    /// Queues `ev` for its owner and wakes the waiters. Call with the lock held.
+    fn queue_locked(&self, d: &mut ChannelLock<'_>, ev: CmEvent) {
+        d.queued.push_back(ev);
+        d.generation = d.generation.wrapping_add(1);
+        self.inner.changed.notify_all();
+        #[cfg(feature = "tokio")]
+        for w in d.wakers.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// Takes a queued event, or reads the channel until one matches (queueing the others).
+    /// Returns `None` when nothing is pending. Call with the lock held.
+    fn take_locked(&self, d: &mut ChannelLock<'_>, want: Want) -> Result<Option<CmEvent>> {
+        let found = d.queued.iter().position(|ev| want.takes(ev, d));
+        if let Some(i) = found {
+            return Ok(d.queued.remove(i));
+        }
+        while let Some(ev) = self.read_locked(d)? {
+            if want.takes(&ev, d) {
+                return Ok(Some(ev));
+            }
+            self.queue_locked(d, ev);
+        }
+        Ok(None)
+    }
+
+    /// Returns the next event without waiting, or `None` when none is pending. Use this to
+    /// drain the channel after an edge-triggered readiness notification: call until it returns
+    /// `None`. Events queued by the crate's own targeted waits come first; events that a
+    /// targeted wait is waiting for are left to it.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_get_cm_event` fails with anything but `EAGAIN`.
+    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+        let mut d = self.lock();
+        self.take_locked(&mut d, Want::Any)
+    }
+
+    /// Returns the next event of the id `id` without waiting (for a `CONNECT_REQUEST`, `id` is
+    /// the listener's). Events of other ids read on the way are kept for their owners.
+    ///
+    /// # Errors
+    /// As for [`EventChannel::try_get_event`].
+    pub fn try_get_event_for(&self, id: IdHandle) -> Result<Option<CmEvent>> {
+        let mut d = self.lock();
+        self.take_locked(&mut d, Want::For(id))
+    }
+
+    /// Reads every pending event into the queue, calling `seen` on each newly read one. The
+    /// events stay queued for [`EventChannel::get_event_for`] and the untargeted reads.
+    pub(crate) fn pump(&self, mut seen: impl FnMut(&CmEvent)) -> Result<()> {
+        let mut d = self.lock();
+        while let Some(ev) = self.read_locked(&mut d)? {
+            seen(&ev);
+            self.queue_locked(&mut d, ev);
+        }
+        Ok(())
+    }
+
+    /// Drops the queued events of `id` (and the requests of a listener `id`): called when the
+    /// id is destroyed, after which no event of it can be read any more.
+    pub(crate) fn purge(&self, id: IdHandle) {
+        let gone: VecDeque<CmEvent> = {
+            let mut d = self.lock();
+            if d.queued.is_empty() {
+                return;
+            }
+            let (gone, keep) = std::mem::take(&mut d.queued).into_iter().partition(|ev| is_for(ev, id));
+            d.queued = keep;
+            gone
+        };
+        // Dropped outside the lock: a request's new id purges its own events when it drops.
+        drop(gone);
+    }
+
+    /// Waits up to `timeout` for the next event that no targeted wait is waiting for (twice
+    /// the timeout at most when the wait repeats, see `crate::wait`).
     ///
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; [`Error::Call`] when the channel fails.
     pub fn get_event(&self, timeout: Duration) -> Result<CmEvent> {
-        // Wait first, read second: a blocking step asks for an event that has rarely arrived
-        // yet, so the usual cost is one poll and one read (see crate::wait for the bound).
-        let mut deadline = Deadline::new(timeout);
-        let mut fds = [pollfd(self.as_raw_fd())];
-        loop {
-            let left = deadline.left();
-            if left.is_zero() || !poll_readable(&mut fds, left)? {
-                return Err(Error::Timeout { op: "rdma_get_cm_event", timeout, addr: None, hint: None });
-            }
-            if let Some(ev) = self.try_get_event()? {
-                return Ok(ev);
-            }
-        }
+        self.wait(Want::Any, timeout)
     }
 
-    /// Whether two handles name the same channel.
-    pub fn same_as(&self, other: &EventChannel) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+    /// Waits up to `timeout` for the next event of the id `id` (for a `CONNECT_REQUEST`, the
+    /// listener's id). Events of other ids that arrive meanwhile are kept, in order, for their
+    /// owners' waits and for the untargeted reads: this is how several connections' blocking
+    /// steps share one channel.
+    ///
+    /// # Errors
+    /// As for [`EventChannel::get_event`].
+    pub fn get_event_for(&self, id: IdHandle, timeout: Duration) -> Result<CmEvent> {
+        self.wait(Want::For(id), timeout)
+    }
+
+    fn wait(&self, want: Want, timeout: Duration) -> Result<CmEvent> {
+        let mut deadline = Deadline::new(timeout);
+        let mut d = self.lock();
+        if let Want::For(h) = want {
+            d.waiting.push(h);
+        }
+        let r = loop {
+            match self.take_locked(&mut d, want) {
+                Ok(Some(ev)) => break Ok(ev),
+                Err(e) => break Err(e),
+                Ok(None) => {}
+            }
+            let left = deadline.left();
+            if left.is_zero() {
+                break Err(Error::Timeout { op: "rdma_get_cm_event", timeout, addr: None, hint: None });
+            }
+            if d.polling {
+                // Another waiter polls the descriptor; it queues our events and wakes us.
+                d = self.inner.changed.wait_timeout(d, left).unwrap_or_else(|e| e.into_inner()).0;
+                continue;
+            }
+            d.polling = true;
+            drop(d);
+            let polled = poll_readable(&mut [pollfd(self.as_raw_fd())], left);
+            d = self.lock();
+            d.polling = false;
+            self.inner.changed.notify_all();
+            if let Err(e) = polled {
+                break Err(e);
+            }
+        };
+        if let Want::For(h) = want {
+            if let Some(i) = d.waiting.iter().position(|w| *w == h) {
+                d.waiting.swap_remove(i);
+            }
+        }
+        r
+    }
+
+    /// Waits for the next event of `id` (or, with `None`, any event no targeted wait is
+    /// waiting for) without blocking a tokio runtime. Events read by other waiters of the
+    /// channel wake this one through the queue. Cancellation-safe: an event is taken only in
+    /// the poll that returns it.
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn wait_async(&self, id: Option<IdHandle>) -> Result<CmEvent> {
+        /// Registers a targeted wait for as long as the future lives (cancellation included).
+        struct Waiting<'a>(&'a EventChannel, Option<IdHandle>);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                if let Some(h) = self.1 {
+                    let mut d = self.0.lock();
+                    if let Some(i) = d.waiting.iter().position(|w| *w == h) {
+                        d.waiting.swap_remove(i);
+                    }
+                }
+            }
+        }
+        let want = id.map_or(Want::Any, Want::For);
+        if let Some(h) = id {
+            self.lock().waiting.push(h);
+        }
+        let _waiting = Waiting(self, id);
+        loop {
+            let seen = {
+                let mut d = self.lock();
+                if let Some(ev) = self.take_locked(&mut d, want)? {
+                    return Ok(ev);
+                }
+                d.generation
+            };
+            crate::wait::readable_any([self.as_raw_fd(), -1, -1], |waker| {
+                let mut d = self.lock();
+                if d.generation != seen {
+                    return true;
+                }
+                if !d.wakers.iter().any(|w| w.will_wake(waker)) {
+                    d.wakers.push(waker.clone());
+                }
+                false
+            })
+            .await?;
+        }
     }
 }
 

@@ -8,21 +8,41 @@
 //! reaped. Local access to the bytes requires `&mut self` **and** that the handle be unique
 //! (`Arc::get_mut`), so:
 //!
-//! - while the device may read or write the region for a local work request, Rust code cannot
-//!   obtain a reference into it (the accessors return [`Error::InFlight`]);
+//! - while the device may *write* the region for a local work request (a receive, or the
+//!   target of an RDMA READ), Rust code cannot obtain a reference into it (the accessors return
+//!   [`Error::InFlight`]);
+//! - while the device only *reads* it (the source of a send or RDMA WRITE), Rust code may read
+//!   it ([`MemoryRegion::as_slice`]) but not change it;
 //! - the memory cannot be freed while a work request uses it, even if the user drops or
 //!   `mem::forget`s the region or the queue pair: forgetting leaks, and leaking is safe.
 //!
 //! Memory registered with [`AccessFlags::REMOTE_WRITE`] or [`AccessFlags::REMOTE_ATOMIC`] can be
 //! written by the peer at any moment, with nothing local to wait for. No slice of such a region
-//! is ever handed out; [`MemoryRegion::read_at`] and [`MemoryRegion::write_at`] copy through raw
-//! pointers instead, so Rust code never holds a reference that the device could change under it.
-//! A peer that knows the rkey can overwrite any byte of such a region at any time: register
-//! remotely writable memory only for data you validate after reading.
+//! is ever handed out; [`MemoryRegion::read_at`] and [`MemoryRegion::write_at`] copy with
+//! volatile accesses instead, so Rust code never holds a reference that the device could change
+//! under it, and the compiler never assumes the bytes stable. A peer that knows the rkey can
+//! overwrite any byte of such a region at any time: register remotely writable memory only for
+//! data you validate after reading.
+//!
+//! Memory registered with [`AccessFlags::REMOTE_READ`] (and not remote write) is handed out as
+//! slices: a peer that knows the rkey may *read* it at any moment, also while Rust code writes
+//! it through [`MemoryRegion::as_mut_slice`]. That is no memory-safety issue (the device reads,
+//! Rust's view never changes under it), but the peer may see a half-written buffer: tell it
+//! when a buffer is ready, as the ping-pong examples do.
+//!
+//! # What is guaranteed, exactly
+//!
+//! - No safe call lets the device write memory that Rust code can read or write through a
+//!   reference, or touch memory that was freed.
+//! - Rust code may read memory the device reads (an in-flight send's source); it may not write
+//!   it until the work request completes.
+//! - A peer with the rkey may read `REMOTE_READ` memory at any time, and write `REMOTE_WRITE`
+//!   or `REMOTE_ATOMIC` memory at any time; the latter is only ever copied, never referenced.
 
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bitflags::bitflags;
@@ -37,11 +57,13 @@ bitflags! {
     pub struct AccessFlags: u32 {
         /// The local device may write (needed for receives and RDMA READ targets).
         const LOCAL_WRITE = 1;
-        /// A peer may RDMA WRITE into the region. Implies `LOCAL_WRITE` on most devices.
+        /// A peer may RDMA WRITE into the region. Verbs require `LOCAL_WRITE` with it, so this
+        /// crate adds `LOCAL_WRITE` when registering.
         const REMOTE_WRITE = 1 << 1;
         /// A peer may RDMA READ the region.
         const REMOTE_READ = 1 << 2;
-        /// A peer may run atomics on the region.
+        /// A peer may run atomics on the region. Like `REMOTE_WRITE`, it needs (and gets)
+        /// `LOCAL_WRITE`.
         const REMOTE_ATOMIC = 1 << 3;
         /// Memory-window binding is allowed.
         const MW_BIND = 1 << 4;
@@ -54,6 +76,16 @@ impl AccessFlags {
     /// Whether a peer may change the region's contents at any time.
     pub fn remotely_writable(self) -> bool {
         self.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+    }
+
+    /// The flags as registered: `ibv_reg_mr` fails with a bare `EINVAL` for remote write or
+    /// atomic rights without `LOCAL_WRITE`, so those imply it.
+    pub fn effective(self) -> AccessFlags {
+        if self.remotely_writable() {
+            self | AccessFlags::LOCAL_WRITE
+        } else {
+            self
+        }
     }
 }
 
@@ -122,17 +154,27 @@ impl Drop for Registration {
 }
 
 /// The unit that posting locks: a whole registration (one allocation, the common case) or a
-/// chunk of a shared one.
-pub(crate) enum MrInner {
+/// chunk of a shared one, and how many posted work requests the device writes it for.
+pub(crate) struct MrInner {
+    part: Part,
+    /// Posted work requests that let the device write this region (receives, RDMA READ
+    /// targets); maintained by the QP's slot holds.
+    pub(crate) writers: AtomicUsize,
+}
+
+enum Part {
     Whole(Registration),
     Chunk { reg: Arc<Registration>, offset: usize, len: usize },
 }
 
 impl MrInner {
+    fn new(part: Part) -> Arc<MrInner> {
+        Arc::new(MrInner { part, writers: AtomicUsize::new(0) })
+    }
     fn reg(&self) -> &Registration {
-        match self {
-            MrInner::Whole(r) => r,
-            MrInner::Chunk { reg, .. } => reg,
+        match &self.part {
+            Part::Whole(r) => r,
+            Part::Chunk { reg, .. } => reg,
         }
     }
     pub(crate) fn lkey(&self) -> u32 {
@@ -140,18 +182,18 @@ impl MrInner {
         unsafe { (*self.reg().mr.as_ptr()).lkey }
     }
     fn offset(&self) -> usize {
-        match self {
-            MrInner::Whole(_) => 0,
-            MrInner::Chunk { offset, .. } => *offset,
+        match &self.part {
+            Part::Whole(_) => 0,
+            Part::Chunk { offset, .. } => *offset,
         }
     }
     pub(crate) fn addr(&self) -> u64 {
         self.reg().buf.as_ptr() as u64 + self.offset() as u64
     }
     pub(crate) fn len(&self) -> usize {
-        match self {
-            MrInner::Whole(r) => r.len,
-            MrInner::Chunk { len, .. } => *len,
+        match &self.part {
+            Part::Whole(r) => r.len,
+            Part::Chunk { len, .. } => *len,
         }
     }
     fn ptr(&self) -> *mut u8 {
@@ -172,7 +214,7 @@ pub struct MemoryRegion {
 
 impl MemoryRegion {
     fn from_registration(reg: Registration) -> MemoryRegion {
-        MemoryRegion { inner: Arc::new(MrInner::Whole(reg)) }
+        MemoryRegion { inner: MrInner::new(Part::Whole(reg)) }
     }
 
     /// Allocates `len` zeroed bytes (page-aligned) and registers them with `access`.
@@ -181,6 +223,7 @@ impl MemoryRegion {
     /// [`Error::InvalidArgument`] for `len == 0`; [`Error::MemLock`] when the locked-memory
     /// limit is too small; [`Error::Call`] when `ibv_reg_mr` fails otherwise.
     pub fn new(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        let access = access.effective();
         if len == 0 {
             return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
         }
@@ -214,6 +257,7 @@ impl MemoryRegion {
     /// # Errors
     /// As for [`MemoryRegion::new`]; the buffer is dropped on failure.
     pub fn register(pd: &Arc<ProtectionDomain>, buf: Box<[u8]>, access: AccessFlags) -> Result<MemoryRegion> {
+        let access = access.effective();
         let len = buf.len();
         if len == 0 {
             return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
@@ -242,9 +286,9 @@ impl MemoryRegion {
     /// is then leaked, as the device may still map it).
     pub fn into_buffer(self) -> Result<Box<[u8]>> {
         let outstanding = self.outstanding();
-        let reg = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })? {
-            MrInner::Whole(reg) => reg,
-            MrInner::Chunk { .. } => {
+        let reg = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?.part {
+            Part::Whole(reg) => reg,
+            Part::Chunk { .. } => {
                 return Err(Error::InvalidArgument("into_buffer needs a whole region, not a chunk of one".into()))
             }
         };
@@ -276,17 +320,17 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument("chunk length must be at least 1 byte".into()));
         }
         let outstanding = self.outstanding();
-        let (reg, base, len) = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })? {
-            MrInner::Whole(reg) => {
+        let (reg, base, len) = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?.part {
+            Part::Whole(reg) => {
                 let len = reg.len;
                 (Arc::new(reg), 0, len)
             }
-            MrInner::Chunk { reg, offset, len } => (reg, offset, len),
+            Part::Chunk { reg, offset, len } => (reg, offset, len),
         };
         Ok((0..len)
             .step_by(chunk_len)
             .map(|off| MemoryRegion {
-                inner: Arc::new(MrInner::Chunk {
+                inner: MrInner::new(Part::Chunk {
                     reg: Arc::clone(&reg),
                     offset: base + off,
                     len: chunk_len.min(len - off),
@@ -325,7 +369,7 @@ impl MemoryRegion {
         self.inner.addr()
     }
 
-    /// The access rights it was registered with.
+    /// The access rights it was registered with ([`AccessFlags::effective`] of those asked for).
     pub fn access(&self) -> AccessFlags {
         self.inner.reg().access
     }
@@ -355,19 +399,34 @@ impl MemoryRegion {
         Arc::get_mut(&mut self.inner).ok_or(Error::InFlight { outstanding })
     }
 
-    /// The bytes, for a region no work request uses and no peer can write.
+    /// The bytes, for a region the device does not write and no peer can write: allowed while
+    /// posted work only reads it (the source of a send or RDMA WRITE). The `&mut self` borrow
+    /// keeps new work off the region while the slice lives.
     ///
     /// # Errors
-    /// [`Error::InFlight`] while a posted work request uses it; [`Error::RemotelyWritable`]
-    /// for a region registered with remote write or atomic rights.
+    /// [`Error::InFlight`] while a posted work request lets the device write it (a receive, an
+    /// RDMA READ target); [`Error::RemotelyWritable`] for a region registered with remote write
+    /// or atomic rights.
     pub fn as_slice(&mut self) -> Result<&[u8]> {
-        self.as_mut_slice().map(|s| &*s)
+        let writers = self.inner.writers.load(Ordering::Acquire);
+        if writers > 0 {
+            return Err(Error::InFlight { outstanding: self.outstanding() });
+        }
+        if self.inner.reg().access.remotely_writable() {
+            return Err(Error::RemotelyWritable);
+        }
+        // SAFETY: no posted work request lets the device write this chunk (the writer count is
+        // raised before such a post and lowered only once its completion is reaped or the QP
+        // is gone), no peer may write the registration, chunks never overlap, and `&mut self`
+        // keeps new posts (which need `&self`) away while the slice lives. Readers only.
+        Ok(unsafe { std::slice::from_raw_parts(self.inner.ptr(), self.inner.len()) })
     }
 
-    /// The bytes, mutably. Same conditions as [`MemoryRegion::as_slice`].
+    /// The bytes, mutably: for a region no work request uses at all and no peer can write.
     ///
     /// # Errors
-    /// As for [`MemoryRegion::as_slice`].
+    /// [`Error::InFlight`] while any posted work request uses it; [`Error::RemotelyWritable`]
+    /// as for [`MemoryRegion::as_slice`].
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         let inner = self.unique()?;
         if inner.reg().access.remotely_writable() {
@@ -379,29 +438,37 @@ impl MemoryRegion {
         Ok(unsafe { std::slice::from_raw_parts_mut(inner.ptr(), inner.len()) })
     }
 
-    /// Copies `dst.len()` bytes starting at `offset` out of the region. Works for remotely
-    /// writable regions; the copy may observe a concurrent remote write partially.
+    /// Copies `dst.len()` bytes starting at `offset` out of the region, with volatile reads.
+    /// Works for remotely writable regions; the copy may observe a concurrent remote write
+    /// partially. Allowed while posted work only reads the region.
     ///
     /// # Errors
-    /// [`Error::InFlight`] while a local work request uses it; [`Error::OutOfBounds`].
+    /// [`Error::InFlight`] while a local work request lets the device write it;
+    /// [`Error::OutOfBounds`].
     pub fn read_at(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let inner = self.unique()?;
-        check_range(offset, dst.len(), inner.len())?;
-        // SAFETY: the range is in bounds; the source is only accessed through this raw copy
-        // (never through a reference), and dst is a distinct Rust buffer.
-        unsafe { std::ptr::copy_nonoverlapping(inner.ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        if self.inner.writers.load(Ordering::Acquire) > 0 {
+            return Err(Error::InFlight { outstanding: self.outstanding() });
+        }
+        check_range(offset, dst.len(), self.inner.len())?;
+        // SAFETY: the range is in bounds; no local work request lets the device write it
+        // (checked above; `&mut self` keeps new posts away); a peer may write it, which is why
+        // the source is read only through volatile accesses, never through a reference. `dst`
+        // is a distinct Rust buffer.
+        unsafe { volatile_copy_from(self.inner.ptr().add(offset), dst) };
         Ok(())
     }
 
-    /// Copies `src` into the region at `offset`. Works for remotely writable regions.
+    /// Copies `src` into the region at `offset`, with volatile writes. Works for remotely
+    /// writable regions.
     ///
     /// # Errors
     /// [`Error::InFlight`] while a local work request uses it; [`Error::OutOfBounds`].
     pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         let inner = self.unique()?;
         check_range(offset, src.len(), inner.len())?;
-        // SAFETY: as in read_at, with the direction reversed.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), inner.ptr().add(offset), src.len()) };
+        // SAFETY: in bounds; no posted work request uses the region (the handle is unique);
+        // the destination is written only through volatile accesses, never a reference.
+        unsafe { volatile_copy_to(src, inner.ptr().add(offset)) };
         Ok(())
     }
 }
@@ -439,7 +506,75 @@ fn reg_error(len: usize, e: i32) -> Error {
     Error::call("ibv_reg_mr", e, None)
 }
 
+/// Copies `dst.len()` bytes from `src` with volatile reads (8 bytes at a time where aligned).
+///
+/// # Safety
+/// `src..src + dst.len()` must be readable (it may change concurrently).
+unsafe fn volatile_copy_from(src: *const u8, dst: &mut [u8]) {
+    let n = dst.len();
+    let mut i = 0;
+    // SAFETY (whole function): every pointer read is within src..src+n, which the caller
+    // guarantees readable; u64 reads are made only at 8-byte aligned addresses.
+    while i < n && (src as usize + i) % 8 != 0 {
+        // SAFETY: see above.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+    while i + 8 <= n {
+        // SAFETY: see above; aligned.
+        let w = unsafe { std::ptr::read_volatile(src.add(i).cast::<u64>()) };
+        dst[i..i + 8].copy_from_slice(&w.to_ne_bytes());
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: see above.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+}
+
+/// Copies `src` to `dst` with volatile writes (8 bytes at a time where aligned).
+///
+/// # Safety
+/// `dst..dst + src.len()` must be writable and referenced by nothing.
+unsafe fn volatile_copy_to(src: &[u8], dst: *mut u8) {
+    let n = src.len();
+    let mut i = 0;
+    while i < n && (dst as usize + i) % 8 != 0 {
+        // SAFETY: within the caller's writable range.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+    while i + 8 <= n {
+        let w = u64::from_ne_bytes(src[i..i + 8].try_into().unwrap_or([0; 8]));
+        // SAFETY: within the caller's writable range; aligned.
+        unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), w) };
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: within the caller's writable range.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+}
+
 /// A region of the peer's memory: what RDMA READ and WRITE address.
+///
+/// A peer running this crate sends [`MemoryRegion::remote`] (inside [`QpInfo`](crate::QpInfo),
+/// say); other peers say it their own way. `rping`, for one, sends the address, the rkey and
+/// the length as big-endian integers:
+///
+/// ```
+/// # let msg = [0u8; 16];
+/// let addr = u64::from_be_bytes(msg[0..8].try_into().unwrap());
+/// let rkey = u32::from_be_bytes(msg[8..12].try_into().unwrap());
+/// let len = u32::from_be_bytes(msg[12..16].try_into().unwrap());
+/// let remote = rdma_cm::RemoteRegion::new(addr, rkey, len as u64);
+/// # assert_eq!(remote.len, 0);
+/// ```
+///
+/// It is the peer's word, not checked locally: a wrong address or rkey makes the work request
+/// fail (`REM_ACCESS_ERR`), never touches local memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteRegion {
     /// The peer's virtual address.
@@ -451,6 +586,11 @@ pub struct RemoteRegion {
 }
 
 impl RemoteRegion {
+    /// A region of `len` bytes at the peer's virtual address `addr`, under the peer's `rkey`.
+    pub fn new(addr: u64, rkey: u32, len: u64) -> RemoteRegion {
+        RemoteRegion { addr, rkey, len }
+    }
+
     /// The address of `offset..offset+len`, checked against the advertised length.
     ///
     /// # Errors

@@ -11,9 +11,35 @@
 //!
 //! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
 //! completion names. That is also how unsignaled sends are retired: by the next signaled
-//! completion on the same queue. The rings never admit more work requests than the queue
-//! holds, so a full queue is a clear [`Error::QueueFull`] rather than a provider error, and
-//! the CQ (at least as deep as the queue) cannot overrun.
+//! completion on the same queue; the work request that takes the send queue's last free slot
+//! is signaled whatever it asked, so a queue full of unsignaled work can always drain. The
+//! rings never admit more work requests than the queue holds, so a full queue is a clear
+//! [`Error::QueueFull`] rather than a provider error, and the CQ (at least as deep as the
+//! queue) cannot overrun.
+//!
+//! # Failed posts
+//!
+//! When `ibv_post_send`/`ibv_post_recv` fails and names the first work request it did not
+//! take (`bad_wr` inside the list), the ones before it are tracked as posted and the rest are
+//! released. When it fails *without* saying how far it got (`bad_wr` NULL or outside the list:
+//! rxe, for one, keeps a send posted before the QP is ready and runs it later), nothing is
+//! released: every staged work request counts as posted, the QP is moved to the error state,
+//! and the flush retires them. Sequence numbers are never reused, so a late completion can
+//! never retire a newer work request.
+//!
+//! # Completions nobody asked for yet
+//!
+//! [`QueuePair::wait_for`] waits for one `wr_id`; successful completions of other work requests
+//! that it meets first are kept, in order, and returned by the next [`QueuePair::poll`],
+//! [`QueuePair::wait`] or `wait_for`. They hold their place in the queue until then (the
+//! queue's room is what bounds them), so nothing is lost and nothing allocates.
+//!
+//! # Raw posts
+//!
+//! Every `wr_id` this crate posts carries a tag (bit 62 set, and 14 bits unique to the QP). A
+//! completion without that tag is not the crate's: it retires nothing and is discarded by the
+//! polls here. Work posted through [`QueuePair::as_raw`] must therefore use `wr_id`s with bit
+//! 62 clear, and be reaped by the caller from a CQ the crate does not poll.
 //!
 //! # Leaks, panics and drop
 //!
@@ -38,12 +64,28 @@ use crate::error::{check_ibv, check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType};
 use crate::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::pd::ProtectionDomain;
-use crate::ring::Ring;
+use crate::ring::{Hold, Pending, Ring};
 use crate::wait::{poll_readable, pollfd, Deadline};
 use crate::wr::{RecvWr, SendOp, SendWr};
 
 /// Tags receive-queue `wr_id`s so a CQ shared by both queues of one QP routes correctly.
 const RECV_TAG: u64 = 1 << 63;
+/// Set in every `wr_id` this crate posts: a completion without it is someone else's.
+const OURS: u64 = 1 << 62;
+/// Where the QP's nonce sits in a `wr_id`, and how wide it is.
+const NONCE_SHIFT: u32 = 48;
+const NONCE_MASK: u64 = (1 << 14) - 1;
+/// The sequence number's bits in a `wr_id` (the full number is recovered from the ring).
+const SEQ_BITS: u32 = 48;
+const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+
+/// A QP's tag: a counter mixed with the QP number, so that two QPs on one CQ, or a QP made
+/// after another with the same number, do not share it.
+fn next_nonce(qp_num: u32) -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (n.wrapping_mul(0x9E37_79B9) ^ qp_num as u64) & NONCE_MASK
+}
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 const CHUNK: usize = 16;
 /// Completions read per `ibv_poll_cq` call (the stack array's size).
@@ -89,7 +131,7 @@ impl QpInit {
         self
     }
     /// Uses `cq` for send completions instead of creating one. It may be the same as the
-    /// receive CQ, but no other QP may use it.
+    /// receive CQ, but no other QP may use it, and it must be on the QP's device.
     pub fn send_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
         self.send_cq = Some(cq);
         self
@@ -102,16 +144,31 @@ impl QpInit {
 }
 
 /// An owned RC queue pair, created through librdmacm on a [`CmId`].
+///
+/// Only the connection typestates create one, each consuming the state that owns the id, so an
+/// id has at most one QP; there is no constructor that takes a shared id:
+///
+/// ```compile_fail
+/// # fn f(id: &std::sync::Arc<rdma_cm::CmId>, pd: &std::sync::Arc<rdma_cm::ProtectionDomain>) {
+/// let qp = rdma_cm::QueuePair::new(id, pd, rdma_cm::QpInit::new());
+/// # }
+/// ```
 pub struct QueuePair {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     max_inline: u32,
-    /// Whether waits also read the id's (exclusive) CM channel, to notice the peer leaving.
-    watch_cm: bool,
+    /// The tag in every `wr_id` this QP posts (already shifted into place, with `OURS`).
+    tag: u64,
+    /// The connection is established: waits may read the id's CM events (when no one else
+    /// can read its channel), to notice the peer leaving.
+    connected: bool,
     /// A DISCONNECTED (or DEVICE_REMOVAL) event was seen; the QP was moved to error.
     peer_left: bool,
     send: Ring,
     recv: Ring,
+    /// Completions reaped but not delivered yet, per queue.
+    send_pending: Pending,
+    recv_pending: Pending,
     // Field order is drop order after Drop::drop: the id, CQs and PD outlive the QP, which
     // Drop::drop destroys first.
     id: Arc<CmId>,
@@ -126,23 +183,40 @@ unsafe impl Send for QueuePair {}
 
 impl QueuePair {
     /// Creates an RC QP on `id` with `rdma_create_qp`, so librdmacm drives its state changes
-    /// during connect/accept. The typestates ([`RouteResolved::create_qp`],
-    /// [`ConnectRequest::create_qp`]) are the usual way; this is for ids reached otherwise, e.g.
-    /// through [`VerbsContext::cm_id`](crate::VerbsContext::cm_id). The id must have a route
-    /// (or be a connection request) on `pd`'s device, and no QP yet.
+    /// during connect/accept. Only the typestates call this ([`RouteResolved::create_qp`],
+    /// [`ConnectRequest::create_qp`]), each consuming the state that owns the id, so an id gets
+    /// at most one QP.
     ///
     /// [`RouteResolved::create_qp`]: crate::RouteResolved::create_qp
     /// [`ConnectRequest::create_qp`]: crate::ConnectRequest::create_qp
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for empty queues or CQs shallower than the queues;
-    /// [`Error::CqInUse`]; [`Error::Call`] when `rdma_create_qp` fails (e.g. `EINVAL` when the
-    /// capabilities exceed the device's limits).
-    pub fn new(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
+    /// [`Error::InvalidArgument`] for empty queues, CQs shallower than the queues, or a PD or
+    /// CQ of another device; [`Error::CqInUse`]; [`Error::Call`] when `rdma_create_qp` fails
+    /// (e.g. `EINVAL` when the capabilities exceed the device's limits).
+    pub(crate) fn new(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
         if init.max_send_wr == 0 || init.max_recv_wr == 0 {
             return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
         }
         let ctx = pd.context();
+        // The kernel looks CQ handles up in the QP's own device file, where another device's
+        // CQ number names some other CQ: require one device for the id, the PD and the CQs.
+        let dev = ctx.as_raw();
+        if id.verbs().map(|v| v.as_ptr()) != Some(dev) {
+            return Err(Error::InvalidArgument(format!(
+                "the protection domain is on device {}, not on the device of this connection's route",
+                ctx.device_name()
+            )));
+        }
+        for cq in [&init.send_cq, &init.recv_cq].into_iter().flatten() {
+            if cq.context().as_raw() != dev {
+                return Err(Error::InvalidArgument(format!(
+                    "the completion queue is on device {}, but the QP is on {}: a QP and its CQs must share a device",
+                    cq.context().device_name(),
+                    ctx.device_name()
+                )));
+            }
+        }
         let send_cq = match init.send_cq {
             Some(cq) => cq,
             None => CompletionQueue::new(ctx, init.max_send_wr)?,
@@ -183,15 +257,21 @@ impl QueuePair {
         attr.cap.max_send_sge = 1;
         attr.cap.max_recv_sge = 1;
         attr.cap.max_inline_data = init.max_inline_data;
-        // SAFETY: id, PD and CQs are valid and on the same device (librdmacm checks the PD's
-        // context against the id's); attr is fully initialised.
-        let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), &mut attr) };
-        if let Err(e) = check_rdma(ret, "rdma_create_qp") {
-            unclaim();
-            return Err(e);
-        }
-        // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
-        let raw = unsafe { (*id.as_raw()).qp };
+        let raw = {
+            // The channel's lock: no event processing reads id->qp while it is being set.
+            let _lock = id.channel().lock();
+            // SAFETY: id, PD and CQs are valid and on one device (checked above; librdmacm
+            // checks the PD's context against the id's too); attr is fully initialised. The
+            // caller owns the id's only QP-creating state, and the lock keeps librdmacm's
+            // event processing off id->qp meanwhile.
+            let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), &mut attr) };
+            if let Err(e) = check_rdma(ret, "rdma_create_qp") {
+                unclaim();
+                return Err(e);
+            }
+            // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
+            unsafe { (*id.as_raw()).qp }
+        };
         let Some(raw) = NonNull::new(raw) else {
             unclaim();
             return Err(Error::call("rdma_create_qp", libc::EIO, None));
@@ -201,11 +281,14 @@ impl QueuePair {
         Ok(QueuePair {
             raw,
             qp_num,
-            watch_cm: false,
+            tag: OURS | (next_nonce(qp_num) << NONCE_SHIFT),
+            connected: false,
             peer_left: false,
             max_inline: attr.cap.max_inline_data,
             send: Ring::new(init.max_send_wr),
             recv: Ring::new(init.max_recv_wr),
+            send_pending: Pending::new(init.max_send_wr),
+            recv_pending: Pending::new(init.max_recv_wr),
             id: Arc::clone(id),
             send_cq,
             recv_cq,
@@ -213,8 +296,10 @@ impl QueuePair {
         })
     }
 
-    /// The raw QP. It stays owned by `self`; posting to it directly bypasses the slot table,
-    /// so completions of such work requests are not routed (they are discarded by `poll`).
+    /// The raw QP. It stays owned by `self`. Posting to it directly bypasses the slot table:
+    /// such work requests must use `wr_id`s with bit 62 clear (the crate's tag), which the
+    /// polls here recognise as foreign and discard, and the memory they name is the caller's
+    /// to keep alive (see the module docs).
     pub fn as_raw(&self) -> *mut ffi::ibv_qp {
         self.raw.as_ptr()
     }
@@ -249,6 +334,12 @@ impl QueuePair {
         self.send.outstanding() as usize
     }
 
+    /// Completions reaped (by a [`QueuePair::wait_for`] that met them first) and not yet
+    /// returned; the next poll or wait returns them before anything new.
+    pub fn undelivered(&self) -> usize {
+        self.send_pending.len() + self.recv_pending.len()
+    }
+
     /// Receive-queue work requests posted and not yet completed.
     pub fn outstanding_recvs(&self) -> usize {
         self.recv.outstanding() as usize
@@ -281,6 +372,10 @@ impl QueuePair {
     /// anything is posted; [`Error::Call`] when `ibv_post_send` rejects a work request (the
     /// ones before it stay posted and are tracked).
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        if !self.connected {
+            // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
+            return Err(Error::InvalidArgument("sends need an established connection".into()));
+        }
         if (wrs.len() as u64) > self.send.free() {
             return Err(Error::QueueFull { queue: "send", depth: self.send.cap() as u32 });
         }
@@ -310,9 +405,13 @@ impl QueuePair {
         let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
         let n = wrs.len();
         let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
+        // The work request that takes the last free slot is signaled, so that a queue full of
+        // unsignaled work always has a completion coming that retires it.
+        let free = self.send.free();
         for (k, w) in wrs.iter().enumerate() {
-            let mr = w.local.as_ref().map(|(m, _)| m.inner());
-            let seq = self.send.stage(k as u64, w.wr_id, mr);
+            let writes = matches!(w.op, SendOp::Read { .. });
+            let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
+            let seq = self.send.stage(k as u64, w.wr_id, hold);
             let sg = sge[k].write(match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
                 (None, Some((m, range))) => {
@@ -323,7 +422,7 @@ impl QueuePair {
             // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those);
             // all-zero is a valid value.
             let r = raw[k].write(unsafe { mem::zeroed() });
-            r.wr_id = seq;
+            r.wr_id = self.wire_id(seq, false);
             let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
             r.num_sge = has_data as i32;
             r.sg_list = sg;
@@ -345,7 +444,7 @@ impl QueuePair {
             }
             use ffi::ibv_send_flags as f;
             let mut flags = 0;
-            if w.signaled {
+            if w.signaled || free == k as u64 + 1 {
                 flags |= f::IBV_SEND_SIGNALED.0;
             }
             if w.solicited {
@@ -364,7 +463,13 @@ impl QueuePair {
         self.commit_posted(ret, bad, base, n, true, "ibv_post_send")
     }
 
-    /// Commits the staged slots up to the first rejected work request, and maps the error.
+    /// The `wr_id` posted for sequence number `seq`.
+    fn wire_id(&self, seq: u64, recv: bool) -> u64 {
+        self.tag | if recv { RECV_TAG } else { 0 } | (seq & SEQ_MASK)
+    }
+
+    /// Commits the staged slots after a post, and maps the error (see "Failed posts" in the
+    /// module docs).
     fn commit_posted<T>(
         &mut self,
         ret: i32,
@@ -374,15 +479,35 @@ impl QueuePair {
         send: bool,
         op: &'static str,
     ) -> Result<()> {
-        let posted = match (ret, bad.is_null()) {
-            (0, _) => n,
-            (_, true) => 0,
-            // SAFETY: on failure `bad` points into the array that starts at `first`.
-            (_, false) => (unsafe { bad.cast_const().offset_from(first) }).clamp(0, n as isize) as usize,
-        };
+        if ret == 0 {
+            let ring = if send { &mut self.send } else { &mut self.recv };
+            ring.commit(n as u64, n as u64);
+            return Ok(());
+        }
+        // Where the provider stopped, if it said so: `bad` inside the list we passed. Compared
+        // as addresses, so nothing is assumed about a pointer we did not give it.
+        let size = mem::size_of::<T>().max(1);
+        let (b, f) = (bad as usize, first as usize);
+        let known = !bad.is_null() && b >= f && b < f + n * size && (b - f) % size == 0;
         let ring = if send { &mut self.send } else { &mut self.recv };
-        ring.commit(posted as u64, n as u64);
-        check_ibv(ret, op)
+        if known {
+            ring.commit(((b - f) / size) as u64, n as u64);
+            return check_ibv(ret, op);
+        }
+        // Unknown extent: every staged work request may be posted (and may still run). Keep
+        // them all, and flush them through the error state.
+        ring.commit(n as u64, n as u64);
+        let flushed = self.set_error().is_ok();
+        Err(Error::Call {
+            op,
+            addr: None,
+            hint: Some(if flushed {
+                "the provider failed the post without saying which work requests it took: they are kept until the flush retires them, and the QP was moved to the error state"
+            } else {
+                "the provider failed the post without saying which work requests it took, and the QP could not be moved to the error state: its regions stay held until the QP is dropped"
+            }),
+            source: std::io::Error::from_raw_os_error(ret.abs()),
+        })
     }
 
     /// Posts receive work requests.
@@ -403,15 +528,17 @@ impl QueuePair {
             let mut sge: [ffi::ibv_sge; CHUNK] = unsafe { mem::zeroed() };
             let n = chunk.len();
             for (k, w) in chunk.iter().enumerate() {
-                let seq = self.recv.stage(k as u64, w.wr_id, Some(w.mr.inner()));
+                let seq = self.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
                 sge[k] = ffi::ibv_sge {
                     addr: w.mr.addr() + w.range.start as u64,
                     length: w.range.len() as u32,
                     lkey: w.mr.lkey(),
                 };
-                raw[k].wr_id = seq | RECV_TAG;
+                raw[k].wr_id = self.wire_id(seq, true);
                 raw[k].sg_list = &mut sge[k];
-                raw[k].num_sge = 1;
+                // A zero-length receive has no scatter entry: some providers read a byte count
+                // of 0 as 2 GiB.
+                raw[k].num_sge = !w.range.is_empty() as i32;
             }
             for k in 0..n.saturating_sub(1) {
                 let next: *mut ffi::ibv_recv_wr = &mut raw[k + 1];
@@ -433,11 +560,36 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let mut n = self.poll_cq(true, out)?;
+        let mut n = self.deliver_pending(None, out);
+        n += self.poll_cq(true, &mut out[n..])?;
         if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
             n += self.poll_cq(false, &mut out[n..])?;
         }
         Ok(n)
+    }
+
+    /// Moves kept completions (of `which` queue, or both) into `out`.
+    fn deliver_pending(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> usize {
+        let mut n = 0;
+        if which != Some(WorkQueue::Recv) {
+            let k = self.send_pending.drain_into(out);
+            self.send.delivered(k as u64);
+            n += k;
+        }
+        if which != Some(WorkQueue::Send) {
+            let k = self.recv_pending.drain_into(&mut out[n..]);
+            self.recv.delivered(k as u64);
+            n += k;
+        }
+        n
+    }
+
+    /// Keeps a completion for a later poll or wait.
+    fn keep(&mut self, wc: WorkCompletion) {
+        match wc.queue() {
+            WorkQueue::Send => self.send_pending.push(wc),
+            WorkQueue::Recv => self.recv_pending.push(wc),
+        }
     }
 
     fn poll_cq(&mut self, send_side: bool, out: &mut [WorkCompletion]) -> Result<usize> {
@@ -453,6 +605,10 @@ impl QueuePair {
                 if let Some(done) = self.route(wc) {
                     out[filled] = done;
                     filled += 1;
+                    match done.queue() {
+                        WorkQueue::Send => self.send.delivered(1),
+                        WorkQueue::Recv => self.recv.delivered(1),
+                    }
                 }
             }
             if got < want {
@@ -464,15 +620,17 @@ impl QueuePair {
 
     /// Retires the slot(s) a raw completion names and builds the caller's completion.
     fn route(&mut self, wc: &ffi::ibv_wc) -> Option<WorkCompletion> {
-        if wc.qp_num != self.qp_num {
-            return None; // not ours (a raw post by the user, or a stale entry): discard
+        // Not ours (another QP's, a raw post by the user, or a stale entry): discard.
+        if wc.qp_num != self.qp_num || wc.wr_id & (OURS | (NONCE_MASK << NONCE_SHIFT)) != self.tag {
+            return None;
         }
         let (ring, queue) = if wc.wr_id & RECV_TAG != 0 {
             (&mut self.recv, WorkQueue::Recv)
         } else {
             (&mut self.send, WorkQueue::Send)
         };
-        let user = ring.complete(wc.wr_id & !RECV_TAG)?;
+        let seq = ring.widen(wc.wr_id & SEQ_MASK, SEQ_BITS);
+        let user = ring.complete(seq)?;
         Some(WorkCompletion::from_raw(wc, user, queue))
     }
 
@@ -519,7 +677,8 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.poll_cq(queue == WorkQueue::Send, out)
+        let n = self.deliver_pending(Some(queue), out);
+        Ok(n + self.poll_cq(queue == WorkQueue::Send, &mut out[n..])?)
     }
 
     fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
@@ -561,22 +720,36 @@ impl QueuePair {
         self.poll_on(which, out)
     }
 
+    /// Whether waits watch the id's CM channel for the peer leaving: once connected, and only
+    /// while nothing but this connection's id holds the channel (nobody else reads it, so
+    /// watching cannot keep an event from its owner's wait).
+    fn watches_cm(&self) -> bool {
+        self.connected && !self.peer_left && self.id.channel().is_exclusive()
+    }
+
     /// The descriptors a sleeping wait watches: the CQ channels, and the CM channel when the
     /// QP watches it for the peer leaving.
     fn wait_fds(&self, cqs: &[Option<Arc<CompletionQueue>>; 2]) -> [RawFd; 3] {
         let cq_fd = |cq: &Option<Arc<CompletionQueue>>| cq.as_ref().map_or(-1, |c| c.as_raw_fd());
-        let cm_fd = if self.watch_cm && !self.peer_left { self.id.channel().as_raw_fd() } else { -1 };
+        let cm_fd = if self.watches_cm() { self.id.channel().as_raw_fd() } else { -1 };
         [cq_fd(&cqs[0]), cq_fd(&cqs[1]), cm_fd]
     }
 
-    /// After a sleep: acks the CQ events and handles the CM events that woke us.
+    /// After a sleep: acks the CQ events and handles the CM events that woke us. The events
+    /// stay queued on the channel, so the connection's `next_event` still returns them.
     fn after_wake(&mut self, cqs: &[Option<Arc<CompletionQueue>>; 2], cm_ready: bool) -> Result<()> {
         for cq in cqs.iter().flatten() {
             cq.drain_events()?;
         }
         if cm_ready {
-            while let Some(ev) = self.id.channel().try_get_event()? {
-                self.on_cm_event(&ev);
+            let me = self.id.handle();
+            let mut left = false;
+            self.id.channel().pump(|ev| {
+                left |=
+                    ev.id() == me && matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval);
+            })?;
+            if left {
+                self.peer_gone();
             }
         }
         Ok(())
@@ -629,16 +802,17 @@ impl QueuePair {
     /// shared CQ.
     #[cfg(feature = "tokio")]
     pub async fn wait_for_async(&mut self, queue: WorkQueue, wr_id: u64) -> Result<WorkCompletion> {
-        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-            return Err(Error::InvalidArgument(
-                "both queues share one CQ, so one queue cannot be waited for alone: use wait_async()".into(),
-            ));
+        if let Some(r) = self.pick_kept(queue, wr_id) {
+            return r;
         }
+        let which = self.wait_for_scope(queue);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let n = self.wait_on_async(Some(queue), &mut wcs).await?;
-            if let Some(wc) = self.pick(&wcs[..n], wr_id)? {
-                return Ok(wc);
+            // Completions are kept or returned within the poll that reaps them, so dropping
+            // this future between polls loses none.
+            let n = self.wait_on_async(which, &mut wcs).await?;
+            if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
+                return r;
             }
         }
     }
@@ -655,43 +829,92 @@ impl QueuePair {
                 return Ok(n);
             }
             let fds = self.wait_fds(&cqs);
-            crate::wait::readable_any(fds).await?;
+            crate::wait::readable_any(fds, |_| false).await?;
             self.after_wake(&cqs, fds[2] >= 0)?;
         }
     }
 
-    /// Checks a batch of completions for `wr_id`: a failed one is an error (naming the
-    /// disconnect when the peer left), others are skipped.
-    fn pick(&self, wcs: &[WorkCompletion], wr_id: u64) -> Result<Option<WorkCompletion>> {
+    /// Whether a completion decides a wait for `wr_id` on `queue`: it is that work request,
+    /// or a failure of that queue.
+    fn decides(wc: &WorkCompletion, queue: WorkQueue, wr_id: u64) -> bool {
+        wc.queue() == queue && (wc.wr_id() == wr_id || !wc.is_ok())
+    }
+
+    /// The answer a deciding completion gives a wait: itself, or the error it carries (naming
+    /// the disconnect when the peer left).
+    fn answer(&self, wc: WorkCompletion) -> Result<WorkCompletion> {
+        if !wc.is_ok() && self.peer_left {
+            return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
+        }
+        wc.ok()
+    }
+
+    /// A kept completion that decides a wait for `wr_id`, if there is one.
+    fn pick_kept(&mut self, queue: WorkQueue, wr_id: u64) -> Option<Result<WorkCompletion>> {
+        let kept = if queue == WorkQueue::Send { &mut self.send_pending } else { &mut self.recv_pending };
+        let wc = kept.take_first(|wc| Self::decides(wc, queue, wr_id))?;
+        match queue {
+            WorkQueue::Send => self.send.delivered(1),
+            WorkQueue::Recv => self.recv.delivered(1),
+        }
+        Some(self.answer(wc))
+    }
+
+    /// Goes through a batch in order: the first completion that decides the wait answers it;
+    /// every other one is kept for a later poll or wait, so none is lost.
+    fn pick(&mut self, wcs: &[WorkCompletion], queue: WorkQueue, wr_id: u64) -> Option<Result<WorkCompletion>> {
         let mut found = None;
         for wc in wcs {
-            if !wc.is_ok() && self.peer_left {
-                return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
-            }
-            let wc = wc.ok()?;
-            if wc.wr_id() == wr_id {
-                found = Some(wc);
+            if found.is_none() && Self::decides(wc, queue, wr_id) {
+                found = Some(*wc);
+            } else {
+                self.keep(*wc);
+                // It was counted as delivered when polled; it is undelivered again.
+                match wc.queue() {
+                    WorkQueue::Send => self.send.undeliver(),
+                    WorkQueue::Recv => self.recv.undeliver(),
+                }
             }
         }
-        Ok(found)
+        found.map(|wc| self.answer(wc))
+    }
+
+    /// The queues a wait for one queue's completion polls: that queue's CQ, or both when the
+    /// queues share one (the other queue's completions are then kept).
+    fn wait_for_scope(&self, queue: WorkQueue) -> Option<WorkQueue> {
+        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            None
+        } else {
+            Some(queue)
+        }
     }
 
     /// Lets the QP react to its id's CM event: when the peer left (or the device went away),
     /// move the QP to the error state so every posted work request flushes instead of waiting
-    /// forever. librdmacm does not do this on the passive side of a disconnect.
+    /// forever. librdmacm does not do this on the passive side of a disconnect. Events of
+    /// other ids are ignored.
     pub(crate) fn on_cm_event(&mut self, ev: &CmEvent) {
-        if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) && !self.peer_left {
-            self.peer_left = true;
-            // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
-            // the fallback when the id is past that state.
-            if self.id.disconnect().is_err() {
-                let _ = self.set_error();
-            }
+        if ev.id() == self.id.handle()
+            && matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
+        {
+            self.peer_gone();
         }
     }
 
-    pub(crate) fn set_watch_cm(&mut self, on: bool) {
-        self.watch_cm = on;
+    fn peer_gone(&mut self) {
+        if self.peer_left {
+            return;
+        }
+        self.peer_left = true;
+        // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
+        // the fallback when the id is past that state.
+        if self.id.disconnect().is_err() {
+            let _ = self.set_error();
+        }
+    }
+
+    pub(crate) fn set_connected(&mut self) {
+        self.connected = true;
     }
 
     /// Whether the peer disconnected (seen while waiting, or through the connection's events).
@@ -701,17 +924,21 @@ impl QueuePair {
 
     /// Waits for the completion with `wr_id` on `queue`, checking every completion of that
     /// queue on the way: a failed completion, or running out of `timeout`, is an error.
-    /// Successful completions of other work requests on the same queue are skipped; the other
-    /// queue is not touched. Needs separate send and receive CQs (the default).
+    /// Completions of other work requests met on the way are kept, in order, for the next
+    /// poll or wait ([`QueuePair::undelivered`] counts them).
     ///
     /// # Errors
-    /// [`Error::WorkCompletion`] for a failed completion; [`Error::Timeout`];
-    /// [`Error::InvalidArgument`] with a shared CQ.
+    /// [`Error::WorkCompletion`] for a failed completion; [`Error::Disconnected`];
+    /// [`Error::Timeout`].
     pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
+        if let Some(r) = self.pick_kept(queue, wr_id) {
+            return r;
+        }
+        let which = self.wait_for_scope(queue);
         let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let n = self.wait_queue_until(queue, &mut wcs, &mut deadline)?;
+            let n = self.wait_on(which, &mut wcs, &mut deadline)?;
             if n == 0 {
                 let op =
                     if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
@@ -722,8 +949,8 @@ impl QueuePair {
                     hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
                 });
             }
-            if let Some(wc) = self.pick(&wcs[..n], wr_id)? {
-                return Ok(wc);
+            if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
+                return r;
             }
         }
     }
@@ -748,6 +975,7 @@ impl QueuePair {
         if self.send.outstanding() + self.recv.outstanding() == 0 {
             return true;
         }
+        self.connected = false; // no CM reads from here on: the id's events are not ours to take
         if self.set_error().is_err() {
             return false;
         }
@@ -773,18 +1001,28 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.drain(DRAIN_TIMEOUT);
-        // SAFETY: the QP is destroyed exactly once, here; id->qp is cleared so that librdmacm
-        // does not use the freed QP. The id, CQs and PD are still alive (our fields).
-        let ret = unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) };
+        let ret = {
+            // The channel's lock: no event processing (which reads and modifies id->qp) runs
+            // between the destroy and clearing id->qp.
+            let _lock = self.id.channel().lock();
+            // SAFETY: the QP is destroyed exactly once, here. The id, CQs and PD are still
+            // alive (our fields).
+            let ret = unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) };
+            if ret == 0 {
+                // SAFETY: the id is valid; clearing `qp` mirrors rdma_destroy_qp, so librdmacm
+                // never uses the freed QP.
+                unsafe { (*self.id.as_raw()).qp = std::ptr::null_mut() };
+            }
+            ret
+        };
         if ret != 0 {
-            crate::report_leak("ibv_destroy_qp", ret);
-            // The device may still access the slots' memory: leak it instead of freeing it.
+            // The device may still access the slots' memory: leak it instead of freeing it,
+            // before anything else can fail or panic.
             mem::forget(mem::take(&mut self.send.slots));
             mem::forget(mem::take(&mut self.recv.slots));
+            crate::report_leak("ibv_destroy_qp", ret);
             return;
         }
-        // SAFETY: the id is valid; clearing `qp` mirrors rdma_destroy_qp.
-        unsafe { (*self.id.as_raw()).qp = std::ptr::null_mut() };
         // Discard completions the destroyed QP left behind, so a CQ handed to another QP later
         // cannot route them into that QP's rings.
         let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];

@@ -12,13 +12,20 @@ use std::time::{Duration, Instant};
 
 use crate::error::{errno, Error, Result};
 
+/// A timeout that never ends: every wait of this crate that takes a timeout accepts it and then
+/// waits without a bound, as the C API does with -1 (what `rping` does). Use it knowingly: a
+/// peer that vanishes without a word then stalls the call for ever. The crate's own defaults
+/// are all bounded.
+pub const FOREVER: Duration = Duration::MAX;
+
 /// A timeout whose clock starts only if the first wait did not settle things: the first wait
 /// gets the whole timeout without reading the clock; from the second on, the time left is
 /// measured from the second wait's start. Total: at most twice the timeout.
 pub(crate) struct Deadline {
     timeout: Duration,
     first: bool,
-    end: Option<Instant>,
+    /// Set at the second wait; `Some(None)` when the end is too far away to represent.
+    end: Option<Option<Instant>>,
 }
 
 impl Deadline {
@@ -31,7 +38,10 @@ impl Deadline {
         if std::mem::take(&mut self.first) {
             return self.timeout;
         }
-        let end = *self.end.get_or_insert_with(|| Instant::now() + self.timeout);
+        let Some(end) = *self.end.get_or_insert_with(|| Instant::now().checked_add(self.timeout)) else {
+            // Too far to represent: no deadline.
+            return self.timeout;
+        };
         end.saturating_duration_since(Instant::now())
     }
 }
@@ -40,8 +50,10 @@ impl Deadline {
 /// Returns `Ok(false)` on timeout, `Ok(true)` when readable or interrupted (the caller then
 /// tries its non-blocking read and waits again if there was nothing).
 pub(crate) fn poll_readable(fds: &mut [libc::pollfd], timeout: Duration) -> Result<bool> {
-    // Round up so that a sub-millisecond remainder still waits instead of spinning.
-    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    // Round up so that a sub-millisecond remainder still waits instead of spinning; beyond
+    // what poll(2) takes (24 days), wait without a bound (FOREVER).
+    let ms = timeout.as_micros().div_ceil(1000);
+    let ms = if ms > i32::MAX as u128 { -1 } else { ms as i32 };
     for f in fds.iter_mut() {
         f.events = libc::POLLIN;
         f.revents = 0;
@@ -73,13 +85,16 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> Result<()> {
     }
 }
 
-/// Waits until any of `fds` (-1 entries are ignored) is readable, without blocking the
-/// runtime. Each call registers the descriptors with tokio's reactor and deregisters them on
-/// return or cancellation, so a fresh registration reports readiness that is already there
-/// (nothing edge-triggered can be missed between calls), and one task at a time may await a
-/// given descriptor.
+/// Waits until any of `fds` (-1 entries are ignored) is readable, or `ready` says so, without
+/// blocking the runtime. `ready` is asked on every poll of the future, with the task's waker,
+/// which it may keep to wake the task later (the event channel's queue does).
+///
+/// Each call registers the descriptors with tokio's reactor and deregisters them on return
+/// or cancellation, so a fresh registration reports readiness that is already there (nothing
+/// edge-triggered can be missed between calls), and one task at a time may await a given
+/// descriptor.
 #[cfg(feature = "tokio")]
-pub(crate) async fn readable_any(fds: [RawFd; 3]) -> Result<()> {
+pub(crate) async fn readable_any(fds: [RawFd; 3], mut ready: impl FnMut(&std::task::Waker) -> bool) -> Result<()> {
     use std::os::fd::AsRawFd;
     use std::task::Poll;
     use tokio::io::unix::AsyncFd;
@@ -91,22 +106,39 @@ pub(crate) async fn readable_any(fds: [RawFd; 3]) -> Result<()> {
             self.0
         }
     }
+    let no_io = || {
+        Error::InvalidArgument(
+            "the async API needs a tokio runtime with its IO driver enabled (Builder::enable_io or enable_all)".into(),
+        )
+    };
     if tokio::runtime::Handle::try_current().is_err() {
-        return Err(Error::InvalidArgument("the async API needs a tokio runtime (with its IO driver enabled)".into()));
+        return Err(no_io());
     }
     let reg = |fd: RawFd| -> Result<Option<AsyncFd<Fd>>> {
         if fd < 0 {
             return Ok(None);
         }
-        // SAFETY: `fd` is open for the whole life of this AsyncFd, which ends when this
-        // function returns or is cancelled: the callers hold the channel or CQ that owns the
-        // descriptor (by reference or Arc) across the await. Fd::as_raw_fd always returns it.
-        unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }.map(Some).map_err(|e| {
-            Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
-        })
+        // tokio panics ("IO is disabled") instead of failing when the runtime has no IO
+        // driver, and offers no way to ask first: catch that one panic and report it.
+        let attempt = std::panic::catch_unwind(|| {
+            // SAFETY: `fd` is open for the whole life of this AsyncFd, which ends when this
+            // function returns or is cancelled: the callers hold the channel or CQ that owns
+            // the descriptor (by reference or Arc) across the await. Fd::as_raw_fd always
+            // returns it.
+            unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }
+        });
+        match attempt {
+            Err(_) => Err(no_io()),
+            Ok(r) => r.map(Some).map_err(|e| {
+                Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
+            }),
+        }
     };
     let afds = [reg(fds[0])?, reg(fds[1])?, reg(fds[2])?];
     std::future::poll_fn(|cx| {
+        if ready(cx.waker()) {
+            return Poll::Ready(Ok(()));
+        }
         for a in afds.iter().flatten() {
             match a.poll_read_ready(cx) {
                 Poll::Ready(Ok(_guard)) => return Poll::Ready(Ok(())),

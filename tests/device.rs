@@ -50,7 +50,7 @@ fn every_object_opens_and_closes_in_every_drop_order() {
         let cq = CompletionQueue::new(&ctx, 32).unwrap();
         let mut qp = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq))).unwrap();
         // Leave work in flight too: the QP must flush it before releasing the region.
-        qp.qp_mut().post_recv(&[RecvWr::new(&mr, 0..4096)]).unwrap();
+        qp.post_recv(&[RecvWr::new(&mr, 0..4096)]).unwrap();
         assert!(common::resource_total() >= 5, "objects should be visible to the kernel");
         let mut items: Vec<Option<Box<dyn std::any::Any>>> =
             vec![Some(Box::new(ch)), Some(Box::new(pd)), Some(Box::new(mr)), Some(Box::new(cq)), Some(Box::new(qp))];
@@ -171,9 +171,9 @@ fn rdma_write_with_qp_info_exchange_is_byte_exact() {
         let ctl = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE).unwrap();
         let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
         let info =
-            QpInfo { qp_num: q.qp_mut().qp_num(), psn: 0, rkey: region.rkey(), vaddr: region.addr(), len: max as u32 };
+            QpInfo { qp_num: q.qp().qp_num(), psn: 0, rkey: region.rkey(), vaddr: region.addr(), len: max as u32 };
         for i in 0..SIZES.len() as u64 {
-            q.qp_mut().post_recv(&[RecvWr::new(&ctl, 0..16).wr_id(i)]).unwrap();
+            q.post_recv(&[RecvWr::new(&ctl, 0..16).wr_id(i)]).unwrap();
         }
         let conn = q.accept(&ConnParam::new().private_data(&info.encode()).unwrap(), T).unwrap();
         (conn, region, ctl, pd)
@@ -394,7 +394,7 @@ fn hundred_connections_through_one_event_channel() {
                     let pd = req.alloc_pd().unwrap();
                     let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
                     let mut q = req.create_qp(&pd, QpInit::new().max_send_wr(2).max_recv_wr(2)).unwrap();
-                    q.qp_mut().post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0)]).unwrap();
+                    q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0)]).unwrap();
                     let acc = q.start_accept(&ConnParam::new()).unwrap();
                     accepting.insert(acc.handle(), (acc, mr));
                 }

@@ -218,13 +218,15 @@ fn server_port_in_use_is_reported() {
 #[test]
 fn server_survives_a_killed_client_and_serves_the_next() {
     let addr = common::device_addr().to_string();
-    let srv = Srv::start(&["-a", &addr, "-p", "7607", "--count", "2", "--timeout", "5"]);
+    let mut srv = Srv::start(&["-a", &addr, "-p", "7607", "--count", "2", "--timeout", "5"]);
     let mut victim = Command::new(example("client"))
         .args(["-a", &addr, "-p", "7607", "--iters", "1000000", "--size", "64"])
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_secs(2));
+    // Kill it once the server has it connected (on a busy machine that can take a while), so
+    // the kill lands mid-transfer rather than before the client connected.
+    srv.wait_line("[EVENT] Connection established", Duration::from_secs(120));
     victim.kill().unwrap(); // SIGKILL mid-transfer
     victim.wait().unwrap();
     let out = client(&["-a", &addr, "-p", "7607"]);

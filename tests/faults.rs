@@ -186,7 +186,7 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
             let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
             let recvs: Vec<_> =
                 slots.iter().enumerate().map(|(k, m)| RecvWr::new(m, 0..SLOT).wr_id(k as u64)).collect();
-            q.qp_mut().post_recv(&recvs).unwrap();
+            q.post_recv(&recvs).unwrap();
             let conn = q.accept(&ConnParam::new(), T).unwrap();
             handles.push(thread::spawn(move || receive_all(conn, slots, conn_no, msgs)));
         }

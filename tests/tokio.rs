@@ -31,7 +31,7 @@ fn async_connect_accept_ping_pong_and_cancelled_receive() {
             let pd = req.alloc_pd().unwrap();
             let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
             let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
-            q.qp_mut().post_recv(&[RecvWr::new(&buf, 0..4096).wr_id(0)]).unwrap();
+            q.post_recv(&[RecvWr::new(&buf, 0..4096).wr_id(0)]).unwrap();
             let mut conn = within(q.accept_async(&ConnParam::new())).await.unwrap();
             let wc = within(conn.qp_mut().wait_for_async(WorkQueue::Recv, 0)).await.unwrap();
             conn.qp_mut().post_send(&[SendWr::send(&buf, 0..wc.byte_len() as usize).wr_id(1)]).unwrap();
@@ -105,5 +105,24 @@ fn nonblocking_channel_drains_until_empty() {
     }
     assert!(ch.try_get_event().unwrap().is_none());
     drop(ids);
+    t.finish();
+}
+
+#[test]
+fn a_runtime_without_io_is_an_error_not_a_panic() {
+    let t = DeviceTest::start();
+    let no_io = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let r = no_io.block_on(async {
+        let c = Client::new().unwrap();
+        c.resolve_addr_async(None, SocketAddr::new(t.addr, 7999), T).await
+    });
+    match r {
+        Err(rdma_cm::Error::InvalidArgument(m)) => assert!(m.contains("IO driver"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    let ch = EventChannel::new().unwrap();
+    let r = no_io.block_on(ch.get_event_async());
+    assert!(matches!(r, Err(rdma_cm::Error::InvalidArgument(_))), "{r:?}");
+    drop(ch);
     t.finish();
 }

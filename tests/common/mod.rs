@@ -130,7 +130,7 @@ pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
             server.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, server.access).expect("server: mr")).collect();
         let mut q = req.create_qp(&pd, server.init.clone()).expect("server: create_qp");
         for &(id, len) in &server.pre_recv {
-            q.qp_mut().post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).expect("server: pre-recv");
+            q.post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).expect("server: pre-recv");
         }
         let conn = q.accept(&server.param, T).expect("server: accept");
         Side { conn, pd, mrs }
@@ -140,7 +140,7 @@ pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
     let mrs: Vec<_> = client.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, client.access).unwrap()).collect();
     let mut q = route.create_qp(&pd, client.init.clone()).unwrap();
     for &(id, len) in &client.pre_recv {
-        q.qp_mut().post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).unwrap();
+        q.post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).unwrap();
     }
     let conn = q.connect(&client.param, T).expect("client: connect");
     let server = srv.join().expect("server thread panicked");

@@ -1,0 +1,474 @@
+//! Regression tests for the outside audit's findings (issue: "Soundness and correctness, second
+//! pass"), each an attempt to break the crate's promises with the API a user has, on the device.
+//! Where an attempt needs the raw escape hatch (`as_raw`, to stand in for a provider or a user
+//! of raw verbs), the unsafe block says so.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{pair, DeviceTest, PairSpec, T};
+use rdma_cm::{
+    ffi, AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, Error, EventChannel, MemoryRegion, QpInit,
+    RecvWr, SendWr, Server, WcOpcode, WcStatus, WorkCompletion, WorkQueue, FOREVER,
+};
+
+/// Moves a QP to `state` through the raw handle (standing in for a provider or a raw-verbs user).
+fn raw_modify(qp: *mut ffi::ibv_qp, state: ffi::ibv_qp_state::Type, extra: impl FnOnce(&mut ffi::ibv_qp_attr) -> i32) {
+    // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the caller holds its owner) and only
+    // the attributes named in the mask are read.
+    unsafe {
+        let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
+        attr.qp_state = state;
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32 | extra(&mut attr);
+        assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask), 0, "ibv_modify_qp({state})");
+    }
+}
+
+/// Item 1: a post that fails without saying how far it got (rxe: a send while the QP is not
+/// ready returns EINVAL with bad_wr NULL, but keeps the WQE and runs it later) must release
+/// nothing: the region stays held until the flush retires the work request.
+#[test]
+fn a_post_that_fails_without_bad_wr_releases_nothing_and_flushes() {
+    let t = DeviceTest::start();
+    let (mut c, s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    let qp = c.conn.qp().as_raw();
+    // Back to INIT, as a QP is before connect (RTS -> RESET -> INIT).
+    raw_modify(qp, ffi::ibv_qp_state::IBV_QPS_RESET, |_| 0);
+    raw_modify(qp, ffi::ibv_qp_state::IBV_QPS_INIT, |a| {
+        a.pkey_index = 0;
+        a.port_num = 1;
+        a.qp_access_flags = 0;
+        (ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+            | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
+            | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0) as i32
+    });
+    let err = c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(5)]).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("ibv_post_send") && msg.contains("without saying"), "{msg}");
+    // Nothing was released: the region is still held by the QP.
+    assert_eq!(c.conn.qp().outstanding_sends(), 1);
+    assert!(matches!(c.mrs[0].as_mut_slice(), Err(Error::InFlight { .. })), "the region must stay held");
+    // The QP went to the error state: the flush retires the work request with its own wr_id.
+    let err = c.conn.qp_mut().wait_for(WorkQueue::Send, 5, T).unwrap_err();
+    assert!(
+        matches!(err, Error::WorkCompletion { wr_id: 5, status: WcStatus::WrFlushErr, .. }),
+        "expected the flush of wr 5, got {err:?}"
+    );
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    assert!(c.mrs[0].as_mut_slice().is_ok(), "released once the flush is reaped");
+    drop((c, s));
+    t.finish();
+}
+
+/// Item 4: a CQ of another device must be refused (the kernel would resolve its handle in the
+/// QP's device file, where the number names some other CQ).
+#[test]
+fn guest_only_a_cq_of_another_device_is_refused() {
+    let t = DeviceTest::start();
+    assert!(
+        std::env::var_os("RDMA_VM").is_some(),
+        "this test adds a second Soft-RoCE device: it runs in the harness guest; elsewhere skip it with \
+         `cargo test -- --skip guest_only`"
+    );
+    let sh = |cmd: &str| {
+        let st = Command::new("sh").args(["-c", cmd]).status().unwrap();
+        assert!(st.success(), "{cmd}");
+    };
+    sh("ip link add rdma1 type dummy && ip link set rdma1 mtu 9000 && ip addr add 10.78.0.1/24 dev rdma1 && \
+        ip link set rdma1 up && rdma link add rxe1 type rxe netdev rdma1");
+    let deadline = Instant::now() + T;
+    while !std::fs::read_to_string("/sys/class/infiniband/rxe1/ports/1/state").unwrap_or_default().contains("ACTIVE") {
+        assert!(Instant::now() < deadline, "rxe1 never became ACTIVE");
+        thread::sleep(Duration::from_millis(20));
+    }
+    {
+        let other = Client::new()
+            .unwrap()
+            .resolve_addr(None, "10.78.0.1:7999".parse().unwrap(), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
+        let other_ctx = other.context().unwrap();
+        assert_eq!(other_ctx.device_name(), "rxe1");
+        let foreign_cq = CompletionQueue::new(&other_ctx, 32).unwrap();
+        let route = Client::new()
+            .unwrap()
+            .resolve_addr(None, SocketAddr::new(t.addr, 7999), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let err = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&foreign_cq))).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::InvalidArgument(_)) && msg.contains("rxe1") && msg.contains("device"), "{msg}");
+        // A PD of the other device is refused too.
+        let route = Client::new()
+            .unwrap()
+            .resolve_addr(None, SocketAddr::new(t.addr, 7999), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
+        let foreign_pd = other.alloc_pd().unwrap();
+        assert!(route.create_qp(&foreign_pd, QpInit::new()).is_err());
+    }
+    // rxe1 stays: librdmacm keeps every device context it opened until the process exits, so
+    // deleting the link here would wait for this process. The guest is thrown away after.
+    t.finish();
+}
+
+/// Waits (bounded) until `ch` has an event to read, without reading it.
+fn wait_readable(ch: &EventChannel) {
+    use std::os::fd::AsRawFd;
+    let mut fds = [libc::pollfd { fd: ch.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+    // SAFETY: one valid pollfd for the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 1, T.as_millis() as i32) };
+    assert_eq!(n, 1, "no event arrived on the channel");
+}
+
+/// Item 5: on a shared channel, one connection's events never tear down another, and a
+/// listener's CONNECT_REQUEST is not eaten by a client's step.
+#[test]
+fn a_shared_channel_routes_every_event_to_its_id() {
+    let t = DeviceTest::start();
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    // The peer: a blocking server on its own channels, in a thread.
+    let srv_listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let srv_dst = srv_listener.local_addr().unwrap();
+    let (leave_tx, leave_rx) = std::sync::mpsc::channel::<()>();
+    let server = thread::spawn(move || {
+        let mut conns = vec![];
+        for _ in 0..2 {
+            let req = srv_listener.get_request(T).unwrap();
+            let pd = req.alloc_pd().unwrap();
+            let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+            q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
+            conns.push((q.accept(&ConnParam::new(), T).unwrap(), mr, pd));
+        }
+        // On cue, leave the second client: its DISCONNECTED lands on the shared channel.
+        leave_rx.recv().unwrap();
+        drop(conns.pop());
+        // The first client's message still arrives.
+        let (c0, mr0, _) = &mut conns[0];
+        let wc = c0.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+        assert_eq!(wc.byte_len(), 8);
+        assert_eq!(mr0.as_slice().unwrap()[..8], *b"survivor");
+        conns
+    });
+    // Two clients on the shared channel (which also carries the listener), with blocking steps.
+    let connect = |ch: &EventChannel| {
+        let route = Client::on_channel(ch).unwrap().resolve_addr(None, srv_dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let q = route.create_qp(&pd, QpInit::new()).unwrap();
+        (q.connect(&ConnParam::new(), T).unwrap(), pd)
+    };
+    let (mut a, pda) = connect(&ch);
+    let (mut b, pdb) = connect(&ch);
+    // A third party knocks at the shared listener. Its CONNECT_REQUEST is read by B's step,
+    // which must keep it for the listener.
+    let knocker = thread::spawn(move || {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let q = route.create_qp(&pd, QpInit::new()).unwrap();
+        let e = q.connect(&ConnParam::new(), T).unwrap_err();
+        assert!(matches!(e, Error::UnexpectedEvent { got: CmEventType::Rejected, .. }), "{e:?}");
+    });
+    wait_readable(&ch);
+    assert!(b.try_event().unwrap().is_none(), "B has no event of its own yet");
+    let req = listener.get_request(T).expect("the listener's CONNECT_REQUEST was eaten");
+    req.reject(b"no").unwrap();
+    knocker.join().unwrap();
+    // B's peer leaves; B's DISCONNECTED arrives on the shared channel while A works.
+    leave_tx.send(()).unwrap();
+    wait_readable(&ch);
+    let mut mr = MemoryRegion::new(&pda, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    mr.as_mut_slice().unwrap()[..8].copy_from_slice(b"survivor");
+    a.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(9)]).unwrap();
+    a.qp_mut().wait_for(WorkQueue::Send, 9, T).expect("connection A was torn down by B's events");
+    assert!(!a.is_disconnected(), "B's DISCONNECTED reached A");
+    // And B still gets its own event: nothing was consumed on the way.
+    assert_eq!(b.next_event(T).unwrap().event_type(), CmEventType::Disconnected);
+    assert!(b.is_disconnected());
+    let conns = server.join().unwrap();
+    drop((a, b, pdb, conns, mr, pda, listener, ch));
+    t.finish();
+}
+
+/// Item 5, event-loop side: connections whose ids share a channel read only their own events
+/// through next_event/try_event.
+#[test]
+fn connections_on_one_channel_read_only_their_own_events() {
+    let t = DeviceTest::start();
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let clients = thread::spawn(move || {
+        (0..2)
+            .map(|_| {
+                let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+                let pd = route.alloc_pd().unwrap();
+                let q = route.create_qp(&pd, QpInit::new()).unwrap();
+                (q.connect(&ConnParam::new(), T).unwrap(), pd)
+            })
+            .collect::<Vec<_>>()
+    });
+    // The accepted ids stay on the shared channel (from_event does not move them).
+    let mut conns = vec![];
+    while conns.len() < 2 {
+        let ev = ch.get_event(T).unwrap();
+        let req = rdma_cm::ConnectRequest::from_event(ev).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let q = req.create_qp(&pd, QpInit::new()).unwrap();
+        conns.push((q.accept(&ConnParam::new(), T).unwrap(), pd));
+    }
+    let mut clients = clients.join().unwrap();
+    // Client 1 leaves (answered below by server connection 1's next_event).
+    let (c1, pd1) = clients.pop().unwrap();
+    let leaving = thread::spawn(move || c1.disconnect(T));
+    let ev = conns[1].0.next_event(T).unwrap();
+    assert_eq!(ev.event_type(), CmEventType::Disconnected);
+    assert!(conns[1].0.is_disconnected());
+    leaving.join().unwrap().unwrap();
+    assert!(conns[0].0.try_event().unwrap().is_none(), "connection 0 must not see connection 1's event");
+    assert!(!conns[0].0.is_disconnected());
+    drop((clients, pd1, conns, listener, ch));
+    t.finish();
+}
+
+/// Item 6: a send queue filled with unsignaled work requests drains: the one that takes the
+/// last slot is signaled.
+#[test]
+fn a_send_queue_full_of_unsignaled_work_drains() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { mr_sizes: vec![16 * 64], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let recvs: Vec<RecvWr> = (0..16).map(|k| RecvWr::new(&s.mrs[0], k * 64..(k + 1) * 64).wr_id(k as u64)).collect();
+    s.conn.qp_mut().post_recv(&recvs).unwrap();
+    // Sixteen unsignaled sends, one per post, filling the queue.
+    for k in 0..16 {
+        c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(k).unsignaled()]).unwrap();
+    }
+    assert_eq!(c.conn.qp().outstanding_sends(), 16);
+    // The last one was signaled for us: waiting for it retires all sixteen.
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 15, T).expect("a full queue of unsignaled sends must drain");
+    assert!(wc.is_ok());
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    assert!(c.mrs[0].as_mut_slice().is_ok());
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(99)]).expect("room again");
+    drop((c, s));
+    t.finish();
+}
+
+/// Item 7: Duration::MAX (FOREVER) waits without a bound instead of panicking.
+#[test]
+fn forever_is_a_timeout_everywhere() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let req = listener.get_request(FOREVER).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+        q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
+        let mut conn = q.accept(&ConnParam::new(), FOREVER).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Recv, 1, FOREVER).unwrap();
+        let ev = conn.next_event(FOREVER).unwrap();
+        assert_eq!(ev.event_type(), CmEventType::Disconnected);
+        drop((conn, mr, pd));
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, FOREVER).unwrap().resolve_route(FOREVER).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), FOREVER).unwrap();
+    conn.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(2)]).unwrap();
+    conn.qp_mut().wait_for(WorkQueue::Send, 2, FOREVER).unwrap();
+    let mut wcs = [WorkCompletion::default(); 2];
+    assert_eq!(conn.qp_mut().wait(&mut wcs, Duration::from_millis(1)).unwrap(), 0);
+    conn.disconnect(FOREVER).unwrap();
+    server.join().unwrap();
+    drop((mr, pd));
+    t.finish();
+}
+
+/// Item 8: wait_for keeps the completions it meets before its own; none is lost.
+#[test]
+fn wait_for_keeps_the_completions_it_passes() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { mr_sizes: vec![4 * 64], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let recvs: Vec<RecvWr> = (0..4).map(|k| RecvWr::new(&s.mrs[0], k * 64..(k + 1) * 64).wr_id(k as u64)).collect();
+    s.conn.qp_mut().post_recv(&recvs).unwrap();
+    let wrs: Vec<SendWr> = (1..=3).map(|k| SendWr::send(&c.mrs[0], 0..8).wr_id(k)).collect();
+    c.conn.qp_mut().post_send(&wrs).unwrap();
+    // Wait for the last first: 1 and 2 complete before it and must be kept.
+    assert_eq!(c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap().wr_id(), 3);
+    assert_eq!(c.conn.qp().undelivered(), 2);
+    assert_eq!(c.conn.qp_mut().wait_for(WorkQueue::Send, 1, Duration::ZERO).unwrap().wr_id(), 1);
+    let mut wcs = [WorkCompletion::default(); 4];
+    assert_eq!(c.conn.qp_mut().poll(&mut wcs).unwrap(), 1);
+    assert_eq!(wcs[0].wr_id(), 2, "the kept completion comes back from poll");
+    assert_eq!(c.conn.qp().undelivered(), 0);
+    // Receives, waited for out of order.
+    for k in [2, 0, 1] {
+        assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, k, T).unwrap().wr_id(), k);
+    }
+    drop((c, s));
+    t.finish();
+}
+
+/// Item 8, shared CQ: wait_for works when both queues share one CQ and keeps the other queue's
+/// completions.
+#[test]
+fn wait_for_on_a_shared_cq_keeps_the_other_queue() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+        q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
+        let mut conn = q.accept(&ConnParam::new(), T).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+        conn.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(2)]).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+        conn.next_event(T).unwrap();
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&route.context().unwrap(), 64).unwrap();
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut q = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(cq)).unwrap();
+    q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(7)]).unwrap();
+    let mut conn = q.connect(&ConnParam::new(), T).unwrap();
+    conn.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(8)]).unwrap();
+    // The receive's completion arrives after the send's; waiting for it keeps the send's if
+    // it is met first, and the other way round.
+    assert_eq!(conn.qp_mut().wait_for(WorkQueue::Recv, 7, T).unwrap().wr_id(), 7);
+    assert_eq!(conn.qp_mut().wait_for(WorkQueue::Send, 8, T).unwrap().wr_id(), 8);
+    conn.disconnect(T).unwrap();
+    server.join().unwrap();
+    drop((mr, pd));
+    t.finish();
+}
+
+/// Item 11: a zero-length receive is posted without a scatter entry and completes with 0
+/// bytes.
+#[test]
+fn zero_length_receives_complete_with_zero_bytes() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { pre_recv: vec![(4, 0)], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..0).wr_id(1)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 4, T).unwrap();
+    assert_eq!(wc.byte_len(), 0);
+    drop((c, s));
+    t.finish();
+}
+
+/// Item 12: a completion of a raw post (a `wr_id` without the crate's tag) retires none of
+/// the crate's slots, even when its number is one the crate uses.
+#[test]
+fn raw_posts_do_not_retire_the_crates_slots() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        pre_recv: vec![(1, 64)],
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, PairSpec { mr_sizes: vec![64, 64], ..PairSpec::default() }, spec_s);
+    let raw_mr = &c.mrs[1];
+    let remote = s.mrs[0].remote();
+    // A raw RDMA WRITE with wr_id 0, the crate's first sequence number, posted first.
+    // SAFETY: the raw-verbs user's side: the region (c.mrs[1]) stays alive and untouched until
+    // the test ends, long after the work request completes; the list is well formed, and the
+    // target is the peer's remotely writable region.
+    unsafe {
+        let mut sge = ffi::ibv_sge { addr: raw_mr.addr(), length: 8, lkey: raw_mr.lkey() };
+        let mut wr: ffi::ibv_send_wr = std::mem::zeroed();
+        wr.wr_id = 0;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr + 1024, rkey: remote.rkey };
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        assert_eq!(ffi::ibv_post_send(c.conn.qp().as_raw(), &mut wr, &mut bad), 0);
+    }
+    // Then the crate's own send.
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(7)]).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 8);
+    // Reap completions one at a time: the raw one must not retire the crate's work request.
+    let mut wcs = [WorkCompletion::default(); 1];
+    let deadline = Instant::now() + T;
+    loop {
+        assert!(Instant::now() < deadline, "the crate's send never completed");
+        let n = c.conn.qp_mut().wait(&mut wcs, T).unwrap();
+        if n == 1 {
+            assert_eq!(wcs[0].wr_id(), 7, "only the crate's own completion comes back");
+            // The raw WRITE completes first; had it retired the crate's slot, this would be
+            // its completion under the crate's wr_id.
+            assert_eq!(wcs[0].opcode(), Some(WcOpcode::Send), "a raw completion retired the crate's send");
+            break;
+        }
+        // n == 0 would be a timeout; a discarded raw completion returns nothing either, so
+        // check that the crate's request is still held meanwhile.
+        assert_eq!(c.conn.qp().outstanding_sends(), 1);
+    }
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    drop((c, s));
+    t.finish();
+}
+
+/// Sharper edge: REMOTE_WRITE without LOCAL_WRITE registers (LOCAL_WRITE is implied).
+#[test]
+fn remote_write_implies_local_write() {
+    let t = DeviceTest::start();
+    let route = Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, 7999), T).unwrap();
+    let route = route.resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    for access in [AccessFlags::REMOTE_WRITE, AccessFlags::REMOTE_ATOMIC | AccessFlags::REMOTE_READ] {
+        let mr = MemoryRegion::new(&pd, 4096, access).expect("remote write rights alone must register");
+        assert!(mr.access().contains(AccessFlags::LOCAL_WRITE | access));
+    }
+    drop((pd, route));
+    t.finish();
+}
+
+/// Sharper edge: a region the device only reads (an in-flight send's source) can be read, not
+/// written; one it writes (a posted receive) can be neither.
+#[test]
+fn in_flight_sources_are_readable_and_targets_are_not() {
+    let t = DeviceTest::start();
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    c.mrs[0].as_mut_slice().unwrap()[..4].copy_from_slice(b"ping");
+    // No receive at the server yet, so the send stays in flight (RNR retries).
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..4).wr_id(1)]).unwrap();
+    assert_eq!(&c.mrs[0].as_slice().expect("a send's source may be read")[..4], b"ping");
+    let mut b = [0u8; 4];
+    c.mrs[0].read_at(0, &mut b).unwrap();
+    assert_eq!(&b, b"ping");
+    assert!(matches!(c.mrs[0].as_mut_slice(), Err(Error::InFlight { .. })), "but not written");
+    assert!(matches!(c.mrs[0].write_at(0, b"x"), Err(Error::InFlight { .. })));
+    // A posted receive: neither read nor written.
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(2)]).unwrap();
+    let _ = s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap();
+    let mut tgt = MemoryRegion::new(&s.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&tgt, 0..64).wr_id(3)]).unwrap();
+    assert!(matches!(tgt.as_slice(), Err(Error::InFlight { .. })));
+    assert!(matches!(tgt.read_at(0, &mut b), Err(Error::InFlight { .. })));
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    drop((c, s, tgt));
+    t.finish();
+}
