@@ -1,8 +1,74 @@
 use std::env;
 use std::path::Path;
 
+use bindgen::callbacks::{DeriveInfo, ParseCallbacks};
+use bindgen::{Formatter, RustEdition, RustTarget};
+
+/// Enums whose values are combined with bitwise-or (flags, masks, caps, bits, fields, sizes):
+/// generated as newtypes with bit operators.
+const BITFIELD_ENUMS: &[&str] = &[
+    "ibv_device_cap_flags",
+    "ibv_odp_transport_cap_bits",
+    "ibv_odp_general_caps",
+    "ibv_rx_hash_function_flags",
+    "ibv_rx_hash_fields",
+    "ibv_raw_packet_caps",
+    "ibv_tm_cap_flags",
+    "ibv_pci_atomic_op_size",
+    "ibv_port_cap_flags",
+    "ibv_port_cap_flags2",
+    "ibv_create_cq_wc_flags",
+    "ibv_wc_flags",
+    "ibv_access_flags",
+    "ibv_xrcd_init_attr_mask",
+    "ibv_rereg_mr_flags",
+    "ibv_srq_attr_mask",
+    "ibv_srq_init_attr_mask", // TODO: need to be bitfield?
+    "ibv_wq_init_attr_mask",
+    "ibv_wq_flags",
+    "ibv_wq_attr_mask",
+    "ibv_ind_table_init_attr_mask",
+    "ibv_qp_init_attr_mask", // TODO: need to be bitfield?
+    "ibv_qp_create_flags",
+    "ibv_qp_create_send_ops_flags",
+    "ibv_qp_open_attr_mask",
+    "ibv_qp_attr_mask",
+    "ibv_send_flags",
+    "ibv_ops_flags",
+    "ibv_cq_attr_mask",
+    "ibv_flow_flags",
+    "ibv_flow_action_esp_mask",
+    "ibv_cq_init_attr_mask",
+    "ibv_create_cq_attr_flags",
+    "ibv_parent_domain_init_attr_mask",
+    "ibv_read_counters_flags",
+    "ibv_values_mask",
+    "ib_uverbs_access_flags",
+    "rdma_cm_join_mc_attr_mask",
+    "rdma_cm_mc_join_flags",
+];
+
+/// Enums generated as Rust enums.
+const RUSTIFIED_ENUMS: &[&str] = &["ibv_event_type"];
+
+/// Restores the `Debug` derive of the bitfield newtypes and rustified enums. bindgen 0.59 always
+/// derived it on enums "for backwards compat", whatever `derive_debug` said; later versions honour
+/// `derive_debug(false)` there too, which would take `Debug` away from these public types.
+#[derive(Debug)]
+struct KeepDerives;
+
+impl ParseCallbacks for KeepDerives {
+    fn add_derives(&self, info: &DeriveInfo<'_>) -> Vec<String> {
+        if BITFIELD_ENUMS.contains(&info.name) || RUSTIFIED_ENUMS.contains(&info.name) {
+            vec!["Debug".into()]
+        } else {
+            vec![]
+        }
+    }
+}
+
 fn link_rdma_core(lib_name: &str, pkg_name: &str, version: &str, include_paths: &mut Vec<String>) {
-    let result: _ = pkg_config::Config::new()
+    let result = pkg_config::Config::new()
         .atleast_version(version)
         .statik(false)
         .probe(lib_name);
@@ -17,6 +83,12 @@ fn link_rdma_core(lib_name: &str, pkg_name: &str, version: &str, include_paths: 
 }
 
 fn main() {
+    // Regenerate when the libclang in use may change, not only when a header does.
+    for var in ["LIBCLANG_PATH", "LLVM_CONFIG_PATH", "CLANG_PATH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+
     let mut include_paths: Vec<String> = Vec::new();
 
     {
@@ -42,7 +114,14 @@ fn main() {
 
     let include_args = include_paths.iter().map(|p| format!("-I{}", p));
 
-    let bindings = bindgen::Builder::default()
+    let mut builder = bindgen::Builder::default();
+    for name in BITFIELD_ENUMS {
+        builder = builder.bitfield_enum(name);
+    }
+    for name in RUSTIFIED_ENUMS {
+        builder = builder.rustified_enum(name);
+    }
+    let bindings = builder
         .clang_args(include_args)
         .header("src/bindings.h")
         .allowlist_function("ibv_.*")
@@ -51,6 +130,9 @@ fn main() {
         .allowlist_type("rdma_.*")
         .allowlist_type("verbs_.*")
         .allowlist_type("ib_uverbs_access_flags")
+        // bindgen 0.59 emitted these because `uint8_t` and co. were followed to them; later
+        // versions map `uint8_t` to `u8` directly. Kept: they are public items of rdma-sys 0.3.0.
+        .allowlist_type("__uint(8|16|32|64)_t")
         //.allowlist_type("verbs_devices_ops")
         //.allowlist_var("verbs_provider_.*")
         .blocklist_type("in6_addr")
@@ -70,47 +152,6 @@ fn main() {
         .blocklist_type("rdma_cm_event")
         .blocklist_type("rdma_ib_addr")
         .blocklist_type("rdma_ud_param")
-        // Following ENUM will used with bitwise-or
-        // including flags, mask, caps, bits, fields, size
-        .bitfield_enum("ibv_device_cap_flags")
-        .bitfield_enum("ibv_odp_transport_cap_bits")
-        .bitfield_enum("ibv_odp_general_caps")
-        .bitfield_enum("ibv_rx_hash_function_flags")
-        .bitfield_enum("ibv_rx_hash_fields")
-        .bitfield_enum("ibv_raw_packet_caps")
-        .bitfield_enum("ibv_tm_cap_flags")
-        .bitfield_enum("ibv_pci_atomic_op_size")
-        .bitfield_enum("ibv_port_cap_flags")
-        .bitfield_enum("ibv_port_cap_flags2")
-        .bitfield_enum("ibv_create_cq_wc_flags")
-        .bitfield_enum("ibv_wc_flags")
-        .bitfield_enum("ibv_access_flags")
-        .bitfield_enum("ibv_xrcd_init_attr_mask")
-        .bitfield_enum("ibv_rereg_mr_flags")
-        .bitfield_enum("ibv_srq_attr_mask")
-        .bitfield_enum("ibv_srq_init_attr_mask") // TODO: need to be bitfield?
-        .bitfield_enum("ibv_wq_init_attr_mask")
-        .bitfield_enum("ibv_wq_flags")
-        .bitfield_enum("ibv_wq_attr_mask")
-        .bitfield_enum("ibv_ind_table_init_attr_mask")
-        .bitfield_enum("ibv_qp_init_attr_mask") // TODO: need to be bitfield?
-        .bitfield_enum("ibv_qp_create_flags")
-        .bitfield_enum("ibv_qp_create_send_ops_flags")
-        .bitfield_enum("ibv_qp_open_attr_mask")
-        .bitfield_enum("ibv_qp_attr_mask")
-        .bitfield_enum("ibv_send_flags")
-        .bitfield_enum("ibv_ops_flags")
-        .bitfield_enum("ibv_cq_attr_mask")
-        .bitfield_enum("ibv_flow_flags")
-        .bitfield_enum("ibv_flow_action_esp_mask")
-        .bitfield_enum("ibv_cq_init_attr_mask")
-        .bitfield_enum("ibv_create_cq_attr_flags")
-        .bitfield_enum("ibv_parent_domain_init_attr_mask")
-        .bitfield_enum("ibv_read_counters_flags")
-        .bitfield_enum("ibv_values_mask")
-        .bitfield_enum("ib_uverbs_access_flags")
-        .bitfield_enum("rdma_cm_join_mc_attr_mask")
-        .bitfield_enum("rdma_cm_mc_join_flags")
         // Following ENUM will be const in a sub-mod
         .constified_enum_module("ibv_node_type")
         .constified_enum_module("ibv_transport_type")
@@ -137,7 +178,6 @@ fn main() {
         .constified_enum_module("rdma_cm_event_type")
         .constified_enum_module("rdma_driver_id")
         .constified_enum_module("rdma_port_space")
-        .rustified_enum("ibv_event_type")
         // unions with non-`Copy` fields other than `ManuallyDrop<T>` are unstable
         // for example: `pub eth: ibv_flow_spec_eth`
         // note: see issue #55149 <https://github.com/rust-lang/rust/issues/55149> for more information
@@ -148,9 +188,15 @@ fn main() {
         //.generate_inline_functions(true)
         //.default_macro_constant_type(bindgen::MacroTypeVariation::Unsigned)
         .prepend_enum_name(false)
-        .rustfmt_bindings(true)
+        .formatter(Formatter::Rustfmt)
         .size_t_is_usize(true)
         .disable_untagged_union()
+        // Code for the crate's own edition and minimum Rust version, not bindgen's latest.
+        .rust_target(RustTarget::stable(82, 0).expect("a valid Rust version"))
+        .rust_edition(RustEdition::Edition2021)
+        .parse_callbacks(Box::new(KeepDerives))
+        // rerun-if-changed for every header read, and for bindgen's own environment variables.
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
         .generate()
         .expect("Unable to generate bindings");
 
@@ -160,4 +206,6 @@ fn main() {
     bindings
         .write_to_file(dest_path)
         .expect("Could not write bindings");
+    // Kept in the build script's output (target/*/build/rdma-cm-sys-*/output), for checks.
+    println!("libclang: {}", bindgen::clang_version().full);
 }

@@ -1,4 +1,3 @@
-#![deny(warnings)]
 #![allow(non_snake_case, non_camel_case_types, non_upper_case_globals)]
 #![allow(deref_nullptr)] // TODO(fxbug.dev/74605): Remove once bindgen is fixed.
 #![allow(clippy::missing_safety_doc, clippy::too_many_arguments)]

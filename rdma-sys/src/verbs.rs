@@ -3,7 +3,7 @@ use crate::*;
 use std::mem;
 use std::ptr;
 
-/// Inline functions from <infiniband/verbs.h>
+// Inline functions from <infiniband/verbs.h>
 
 pub type ibv_advise_mr_advice = ib_uverbs_advise_mr_advice::Type;
 
@@ -136,7 +136,7 @@ pub unsafe fn ibv_wr_abort(qp: *mut ibv_qp_ex) {
 // ibv_cq_ex related inline functions
 #[inline]
 pub unsafe fn ibv_cq_ex_to_cq(cq: *mut ibv_cq_ex) -> *mut ibv_cq {
-    cq as *mut ibv_cq_ex as *mut ibv_cq
+    cq.cast::<ibv_cq>()
 }
 
 #[inline]
@@ -860,7 +860,7 @@ pub unsafe fn ibv_create_wq(
 
     if let Some(vctx) = vcr {
         let wq = (*vctx).create_wq.unwrap()(context, wq_init_attr);
-        if wq != (ptr::null::<ibv_wq>() as *mut _) {
+        if !wq.is_null() {
             (*wq).events_completed = 0;
             libc::pthread_mutex_init(
                 &mut (*wq).mutex,
@@ -1010,7 +1010,7 @@ pub unsafe fn ibv_read_counters(
     }
 }
 
-/// Inline functions from <rdma/rdma_cma.h>
+// Inline functions from <rdma/rdma_cma.h>
 
 pub const RDMA_IB_IP_PS_MASK: u64 = 0xFFFFFFFFFFFF0000;
 pub const RDMA_IB_IP_PORT_MASK: u64 = 0x000000000000FFFF;
@@ -1035,7 +1035,7 @@ pub unsafe fn rdma_get_peer_addr(id: &rdma_cm_id) -> &libc::sockaddr {
     &id.route.addr.dst_addr_union.dst_addr
 }
 
-/// Inline functions from <rdma/rdma_verbs.h>
+// Inline functions from <rdma/rdma_verbs.h>
 
 #[inline]
 pub unsafe fn rdma_seterrno(ret: c_int) -> c_int {
