@@ -22,7 +22,7 @@
 //! let mut buf = MemoryRegion::new(&pd, 1024, AccessFlags::LOCAL_WRITE)?;
 //! buf.as_mut_slice()?.fill(b'x');
 //! let mut pending = route.create_qp(&pd, QpInit::new())?;
-//! pending.qp_mut().post_recv(&[RecvWr::new(&buf, 0..1024).wr_id(1)])?;
+//! pending.post_recv(&[RecvWr::new(&buf, 0..1024).wr_id(1)])?;
 //! let mut conn = pending.connect(&ConnParam::new(), t)?;
 //! // ... the receive holds `buf` until its completion is reaped:
 //! let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 1, t)?;
@@ -70,10 +70,23 @@
 //! ## Soundness of the data path
 //!
 //! Posting moves a clone of the [`MemoryRegion`] handle into the QP's slot table; reaping the
-//! completion releases it. Local access to a region's bytes needs that handle to be unique, so
-//! Rust code never reads or writes memory the device may be using, and no memory is freed under
-//! the device, even through `mem::forget` or a panic. Remotely writable regions never hand out
-//! slices at all. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
+//! completion releases it. What is guaranteed, exactly:
+//!
+//! - no safe call lets the device write memory that Rust code can reach through a reference:
+//!   a region is readable only while no posted work lets the device write it, and writable only
+//!   while no posted work uses it at all;
+//! - no memory is freed or reused while the device may use it, even through `mem::forget` or a
+//!   panic (forgetting leaks, which is safe), nor when a post fails without saying which work
+//!   requests the provider took (they are all kept until the flush retires them);
+//! - a completion retires only the work request it names: sequence numbers are never reused,
+//!   completions of other QPs and of raw posts are recognised and retire nothing, and none is
+//!   lost ([`QueuePair::wait_for`] keeps the ones it passes);
+//! - remotely writable regions never hand out slices (a peer may write them at any time); they
+//!   are copied with volatile accesses. Regions a peer may only *read* are handed out as slices:
+//!   the peer may see a buffer while Rust writes it, which is no memory-safety issue.
+//!
+//! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
+//! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
 //! Post and poll make no heap allocation.
 //!
 //! ## Thread safety
@@ -84,6 +97,20 @@
 //! | [`ProtectionDomain`], [`CompletionQueue`] | yes | yes | only thread-safe verbs through `&self` |
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self` |
+//!
+//! Ids may share an [`EventChannel`] across threads. Every read of a channel happens under its
+//! lock, and each blocking step takes only its own id's events, keeping the others, in order,
+//! for their owners ([`EventChannel::get_event_for`]); the untargeted reads
+//! ([`EventChannel::get_event`]) return what is kept first and leave alone the events a
+//! targeted wait is waiting for. The same lock serialises QP creation and destruction with the
+//! event processing inside `rdma_get_cm_event`, which touches the id's QP. A connection watches
+//! its id's events for the peer leaving only while nothing else holds the channel; on a shared
+//! channel, whoever reads the events feeds them to it ([`Connection::handle_event`], or its own
+//! [`Connection::next_event`]).
+//!
+//! Dropping a [`QueuePair`] with work in flight blocks for up to 2 s while the flush is reaped.
+//! With the `tokio` feature, a QP dropped on a runtime thread (a future holding it was
+//! cancelled, say) hands that wait to the runtime's blocking pool instead.
 //!
 //! ## Event loops and async
 //!
@@ -116,9 +143,10 @@
 //!
 //! ## What you need installed
 //!
-//! Debian/Ubuntu: `libibverbs-dev librdmacm-dev libclang-dev pkg-config` to build (rdma-sys runs
-//! bindgen), and `rdma-core ibverbs-providers` plus a device (a NIC, or Soft-RoCE `rdma_rxe`) to
-//! run.
+//! Debian/Ubuntu: `libibverbs-dev librdmacm-dev libclang-dev pkg-config` to build (the bindings,
+//! `rdma-cm-sys`, run bindgen with the newest libclang installed unless `LIBCLANG_PATH` names
+//! another; 14 through 19 work), and `rdma-core ibverbs-providers` plus a device (a NIC, or
+//! Soft-RoCE `rdma_rxe`) to run.
 
 #![deny(missing_docs)]
 #![deny(missing_debug_implementations)]

@@ -164,6 +164,9 @@ pub struct QueuePair {
     connected: bool,
     /// A DISCONNECTED (or DEVICE_REMOVAL) event was seen; the QP was moved to error.
     peer_left: bool,
+    /// Its teardown was handed to another value (see Drop): this one destroys nothing.
+    #[cfg(feature = "tokio")]
+    detached: bool,
     send: Ring,
     recv: Ring,
     /// Completions reaped but not delivered yet, per queue.
@@ -284,6 +287,8 @@ impl QueuePair {
             tag: OURS | (next_nonce(qp_num) << NONCE_SHIFT),
             connected: false,
             peer_left: false,
+            #[cfg(feature = "tokio")]
+            detached: false,
             max_inline: attr.cap.max_inline_data,
             send: Ring::new(init.max_send_wr),
             recv: Ring::new(init.max_recv_wr),
@@ -998,8 +1003,48 @@ impl QueuePair {
     }
 }
 
+impl QueuePair {
+    /// On a tokio runtime thread, a QP with work in flight would block the runtime for up to
+    /// `DRAIN_TIMEOUT` while the flush is reaped: hand the whole teardown to the runtime's
+    /// blocking pool instead. Returns whether it did (then `self` destroys nothing).
+    #[cfg(feature = "tokio")]
+    fn detach_to_blocking_pool(&mut self) -> bool {
+        if self.detached || self.send.outstanding() + self.recv.outstanding() == 0 {
+            return false;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return false };
+        let guts = QueuePair {
+            raw: self.raw,
+            qp_num: self.qp_num,
+            max_inline: self.max_inline,
+            tag: self.tag,
+            connected: self.connected,
+            peer_left: self.peer_left,
+            detached: false,
+            send: mem::replace(&mut self.send, Ring::new(1)),
+            recv: mem::replace(&mut self.recv, Ring::new(1)),
+            send_pending: mem::replace(&mut self.send_pending, Pending::new(1)),
+            recv_pending: mem::replace(&mut self.recv_pending, Pending::new(1)),
+            id: Arc::clone(&self.id),
+            send_cq: Arc::clone(&self.send_cq),
+            recv_cq: Arc::clone(&self.recv_cq),
+            pd: Arc::clone(&self.pd),
+        };
+        self.detached = true;
+        // If the runtime is shutting down and never runs the task, the closure (and the QP in
+        // it) is dropped wherever tokio drops it: the teardown then runs there. Either way the
+        // regions stay held until the QP is destroyed.
+        drop(rt.spawn_blocking(move || drop(guts)));
+        true
+    }
+}
+
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        #[cfg(feature = "tokio")]
+        if self.detached || self.detach_to_blocking_pool() {
+            return;
+        }
         self.drain(DRAIN_TIMEOUT);
         let ret = {
             // The channel's lock: no event processing (which reads and modifies id->qp) runs

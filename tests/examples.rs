@@ -257,7 +257,7 @@ fn interop_with_rdma_core_reference_pair() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("rdma_server (rdmacm-utils)");
-    thread::sleep(Duration::from_secs(1));
+    common::wait_listening(7609, Duration::from_secs(60));
     let out = client(&["-a", &addr, "-p", "7609", "--size", "16"]);
     let (c, e) = text(&out);
     assert!(out.status.success(), "{c}\n{e}");
@@ -414,7 +414,7 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_secs(15)); // valgrind starts slowly under emulation
+    common::wait_listening(7615, Duration::from_secs(120)); // valgrind starts slowly under emulation
     let client = example("client");
     let (ok, lost, log) = definitely_lost(&[client.to_str().unwrap(), "-a", &addr, "-p", "7615", "--timeout", "60"]);
     assert!(ok, "client under valgrind failed:\n{log}");

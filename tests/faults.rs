@@ -31,15 +31,16 @@ fn server_killed_mid_transfer_fails_the_client_quickly() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_millis(1500));
+    common::wait_listening(7701, Duration::from_secs(60));
     let started = Instant::now();
-    let client = Command::new(example("client"))
+    let mut client = Command::new(example("client"))
         .args(["-a", &addr, "-p", "7701", "--iters", "10000000", "--size", "64", "--timeout", "30"])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    thread::sleep(Duration::from_secs(2));
+    let lines = common::lines_of(&mut client);
+    common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
     server.kill().unwrap(); // SIGKILL mid-transfer
     let killed = Instant::now();
     server.wait().unwrap();

@@ -68,6 +68,50 @@ pub fn resources() -> Vec<(&'static str, usize)> {
         .collect()
 }
 
+/// Waits (bounded) until something listens on RDMA port `port`, as the kernel's resource
+/// tracking reports it: for servers that are not ours and print nothing to wait for.
+pub fn wait_listening(port: u16, within: Duration) {
+    let deadline = Instant::now() + within;
+    let needle = format!(":{port} ");
+    loop {
+        let out = Command::new("rdma").args(["res", "show", "cm_id"]).output().expect("run `rdma res show cm_id`");
+        let text = String::from_utf8_lossy(&out.stdout);
+        if text.lines().any(|l| l.contains("LISTEN") && format!("{} ", l.trim_end()).contains(&needle)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "nothing listened on port {port} within {within:?}:\n{text}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Reads `child`'s stdout in a thread; returns a receiver of its lines.
+pub fn lines_of(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let out = child.stdout.take().expect("the child's stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (bounded) for a line containing `needle` from `lines`.
+pub fn wait_for_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) if l.contains(needle) => return,
+            Ok(_) => {}
+            Err(_) => panic!("no line containing {needle:?} within {within:?}"),
+        }
+    }
+}
+
 pub fn resource_total() -> usize {
     resources().iter().map(|(_, n)| n).sum()
 }
