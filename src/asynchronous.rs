@@ -23,7 +23,7 @@ impl EventChannel {
     /// Waits for the next event without blocking the runtime.
     ///
     /// # Errors
-    /// [`Error::Call`] when the channel or the reactor fails.
+    /// [`crate::Error::Call`] when the channel or the reactor fails.
     pub async fn get_event_async(&self) -> Result<CmEvent> {
         self.wait_async(None).await
     }
@@ -88,7 +88,7 @@ impl Listener {
     /// [`Listener::get_request`] without blocking the runtime; the new id gets its own channel.
     ///
     /// # Errors
-    /// [`Error::UnexpectedEvent`] for any event but a connection request.
+    /// [`crate::Error::UnexpectedEvent`] for any event but a connection request.
     pub async fn get_request_async(&self) -> Result<ConnectRequest> {
         let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
         if ev.event_type() != CmEventType::ConnectRequest {
@@ -114,7 +114,7 @@ impl Connection {
     /// [`Connection::next_event`] without blocking the runtime.
     ///
     /// # Errors
-    /// [`Error::Call`] when the channel or the reactor fails.
+    /// [`crate::Error::Call`] when the channel or the reactor fails.
     pub async fn next_event_async(&mut self) -> Result<CmEvent> {
         let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
         self.qp.on_cm_event(&ev);
@@ -125,7 +125,7 @@ impl Connection {
     /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`).
     ///
     /// # Errors
-    /// [`Error::Call`] when `rdma_disconnect` fails.
+    /// [`crate::Error::Call`] when `rdma_disconnect` fails.
     pub async fn disconnect_async(mut self) -> Result<()> {
         if self.start_disconnect()? {
             loop {
