@@ -237,10 +237,10 @@ mod tests {
         // The provider took the first one only.
         r.commit(1, 3);
         assert_eq!(r.outstanding(), 3, "the void slots wait behind the posted one");
-        assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
         assert_eq!(r.complete(0), Some(0));
         r.delivered(1);
         assert_eq!(r.outstanding(), 0, "void slots behind a retired one are retired with it");
+        assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
         // The next post gets a fresh sequence number, not the rejected ones.
         assert_eq!(r.stage(0, 9, None), 3);
         r.commit(1, 1);
