@@ -159,6 +159,7 @@ mod asynchronous;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
+pub mod device;
 pub mod diagnostics;
 pub mod error;
 pub mod event_channel;
@@ -167,23 +168,27 @@ pub mod pd;
 pub mod private_data;
 pub mod qp;
 mod ring;
+pub mod srq;
+pub mod status;
 mod wait;
 pub mod wr;
 
 pub use rdma_sys as ffi;
 
-pub use cm_id::{CmId, DeviceLimits, IdHandle, VerbsContext};
+pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved,
     Server, ServerQp,
 };
 pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
+pub use device::{devices, AsyncElement, AsyncEvent, Device, DeviceLimits, VerbsContext};
 pub use error::{Error, Result};
 pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
+pub use srq::SharedReceiveQueue;
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr};
 
