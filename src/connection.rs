@@ -418,7 +418,7 @@ impl RouteResolved {
     /// this consumes the route, and [`ClientQp::destroy_qp`] gives it back.
     ///
     /// # Errors
-    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`],
+    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint),
     /// [`Error::InvalidArgument`] when `pd` or a CQ belongs to another device.
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
         let qp = create_qp_on(&self.id, pd, init)?;
