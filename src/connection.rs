@@ -343,6 +343,26 @@ impl Client {
         Ok(AddrResolved { id: self.id })
     }
 
+    /// Binds the id to a local address first (`rdma_bind_addr`), which picks the device.
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `EADDRINUSE`/`EADDRNOTAVAIL` and a hint.
+    pub fn bind(self, src: SocketAddr) -> Result<Client> {
+        self.id.bind(src)?;
+        Ok(self)
+    }
+
+    /// Starts resolving `dst` without waiting; the id's `ADDR_RESOLVED` event, read by an
+    /// event loop, completes it ([`ResolvingAddr::complete`]). This is how many connections
+    /// are set up at once on one channel (see `examples/cmtime.rs`).
+    ///
+    /// # Errors
+    /// As for [`Client::resolve_addr`], without the waiting.
+    pub fn start_resolve(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<ResolvingAddr> {
+        self.start_resolve_addr(src, dst, timeout)?;
+        Ok(ResolvingAddr { id: self.id })
+    }
+
     pub(crate) fn start_resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
         if dst.port() == 0 {
             return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
@@ -362,7 +382,104 @@ pub struct AddrResolved {
     pub(crate) id: CmId,
 }
 
+/// A client whose address resolution is under way: feed its next event to
+/// [`ResolvingAddr::complete`].
+#[derive(Debug)]
+pub struct ResolvingAddr {
+    id: CmId,
+}
+
+impl ResolvingAddr {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after an `ADDR_ERROR`, say), as `rdma_resolve_addr`'s
+    /// callers retry.
+    ///
+    /// # Errors
+    /// As for [`Client::start_resolve`].
+    pub fn retry(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        self.id.resolve_addr(src, dst, timeout)
+    }
+
+    /// Completes the step with the id's `ADDR_RESOLVED` event.
+    ///
+    /// # Errors
+    /// [`Error::Call`] for an `ADDR_ERROR` (with the errno and hint);
+    /// [`Error::UnexpectedEvent`] for any other event or another id's.
+    pub fn complete(self, ev: CmEvent) -> Result<AddrResolved> {
+        check_event(&self.id, ev, CmEventType::AddrResolved, "rdma_resolve_addr")?;
+        Ok(AddrResolved { id: self.id })
+    }
+}
+
+/// A client whose route resolution is under way: feed its next event to
+/// [`ResolvingRoute::complete`].
+#[derive(Debug)]
+pub struct ResolvingRoute {
+    id: CmId,
+}
+
+impl ResolvingRoute {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after a `ROUTE_ERROR`, say).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::start_resolve_route`].
+    pub fn retry(&self, timeout: Duration) -> Result<()> {
+        self.id.resolve_route(timeout)
+    }
+
+    /// Completes the step with the id's `ROUTE_RESOLVED` event.
+    ///
+    /// # Errors
+    /// As for [`ResolvingAddr::complete`].
+    pub fn complete(self, ev: CmEvent) -> Result<RouteResolved> {
+        check_event(&self.id, ev, CmEventType::RouteResolved, "rdma_resolve_route")?;
+        Ok(RouteResolved { id: Arc::new(self.id) })
+    }
+}
+
+/// A client whose connect is under way: feed its next event to [`Connecting::complete`].
+#[derive(Debug)]
+pub struct Connecting {
+    id: Arc<CmId>,
+    qp: QueuePair,
+}
+
+impl Connecting {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Completes the connection with the id's `ESTABLISHED` event.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
+    /// hint, or another id's event.
+    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
+        let ev = check_event(&self.id, ev, CmEventType::Established, "rdma_connect")?;
+        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+    }
+}
+
 impl AddrResolved {
+    /// Starts resolving the route without waiting ([`ResolvingRoute::complete`] finishes it).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::resolve_route`], without the waiting.
+    pub fn start_resolve_route(self, timeout: Duration) -> Result<ResolvingRoute> {
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        Ok(ResolvingRoute { id: self.id })
+    }
+
     /// Resolves the route within `timeout`.
     ///
     /// # Errors
@@ -469,6 +586,15 @@ impl ClientQp {
         self.start_connect(param)?;
         let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
         Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+    }
+
+    /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
+    ///
+    /// # Errors
+    /// As for [`ClientQp::connect`], without the waiting.
+    pub fn start(self, param: &ConnParam) -> Result<Connecting> {
+        self.start_connect(param)?;
+        Ok(Connecting { id: self.id, qp: self.qp })
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
@@ -873,8 +999,13 @@ impl Connection {
         self.qp.peer_left()
     }
 
-    /// Starts a disconnect; returns whether to wait for our `DISCONNECTED`.
-    pub(crate) fn start_disconnect(&mut self) -> Result<bool> {
+    /// Starts a disconnect without waiting (`rdma_disconnect`; the QP goes to the error state):
+    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent
+    /// (not when the peer had left already, or it was sent before).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_disconnect` fails.
+    pub fn start_disconnect(&mut self) -> Result<bool> {
         if self.disconnected || self.qp.peer_left() {
             self.disconnected = true;
             return Ok(false);

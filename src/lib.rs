@@ -177,8 +177,8 @@ pub use rdma_sys as ffi;
 
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
-    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved,
-    Server, ServerQp,
+    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
+    ResolvingAddr, ResolvingRoute, RouteResolved, Server, ServerQp,
 };
 pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
 pub use device::{devices, AsyncElement, AsyncEvent, Device, DeviceLimits, VerbsContext};
