@@ -532,18 +532,21 @@ mod shared {
                     println!("[INFO] Received {n} bytes");
                 }
                 // Echo from the slot itself; it returns to the SRQ once the send completes.
-                if let Err(e) = c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
-                    eprintln!("[ERROR] client {}: {e}", c.peer);
-                    let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
+                // Counted once posted: the client may see the echo, and leave, before this
+                // loop polls the send's completion.
+                match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
+                    Ok(()) => c.echoed += 1,
+                    Err(e) => {
+                        eprintln!("[ERROR] client {}: {e}", c.peer);
+                        let _ =
+                            p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
+                    }
                 }
             }
             WorkQueue::Send => {
-                if let Some(c) = st.clients.get_mut(&wc.qp_num()) {
-                    if wc.is_ok() {
-                        c.echoed += 1;
-                        if c.iters == 1 {
-                            println!("[INFO] Sent {} bytes", c.echo_len);
-                        }
+                if let Some(c) = st.clients.get(&wc.qp_num()) {
+                    if wc.is_ok() && c.iters == 1 {
+                        println!("[INFO] Sent {} bytes", c.echo_len);
                     }
                 }
                 let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
