@@ -140,6 +140,41 @@ fn pingpong(c: &mut Criterion) {
     }
 }
 
+/// Post plus poll on a CQ shared by two QPs (both queues of each on it), through the CQ's own
+/// poll: the routing table's cost beside the raw calls on the same QP and CQ.
+fn shared_cq(c: &mut Criterion) {
+    use rdma_cm::{CompletionQueue, QpInit};
+    use std::sync::Arc;
+    let ctx = common::route(7909).context().unwrap();
+    let cq = CompletionQueue::new(&ctx, 128).unwrap();
+    let spec = |init: QpInit| PairSpec {
+        mr_sizes: vec![8192],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        init,
+        ..PairSpec::default()
+    };
+    let shared = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+    let (mut a, b) = pair(common::device_addr(), spec(shared()), spec(QpInit::new()));
+    let (_other, _other_peer) = pair(common::device_addr(), spec(shared()), spec(QpInit::new()));
+    let remote = b.mrs[0].remote();
+    let mut wcs = [WorkCompletion::default(); 1];
+    let mut g = c.benchmark_group("shared_cq");
+    g.bench_function("write/raw", |bn| {
+        bn.iter(|| {
+            raw_send(a.conn.qp(), &a.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, Some(remote));
+            raw_poll1(cq.as_raw());
+        })
+    });
+    g.bench_function("write/rdma_cm", |bn| {
+        bn.iter(|| {
+            a.conn.qp_mut().post_send(&[SendWr::write(&a.mrs[0], 0..64, &remote, 0).unwrap()]).unwrap();
+            while cq.poll(&mut wcs).unwrap() == 0 {}
+            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
+        })
+    });
+    g.finish();
+}
+
 /// Busy-polls one queue of the crate's QP (as the raw version polls one CQ).
 fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
     let q = if send { rdma_cm::WorkQueue::Send } else { rdma_cm::WorkQueue::Recv };
@@ -151,6 +186,6 @@ criterion_group! {
     name = benches;
     // The data path's ratios are a few percent: sample longer than the setup groups.
     config = criterion().measurement_time(std::time::Duration::from_secs(6)).sample_size(40);
-    targets = post_poll, pingpong
+    targets = post_poll, pingpong, shared_cq
 }
 criterion_main!(benches);

@@ -67,7 +67,7 @@ fn cq_create(c: &mut Criterion) {
 fn qp_create(c: &mut Criterion) {
     let mut held = Some(route(7902));
     let ctx = held.as_ref().unwrap().context().unwrap();
-    let id = Arc::clone(ctx.cm_id());
+    let id = ctx.cm_id().expect("a route's context comes from its id");
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let (scq, rcq) = (CompletionQueue::new(&ctx, 16).unwrap(), CompletionQueue::new(&ctx, 16).unwrap());
     let mut g = c.benchmark_group("qp_create");

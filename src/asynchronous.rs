@@ -117,7 +117,7 @@ impl Connection {
     /// [`crate::Error::Call`] when the channel or the reactor fails.
     pub async fn next_event_async(&mut self) -> Result<CmEvent> {
         let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
-        self.qp.on_cm_event(&ev);
+        self.handle_event(&ev);
         Ok(ev)
     }
 

@@ -1,4 +1,4 @@
-//! [`CmId`]: an owned `rdma_cm_id`, and [`VerbsContext`]: the device context behind it.
+//! [`CmId`]: an owned `rdma_cm_id`, and how a [`VerbsContext`] comes from one.
 //!
 //! A `CmId` holds a clone of its [`EventChannel`], so the channel cannot be destroyed under it.
 //! Dropping a `CmId` calls `rdma_destroy_id`, which waits for the acks of the events reported
@@ -13,7 +13,6 @@
 //! and [`CompletionQueue`](crate::CompletionQueue) built on the context holds it, so the
 //! context outlives them whatever order the user drops things in.
 
-use std::ffi::CStr;
 use std::fmt;
 use std::mem;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
@@ -23,7 +22,8 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::error::{check_ibv, check_rdma, Error, Result};
+use crate::device::VerbsContext;
+use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::EventChannel;
 
 /// An owned `rdma_cm_id` on the RC port space (`RDMA_PS_TCP`).
@@ -163,7 +163,8 @@ impl CmId {
     /// The verbs context librdmacm opened for this id's device, or `None` before the id is
     /// bound to a device (a listener on `0.0.0.0` never is).
     pub fn context(self: &Arc<Self>) -> Option<VerbsContext> {
-        self.verbs().map(|raw| VerbsContext { raw, id: Arc::clone(self) })
+        // librdmacm keeps the context open while this id is bound to it: the handle holds the id.
+        self.verbs().map(|raw| VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>))
     }
 }
 
@@ -194,84 +195,11 @@ impl fmt::Debug for CmId {
     }
 }
 
-/// The verbs device context behind a [`CmId`]. It keeps that id, and so the context, alive.
-#[derive(Clone)]
-pub struct VerbsContext {
-    raw: NonNull<ffi::ibv_context>,
-    id: Arc<CmId>,
-}
-
-// SAFETY: ibv_context is thread-safe in libibverbs (all verbs on one context may be called
-// from any thread), and the Arc<CmId> is Send + Sync.
-unsafe impl Send for VerbsContext {}
-// SAFETY: see the Send impl.
-unsafe impl Sync for VerbsContext {}
-
-/// Device limits that matter when sizing queues and buffers (from `ibv_query_device`).
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub struct DeviceLimits {
-    /// Largest work queue (`max_qp_wr`).
-    pub max_qp_wr: u32,
-    /// Largest scatter/gather list (`max_sge`).
-    pub max_sge: u32,
-    /// Largest CQ (`max_cqe`).
-    pub max_cqe: u32,
-    /// Largest memory region (`max_mr_size`).
-    pub max_mr_size: u64,
-    /// Most outstanding RDMA READs as responder (`max_qp_rd_atom`).
-    pub max_qp_rd_atom: u32,
-    /// Most outstanding RDMA READs as initiator (`max_qp_init_rd_atom`).
-    pub max_qp_init_rd_atom: u32,
-}
-
 impl VerbsContext {
-    /// The raw context. It is owned by librdmacm; do not close it.
-    pub fn as_raw(&self) -> *mut ffi::ibv_context {
-        self.raw.as_ptr()
-    }
-
-    /// The id that keeps this context open.
-    pub fn cm_id(&self) -> &Arc<CmId> {
-        &self.id
-    }
-
-    /// The device name, e.g. `rxe0` or `mlx5_0`.
-    pub fn device_name(&self) -> String {
-        // SAFETY: context valid; device and its name are set for the context's life, and
-        // ibv_get_device_name returns a NUL-terminated string owned by the device.
-        unsafe {
-            let name = ffi::ibv_get_device_name((*self.raw.as_ptr()).device);
-            if name.is_null() {
-                return String::from("?");
-            }
-            CStr::from_ptr(name).to_string_lossy().into_owned()
-        }
-    }
-
-    /// Queries the device's limits.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `ibv_query_device` fails.
-    pub fn limits(&self) -> Result<DeviceLimits> {
-        // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
-        let mut a: ffi::ibv_device_attr = unsafe { mem::zeroed() };
-        // SAFETY: context valid; `a` is a valid out-pointer of the right type.
-        check_ibv(unsafe { ffi::ibv_query_device(self.as_raw(), &mut a) }, "ibv_query_device")?;
-        Ok(DeviceLimits {
-            max_qp_wr: a.max_qp_wr.max(0) as u32,
-            max_sge: a.max_sge.max(0) as u32,
-            max_cqe: a.max_cqe.max(0) as u32,
-            max_mr_size: a.max_mr_size,
-            max_qp_rd_atom: a.max_qp_rd_atom.max(0) as u32,
-            max_qp_init_rd_atom: a.max_qp_init_rd_atom.max(0) as u32,
-        })
-    }
-}
-
-impl fmt::Debug for VerbsContext {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("VerbsContext").field("device", &self.device_name()).finish()
+    /// The connection-manager id whose device context this is, when librdmacm opened it (a
+    /// context from [`VerbsContext::open`] has none).
+    pub fn cm_id(&self) -> Option<Arc<CmId>> {
+        Arc::clone(self.keeper()).downcast::<CmId>().ok()
     }
 }
 

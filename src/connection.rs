@@ -72,11 +72,12 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::{CmId, IdHandle, VerbsContext};
+use crate::cm_id::{CmId, IdHandle};
+use crate::device::VerbsContext;
 use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::pd::ProtectionDomain;
-use crate::qp::{QpInit, QueuePair};
+use crate::qp::{Link, QpInit, QueuePair};
 
 /// Most private data `rdma_connect` carries on RC.
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
@@ -174,6 +175,83 @@ fn too_long(what: &str, len: usize, max: usize) -> Error {
     Error::InvalidArgument(format!("{what} is {len} bytes; at most {max} fit on RC"))
 }
 
+/// How a QP made through `rdma_create_qp` relates to its id: the id's channel lock serialises
+/// its destruction with librdmacm's event processing (which uses `id->qp`), and the id's events
+/// say when the peer left.
+struct CmLink(Arc<CmId>);
+
+impl Link for CmLink {
+    fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32 {
+        // No event processing (which reads and modifies id->qp) runs between the destroy and
+        // clearing id->qp.
+        let _lock = self.0.channel().lock();
+        // SAFETY: the QP is the id's, destroyed exactly once (QueuePair::drop calls this once).
+        let ret = unsafe { ffi::ibv_destroy_qp(qp) };
+        if ret == 0 {
+            // SAFETY: the id is valid; clearing `qp` mirrors rdma_destroy_qp, so librdmacm
+            // never uses the freed QP.
+            unsafe { (*self.0.as_raw()).qp = std::ptr::null_mut() };
+        }
+        ret
+    }
+
+    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        // Only while nothing but this id holds the channel: nobody else reads it, so watching
+        // cannot keep an event from its owner's wait.
+        self.0.channel().is_exclusive().then(|| self.0.channel().as_raw_fd())
+    }
+
+    fn peer_left(&self) -> Result<bool> {
+        let me = self.0.handle();
+        let mut left = false;
+        // The events stay queued on the channel, so the connection's next_event still sees them.
+        self.0.channel().pump(|ev| left |= ev.id() == me && is_peer_gone(ev))?;
+        Ok(left)
+    }
+
+    fn disconnect(&self) -> Result<()> {
+        self.0.disconnect()
+    }
+
+    fn peer_addr(&self) -> Option<SocketAddr> {
+        self.0.peer_addr()
+    }
+}
+
+fn is_peer_gone(ev: &CmEvent) -> bool {
+    matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
+}
+
+/// Creates the RC QP of `id` on `pd` through `rdma_create_qp`, so librdmacm drives its state
+/// changes during connect/accept. Only the typestates call this, each consuming the state that
+/// owns the id, so an id gets at most one QP.
+fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
+    if id.verbs().map(|v| v.as_ptr()) != Some(pd.context().as_raw()) {
+        return Err(Error::InvalidArgument(format!(
+            "the protection domain is on device {}, not on the device context of this connection's id (allocate it from the id: alloc_pd)",
+            pd.context().device_name()
+        )));
+    }
+    QueuePair::create(
+        pd,
+        init,
+        |attr| {
+            // The channel's lock: no event processing reads id->qp while it is being set.
+            let _lock = id.channel().lock();
+            // SAFETY: id, PD and CQs are valid and on one device context (checked above and in
+            // QueuePair::create; librdmacm checks the PD's context against the id's too); attr
+            // is fully initialised.
+            let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), attr) };
+            check_rdma(ret, "rdma_create_qp")?;
+            // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
+            std::ptr::NonNull::new(unsafe { (*id.as_raw()).qp })
+                .ok_or_else(|| Error::call("rdma_create_qp", libc::EIO, None))
+        },
+        Some(Arc::new(CmLink(Arc::clone(id))) as Arc<dyn Link>),
+    )
+}
+
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
 fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
     let peer = id.peer_addr();
@@ -265,6 +343,26 @@ impl Client {
         Ok(AddrResolved { id: self.id })
     }
 
+    /// Binds the id to a local address first (`rdma_bind_addr`), which picks the device.
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `EADDRINUSE`/`EADDRNOTAVAIL` and a hint.
+    pub fn bind(self, src: SocketAddr) -> Result<Client> {
+        self.id.bind(src)?;
+        Ok(self)
+    }
+
+    /// Starts resolving `dst` without waiting; the id's `ADDR_RESOLVED` event, read by an
+    /// event loop, completes it ([`ResolvingAddr::complete`]). This is how many connections
+    /// are set up at once on one channel (see `examples/cmtime.rs`).
+    ///
+    /// # Errors
+    /// As for [`Client::resolve_addr`], without the waiting.
+    pub fn start_resolve(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<ResolvingAddr> {
+        self.start_resolve_addr(src, dst, timeout)?;
+        Ok(ResolvingAddr { id: self.id })
+    }
+
     pub(crate) fn start_resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
         if dst.port() == 0 {
             return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
@@ -284,7 +382,104 @@ pub struct AddrResolved {
     pub(crate) id: CmId,
 }
 
+/// A client whose address resolution is under way: feed its next event to
+/// [`ResolvingAddr::complete`].
+#[derive(Debug)]
+pub struct ResolvingAddr {
+    id: CmId,
+}
+
+impl ResolvingAddr {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after an `ADDR_ERROR`, say), as `rdma_resolve_addr`'s
+    /// callers retry.
+    ///
+    /// # Errors
+    /// As for [`Client::start_resolve`].
+    pub fn retry(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        self.id.resolve_addr(src, dst, timeout)
+    }
+
+    /// Completes the step with the id's `ADDR_RESOLVED` event.
+    ///
+    /// # Errors
+    /// [`Error::Call`] for an `ADDR_ERROR` (with the errno and hint);
+    /// [`Error::UnexpectedEvent`] for any other event or another id's.
+    pub fn complete(self, ev: CmEvent) -> Result<AddrResolved> {
+        check_event(&self.id, ev, CmEventType::AddrResolved, "rdma_resolve_addr")?;
+        Ok(AddrResolved { id: self.id })
+    }
+}
+
+/// A client whose route resolution is under way: feed its next event to
+/// [`ResolvingRoute::complete`].
+#[derive(Debug)]
+pub struct ResolvingRoute {
+    id: CmId,
+}
+
+impl ResolvingRoute {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after a `ROUTE_ERROR`, say).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::start_resolve_route`].
+    pub fn retry(&self, timeout: Duration) -> Result<()> {
+        self.id.resolve_route(timeout)
+    }
+
+    /// Completes the step with the id's `ROUTE_RESOLVED` event.
+    ///
+    /// # Errors
+    /// As for [`ResolvingAddr::complete`].
+    pub fn complete(self, ev: CmEvent) -> Result<RouteResolved> {
+        check_event(&self.id, ev, CmEventType::RouteResolved, "rdma_resolve_route")?;
+        Ok(RouteResolved { id: Arc::new(self.id) })
+    }
+}
+
+/// A client whose connect is under way: feed its next event to [`Connecting::complete`].
+#[derive(Debug)]
+pub struct Connecting {
+    id: Arc<CmId>,
+    qp: QueuePair,
+}
+
+impl Connecting {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Completes the connection with the id's `ESTABLISHED` event.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
+    /// hint, or another id's event.
+    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
+        let ev = check_event(&self.id, ev, CmEventType::Established, "rdma_connect")?;
+        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+    }
+}
+
 impl AddrResolved {
+    /// Starts resolving the route without waiting ([`ResolvingRoute::complete`] finishes it).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::resolve_route`], without the waiting.
+    pub fn start_resolve_route(self, timeout: Duration) -> Result<ResolvingRoute> {
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        Ok(ResolvingRoute { id: self.id })
+    }
+
     /// Resolves the route within `timeout`.
     ///
     /// # Errors
@@ -340,10 +535,10 @@ impl RouteResolved {
     /// this consumes the route, and [`ClientQp::destroy_qp`] gives it back.
     ///
     /// # Errors
-    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint), [`Error::CqInUse`],
+    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint),
     /// [`Error::InvalidArgument`] when `pd` or a CQ belongs to another device.
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
-        let qp = QueuePair::new(&self.id, pd, init)?;
+        let qp = create_qp_on(&self.id, pd, init)?;
         Ok(ClientQp { id: self.id, qp })
     }
 
@@ -391,6 +586,15 @@ impl ClientQp {
         self.start_connect(param)?;
         let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
         Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+    }
+
+    /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
+    ///
+    /// # Errors
+    /// As for [`ClientQp::connect`], without the waiting.
+    pub fn start(self, param: &ConnParam) -> Result<Connecting> {
+        self.start_connect(param)?;
+        Ok(Connecting { id: self.id, qp: self.qp })
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
@@ -588,7 +792,7 @@ impl ConnectRequest {
     /// # Errors
     /// As for [`RouteResolved::create_qp`].
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
-        let qp = QueuePair::new(&self.id, pd, init)?;
+        let qp = create_qp_on(&self.id, pd, init)?;
         Ok(ServerQp { id: self.id, qp, private_data: self.private_data })
     }
 
@@ -766,7 +970,7 @@ impl Connection {
     pub fn try_event(&mut self) -> Result<Option<CmEvent>> {
         let ev = self.id.channel().try_get_event_for(self.id.handle())?;
         if let Some(ev) = &ev {
-            self.qp.on_cm_event(ev);
+            self.handle_event(ev);
         }
         Ok(ev)
     }
@@ -778,15 +982,15 @@ impl Connection {
     /// [`Error::Timeout`]; [`Error::Call`] when reading the channel fails.
     pub fn next_event(&mut self, timeout: Duration) -> Result<CmEvent> {
         let ev = self.id.channel().get_event_for(self.id.handle(), timeout)?;
-        self.qp.on_cm_event(&ev);
+        self.handle_event(&ev);
         Ok(ev)
     }
 
     /// Feeds an event of this connection's id, read from a shared channel by an event loop,
     /// so that a `DISCONNECTED` flushes the QP.
     pub fn handle_event(&mut self, ev: &CmEvent) {
-        if ev.id() == self.id.handle() {
-            self.qp.on_cm_event(ev);
+        if ev.id() == self.id.handle() && is_peer_gone(ev) {
+            self.qp.peer_gone();
         }
     }
 
@@ -795,8 +999,13 @@ impl Connection {
         self.qp.peer_left()
     }
 
-    /// Starts a disconnect; returns whether to wait for our `DISCONNECTED`.
-    pub(crate) fn start_disconnect(&mut self) -> Result<bool> {
+    /// Starts a disconnect without waiting (`rdma_disconnect`; the QP goes to the error state):
+    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent
+    /// (not when the peer had left already, or it was sent before).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_disconnect` fails.
+    pub fn start_disconnect(&mut self) -> Result<bool> {
         if self.disconnected || self.qp.peer_left() {
             self.disconnected = true;
             return Ok(false);

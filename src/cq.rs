@@ -1,33 +1,216 @@
 //! [`CompletionQueue`] with its completion channel, and the typed [`WorkCompletion`].
 //!
 //! A CQ holds the [`VerbsContext`] it was created on. A [`QueuePair`](crate::QueuePair) holds
-//! an `Arc` of each of its CQs, so a CQ is destroyed only after every QP using it. The safe
-//! data path needs each CQ to serve a single QP (the QP routes each completion back to the
-//! buffer it posted), which the QP enforces when it claims the CQ.
+//! an `Arc` of each of its CQs, so a CQ is destroyed only after every QP using it.
+//!
+//! # One CQ, many QPs
+//!
+//! A CQ may serve any number of QPs (and the receives of shared receive queues). Each CQ keeps
+//! a routing table: every `wr_id` the crate posts carries the index of its QP in that table
+//! (see `ring::tag`), so whoever polls the CQ, [`CompletionQueue::poll`] or one of its QPs,
+//! retires each completion's slot in the QP (or SRQ) that posted it, in O(1) and without
+//! allocating. A completion of a QP that is gone, or of a raw post, retires nothing.
+//!
+//! The CQ also counts what its queues may have outstanding, and refuses a QP that could make it
+//! overrun: a CQ serving QPs of depth 16/16 needs room for 32 completions per QP (an SRQ's
+//! receives count once, at the SRQ's depth).
 //!
 //! CQ events are acknowledged in batches (`ibv_ack_cq_events` takes a lock); the remainder is
 //! acknowledged before the CQ is destroyed, as libibverbs requires.
 
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::VerbsContext;
+use crate::device::VerbsContext;
 use crate::error::{check_ibv, check_ptr, errno, Error, Result};
+use crate::ring::{tag, Queues};
+use crate::srq::SrqShared;
+use crate::wait::{poll_readable, pollfd, Deadline};
+
+pub use crate::status::{WcOpcode, WcStatus, WorkQueue};
 
 /// How many CQ events are collected before one `ibv_ack_cq_events` call.
 const ACK_BATCH: u32 = 64;
+
+/// Completions polled per `ibv_poll_cq` call (the stack array's size).
+pub(crate) const POLL_CHUNK: usize = 16;
+
+/// A QP's entry in a CQ's routing table.
+struct QpEntry {
+    qp_num: u32,
+    nonce: u16,
+    queues: Arc<Mutex<Queues>>,
+}
+
+/// An SRQ whose receives complete on this CQ, and how many of its QPs use the CQ.
+struct SrqEntry {
+    srq: Arc<SrqShared>,
+    users: usize,
+}
+
+/// Who a routed completion belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    Qp(u16),
+    Srq(u16),
+}
+
+/// A CQ's routing table: which QP (or SRQ) each completion retires a slot of.
+#[derive(Default)]
+pub(crate) struct Router {
+    qps: Vec<Option<QpEntry>>,
+    free: Vec<u16>,
+    srqs: Vec<SrqEntry>,
+    /// Completions the attached queues may have outstanding at once.
+    reserved: u64,
+    /// A QP's poll kept completions of other QPs here: the CQ's own poll looks for them.
+    kept: bool,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the data consistent at each step, so a poisoned lock (a
+    // panic elsewhere while holding it) is used as it is.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Router {
+    /// Reserves room for `n` more outstanding completions on a CQ of `depth`.
+    pub(crate) fn reserve(&mut self, n: u64, depth: u32) -> Result<()> {
+        if self.reserved + n > depth as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "the CQ holds {depth} completions and its queues may already have {} outstanding: {n} more could overrun it; create it deeper (the sum of the depths of the queues it serves)",
+                self.reserved
+            )));
+        }
+        self.reserved += n;
+        Ok(())
+    }
+
+    pub(crate) fn unreserve(&mut self, n: u64) {
+        self.reserved = self.reserved.saturating_sub(n);
+    }
+
+    /// Enters a QP; returns its index (the `owner` of its `wr_id`s on this CQ).
+    pub(crate) fn attach_qp(&mut self, qp_num: u32, nonce: u16, queues: Arc<Mutex<Queues>>) -> Result<u16> {
+        let e = Some(QpEntry { qp_num, nonce, queues });
+        if let Some(i) = self.free.pop() {
+            self.qps[i as usize] = e;
+            return Ok(i);
+        }
+        if self.qps.len() > u16::MAX as usize {
+            return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
+        }
+        self.qps.push(e);
+        Ok((self.qps.len() - 1) as u16)
+    }
+
+    /// Removes a QP (after it was destroyed): its late completions retire nothing.
+    pub(crate) fn detach_qp(&mut self, index: u16) {
+        if let Some(e) = self.qps.get_mut(index as usize) {
+            if e.take().is_some() {
+                self.free.push(index);
+            }
+        }
+    }
+
+    /// Registers an SRQ whose receives complete here (once per CQ; counted per QP).
+    pub(crate) fn attach_srq(&mut self, srq: &Arc<SrqShared>, cq_depth: u32) -> Result<()> {
+        if let Some(e) = self.srqs.iter_mut().find(|e| Arc::ptr_eq(&e.srq, srq)) {
+            e.users += 1;
+            return Ok(());
+        }
+        if self.srqs.iter().any(|e| e.srq.id == srq.id) {
+            return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
+        }
+        self.reserve(srq.depth() as u64, cq_depth)?;
+        self.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
+        Ok(())
+    }
+
+    pub(crate) fn detach_srq(&mut self, srq: &Arc<SrqShared>) {
+        if let Some(i) = self.srqs.iter().position(|e| Arc::ptr_eq(&e.srq, srq)) {
+            self.srqs[i].users -= 1;
+            if self.srqs[i].users == 0 {
+                let e = self.srqs.swap_remove(i);
+                self.unreserve(e.srq.depth() as u64);
+            }
+        }
+    }
+
+    /// Retires the slot a raw completion names; the completion for the caller, and its owner.
+    /// `None` for a completion that is not the crate's, or names nothing outstanding.
+    pub(crate) fn route(&mut self, wc: &ffi::ibv_wc) -> Option<(WorkCompletion, Owner)> {
+        let t = tag::decode(wc.wr_id)?;
+        if t.srq {
+            let e = self.srqs.iter().find(|e| e.srq.id == t.owner)?;
+            let id = e.srq.slots().complete(&t)?;
+            return Some((WorkCompletion::from_raw(wc, id, WorkQueue::Recv), Owner::Srq(t.owner)));
+        }
+        let e = self.qps.get(t.owner as usize)?.as_ref()?;
+        if e.qp_num != wc.qp_num || e.nonce != t.nonce {
+            return None;
+        }
+        let id = lock(&e.queues).complete(&t)?;
+        let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
+        Some((WorkCompletion::from_raw(wc, id, queue), Owner::Qp(t.owner)))
+    }
+
+    /// Keeps a routed completion for its owner's next poll or wait.
+    pub(crate) fn keep(&mut self, wc: WorkCompletion, owner: Owner) {
+        match owner {
+            Owner::Qp(i) => {
+                if let Some(Some(e)) = self.qps.get(i as usize) {
+                    lock(&e.queues).keep(wc);
+                    self.kept = true;
+                }
+            }
+            Owner::Srq(id) => {
+                if let Some(e) = self.srqs.iter().find(|e| e.srq.id == id) {
+                    e.srq.slots().keep(wc);
+                }
+            }
+        }
+    }
+
+    /// Moves completions that QPs' polls kept (for other QPs, or in this CQ's SRQs) into `out`.
+    fn deliver_kept(&mut self, out: &mut [WorkCompletion]) -> usize {
+        let mut n = 0;
+        if self.kept {
+            for e in self.qps.iter().flatten() {
+                n += lock(&e.queues).deliver_kept(None, &mut out[n..]);
+            }
+            // All delivered (or `out` is full and the next poll looks again).
+            self.kept = n == out.len();
+        }
+        for e in &self.srqs {
+            let mut slots = e.srq.slots();
+            while n < out.len() {
+                match slots.take_kept(|_| true) {
+                    Some(wc) => {
+                        out[n] = wc;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        n
+    }
+}
 
 /// A completion queue and the completion channel it reports events on.
 pub struct CompletionQueue {
     raw: NonNull<ffi::ibv_cq>,
     channel: NonNull<ffi::ibv_comp_channel>,
     depth: u32,
-    claimed: AtomicBool,
+    router: Mutex<Router>,
     /// Whether the channel's descriptor was made non-blocking (done at first use, to keep two
     /// syscalls off CQ creation).
     nonblocking: AtomicBool,
@@ -68,7 +251,7 @@ impl CompletionQueue {
             raw,
             channel,
             depth,
-            claimed: AtomicBool::new(false),
+            router: Mutex::new(Router::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
             ctx: ctx.clone(),
@@ -104,17 +287,70 @@ impl CompletionQueue {
         &self.ctx
     }
 
-    /// Reserves the CQ for one queue pair. Fails if another QP already uses it.
-    pub(crate) fn claim(&self) -> Result<()> {
-        if self.claimed.swap(true, Ordering::AcqRel) {
-            Err(Error::CqInUse)
-        } else {
-            Ok(())
-        }
+    /// The routing table (locked).
+    pub(crate) fn router(&self) -> MutexGuard<'_, Router> {
+        lock(&self.router)
     }
 
-    pub(crate) fn unclaim(&self) {
-        self.claimed.store(false, Ordering::Release);
+    /// Polls up to `out.len()` completions of every QP and SRQ this CQ serves, without
+    /// waiting: each retires its slot (releasing the region its work request held) and comes
+    /// back with its QP number ([`WorkCompletion::qp_num`]) and the caller's `wr_id`. This is
+    /// how a server polls one CQ shared by many connections. Completions that a QP's own poll
+    /// or wait met and kept for another QP (a QP being dropped reaps its work that way) come
+    /// first.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut router = self.router();
+        let mut filled = router.deliver_kept(out);
+        while filled < out.len() {
+            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+            let want = (out.len() - filled).min(POLL_CHUNK);
+            let got = self.poll_raw(&mut raw[..want])?;
+            for wc in &raw[..got] {
+                // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                if let Some((done, _)) = router.route(wc) {
+                    out[filled] = done;
+                    filled += 1;
+                }
+            }
+            if got < want {
+                break;
+            }
+        }
+        Ok(filled)
+    }
+
+    /// Waits up to `timeout` for completions of any QP this CQ serves and polls them into
+    /// `out`: polls, then arms the CQ and sleeps on its channel. Returns 0 only when the
+    /// timeout passed. One thread at a time should wait on a CQ.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when polling or the channel fails.
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let mut deadline = Deadline::new(timeout);
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            self.req_notify(false)?;
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = deadline.left();
+            if left.is_zero() {
+                return Ok(0);
+            }
+            poll_readable(&mut [pollfd(self.as_raw_fd())], left)?;
+            self.drain_events()?;
+        }
     }
 
     /// Asks for an event on the channel at the next completion (`ibv_req_notify_cq`).
@@ -196,6 +432,9 @@ impl Drop for CompletionQueue {
         // acked above. The CQ and then its channel are destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_cq(self.as_raw()) };
         if ret != 0 {
+            // Whatever the routing table still holds stays held: the CQ, and so the QPs on
+            // it, may still exist.
+            std::mem::forget(std::mem::take(self.router.get_mut().unwrap_or_else(|e| e.into_inner())));
             crate::report_leak("ibv_destroy_cq", ret);
             return; // the channel is still in use by the leaked CQ
         }
@@ -211,110 +450,6 @@ impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CompletionQueue").field("depth", &self.depth).field("fd", &self.as_raw_fd()).finish()
     }
-}
-
-macro_rules! wc_status {
-    ($( $var:ident = $c:ident, $name:literal, $hint:expr; )*) => {
-        /// The status of a work completion (`enum ibv_wc_status`).
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        #[non_exhaustive]
-        pub enum WcStatus {
-            $( #[doc = concat!("`IBV_WC_", $name, "`")] $var, )*
-            /// A value this crate does not know.
-            Other(u32),
-        }
-        impl WcStatus {
-            /// Maps the raw value.
-            pub fn from_raw(v: u32) -> WcStatus {
-                use ffi::ibv_wc_status::*;
-                match v { $( $c => WcStatus::$var, )* v => WcStatus::Other(v) }
-            }
-            /// The usual cause, when known.
-            pub fn hint(self) -> Option<&'static str> {
-                match self { $( WcStatus::$var => $hint, )* WcStatus::Other(_) => None }
-            }
-        }
-        impl fmt::Display for WcStatus {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                match self { $( WcStatus::$var => f.write_str($name), )* WcStatus::Other(v) => write!(f, "status {v}") }
-            }
-        }
-    };
-}
-
-wc_status! {
-    Success = IBV_WC_SUCCESS, "SUCCESS", None;
-    LocLenErr = IBV_WC_LOC_LEN_ERR, "LOC_LEN_ERR", Some("the message is larger than the posted receive buffer");
-    LocQpOpErr = IBV_WC_LOC_QP_OP_ERR, "LOC_QP_OP_ERR", Some("the work request is invalid for this QP (e.g. inline data too long)");
-    LocEecOpErr = IBV_WC_LOC_EEC_OP_ERR, "LOC_EEC_OP_ERR", None;
-    LocProtErr = IBV_WC_LOC_PROT_ERR, "LOC_PROT_ERR", Some("a local buffer is not covered by its memory region or lacks LOCAL_WRITE");
-    WrFlushErr = IBV_WC_WR_FLUSH_ERR, "WR_FLUSH_ERR", Some("the QP went to the error state (peer disconnected, or an earlier work request failed)");
-    MwBindErr = IBV_WC_MW_BIND_ERR, "MW_BIND_ERR", None;
-    BadRespErr = IBV_WC_BAD_RESP_ERR, "BAD_RESP_ERR", None;
-    LocAccessErr = IBV_WC_LOC_ACCESS_ERR, "LOC_ACCESS_ERR", None;
-    RemInvReqErr = IBV_WC_REM_INV_REQ_ERR, "REM_INV_REQ_ERR", Some("the peer rejected the request: message larger than its receive buffer, or an operation it does not allow");
-    RemAccessErr = IBV_WC_REM_ACCESS_ERR, "REM_ACCESS_ERR", Some("the remote address, rkey or access rights do not allow this RDMA READ/WRITE");
-    RemOpErr = IBV_WC_REM_OP_ERR, "REM_OP_ERR", Some("the peer could not complete the operation (e.g. its receive buffer is too small)");
-    RetryExcErr = IBV_WC_RETRY_EXC_ERR, "RETRY_EXC_ERR", Some("the peer did not acknowledge: it is gone or the link is down (check `rdma link`)");
-    RnrRetryExcErr = IBV_WC_RNR_RETRY_EXC_ERR, "RNR_RETRY_EXC_ERR", Some("the peer had no receive posted (receiver not ready)");
-    LocRddViolErr = IBV_WC_LOC_RDD_VIOL_ERR, "LOC_RDD_VIOL_ERR", None;
-    RemInvRdReqErr = IBV_WC_REM_INV_RD_REQ_ERR, "REM_INV_RD_REQ_ERR", None;
-    RemAbortErr = IBV_WC_REM_ABORT_ERR, "REM_ABORT_ERR", None;
-    InvEecnErr = IBV_WC_INV_EECN_ERR, "INV_EECN_ERR", None;
-    InvEecStateErr = IBV_WC_INV_EEC_STATE_ERR, "INV_EEC_STATE_ERR", None;
-    FatalErr = IBV_WC_FATAL_ERR, "FATAL_ERR", Some("the device reported a fatal error");
-    RespTimeoutErr = IBV_WC_RESP_TIMEOUT_ERR, "RESP_TIMEOUT_ERR", Some("the peer did not respond in time");
-    GeneralErr = IBV_WC_GENERAL_ERR, "GENERAL_ERR", None;
-}
-
-/// What a completed work request did (`enum ibv_wc_opcode`). Valid only for successful
-/// completions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum WcOpcode {
-    /// A send.
-    Send,
-    /// An RDMA WRITE.
-    RdmaWrite,
-    /// An RDMA READ.
-    RdmaRead,
-    /// Compare-and-swap.
-    CompSwap,
-    /// Fetch-and-add.
-    FetchAdd,
-    /// A receive.
-    Recv,
-    /// A receive consumed by an RDMA WRITE with immediate data.
-    RecvRdmaWithImm,
-    /// A value this crate does not map.
-    Other(u32),
-}
-
-impl WcOpcode {
-    /// Maps the raw value.
-    pub fn from_raw(v: u32) -> WcOpcode {
-        use ffi::ibv_wc_opcode::*;
-        match v {
-            IBV_WC_SEND => WcOpcode::Send,
-            IBV_WC_RDMA_WRITE => WcOpcode::RdmaWrite,
-            IBV_WC_RDMA_READ => WcOpcode::RdmaRead,
-            IBV_WC_COMP_SWAP => WcOpcode::CompSwap,
-            IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
-            IBV_WC_RECV => WcOpcode::Recv,
-            IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
-            v => WcOpcode::Other(v),
-        }
-    }
-}
-
-/// Which work queue a completion belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum WorkQueue {
-    /// The send queue (sends, RDMA READ/WRITE).
-    #[default]
-    Send,
-    /// The receive queue.
-    Recv,
 }
 
 /// A work completion, copied out of the CQ.

@@ -16,8 +16,7 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use crate::cq::WcStatus;
-use crate::event_channel::CmEventType;
+use crate::status::{CmEventType, PrivateData, WcStatus};
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -81,7 +80,7 @@ pub enum Error {
         /// The usual cause of `got`, when known.
         hint: Option<&'static str>,
         /// The peer's private data carried by the event (e.g. a reject reason), at most 196 bytes.
-        private_data: Box<crate::event_channel::PrivateData>,
+        private_data: Box<PrivateData>,
     },
 
     /// The peer disconnected (its process exited, or it called disconnect) while work was
@@ -158,10 +157,6 @@ pub enum Error {
     /// The peer's private data could not be decoded (untrusted input).
     #[error("bad private data from peer: {0}")]
     PrivateData(&'static str),
-
-    /// A completion queue is already attached to another queue pair.
-    #[error("completion queue is already used by another queue pair; the safe data path needs a CQ per QP")]
-    CqInUse,
 }
 
 impl Error {

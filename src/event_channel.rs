@@ -35,7 +35,6 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -46,6 +45,8 @@ use rdma_sys as ffi;
 use crate::cm_id::{CmId, IdHandle};
 use crate::error::{check_ptr, errno, Error, Result};
 use crate::wait::{poll_readable, pollfd, Deadline};
+
+pub use crate::status::{CmEventType, PrivateData, MAX_PRIVATE_DATA};
 
 /// A librdmacm event channel. Cloning is cheap and yields another handle to the same channel.
 ///
@@ -392,163 +393,6 @@ impl AsFd for EventChannel {
     fn as_fd(&self) -> BorrowedFd<'_> {
         // SAFETY: the descriptor stays open until the last handle (including `self`) drops.
         unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
-    }
-}
-
-/// The type of a connection-manager event (`enum rdma_cm_event_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CmEventType {
-    /// `RDMA_CM_EVENT_ADDR_RESOLVED`
-    AddrResolved,
-    /// `RDMA_CM_EVENT_ADDR_ERROR`
-    AddrError,
-    /// `RDMA_CM_EVENT_ROUTE_RESOLVED`
-    RouteResolved,
-    /// `RDMA_CM_EVENT_ROUTE_ERROR`
-    RouteError,
-    /// `RDMA_CM_EVENT_CONNECT_REQUEST`
-    ConnectRequest,
-    /// `RDMA_CM_EVENT_CONNECT_RESPONSE`
-    ConnectResponse,
-    /// `RDMA_CM_EVENT_CONNECT_ERROR`
-    ConnectError,
-    /// `RDMA_CM_EVENT_UNREACHABLE`
-    Unreachable,
-    /// `RDMA_CM_EVENT_REJECTED`
-    Rejected,
-    /// `RDMA_CM_EVENT_ESTABLISHED`
-    Established,
-    /// `RDMA_CM_EVENT_DISCONNECTED`
-    Disconnected,
-    /// `RDMA_CM_EVENT_DEVICE_REMOVAL`
-    DeviceRemoval,
-    /// `RDMA_CM_EVENT_MULTICAST_JOIN`
-    MulticastJoin,
-    /// `RDMA_CM_EVENT_MULTICAST_ERROR`
-    MulticastError,
-    /// `RDMA_CM_EVENT_ADDR_CHANGE`
-    AddrChange,
-    /// `RDMA_CM_EVENT_TIMEWAIT_EXIT`
-    TimewaitExit,
-    /// A value this crate does not know (read as the raw integer, never transmuted).
-    Other(u32),
-}
-
-impl CmEventType {
-    /// Maps the raw integer; unknown values become [`CmEventType::Other`].
-    pub fn from_raw(v: u32) -> CmEventType {
-        use ffi::rdma_cm_event_type::*;
-        match v {
-            RDMA_CM_EVENT_ADDR_RESOLVED => Self::AddrResolved,
-            RDMA_CM_EVENT_ADDR_ERROR => Self::AddrError,
-            RDMA_CM_EVENT_ROUTE_RESOLVED => Self::RouteResolved,
-            RDMA_CM_EVENT_ROUTE_ERROR => Self::RouteError,
-            RDMA_CM_EVENT_CONNECT_REQUEST => Self::ConnectRequest,
-            RDMA_CM_EVENT_CONNECT_RESPONSE => Self::ConnectResponse,
-            RDMA_CM_EVENT_CONNECT_ERROR => Self::ConnectError,
-            RDMA_CM_EVENT_UNREACHABLE => Self::Unreachable,
-            RDMA_CM_EVENT_REJECTED => Self::Rejected,
-            RDMA_CM_EVENT_ESTABLISHED => Self::Established,
-            RDMA_CM_EVENT_DISCONNECTED => Self::Disconnected,
-            RDMA_CM_EVENT_DEVICE_REMOVAL => Self::DeviceRemoval,
-            RDMA_CM_EVENT_MULTICAST_JOIN => Self::MulticastJoin,
-            RDMA_CM_EVENT_MULTICAST_ERROR => Self::MulticastError,
-            RDMA_CM_EVENT_ADDR_CHANGE => Self::AddrChange,
-            RDMA_CM_EVENT_TIMEWAIT_EXIT => Self::TimewaitExit,
-            v => Self::Other(v),
-        }
-    }
-
-    /// The usual cause of this event when it arrives instead of the expected one.
-    pub fn hint(self) -> Option<&'static str> {
-        Some(match self {
-            Self::Rejected => {
-                "nobody listens on that address and port, or the server refused the connection: is the server running, and is the port right?"
-            }
-            Self::Unreachable => {
-                "the peer did not answer: check the route, the MTU, and that UDP port 4791 (RoCEv2) is not filtered"
-            }
-            Self::AddrError => {
-                "address resolution failed: check `ip link` (netdev up?), `rdma link` (port ACTIVE?) and the GID table (`ibv_devinfo -v`)"
-            }
-            Self::RouteError => "route resolution failed: check `ip route` and the GID table",
-            Self::ConnectError => "the connection attempt failed part-way (peer gone or QP error)",
-            Self::Disconnected => "the peer disconnected",
-            Self::DeviceRemoval => "the RDMA device was removed (driver unloaded or link deleted)",
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for CmEventType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self {
-            Self::AddrResolved => "ADDR_RESOLVED",
-            Self::AddrError => "ADDR_ERROR",
-            Self::RouteResolved => "ROUTE_RESOLVED",
-            Self::RouteError => "ROUTE_ERROR",
-            Self::ConnectRequest => "CONNECT_REQUEST",
-            Self::ConnectResponse => "CONNECT_RESPONSE",
-            Self::ConnectError => "CONNECT_ERROR",
-            Self::Unreachable => "UNREACHABLE",
-            Self::Rejected => "REJECTED",
-            Self::Established => "ESTABLISHED",
-            Self::Disconnected => "DISCONNECTED",
-            Self::DeviceRemoval => "DEVICE_REMOVAL",
-            Self::MulticastJoin => "MULTICAST_JOIN",
-            Self::MulticastError => "MULTICAST_ERROR",
-            Self::AddrChange => "ADDR_CHANGE",
-            Self::TimewaitExit => "TIMEWAIT_EXIT",
-            Self::Other(v) => return write!(f, "event {v}"),
-        };
-        f.write_str(s)
-    }
-}
-
-/// The largest private data any RC event can carry (`rdma_accept`'s limit).
-pub const MAX_PRIVATE_DATA: usize = 196;
-
-/// Private data copied out of an event: at most [`MAX_PRIVATE_DATA`] bytes, stored inline.
-///
-/// It is the peer's, and so untrusted. Note that on InfiniBand and RoCE the CM pads private
-/// data to the transport maximum with zeros, so its length is not the length the peer sent.
-#[derive(Clone, Copy)]
-pub struct PrivateData {
-    buf: [u8; MAX_PRIVATE_DATA],
-    len: u8,
-}
-
-impl PrivateData {
-    /// An empty value.
-    pub const EMPTY: PrivateData = PrivateData { buf: [0; MAX_PRIVATE_DATA], len: 0 };
-
-    /// Copies at most [`MAX_PRIVATE_DATA`] bytes of `data`.
-    pub fn from_slice(data: &[u8]) -> PrivateData {
-        let n = data.len().min(MAX_PRIVATE_DATA);
-        let mut p = PrivateData::EMPTY;
-        p.buf[..n].copy_from_slice(&data[..n]);
-        p.len = n as u8;
-        p
-    }
-}
-
-impl Default for PrivateData {
-    fn default() -> Self {
-        Self::EMPTY
-    }
-}
-
-impl Deref for PrivateData {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buf[..self.len as usize]
-    }
-}
-
-impl fmt::Debug for PrivateData {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PrivateData({} bytes)", self.len)
     }
 }
 

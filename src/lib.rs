@@ -56,13 +56,31 @@
 //! Children hold an `Arc` of what they depend on:
 //!
 //! ```text
-//! QueuePair ─► CmId ─► EventChannel      MemoryRegion ─► ProtectionDomain ─► VerbsContext ─► CmId
-//!     ├──────► CompletionQueue ─► VerbsContext
-//!     └──────► ProtectionDomain
+//! Connection ─► QueuePair ─► CmId ─► EventChannel
+//!                   ├──────► CompletionQueue ─► VerbsContext ─► (the CmId librdmacm opened it for,
+//!                   ├──────► SharedReceiveQueue ─► ProtectionDomain         or the opened device)
+//!                   └──────► ProtectionDomain ─► VerbsContext
+//! MemoryRegion ─► ProtectionDomain
 //! ```
 //!
 //! so whatever order values are dropped in, each C object is destroyed after everything that
-//! uses it: QP before CQs, PD and id; MR before PD; id before channel. `Drop` never panics; when
+//! uses it: QP before CQs, SRQ, PD and id; MR before PD; id before channel. The verbs layer
+//! ([`device`], [`pd`], [`mr`], [`cq`], [`srq`], [`qp`]) knows nothing of connection
+//! management: a QP made through `rdma_create_qp` holds its id through a link the connection
+//! layer gives it.
+//!
+//! ## Many connections
+//!
+//! One [`CompletionQueue`] may serve any number of QPs, and one [`SharedReceiveQueue`] the
+//! receives of any number of them ([`QpInit::send_cq`], [`QpInit::recv_cq`], [`QpInit::srq`]).
+//! Every `wr_id` the crate posts names its QP's place in the CQ's routing table (or its SRQ
+//! slot), so [`CompletionQueue::poll`] retires each completion's slot in O(1), without
+//! allocating, whoever polls; a completion of a QP that is gone retires nothing. A CQ counts
+//! what its queues may have outstanding and refuses a QP that could overrun it. One
+//! [`EventChannel`] may carry every connection's events: the event loop reads them
+//! ([`EventChannel::get_event`]) and hands each to its connection, or each blocking step reads
+//! its own ([`EventChannel::get_event_for`]). `examples/server.rs --shared` serves all its
+//! clients that way from one thread; `examples/cmtime.rs` pipelines the setup of many. `Drop` never panics; when
 //! a destroy call fails it prints one line to stderr and leaks the object (and any memory the
 //! device might still reach). [`Connection::disconnect`] and [`ProtectionDomain::close`] return
 //! errors to callers who want them.
@@ -94,9 +112,14 @@
 //! | type | Send | Sync | why |
 //! |---|---|---|---|
 //! | [`EventChannel`], [`CmId`], [`VerbsContext`] | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
-//! | [`ProtectionDomain`], [`CompletionQueue`] | yes | yes | only thread-safe verbs through `&self` |
+//! | [`ProtectionDomain`], [`CompletionQueue`], [`SharedReceiveQueue`] | yes | yes | thread-safe verbs through `&self`; a CQ's routing table and an SRQ's slots are behind mutexes |
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
-//! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self` |
+//! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
+//!
+//! QPs that share a CQ may live on different threads: each one's posts and polls are safe
+//! together. A QP's poll keeps the completions of other QPs it meets for them; a thread asleep
+//! in another QP's wait notices those at its next wake-up, so wait for a shared CQ from one
+//! thread ([`CompletionQueue::wait`]) and let it hand the work out.
 //!
 //! Ids may share an [`EventChannel`] across threads. Every read of a channel happens under its
 //! lock, and each blocking step takes only its own id's events, keeping the others, in order,
@@ -159,6 +182,7 @@ mod asynchronous;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
+pub mod device;
 pub mod diagnostics;
 pub mod error;
 pub mod event_channel;
@@ -167,23 +191,27 @@ pub mod pd;
 pub mod private_data;
 pub mod qp;
 mod ring;
+pub mod srq;
+pub mod status;
 mod wait;
 pub mod wr;
 
 pub use rdma_sys as ffi;
 
-pub use cm_id::{CmId, DeviceLimits, IdHandle, VerbsContext};
+pub use cm_id::{CmId, IdHandle};
 pub use connection::{
-    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved,
-    Server, ServerQp,
+    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
+    ResolvingAddr, ResolvingRoute, RouteResolved, Server, ServerQp,
 };
 pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
+pub use device::{devices, AsyncElement, AsyncEvent, Device, DeviceLimits, VerbsContext};
 pub use error::{Error, Result};
 pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use pd::ProtectionDomain;
 pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
+pub use srq::SharedReceiveQueue;
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr};
 

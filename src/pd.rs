@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::VerbsContext;
+use crate::device::VerbsContext;
 use crate::error::{check_ibv, check_ptr, Result};
 
 /// An owned protection domain.

@@ -5,17 +5,27 @@
 //! Every work request names its local memory as a range of a [`MemoryRegion`]. Posting stores
 //! a clone of the region's handle in the QP's slot table (a fixed ring per work queue, sized by
 //! the queue depth and allocated once, when the QP is created). Reaping the completion drops
-//! that clone. Since the region's byte accessors need the handle to be unique, Rust code can
-//! never read or write memory the device may be using, and the memory can never be freed
-//! under the device. Posting clones an `Arc` (an atomic increment): no heap allocation.
+//! that clone. The region's byte accessors refuse while the device may write it (and writes
+//! while it may read it), so Rust code never holds a reference the device may change, and the
+//! memory can never be freed under the device. Posting clones an `Arc` (an atomic increment):
+//! no heap allocation.
 //!
 //! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
 //! completion names. That is also how unsignaled sends are retired: by the next signaled
 //! completion on the same queue; the work request that takes the send queue's last free slot
 //! is signaled whatever it asked, so a queue full of unsignaled work can always drain. The
 //! rings never admit more work requests than the queue holds, so a full queue is a clear
-//! [`Error::QueueFull`] rather than a provider error, and the CQ (at least as deep as the
-//! queue) cannot overrun.
+//! [`Error::QueueFull`] rather than a provider error, and the CQs (which count what their
+//! queues may have outstanding) cannot overrun.
+//!
+//! # Shared CQs and SRQs
+//!
+//! A QP's CQs may serve other QPs too, and its receives may come from a
+//! [`SharedReceiveQueue`]. Every completion carries its owner in its `wr_id`, so whoever polls
+//! a CQ retires the right slot: the QP's [`QueuePair::poll`] and waits keep the completions of
+//! other QPs they meet for those QPs, and [`CompletionQueue::poll`] returns everyone's.
+//! Dropping a QP reaps only its own work; completions of it still in a shared CQ afterwards
+//! retire nothing.
 //!
 //! # Failed posts
 //!
@@ -36,7 +46,7 @@
 //!
 //! # Raw posts
 //!
-//! Every `wr_id` this crate posts carries a tag (bit 62 set, and 14 bits unique to the QP). A
+//! Every `wr_id` this crate posts carries a tag (bit 62 set; see the crate's `ring::tag`). A
 //! completion without that tag is not the crate's: it retires nothing and is discarded by the
 //! polls here. Work posted through [`QueuePair::as_raw`] must therefore use `wr_id`s with bit
 //! 62 clear, and be reaped by the caller from a CQ the crate does not poll.
@@ -50,48 +60,34 @@
 
 use std::fmt;
 use std::mem::{self, MaybeUninit};
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use crate::cm_id::CmId;
-use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
-use crate::error::{check_ibv, check_rdma, Error, Result};
-use crate::event_channel::{CmEvent, CmEventType};
+use crate::cq::{lock, CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
+use crate::error::{check_ibv, Error, Result};
 use crate::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::pd::ProtectionDomain;
-use crate::ring::{Hold, Pending, Ring};
+use crate::ring::{tag, Hold, Queues};
+use crate::srq::SharedReceiveQueue;
 use crate::wait::{poll_readable, pollfd, Deadline};
 use crate::wr::{RecvWr, SendOp, SendWr};
 
-/// Tags receive-queue `wr_id`s so a CQ shared by both queues of one QP routes correctly.
-const RECV_TAG: u64 = 1 << 63;
-/// Set in every `wr_id` this crate posts: a completion without it is someone else's.
-const OURS: u64 = 1 << 62;
-/// Where the QP's nonce sits in a `wr_id`, and how wide it is.
-const NONCE_SHIFT: u32 = 48;
-const NONCE_MASK: u64 = (1 << 14) - 1;
-/// The sequence number's bits in a `wr_id` (the full number is recovered from the ring).
-const SEQ_BITS: u32 = 48;
-const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
-
-/// A QP's tag: a counter mixed with the QP number, so that two QPs on one CQ, or a QP made
-/// after another with the same number, do not share it.
-fn next_nonce(qp_num: u32) -> u64 {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    (n.wrapping_mul(0x9E37_79B9) ^ qp_num as u64) & NONCE_MASK
-}
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
-const CHUNK: usize = 16;
-/// Completions read per `ibv_poll_cq` call (the stack array's size).
-const POLL_CHUNK: usize = 16;
+pub(crate) const CHUNK: usize = 16;
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A QP's nonce: tells it from an earlier QP at the same index of a CQ's routing table.
+fn next_nonce() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & tag::NONCE_MASK as u16
+}
 
 /// Queue-pair capabilities. Defaults follow the seed program: 16 send and 16 receive work
 /// requests, one scatter/gather entry each, and 64 bytes of inline data.
@@ -102,11 +98,12 @@ pub struct QpInit {
     pub(crate) max_inline_data: u32,
     pub(crate) send_cq: Option<Arc<CompletionQueue>>,
     pub(crate) recv_cq: Option<Arc<CompletionQueue>>,
+    pub(crate) srq: Option<SharedReceiveQueue>,
 }
 
 impl Default for QpInit {
     fn default() -> Self {
-        QpInit { max_send_wr: 16, max_recv_wr: 16, max_inline_data: 64, send_cq: None, recv_cq: None }
+        QpInit { max_send_wr: 16, max_recv_wr: 16, max_inline_data: 64, send_cq: None, recv_cq: None, srq: None }
     }
 }
 
@@ -120,7 +117,7 @@ impl QpInit {
         self.max_send_wr = n;
         self
     }
-    /// Receive queue depth.
+    /// Receive queue depth (ignored with an SRQ).
     pub fn max_recv_wr(mut self, n: u32) -> Self {
         self.max_recv_wr = n;
         self
@@ -130,20 +127,49 @@ impl QpInit {
         self.max_inline_data = n;
         self
     }
-    /// Uses `cq` for send completions instead of creating one. It may be the same as the
-    /// receive CQ, but no other QP may use it, and it must be on the QP's device.
+    /// Uses `cq` for send completions instead of creating one. It may be the receive CQ, and
+    /// it may serve other QPs too, as long as it is deep enough for all their queues; it must
+    /// be on the QP's device.
     pub fn send_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
         self.send_cq = Some(cq);
         self
     }
-    /// Uses `cq` for receive completions instead of creating one.
+    /// Uses `cq` for receive completions instead of creating one (same conditions as
+    /// [`QpInit::send_cq`]).
     pub fn recv_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
         self.recv_cq = Some(cq);
         self
     }
+    /// Takes receives from `srq` instead of a receive queue of its own. The SRQ must be on
+    /// the QP's protection domain.
+    pub fn srq(mut self, srq: &SharedReceiveQueue) -> Self {
+        self.srq = Some(srq.clone());
+        self
+    }
 }
 
-/// An owned RC queue pair, created through librdmacm on a [`CmId`].
+/// What a QP asks of whoever created it: the connection manager, for QPs made through
+/// `rdma_create_qp` (it owns the id's `qp` field and the events that say the peer left).
+pub(crate) trait Link: Send + Sync {
+    /// Destroys the QP as its creator requires.
+    fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
+    /// The descriptor on which the peer leaving shows, when waits may watch it now.
+    fn watch_fd(&self) -> Option<RawFd>;
+    /// Reads what arrived on that descriptor; true when the peer left.
+    fn peer_left(&self) -> Result<bool>;
+    /// Disconnects (which also moves the QP to the error state).
+    fn disconnect(&self) -> Result<()>;
+    /// The peer's address, for errors.
+    fn peer_addr(&self) -> Option<SocketAddr>;
+}
+
+/// Where this QP sits in a CQ's routing table.
+#[derive(Clone, Copy)]
+struct Slot {
+    index: u16,
+}
+
+/// An owned RC queue pair.
 ///
 /// Only the connection typestates create one, each consuming the state that owns the id, so an
 /// id has at most one QP; there is no constructor that takes a shared id:
@@ -157,67 +183,139 @@ pub struct QueuePair {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     max_inline: u32,
-    /// The tag in every `wr_id` this QP posts (already shifted into place, with `OURS`).
-    tag: u64,
-    /// The connection is established: waits may read the id's CM events (when no one else
-    /// can read its channel), to notice the peer leaving.
+    nonce: u16,
+    /// Our index in the send CQ's and the receive CQ's routing tables.
+    send_slot: Slot,
+    recv_slot: Slot,
+    /// Reserved capacity on each CQ (released on drop).
+    send_reserved: u64,
+    recv_reserved: u64,
+    /// The connection is established: sends may be posted, and waits may watch the link.
     connected: bool,
-    /// A DISCONNECTED (or DEVICE_REMOVAL) event was seen; the QP was moved to error.
+    /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
     /// Its teardown was handed to another value (see Drop): this one destroys nothing.
     #[cfg(feature = "tokio")]
     detached: bool,
-    send: Ring,
-    recv: Ring,
-    /// Completions reaped but not delivered yet, per queue.
-    send_pending: Pending,
-    recv_pending: Pending,
-    // Field order is drop order after Drop::drop: the id, CQs and PD outlive the QP, which
-    // Drop::drop destroys first.
-    id: Arc<CmId>,
+    queues: Arc<Mutex<Queues>>,
+    // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
+    // QP, which Drop::drop destroys first.
+    link: Option<Arc<dyn Link>>,
     send_cq: Arc<CompletionQueue>,
     recv_cq: Arc<CompletionQueue>,
+    srq: Option<SharedReceiveQueue>,
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: the QP is owned uniquely; posting and polling take &mut self. The regions in the
-// rings are Send + Sync handles. Verbs on a QP may be called from any thread.
+// SAFETY: the QP is owned uniquely; posting and polling take &mut self; its queues are behind a
+// mutex shared only with its CQs' routing tables. The regions in the rings are Send + Sync
+// handles. Verbs on a QP may be called from any thread.
 unsafe impl Send for QueuePair {}
 
+/// Checks a local range of a work request against its region.
+pub(crate) fn check_local(
+    pd: &Arc<ProtectionDomain>,
+    mr: &MemoryRegion,
+    range: &Range<usize>,
+    needs_write: bool,
+) -> Result<()> {
+    if !Arc::ptr_eq(mr.pd(), pd) {
+        return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
+    }
+    if range.start > range.end {
+        return Err(Error::InvalidArgument(format!("range {range:?} is reversed")));
+    }
+    check_range(range.start, range.len(), mr.len())?;
+    if range.len() > u32::MAX as usize {
+        return Err(Error::InvalidArgument("a work request moves at most 4 GiB".into()));
+    }
+    if needs_write && !mr.access().contains(AccessFlags::LOCAL_WRITE) {
+        return Err(Error::InvalidArgument(
+            "the device writes this region (receive or RDMA READ target): register it with LOCAL_WRITE".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Where a failed post stopped, when the provider said so: the index of `bad` in the list of
+/// `n` starting at `first`. Compared as addresses, so nothing is assumed about a pointer we did
+/// not give it. `None`: unknown extent.
+pub(crate) fn rejected_from<T>(bad: *mut T, first: *const T, n: usize) -> Option<usize> {
+    let size = mem::size_of::<T>().max(1);
+    let (b, f) = (bad as usize, first as usize);
+    (!bad.is_null() && b >= f && b < f + n * size && (b - f) % size == 0).then(|| (b - f) / size)
+}
+
+/// A list of up to [`CHUNK`] receive work requests on the stack.
+pub(crate) struct RecvList {
+    wrs: [ffi::ibv_recv_wr; CHUNK],
+    sge: [ffi::ibv_sge; CHUNK],
+    n: usize,
+}
+
+impl RecvList {
+    /// Builds the list for `chunk` (at most [`CHUNK`] entries); `wr_id(k, w)` stages entry `k`
+    /// and returns the `wr_id` to post.
+    pub(crate) fn build(chunk: &[RecvWr<'_>], mut wr_id: impl FnMut(usize, &RecvWr<'_>) -> u64) -> RecvList {
+        // SAFETY: plain old data; all-zero is valid.
+        let mut l: RecvList = RecvList { wrs: unsafe { mem::zeroed() }, sge: unsafe { mem::zeroed() }, n: chunk.len() };
+        for (k, w) in chunk.iter().enumerate() {
+            l.sge[k] = ffi::ibv_sge {
+                addr: w.mr.addr() + w.range.start as u64,
+                length: w.range.len() as u32,
+                lkey: w.mr.lkey(),
+            };
+            l.wrs[k].wr_id = wr_id(k, w);
+            // A zero-length receive has no scatter entry: some providers read a byte count of
+            // 0 as 2 GiB.
+            l.wrs[k].num_sge = !w.range.is_empty() as i32;
+        }
+        l
+    }
+
+    /// Links the list in place and returns its head and length.
+    pub(crate) fn head(&mut self) -> (*mut ffi::ibv_recv_wr, usize) {
+        for k in 0..self.n {
+            self.wrs[k].sg_list = &mut self.sge[k];
+            let next: *mut ffi::ibv_recv_wr = if k + 1 < self.n { &mut self.wrs[k + 1] } else { std::ptr::null_mut() };
+            self.wrs[k].next = next;
+        }
+        (self.wrs.as_mut_ptr(), self.n)
+    }
+}
+
 impl QueuePair {
-    /// Creates an RC QP on `id` with `rdma_create_qp`, so librdmacm drives its state changes
-    /// during connect/accept. Only the typestates call this ([`RouteResolved::create_qp`],
-    /// [`ConnectRequest::create_qp`]), each consuming the state that owns the id, so an id gets
-    /// at most one QP.
-    ///
-    /// [`RouteResolved::create_qp`]: crate::RouteResolved::create_qp
-    /// [`ConnectRequest::create_qp`]: crate::ConnectRequest::create_qp
+    /// Creates an RC QP on `pd` with `init`'s capabilities. `create` makes the QP from the
+    /// prepared attributes (the connection manager's `rdma_create_qp`, under its lock), and
+    /// `link` is what the QP asks of its creator afterwards.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for empty queues, CQs shallower than the queues, or a PD or
-    /// CQ of another device; [`Error::CqInUse`]; [`Error::Call`] when `rdma_create_qp` fails
-    /// (e.g. `EINVAL` when the capabilities exceed the device's limits).
-    pub(crate) fn new(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
-        if init.max_send_wr == 0 || init.max_recv_wr == 0 {
+    /// [`Error::InvalidArgument`] for empty queues, CQs or an SRQ of another device or PD, or
+    /// CQs too shallow for what they would serve; what `create` returns.
+    pub(crate) fn create(
+        pd: &Arc<ProtectionDomain>,
+        init: QpInit,
+        create: impl FnOnce(&mut ffi::ibv_qp_init_attr) -> Result<NonNull<ffi::ibv_qp>>,
+        link: Option<Arc<dyn Link>>,
+    ) -> Result<QueuePair> {
+        let on_srq = init.srq.is_some();
+        let recv_depth = if on_srq { 0 } else { init.max_recv_wr };
+        if init.max_send_wr == 0 || (!on_srq && init.max_recv_wr == 0) {
             return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
         }
         let ctx = pd.context();
-        // The kernel looks CQ handles up in the QP's own device file, where another device's
-        // CQ number names some other CQ: require one device for the id, the PD and the CQs.
-        let dev = ctx.as_raw();
-        if id.verbs().map(|v| v.as_ptr()) != Some(dev) {
-            return Err(Error::InvalidArgument(format!(
-                "the protection domain is on device {}, not on the device of this connection's route",
-                ctx.device_name()
-            )));
-        }
         for cq in [&init.send_cq, &init.recv_cq].into_iter().flatten() {
-            if cq.context().as_raw() != dev {
+            if !cq.context().same_as(ctx) {
                 return Err(Error::InvalidArgument(format!(
-                    "the completion queue is on device {}, but the QP is on {}: a QP and its CQs must share a device",
+                    "the completion queue is on device {}, but the QP is on {}: a QP and its CQs must share a device context",
                     cq.context().device_name(),
                     ctx.device_name()
                 )));
+            }
+        }
+        if let Some(srq) = &init.srq {
+            if !Arc::ptr_eq(srq.pd(), pd) {
+                return Err(Error::InvalidArgument("the SRQ is on another protection domain than the QP".into()));
             }
         }
         let send_cq = match init.send_cq {
@@ -226,77 +324,100 @@ impl QueuePair {
         };
         let recv_cq = match init.recv_cq {
             Some(cq) => cq,
-            None => CompletionQueue::new(ctx, init.max_recv_wr)?,
+            None => {
+                CompletionQueue::new(ctx, if on_srq { init.srq.as_ref().map_or(1, |s| s.depth()) } else { recv_depth })?
+            }
         };
-        send_cq.claim()?;
-        if !Arc::ptr_eq(&send_cq, &recv_cq) {
-            if let Err(e) = recv_cq.claim() {
-                send_cq.unclaim();
+        // Reserve room on the CQs (and register the SRQ) before creating anything.
+        let send_reserved = init.max_send_wr as u64;
+        let recv_reserved = recv_depth as u64;
+        send_cq.router().reserve(send_reserved, send_cq.depth())?;
+        let undo_send = || send_cq.router().unreserve(send_reserved);
+        if let Err(e) = recv_cq.router().reserve(recv_reserved, recv_cq.depth()) {
+            undo_send();
+            return Err(e);
+        }
+        let undo = || {
+            undo_send();
+            recv_cq.router().unreserve(recv_reserved);
+        };
+        if let Some(srq) = &init.srq {
+            if let Err(e) = recv_cq.router().attach_srq(srq.shared(), recv_cq.depth()) {
+                undo();
                 return Err(e);
             }
         }
-        let unclaim = || {
-            send_cq.unclaim();
-            recv_cq.unclaim();
+        let undo = || {
+            undo();
+            if let Some(srq) = &init.srq {
+                recv_cq.router().detach_srq(srq.shared());
+            }
         };
-        let shared_depth = init.max_send_wr as u64 + init.max_recv_wr as u64;
-        if (Arc::ptr_eq(&send_cq, &recv_cq) && (send_cq.depth() as u64) < shared_depth)
-            || send_cq.depth() < init.max_send_wr
-            || recv_cq.depth() < init.max_recv_wr
-        {
-            unclaim();
-            return Err(Error::InvalidArgument(
-                "a CQ is shallower than the work queues it serves; it could overrun".into(),
-            ));
-        }
         // SAFETY: ibv_qp_init_attr is plain old data; zero is a valid start.
         let mut attr: ffi::ibv_qp_init_attr = unsafe { mem::zeroed() };
         attr.send_cq = send_cq.as_raw();
         attr.recv_cq = recv_cq.as_raw();
+        attr.srq = init.srq.as_ref().map_or(std::ptr::null_mut(), |s| s.as_raw());
         attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
         attr.cap.max_send_wr = init.max_send_wr;
-        attr.cap.max_recv_wr = init.max_recv_wr;
+        attr.cap.max_recv_wr = recv_depth;
         attr.cap.max_send_sge = 1;
-        attr.cap.max_recv_sge = 1;
+        attr.cap.max_recv_sge = if on_srq { 0 } else { 1 };
         attr.cap.max_inline_data = init.max_inline_data;
-        let raw = {
-            // The channel's lock: no event processing reads id->qp while it is being set.
-            let _lock = id.channel().lock();
-            // SAFETY: id, PD and CQs are valid and on one device (checked above; librdmacm
-            // checks the PD's context against the id's too); attr is fully initialised. The
-            // caller owns the id's only QP-creating state, and the lock keeps librdmacm's
-            // event processing off id->qp meanwhile.
-            let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), &mut attr) };
-            if let Err(e) = check_rdma(ret, "rdma_create_qp") {
-                unclaim();
+        let raw = match create(&mut attr) {
+            Ok(raw) => raw,
+            Err(e) => {
+                undo();
                 return Err(e);
             }
-            // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
-            unsafe { (*id.as_raw()).qp }
-        };
-        let Some(raw) = NonNull::new(raw) else {
-            unclaim();
-            return Err(Error::call("rdma_create_qp", libc::EIO, None));
         };
         // SAFETY: raw is a valid QP; qp_num is immutable.
         let qp_num = unsafe { (*raw.as_ptr()).qp_num };
+        let nonce = next_nonce();
+        let queues = Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth)));
+        let send_index = send_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues));
+        let recv_index = if Arc::ptr_eq(&send_cq, &recv_cq) {
+            send_index.as_ref().map(|i| *i).map_err(|_| Error::InvalidArgument(String::new()))
+        } else {
+            recv_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues))
+        };
+        let (send_index, recv_index) = match (send_index, recv_index) {
+            (Ok(s), Ok(r)) => (s, r),
+            (s, _) => {
+                // The table is full: take the QP down again.
+                if let Ok(i) = s {
+                    send_cq.router().detach_qp(i);
+                }
+                let ret = match &link {
+                    Some(l) => l.destroy(raw.as_ptr()),
+                    // SAFETY: the QP was just created and nothing refers to it.
+                    None => unsafe { ffi::ibv_destroy_qp(raw.as_ptr()) },
+                };
+                if ret == 0 {
+                    undo();
+                }
+                return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
+            }
+        };
         Ok(QueuePair {
             raw,
             qp_num,
-            tag: OURS | (next_nonce(qp_num) << NONCE_SHIFT),
+            max_inline: attr.cap.max_inline_data,
+            nonce,
+            send_slot: Slot { index: send_index },
+            recv_slot: Slot { index: recv_index },
+            send_reserved,
+            recv_reserved,
             connected: false,
             peer_left: false,
             #[cfg(feature = "tokio")]
             detached: false,
-            max_inline: attr.cap.max_inline_data,
-            send: Ring::new(init.max_send_wr),
-            recv: Ring::new(init.max_recv_wr),
-            send_pending: Pending::new(init.max_send_wr),
-            recv_pending: Pending::new(init.max_recv_wr),
-            id: Arc::clone(id),
+            queues,
+            link,
             send_cq,
             recv_cq,
+            srq: init.srq,
             pd: Arc::clone(pd),
         })
     }
@@ -329,44 +450,36 @@ impl QueuePair {
         &self.recv_cq
     }
 
+    /// The shared receive queue it takes receives from, if any.
+    pub fn srq(&self) -> Option<&SharedReceiveQueue> {
+        self.srq.as_ref()
+    }
+
     /// The largest inline send the QP accepts.
     pub fn max_inline_data(&self) -> u32 {
         self.max_inline
     }
 
+    fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
+        lock(&self.queues)
+    }
+
     /// Send-queue work requests posted and not yet retired.
     pub fn outstanding_sends(&self) -> usize {
-        self.send.outstanding() as usize
+        self.queues().send.outstanding() as usize
     }
 
-    /// Completions reaped (by a [`QueuePair::wait_for`] that met them first) and not yet
-    /// returned; the next poll or wait returns them before anything new.
-    pub fn undelivered(&self) -> usize {
-        self.send_pending.len() + self.recv_pending.len()
-    }
-
-    /// Receive-queue work requests posted and not yet completed.
+    /// Receive-queue work requests posted and not yet completed (0 on an SRQ: see
+    /// [`SharedReceiveQueue::outstanding`]).
     pub fn outstanding_recvs(&self) -> usize {
-        self.recv.outstanding() as usize
+        self.queues().recv.outstanding() as usize
     }
 
-    fn check_local(&self, mr: &MemoryRegion, range: &Range<usize>, needs_write: bool) -> Result<()> {
-        if !Arc::ptr_eq(mr.pd(), &self.pd) {
-            return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
-        }
-        if range.start > range.end {
-            return Err(Error::InvalidArgument(format!("range {range:?} is reversed")));
-        }
-        check_range(range.start, range.len(), mr.len())?;
-        if range.len() > u32::MAX as usize {
-            return Err(Error::InvalidArgument("a work request moves at most 4 GiB".into()));
-        }
-        if needs_write && !mr.access().contains(AccessFlags::LOCAL_WRITE) {
-            return Err(Error::InvalidArgument(
-                "the device writes this region (receive or RDMA READ target): register it with LOCAL_WRITE".into(),
-            ));
-        }
-        Ok(())
+    /// Completions reaped (by a wait that met them first, here or on another QP of a shared
+    /// CQ) and not yet returned; the next poll or wait returns them before anything new.
+    pub fn undelivered(&self) -> usize {
+        let q = self.queues();
+        q.send_kept.len() + q.recv_kept.len()
     }
 
     /// Posts send-queue work requests (sends, RDMA WRITEs, RDMA READs), linked into as few
@@ -381,9 +494,6 @@ impl QueuePair {
             // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
             return Err(Error::InvalidArgument("sends need an established connection".into()));
         }
-        if (wrs.len() as u64) > self.send.free() {
-            return Err(Error::QueueFull { queue: "send", depth: self.send.cap() as u32 });
-        }
         for w in wrs {
             if let Some(data) = w.inline {
                 if data.len() > self.max_inline as usize {
@@ -395,16 +505,21 @@ impl QueuePair {
                 }
             }
             if let Some((mr, r)) = &w.local {
-                self.check_local(mr, r, matches!(w.op, SendOp::Read { .. }))?;
+                check_local(&self.pd, mr, r, matches!(w.op, SendOp::Read { .. }))?;
             }
         }
+        let queues = Arc::clone(&self.queues);
+        let mut q = lock(&queues);
+        if (wrs.len() as u64) > q.send.free() {
+            return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
+        }
         for chunk in wrs.chunks(CHUNK) {
-            self.post_send_chunk(chunk)?;
+            self.post_send_chunk(&mut q, chunk)?;
         }
         Ok(())
     }
 
-    fn post_send_chunk(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+    fn post_send_chunk(&self, q: &mut Queues, wrs: &[SendWr<'_>]) -> Result<()> {
         // Only the `n` entries used are initialised (zeroing whole arrays costs on every post).
         let mut raw: [MaybeUninit<ffi::ibv_send_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
         let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
@@ -412,11 +527,11 @@ impl QueuePair {
         let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
         // The work request that takes the last free slot is signaled, so that a queue full of
         // unsignaled work always has a completion coming that retires it.
-        let free = self.send.free();
+        let free = q.send.free();
         for (k, w) in wrs.iter().enumerate() {
             let writes = matches!(w.op, SendOp::Read { .. });
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
-            let seq = self.send.stage(k as u64, w.wr_id, hold);
+            let seq = q.send.stage(k as u64, w.wr_id, hold);
             let sg = sge[k].write(match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
                 (None, Some((m, range))) => {
@@ -427,7 +542,7 @@ impl QueuePair {
             // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those);
             // all-zero is a valid value.
             let r = raw[k].write(unsafe { mem::zeroed() });
-            r.wr_id = self.wire_id(seq, false);
+            r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
             let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
             r.num_sge = has_data as i32;
             r.sg_list = sg;
@@ -465,18 +580,15 @@ impl QueuePair {
         // the call. Each range was checked against a region on this PD, whose handle a ring slot
         // now holds until the completion is reaped; inline data is copied before post returns.
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
-        self.commit_posted(ret, bad, base, n, true, "ibv_post_send")
-    }
-
-    /// The `wr_id` posted for sequence number `seq`.
-    fn wire_id(&self, seq: u64, recv: bool) -> u64 {
-        self.tag | if recv { RECV_TAG } else { 0 } | (seq & SEQ_MASK)
+        self.commit_posted(q, ret, bad, base, n, true, "ibv_post_send")
     }
 
     /// Commits the staged slots after a post, and maps the error (see "Failed posts" in the
     /// module docs).
+    #[allow(clippy::too_many_arguments)]
     fn commit_posted<T>(
-        &mut self,
+        &self,
+        q: &mut Queues,
         ret: i32,
         bad: *mut T,
         first: *const T,
@@ -484,25 +596,19 @@ impl QueuePair {
         send: bool,
         op: &'static str,
     ) -> Result<()> {
+        let ring = if send { &mut q.send } else { &mut q.recv };
         if ret == 0 {
-            let ring = if send { &mut self.send } else { &mut self.recv };
             ring.commit(n as u64, n as u64);
             return Ok(());
         }
-        // Where the provider stopped, if it said so: `bad` inside the list we passed. Compared
-        // as addresses, so nothing is assumed about a pointer we did not give it.
-        let size = mem::size_of::<T>().max(1);
-        let (b, f) = (bad as usize, first as usize);
-        let known = !bad.is_null() && b >= f && b < f + n * size && (b - f) % size == 0;
-        let ring = if send { &mut self.send } else { &mut self.recv };
-        if known {
-            ring.commit(((b - f) / size) as u64, n as u64);
+        if let Some(k) = rejected_from(bad, first, n) {
+            ring.commit(k as u64, n as u64);
             return check_ibv(ret, op);
         }
         // Unknown extent: every staged work request may be posted (and may still run). Keep
         // them all, and flush them through the error state.
         ring.commit(n as u64, n as u64);
-        let flushed = self.set_error().is_ok();
+        let flushed = self.set_error_state().is_ok();
         Err(Error::Call {
             op,
             addr: None,
@@ -518,102 +624,95 @@ impl QueuePair {
     /// Posts receive work requests.
     ///
     /// # Errors
-    /// As for [`QueuePair::post_send`].
+    /// [`Error::InvalidArgument`] on a QP that takes its receives from an SRQ (post there);
+    /// as for [`QueuePair::post_send`].
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        if (wrs.len() as u64) > self.recv.free() {
-            return Err(Error::QueueFull { queue: "receive", depth: self.recv.cap() as u32 });
+        if self.srq.is_some() {
+            return Err(Error::InvalidArgument(
+                "this QP takes its receives from a shared receive queue: post them there".into(),
+            ));
         }
         for w in wrs {
-            self.check_local(w.mr, &w.range, true)?;
+            check_local(&self.pd, w.mr, &w.range, true)?;
+        }
+        let queues = Arc::clone(&self.queues);
+        let mut q = lock(&queues);
+        if (wrs.len() as u64) > q.recv.free() {
+            return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
         }
         for chunk in wrs.chunks(CHUNK) {
-            // SAFETY: plain old data; all-zero is valid.
-            let mut raw: [ffi::ibv_recv_wr; CHUNK] = unsafe { mem::zeroed() };
-            // SAFETY: as above.
-            let mut sge: [ffi::ibv_sge; CHUNK] = unsafe { mem::zeroed() };
-            let n = chunk.len();
-            for (k, w) in chunk.iter().enumerate() {
-                let seq = self.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
-                sge[k] = ffi::ibv_sge {
-                    addr: w.mr.addr() + w.range.start as u64,
-                    length: w.range.len() as u32,
-                    lkey: w.mr.lkey(),
-                };
-                raw[k].wr_id = self.wire_id(seq, true);
-                raw[k].sg_list = &mut sge[k];
-                // A zero-length receive has no scatter entry: some providers read a byte count
-                // of 0 as 2 GiB.
-                raw[k].num_sge = !w.range.is_empty() as i32;
-            }
-            for k in 0..n.saturating_sub(1) {
-                let next: *mut ffi::ibv_recv_wr = &mut raw[k + 1];
-                raw[k].next = next;
-            }
+            let mut list = RecvList::build(chunk, |k, w| {
+                let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
+                tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
+            });
+            let (head, n) = list.head();
             let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
             // SAFETY: as in post_send_chunk: a well-formed list over live stack arrays, ranges
             // checked, LOCAL_WRITE checked, and each region held by a slot until reaped.
-            let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), raw.as_mut_ptr(), &mut bad) };
-            self.commit_posted(ret, bad, raw.as_ptr(), n, false, "ibv_post_recv")?;
+            let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), head, &mut bad) };
+            self.commit_posted(&mut q, ret, bad, head.cast_const(), n, false, "ibv_post_recv")?;
         }
         Ok(())
     }
 
     /// Polls both CQs into `out` without waiting; returns how many entries were filled. Each
     /// completion releases the region its work request held (and, on the send queue, those of
-    /// earlier unsignaled work requests).
+    /// earlier unsignaled work requests). Completions kept for this QP come first; those of
+    /// other QPs on a shared CQ are kept for them.
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let mut n = self.deliver_pending(None, out);
-        n += self.poll_cq(true, &mut out[n..])?;
-        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-            n += self.poll_cq(false, &mut out[n..])?;
+        self.poll_on(None, out)
+    }
+
+    /// Polls only `queue`'s completions into `out`, without waiting. With a CQ shared by
+    /// both queues, the other queue's completions met on the way are kept for later.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.poll_on(Some(queue), out)
+    }
+
+    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut n = self.queues().deliver_kept(which, out);
+        if which != Some(WorkQueue::Send) {
+            if let Some(srq) = &self.srq {
+                n += srq.deliver_kept_for(self.qp_num, &mut out[n..]);
+            }
+        }
+        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        if which != Some(WorkQueue::Recv) || same {
+            n += self.poll_cq(&self.send_cq, which, &mut out[n..])?;
+        }
+        if which != Some(WorkQueue::Send) && !same {
+            n += self.poll_cq(&self.recv_cq, which, &mut out[n..])?;
         }
         Ok(n)
     }
 
-    /// Moves kept completions (of `which` queue, or both) into `out`.
-    fn deliver_pending(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> usize {
-        let mut n = 0;
-        if which != Some(WorkQueue::Recv) {
-            let k = self.send_pending.drain_into(out);
-            self.send.delivered(k as u64);
-            n += k;
-        }
-        if which != Some(WorkQueue::Send) {
-            let k = self.recv_pending.drain_into(&mut out[n..]);
-            self.recv.delivered(k as u64);
-            n += k;
-        }
-        n
-    }
-
-    /// Keeps a completion for a later poll or wait.
-    fn keep(&mut self, wc: WorkCompletion) {
-        match wc.queue() {
-            WorkQueue::Send => self.send_pending.push(wc),
-            WorkQueue::Recv => self.recv_pending.push(wc),
-        }
-    }
-
-    fn poll_cq(&mut self, send_side: bool, out: &mut [WorkCompletion]) -> Result<usize> {
+    /// Polls `cq`: completions of this QP (of `which` queue) go to `out`; every other one is
+    /// kept for its owner.
+    fn poll_cq(&self, cq: &CompletionQueue, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
         let mut filled = 0;
+        let mut router = cq.router();
         while filled < out.len() {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let want = (out.len() - filled).min(POLL_CHUNK);
-            let cq = if send_side { &self.send_cq } else { &self.recv_cq };
             let got = cq.poll_raw(&mut raw[..want])?;
             for wc in &raw[..got] {
                 // SAFETY: ibv_poll_cq initialised the first `got` entries.
                 let wc = unsafe { wc.assume_init_ref() };
-                if let Some(done) = self.route(wc) {
+                let Some((done, owner)) = router.route(wc) else { continue };
+                let mine = done.qp_num() == self.qp_num && which.is_none_or(|q| q == done.queue());
+                if mine {
                     out[filled] = done;
                     filled += 1;
-                    match done.queue() {
-                        WorkQueue::Send => self.send.delivered(1),
-                        WorkQueue::Recv => self.recv.delivered(1),
-                    }
+                } else {
+                    // Another QP's, or ours of the other queue: kept for the next poll or wait
+                    // that asks for it (an SRQ receive stays with its SRQ, under its QP number).
+                    router.keep(done, owner);
                 }
             }
             if got < want {
@@ -623,27 +722,13 @@ impl QueuePair {
         Ok(filled)
     }
 
-    /// Retires the slot(s) a raw completion names and builds the caller's completion.
-    fn route(&mut self, wc: &ffi::ibv_wc) -> Option<WorkCompletion> {
-        // Not ours (another QP's, a raw post by the user, or a stale entry): discard.
-        if wc.qp_num != self.qp_num || wc.wr_id & (OURS | (NONCE_MASK << NONCE_SHIFT)) != self.tag {
-            return None;
-        }
-        let (ring, queue) = if wc.wr_id & RECV_TAG != 0 {
-            (&mut self.recv, WorkQueue::Recv)
-        } else {
-            (&mut self.send, WorkQueue::Send)
-        };
-        let seq = ring.widen(wc.wr_id & SEQ_MASK, SEQ_BITS);
-        let user = ring.complete(seq)?;
-        Some(WorkCompletion::from_raw(wc, user, queue))
-    }
-
     /// Waits up to `timeout` for at least one completion on either queue and polls it into
     /// `out`.
     ///
     /// It polls first, then arms the CQs and sleeps on their completion channels, so an idle
-    /// wait costs no CPU. Returns 0 only when the timeout passed.
+    /// wait costs no CPU. Returns 0 only when the timeout passed. On CQs shared with QPs that
+    /// other threads wait on, a completion one thread keeps for another is noticed by the other
+    /// at its next wake-up: wait for a shared CQ from one thread ([`CompletionQueue::wait`]).
     ///
     /// # Errors
     /// [`Error::Call`] when polling or the channels fail.
@@ -651,52 +736,19 @@ impl QueuePair {
         self.wait_on(None, out, &mut Deadline::new(timeout))
     }
 
-    /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay in
-    /// their CQ. Needs separate send and receive CQs (the default).
+    /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay for
+    /// later (in their CQ, or kept when the queues share one).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when both queues share one CQ; as for [`QueuePair::wait`].
+    /// As for [`QueuePair::wait`].
     pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_queue_until(queue, out, &mut Deadline::new(timeout))
-    }
-
-    /// [`QueuePair::wait_queue`] against a deadline the caller may reuse across waits, so that
-    /// repeated waits share one bound.
-    fn wait_queue_until(
-        &mut self,
-        queue: WorkQueue,
-        out: &mut [WorkCompletion],
-        deadline: &mut Deadline,
-    ) -> Result<usize> {
-        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-            return Err(Error::InvalidArgument(
-                "both queues share one CQ, so one queue cannot be waited for alone: use wait()".into(),
-            ));
-        }
-        self.wait_on(Some(queue), out, deadline)
-    }
-
-    /// Polls only `queue`'s CQ into `out`, without waiting. With a CQ shared by both queues,
-    /// completions of either queue come back.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `ibv_poll_cq` fails.
-    pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
-        let n = self.deliver_pending(Some(queue), out);
-        Ok(n + self.poll_cq(queue == WorkQueue::Send, &mut out[n..])?)
-    }
-
-    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
-        match which {
-            None => self.poll(out),
-            Some(q) => self.poll_queue(q, out),
-        }
+        self.wait_on(Some(queue), out, &mut Deadline::new(timeout))
     }
 
     /// The CQs a wait on `which` sleeps on (one entry is None when there is only one).
     fn wait_cqs(&self, which: Option<WorkQueue>) -> [Option<Arc<CompletionQueue>>; 2] {
         match which {
-            None if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(Arc::clone(&self.send_cq)), None],
+            _ if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(Arc::clone(&self.send_cq)), None],
             None => [Some(Arc::clone(&self.send_cq)), Some(Arc::clone(&self.recv_cq))],
             Some(WorkQueue::Send) => [Some(Arc::clone(&self.send_cq)), None],
             Some(WorkQueue::Recv) => [Some(Arc::clone(&self.recv_cq)), None],
@@ -725,36 +777,30 @@ impl QueuePair {
         self.poll_on(which, out)
     }
 
-    /// Whether waits watch the id's CM channel for the peer leaving: once connected, and only
-    /// while nothing but this connection's id holds the channel (nobody else reads it, so
-    /// watching cannot keep an event from its owner's wait).
-    fn watches_cm(&self) -> bool {
-        self.connected && !self.peer_left && self.id.channel().is_exclusive()
+    /// The link's descriptor, when waits watch it: once connected, until the peer left.
+    fn watch_fd(&self) -> RawFd {
+        match &self.link {
+            Some(l) if self.connected && !self.peer_left => l.watch_fd().unwrap_or(-1),
+            _ => -1,
+        }
     }
 
-    /// The descriptors a sleeping wait watches: the CQ channels, and the CM channel when the
-    /// QP watches it for the peer leaving.
+    /// The descriptors a sleeping wait watches: the CQ channels, and the link's.
     fn wait_fds(&self, cqs: &[Option<Arc<CompletionQueue>>; 2]) -> [RawFd; 3] {
         let cq_fd = |cq: &Option<Arc<CompletionQueue>>| cq.as_ref().map_or(-1, |c| c.as_raw_fd());
-        let cm_fd = if self.watches_cm() { self.id.channel().as_raw_fd() } else { -1 };
-        [cq_fd(&cqs[0]), cq_fd(&cqs[1]), cm_fd]
+        [cq_fd(&cqs[0]), cq_fd(&cqs[1]), self.watch_fd()]
     }
 
-    /// After a sleep: acks the CQ events and handles the CM events that woke us. The events
-    /// stay queued on the channel, so the connection's `next_event` still returns them.
-    fn after_wake(&mut self, cqs: &[Option<Arc<CompletionQueue>>; 2], cm_ready: bool) -> Result<()> {
+    /// After a sleep: acks the CQ events and asks the link what woke us.
+    fn after_wake(&mut self, cqs: &[Option<Arc<CompletionQueue>>; 2], link_ready: bool) -> Result<()> {
         for cq in cqs.iter().flatten() {
             cq.drain_events()?;
         }
-        if cm_ready {
-            let me = self.id.handle();
-            let mut left = false;
-            self.id.channel().pump(|ev| {
-                left |=
-                    ev.id() == me && matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval);
-            })?;
-            if left {
-                self.peer_gone();
+        if link_ready {
+            if let Some(l) = &self.link {
+                if l.peer_left()? {
+                    self.peer_gone();
+                }
             }
         }
         Ok(())
@@ -803,19 +849,17 @@ impl QueuePair {
     /// cancellation-safe as [`QueuePair::wait_async`] is.
     ///
     /// # Errors
-    /// [`Error::WorkCompletion`], [`Error::Disconnected`]; [`Error::InvalidArgument`] with a
-    /// shared CQ.
+    /// [`Error::WorkCompletion`], [`Error::Disconnected`].
     #[cfg(feature = "tokio")]
     pub async fn wait_for_async(&mut self, queue: WorkQueue, wr_id: u64) -> Result<WorkCompletion> {
         if let Some(r) = self.pick_kept(queue, wr_id) {
             return r;
         }
-        let which = self.wait_for_scope(queue);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
             // Completions are kept or returned within the poll that reaps them, so dropping
             // this future between polls loses none.
-            let n = self.wait_on_async(which, &mut wcs).await?;
+            let n = self.wait_on_async(Some(queue), &mut wcs).await?;
             if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
                 return r;
             }
@@ -849,19 +893,22 @@ impl QueuePair {
     /// the disconnect when the peer left).
     fn answer(&self, wc: WorkCompletion) -> Result<WorkCompletion> {
         if !wc.is_ok() && self.peer_left {
-            return Err(Error::Disconnected { op: "waiting for a completion", addr: self.id.peer_addr() });
+            return Err(Error::Disconnected { op: "waiting for a completion", addr: self.peer_addr() });
         }
         wc.ok()
     }
 
+    fn peer_addr(&self) -> Option<SocketAddr> {
+        self.link.as_ref().and_then(|l| l.peer_addr())
+    }
+
     /// A kept completion that decides a wait for `wr_id`, if there is one.
     fn pick_kept(&mut self, queue: WorkQueue, wr_id: u64) -> Option<Result<WorkCompletion>> {
-        let kept = if queue == WorkQueue::Send { &mut self.send_pending } else { &mut self.recv_pending };
-        let wc = kept.take_first(|wc| Self::decides(wc, queue, wr_id))?;
-        match queue {
-            WorkQueue::Send => self.send.delivered(1),
-            WorkQueue::Recv => self.recv.delivered(1),
-        }
+        let wc = self.queues().take_kept(queue, |wc| Self::decides(wc, queue, wr_id));
+        let wc = wc.or_else(|| {
+            let srq = self.srq.as_ref().filter(|_| queue == WorkQueue::Recv)?;
+            srq.take_kept_for(self.qp_num, |wc| Self::decides(wc, queue, wr_id))
+        })?;
         Some(self.answer(wc))
     }
 
@@ -872,49 +919,28 @@ impl QueuePair {
         for wc in wcs {
             if found.is_none() && Self::decides(wc, queue, wr_id) {
                 found = Some(*wc);
+            } else if let (Some(srq), WorkQueue::Recv) = (&self.srq, wc.queue()) {
+                srq.shared().slots().keep(*wc);
             } else {
-                self.keep(*wc);
-                // It was counted as delivered when polled; it is undelivered again.
-                match wc.queue() {
-                    WorkQueue::Send => self.send.undeliver(),
-                    WorkQueue::Recv => self.recv.undeliver(),
-                }
+                self.queues().keep(*wc);
             }
         }
         found.map(|wc| self.answer(wc))
     }
 
-    /// The queues a wait for one queue's completion polls: that queue's CQ, or both when the
-    /// queues share one (the other queue's completions are then kept).
-    fn wait_for_scope(&self, queue: WorkQueue) -> Option<WorkQueue> {
-        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-            None
-        } else {
-            Some(queue)
-        }
-    }
-
-    /// Lets the QP react to its id's CM event: when the peer left (or the device went away),
-    /// move the QP to the error state so every posted work request flushes instead of waiting
-    /// forever. librdmacm does not do this on the passive side of a disconnect. Events of
-    /// other ids are ignored.
-    pub(crate) fn on_cm_event(&mut self, ev: &CmEvent) {
-        if ev.id() == self.id.handle()
-            && matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
-        {
-            self.peer_gone();
-        }
-    }
-
-    fn peer_gone(&mut self) {
+    /// Lets the QP react to the peer leaving (or the device going away): move it to the error
+    /// state so every posted work request flushes instead of waiting forever. librdmacm does
+    /// not do this on the passive side of a disconnect.
+    pub(crate) fn peer_gone(&mut self) {
         if self.peer_left {
             return;
         }
         self.peer_left = true;
         // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
         // the fallback when the id is past that state.
-        if self.id.disconnect().is_err() {
-            let _ = self.set_error();
+        let disconnected = self.link.as_ref().is_some_and(|l| l.disconnect().is_ok());
+        if !disconnected {
+            let _ = self.set_error_state();
         }
     }
 
@@ -939,18 +965,17 @@ impl QueuePair {
         if let Some(r) = self.pick_kept(queue, wr_id) {
             return r;
         }
-        let which = self.wait_for_scope(queue);
         let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let n = self.wait_on(which, &mut wcs, &mut deadline)?;
+            let n = self.wait_on(Some(queue), &mut wcs, &mut deadline)?;
             if n == 0 {
                 let op =
                     if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
                 return Err(Error::Timeout {
                     op,
                     timeout,
-                    addr: self.id.peer_addr(),
+                    addr: self.peer_addr(),
                     hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
                 });
             }
@@ -965,6 +990,10 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when `ibv_modify_qp` fails.
     pub fn set_error(&mut self) -> Result<()> {
+        self.set_error_state()
+    }
+
+    fn set_error_state(&self) -> Result<()> {
         // SAFETY: ibv_qp_attr is plain old data; zero is valid.
         let mut attr: ffi::ibv_qp_attr = unsafe { mem::zeroed() };
         attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
@@ -975,18 +1004,28 @@ impl QueuePair {
         )
     }
 
+    fn outstanding(&self) -> (u64, u64) {
+        let q = self.queues();
+        (q.send.outstanding(), q.recv.outstanding())
+    }
+
     /// Flushes and reaps outstanding work for up to `timeout`; true when nothing is left.
     fn drain(&mut self, timeout: Duration) -> bool {
-        if self.send.outstanding() + self.recv.outstanding() == 0 {
+        let (s, r) = self.outstanding();
+        if s + r == 0 {
             return true;
         }
-        self.connected = false; // no CM reads from here on: the id's events are not ours to take
-        if self.set_error().is_err() {
+        self.connected = false; // no link reads from here on: its events are not ours to take
+        if self.set_error_state().is_err() {
             return false;
         }
         let deadline = Instant::now() + timeout;
         let mut wcs = [WorkCompletion::default(); POLL_CHUNK];
-        while self.send.outstanding() + self.recv.outstanding() > 0 {
+        loop {
+            let (s, r) = self.outstanding();
+            if s + r == 0 {
+                return true;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -994,12 +1033,11 @@ impl QueuePair {
             // Unsignaled sends that succeeded before the flush produce no completion; the
             // flushed ones after them do. What remains is retired by the destroy below.
             match self.wait(&mut wcs, left.min(Duration::from_millis(50))) {
-                Ok(0) if self.send.outstanding() > 0 && self.recv.outstanding() == 0 => return true,
+                Ok(0) if s > 0 && r == 0 => return true,
                 Ok(_) => {}
                 Err(_) => return false,
             }
         }
-        true
     }
 }
 
@@ -1009,7 +1047,8 @@ impl QueuePair {
     /// blocking pool instead. Returns whether it did (then `self` destroys nothing).
     #[cfg(feature = "tokio")]
     fn detach_to_blocking_pool(&mut self) -> bool {
-        if self.detached || self.send.outstanding() + self.recv.outstanding() == 0 {
+        let (s, r) = self.outstanding();
+        if self.detached || s + r == 0 {
             return false;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return false };
@@ -1017,17 +1056,19 @@ impl QueuePair {
             raw: self.raw,
             qp_num: self.qp_num,
             max_inline: self.max_inline,
-            tag: self.tag,
+            nonce: self.nonce,
+            send_slot: self.send_slot,
+            recv_slot: self.recv_slot,
+            send_reserved: self.send_reserved,
+            recv_reserved: self.recv_reserved,
             connected: self.connected,
             peer_left: self.peer_left,
             detached: false,
-            send: mem::replace(&mut self.send, Ring::new(1)),
-            recv: mem::replace(&mut self.recv, Ring::new(1)),
-            send_pending: mem::replace(&mut self.send_pending, Pending::new(1)),
-            recv_pending: mem::replace(&mut self.recv_pending, Pending::new(1)),
-            id: Arc::clone(&self.id),
+            queues: Arc::clone(&self.queues),
+            link: self.link.clone(),
             send_cq: Arc::clone(&self.send_cq),
             recv_cq: Arc::clone(&self.recv_cq),
+            srq: self.srq.clone(),
             pd: Arc::clone(&self.pd),
         };
         self.detached = true;
@@ -1046,46 +1087,49 @@ impl Drop for QueuePair {
             return;
         }
         self.drain(DRAIN_TIMEOUT);
-        let ret = {
-            // The channel's lock: no event processing (which reads and modifies id->qp) runs
-            // between the destroy and clearing id->qp.
-            let _lock = self.id.channel().lock();
-            // SAFETY: the QP is destroyed exactly once, here. The id, CQs and PD are still
-            // alive (our fields).
-            let ret = unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) };
-            if ret == 0 {
-                // SAFETY: the id is valid; clearing `qp` mirrors rdma_destroy_qp, so librdmacm
-                // never uses the freed QP.
-                unsafe { (*self.id.as_raw()).qp = std::ptr::null_mut() };
-            }
-            ret
+        let ret = match &self.link {
+            Some(l) => l.destroy(self.raw.as_ptr()),
+            // SAFETY: the QP is destroyed exactly once, here; nothing else refers to it.
+            None => unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) },
         };
         if ret != 0 {
             // The device may still access the slots' memory: leak it instead of freeing it,
-            // before anything else can fail or panic.
-            mem::forget(mem::take(&mut self.send.slots));
-            mem::forget(mem::take(&mut self.recv.slots));
+            // before anything else can fail or panic. The routing tables keep their entries
+            // (and so their handles of the slots) too.
+            mem::forget(Arc::clone(&self.queues));
             crate::report_leak("ibv_destroy_qp", ret);
             return;
         }
-        // Discard completions the destroyed QP left behind, so a CQ handed to another QP later
-        // cannot route them into that QP's rings.
-        let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
-        for cq in [&self.send_cq, &self.recv_cq] {
-            while matches!(cq.poll_raw(&mut raw), Ok(n) if n > 0) {}
+        // The QP is gone: its entries leave the routing tables, so completions of it still in
+        // a shared CQ retire nothing; its reservations are returned.
+        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        {
+            let mut r = self.send_cq.router();
+            r.detach_qp(self.send_slot.index);
+            r.unreserve(self.send_reserved);
         }
-        self.send_cq.unclaim();
-        self.recv_cq.unclaim();
-        // The rings (and the regions they hold) drop with the struct: the QP no longer exists.
+        {
+            let mut r = self.recv_cq.router();
+            if !same {
+                r.detach_qp(self.recv_slot.index);
+            }
+            r.unreserve(self.recv_reserved);
+            if let Some(srq) = &self.srq {
+                r.detach_srq(srq.shared());
+            }
+        }
+        // The rings (and the regions they hold) drop with the last handle of the queues.
     }
 }
 
 impl fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, r) = self.outstanding();
         f.debug_struct("QueuePair")
             .field("qp_num", &self.qp_num)
-            .field("outstanding_sends", &self.send.outstanding())
-            .field("outstanding_recvs", &self.recv.outstanding())
+            .field("outstanding_sends", &s)
+            .field("outstanding_recvs", &r)
+            .field("srq", &self.srq.is_some())
             .finish()
     }
 }
@@ -1098,5 +1142,16 @@ mod tests {
     fn defaults_follow_the_seed() {
         let q = QpInit::default();
         assert_eq!((q.max_send_wr, q.max_recv_wr), (16, 16));
+    }
+
+    #[test]
+    fn rejected_from_accepts_only_pointers_into_the_list() {
+        let list = [0u64; 4];
+        let first = list.as_ptr();
+        assert_eq!(rejected_from(first.wrapping_add(2).cast_mut(), first, 4), Some(2));
+        assert_eq!(rejected_from(std::ptr::null_mut(), first, 4), None);
+        assert_eq!(rejected_from(first.wrapping_add(4).cast_mut(), first, 4), None, "one past the end");
+        let odd = (first as usize + 3) as *mut u64;
+        assert_eq!(rejected_from(odd, first, 4), None, "not at an entry");
     }
 }

@@ -1,6 +1,7 @@
 //! The slot ring behind each work queue of a [`QueuePair`](crate::QueuePair): which region
-//! each posted work request holds, in posting order, until its completion retires it; and the
-//! completions reaped but not yet handed to the caller.
+//! each posted work request holds, in posting order, until its completion retires it; the
+//! completions reaped but not yet handed to the caller; and the tag every `wr_id` carries so
+//! that a completion finds its way back from any CQ.
 
 use std::mem;
 use std::sync::atomic::Ordering;
@@ -117,7 +118,7 @@ impl Ring {
     }
     /// Retires every work request up to and including `seq`; returns the caller's wr_id, or
     /// `None` for a sequence number outside the outstanding window (never ours, or stale) or
-    /// a void slot. The completion is counted as undelivered until [`Ring::delivered`].
+    /// a void slot.
     pub(crate) fn complete(&mut self, seq: u64) -> Option<u64> {
         if seq < self.head || seq >= self.tail {
             return None;
@@ -132,15 +133,14 @@ impl Ring {
         if last.void {
             return None;
         }
-        self.undelivered += 1;
         Some(last.user_wr_id)
     }
-    /// A completion [`Ring::complete`] returned reached the caller.
+    /// `n` kept completions reached the caller.
     pub(crate) fn delivered(&mut self, n: u64) {
         self.undelivered -= n;
     }
-    /// A delivered completion was taken back to be kept for later.
-    pub(crate) fn undeliver(&mut self) {
+    /// A completion is kept for later: it holds its place until delivered.
+    pub(crate) fn kept(&mut self) {
         self.undelivered += 1;
     }
     /// The full sequence number of a work request whose low `bits` bits are `low`: the one in
@@ -148,6 +148,131 @@ impl Ring {
     pub(crate) fn widen(&self, low: u64, bits: u32) -> u64 {
         let mask = (1u64 << bits) - 1;
         self.head.wrapping_add(low.wrapping_sub(self.head) & mask)
+    }
+}
+
+/// The tag in every `wr_id` this crate posts. A completion carries it back, so it can be routed
+/// from any CQ to the queue that owns it, in O(1), and a foreign or stale one is recognised:
+///
+/// ```text
+/// bit 63    62    61    60..45           44..32        31..0
+///     RECV  OURS  SRQ   owner (16 bits)  nonce (13)    sequence number (low 32 bits) / SRQ slot
+/// ```
+///
+/// `owner` is the QP's index in the CQ's routing table (an SRQ's id for SRQ receives); `nonce`
+/// tells a QP from an earlier one at the same index (an SRQ slot's generation); the full
+/// sequence number is recovered from the ring's window.
+pub(crate) mod tag {
+    pub(crate) const RECV: u64 = 1 << 63;
+    pub(crate) const OURS: u64 = 1 << 62;
+    pub(crate) const SRQ: u64 = 1 << 61;
+    const OWNER_SHIFT: u32 = 45;
+    const NONCE_SHIFT: u32 = 32;
+    pub(crate) const NONCE_MASK: u64 = (1 << 13) - 1;
+    pub(crate) const SEQ_BITS: u32 = 32;
+    const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+
+    /// A decoded tag.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) struct Tag {
+        pub(crate) recv: bool,
+        pub(crate) srq: bool,
+        pub(crate) owner: u16,
+        pub(crate) nonce: u16,
+        pub(crate) low: u64,
+    }
+
+    pub(crate) fn encode(owner: u16, nonce: u16, seq: u64, recv: bool, srq: bool) -> u64 {
+        OURS | if recv { RECV } else { 0 }
+            | if srq { SRQ } else { 0 }
+            | (owner as u64) << OWNER_SHIFT
+            | (nonce as u64 & NONCE_MASK) << NONCE_SHIFT
+            | (seq & SEQ_MASK)
+    }
+
+    /// The tag of a `wr_id`, or `None` when it is not one of this crate's.
+    pub(crate) fn decode(wr_id: u64) -> Option<Tag> {
+        (wr_id & OURS != 0).then_some(Tag {
+            recv: wr_id & RECV != 0,
+            srq: wr_id & SRQ != 0,
+            owner: (wr_id >> OWNER_SHIFT) as u16,
+            nonce: ((wr_id >> NONCE_SHIFT) & NONCE_MASK) as u16,
+            low: wr_id & SEQ_MASK,
+        })
+    }
+}
+
+/// One QP's work-queue state: the slot rings and the completions kept for it. Shared between
+/// the QP (which posts) and the routing tables of its CQs (which retire), behind a mutex.
+pub(crate) struct Queues {
+    pub(crate) send: Ring,
+    pub(crate) recv: Ring,
+    pub(crate) send_kept: Pending,
+    pub(crate) recv_kept: Pending,
+}
+
+impl Queues {
+    pub(crate) fn new(send_depth: u32, recv_depth: u32) -> Queues {
+        Queues {
+            send: Ring::new(send_depth),
+            recv: Ring::new(recv_depth),
+            send_kept: Pending::new(send_depth),
+            recv_kept: Pending::new(recv_depth),
+        }
+    }
+
+    /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
+    /// names nothing outstanding (stale).
+    pub(crate) fn complete(&mut self, t: &tag::Tag) -> Option<u64> {
+        let ring = if t.recv { &mut self.recv } else { &mut self.send };
+        let seq = ring.widen(t.low, tag::SEQ_BITS);
+        ring.complete(seq)
+    }
+
+    /// Keeps a completion for a later poll or wait of this QP.
+    pub(crate) fn keep(&mut self, wc: WorkCompletion) {
+        match wc.queue() {
+            crate::cq::WorkQueue::Send => {
+                self.send.kept();
+                self.send_kept.push(wc);
+            }
+            crate::cq::WorkQueue::Recv => {
+                self.recv.kept();
+                self.recv_kept.push(wc);
+            }
+        }
+    }
+
+    /// Moves kept completions (of `which` queue, or both) into `out`.
+    pub(crate) fn deliver_kept(&mut self, which: Option<crate::cq::WorkQueue>, out: &mut [WorkCompletion]) -> usize {
+        use crate::cq::WorkQueue;
+        let mut n = 0;
+        if which != Some(WorkQueue::Recv) {
+            let k = self.send_kept.drain_into(out);
+            self.send.delivered(k as u64);
+            n += k;
+        }
+        if which != Some(WorkQueue::Send) {
+            let k = self.recv_kept.drain_into(&mut out[n..]);
+            self.recv.delivered(k as u64);
+            n += k;
+        }
+        n
+    }
+
+    /// Takes the first kept completion of `queue` that `pick` accepts.
+    pub(crate) fn take_kept(
+        &mut self,
+        queue: crate::cq::WorkQueue,
+        pick: impl FnMut(&WorkCompletion) -> bool,
+    ) -> Option<WorkCompletion> {
+        let (kept, ring) = match queue {
+            crate::cq::WorkQueue::Send => (&mut self.send_kept, &mut self.send),
+            crate::cq::WorkQueue::Recv => (&mut self.recv_kept, &mut self.recv),
+        };
+        let wc = kept.take_first(pick)?;
+        ring.delivered(1);
+        Some(wc)
     }
 }
 
@@ -216,13 +341,13 @@ mod tests {
         assert_eq!(r.free(), 1);
         // Completion of seq 1 retires seq 0 (unsignaled) and 1.
         assert_eq!(r.complete(1), Some(101));
-        r.delivered(1);
         assert_eq!(r.outstanding(), 1);
         // Stale or foreign sequence numbers retire nothing.
         assert_eq!(r.complete(0), None);
         assert_eq!(r.complete(7), None);
         assert_eq!(r.complete(2), Some(102));
-        assert_eq!(r.free(), 3, "an undelivered completion keeps its place");
+        r.kept();
+        assert_eq!(r.free(), 3, "a kept completion keeps its place");
         r.delivered(1);
         assert_eq!(r.outstanding(), 0);
         assert_eq!(r.free(), 4);
@@ -238,7 +363,6 @@ mod tests {
         r.commit(1, 3);
         assert_eq!(r.outstanding(), 3, "the void slots wait behind the posted one");
         assert_eq!(r.complete(0), Some(0));
-        r.delivered(1);
         assert_eq!(r.outstanding(), 0, "void slots behind a retired one are retired with it");
         assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
         // The next post gets a fresh sequence number, not the rejected ones.
@@ -269,7 +393,6 @@ mod tests {
         r.commit(3, 3);
         assert_eq!(r.free(), 0);
         assert_eq!(r.complete(2), Some(2));
-        r.delivered(1);
         assert_eq!(r.free(), 3);
     }
 
@@ -282,9 +405,20 @@ mod tests {
             let wide = r.widen(i & 0xf, 4);
             assert_eq!(wide, i);
             assert_eq!(r.complete(wide), Some(i));
-            r.delivered(1);
         }
         assert_eq!(r.head, 10);
+    }
+
+    #[test]
+    fn tags_round_trip_and_foreign_ids_are_not_ours() {
+        let w = tag::encode(513, 8191, 0x1_2345_6789, true, false);
+        let t = tag::decode(w).unwrap();
+        assert_eq!((t.recv, t.srq, t.owner, t.nonce, t.low), (true, false, 513, 8191, 0x2345_6789));
+        let t = tag::decode(tag::encode(65535, 1, 7, false, true)).unwrap();
+        assert_eq!((t.recv, t.srq, t.owner, t.nonce, t.low), (false, true, 65535, 1, 7));
+        for foreign in [0, 1, 42, u64::MAX >> 2, 1 << 63] {
+            assert_eq!(tag::decode(foreign), None, "{foreign:#x}");
+        }
     }
 
     #[test]

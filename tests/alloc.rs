@@ -104,3 +104,68 @@ fn post_and_poll_allocate_nothing() {
     drop((c, s));
     t.finish();
 }
+
+/// Polls `cq` until one completion arrives (bounded), counting only the poll itself.
+fn poll_cq_one(cq: &rdma_cm::CompletionQueue, wcs: &mut [WorkCompletion; 4]) -> WorkCompletion {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = watched(|| cq.poll(wcs)).unwrap();
+        if n > 0 {
+            assert_eq!(n, 1);
+            return wcs[0].ok().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no completion within 10 s");
+    }
+}
+
+/// The shared shapes allocate nothing either: a server QP on a CQ it shares and on an SRQ,
+/// polled through the CQ, posting receives to the SRQ and echoes from its QP.
+#[test]
+fn shared_cq_and_srq_post_and_poll_allocate_nothing() {
+    use rdma_cm::{Client, CompletionQueue, ConnParam, MemoryRegion, QpInit, Server, SharedReceiveQueue};
+    use std::sync::Arc;
+    const N: u64 = 5_000;
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let client = std::thread::spawn(move || {
+        let tt = Duration::from_secs(10);
+        let route = Client::new().unwrap().resolve_addr(None, dst, tt).unwrap().resolve_route(tt).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
+        q.post_recv(&[RecvWr::new(&mr, 2048..2112).wr_id(0)]).unwrap();
+        let conn = q.connect(&ConnParam::new(), tt).unwrap();
+        (conn, mr, pd)
+    });
+    let req = listener.get_request(Duration::from_secs(10)).unwrap();
+    let ctx = req.context().unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let srq = SharedReceiveQueue::new(&pd, 16).unwrap();
+    let slot = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let init = QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq)).srq(&srq);
+    let mut server = req.create_qp(&pd, init).unwrap().accept(&ConnParam::new(), Duration::from_secs(10)).unwrap();
+    let (mut conn, mr, _cpd) = client.join().unwrap();
+    let mut wcs = [WorkCompletion::default(); 4];
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for i in 0..N {
+        watched(|| srq.post_recv(&[RecvWr::new(&slot, 0..64).wr_id(i)])).unwrap();
+        watched(|| conn.qp_mut().post_send(&[SendWr::send(&mr, 0..64).wr_id(i)])).unwrap();
+        assert_eq!(poll_one(conn.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_cq_one(&cq, &mut wcs);
+        assert_eq!((wc.queue(), wc.wr_id(), wc.qp_num()), (WorkQueue::Recv, i, server.qp().qp_num()));
+        // The echo, from the slot, polled through the shared CQ.
+        watched(|| server.qp_mut().post_send(&[SendWr::send(&slot, 0..64).wr_id(i)])).unwrap();
+        watched(|| conn.qp_mut().post_recv(&[RecvWr::new(&mr, 2048..2112).wr_id(i + 1)])).unwrap();
+        assert_eq!(poll_cq_one(&cq, &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_one(conn.qp_mut(), &mut wcs);
+        assert_eq!((wc.queue(), wc.wr_id()), (WorkQueue::Recv, i));
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations on a shared CQ and an SRQ");
+    drop((conn, mr, _cpd));
+    drop((server, slot, srq, cq, pd, ctx, listener));
+    t.finish();
+}

@@ -459,3 +459,81 @@ fn doctor_reports_the_device_healthy() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("[FAIL] locked-memory limit") && text.contains("ulimit -l unlimited"), "{text}");
 }
+
+/// `server --shared`: one thread, one event channel, one CQ and one SRQ serve ten clients at
+/// once (every echo checked by the clients), while an eleventh client connects and stays
+/// silent: nobody waits for it, and the server drops it after its --timeout.
+#[test]
+fn shared_server_serves_clients_at_once_and_a_silent_one_delays_nobody() {
+    use rdma_cm::{Client, ConnParam, QpInit};
+    let addr = common::device_addr().to_string();
+    let mut srv = Srv::start(&["-a", &addr, "-p", "7620", "--shared", "--count", "11", "--timeout", "30"]);
+    // The silent client: connected through the library (legacy protocol), never sends.
+    let dst: std::net::SocketAddr = format!("{addr}:7620").parse().unwrap();
+    let t = Duration::from_secs(30);
+    let route = Client::new().unwrap().resolve_addr(None, dst, t).unwrap().resolve_route(t).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let silent = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), t).unwrap();
+    srv.wait_line("1 connected", Duration::from_secs(60));
+    let clients: Vec<_> = (0..10)
+        .map(|_| {
+            Command::new(example("client"))
+                .args(["-a", &addr, "-p", "7620", "--iters", "100", "--size", "512", "--timeout", "30"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in clients {
+        let out = c.wait_with_output().unwrap();
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "a client failed while the silent one was connected:\n{o}\n{e}");
+        assert!(o.contains("Echo verified: 100 x 512 bytes match"), "{o}");
+    }
+    // The ten were served while the silent one held its connection.
+    srv.wait_line("silent for", Duration::from_secs(120));
+    let (code, s) = srv.finish();
+    drop((silent, pd));
+    assert_eq!(code, 0, "{s}");
+    assert!(s.contains("10 client(s) served, 1 failed"), "{s}");
+    assert!(s.contains("shared: one thread, one channel, one CQ, one SRQ"), "{s}");
+}
+
+/// `examples/cmtime` against itself and against rdma-core's `cmtime`, 20 connections: the
+/// same table, every step timed.
+#[test]
+fn cmtime_example_prints_cmtimes_table_and_interoperates() {
+    let addr = common::device_addr().to_string();
+    for (server, port) in [(example("cmtime").to_string_lossy().into_owned(), "7621"), ("cmtime".into(), "7622")] {
+        let mut srv = Command::new(&server)
+            .args(["-b", &addr, "-p", port, "-c", "20"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        common::wait_listening(port.parse().unwrap(), Duration::from_secs(60));
+        let out = Command::new(example("cmtime")).args(["-s", &addr, "-p", port, "-c", "20"]).output().unwrap();
+        let (o, e) = text(&out);
+        assert!(out.status.success(), "cmtime example against {server}: {o}\n{e}");
+        assert!(o.contains("step              total ms     max ms     min us  us / conn"), "{o}");
+        for step in [
+            "create id    :",
+            "resolve addr :",
+            "resolve route:",
+            "create qp    :",
+            "connect      :",
+            "disconnect   :",
+            "destroy      :",
+        ] {
+            let line = o.lines().find(|l| l.starts_with(step)).unwrap_or_else(|| panic!("no {step} line:\n{o}"));
+            let total: f64 = line[14..25].trim().parse().unwrap();
+            assert!(total > 0.0, "{line}");
+        }
+        if server == "cmtime" {
+            // rdma-core's server keeps waiting for more; ours exits by itself.
+            let _ = srv.kill();
+        }
+        assert!(srv.wait().is_ok());
+    }
+}

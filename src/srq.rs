@@ -1,0 +1,321 @@
+//! [`SharedReceiveQueue`]: receives posted once, consumed by whichever attached QP a message
+//! arrives on (`ibv_create_srq`).
+//!
+//! # Ownership of in-flight memory
+//!
+//! As on a QP, posting a receive moves a handle of its region into a slot the SRQ holds until
+//! the completion is reaped. An SRQ's receives complete in any order, on the receive CQs of
+//! the QPs attached to it, so its slots are a table with a free list rather than a ring: a
+//! completion names its slot and the slot's generation in its `wr_id`, and retires that slot
+//! only. The table is allocated once, at creation; posting and retiring allocate nothing.
+//!
+//! Every QP attached to an SRQ holds it, so it is destroyed after them; its slots (and the
+//! regions they hold) are released only once it is destroyed, since until then the device may
+//! still write a posted receive. A receive that a QP took but whose completion was never
+//! reaped (the QP was dropped meanwhile) stays held until the SRQ goes.
+//!
+//! # The limit event
+//!
+//! [`SharedReceiveQueue::arm_limit`] asks the device for an `IBV_EVENT_SRQ_LIMIT_REACHED`
+//! asynchronous event when fewer than the given number of receives remain posted; it arrives on
+//! the context ([`crate::VerbsContext::async_event`]), and [`SharedReceiveQueue::is_limit_event`]
+//! tells whether an event is this SRQ's. It fires once per arming.
+
+use std::fmt;
+use std::mem;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rdma_sys as ffi;
+
+use crate::cq::{WorkCompletion, WorkQueue};
+use crate::device::AsyncEvent;
+use crate::error::{check_ibv, errno, Error, Result};
+use crate::pd::ProtectionDomain;
+use crate::ring::{tag, Hold, Pending};
+use crate::wr::RecvWr;
+
+/// One slot of an SRQ.
+#[derive(Default)]
+struct Slot {
+    /// Bumped at every post, so a completion names one posting of the slot.
+    generation: u16,
+    posted: bool,
+    user_wr_id: u64,
+    _hold: Option<Hold>,
+}
+
+/// An SRQ's slots and the completions kept for the QPs that consumed them.
+pub(crate) struct Slots {
+    slots: Box<[Slot]>,
+    /// Free slot indices (capacity: every slot), so taking and returning one allocates nothing.
+    free: Vec<u32>,
+    /// Completions of this SRQ reaped by one QP's poll for another QP; each keeps its place.
+    kept: Pending,
+}
+
+impl Slots {
+    fn new(depth: u32) -> Slots {
+        Slots {
+            slots: (0..depth).map(|_| Slot::default()).collect(),
+            free: (0..depth).rev().collect(),
+            kept: Pending::new(depth),
+        }
+    }
+
+    /// Receives that can still be posted.
+    fn room(&self) -> usize {
+        self.free.len().saturating_sub(self.kept.len())
+    }
+
+    /// Retires the slot a completion names; the caller's wr_id, or `None` when the slot is not
+    /// posted under that generation (stale or foreign).
+    pub(crate) fn complete(&mut self, t: &tag::Tag) -> Option<u64> {
+        let i = t.low as usize;
+        let s = self.slots.get_mut(i)?;
+        if !s.posted || (s.generation as u64 & tag::NONCE_MASK) != t.nonce as u64 {
+            return None;
+        }
+        let id = s.user_wr_id;
+        *s = Slot { generation: s.generation, ..Slot::default() };
+        self.free.push(i as u32);
+        Some(id)
+    }
+
+    /// Keeps a completion for the QP that consumed it (`wc.qp_num()`).
+    pub(crate) fn keep(&mut self, wc: WorkCompletion) {
+        self.kept.push(wc);
+    }
+
+    /// Takes the first kept completion that `pick` accepts.
+    pub(crate) fn take_kept(&mut self, pick: impl FnMut(&WorkCompletion) -> bool) -> Option<WorkCompletion> {
+        self.kept.take_first(pick)
+    }
+
+    /// Whether completions are kept.
+    pub(crate) fn has_kept(&self) -> bool {
+        self.kept.len() > 0
+    }
+}
+
+/// The SRQ itself: shared by its handle, the QPs attached to it and the routing tables of their
+/// receive CQs. Destroyed when the last of them goes.
+pub(crate) struct SrqShared {
+    raw: NonNull<ffi::ibv_srq>,
+    /// The owner field of this SRQ's `wr_id`s (unique among live SRQs of the process, mostly;
+    /// the routing table compares the SRQ too).
+    pub(crate) id: u16,
+    depth: u32,
+    slots: Mutex<Slots>,
+    // Dropped after the SRQ is destroyed (Drop::drop runs first).
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: the SRQ's verbs (post, modify, destroy) are thread-safe in libibverbs; the slots are
+// behind a mutex; destruction happens once, in Drop, when no QP or CQ refers to it.
+unsafe impl Send for SrqShared {}
+// SAFETY: see the Send impl.
+unsafe impl Sync for SrqShared {}
+
+impl SrqShared {
+    pub(crate) fn slots(&self) -> MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn as_raw(&self) -> *mut ffi::ibv_srq {
+        self.raw.as_ptr()
+    }
+    pub(crate) fn depth(&self) -> u32 {
+        self.depth
+    }
+}
+
+impl Drop for SrqShared {
+    fn drop(&mut self) {
+        // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
+        let ret = unsafe { ffi::ibv_destroy_srq(self.raw.as_ptr()) };
+        if ret != 0 {
+            // The device may still write posted receives: leak their regions, then report.
+            let slots = mem::take(&mut self.slots.get_mut().unwrap_or_else(|e| e.into_inner()).slots);
+            mem::forget(slots);
+            crate::report_leak("ibv_destroy_srq", ret);
+        }
+        // Destroyed: the slots (and regions) drop with the struct.
+    }
+}
+
+/// A shared receive queue (`ibv_srq`). Cloning is cheap and yields another handle to the same
+/// SRQ; attach QPs with [`crate::QpInit::srq`].
+#[derive(Clone)]
+pub struct SharedReceiveQueue {
+    inner: Arc<SrqShared>,
+}
+
+impl SharedReceiveQueue {
+    /// Creates an SRQ on `pd` that holds up to `depth` receives of one scatter entry each.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a zero depth; [`Error::Call`] when `ibv_create_srq`
+    /// fails (e.g. `EINVAL` beyond the device's `max_srq_wr`, `ENOSYS` without SRQ support).
+    pub fn new(pd: &Arc<ProtectionDomain>, depth: u32) -> Result<SharedReceiveQueue> {
+        if depth == 0 || depth > u16::MAX as u32 + 1 {
+            return Err(Error::InvalidArgument(format!("SRQ depth {depth} must be between 1 and 65536")));
+        }
+        // SAFETY: ibv_srq_init_attr is plain old data; zero is a valid start.
+        let mut attr: ffi::ibv_srq_init_attr = unsafe { mem::zeroed() };
+        attr.attr.max_wr = depth;
+        attr.attr.max_sge = 1;
+        // SAFETY: the PD is valid; attr is initialised; the result is checked.
+        let raw = unsafe { ffi::ibv_create_srq(pd.as_raw(), &mut attr) };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::call("ibv_create_srq", errno(), None))?;
+        static NEXT: AtomicU16 = AtomicU16::new(0);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        Ok(SharedReceiveQueue {
+            inner: Arc::new(SrqShared { raw, id, depth, slots: Mutex::new(Slots::new(depth)), pd: Arc::clone(pd) }),
+        })
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<SrqShared> {
+        &self.inner
+    }
+
+    /// The raw SRQ. It stays owned by the SRQ; posting to it directly bypasses the slot table.
+    pub fn as_raw(&self) -> *mut ffi::ibv_srq {
+        self.inner.as_raw()
+    }
+
+    /// How many receives it holds.
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    /// Receives posted and not yet completed (or completed and kept for their QP).
+    pub fn outstanding(&self) -> usize {
+        let s = self.inner.slots();
+        self.inner.depth as usize - s.room()
+    }
+
+    /// The PD it was created on.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.inner.pd
+    }
+
+    /// Posts receives; any attached QP may consume them, in any order.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`] or [`Error::InvalidArgument`]/[`Error::OutOfBounds`] before anything
+    /// is posted; [`Error::Call`] when `ibv_post_srq_recv` fails (what it did not take is
+    /// released; when it does not say what it took, everything stays held until the SRQ goes).
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        for w in wrs {
+            crate::qp::check_local(&self.inner.pd, w.mr, &w.range, true)?;
+        }
+        let mut slots = self.inner.slots();
+        if wrs.len() > slots.room() {
+            return Err(Error::QueueFull { queue: "shared receive", depth: self.inner.depth });
+        }
+        for chunk in wrs.chunks(crate::qp::CHUNK) {
+            let mut taken = [0u32; crate::qp::CHUNK];
+            let mut list = crate::qp::RecvList::build(chunk, |k, w| {
+                let i = slots.free.pop().unwrap_or(0); // room was checked above
+                taken[k] = i;
+                let s = &mut slots.slots[i as usize];
+                s.generation = s.generation.wrapping_add(1);
+                *s = Slot {
+                    generation: s.generation,
+                    posted: true,
+                    user_wr_id: w.wr_id,
+                    _hold: Some(Hold::new(w.mr.inner(), true)),
+                };
+                tag::encode(self.inner.id, s.generation, i as u64, true, true)
+            });
+            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+            let (first, n) = list.head();
+            // SAFETY: the SRQ is valid; the list is well formed over live stack arrays; each
+            // range was checked against a region of this PD with LOCAL_WRITE, whose handle a
+            // slot now holds until the completion is reaped or the SRQ is destroyed.
+            let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
+            if ret == 0 {
+                continue;
+            }
+            match crate::qp::rejected_from(bad, first.cast_const(), n) {
+                Some(k) => {
+                    // The provider took the first k: release the others.
+                    for &i in &taken[k..n] {
+                        let s = &mut slots.slots[i as usize];
+                        *s = Slot { generation: s.generation, ..Slot::default() };
+                        slots.free.push(i);
+                    }
+                    return check_ibv(ret, "ibv_post_srq_recv");
+                }
+                None => {
+                    return Err(Error::Call {
+                        op: "ibv_post_srq_recv",
+                        addr: None,
+                        hint: Some("the provider failed the post without saying which receives it took: they stay held until the SRQ is destroyed"),
+                        source: std::io::Error::from_raw_os_error(ret.abs()),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks for the limit event when fewer than `limit` receives remain posted (0 disarms).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_modify_srq` fails (`EINVAL` when `limit` exceeds the depth).
+    pub fn arm_limit(&self, limit: u32) -> Result<()> {
+        // SAFETY: ibv_srq_attr is plain old data.
+        let mut attr: ffi::ibv_srq_attr = unsafe { mem::zeroed() };
+        attr.srq_limit = limit;
+        // SAFETY: the SRQ is valid; only srq_limit is read, as the mask says.
+        check_ibv(
+            unsafe { ffi::ibv_modify_srq(self.as_raw(), &mut attr, ffi::ibv_srq_attr_mask::IBV_SRQ_LIMIT.0 as i32) },
+            "ibv_modify_srq(limit)",
+        )
+    }
+
+    /// Whether `ev` is this SRQ's limit event.
+    pub fn is_limit_event(&self, ev: &AsyncEvent) -> bool {
+        ev.is_srq_limit() && ev.element == crate::device::AsyncElement::Srq(self.as_raw() as usize)
+    }
+
+    /// Takes kept completions of QP `qp_num` into `out` (those another QP's poll reaped).
+    pub(crate) fn deliver_kept_for(&self, qp_num: u32, out: &mut [WorkCompletion]) -> usize {
+        let mut slots = self.inner.slots();
+        let mut n = 0;
+        while n < out.len() && slots.has_kept() {
+            match slots.take_kept(|wc| wc.qp_num() == qp_num) {
+                Some(wc) => {
+                    out[n] = wc;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        n
+    }
+
+    /// A kept completion of QP `qp_num` that `pick` accepts.
+    pub(crate) fn take_kept_for(
+        &self,
+        qp_num: u32,
+        mut pick: impl FnMut(&WorkCompletion) -> bool,
+    ) -> Option<WorkCompletion> {
+        let mut slots = self.inner.slots();
+        if !slots.has_kept() {
+            return None;
+        }
+        slots.take_kept(|wc| wc.qp_num() == qp_num && wc.queue() == WorkQueue::Recv && pick(wc))
+    }
+}
+
+impl fmt::Debug for SharedReceiveQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedReceiveQueue")
+            .field("depth", &self.inner.depth)
+            .field("outstanding", &self.outstanding())
+            .finish()
+    }
+}
