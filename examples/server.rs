@@ -342,6 +342,9 @@ mod shared {
     struct State {
         pool: Option<Pool>,
         accepting: HashMap<IdHandle, (Accepting, String, u32)>,
+        /// Receives that completed for a QP still waiting for its ESTABLISHED (the client may
+        /// send as soon as it has the accept): (slot, bytes), echoed once it is established.
+        early: HashMap<u32, Vec<(usize, usize)>>,
         clients: HashMap<u32, Client>,
         by_id: HashMap<IdHandle, u32>,
         accepted: u32,
@@ -363,6 +366,7 @@ mod shared {
         let mut st = State {
             pool: None,
             accepting: HashMap::new(),
+            early: HashMap::new(),
             clients: HashMap::new(),
             by_id: HashMap::new(),
             accepted: 0,
@@ -442,6 +446,10 @@ mod shared {
                         st.by_id.insert(conn.id().handle(), q);
                         st.clients
                             .insert(q, Client { conn, peer, iters, echoed: 0, echo_len: 0, last: Instant::now() });
+                        // Messages that arrived before the handshake finished get their echo now.
+                        for (slot, n) in st.early.remove(&q).unwrap_or_default() {
+                            echo(st, q, slot, n);
+                        }
                     }
                     Err(e) => {
                         eprintln!("[ERROR] client {peer}: {e}");
@@ -466,7 +474,12 @@ mod shared {
                 // Dropping it here takes its QP off the shared CQ; the others go on.
             }
             CmEventType::Rejected | CmEventType::ConnectError | CmEventType::Unreachable => {
-                if let Some((_, peer, _)) = st.accepting.remove(&ev.id()) {
+                if let Some((acc, peer, _)) = st.accepting.remove(&ev.id()) {
+                    if let Some(p) = &st.pool {
+                        for (slot, _) in st.early.remove(&acc.qp().qp_num()).unwrap_or_default() {
+                            repost(p, slot);
+                        }
+                    }
                     eprintln!("[ERROR] client {peer}: {} during the handshake", ev.event_type());
                     st.failed += 1;
                 }
@@ -503,8 +516,34 @@ mod shared {
         let info = QpInfo { qp_num: pending.qp().qp_num(), ..QpInfo::default() };
         let param = ConnParam::new().private_data(&info.encode()).map_err(|e| e.to_string())?;
         let acc = pending.start_accept(&param).map_err(|e| e.to_string())?;
+        st.early.insert(acc.qp().qp_num(), Vec::new());
         st.accepting.insert(acc.handle(), (acc, peer, iters));
         Ok(())
+    }
+
+    /// Returns a slot to the SRQ.
+    fn repost(p: &Pool, slot: usize) {
+        let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
+    }
+
+    /// Echoes `n` bytes of `slot` to client `q`, from the slot itself: it returns to the SRQ
+    /// once the send completes.
+    fn echo(st: &mut State, q: u32, slot: usize, n: usize) {
+        let (Some(p), Some(c)) = (&st.pool, st.clients.get_mut(&q)) else { return };
+        c.last = Instant::now();
+        c.echo_len = n;
+        if c.iters == 1 {
+            println!("[INFO] Received {n} bytes");
+        }
+        // Counted once posted: the client may see the echo, and leave, before this loop polls
+        // the send's completion.
+        match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
+            Ok(()) => c.echoed += 1,
+            Err(e) => {
+                eprintln!("[ERROR] client {}: {e}", c.peer);
+                repost(p, slot);
+            }
+        }
     }
 
     fn on_completion(st: &mut State, wc: &WorkCompletion) {
@@ -512,35 +551,22 @@ mod shared {
         let slot = wc.wr_id() as usize;
         match wc.queue() {
             WorkQueue::Recv => {
-                let Some(c) = st.clients.get_mut(&wc.qp_num()) else {
-                    // Its QP is gone (or the receive failed with it): the slot goes back.
-                    let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
-                    return;
-                };
                 let n = match wc.ok() {
                     Ok(wc) => wc.byte_len() as usize,
                     Err(e) => {
-                        eprintln!("[ERROR] client {}: {e}", c.peer);
-                        let _ =
-                            p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
-                        return;
+                        if let Some(c) = st.clients.get(&wc.qp_num()) {
+                            eprintln!("[ERROR] client {}: {e}", c.peer);
+                        }
+                        return repost(p, slot);
                     }
                 };
-                c.last = Instant::now();
-                c.echo_len = n;
-                if c.iters == 1 {
-                    println!("[INFO] Received {n} bytes");
-                }
-                // Echo from the slot itself; it returns to the SRQ once the send completes.
-                // Counted once posted: the client may see the echo, and leave, before this
-                // loop polls the send's completion.
-                match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
-                    Ok(()) => c.echoed += 1,
-                    Err(e) => {
-                        eprintln!("[ERROR] client {}: {e}", c.peer);
-                        let _ =
-                            p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
-                    }
+                if st.clients.contains_key(&wc.qp_num()) {
+                    echo(st, wc.qp_num(), slot, n);
+                } else if let Some(early) = st.early.get_mut(&wc.qp_num()) {
+                    early.push((slot, n));
+                } else {
+                    // Its QP is gone: the slot goes back.
+                    repost(p, slot);
                 }
             }
             WorkQueue::Send => {
@@ -549,7 +575,7 @@ mod shared {
                         println!("[INFO] Sent {} bytes", c.echo_len);
                     }
                 }
-                let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
+                repost(p, slot);
             }
         }
     }

@@ -53,7 +53,7 @@
 //! ```compile_fail
 //! # fn f(mut q: rdma_cm::ServerQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
 //! // Nor can a server before it has accepted.
-//! q.post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
+//! q.qp_mut().post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
 //! # Ok(()) }
 //! ```
 //!
@@ -901,6 +901,13 @@ impl Accepting {
     /// The id's token, to match the next event.
     pub fn handle(&self) -> IdHandle {
         self.id.handle()
+    }
+
+    /// The QP. The peer may send as soon as it has the accept, so a receive can complete
+    /// (on a CQ an event loop polls) before this side sees `ESTABLISHED`: match it by
+    /// [`QueuePair::qp_num`] and answer once [`Accepting::complete`] gives the connection.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
     }
 
     /// Completes the handshake with the id's `ESTABLISHED` event.

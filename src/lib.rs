@@ -235,6 +235,18 @@ mod tests {
     /// (where `eprintln!` panics).
     #[test]
     fn reporting_a_leak_to_a_closed_stderr_does_not_panic() {
+        // The test harness captures output written through `eprintln!`, which would hide the
+        // panic this test looks for: run the check again in a child process, uncaptured.
+        if std::env::var_os("RDMA_CM_LEAK_REPORT_CHILD").is_none() {
+            let st = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "tests::reporting_a_leak_to_a_closed_stderr_does_not_panic", "--nocapture"])
+                .args(["--test-threads=1"])
+                .env("RDMA_CM_LEAK_REPORT_CHILD", "1")
+                .status()
+                .unwrap();
+            assert!(st.success(), "the uncaptured run failed: {st}");
+            return;
+        }
         let mut p = [0; 2];
         // SAFETY: `p` has room for the two descriptors; dup/dup2/close act on descriptors this
         // test owns (and restores fd 2 before returning).

@@ -663,7 +663,7 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.poll_on(None, out)
+        self.poll_on(None, out, true)
     }
 
     /// Polls only `queue`'s completions into `out`, without waiting. With a CQ shared by
@@ -672,14 +672,20 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.poll_on(Some(queue), out)
+        self.poll_on(Some(queue), out, true)
     }
 
-    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
-        let mut n = self.queues().deliver_kept(which, out);
-        if which != Some(WorkQueue::Send) {
-            if let Some(srq) = &self.srq {
-                n += srq.deliver_kept_for(self.qp_num, &mut out[n..]);
+    /// Polls `which` queue (or both) into `out`; with `kept`, the completions kept for this QP
+    /// come first. A wait for one `wr_id` polls without them: it has looked at them already, and
+    /// getting them back would keep it from ever reaching the CQ (or its deadline).
+    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+        let mut n = 0;
+        if kept {
+            n += self.queues().deliver_kept(which, out);
+            if which != Some(WorkQueue::Send) {
+                if let Some(srq) = &self.srq {
+                    n += srq.deliver_kept_for(self.qp_num, &mut out[n..]);
+                }
             }
         }
         let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
@@ -733,7 +739,7 @@ impl QueuePair {
     /// # Errors
     /// [`Error::Call`] when polling or the channels fail.
     pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_on(None, out, &mut Deadline::new(timeout))
+        self.wait_on(None, out, &mut Deadline::new(timeout), true)
     }
 
     /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay for
@@ -742,7 +748,7 @@ impl QueuePair {
     /// # Errors
     /// As for [`QueuePair::wait`].
     pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_on(Some(queue), out, &mut Deadline::new(timeout))
+        self.wait_on(Some(queue), out, &mut Deadline::new(timeout), true)
     }
 
     /// The CQs a wait on `which` sleeps on (one entry is None when there is only one).
@@ -762,10 +768,11 @@ impl QueuePair {
         which: Option<WorkQueue>,
         cqs: &[Option<Arc<CompletionQueue>>; 2],
         out: &mut [WorkCompletion],
+        kept: bool,
     ) -> Result<usize> {
         // A short busy phase keeps latency low without burning a core while idle.
         for _ in 0..64 {
-            let n = self.poll_on(which, out)?;
+            let n = self.poll_on(which, out, kept)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -774,7 +781,7 @@ impl QueuePair {
         for cq in cqs.iter().flatten() {
             cq.req_notify(false)?;
         }
-        self.poll_on(which, out)
+        self.poll_on(which, out, kept)
     }
 
     /// The link's descriptor, when waits watch it: once connected, until the peer left.
@@ -811,13 +818,14 @@ impl QueuePair {
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
         deadline: &mut Deadline,
+        kept: bool,
     ) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out)?;
+            let n = self.poll_or_arm(which, &cqs, out, kept)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -841,7 +849,7 @@ impl QueuePair {
     /// As for [`QueuePair::wait`].
     #[cfg(feature = "tokio")]
     pub async fn wait_async(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.wait_on_async(None, out).await
+        self.wait_on_async(None, out, true).await
     }
 
     /// [`QueuePair::wait_for`] for async code: waits for `wr_id` on `queue`, failing on any
@@ -859,7 +867,7 @@ impl QueuePair {
         loop {
             // Completions are kept or returned within the poll that reaps them, so dropping
             // this future between polls loses none.
-            let n = self.wait_on_async(Some(queue), &mut wcs).await?;
+            let n = self.wait_on_async(Some(queue), &mut wcs, false).await?;
             if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
                 return r;
             }
@@ -867,13 +875,18 @@ impl QueuePair {
     }
 
     #[cfg(feature = "tokio")]
-    async fn wait_on_async(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
+    async fn wait_on_async(
+        &mut self,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        kept: bool,
+    ) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out)?;
+            let n = self.poll_or_arm(which, &cqs, out, kept)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -968,7 +981,7 @@ impl QueuePair {
         let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let n = self.wait_on(Some(queue), &mut wcs, &mut deadline)?;
+            let n = self.wait_on(Some(queue), &mut wcs, &mut deadline, false)?;
             if n == 0 {
                 let op =
                     if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };

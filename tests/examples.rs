@@ -485,10 +485,15 @@ fn shared_server_serves_clients_at_once_and_a_silent_one_delays_nobody() {
                 .unwrap()
         })
         .collect();
-    for c in clients {
-        let out = c.wait_with_output().unwrap();
-        let (o, e) = text(&out);
-        assert!(out.status.success(), "a client failed while the silent one was connected:\n{o}\n{e}");
+    let outs: Vec<_> = clients.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    if let Some(bad) = outs.iter().find(|o| !o.status.success()) {
+        let (o, e) = text(bad);
+        let _ = srv.child.kill();
+        let (_, s) = srv.finish();
+        panic!("a client failed while the silent one was connected:\n{o}\n{e}\nserver:\n{s}");
+    }
+    for out in &outs {
+        let (o, _) = text(out);
         assert!(o.contains("Echo verified: 100 x 512 bytes match"), "{o}");
     }
     // The ten were served while the silent one held its connection.

@@ -61,6 +61,7 @@ fn hundred_clients_one_thread_one_cq_one_srq() {
         let mut accepting: HashMap<_, Accepting> = HashMap::new();
         let mut conns: HashMap<u32, Connection> = HashMap::new(); // by qp_num
         let mut by_id = HashMap::new(); // id handle -> qp_num
+        let mut early: HashMap<u32, Vec<usize>> = HashMap::new(); // receives before ESTABLISHED
         let (mut echoed, mut gone, mut max_live) = (0u64, 0u64, 0usize);
         let mut wcs = [WorkCompletion::default(); 32];
         let deadline = Instant::now() + Duration::from_secs(300);
@@ -96,13 +97,19 @@ fn hundred_clients_one_thread_one_cq_one_srq() {
                             .srq(srq.as_ref().unwrap());
                         let q = req.create_qp(pd.as_ref().unwrap(), init).unwrap();
                         let acc = q.start_accept(&ConnParam::new()).unwrap();
+                        early.insert(acc.qp().qp_num(), vec![]);
                         accepting.insert(acc.handle(), acc);
                     }
                     CmEventType::Established => {
                         let acc = accepting.remove(&ev.id()).expect("ESTABLISHED of a known id");
                         let conn = acc.complete(ev).unwrap();
-                        by_id.insert(conn.id().handle(), conn.qp().qp_num());
-                        conns.insert(conn.qp().qp_num(), conn);
+                        let q = conn.qp().qp_num();
+                        by_id.insert(conn.id().handle(), q);
+                        let conn = conns.entry(q).or_insert(conn);
+                        // A client may send before this side sees ESTABLISHED: echo those now.
+                        for slot in early.remove(&q).unwrap_or_default() {
+                            conn.qp_mut().post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)]).unwrap();
+                        }
                         max_live = max_live.max(conns.len());
                     }
                     CmEventType::Disconnected => {
@@ -128,8 +135,13 @@ fn hundred_clients_one_thread_one_cq_one_srq() {
                         let client = u64::from_be_bytes(m[..8].try_into().unwrap());
                         let seq = u64::from_be_bytes(m[8..16].try_into().unwrap());
                         assert_eq!(m, &message(client, seq)[..], "bytes of client {client} message {seq}");
-                        let conn = conns.get_mut(&wc.qp_num()).expect("a receive of a live QP");
-                        conn.qp_mut().post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)]).unwrap();
+                        match conns.get_mut(&wc.qp_num()) {
+                            Some(conn) => conn
+                                .qp_mut()
+                                .post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)])
+                                .unwrap(),
+                            None => early.get_mut(&wc.qp_num()).expect("a receive of a known QP").push(slot),
+                        }
                     }
                     WorkQueue::Send => {
                         // The echo left: the slot goes back to the SRQ (or, when its QP was

@@ -106,6 +106,32 @@ fn guest_only_a_cq_of_another_device_is_refused() {
         let err = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&foreign_cq))).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, Error::InvalidArgument(_)) && msg.contains("rxe1") && msg.contains("device"), "{msg}");
+        // The dangerous case: the foreign CQ's handle number equals that of a CQ of the QP's
+        // own device, so the kernel would resolve it to *that* CQ rather than fail. Make the
+        // numbers collide, and check the crate still refuses.
+        let route = Client::new()
+            .unwrap()
+            .resolve_addr(None, SocketAddr::new(t.addr, 7999), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
+        let own_cq = CompletionQueue::new(&route.context().unwrap(), 32).unwrap();
+        // SAFETY: reading the handle field of a live CQ.
+        let own_handle = unsafe { (*own_cq.as_raw()).handle };
+        let mut spare = vec![];
+        let colliding = loop {
+            let cq = CompletionQueue::new(&other_ctx, 32).unwrap();
+            // SAFETY: as above.
+            let h = unsafe { (*cq.as_raw()).handle };
+            if h == own_handle {
+                break cq;
+            }
+            assert!(h < own_handle, "cannot make the handles collide ({h} > {own_handle})");
+            spare.push(cq);
+        };
+        let r = route.create_qp(&pd, QpInit::new().send_cq(colliding).recv_cq(own_cq));
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "a QP was created with a CQ of another device");
+        drop(spare);
         // A PD of the other device is refused too.
         let route = Client::new()
             .unwrap()
@@ -361,17 +387,53 @@ fn wait_for_on_a_shared_cq_keeps_the_other_queue() {
     t.finish();
 }
 
-/// Item 11: a zero-length receive is posted without a scatter entry and completes with 0
-/// bytes.
+static ORIG_POST_RECV: std::sync::OnceLock<
+    unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32,
+> = std::sync::OnceLock::new();
+static SEEN_NUM_SGE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Stands in for the provider's post_recv: records what it is handed, then calls the real one.
+///
+/// # Safety
+/// As the provider's `post_recv`.
+unsafe extern "C" fn recording_post_recv(
+    qp: *mut ffi::ibv_qp,
+    wr: *mut ffi::ibv_recv_wr,
+    bad: *mut *mut ffi::ibv_recv_wr,
+) -> i32 {
+    // SAFETY: `wr` is the list the crate passed, valid for the call.
+    SEEN_NUM_SGE.store(unsafe { (*wr).num_sge }, std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: forwarded unchanged to the provider's own entry point.
+    unsafe { ORIG_POST_RECV.get().expect("set before the swap")(qp, wr, bad) }
+}
+
+/// Item 11: a zero-length receive reaches the provider with no scatter entry (some providers
+/// read a 0 byte count as 2 GiB; rxe does not, so what the provider is handed is checked by
+/// wrapping its post_recv entry), and completes with 0 bytes.
 #[test]
-fn zero_length_receives_complete_with_zero_bytes() {
+fn zero_length_receives_reach_the_provider_without_sge() {
     let t = DeviceTest::start();
-    let spec_s = PairSpec { pre_recv: vec![(4, 0)], ..PairSpec::default() };
-    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    let qp = s.conn.qp().as_raw();
+    // SAFETY: the QP and its context are alive; the context's ops table is the provider's,
+    // swapped for this one call and restored; nothing else posts on this context meanwhile.
+    unsafe {
+        let ops = &mut (*(*qp).context).ops;
+        let orig = ops.post_recv.expect("the provider's post_recv");
+        let _ = ORIG_POST_RECV.set(orig);
+        ops.post_recv = Some(recording_post_recv);
+        let r = s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..0).wr_id(4)]);
+        ops.post_recv = Some(orig);
+        r.unwrap();
+    }
+    assert_eq!(
+        SEEN_NUM_SGE.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a zero-length receive reached the provider with a (zero-length) scatter entry"
+    );
     c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..0).wr_id(1)]).unwrap();
     c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
-    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 4, T).unwrap();
-    assert_eq!(wc.byte_len(), 0);
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 4, T).unwrap().byte_len(), 0);
     drop((c, s));
     t.finish();
 }
