@@ -54,6 +54,7 @@ impl Client {
         dst: SocketAddr,
         timeout: Duration,
     ) -> Result<AddrResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_resolve_addr(src, dst, timeout)?;
         expect_async(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr").await.map_err(|e| e.with_addr(dst))?;
         Ok(AddrResolved { id: self.id })
@@ -66,6 +67,7 @@ impl AddrResolved {
     /// # Errors
     /// As for [`AddrResolved::resolve_route`].
     pub async fn resolve_route_async(self, timeout: Duration) -> Result<RouteResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
         expect_async(&self.id, CmEventType::RouteResolved, "rdma_resolve_route").await?;
         Ok(RouteResolved { id: std::sync::Arc::new(self.id) })
@@ -78,6 +80,7 @@ impl ClientQp {
     /// # Errors
     /// As for [`ClientQp::connect`].
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
         let ev = expect_async(&self.id, CmEventType::Established, "rdma_connect").await?;
         Ok(Connection::new(self.id, self.qp, *ev.private_data()))
@@ -104,6 +107,8 @@ impl ServerQp {
     /// # Errors
     /// As for [`ServerQp::accept`].
     pub async fn accept_async(self, param: &ConnParam) -> Result<Connection> {
+        let id = std::sync::Arc::clone(&self.id);
+        let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
         let ev = expect_async(&acc.id, CmEventType::Established, "rdma_accept").await?;
         acc.complete(ev)
@@ -127,6 +132,8 @@ impl Connection {
     /// # Errors
     /// [`crate::Error::Call`] when `rdma_disconnect` fails.
     pub async fn disconnect_async(mut self) -> Result<()> {
+        let id = std::sync::Arc::clone(&self.id);
+        let _expecting = id.channel().expecting(id.handle());
         if self.start_disconnect()? {
             loop {
                 let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;

@@ -93,13 +93,19 @@ impl CmId {
 
     /// The bound local address, once bound or resolved.
     pub fn local_addr(&self) -> Option<SocketAddr> {
+        // librdmacm rewrites the addresses while it processes this id's events (inside
+        // rdma_get_cm_event, maybe on another thread reading a shared channel): read them
+        // under the channel's lock, which every event read holds.
+        let _lock = self.channel.lock();
         // SAFETY: the id is valid; `route.addr` is plain data inside it that librdmacm fills
-        // when the id is bound or resolved (all zero before, which maps to None).
+        // when the id is bound or resolved (all zero before, which maps to None); no event
+        // processing writes it meanwhile (the lock).
         unsafe { sockaddr_to_std(&(*self.raw.as_ptr()).route.addr.src_addr_union.src_storage) }
     }
 
     /// The peer's address, once resolved or connected.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
+        let _lock = self.channel.lock();
         // SAFETY: as in local_addr.
         unsafe { sockaddr_to_std(&(*self.raw.as_ptr()).route.addr.dst_addr_union.dst_storage) }
     }

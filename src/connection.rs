@@ -336,6 +336,8 @@ impl Client {
     /// [`Error::Call`] with `ETIMEDOUT`/`EADDRNOTAVAIL` and a troubleshooting hint when no RDMA
     /// device answers for the address; [`Error::Timeout`].
     pub fn resolve_addr(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<AddrResolved> {
+        // Registered before the call, so no other reader of a shared channel takes the event.
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_resolve_addr(src, dst, timeout)?;
         // librdmacm reports ADDR_ERROR itself when its own timeout passes; allow for that.
         let wait = timeout.saturating_add(Duration::from_secs(1));
@@ -485,6 +487,7 @@ impl AddrResolved {
     /// # Errors
     /// [`Error::Call`] or [`Error::UnexpectedEvent`] (`ROUTE_ERROR`), [`Error::Timeout`].
     pub fn resolve_route(self, timeout: Duration) -> Result<RouteResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
         let wait = timeout.saturating_add(Duration::from_secs(1));
         expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", wait)?;
@@ -583,6 +586,7 @@ impl ClientQp {
     /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
     /// naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a hint; [`Error::Timeout`].
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
         let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
         Ok(Connection::new(self.id, self.qp, *ev.private_data()))
@@ -862,6 +866,8 @@ impl ServerQp {
     /// [`Error::InvalidArgument`] for private data over 196 bytes; [`Error::UnexpectedEvent`];
     /// [`Error::Timeout`].
     pub fn accept(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        let id = Arc::clone(&self.id);
+        let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
         let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
         acc.complete(ev)
@@ -1028,6 +1034,8 @@ impl Connection {
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
     pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
+        let id = Arc::clone(&self.id);
+        let _expecting = id.channel().expecting(id.handle());
         if self.start_disconnect()? {
             // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
             let mut deadline = crate::wait::Deadline::new(timeout);

@@ -20,7 +20,7 @@
 
 use std::fmt;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -307,7 +307,12 @@ impl CompletionQueue {
         while filled < out.len() {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let want = (out.len() - filled).min(POLL_CHUNK);
-            let got = self.poll_raw(&mut raw[..want])?;
+            let got = match self.poll_raw(&mut raw[..want]) {
+                Ok(got) => got,
+                // What was reaped already is returned; the error comes back on the next poll.
+                Err(_) if filled > 0 => break,
+                Err(e) => return Err(e),
+            };
             for wc in &raw[..got] {
                 // SAFETY: ibv_poll_cq initialised the first `got` entries.
                 let wc = unsafe { wc.assume_init_ref() };
@@ -405,23 +410,25 @@ impl CompletionQueue {
         let ret = unsafe { ffi::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
         if ret < 0 {
             // ibv_poll_cq's convention: a negative value, errno not reliably set.
-            return Err(Error::call("ibv_poll_cq", if ret == -1 { libc::EIO } else { -ret }, None));
+            return Err(Error::call("ibv_poll_cq", if ret == -1 { libc::EIO } else { ret.saturating_neg() }, None));
         }
         Ok(ret as usize)
     }
 }
 
+/// The descriptor is offered as `AsRawFd` only: safe code cannot borrow it into a `File` to
+/// read events behind the library's back, or clear `O_NONBLOCK` on it.
+///
+/// ```compile_fail
+/// use std::os::fd::AsFd;
+/// fn f(cq: &rdma_cm::CompletionQueue) {
+///     let _owned = cq.as_fd().try_clone_to_owned();
+/// }
+/// ```
 impl AsRawFd for CompletionQueue {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: the channel is valid while `self` lives; `fd` is plain data.
         unsafe { (*self.channel.as_ptr()).fd }
-    }
-}
-
-impl AsFd for CompletionQueue {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        // SAFETY: the descriptor stays open until `self` drops.
-        unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
     }
 }
 

@@ -218,7 +218,7 @@ pub(crate) fn check_ibv(ret: libc::c_int, op: &'static str) -> Result<()> {
         0 => Ok(()),
         // Some providers return -errno; a few return -1 with errno set.
         -1 => Err(Error::call(op, errno(), None)),
-        e => Err(Error::call(op, e.abs(), None)),
+        e => Err(Error::call(op, e.saturating_abs(), None)),
     }
 }
 

@@ -29,13 +29,14 @@
 //!
 //! The channel's descriptor is non-blocking from birth. Waits use `poll(2)` with the caller's
 //! timeout, so no call here can block forever, and the descriptor can be handed to `epoll` or
-//! an async runtime through [`AsFd`]. Of several threads waiting on one channel, one polls the
+//! an async runtime through [`AsRawFd`]. (No `AsFd`: a borrowed descriptor lets safe code clone
+//! it into a `File` and read events, or clear `O_NONBLOCK`, behind librdmacm's back.) Of several threads waiting on one channel, one polls the
 //! descriptor and the others sleep on a condition variable until the poller queues an event
 //! for them or leaves.
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -148,7 +149,12 @@ impl EventChannel {
         // SAFETY: no preconditions; the result is checked for NULL.
         let raw = check_ptr(unsafe { ffi::rdma_create_event_channel() }, "rdma_create_event_channel")?;
         let ch = EventChannel {
-            inner: Arc::new(ChannelInner { raw, demux: Mutex::new(Demux::default()), changed: Condvar::new() }),
+            inner: Arc::new(ChannelInner {
+                raw,
+                // Room for a connection's own few events, so that keeping them allocates nothing.
+                demux: Mutex::new(Demux { queued: VecDeque::with_capacity(8), ..Demux::default() }),
+                changed: Condvar::new(),
+            }),
         };
         crate::wait::set_nonblocking(ch.as_raw_fd())?;
         Ok(ch)
@@ -207,11 +213,20 @@ impl EventChannel {
     }
 
     /// Takes a queued event, or reads the channel until one matches (queueing the others).
-    /// Returns `None` when nothing is pending. Call with the lock held.
+    /// Returns `None` when nothing is pending. Call with the lock held. While a blocking waiter
+    /// polls the descriptor (`polling`), only that waiter reads the kernel's queue: a read here
+    /// could take its event without waking it; it queues what it reads and wakes the others.
     fn take_locked(&self, d: &mut ChannelLock<'_>, want: Want) -> Result<Option<CmEvent>> {
+        self.take_locked_as(d, want, false)
+    }
+
+    fn take_locked_as(&self, d: &mut ChannelLock<'_>, want: Want, poller: bool) -> Result<Option<CmEvent>> {
         let found = d.queued.iter().position(|ev| want.takes(ev, d));
         if let Some(i) = found {
             return Ok(d.queued.remove(i));
+        }
+        if d.polling && !poller {
+            return Ok(None);
         }
         while let Some(ev) = self.read_locked(d)? {
             if want.takes(&ev, d) {
@@ -248,6 +263,10 @@ impl EventChannel {
     /// events stay queued for [`EventChannel::get_event_for`] and the untargeted reads.
     pub(crate) fn pump(&self, mut seen: impl FnMut(&CmEvent)) -> Result<()> {
         let mut d = self.lock();
+        if d.polling {
+            // A blocking waiter reads the channel; it queues what is not its own.
+            return Ok(());
+        }
         while let Some(ev) = self.read_locked(&mut d)? {
             seen(&ev);
             self.queue_locked(&mut d, ev);
@@ -269,6 +288,14 @@ impl EventChannel {
         };
         // Dropped outside the lock: a request's new id purges its own events when it drops.
         drop(gone);
+    }
+
+    /// Registers a targeted wait for `id` for as long as the guard lives: from before the call
+    /// that causes the event is issued, so that no untargeted reader can take the event in
+    /// between.
+    pub(crate) fn expecting(&self, id: IdHandle) -> Expecting {
+        self.lock().waiting.push(id);
+        Expecting { ch: self.clone(), id }
     }
 
     /// Waits up to `timeout` for the next event that no targeted wait is waiting for (twice
@@ -316,10 +343,18 @@ impl EventChannel {
             drop(d);
             let polled = poll_readable(&mut [pollfd(self.as_raw_fd())], left);
             d = self.lock();
+            // Read what woke us while still the poller (so no one else has read it), then
+            // hand the descriptor back.
+            let got = self.take_locked_as(&mut d, want, true);
             d.polling = false;
             self.inner.changed.notify_all();
             if let Err(e) = polled {
                 break Err(e);
+            }
+            match got {
+                Ok(Some(ev)) => break Ok(ev),
+                Err(e) => break Err(e),
+                Ok(None) => {}
             }
         };
         if let Want::For(h) = want {
@@ -376,23 +411,40 @@ impl EventChannel {
     }
 }
 
+/// A registered targeted wait (see [`EventChannel::expecting`]).
+pub(crate) struct Expecting {
+    ch: EventChannel,
+    id: IdHandle,
+}
+
+impl Drop for Expecting {
+    fn drop(&mut self) {
+        let mut d = self.ch.lock();
+        if let Some(i) = d.waiting.iter().position(|w| *w == self.id) {
+            d.waiting.swap_remove(i);
+        }
+    }
+}
+
 impl fmt::Debug for EventChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EventChannel").field("fd", &self.as_raw_fd()).finish()
     }
 }
 
+/// The descriptor is offered as `AsRawFd` only: safe code cannot borrow it into a `File` to
+/// read events behind the library's back, or clear `O_NONBLOCK` on it.
+///
+/// ```compile_fail
+/// use std::os::fd::AsFd;
+/// fn f(ch: &rdma_cm::EventChannel) {
+///     let _owned = ch.as_fd().try_clone_to_owned();
+/// }
+/// ```
 impl AsRawFd for EventChannel {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: the channel is valid while `self` lives; reading its `fd` field has no effect.
         unsafe { (*self.raw()).fd }
-    }
-}
-
-impl AsFd for EventChannel {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        // SAFETY: the descriptor stays open until the last handle (including `self`) drops.
-        unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
     }
 }
 

@@ -137,7 +137,8 @@
 //!
 //! ## Event loops and async
 //!
-//! [`EventChannel`] and [`CompletionQueue`] implement `AsFd`/`AsRawFd`; their descriptors are
+//! [`EventChannel`] and [`CompletionQueue`] implement `AsRawFd` (not `AsFd`, so safe code cannot
+//! read them behind the library's back or clear `O_NONBLOCK`); their descriptors are
 //! non-blocking, so an `epoll` loop waits for readability and then drains with
 //! [`EventChannel::try_get_event`] / [`CompletionQueue::drain_events`] until they report
 //! nothing (correct for edge-triggered notification). CQ events are acked in batches. For
@@ -224,8 +225,8 @@ pub(crate) fn report_leak(op: &str, errno: i32) {
     let _ = writeln!(
         std::io::stderr(),
         "rdma-cm: {op} failed in drop: {} ({}); the object is leaked",
-        error::errno_name(errno.abs()),
-        std::io::Error::from_raw_os_error(errno.abs())
+        error::errno_name(errno.saturating_abs()),
+        std::io::Error::from_raw_os_error(errno.saturating_abs())
     );
 }
 

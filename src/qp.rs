@@ -197,6 +197,10 @@ pub struct QueuePair {
     /// Its teardown was handed to another value (see Drop): this one destroys nothing.
     #[cfg(feature = "tokio")]
     detached: bool,
+    /// This value is that other one: it tears down where it is dropped (the blocking pool is
+    /// inside the runtime too, so it must not hand the work on again).
+    #[cfg(feature = "tokio")]
+    inline_teardown: bool,
     queues: Arc<Mutex<Queues>>,
     // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
     // QP, which Drop::drop destroys first.
@@ -413,6 +417,8 @@ impl QueuePair {
             peer_left: false,
             #[cfg(feature = "tokio")]
             detached: false,
+            #[cfg(feature = "tokio")]
+            inline_teardown: false,
             queues,
             link,
             send_cq,
@@ -464,7 +470,8 @@ impl QueuePair {
         lock(&self.queues)
     }
 
-    /// Send-queue work requests posted and not yet retired.
+    /// Send-queue work requests posted and not yet retired (including ones the provider refused
+    /// in a partly failed post, until the head passes them).
     pub fn outstanding_sends(&self) -> usize {
         self.queues().send.outstanding() as usize
     }
@@ -493,6 +500,9 @@ impl QueuePair {
         if !self.connected {
             // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
             return Err(Error::InvalidArgument("sends need an established connection".into()));
+        }
+        if self.peer_left {
+            return Err(Error::Disconnected { op: "ibv_post_send", addr: self.peer_addr() });
         }
         for w in wrs {
             if let Some(data) = w.inline {
@@ -617,7 +627,7 @@ impl QueuePair {
             } else {
                 "the provider failed the post without saying which work requests it took, and the QP could not be moved to the error state: its regions stay held until the QP is dropped"
             }),
-            source: std::io::Error::from_raw_os_error(ret.abs()),
+            source: std::io::Error::from_raw_os_error(ret.saturating_abs()),
         })
     }
 
@@ -631,6 +641,10 @@ impl QueuePair {
             return Err(Error::InvalidArgument(
                 "this QP takes its receives from a shared receive queue: post them there".into(),
             ));
+        }
+        if self.peer_left {
+            // The QP is in the error state: a receive posted now may never be flushed (rxe).
+            return Err(Error::Disconnected { op: "ibv_post_recv", addr: self.peer_addr() });
         }
         for w in wrs {
             check_local(&self.pd, w.mr, &w.range, true)?;
@@ -706,7 +720,12 @@ impl QueuePair {
         while filled < out.len() {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let want = (out.len() - filled).min(POLL_CHUNK);
-            let got = cq.poll_raw(&mut raw[..want])?;
+            let got = match cq.poll_raw(&mut raw[..want]) {
+                Ok(got) => got,
+                // What was reaped already is returned; the error comes back on the next poll.
+                Err(_) if filled > 0 => break,
+                Err(e) => return Err(e),
+            };
             for wc in &raw[..got] {
                 // SAFETY: ibv_poll_cq initialised the first `got` entries.
                 let wc = unsafe { wc.assume_init_ref() };
@@ -902,10 +921,12 @@ impl QueuePair {
         wc.queue() == queue && (wc.wr_id() == wr_id || !wc.is_ok())
     }
 
-    /// The answer a deciding completion gives a wait: itself, or the error it carries (naming
-    /// the disconnect when the peer left).
-    fn answer(&self, wc: WorkCompletion) -> Result<WorkCompletion> {
-        if !wc.is_ok() && self.peer_left {
+    /// The answer a deciding completion gives a wait for `wr_id`: itself, or the error it
+    /// carries. The disconnect is named when the peer left and the failed completion is the
+    /// awaited one; another work request's failure is reported as such (with its `wr_id`), so
+    /// its completion is not lost behind the error.
+    fn answer(&self, wc: WorkCompletion, wr_id: u64) -> Result<WorkCompletion> {
+        if !wc.is_ok() && self.peer_left && wc.wr_id() == wr_id {
             return Err(Error::Disconnected { op: "waiting for a completion", addr: self.peer_addr() });
         }
         wc.ok()
@@ -922,7 +943,7 @@ impl QueuePair {
             let srq = self.srq.as_ref().filter(|_| queue == WorkQueue::Recv)?;
             srq.take_kept_for(self.qp_num, |wc| Self::decides(wc, queue, wr_id))
         })?;
-        Some(self.answer(wc))
+        Some(self.answer(wc, wr_id))
     }
 
     /// Goes through a batch in order: the first completion that decides the wait answers it;
@@ -938,7 +959,7 @@ impl QueuePair {
                 self.queues().keep(*wc);
             }
         }
-        found.map(|wc| self.answer(wc))
+        found.map(|wc| self.answer(wc, wr_id))
     }
 
     /// Lets the QP react to the peer leaving (or the device going away): move it to the error
@@ -1061,7 +1082,7 @@ impl QueuePair {
     #[cfg(feature = "tokio")]
     fn detach_to_blocking_pool(&mut self) -> bool {
         let (s, r) = self.outstanding();
-        if self.detached || s + r == 0 {
+        if self.detached || self.inline_teardown || s + r == 0 {
             return false;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return false };
@@ -1077,6 +1098,7 @@ impl QueuePair {
             connected: self.connected,
             peer_left: self.peer_left,
             detached: false,
+            inline_teardown: true,
             queues: Arc::clone(&self.queues),
             link: self.link.clone(),
             send_cq: Arc::clone(&self.send_cq),

@@ -253,7 +253,7 @@ impl SharedReceiveQueue {
                         op: "ibv_post_srq_recv",
                         addr: None,
                         hint: Some("the provider failed the post without saying which receives it took: they stay held until the SRQ is destroyed"),
-                        source: std::io::Error::from_raw_os_error(ret.abs()),
+                        source: std::io::Error::from_raw_os_error(ret.saturating_abs()),
                     });
                 }
             }
