@@ -415,10 +415,10 @@ impl MemoryRegion {
         if self.inner.reg().access.remotely_writable() {
             return Err(Error::RemotelyWritable);
         }
-        // SAFETY: no posted work request lets the device write this chunk (the writer count is
-        // raised before such a post and lowered only once its completion is reaped or the QP
-        // is gone), no peer may write the registration, chunks never overlap, and `&mut self`
-        // keeps new posts (which need `&self`) away while the slice lives. Readers only.
+        // The writer count is raised before a post that lets the device write this chunk and
+        // lowered only once its completion is reaped or the QP is gone.
+        // SAFETY: no posted work lets the device write the chunk (the count), no peer may, chunks
+        // never overlap, and `&mut self` keeps new posts away while the slice lives.
         Ok(unsafe { std::slice::from_raw_parts(self.inner.ptr(), self.inner.len()) })
     }
 
@@ -450,10 +450,9 @@ impl MemoryRegion {
             return Err(Error::InFlight { outstanding: self.outstanding() });
         }
         check_range(offset, dst.len(), self.inner.len())?;
-        // SAFETY: the range is in bounds; no local work request lets the device write it
-        // (checked above; `&mut self` keeps new posts away); a peer may write it, which is why
-        // the source is read only through volatile accesses, never through a reference. `dst`
-        // is a distinct Rust buffer.
+        // A peer may write the region meanwhile: hence volatile reads, never a reference.
+        // SAFETY: in bounds; no local work lets the device write it (checked above; `&mut self`
+        // keeps new posts away); `dst` is a distinct Rust buffer.
         unsafe { volatile_copy_from(self.inner.ptr().add(offset), dst) };
         Ok(())
     }

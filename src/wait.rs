@@ -121,10 +121,9 @@ pub(crate) async fn readable_any(fds: [RawFd; 3], mut ready: impl FnMut(&std::ta
         // tokio panics ("IO is disabled") instead of failing when the runtime has no IO
         // driver, and offers no way to ask first: catch that one panic and report it.
         let attempt = std::panic::catch_unwind(|| {
-            // SAFETY: `fd` is open for the whole life of this AsyncFd, which ends when this
-            // function returns or is cancelled: the callers hold the channel or CQ that owns
-            // the descriptor (by reference or Arc) across the await. Fd::as_raw_fd always
-            // returns it.
+            // SAFETY: `fd` stays open for this AsyncFd's life (it ends when this function
+            // returns or is cancelled; callers hold the channel or CQ owning it across the
+            // await), and Fd::as_raw_fd always returns it.
             unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }
         });
         match attempt {
