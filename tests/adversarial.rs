@@ -1255,7 +1255,9 @@ fn async_connects_cancelled_mid_handshake_leave_nothing_behind() {
             while !stop.load(Ordering::Relaxed) {
                 let Ok(req) = listener.get_request(Duration::from_millis(200)) else { continue };
                 let pd = req.alloc_pd().unwrap();
-                let q = req.create_qp(&pd, QpInit::new()).unwrap();
+                // The client may have given up (and its id be gone) by now: then the request's
+                // QP or accept fails, which is the point of this test, not a server failure.
+                let Ok(q) = req.create_qp(&pd, QpInit::new()) else { continue };
                 if let Ok(mut conn) = q.accept(&ConnParam::new(), Duration::from_secs(3)) {
                     established += 1;
                     let deadline = Instant::now() + T;
