@@ -518,8 +518,7 @@ impl QueuePair {
                 check_local(&self.pd, mr, r, matches!(w.op, SendOp::Read { .. }))?;
             }
         }
-        let queues = Arc::clone(&self.queues);
-        let mut q = lock(&queues);
+        let mut q = lock(&self.queues);
         if (wrs.len() as u64) > q.send.free() {
             return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
         }
@@ -649,8 +648,7 @@ impl QueuePair {
         for w in wrs {
             check_local(&self.pd, w.mr, &w.range, true)?;
         }
-        let queues = Arc::clone(&self.queues);
-        let mut q = lock(&queues);
+        let mut q = lock(&self.queues);
         if (wrs.len() as u64) > q.recv.free() {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
         }
