@@ -336,6 +336,9 @@ mod shared {
         echoed: u32,
         /// Bytes of the echo in flight (for the log line).
         echo_len: usize,
+        /// Slots whose echo is posted and not yet reaped: if the client goes first, its QP's
+        /// drop reaps them, and they go back to the SRQ from here.
+        in_flight: Vec<usize>,
         last: Instant,
     }
 
@@ -403,6 +406,7 @@ mod shared {
                 st.by_id.remove(&c.conn.id().handle());
                 eprintln!("[ERROR] client {}: silent for {timeout:?}; dropped", c.peer);
                 st.failed += 1;
+                release(&st, c);
             }
         }
         println!("[INFO] Server exiting: {} client(s) served, {} failed", st.served, st.failed);
@@ -444,8 +448,18 @@ mod shared {
                         println!("[EVENT] Connection established ({peer}, {} connected)", st.clients.len() + 1);
                         let q = conn.qp().qp_num();
                         st.by_id.insert(conn.id().handle(), q);
-                        st.clients
-                            .insert(q, Client { conn, peer, iters, echoed: 0, echo_len: 0, last: Instant::now() });
+                        st.clients.insert(
+                            q,
+                            Client {
+                                conn,
+                                peer,
+                                iters,
+                                echoed: 0,
+                                echo_len: 0,
+                                in_flight: Vec::new(),
+                                last: Instant::now(),
+                            },
+                        );
                         // Messages that arrived before the handshake finished get their echo now.
                         for (slot, n) in st.early.remove(&q).unwrap_or_default() {
                             echo(st, q, slot, n);
@@ -471,7 +485,8 @@ mod shared {
                     );
                     st.failed += 1;
                 }
-                // Dropping it here takes its QP off the shared CQ; the others go on.
+                // Dropping it takes its QP off the shared CQ; the others go on.
+                release(st, c);
             }
             CmEventType::Rejected | CmEventType::ConnectError | CmEventType::Unreachable => {
                 if let Some((acc, peer, _)) = st.accepting.remove(&ev.id()) {
@@ -521,6 +536,18 @@ mod shared {
         Ok(())
     }
 
+    /// Drops a client's connection (its QP reaps its own work) and returns the slots of echoes
+    /// it still had in flight to the SRQ: their completions went with the QP.
+    fn release(st: &State, c: Client) {
+        let Client { conn, in_flight, .. } = c;
+        drop(conn);
+        if let Some(p) = &st.pool {
+            for slot in in_flight {
+                repost(p, slot);
+            }
+        }
+    }
+
     /// Returns a slot to the SRQ.
     fn repost(p: &Pool, slot: usize) {
         let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
@@ -538,7 +565,10 @@ mod shared {
         // Counted once posted: the client may see the echo, and leave, before this loop polls
         // the send's completion.
         match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
-            Ok(()) => c.echoed += 1,
+            Ok(()) => {
+                c.echoed += 1;
+                c.in_flight.push(slot);
+            }
             Err(e) => {
                 eprintln!("[ERROR] client {}: {e}", c.peer);
                 repost(p, slot);
@@ -570,7 +600,8 @@ mod shared {
                 }
             }
             WorkQueue::Send => {
-                if let Some(c) = st.clients.get(&wc.qp_num()) {
+                if let Some(c) = st.clients.get_mut(&wc.qp_num()) {
+                    c.in_flight.retain(|&s| s != slot);
                     if wc.is_ok() && c.iters == 1 {
                         println!("[INFO] Sent {} bytes", c.echo_len);
                     }

@@ -109,6 +109,7 @@ fn hundred_clients_one_thread_one_cq_one_srq() {
                         // A client may send before this side sees ESTABLISHED: echo those now.
                         for slot in early.remove(&q).unwrap_or_default() {
                             conn.qp_mut().post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)]).unwrap();
+                            echoed += 1;
                         }
                         max_live = max_live.max(conns.len());
                     }
@@ -136,17 +137,19 @@ fn hundred_clients_one_thread_one_cq_one_srq() {
                         let seq = u64::from_be_bytes(m[8..16].try_into().unwrap());
                         assert_eq!(m, &message(client, seq)[..], "bytes of client {client} message {seq}");
                         match conns.get_mut(&wc.qp_num()) {
-                            Some(conn) => conn
-                                .qp_mut()
-                                .post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)])
-                                .unwrap(),
+                            Some(conn) => {
+                                conn.qp_mut()
+                                    .post_send(&[SendWr::send(&slots[slot], 0..SLOT).wr_id(slot as u64)])
+                                    .unwrap();
+                                echoed += 1;
+                            }
                             None => early.get_mut(&wc.qp_num()).expect("a receive of a known QP").push(slot),
                         }
                     }
                     WorkQueue::Send => {
-                        // The echo left: the slot goes back to the SRQ (or, when its QP was
-                        // dropped meanwhile, the flush retired it all the same).
-                        echoed += wc.is_ok() as u64;
+                        // The echo left: the slot goes back to the SRQ. (Echoes are counted when
+                        // posted: a client may see its echo and leave before this loop reaps the
+                        // send's completion, which the QP's drop then reaps itself.)
                         srq.as_ref()
                             .unwrap()
                             .post_recv(&[RecvWr::new(&slots[slot], 0..SLOT).wr_id(slot as u64)])
