@@ -116,6 +116,66 @@ impl CmId {
         unsafe { (*self.raw.as_ptr()).port_num }
     }
 
+    /// Sets the IP type of service (`RDMA_OPTION_ID_TOS`, RFC 2474: DSCP in the upper six
+    /// bits, ECN in the lower two). On RoCE it becomes the packets' traffic class, which is
+    /// what switches map to priorities (PFC, ECN marking). Set it before resolving the route
+    /// (a client) or before listening (a listener's connections inherit it).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_set_option` fails (`EINVAL` on a kernel without it).
+    pub fn set_tos(&self, tos: u8) -> Result<()> {
+        self.set_option(opt::ID_TOS, &tos, "rdma_set_option(RDMA_OPTION_ID_TOS)")
+    }
+
+    /// Allows binding to an address that another id (or one still closing) is bound to
+    /// (`RDMA_OPTION_ID_REUSEADDR`, like `SO_REUSEADDR`): what a server that restarts at once
+    /// needs. Set it before binding.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_set_option` fails; `EINVAL` after the id is bound.
+    pub fn set_reuse_addr(&self, on: bool) -> Result<()> {
+        self.set_option(opt::ID_REUSEADDR, &libc::c_int::from(on), "rdma_set_option(RDMA_OPTION_ID_REUSEADDR)")
+    }
+
+    /// Restricts an id bound to an IPv6 wildcard address to IPv6 (`RDMA_OPTION_ID_AFONLY`,
+    /// like `IPV6_V6ONLY`); off, `[::]` also accepts IPv4 connections. Set it before binding.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `rdma_set_option` fails; `EINVAL` after the id is bound.
+    pub fn set_afonly(&self, on: bool) -> Result<()> {
+        self.set_option(opt::ID_AFONLY, &libc::c_int::from(on), "rdma_set_option(RDMA_OPTION_ID_AFONLY)")
+    }
+
+    /// Sets the local ACK timeout of the id's QP (`RDMA_OPTION_ID_ACK_TIMEOUT`): a request that
+    /// is not acknowledged within 4.096 µs × 2^`exponent` is sent again, and after
+    /// [`ConnParam::retry_count`](crate::ConnParam::retry_count) retries the QP fails with
+    /// [`WcStatus::RetryExceeded`](crate::WcStatus::RetryExceeded). So a dead peer is noticed
+    /// after about (retry_count + 1) × 4.096 µs × 2^`exponent`; the kernel's default, from the
+    /// path's packet lifetime, is often exponent 18–19 (1–2 s per try). Set it before
+    /// connecting or accepting: it is applied when the QP moves to RTS.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an exponent over 31 (the field has five bits);
+    /// [`Error::Call`] when `rdma_set_option` fails (`ENOPROTOOPT` on kernels before 4.19).
+    pub fn set_ack_timeout(&self, exponent: u8) -> Result<()> {
+        if exponent > 31 {
+            return Err(Error::InvalidArgument(format!(
+                "ACK timeout exponent {exponent} is out of range: it is 0..=31 (4.096 µs × 2^exponent; 14 is 67 ms, 19 is 2.1 s)"
+            )));
+        }
+        self.set_option(opt::ID_ACK_TIMEOUT, &exponent, "rdma_set_option(RDMA_OPTION_ID_ACK_TIMEOUT)")
+    }
+
+    fn set_option<T: Copy>(&self, name: libc::c_int, value: &T, what: &'static str) -> Result<()> {
+        let mut v = *value;
+        // SAFETY: id valid; `v` is a live value of the type and size the option expects
+        // (librdmacm copies it into the request to the kernel during the call).
+        let ret = unsafe {
+            ffi::rdma_set_option(self.as_raw(), opt::LEVEL_ID, name, (&mut v as *mut T).cast(), mem::size_of::<T>())
+        };
+        check_rdma(ret, what)
+    }
+
     pub(crate) fn verbs(&self) -> Option<NonNull<ffi::ibv_context>> {
         // SAFETY: the id is valid; verbs is set by librdmacm once the id is bound to a device.
         NonNull::new(unsafe { (*self.raw.as_ptr()).verbs })
@@ -172,6 +232,15 @@ impl CmId {
         // librdmacm keeps the context open while this id is bound to it: the handle holds the id.
         self.verbs().map(|raw| VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>))
     }
+}
+
+/// `rdma_set_option` levels and names of <rdma/rdma_cma.h> (enums the bindings leave out).
+mod opt {
+    pub const LEVEL_ID: libc::c_int = 0; // RDMA_OPTION_ID
+    pub const ID_TOS: libc::c_int = 0;
+    pub const ID_REUSEADDR: libc::c_int = 1;
+    pub const ID_AFONLY: libc::c_int = 2;
+    pub const ID_ACK_TIMEOUT: libc::c_int = 3;
 }
 
 impl Drop for CmId {

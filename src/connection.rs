@@ -559,6 +559,12 @@ pub struct ClientQp {
 }
 
 impl ClientQp {
+    /// The id, for its options: [`CmId::set_ack_timeout`] takes effect when set before
+    /// connecting.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
     /// The QP, to read its number and capabilities. Before the connection exists it takes
     /// receives only ([`ClientQp::post_recv`]).
     pub fn qp(&self) -> &QueuePair {
@@ -643,6 +649,12 @@ impl Server {
         self.id.bind(addr)?;
         Ok(Bound { id: self.id })
     }
+
+    /// The id, for the options to set before binding ([`CmId::set_reuse_addr`],
+    /// [`CmId::set_afonly`], [`CmId::set_tos`]).
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
 }
 
 /// A bound server id.
@@ -665,6 +677,11 @@ impl Bound {
     /// The bound address.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.id.local_addr()
+    }
+
+    /// The id, for its options ([`CmId::set_tos`], [`CmId::set_ack_timeout`], ...).
+    pub fn id(&self) -> &CmId {
+        &self.id
     }
 }
 
@@ -692,6 +709,11 @@ impl Listener {
     /// The listener's id token (a `CONNECT_REQUEST`'s [`CmEvent::listen_id`]).
     pub fn handle(&self) -> IdHandle {
         self.id.handle()
+    }
+
+    /// The id, for its options ([`CmId::set_tos`], [`CmId::set_ack_timeout`], ...).
+    pub fn id(&self) -> &CmId {
+        &self.id
     }
 }
 
@@ -722,6 +744,12 @@ pub struct ConnectRequest {
 }
 
 impl ConnectRequest {
+    /// The id, for its options: [`CmId::set_ack_timeout`] takes effect when set before
+    /// accepting.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
     /// Takes the request out of a `CONNECT_REQUEST` event. The id stays on the event's
     /// channel: an event loop uses [`ServerQp::start_accept`] and [`Accepting::complete`] with
     /// it, and [`ServerQp::accept`] works too (it takes only this id's events).
@@ -836,6 +864,12 @@ pub struct ServerQp {
 }
 
 impl ServerQp {
+    /// The id, for its options: [`CmId::set_ack_timeout`] takes effect when set before
+    /// accepting.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
     /// The QP, to read its number and capabilities. Before the connection exists it takes
     /// receives only ([`ServerQp::post_recv`]).
     pub fn qp(&self) -> &QueuePair {

@@ -450,3 +450,54 @@ fn hundred_connections_through_one_event_channel() {
     drop(server_conns);
     t.finish();
 }
+
+/// The id options reach the kernel: the ACK timeout and retry count are what the QPs run with
+/// (`ibv_query_qp`), the type of service becomes the path's traffic class, address reuse
+/// lets two ids bind one port while an id without it is refused, and a bad exponent is refused
+/// before any call.
+#[test]
+fn cm_options_reach_the_kernel_and_bad_values_are_refused() {
+    use rdma_cm::QpState;
+    let t = DeviceTest::start();
+    // Address reuse: two ids with it share a port (until one listens); one without it is refused.
+    let at = SocketAddr::new(t.addr, 7993);
+    let first = Server::new().unwrap();
+    first.id().set_reuse_addr(true).unwrap();
+    let first = first.bind(at).unwrap();
+    let second = Server::new().unwrap();
+    second.id().set_reuse_addr(true).unwrap();
+    let second = second.bind(at).expect("a second id with REUSEADDR binds the same address");
+    let err = Server::new().unwrap().bind(at).expect_err("an id without REUSEADDR must be refused");
+    assert_eq!(err.errno(), Some(libc::EADDRINUSE), "{err}");
+    drop(second);
+    let listener = first.listen(4).unwrap();
+    let err = listener.id().set_ack_timeout(32).expect_err("exponent 32 is out of range");
+    assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("0..=31"), "{err}");
+
+    let client = thread::spawn(move || {
+        let c = Client::new().unwrap();
+        c.id().set_tos(32).unwrap();
+        let route = c.resolve_addr(None, at, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let q = route.create_qp(&pd, QpInit::new()).unwrap();
+        q.id().set_ack_timeout(14).unwrap();
+        let conn = q.connect(&ConnParam::new().retry_count(5), T).unwrap();
+        (conn, pd)
+    });
+    let req = listener.get_request(T).unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let sq = req.create_qp(&pd, QpInit::new()).unwrap();
+    sq.id().set_ack_timeout(16).unwrap();
+    let server = sq.accept(&ConnParam::new(), T).unwrap();
+    let (conn, _cpd) = client.join().unwrap();
+    let (c, s) = (conn.qp().attributes().unwrap(), server.qp().attributes().unwrap());
+    assert_eq!((c.state, s.state), (QpState::ReadyToSend, QpState::ReadyToSend));
+    assert_eq!((c.ack_timeout, s.ack_timeout), (14, 16), "client {c:?}\nserver {s:?}");
+    assert_eq!(c.retry_count, 5, "{c:?}");
+    assert_eq!((c.dest_qp_num, s.dest_qp_num), (server.qp().qp_num(), conn.qp().qp_num()));
+    assert!((256..=4096).contains(&c.path_mtu) && c.path_mtu.is_power_of_two(), "{c:?}");
+    // The type of service the client's id was given is its path's traffic class (RoCE).
+    assert_eq!(c.traffic_class, 32, "{c:?}");
+    drop((conn, server, _cpd, pd, listener));
+    t.finish();
+}
