@@ -130,6 +130,9 @@ fn main() {
         .allowlist_type("rdma_.*")
         .allowlist_type("verbs_.*")
         .allowlist_type("ib_uverbs_access_flags")
+        // The exported halves of the static-inline ibv_query_gid_ex/ibv_query_gid_table
+        // (IBVERBS_1.11, rdma-core 32): the GID table with types and netdevs.
+        .allowlist_function("_ibv_query_gid_(ex|table)")
         // bindgen 0.59 emitted these because `uint8_t` and co. were followed to them; later
         // versions map `uint8_t` to `u8` directly. Kept: they are public items of rdma-sys 0.3.0.
         .allowlist_type("__uint(8|16|32|64)_t")

@@ -1,8 +1,9 @@
 //! Environment checks: what `cargo run --example doctor` prints, as a library.
 //!
-//! Most RDMA trouble is environment trouble. [`diagnose`] reads sysfs, procfs and the
-//! process limits (no verbs calls, so it works where nothing else does) and returns a
-//! [`Report`] of checks, each with the fix when it fails:
+//! Most RDMA trouble is environment trouble. [`diagnose`] asks each device through verbs
+//! (`ibv_query_port`, `ibv_query_gid_ex`) and falls back to sysfs where a device cannot be
+//! opened, reads procfs and the process limits, and returns a [`Report`] of checks, each with
+//! the fix when it fails:
 //!
 //! - the kernel side: `/sys/class/infiniband`, and the uverbs/rdma_cm modules;
 //! - each device and port: state, physical state, link layer, netdev and its MTU;
@@ -15,6 +16,9 @@ use std::fmt;
 use std::fs;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
+
+use crate::device::VerbsContext;
+use crate::port::{GidEntry, PortInfo, PortState};
 
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,43 +185,12 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
         });
     }
     for dev in &devices {
-        for port in entries(ib.join(dev).join("ports")) {
-            let p = ib.join(dev).join("ports").join(&port);
-            let state = read(p.join("state")).unwrap_or_default();
-            let phys = read(p.join("phys_state")).unwrap_or_default();
-            let ll = read(p.join("link_layer")).unwrap_or_default();
-            let netdev = read(p.join("gid_attrs/ndevs/0")).unwrap_or_default();
-            let mtu = read(roots.sys.join("class/net").join(&netdev).join("mtu")).unwrap_or_default();
-            let active = state.contains("ACTIVE");
-            checks.push(Check {
-                name: format!("{dev} port {port}"),
-                status: if active { Status::Ok } else { Status::Fail },
-                detail: format!(
-                    "state {state}, physical {phys}, link layer {ll}{}",
-                    if netdev.is_empty() { String::new() } else { format!(", netdev {netdev} (MTU {mtu})") }
-                ),
-                fix: (!active).then(|| {
-                    format!(
-                        "bring the link up: `ip link set {} up`; check cabling/switch; `rdma link` shows the state",
-                        if netdev.is_empty() { "<netdev>" } else { &netdev }
-                    )
-                }),
-            });
-            for idx in entries(p.join("gids")) {
-                let Some(gid) = read(p.join("gids").join(&idx)) else { continue };
-                let Some(addr) = ipv4_of_gid(&gid) else { continue };
-                if !active {
-                    continue;
-                }
-                gids.push(Ipv4Gid {
-                    device: dev.clone(),
-                    port: port.parse().unwrap_or(0),
-                    index: idx.parse().unwrap_or(0),
-                    gid_type: read(p.join("gid_attrs/types").join(&idx)).unwrap_or_default(),
-                    netdev: read(p.join("gid_attrs/ndevs").join(&idx)).unwrap_or_default(),
-                    addr,
-                });
-            }
+        // Verbs first (the device's own answer); sysfs when the device cannot be opened here
+        // (no access to /dev/infiniband, a provider library missing) or for a fake tree.
+        let from_verbs = if roots.sys == Path::new("/sys") { verbs_ports(dev) } else { None };
+        match from_verbs {
+            Some(ports) => verbs_port_checks(roots, dev, &ports, &mut checks, &mut gids),
+            None => sysfs_port_checks(roots, &ib, dev, &mut checks, &mut gids),
         }
     }
     if !devices.is_empty() {
@@ -260,6 +233,123 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
         }),
     });
     Report { checks, ipv4_gids: gids }
+}
+
+/// The port and GID checks of `dev` from sysfs.
+fn sysfs_port_checks(roots: &Roots, ib: &Path, dev: &str, checks: &mut Vec<Check>, gids: &mut Vec<Ipv4Gid>) {
+    for port in entries(ib.join(dev).join("ports")) {
+        let p = ib.join(dev).join("ports").join(&port);
+        let state = read(p.join("state")).unwrap_or_default();
+        let phys = read(p.join("phys_state")).unwrap_or_default();
+        let ll = read(p.join("link_layer")).unwrap_or_default();
+        let netdev = read(p.join("gid_attrs/ndevs/0")).unwrap_or_default();
+        let mtu = read(roots.sys.join("class/net").join(&netdev).join("mtu")).unwrap_or_default();
+        let active = state.contains("ACTIVE");
+        let detail = format!("state {state}, physical {phys}, link layer {ll}{}", netdev_mtu(&netdev, &mtu));
+        checks.push(port_check(format!("{dev} port {port}"), active, detail, &netdev));
+        for idx in entries(p.join("gids")) {
+            let Some(gid) = read(p.join("gids").join(&idx)) else { continue };
+            let Some(addr) = ipv4_of_gid(&gid) else { continue };
+            if !active {
+                continue;
+            }
+            gids.push(Ipv4Gid {
+                device: dev.to_string(),
+                port: port.parse().unwrap_or(0),
+                index: idx.parse().unwrap_or(0),
+                gid_type: read(p.join("gid_attrs/types").join(&idx)).unwrap_or_default(),
+                netdev: read(p.join("gid_attrs/ndevs").join(&idx)).unwrap_or_default(),
+                addr,
+            });
+        }
+    }
+}
+
+fn netdev_mtu(netdev: &str, mtu: &str) -> String {
+    if netdev.is_empty() {
+        String::new()
+    } else {
+        format!(", netdev {netdev} (MTU {mtu})")
+    }
+}
+
+/// A port's check: failed unless active, with the fix that brings the link up.
+fn port_check(name: String, active: bool, detail: String, netdev: &str) -> Check {
+    Check {
+        name,
+        status: if active { Status::Ok } else { Status::Fail },
+        detail,
+        fix: (!active).then(|| {
+            format!(
+                "bring the link up: `ip link set {} up`; check cabling/switch; `rdma link` shows the state",
+                if netdev.is_empty() { "<netdev>" } else { netdev }
+            )
+        }),
+    }
+}
+
+/// The ports of `dev` with each one's valid GIDs, through verbs; `None` when the device cannot
+/// be opened or queried.
+fn verbs_ports(dev: &str) -> Option<Vec<(PortInfo, Vec<GidEntry>)>> {
+    let ctx = VerbsContext::open(dev).ok()?;
+    ctx.ports().ok()?.into_iter().map(|p| Some((p, ctx.gid_table(p.port).ok()?))).collect()
+}
+
+/// The port and GID checks of `dev` from `ibv_query_port` and `ibv_query_gid_ex`, in the same
+/// words as the sysfs ones (the netdev's MTU still comes from sysfs).
+fn verbs_port_checks(
+    roots: &Roots,
+    dev: &str,
+    ports: &[(PortInfo, Vec<GidEntry>)],
+    checks: &mut Vec<Check>,
+    gids: &mut Vec<Ipv4Gid>,
+) {
+    for (p, table) in ports {
+        let code = match p.state {
+            PortState::Down => 1,
+            PortState::Init => 2,
+            PortState::Armed => 3,
+            PortState::Active => 4,
+            PortState::ActiveDefer => 5,
+            PortState::Other(n) => n,
+        };
+        let phys = match p.phys_state {
+            1 => "Sleep",
+            2 => "Polling",
+            3 => "Disabled",
+            4 => "PortConfigurationTraining",
+            5 => "LinkUp",
+            6 => "LinkErrorRecovery",
+            7 => "Phy Test",
+            _ => "?",
+        };
+        let netdev = table.iter().find_map(|g| g.netdev.clone()).unwrap_or_default();
+        let mtu = read(roots.sys.join("class/net").join(&netdev).join("mtu")).unwrap_or_default();
+        let active = p.state == PortState::Active;
+        let detail = format!(
+            "state {code}: {}, physical {}: {phys}, link layer {}{}, active MTU {} (ibv_query_port)",
+            p.state,
+            p.phys_state,
+            p.link_layer,
+            netdev_mtu(&netdev, &mtu),
+            p.active_mtu
+        );
+        checks.push(port_check(format!("{dev} port {}", p.port), active, detail, &netdev));
+        if !active {
+            continue;
+        }
+        for g in table {
+            let Some(addr) = g.gid.ipv4() else { continue };
+            gids.push(Ipv4Gid {
+                device: dev.to_string(),
+                port: u32::from(p.port),
+                index: g.index,
+                gid_type: g.gid_type.to_string(),
+                netdev: g.netdev.clone().unwrap_or_default(),
+                addr,
+            });
+        }
+    }
 }
 
 fn accessible(p: &Path) -> bool {

@@ -501,3 +501,63 @@ fn cm_options_reach_the_kernel_and_bad_values_are_refused() {
     drop((conn, server, _cpd, pd, listener));
     t.finish();
 }
+
+/// Ports and GID tables, typed, agree with what sysfs shows: the state, link layer and MTU of
+/// each port, and every valid GID with its type and netdev; the device's address is a RoCE v2
+/// GID; a port the device lacks is refused naming the ones it has.
+#[test]
+fn ports_and_gid_tables_match_sysfs() {
+    use rdma_cm::{GidType, LinkLayer, PortState, VerbsContext};
+    let t = DeviceTest::start();
+    let devices = rdma_cm::devices().unwrap();
+    assert!(!devices.is_empty());
+    let mut found_addr = false;
+    for d in &devices {
+        let ctx = VerbsContext::open(&d.name).unwrap();
+        let ports = ctx.ports().unwrap();
+        assert_eq!(ports.len(), usize::from(ctx.port_count().unwrap()));
+        let sys = std::path::Path::new("/sys/class/infiniband").join(&d.name).join("ports");
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(&p).map(|s| s.trim().to_string()).ok();
+        for p in &ports {
+            let dir = sys.join(p.port.to_string());
+            let state = read(dir.join("state")).unwrap();
+            assert!(state.ends_with(&p.state.to_string()), "{}: sysfs {state:?}, verbs {}", d.name, p.state);
+            let ll = read(dir.join("link_layer")).unwrap();
+            assert_eq!(ll, p.link_layer.to_string(), "{}", d.name);
+            assert!(p.active_mtu >= 256 && p.active_mtu <= p.max_mtu, "{p:?}");
+            let gids = ctx.gid_table(p.port).unwrap();
+            assert!(!gids.is_empty() || p.state != PortState::Active, "an active port has GIDs: {p:?}");
+            for g in &gids {
+                assert_eq!(read(dir.join("gids").join(g.index.to_string())).unwrap(), g.gid.to_string());
+                let ty = read(dir.join("gid_attrs/types").join(g.index.to_string())).unwrap();
+                let expect = match g.gid_type {
+                    GidType::RoceV2 => "RoCE v2",
+                    GidType::RoceV1 | GidType::Ib => "IB/RoCE v1",
+                    other => panic!("unexpected GID type {other}"),
+                };
+                assert_eq!(ty, expect, "{g:?}");
+                let ndev = read(dir.join("gid_attrs/ndevs").join(g.index.to_string()));
+                assert_eq!(ndev, g.netdev, "{g:?}");
+                if p.link_layer == LinkLayer::Ethernet
+                    && g.gid_type == GidType::RoceV2
+                    && g.gid.ipv4() == Some(ipv4(t.addr))
+                {
+                    found_addr = true;
+                }
+            }
+        }
+        let n = ports.len();
+        let err = ctx.port(n as u8 + 1).expect_err("a port beyond the last");
+        assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains(&format!("1..={n}")), "{err}");
+        assert!(matches!(ctx.port(0), Err(Error::InvalidArgument(_))));
+    }
+    assert!(found_addr, "the device address {} should be a RoCE v2 GID of some port", t.addr);
+    t.finish();
+}
+
+fn ipv4(a: std::net::IpAddr) -> std::net::Ipv4Addr {
+    match a {
+        std::net::IpAddr::V4(v) => v,
+        std::net::IpAddr::V6(v) => v.to_ipv4_mapped().expect("an IPv4 device address"),
+    }
+}

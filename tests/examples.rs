@@ -454,6 +454,8 @@ fn doctor_reports_the_device_healthy() {
     assert!(out.status.success(), "{text}{err}");
     assert!(text.contains("[ ok ] RDMA devices:") && text.contains("port 1: state 4: ACTIVE"), "{text}");
     assert!(text.contains("RoCE v2") && text.contains(&format!("usable with -a: {addr}")), "{text}");
+    // The port and its GIDs come from the device itself (verbs), not from sysfs.
+    assert!(text.contains("physical 5: LinkUp") && text.contains("active MTU 4096 (ibv_query_port)"), "{text}");
     assert!(text.contains("[ ok ] device files") && text.trim_end().ends_with("verdict: healthy"), "{text}");
     // A buffer beyond the limit, for an unprivileged user, is flagged with the fix.
     let script = format!("ulimit -l 64 && exec {} --size 1048576", example("doctor").display());
