@@ -235,7 +235,8 @@ pub(crate) fn check_local(
     }
     if needs_write && !mr.access().contains(AccessFlags::LOCAL_WRITE) {
         return Err(Error::InvalidArgument(
-            "the device writes this region (receive or RDMA READ target): register it with LOCAL_WRITE".into(),
+            "the device writes this region (receive, RDMA READ target or atomic result): register it with LOCAL_WRITE"
+                .into(),
         ));
     }
     Ok(())
@@ -489,7 +490,7 @@ impl QueuePair {
         q.send_kept.len() + q.recv_kept.len()
     }
 
-    /// Posts send-queue work requests (sends, RDMA WRITEs, RDMA READs), linked into as few
+    /// Posts send-queue work requests (sends, RDMA WRITEs, RDMA READs, atomics), linked into as few
     /// `ibv_post_send` calls as possible. Nothing is posted unless the queue has room for all.
     ///
     /// # Errors
@@ -515,7 +516,10 @@ impl QueuePair {
                 }
             }
             if let Some((mr, r)) = &w.local {
-                check_local(&self.pd, mr, r, matches!(w.op, SendOp::Read { .. }))?;
+                check_local(&self.pd, mr, r, w.op.writes_local())?;
+            }
+            if w.op.is_atomic() && w.imm.is_some() {
+                return Err(Error::InvalidArgument("an atomic carries no immediate data".into()));
             }
         }
         let mut q = lock(&self.queues);
@@ -538,7 +542,7 @@ impl QueuePair {
         // unsignaled work always has a completion coming that retires it.
         let free = q.send.free();
         for (k, w) in wrs.iter().enumerate() {
-            let writes = matches!(w.op, SendOp::Read { .. });
+            let writes = w.op.writes_local();
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
             let seq = q.send.stage(k as u64, w.wr_id, hold);
             let sg = sge[k].write(match (w.inline, &w.local) {
@@ -564,12 +568,23 @@ impl QueuePair {
                 (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
                 (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
                 (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
+                (SendOp::FetchAdd { .. }, _) => IBV_WR_ATOMIC_FETCH_AND_ADD,
+                (SendOp::CompareSwap { .. }, _) => IBV_WR_ATOMIC_CMP_AND_SWP,
             };
             if let Some(imm) = w.imm {
                 r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
             }
-            if let SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } = w.op {
-                r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
+            match w.op {
+                SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } => {
+                    r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
+                }
+                SendOp::FetchAdd { addr, rkey, add } => {
+                    r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: add, swap: 0, rkey };
+                }
+                SendOp::CompareSwap { addr, rkey, compare, swap } => {
+                    r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
+                }
+                SendOp::Send => {}
             }
             use ffi::ibv_send_flags as f;
             let mut flags = 0;

@@ -47,7 +47,7 @@ wc_status! {
     BadRespErr = IBV_WC_BAD_RESP_ERR, "BAD_RESP_ERR", None;
     LocAccessErr = IBV_WC_LOC_ACCESS_ERR, "LOC_ACCESS_ERR", None;
     RemInvReqErr = IBV_WC_REM_INV_REQ_ERR, "REM_INV_REQ_ERR", Some("the peer rejected the request: message larger than its receive buffer, or an operation it does not allow");
-    RemAccessErr = IBV_WC_REM_ACCESS_ERR, "REM_ACCESS_ERR", Some("the remote address, rkey or access rights do not allow this RDMA READ/WRITE");
+    RemAccessErr = IBV_WC_REM_ACCESS_ERR, "REM_ACCESS_ERR", Some("the remote address, rkey or access rights do not allow this RDMA READ/WRITE or atomic (atomics need REMOTE_ATOMIC)");
     RemOpErr = IBV_WC_REM_OP_ERR, "REM_OP_ERR", Some("the peer could not complete the operation (e.g. its receive buffer is too small)");
     RetryExcErr = IBV_WC_RETRY_EXC_ERR, "RETRY_EXC_ERR", Some("the peer did not acknowledge: it is gone or the link is down (check `rdma link`)");
     RnrRetryExcErr = IBV_WC_RNR_RETRY_EXC_ERR, "RNR_RETRY_EXC_ERR", Some("the peer had no receive posted (receiver not ready)");

@@ -561,3 +561,66 @@ fn ipv4(a: std::net::IpAddr) -> std::net::Ipv4Addr {
         std::net::IpAddr::V6(v) => v.to_ipv4_mapped().expect("an IPv4 device address"),
     }
 }
+
+/// Fetch-and-add and compare-and-swap on the peer's REMOTE_ATOMIC region: each returns the
+/// value it found, the result region stays out of reach while the device may write it, the
+/// peer sees the final value; misaligned, wrongly sized and out-of-range targets are refused
+/// before posting, and a region without REMOTE_ATOMIC fails with a remote access error.
+#[test]
+fn atomics_fetch_add_and_compare_swap_on_the_peer() {
+    use rdma_cm::WcOpcode;
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![64], access: AccessFlags::LOCAL_WRITE, ..PairSpec::default() };
+    let sspec = PairSpec {
+        mr_sizes: vec![64],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    s.mrs[0].write_at(8, &100u64.to_ne_bytes()).unwrap();
+    let remote = s.mrs[0].remote();
+    // Posts one atomic on the 8 bytes at offset 8 of the peer's region, result into 16..24.
+    let run = |c: &mut common::Side, id: u64, compare_swap: Option<(u64, u64)>, add: u64| -> u64 {
+        let wr = match compare_swap {
+            Some((cmp, swap)) => SendWr::compare_swap(&c.mrs[0], 16..24, &remote, 8, cmp, swap),
+            None => SendWr::fetch_add(&c.mrs[0], 16..24, &remote, 8, add),
+        };
+        c.conn.qp_mut().post_send(&[wr.unwrap().wr_id(id)]).unwrap();
+        // The device writes the original value into the result range: no slice meanwhile.
+        assert!(matches!(c.mrs[0].as_slice(), Err(Error::InFlight { .. })), "result region must be held");
+        let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, id, T).unwrap();
+        assert!(matches!(wc.opcode(), Some(WcOpcode::FetchAdd | WcOpcode::CompSwap)), "{wc:?}");
+        let mut v = [0u8; 8];
+        c.mrs[0].read_at(16, &mut v).unwrap();
+        u64::from_ne_bytes(v)
+    };
+    assert_eq!(run(&mut c, 1, None, 5), 100);
+    assert_eq!(run(&mut c, 2, None, 7), 105);
+    assert_eq!(run(&mut c, 3, Some((112, 42)), 0), 112, "compare matched: swapped");
+    assert_eq!(run(&mut c, 4, Some((999, 1)), 0), 42, "compare did not match: left alone");
+    let mut v = [0u8; 8];
+    s.mrs[0].read_at(8, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), 42, "the peer's integer after add 5, add 7, swap to 42, failed swap");
+    // Bad input, refused before posting.
+    let e = SendWr::fetch_add(&c.mrs[0], 16..24, &remote, 4, 1).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("8-byte aligned"), "{e}");
+    let e = SendWr::fetch_add(&c.mrs[0], 16..20, &remote, 8, 1).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("8 bytes"), "{e}");
+    let e = SendWr::compare_swap(&c.mrs[0], 16..24, &remote, 60, 0, 1).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    let wr = SendWr::fetch_add(&c.mrs[0], 16..24, &remote, 8, 1).unwrap().imm(7);
+    let e = c.conn.qp_mut().post_send(&[wr]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    // A region the peer did not open to atomics: the device refuses at the peer.
+    let mut plain = MemoryRegion::new(&s.pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let wr = SendWr::fetch_add(&c.mrs[0], 16..24, &plain.remote(), 8, 1).unwrap().wr_id(9);
+    c.conn.qp_mut().post_send(&[wr]).unwrap();
+    match c.conn.qp_mut().wait_for(WorkQueue::Send, 9, T) {
+        Err(Error::WorkCompletion { status, .. }) => assert_eq!(status, WcStatus::RemAccessErr),
+        other => panic!("expected REM_ACCESS_ERR, got {other:?}"),
+    }
+    plain.read_at(8, &mut v).unwrap();
+    assert_eq!(v, [0; 8], "the refused atomic changed nothing");
+    drop((c, s, plain));
+    t.finish();
+}
