@@ -149,7 +149,7 @@ impl CmId {
     /// Sets the local ACK timeout of the id's QP (`RDMA_OPTION_ID_ACK_TIMEOUT`): a request that
     /// is not acknowledged within 4.096 µs × 2^`exponent` is sent again, and after
     /// [`ConnParam::retry_count`](crate::ConnParam::retry_count) retries the QP fails with
-    /// [`WcStatus::RetryExceeded`](crate::WcStatus::RetryExceeded). So a dead peer is noticed
+    /// [`WcStatus::RetryExcErr`](crate::WcStatus::RetryExcErr). So a dead peer is noticed
     /// after about (retry_count + 1) × 4.096 µs × 2^`exponent`; the kernel's default, from the
     /// path's packet lifetime, is often exponent 18–19 (1–2 s per try). Set it before
     /// connecting or accepting: it is applied when the QP moves to RTS.

@@ -83,7 +83,7 @@ impl<'a> SendWr<'a> {
     /// it is handed out) until the completion is reaped; read the original value then, e.g.
     /// with [`MemoryRegion::read_at`]. The peer's region needs
     /// [`AccessFlags::REMOTE_ATOMIC`](crate::AccessFlags::REMOTE_ATOMIC) (otherwise the
-    /// completion is [`WcStatus::RemoteAccessError`](crate::WcStatus::RemoteAccessError)),
+    /// completion is [`WcStatus::RemAccessErr`](crate::WcStatus::RemAccessErr)),
     /// and the connection an initiator depth of at least 1 ([`ConnParam`](crate::ConnParam)'s
     /// default). The original value is written in the byte order the device uses: the host's
     /// on Soft-RoCE; compare against a known value on other hardware.
