@@ -59,7 +59,7 @@ impl<'a> SendWr<'a> {
     /// Writes `mr[range]` to `remote` at `remote_offset` (RDMA WRITE).
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) when the target range leaves the remote region.
+    /// [`Error::OutOfBounds`] when the target range leaves the remote region.
     pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
         let len = range.len() as u64;
         let addr = remote.at(remote_offset, len)?;
@@ -70,7 +70,7 @@ impl<'a> SendWr<'a> {
     /// [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) when the source range leaves the remote region.
+    /// [`Error::OutOfBounds`] when the source range leaves the remote region.
     pub fn read(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
         let len = range.len() as u64;
         let addr = remote.at(remote_offset, len)?;
@@ -89,9 +89,9 @@ impl<'a> SendWr<'a> {
     /// on Soft-RoCE; compare against a known value on other hardware.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when `range` is not 8 bytes
+    /// [`Error::InvalidArgument`] when `range` is not 8 bytes
     /// or the target address is not 8-byte aligned (the device would fail the request);
-    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds) when the target leaves the remote
+    /// [`Error::OutOfBounds`] when the target leaves the remote
     /// region.
     pub fn fetch_add(
         mr: &'a MemoryRegion,
