@@ -4,6 +4,7 @@
 //! cargo run --example client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
 //! cargo run --example client -- -a 10.77.0.1 --mode write --size 65536
 //! cargo run --example client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
+//! cargo run --example client -- -a 10.77.0.1 --mode fetch-add --iters 1000    # atomics on the server's counter
 //! ```
 //!
 //! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
@@ -113,13 +114,16 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     say!("[INFO] Device {}", ctx.device_name());
     let pd = route.alloc_pd()?;
 
-    let size = args.size as usize;
+    // The atomic modes work on one 8-byte counter, whatever --size says.
+    let size = if args.mode.is_atomic() { 8 } else { args.size as usize };
     let started = Instant::now();
     // `data`: what we send (or expose to RDMA READ); `back`: where the echo lands.
     let (data_access, back_access) = match args.mode {
         Mode::Send => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
         Mode::Write => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE),
         Mode::Read => (AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
+        // `back` takes the value each atomic found.
+        Mode::FetchAdd | Mode::CmpSwap => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
     };
     let mut data = MemoryRegion::new(&pd, size, data_access)?;
     let mut back = MemoryRegion::new(&pd, size, back_access)?;
@@ -135,15 +139,16 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     match args.mode {
         Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
         Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
+        Mode::FetchAdd | Mode::CmpSwap => {} // the server sends nothing
     }
     let region = match args.mode {
-        Mode::Send => QpInfo { qp_num, ..QpInfo::default() },
+        Mode::Send | Mode::FetchAdd | Mode::CmpSwap => QpInfo { qp_num, ..QpInfo::default() },
         Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size },
         Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size },
     };
     // With --bw the stream is one-sided; the server sees a single verified round trip.
     let iters = if args.bw { 1 } else { args.iters };
-    let req = Request { info: region, mode: args.mode, size: args.size, iters };
+    let req = Request { info: region, mode: args.mode, size: size as u32, iters };
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
     let mut conn = steps.time(|| pending.connect(&param, t))?;
@@ -183,12 +188,15 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
             Mode::Send => round_trip_send(&mut conn, &data, &back, i, one, t)?,
             Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, iters, one, t)?,
             Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, iters, one, t)?,
+            Mode::FetchAdd | Mode::CmpSwap => {
+                atomic_step(&mut conn, &mut back, need(server_region)?, args.mode, i, one, t)?
+            }
         };
         rtts.push(start.elapsed());
         if n != size {
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }
-        if server.is_some() {
+        if server.is_some() && !args.mode.is_atomic() {
             fill_pattern(&mut expected, i);
             back.read_at(0, &mut got)?;
             if let Some(pos) = got.iter().zip(&expected).position(|(a, b)| a != b) {
@@ -199,12 +207,18 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
             }
         }
     }
-    if server.is_some() {
+    if args.mode.is_atomic() {
+        // "done": the server checks its counter now.
+        let qp = conn.qp_mut();
+        qp.post_send(&[SendWr::send_inline(&iters.to_be_bytes()).wr_id(u64::MAX)])?;
+        qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
+        say!("[INFO] Atomics verified: {iters} x {} returned the expected values", args.mode);
+    } else if server.is_some() {
         say!("[INFO] Echo verified: {iters} x {size} bytes match");
     }
     say!("[INFO] Round-trip completed.");
     if iters > 1 {
-        print_latency_table(args.size, &mut rtts);
+        print_latency_table(size as u32, &mut rtts);
     }
     steps.time(|| conn.disconnect(t))?;
     say!("[INFO] Disconnected");
@@ -392,4 +406,35 @@ fn round_trip_read(
         say!("[INFO] Received {} bytes (RDMA READ)", wc.byte_len());
     }
     Ok(wc.byte_len() as usize)
+}
+
+/// One atomic on the server's counter: fetch-and-add 1, or compare-and-swap i -> i + 1. Both
+/// must find `i` there (the counter starts at 0 and only this client moves it).
+fn atomic_step(
+    conn: &mut Connection,
+    back: &mut MemoryRegion,
+    server: RemoteRegion,
+    mode: Mode,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let i = u64::from(i);
+    let wr = match mode {
+        Mode::CmpSwap => SendWr::compare_swap(back, 0..8, &server, 0, i, i + 1)?,
+        _ => SendWr::fetch_add(back, 0..8, &server, 0, 1)?,
+    };
+    let qp = conn.qp_mut();
+    qp.post_send(&[wr.wr_id(i)])?;
+    qp.wait_for(WorkQueue::Send, i, t)?;
+    let mut v = [0u8; 8];
+    back.read_at(0, &mut v)?;
+    let found = u64::from_ne_bytes(v);
+    if found != i {
+        return Err(Error::InvalidArgument(format!("{mode} {i} found the counter at {found}, expected {i}")));
+    }
+    if log {
+        say!("[INFO] {mode}: the counter was {found}");
+    }
+    Ok(8)
 }

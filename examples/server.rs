@@ -162,8 +162,9 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
         Mode::Send => AccessFlags::LOCAL_WRITE,
         Mode::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         Mode::Read => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        Mode::FetchAdd | Mode::CmpSwap => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
     };
-    let bufs = [
+    let mut bufs = [
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
     ];
@@ -181,7 +182,12 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
     let client_region = parsed.and_then(|r| r.info.region());
     match mode {
         Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
-        Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?,
+        Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
+            pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?
+        }
+    }
+    if mode.is_atomic() {
+        bufs[0].write_at(0, &0u64.to_ne_bytes()).map_err(err)?; // the counter starts at 0
     }
     let info = QpInfo {
         qp_num: pending.qp().qp_num(),
@@ -203,6 +209,7 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
         Mode::Read => {
             echo_read(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
         }
+        Mode::FetchAdd | Mode::CmpSwap => check_counter(&mut conn, &mut bufs[0], mode, iters, timeout),
     };
     result.map_err(err)?;
     // The client disconnects first; wait for it, bounded.
@@ -299,6 +306,26 @@ fn echo_read(
         qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
         qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
     }
+    Ok(())
+}
+
+/// Atomic modes: the client moves our counter with RDMA atomics; on its "done", the counter
+/// must be exactly `iters`.
+fn check_counter(
+    conn: &mut Connection,
+    counter: &mut MemoryRegion,
+    mode: Mode,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    conn.qp_mut().wait_for(WorkQueue::Recv, 0, t)?;
+    let mut v = [0u8; 8];
+    counter.read_at(0, &mut v)?;
+    let n = u64::from_ne_bytes(v);
+    if n != u64::from(iters) {
+        return Err(Error::InvalidArgument(format!("counter is {n} after {iters} {mode}(s)")));
+    }
+    println!("[INFO] Counter is {n} after {iters} {mode}(s)");
     Ok(())
 }
 

@@ -154,6 +154,18 @@ fn demo_write_and_read_modes_verify_the_echo() {
     assert!(c.contains("Echo verified: 1 x 1048576 bytes match"), "{c}");
 }
 
+/// The atomic modes: every fetch-and-add and compare-and-swap finds the value the client
+/// expects on the server's counter, and the server finds the counter at the iteration count.
+#[test]
+fn demo_atomic_modes_move_the_servers_counter() {
+    let (c, s) = demo("7630", &["--mode", "fetch-add", "--iters", "300"]);
+    assert!(c.contains("Atomics verified: 300 x fetch-add returned the expected values"), "{c}");
+    assert!(c.contains("#bytes #iterations") && s.contains("Counter is 300 after 300 fetch-add(s)"), "{c}\n{s}");
+    let (c, s) = demo("7631", &["--mode", "cmp-swap"]);
+    assert!(c.contains("cmp-swap: the counter was 0") && c.contains("Atomics verified: 1 x cmp-swap"), "{c}");
+    assert!(s.contains("Counter is 1 after 1 cmp-swap(s)"), "{s}");
+}
+
 #[test]
 fn demo_iterations_print_a_perftest_latency_table() {
     let (c, s) = demo("7604", &["--size", "2", "--iters", "200"]);

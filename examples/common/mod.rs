@@ -26,6 +26,12 @@ pub enum Mode {
     Write,
     /// The server RDMA-READs the client's region, then the client RDMA-READs it back.
     Read,
+    /// RDMA fetch-and-add of 1 on the server's 8-byte counter per iteration; each returned
+    /// value is checked, and the server checks the final count.
+    FetchAdd,
+    /// RDMA compare-and-swap of the server's counter from i to i + 1 per iteration; each
+    /// returned value is checked, and the server checks the final count.
+    CmpSwap,
 }
 
 impl Mode {
@@ -34,13 +40,22 @@ impl Mode {
             Mode::Send => 0,
             Mode::Write => 1,
             Mode::Read => 2,
+            Mode::FetchAdd => 3,
+            Mode::CmpSwap => 4,
         }
+    }
+
+    /// An atomic mode: the client operates on the server's 8-byte counter.
+    pub fn is_atomic(self) -> bool {
+        matches!(self, Mode::FetchAdd | Mode::CmpSwap)
     }
     fn from_code(c: u8) -> Option<Mode> {
         Some(match c {
             0 => Mode::Send,
             1 => Mode::Write,
             2 => Mode::Read,
+            3 => Mode::FetchAdd,
+            4 => Mode::CmpSwap,
             _ => return None,
         })
     }
@@ -52,6 +67,8 @@ impl fmt::Display for Mode {
             Mode::Send => "send",
             Mode::Write => "write",
             Mode::Read => "read",
+            Mode::FetchAdd => "fetch-add",
+            Mode::CmpSwap => "cmp-swap",
         })
     }
 }
@@ -102,7 +119,10 @@ impl Request {
         if iters == 0 || iters > MAX_ITERS {
             return Err(format!("iterations {iters} outside 1..={MAX_ITERS}"));
         }
-        if mode != Mode::Send {
+        if mode.is_atomic() && size != 8 {
+            return Err(format!("{mode} works on one 8-byte counter, not {size} bytes"));
+        }
+        if matches!(mode, Mode::Write | Mode::Read) {
             let region = info.region().ok_or("write/read mode needs the client to advertise a region")?;
             if region.len < size as u64 {
                 return Err(format!("client region of {} bytes is smaller than size {size}", region.len));
@@ -183,6 +203,12 @@ mod tests {
             let mut pd = [0u8; 56];
             pd[..REQUEST_LEN].copy_from_slice(&req(m).encode());
             assert_eq!(Request::decode(&pd).unwrap(), Some(req(m)));
+        }
+        for m in [Mode::FetchAdd, Mode::CmpSwap] {
+            let r = Request { size: 8, ..req(m) };
+            assert_eq!(Request::decode(&r.encode()).unwrap(), Some(r));
+            let e = Request::decode(&Request { size: 16, ..r }.encode()).unwrap_err();
+            assert!(e.contains("8-byte counter"), "{e}");
         }
     }
 
