@@ -157,6 +157,17 @@ pub enum Error {
     /// The peer's private data could not be decoded (untrusted input).
     #[error("bad private data from peer: {0}")]
     PrivateData(&'static str),
+
+    /// A host or service name could not be resolved (`rdma_getaddrinfo`).
+    #[error(
+        "cannot resolve {query}: {reason}; check the name (`getent hosts NAME`) or give a numeric address and port"
+    )]
+    Lookup {
+        /// What was looked up, as `host:service`.
+        query: String,
+        /// The resolver's reason (`gai_strerror`, or the errno).
+        reason: String,
+    },
 }
 
 impl Error {

@@ -178,6 +178,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod addrinfo;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod cm_id;
@@ -201,6 +202,7 @@ pub mod wr;
 
 pub use rdma_sys as ffi;
 
+pub use addrinfo::{lookup, lookup_passive};
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,

@@ -624,3 +624,38 @@ fn atomics_fetch_add_and_compare_swap_on_the_peer() {
     drop((c, s, plain));
     t.finish();
 }
+
+/// Names through `rdma_getaddrinfo`: a numeric address and port come back as themselves, a
+/// name resolves (localhost), a listener bound to what `lookup_passive` gives is reached at
+/// what `lookup` gives, and a name that does not exist is an error that names it.
+#[test]
+fn lookup_resolves_names_for_connecting_and_listening() {
+    let t = DeviceTest::start();
+    let host = t.addr.to_string();
+    assert_eq!(rdma_cm::lookup(&host, "7994").unwrap(), vec![SocketAddr::new(t.addr, 7994)]);
+    let local = rdma_cm::lookup("localhost", "7994").unwrap();
+    assert!(local.iter().all(|a| a.ip().is_loopback() && a.port() == 7994) && !local.is_empty(), "{local:?}");
+    let bind = rdma_cm::lookup_passive(Some(&host), "7994").unwrap()[0];
+    assert_eq!(bind, SocketAddr::new(t.addr, 7994));
+    let wildcard = rdma_cm::lookup_passive(None, "7994").unwrap();
+    assert!(wildcard.iter().all(|a| a.ip().is_unspecified()), "{wildcard:?}");
+    let listener = Server::new().unwrap().bind(bind).unwrap().listen(1).unwrap();
+    let dst = rdma_cm::lookup(&host, "7994").unwrap()[0];
+    let client = thread::spawn(move || {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+        (conn, pd)
+    });
+    let req = listener.get_request(T).unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let server = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let (conn, _cpd) = client.join().unwrap();
+    assert_eq!(conn.peer_addr(), Some(dst));
+    let err = rdma_cm::lookup("no-such-host.invalid", "7994").unwrap_err();
+    assert!(matches!(err, Error::Lookup { .. }) && err.to_string().contains("no-such-host.invalid:7994"), "{err}");
+    let err = rdma_cm::lookup("a\0b", "1").unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    drop((conn, server, _cpd, pd, listener));
+    t.finish();
+}

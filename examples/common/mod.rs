@@ -3,7 +3,7 @@
 #![allow(dead_code)] // each example uses part of this module
 
 use std::fmt;
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use rdma_cm::QpInfo;
@@ -144,12 +144,9 @@ pub fn resolve_host(host: &str, port: u16) -> Result<SocketAddr, String> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(SocketAddr::new(ip, port));
     }
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| {
-            format!("cannot resolve host '{host}': {e} (give an IPv4 address, or a name in /etc/hosts or DNS)")
-        })?
-        .collect();
+    // rdma_getaddrinfo, as rdma-core's examples resolve names.
+    let addrs = rdma_cm::lookup(host, &port.to_string())
+        .map_err(|e| format!("{e} (give an IPv4 address, or a name in /etc/hosts or DNS)"))?;
     addrs.iter().find(|a| a.is_ipv4()).or(addrs.first()).copied().ok_or_else(|| format!("host '{host}' has no address"))
 }
 
