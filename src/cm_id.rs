@@ -118,8 +118,9 @@ impl CmId {
 
     /// Sets the IP type of service (`RDMA_OPTION_ID_TOS`, RFC 2474: DSCP in the upper six
     /// bits, ECN in the lower two). On RoCE it becomes the packets' traffic class, which is
-    /// what switches map to priorities (PFC, ECN marking). Set it before resolving the route
-    /// (a client) or before listening (a listener's connections inherit it).
+    /// what switches map to priorities (PFC, ECN marking). Set it on a client before resolving
+    /// the route, which takes the class then ([`QpAttributes::traffic_class`](crate::QpAttributes::traffic_class)
+    /// shows what the connected QP uses).
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_set_option` fails (`EINVAL` on a kernel without it).
