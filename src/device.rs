@@ -143,6 +143,10 @@ pub struct DeviceLimits {
     pub max_srq: u32,
     /// Largest shared receive queue (`max_srq_wr`).
     pub max_srq_wr: u32,
+    /// Largest scatter list of a shared receive queue's receive (`max_srq_sge`).
+    pub max_srq_sge: u32,
+    /// Largest scatter list of an RDMA READ (`max_sge_rd`; 0 when the device does not say).
+    pub max_sge_rd: u32,
 }
 
 impl VerbsContext {
@@ -211,6 +215,8 @@ impl VerbsContext {
             max_qp_init_rd_atom: a.max_qp_init_rd_atom.max(0) as u32,
             max_srq: a.max_srq.max(0) as u32,
             max_srq_wr: a.max_srq_wr.max(0) as u32,
+            max_srq_sge: a.max_srq_sge.max(0) as u32,
+            max_sge_rd: a.max_sge_rd.max(0) as u32,
         })
     }
 

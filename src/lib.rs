@@ -88,7 +88,9 @@
 //! ## Soundness of the data path
 //!
 //! Posting moves a clone of the [`MemoryRegion`] handle into the QP's slot table; reaping the
-//! completion releases it. What is guaranteed, exactly:
+//! completion releases it. A work request of several pieces ([scatter/gather](wr#scattergather),
+//! up to [`MAX_SGE`]) holds every piece's region the same way, until the same completion. What
+//! is guaranteed, exactly:
 //!
 //! - no safe call lets the device write memory that Rust code can reach through a reference:
 //!   a region is readable only while no posted work lets the device write it, and writable only
@@ -220,7 +222,7 @@ pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
 pub use wait::FOREVER;
-pub use wr::{RecvWr, SendWr};
+pub use wr::{RecvWr, SendWr, MAX_SGE};
 
 /// Reports a destroy call that failed in `Drop` (which must not panic): one line on stderr.
 /// The object is leaked by the caller.

@@ -10,6 +10,13 @@
 //! memory can never be freed under the device. Posting clones an `Arc` (an atomic increment):
 //! no heap allocation.
 //!
+//! A work request of several pieces ([scatter/gather](crate::wr#scattergather)) holds every
+//! piece's region the same way: the first piece's handle in its slot, the others' in a side
+//! table of the ring (slots × (pieces − 1) entries, allocated with the ring, and only for a
+//! queue created for more than one piece: [`QpInit::max_send_sge`], [`QpInit::max_recv_sge`]).
+//! Whatever retires the slot (its completion, a later signaled completion, the provider
+//! refusing the work request, the flush, dropping the QP) releases all of them together.
+//!
 //! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
 //! completion names. That is also how unsignaled sends are retired: by the next signaled
 //! completion on the same queue; the work request that takes the send queue's last free slot
@@ -76,10 +83,12 @@ use crate::pd::ProtectionDomain;
 use crate::ring::{tag, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
 use crate::wait::{poll_readable, pollfd, Deadline};
-use crate::wr::{RecvWr, SendOp, SendWr};
+use crate::wr::{RecvWr, SendOp, SendWr, MAX_SGE};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
+/// Scatter/gather entries of one `ibv_post_*` call: every piece of a chunk of work requests.
+const CHUNK_SGE: usize = CHUNK * MAX_SGE;
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -95,6 +104,8 @@ fn next_nonce() -> u16 {
 pub struct QpInit {
     pub(crate) max_send_wr: u32,
     pub(crate) max_recv_wr: u32,
+    pub(crate) max_send_sge: u32,
+    pub(crate) max_recv_sge: u32,
     pub(crate) max_inline_data: u32,
     pub(crate) send_cq: Option<Arc<CompletionQueue>>,
     pub(crate) recv_cq: Option<Arc<CompletionQueue>>,
@@ -103,7 +114,16 @@ pub struct QpInit {
 
 impl Default for QpInit {
     fn default() -> Self {
-        QpInit { max_send_wr: 16, max_recv_wr: 16, max_inline_data: 64, send_cq: None, recv_cq: None, srq: None }
+        QpInit {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+            send_cq: None,
+            recv_cq: None,
+            srq: None,
+        }
     }
 }
 
@@ -120,6 +140,22 @@ impl QpInit {
     /// Receive queue depth (ignored with an SRQ).
     pub fn max_recv_wr(mut self, n: u32) -> Self {
         self.max_recv_wr = n;
+        self
+    }
+    /// The most pieces a send-queue work request may name
+    /// ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]): 1 (the default) to
+    /// [`MAX_SGE`], and at most the device's `max_sge`
+    /// ([`DeviceLimits`](crate::DeviceLimits)); checked when the QP is created. A queue of
+    /// more than one piece gets a side table for the extra holds (slots × (n − 1) entries).
+    pub fn max_send_sge(mut self, n: u32) -> Self {
+        self.max_send_sge = n;
+        self
+    }
+    /// The most pieces a receive may name ([`RecvWr::sg`]): as for
+    /// [`QpInit::max_send_sge`]. Ignored with an SRQ (see
+    /// [`SharedReceiveQueue::with_sge`]).
+    pub fn max_recv_sge(mut self, n: u32) -> Self {
+        self.max_recv_sge = n;
         self
     }
     /// Largest inline send, in bytes.
@@ -183,6 +219,11 @@ pub struct QueuePair {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     max_inline: u32,
+    /// The most pieces a send, a receive and an RDMA READ may name (what the rings were sized
+    /// for; 0 receive pieces on an SRQ).
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_read_sge: u32,
     nonce: u16,
     /// Our index in the send CQ's and the receive CQ's routing tables.
     send_slot: Slot,
@@ -242,6 +283,60 @@ pub(crate) fn check_local(
     Ok(())
 }
 
+/// Checks the pieces after the first of a work request, and the whole list: every piece as
+/// [`check_local`] does, and at most 4 GiB in all. `first_len` is the first piece's length.
+#[cold]
+pub(crate) fn check_rest(
+    pd: &Arc<ProtectionDomain>,
+    first_len: usize,
+    rest: &[(&MemoryRegion, Range<usize>)],
+    needs_write: bool,
+) -> Result<()> {
+    let mut total = first_len as u64;
+    for (mr, r) in rest {
+        check_local(pd, mr, r, needs_write)?;
+        total += r.len() as u64;
+    }
+    if total > u32::MAX as u64 {
+        return Err(Error::InvalidArgument(format!(
+            "a work request moves at most 4 GiB; its {} pieces add up to {total} bytes",
+            rest.len() + 1
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a work request of more pieces than its queue takes.
+pub(crate) fn check_pieces(pieces: usize, max: u32, queue: &str, setter: &str) -> Result<()> {
+    if pieces > max as usize {
+        return Err(Error::InvalidArgument(format!(
+            "a work request of {pieces} pieces exceeds the {queue}'s limit of {max}: create it with {setter}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a requested number of pieces per work request against the crate's limit; `what`
+/// names the setter.
+pub(crate) fn check_sge_request(n: u32, what: &str) -> Result<()> {
+    if n == 0 || n as usize > MAX_SGE {
+        return Err(Error::InvalidArgument(format!(
+            "{what}({n}): a work request names 1 to {MAX_SGE} pieces (rdma_cm::MAX_SGE)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a requested number of pieces against the device's limit `max` (`field` names it).
+pub(crate) fn check_sge_device(n: u32, what: &str, max: u32, field: &str, device: &str) -> Result<()> {
+    if n > max {
+        return Err(Error::InvalidArgument(format!(
+            "{what}({n}) exceeds device {device}'s {field} of {max} (see `ibv_devinfo -v`)"
+        )));
+    }
+    Ok(())
+}
+
 /// Where a failed post stopped, when the provider said so: the index of `bad` in the list of
 /// `n` starting at `first`. Compared as addresses, so nothing is assumed about a pointer we did
 /// not give it. `None`: unknown extent.
@@ -251,42 +346,48 @@ pub(crate) fn rejected_from<T>(bad: *mut T, first: *const T, n: usize) -> Option
     (!bad.is_null() && b >= f && b < f + n * size && (b - f) % size == 0).then(|| (b - f) / size)
 }
 
-/// A list of up to [`CHUNK`] receive work requests on the stack.
-pub(crate) struct RecvList {
-    wrs: [ffi::ibv_recv_wr; CHUNK],
-    sge: [ffi::ibv_sge; CHUNK],
-    n: usize,
-}
-
-impl RecvList {
-    /// Builds the list for `chunk` (at most [`CHUNK`] entries); `wr_id(k, w)` stages entry `k`
-    /// and returns the `wr_id` to post.
-    pub(crate) fn build(chunk: &[RecvWr<'_>], mut wr_id: impl FnMut(usize, &RecvWr<'_>) -> u64) -> RecvList {
-        // SAFETY: plain old data; all-zero is valid.
-        let mut l: RecvList = RecvList { wrs: unsafe { mem::zeroed() }, sge: unsafe { mem::zeroed() }, n: chunk.len() };
-        for (k, w) in chunk.iter().enumerate() {
-            l.sge[k] = ffi::ibv_sge {
-                addr: w.mr.addr() + w.range.start as u64,
-                length: w.range.len() as u32,
-                lkey: w.mr.lkey(),
-            };
-            l.wrs[k].wr_id = wr_id(k, w);
-            // A zero-length receive has no scatter entry: some providers read a byte count of
-            // 0 as 2 GiB.
-            l.wrs[k].num_sge = !w.range.is_empty() as i32;
+/// Builds the receive list for `chunk` (at most [`CHUNK`] work requests) on the stack and
+/// hands its head and length to `post`; `wr_id(k, w)` stages entry `k` (holding every piece of
+/// it) and returns the `wr_id` to post. The list lives until `post` returns.
+pub(crate) fn with_recv_list<R>(
+    chunk: &[RecvWr<'_>],
+    mut wr_id: impl FnMut(usize, &RecvWr<'_>) -> u64,
+    post: impl FnOnce(*mut ffi::ibv_recv_wr, usize) -> R,
+) -> R {
+    // Only the entries used are initialised (zeroing whole arrays costs on every post).
+    let mut wrs: [MaybeUninit<ffi::ibv_recv_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
+    let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK_SGE] = [const { MaybeUninit::uninit() }; CHUNK_SGE];
+    // Both arrays are written only through these pointers from here on, so the pointers the
+    // list holds into them stay valid.
+    let base: *mut ffi::ibv_recv_wr = wrs.as_mut_ptr().cast();
+    let sge_base: *mut ffi::ibv_sge = sge.as_mut_ptr().cast();
+    let n = chunk.len().min(CHUNK);
+    let mut used = 0;
+    for (k, w) in chunk[..n].iter().enumerate() {
+        let first = used;
+        let pieces = std::iter::once((w.mr, &w.range)).chain(w.rest.iter().map(|(m, r)| (*m, r)));
+        for (mr, r) in pieces.take(MAX_SGE) {
+            let e = ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() };
+            // SAFETY: at most MAX_SGE entries per work request and CHUNK work requests, so
+            // `used` < CHUNK_SGE: within `sge`.
+            unsafe { sge_base.add(used).write(e) };
+            used += 1;
         }
-        l
+        // A zero-length receive has no scatter entry: some providers read a byte count of 0 as
+        // 2 GiB. (A list of several pieces has no empty piece: RecvWr::sg refuses them.)
+        let num_sge = if w.rest.is_empty() { !w.range.is_empty() as i32 } else { (used - first) as i32 };
+        let entry = ffi::ibv_recv_wr {
+            wr_id: wr_id(k, w),
+            // SAFETY: k + 1 < n <= CHUNK, so the pointer stays within `wrs`.
+            next: if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() },
+            // SAFETY: first < CHUNK_SGE (see above).
+            sg_list: unsafe { sge_base.add(first) },
+            num_sge,
+        };
+        // SAFETY: k < n <= CHUNK: within `wrs`.
+        unsafe { base.add(k).write(entry) };
     }
-
-    /// Links the list in place and returns its head and length.
-    pub(crate) fn head(&mut self) -> (*mut ffi::ibv_recv_wr, usize) {
-        for k in 0..self.n {
-            self.wrs[k].sg_list = &mut self.sge[k];
-            let next: *mut ffi::ibv_recv_wr = if k + 1 < self.n { &mut self.wrs[k + 1] } else { std::ptr::null_mut() };
-            self.wrs[k].next = next;
-        }
-        (self.wrs.as_mut_ptr(), self.n)
-    }
+    post(base, n)
 }
 
 impl QueuePair {
@@ -309,6 +410,23 @@ impl QueuePair {
             return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
         }
         let ctx = pd.context();
+        let max_recv_sge = if on_srq { 0 } else { init.max_recv_sge };
+        check_sge_request(init.max_send_sge, "QpInit::max_send_sge")?;
+        if !on_srq {
+            check_sge_request(max_recv_sge, "QpInit::max_recv_sge")?;
+        }
+        // The device is asked only when a queue takes more than one piece. An RDMA READ may be
+        // limited to fewer pieces than other sends (`max_sge_rd`).
+        let mut max_read_sge = init.max_send_sge;
+        if init.max_send_sge > 1 || max_recv_sge > 1 {
+            let limits = ctx.limits()?;
+            let device = ctx.device_name();
+            check_sge_device(init.max_send_sge, "QpInit::max_send_sge", limits.max_sge, "max_sge", &device)?;
+            check_sge_device(max_recv_sge, "QpInit::max_recv_sge", limits.max_sge, "max_sge", &device)?;
+            if limits.max_sge_rd > 0 {
+                max_read_sge = max_read_sge.min(limits.max_sge_rd);
+            }
+        }
         for cq in [&init.send_cq, &init.recv_cq].into_iter().flatten() {
             if !cq.context().same_as(ctx) {
                 return Err(Error::InvalidArgument(format!(
@@ -367,8 +485,8 @@ impl QueuePair {
         attr.sq_sig_all = 0;
         attr.cap.max_send_wr = init.max_send_wr;
         attr.cap.max_recv_wr = recv_depth;
-        attr.cap.max_send_sge = 1;
-        attr.cap.max_recv_sge = if on_srq { 0 } else { 1 };
+        attr.cap.max_send_sge = init.max_send_sge;
+        attr.cap.max_recv_sge = max_recv_sge;
         attr.cap.max_inline_data = init.max_inline_data;
         let raw = match create(&mut attr) {
             Ok(raw) => raw,
@@ -380,7 +498,12 @@ impl QueuePair {
         // SAFETY: raw is a valid QP; qp_num is immutable.
         let qp_num = unsafe { (*raw.as_ptr()).qp_num };
         let nonce = next_nonce();
-        let queues = Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth)));
+        // The QP takes what was asked, or less if the provider says so (it may allow more: the
+        // rings are sized for what was asked).
+        let max_send_sge = attr.cap.max_send_sge.clamp(1, init.max_send_sge);
+        let max_recv_sge = if on_srq { 0 } else { attr.cap.max_recv_sge.clamp(1, max_recv_sge) };
+        let max_read_sge = max_read_sge.min(max_send_sge);
+        let queues = Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth, max_send_sge, max_recv_sge)));
         let send_index = send_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues));
         let recv_index = if Arc::ptr_eq(&send_cq, &recv_cq) {
             send_index.as_ref().map(|i| *i).map_err(|_| Error::InvalidArgument(String::new()))
@@ -409,6 +532,9 @@ impl QueuePair {
             raw,
             qp_num,
             max_inline: attr.cap.max_inline_data,
+            max_send_sge,
+            max_recv_sge,
+            max_read_sge,
             nonce,
             send_slot: Slot { index: send_index },
             recv_slot: Slot { index: recv_index },
@@ -467,6 +593,23 @@ impl QueuePair {
         self.max_inline
     }
 
+    /// The most pieces a send-queue work request may name ([`QpInit::max_send_sge`]).
+    pub fn max_send_sge(&self) -> u32 {
+        self.max_send_sge
+    }
+
+    /// The most pieces an RDMA READ may name: [`QueuePair::max_send_sge`], or less where the
+    /// device limits READs further (`max_sge_rd`).
+    pub fn max_read_sge(&self) -> u32 {
+        self.max_read_sge
+    }
+
+    /// The most pieces a receive may name ([`QpInit::max_recv_sge`]; 0 on an SRQ, whose own
+    /// limit applies).
+    pub fn max_recv_sge(&self) -> u32 {
+        self.max_recv_sge
+    }
+
     fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
         lock(&self.queues)
     }
@@ -517,6 +660,9 @@ impl QueuePair {
             }
             if let Some((mr, r)) = &w.local {
                 check_local(&self.pd, mr, r, w.op.writes_local())?;
+                if !w.rest.is_empty() {
+                    self.check_send_pieces(w, r.len())?;
+                }
             }
             if w.op.is_atomic() && w.imm.is_some() {
                 return Err(Error::InvalidArgument("an atomic carries no immediate data".into()));
@@ -532,34 +678,70 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Checks a send-queue work request of several pieces: their count against the QP's
+    /// limits, and every piece after the first.
+    #[cold]
+    fn check_send_pieces(&self, w: &SendWr<'_>, first_len: usize) -> Result<()> {
+        let pieces = w.num_pieces();
+        check_pieces(pieces, self.max_send_sge, "QP's send queue", "QpInit::max_send_sge")?;
+        if matches!(w.op, SendOp::Read { .. }) && pieces > self.max_read_sge as usize {
+            return Err(Error::InvalidArgument(format!(
+                "an RDMA READ of {pieces} pieces exceeds the device's limit of {} for READs (max_sge_rd)",
+                self.max_read_sge
+            )));
+        }
+        check_rest(&self.pd, first_len, w.rest, w.op.writes_local())
+    }
+
     fn post_send_chunk(&self, q: &mut Queues, wrs: &[SendWr<'_>]) -> Result<()> {
         // Only the `n` entries used are initialised (zeroing whole arrays costs on every post).
         let mut raw: [MaybeUninit<ffi::ibv_send_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
-        let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
-        let n = wrs.len();
+        let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK_SGE] = [const { MaybeUninit::uninit() }; CHUNK_SGE];
+        let n = wrs.len().min(CHUNK);
+        // Both arrays are written only through these pointers from here on, so the pointers the
+        // list holds into them stay valid.
         let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
+        let sge_base: *mut ffi::ibv_sge = sge.as_mut_ptr().cast();
+        let mut used = 0;
         // The work request that takes the last free slot is signaled, so that a queue full of
         // unsignaled work always has a completion coming that retires it.
         let free = q.send.free();
-        for (k, w) in wrs.iter().enumerate() {
+        for (k, w) in wrs[..n].iter().enumerate() {
             let writes = w.op.writes_local();
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
-            let seq = q.send.stage(k as u64, w.wr_id, hold);
-            let sg = sge[k].write(match (w.inline, &w.local) {
+            // Every later piece is held too, in the ring's side table (at most MAX_SGE - 1: the
+            // same pieces the list below names).
+            let rest = w.rest.iter().take(MAX_SGE - 1);
+            let seq = q.send.stage(k as u64, w.wr_id, hold, rest.clone().map(|(m, _)| Hold::new(m.inner(), writes)));
+            let first = match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
                 (None, Some((m, range))) => {
                     ffi::ibv_sge { addr: m.addr() + range.start as u64, length: range.len() as u32, lkey: m.lkey() }
                 }
                 (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+            };
+            let start = used;
+            let later = rest.map(|(m, r)| ffi::ibv_sge {
+                addr: m.addr() + r.start as u64,
+                length: r.len() as u32,
+                lkey: m.lkey(),
             });
+            for e in std::iter::once(first).chain(later) {
+                // SAFETY: at most MAX_SGE entries per work request (one plus the MAX_SGE - 1
+                // taken above) and at most CHUNK work requests: `used` < CHUNK_SGE.
+                unsafe { sge_base.add(used).write(e) };
+                used += 1;
+            }
             // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those);
             // all-zero is a valid value.
-            let r = raw[k].write(unsafe { mem::zeroed() });
+            let mut r: ffi::ibv_send_wr = unsafe { mem::zeroed() };
             r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
             let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
-            r.num_sge = has_data as i32;
-            r.sg_list = sg;
-            // SAFETY: k + 1 <= CHUNK, so the pointer stays within (or one past) `raw`.
+            // A list of several pieces has no empty piece (the constructors refuse them).
+            r.num_sge = if w.rest.is_empty() { has_data as i32 } else { (used - start) as i32 };
+            // SAFETY: start < CHUNK_SGE (see above).
+            r.sg_list = unsafe { sge_base.add(start) };
+            // SAFETY: k + 1 < n <= CHUNK, so the pointer stays within `raw`.
             r.next = if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() };
             use ffi::ibv_wr_opcode::*;
             r.opcode = match (w.op, w.imm.is_some()) {
@@ -598,11 +780,14 @@ impl QueuePair {
                 flags |= f::IBV_SEND_INLINE.0;
             }
             r.send_flags = flags;
+            // SAFETY: k < n <= CHUNK: within `raw`.
+            unsafe { base.add(k).write(r) };
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive for
-        // the call. Each range was checked against a region on this PD, whose handle a ring slot
-        // now holds until the completion is reaped; inline data is copied before post returns.
+        // the call. Each piece was checked against a region on this PD, whose handle a ring slot
+        // (or its side table) now holds until the completion is reaped; inline data is copied
+        // before post returns.
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
         self.commit_posted(q, ret, bad, base, n, true, "ibv_post_send")
     }
@@ -662,21 +847,30 @@ impl QueuePair {
         }
         for w in wrs {
             check_local(&self.pd, w.mr, &w.range, true)?;
+            if !w.rest.is_empty() {
+                check_pieces(w.num_pieces(), self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
+                check_rest(&self.pd, w.range.len(), w.rest, true)?;
+            }
         }
         let mut q = lock(&self.queues);
         if (wrs.len() as u64) > q.recv.free() {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
         }
         for chunk in wrs.chunks(CHUNK) {
-            let mut list = RecvList::build(chunk, |k, w| {
-                let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
+            let stage = |k: usize, w: &RecvWr<'_>| {
+                let rest = w.rest.iter().take(MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
+                let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)), rest);
                 tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
-            });
-            let (head, n) = list.head();
-            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-            // SAFETY: as in post_send_chunk: a well-formed list over live stack arrays, ranges
-            // checked, LOCAL_WRITE checked, and each region held by a slot until reaped.
-            let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), head, &mut bad) };
+            };
+            let post = |head: *mut ffi::ibv_recv_wr, n| {
+                let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+                // SAFETY: as in post_send_chunk: a well-formed list over live stack arrays, every
+                // piece checked (bounds, PD, LOCAL_WRITE), and each region held by a slot (or its
+                // side table) until reaped.
+                let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), head, &mut bad) };
+                (ret, bad, head, n)
+            };
+            let (ret, bad, head, n) = with_recv_list(chunk, stage, post);
             self.commit_posted(&mut q, ret, bad, head.cast_const(), n, false, "ibv_post_recv")?;
         }
         Ok(())
@@ -1103,6 +1297,9 @@ impl QueuePair {
             raw: self.raw,
             qp_num: self.qp_num,
             max_inline: self.max_inline,
+            max_send_sge: self.max_send_sge,
+            max_recv_sge: self.max_recv_sge,
+            max_read_sge: self.max_read_sge,
             nonce: self.nonce,
             send_slot: self.send_slot,
             recv_slot: self.recv_slot,

@@ -36,21 +36,81 @@ impl Drop for Hold {
     }
 }
 
-/// One slot of a work queue's ring.
-#[derive(Default)]
-pub(crate) struct Slot {
+/// One slot of a work queue's ring. (Generic over the hold only so that unit tests can watch
+/// holds without a device; the crate uses [`Hold`].)
+pub(crate) struct Slot<H = Hold> {
     user_wr_id: u64,
     /// Never read: holding it keeps the region allocated while the device may use it.
-    _hold: Option<Hold>,
+    _hold: Option<H>,
+    /// How many holds of this work request's later pieces sit in the ring's side table.
+    extra: u8,
     /// The provider said it did not take this work request: it holds nothing, completes
     /// nothing, and the head steps over it.
     void: bool,
 }
 
+impl<H> Default for Slot<H> {
+    fn default() -> Self {
+        Slot { user_wr_id: 0, _hold: None, extra: 0, void: false }
+    }
+}
+
+/// The holds of the pieces after the first of each slot's work request: `width` entries per
+/// slot, slot `i`'s at `i * width ..`. Allocated once, with the ring, and only for a queue
+/// that takes more than one piece per work request (`width` 0 allocates nothing).
+pub(crate) struct Extra<H = Hold> {
+    holds: Box<[Option<H>]>,
+    width: usize,
+}
+
+impl<H> Extra<H> {
+    pub(crate) fn new(slots: usize, max_pieces: u32) -> Extra<H> {
+        let width = (max_pieces as usize).saturating_sub(1);
+        Extra { holds: (0..slots * width).map(|_| None).collect(), width }
+    }
+
+    /// Stores the holds of slot `i`'s later pieces; returns how many it stored.
+    pub(crate) fn store(&mut self, i: usize, holds: impl Iterator<Item = H>) -> u8 {
+        let mut n = 0;
+        for h in holds {
+            match self.holds.get_mut(i * self.width + n).filter(|_| n < self.width) {
+                Some(e) => {
+                    *e = Some(h);
+                    n += 1;
+                }
+                // More pieces than the queue was created for: the checks before posting make
+                // this unreachable. Were it reached, the piece must stay held while the device
+                // may use it, and there is no slot for it: leak its hold rather than drop it.
+                None => {
+                    debug_assert!(false, "more pieces than the side table holds");
+                    mem::forget(h);
+                }
+            }
+        }
+        n as u8
+    }
+
+    /// Releases slot `i`'s `n` later pieces.
+    pub(crate) fn clear(&mut self, i: usize, n: u8) {
+        let start = i * self.width;
+        for e in self.holds.iter_mut().skip(start).take(n as usize) {
+            *e = None;
+        }
+    }
+
+    /// Holds stored (for tests and debug checks).
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.holds.iter().filter(|h| h.is_some()).count()
+    }
+}
+
 /// A fixed ring of in-flight work requests, in posting order.
-pub(crate) struct Ring {
+pub(crate) struct Ring<H = Hold> {
     /// A power of two at least `depth` long, so a slot is `seq & mask` (no division).
-    pub(crate) slots: Box<[Slot]>,
+    pub(crate) slots: Box<[Slot<H>]>,
+    /// The holds of later pieces (empty for a queue of one piece per work request).
+    extra: Extra<H>,
     /// How many work requests the queue holds.
     depth: u64,
     /// Sequence number of the oldest outstanding work request.
@@ -63,11 +123,13 @@ pub(crate) struct Ring {
     undelivered: u64,
 }
 
-impl Ring {
-    pub(crate) fn new(depth: u32) -> Ring {
+impl<H> Ring<H> {
+    /// A ring of `depth` work requests of up to `max_pieces` pieces each.
+    pub(crate) fn new(depth: u32, max_pieces: u32) -> Ring<H> {
         let len = (depth as usize).next_power_of_two();
         Ring {
             slots: (0..len).map(|_| Slot::default()).collect(),
+            extra: Extra::<H>::new(len, max_pieces),
             depth: depth as u64,
             head: 0,
             tail: 0,
@@ -84,23 +146,44 @@ impl Ring {
     pub(crate) fn free(&self) -> u64 {
         self.depth - self.outstanding() - self.undelivered
     }
-    fn slot(&mut self, seq: u64) -> &mut Slot {
-        let mask = self.slots.len() - 1;
-        &mut self.slots[seq as usize & mask]
+    fn index(&self, seq: u64) -> usize {
+        seq as usize & (self.slots.len() - 1)
     }
-    /// Records a work request at `tail + k` (not yet committed).
-    pub(crate) fn stage(&mut self, k: u64, user_wr_id: u64, hold: Option<Hold>) -> u64 {
+    fn slot(&mut self, seq: u64) -> &mut Slot<H> {
+        let i = self.index(seq);
+        &mut self.slots[i]
+    }
+    /// Empties the slot of `seq` and returns what it held; the holds of its later pieces are
+    /// released here, the first piece's with the returned slot. Every retirement goes through
+    /// this, so no side-table entry outlives its slot.
+    fn take(&mut self, seq: u64) -> Slot<H> {
+        let i = self.index(seq);
+        let s = mem::take(&mut self.slots[i]);
+        if s.extra > 0 {
+            self.extra.clear(i, s.extra);
+        }
+        s
+    }
+    /// Records a work request at `tail + k` (not yet committed), holding `hold` (its first
+    /// piece) and `rest` (the holds of its later pieces, at most `max_pieces - 1`).
+    pub(crate) fn stage(&mut self, k: u64, user_wr_id: u64, hold: Option<H>, rest: impl Iterator<Item = H>) -> u64 {
         let seq = self.tail + k;
-        *self.slot(seq) = Slot { user_wr_id, _hold: hold, void: false };
+        let i = self.index(seq);
+        // The slot is free: at most `depth` work requests are outstanding, and retired slots
+        // are emptied (side table included) by `take`.
+        debug_assert!(self.slots[i]._hold.is_none() && self.slots[i].extra == 0);
+        let extra = self.extra.store(i, rest);
+        self.slots[i] = Slot { user_wr_id, _hold: hold, extra, void: false };
         seq
     }
     /// Commits `staged` work requests, of which the provider took the first `posted`: the
-    /// others become void (their regions are released at once), and their sequence numbers
-    /// are used up all the same.
+    /// others become void (their regions, every piece's, are released at once), and their
+    /// sequence numbers are used up all the same.
     pub(crate) fn commit(&mut self, posted: u64, staged: u64) {
         for k in posted..staged {
             let seq = self.tail + k;
-            *self.slot(seq) = Slot { void: true, ..Slot::default() };
+            drop(self.take(seq));
+            self.slot(seq).void = true;
         }
         self.tail += staged;
         self.skip_void();
@@ -112,7 +195,7 @@ impl Ring {
             if !self.slot(h).void {
                 break;
             }
-            *self.slot(h) = Slot::default();
+            drop(self.take(h));
             self.head += 1;
         }
     }
@@ -123,10 +206,10 @@ impl Ring {
         if seq < self.head || seq >= self.tail {
             return None;
         }
-        let mut last = Slot::default();
+        let mut last = Slot::<H>::default();
         while self.head <= seq {
             let h = self.head;
-            last = mem::take(self.slot(h));
+            last = self.take(h);
             self.head += 1;
         }
         self.skip_void();
@@ -212,10 +295,11 @@ pub(crate) struct Queues {
 }
 
 impl Queues {
-    pub(crate) fn new(send_depth: u32, recv_depth: u32) -> Queues {
+    /// Rings of the given depths, for work requests of up to `send_sge`/`recv_sge` pieces.
+    pub(crate) fn new(send_depth: u32, recv_depth: u32, send_sge: u32, recv_sge: u32) -> Queues {
         Queues {
-            send: Ring::new(send_depth),
-            recv: Ring::new(recv_depth),
+            send: Ring::<Hold>::new(send_depth, send_sge),
+            recv: Ring::<Hold>::new(recv_depth, recv_sge),
             send_kept: Pending::new(send_depth),
             recv_kept: Pending::new(recv_depth),
         }
@@ -330,11 +414,18 @@ impl Pending {
 mod tests {
     use super::*;
 
+    /// A stand-in for a region's hold: the count of live clones shows what the ring holds.
+    type Held = Arc<()>;
+
+    fn none() -> std::iter::Empty<Held> {
+        std::iter::empty()
+    }
+
     #[test]
     fn ring_retires_in_order_and_refuses_overflow() {
-        let mut r = Ring::new(4);
+        let mut r = Ring::<Held>::new(4, 1);
         for k in 0..3 {
-            r.stage(k, 100 + k, None);
+            r.stage(k, 100 + k, None, none());
         }
         r.commit(3, 3);
         assert_eq!(r.outstanding(), 3);
@@ -355,9 +446,9 @@ mod tests {
 
     #[test]
     fn rejected_work_requests_use_up_their_sequence_numbers() {
-        let mut r = Ring::new(4);
+        let mut r = Ring::<Held>::new(4, 1);
         for k in 0..3 {
-            r.stage(k, k, None);
+            r.stage(k, k, None, none());
         }
         // The provider took the first one only.
         r.commit(1, 3);
@@ -366,7 +457,7 @@ mod tests {
         assert_eq!(r.outstanding(), 0, "void slots behind a retired one are retired with it");
         assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
         // The next post gets a fresh sequence number, not the rejected ones.
-        assert_eq!(r.stage(0, 9, None), 3);
+        assert_eq!(r.stage(0, 9, None, none()), 3);
         r.commit(1, 1);
         assert_eq!(r.complete(1), None, "an old sequence number is refused");
         assert_eq!(r.complete(3), Some(9));
@@ -374,21 +465,21 @@ mod tests {
 
     #[test]
     fn a_fully_rejected_post_leaves_nothing_outstanding() {
-        let mut r = Ring::new(2);
-        r.stage(0, 1, None);
-        r.stage(1, 2, None);
+        let mut r = Ring::<Held>::new(2, 1);
+        r.stage(0, 1, None, none());
+        r.stage(1, 2, None, none());
         r.commit(0, 2);
         assert_eq!(r.outstanding(), 0);
-        assert_eq!(r.stage(0, 3, None), 2);
+        assert_eq!(r.stage(0, 3, None, none()), 2);
     }
 
     #[test]
     fn ring_of_odd_depth_admits_exactly_its_depth() {
-        let mut r = Ring::new(3);
+        let mut r = Ring::<Held>::new(3, 1);
         assert_eq!(r.slots.len(), 4);
         assert_eq!(r.free(), 3);
         for k in 0..3 {
-            r.stage(k, k, None);
+            r.stage(k, k, None, none());
         }
         r.commit(3, 3);
         assert_eq!(r.free(), 0);
@@ -398,15 +489,97 @@ mod tests {
 
     #[test]
     fn ring_wraps_and_widens_truncated_sequence_numbers() {
-        let mut r = Ring::new(2);
+        let mut r = Ring::<Held>::new(2, 1);
         for i in 0..10u64 {
-            r.stage(0, i, None);
+            r.stage(0, i, None, none());
             r.commit(1, 1);
             let wide = r.widen(i & 0xf, 4);
             assert_eq!(wide, i);
             assert_eq!(r.complete(wide), Some(i));
         }
         assert_eq!(r.head, 10);
+    }
+
+    /// `n` holds of `region`.
+    fn holds(region: &Held, n: usize) -> impl Iterator<Item = Held> + '_ {
+        (0..n).map(|_| Arc::clone(region))
+    }
+
+    #[test]
+    fn a_ring_of_single_pieces_has_no_side_table() {
+        let r = Ring::<Held>::new(16, 1);
+        assert_eq!(r.extra.holds.len(), 0);
+        let r = Ring::<Held>::new(3, 4);
+        assert_eq!(r.extra.holds.len(), 4 * 3, "slots x (pieces - 1)");
+    }
+
+    #[test]
+    fn side_table_holds_every_piece_until_its_slot_retires() {
+        let region: Held = Arc::new(());
+        let mut r = Ring::<Held>::new(4, 3);
+        // Three work requests of 3, 1 and 2 pieces.
+        r.stage(0, 10, Some(Arc::clone(&region)), holds(&region, 2));
+        r.stage(1, 11, Some(Arc::clone(&region)), holds(&region, 0));
+        r.stage(2, 12, Some(Arc::clone(&region)), holds(&region, 1));
+        r.commit(3, 3);
+        assert_eq!(Arc::strong_count(&region), 1 + 6);
+        assert_eq!(r.extra.held(), 3);
+        // Retiring the first releases its three pieces, and only them.
+        assert_eq!(r.complete(0), Some(10));
+        assert_eq!(Arc::strong_count(&region), 1 + 3);
+        assert_eq!(r.extra.held(), 1);
+        // A completion that retires two (the first unsignaled) releases both, side table included.
+        assert_eq!(r.complete(2), Some(12));
+        assert_eq!(Arc::strong_count(&region), 1);
+        assert_eq!(r.extra.held(), 0);
+    }
+
+    #[test]
+    fn void_slots_release_their_later_pieces_at_once() {
+        let (a, b): (Held, Held) = (Arc::new(()), Arc::new(()));
+        let mut r = Ring::<Held>::new(4, 4);
+        r.stage(0, 1, Some(Arc::clone(&a)), holds(&a, 3));
+        r.stage(1, 2, Some(Arc::clone(&b)), holds(&b, 3));
+        r.stage(2, 3, Some(Arc::clone(&b)), holds(&b, 1));
+        // The provider took the first only: the refused ones' pieces go now, the taken one's stay.
+        r.commit(1, 3);
+        assert_eq!(Arc::strong_count(&a), 1 + 4);
+        assert_eq!(Arc::strong_count(&b), 1, "a refused work request released every piece");
+        assert_eq!(r.extra.held(), 3);
+        assert_eq!(r.complete(0), Some(1));
+        assert_eq!(Arc::strong_count(&a), 1);
+        assert_eq!(r.extra.held(), 0);
+        // A fully refused post holds nothing either.
+        r.stage(0, 4, Some(Arc::clone(&a)), holds(&a, 2));
+        r.commit(0, 1);
+        assert_eq!((Arc::strong_count(&a), r.extra.held(), r.outstanding()), (1, 0, 0));
+    }
+
+    #[test]
+    fn side_table_wraps_with_the_ring() {
+        let region: Held = Arc::new(());
+        let mut r = Ring::<Held>::new(3, 4);
+        for i in 0..40u64 {
+            // Two at a time, of varying piece counts; the second's completion retires both.
+            let (p, q) = ((i % 4) as usize, ((i + 1) % 4) as usize);
+            let s0 = r.stage(0, 2 * i, Some(Arc::clone(&region)), holds(&region, p));
+            r.stage(1, 2 * i + 1, Some(Arc::clone(&region)), holds(&region, q));
+            r.commit(2, 2);
+            assert_eq!(Arc::strong_count(&region), 1 + 2 + p + q, "round {i}");
+            assert_eq!(r.complete(s0 + 1), Some(2 * i + 1));
+            assert_eq!((Arc::strong_count(&region), r.extra.held()), (1, 0), "round {i}");
+        }
+    }
+
+    #[test]
+    fn dropping_a_ring_releases_every_piece() {
+        let region: Held = Arc::new(());
+        let mut r = Ring::<Held>::new(2, 3);
+        r.stage(0, 1, Some(Arc::clone(&region)), holds(&region, 2));
+        r.commit(1, 1);
+        assert_eq!(Arc::strong_count(&region), 4);
+        drop(r);
+        assert_eq!(Arc::strong_count(&region), 1);
     }
 
     #[test]

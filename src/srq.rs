@@ -9,6 +9,11 @@
 //! completion names its slot and the slot's generation in its `wr_id`, and retires that slot
 //! only. The table is allocated once, at creation; posting and retiring allocate nothing.
 //!
+//! An SRQ made with [`SharedReceiveQueue::with_sge`] takes receives of several pieces
+//! ([`RecvWr::sg`]): the first piece's handle sits in the slot, the others' in a side table
+//! (slots × (pieces − 1) entries, allocated with the slots), and retiring or releasing the slot
+//! releases them all together.
+//!
 //! Every QP attached to an SRQ holds it, so it is destroyed after them; its slots (and the
 //! regions they hold) are released only once it is destroyed, since until then the device may
 //! still write a posted receive. A receive that a QP took but whose completion was never
@@ -33,7 +38,7 @@ use crate::cq::{WorkCompletion, WorkQueue};
 use crate::device::AsyncEvent;
 use crate::error::{check_ibv, errno, Error, Result};
 use crate::pd::ProtectionDomain;
-use crate::ring::{tag, Hold, Pending};
+use crate::ring::{tag, Extra, Hold, Pending};
 use crate::wr::RecvWr;
 
 /// One slot of an SRQ.
@@ -44,11 +49,15 @@ struct Slot {
     posted: bool,
     user_wr_id: u64,
     _hold: Option<Hold>,
+    /// How many holds of the receive's later pieces sit in the side table.
+    extra: u8,
 }
 
 /// An SRQ's slots and the completions kept for the QPs that consumed them.
 pub(crate) struct Slots {
     slots: Box<[Slot]>,
+    /// The holds of each posted receive's pieces after the first (empty for one piece).
+    extra: Extra,
     /// Free slot indices (capacity: every slot), so taking and returning one allocates nothing.
     free: Vec<u32>,
     /// Completions of this SRQ reaped by one QP's poll for another QP; each keeps its place.
@@ -56,9 +65,10 @@ pub(crate) struct Slots {
 }
 
 impl Slots {
-    fn new(depth: u32) -> Slots {
+    fn new(depth: u32, max_sge: u32) -> Slots {
         Slots {
             slots: (0..depth).map(|_| Slot::default()).collect(),
+            extra: Extra::<Hold>::new(depth as usize, max_sge),
             free: (0..depth).rev().collect(),
             kept: Pending::new(depth),
         }
@@ -67,6 +77,30 @@ impl Slots {
     /// Receives that can still be posted.
     fn room(&self) -> usize {
         self.free.len().saturating_sub(self.kept.len())
+    }
+
+    /// Stages a receive in a free slot, holding every piece; returns the slot and its new
+    /// generation. `None` when no slot is free (the caller checked the room before).
+    fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u16)> {
+        let i = self.free.pop()?;
+        let rest = w.rest.iter().take(crate::wr::MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
+        let extra = self.extra.store(i as usize, rest);
+        let s = &mut self.slots[i as usize];
+        let generation = s.generation.wrapping_add(1);
+        *s = Slot { generation, posted: true, user_wr_id: w.wr_id, _hold: Some(Hold::new(w.mr.inner(), true)), extra };
+        Some((i, generation))
+    }
+
+    /// Empties slot `i` (keeping its generation), releases every piece it held, and returns it
+    /// to the free list. Every retirement and release goes through this.
+    fn release(&mut self, i: u32) {
+        let s = &mut self.slots[i as usize];
+        let extra = s.extra;
+        *s = Slot { generation: s.generation, ..Slot::default() };
+        if extra > 0 {
+            self.extra.clear(i as usize, extra);
+        }
+        self.free.push(i);
     }
 
     /// Retires the slot a completion names; the caller's wr_id, or `None` when the slot is not
@@ -78,8 +112,7 @@ impl Slots {
             return None;
         }
         let id = s.user_wr_id;
-        *s = Slot { generation: s.generation, ..Slot::default() };
-        self.free.push(i as u32);
+        self.release(i as u32);
         Some(id)
     }
 
@@ -107,6 +140,8 @@ pub(crate) struct SrqShared {
     /// the routing table compares the SRQ too).
     pub(crate) id: u16,
     depth: u32,
+    /// The most pieces a receive may name (what the side table was sized for).
+    max_sge: u32,
     slots: Mutex<Slots>,
     // Dropped after the SRQ is destroyed (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
@@ -135,9 +170,11 @@ impl Drop for SrqShared {
         // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_srq(self.raw.as_ptr()) };
         if ret != 0 {
-            // The device may still write posted receives: leak their regions, then report.
-            let slots = mem::take(&mut self.slots.get_mut().unwrap_or_else(|e| e.into_inner()).slots);
-            mem::forget(slots);
+            // The device may still write posted receives: leak their regions (every piece's),
+            // then report.
+            let slots = self.slots.get_mut().unwrap_or_else(|e| e.into_inner());
+            mem::forget(mem::take(&mut slots.slots));
+            mem::forget(mem::replace(&mut slots.extra, Extra::<Hold>::new(0, 1)));
             crate::report_leak("ibv_destroy_srq", ret);
         }
         // Destroyed: the slots (and regions) drop with the struct.
@@ -158,21 +195,46 @@ impl SharedReceiveQueue {
     /// [`Error::InvalidArgument`] for a zero depth; [`Error::Call`] when `ibv_create_srq`
     /// fails (e.g. `EINVAL` beyond the device's `max_srq_wr`, `ENOSYS` without SRQ support).
     pub fn new(pd: &Arc<ProtectionDomain>, depth: u32) -> Result<SharedReceiveQueue> {
+        Self::with_sge(pd, depth, 1)
+    }
+
+    /// Creates an SRQ on `pd` that holds up to `depth` receives of up to `max_sge` pieces each
+    /// ([`RecvWr::sg`]). Every piece of a posted receive is held until its completion is
+    /// reaped (or the SRQ is destroyed), as a single region is.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a zero depth, or `max_sge` outside 1 to
+    /// [`MAX_SGE`](crate::MAX_SGE) or beyond the device's `max_srq_sge`; [`Error::Call`] as
+    /// for [`SharedReceiveQueue::new`].
+    pub fn with_sge(pd: &Arc<ProtectionDomain>, depth: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
         if depth == 0 || depth > u16::MAX as u32 + 1 {
             return Err(Error::InvalidArgument(format!("SRQ depth {depth} must be between 1 and 65536")));
+        }
+        crate::qp::check_sge_request(max_sge, "SharedReceiveQueue::with_sge")?;
+        if max_sge > 1 {
+            let ctx = pd.context();
+            let max = ctx.limits()?.max_srq_sge;
+            crate::qp::check_sge_device(
+                max_sge,
+                "SharedReceiveQueue::with_sge",
+                max,
+                "max_srq_sge",
+                &ctx.device_name(),
+            )?;
         }
         // SAFETY: ibv_srq_init_attr is plain old data; zero is a valid start.
         let mut attr: ffi::ibv_srq_init_attr = unsafe { mem::zeroed() };
         attr.attr.max_wr = depth;
-        attr.attr.max_sge = 1;
+        attr.attr.max_sge = max_sge;
         // SAFETY: the PD is valid; attr is initialised; the result is checked.
         let raw = unsafe { ffi::ibv_create_srq(pd.as_raw(), &mut attr) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::call("ibv_create_srq", errno(), None))?;
+        // What was asked, or less if the provider says so (the side table is sized by it).
+        let max_sge = attr.attr.max_sge.clamp(1, max_sge);
         static NEXT: AtomicU16 = AtomicU16::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        Ok(SharedReceiveQueue {
-            inner: Arc::new(SrqShared { raw, id, depth, slots: Mutex::new(Slots::new(depth)), pd: Arc::clone(pd) }),
-        })
+        let slots = Mutex::new(Slots::new(depth, max_sge));
+        Ok(SharedReceiveQueue { inner: Arc::new(SrqShared { raw, id, depth, max_sge, slots, pd: Arc::clone(pd) }) })
     }
 
     pub(crate) fn shared(&self) -> &Arc<SrqShared> {
@@ -187,6 +249,12 @@ impl SharedReceiveQueue {
     /// How many receives it holds.
     pub fn depth(&self) -> u32 {
         self.inner.depth
+    }
+
+    /// The most pieces a receive may name ([`SharedReceiveQueue::with_sge`]; 1 for
+    /// [`SharedReceiveQueue::new`]).
+    pub fn max_sge(&self) -> u32 {
+        self.inner.max_sge
     }
 
     /// Receives posted and not yet completed (or completed and kept for their QP).
@@ -209,42 +277,51 @@ impl SharedReceiveQueue {
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         for w in wrs {
             crate::qp::check_local(&self.inner.pd, w.mr, &w.range, true)?;
+            if !w.rest.is_empty() {
+                let max = self.inner.max_sge;
+                crate::qp::check_pieces(w.num_pieces(), max, "SRQ", "SharedReceiveQueue::with_sge")?;
+                crate::qp::check_rest(&self.inner.pd, w.range.len(), w.rest, true)?;
+            }
         }
         let mut slots = self.inner.slots();
         if wrs.len() > slots.room() {
             return Err(Error::QueueFull { queue: "shared receive", depth: self.inner.depth });
         }
         for chunk in wrs.chunks(crate::qp::CHUNK) {
-            let mut taken = [0u32; crate::qp::CHUNK];
-            let mut list = crate::qp::RecvList::build(chunk, |k, w| {
-                let i = slots.free.pop().unwrap_or(0); // room was checked above
-                taken[k] = i;
-                let s = &mut slots.slots[i as usize];
-                s.generation = s.generation.wrapping_add(1);
-                *s = Slot {
-                    generation: s.generation,
-                    posted: true,
-                    user_wr_id: w.wr_id,
-                    _hold: Some(Hold::new(w.mr.inner(), true)),
+            // Which slot each work request took.
+            let mut taken = [None; crate::qp::CHUNK];
+            let stage = |k: usize, w: &RecvWr<'_>| {
+                let Some((i, generation)) = slots.stage(w) else {
+                    // Unreachable: the room was checked above. Were it reached, the receive
+                    // would be posted with no slot: its pieces must stay held all the same, so
+                    // their holds are leaked, and its wr_id names no slot (it retires nothing).
+                    mem::forget(Hold::new(w.mr.inner(), true));
+                    for (m, _) in w.rest {
+                        mem::forget(Hold::new(m.inner(), true));
+                    }
+                    return tag::encode(self.inner.id, 0, u32::MAX as u64, true, true);
                 };
-                tag::encode(self.inner.id, s.generation, i as u64, true, true)
-            });
-            let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-            let (first, n) = list.head();
-            // SAFETY: the SRQ is valid; the list is well formed over live stack arrays; each
-            // range was checked against a region of this PD with LOCAL_WRITE, whose handle a
-            // slot now holds until the completion is reaped or the SRQ is destroyed.
-            let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
+                taken[k] = Some(i);
+                tag::encode(self.inner.id, generation, i as u64, true, true)
+            };
+            let post = |first: *mut ffi::ibv_recv_wr, n| {
+                let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+                // SAFETY: the SRQ is valid; the list is well formed over live stack arrays;
+                // every piece was checked against a region of this PD with LOCAL_WRITE, whose
+                // handle a slot (or its side table) now holds until the completion is reaped or
+                // the SRQ is destroyed.
+                let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
+                (ret, crate::qp::rejected_from(bad, first.cast_const(), n), n)
+            };
+            let (ret, rejected, n) = crate::qp::with_recv_list(chunk, stage, post);
             if ret == 0 {
                 continue;
             }
-            match crate::qp::rejected_from(bad, first.cast_const(), n) {
+            match rejected {
                 Some(k) => {
-                    // The provider took the first k: release the others.
-                    for &i in &taken[k..n] {
-                        let s = &mut slots.slots[i as usize];
-                        *s = Slot { generation: s.generation, ..Slot::default() };
-                        slots.free.push(i);
+                    // The provider took the first k: release the others (every piece).
+                    for i in taken[k..n].iter().flatten() {
+                        slots.release(*i);
                     }
                     return check_ibv(ret, "ibv_post_srq_recv");
                 }

@@ -1,11 +1,84 @@
 //! Work requests: [`SendWr`] (send, RDMA WRITE, RDMA READ, atomics) and [`RecvWr`]. They borrow the
-//! region they name; posting them ([`QueuePair::post_send`](crate::QueuePair::post_send))
-//! takes a handle of it for as long as the device may use it.
+//! regions they name; posting them ([`QueuePair::post_send`](crate::QueuePair::post_send))
+//! takes a handle of each for as long as the device may use it.
+//!
+//! # Scatter/gather
+//!
+//! A send, RDMA WRITE, RDMA READ or receive may name several pieces, each a range of a
+//! [`MemoryRegion`] ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`],
+//! [`RecvWr::sg`]): the device gathers a message from them in order, or scatters one into
+//! them in order. At most [`MAX_SGE`] pieces, and at most what the queue was created for
+//! ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),
+//! [`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge),
+//! [`SharedReceiveQueue::with_sge`](crate::SharedReceiveQueue::with_sge); 1 by default).
+//!
+//! Every piece's region is held by the queue's slot until the completion is reaped, exactly as
+//! a single region is: the pieces the device writes (a receive's, an RDMA READ's) are
+//! unreachable from Rust until then, and none can be freed. Posting allocates nothing; the
+//! handles of the pieces after the first live in a side table of the queue, allocated when it
+//! is created (and only when it takes more than one piece).
+//!
+//! The pieces may be ranges of different regions or of one region, and may overlap: the device
+//! writing two overlapping pieces of a receive is no memory-safety issue (the region is held as
+//! written, so Rust cannot see it meanwhile), but which piece's bytes the overlap ends up with is
+//! unspecified. In a list of more than one piece every piece must be non-empty: some providers
+//! read a zero byte count as 2 GiB, so a zero-length entry is refused rather than passed on (a
+//! one-piece list behaves as the single-piece constructor, which posts an empty receive with no
+//! scatter entry at all).
+//!
+//! ```no_run
+//! # fn f(qp: &mut rdma_cm::QueuePair, header: &rdma_cm::MemoryRegion, body: &rdma_cm::MemoryRegion)
+//! # -> rdma_cm::Result<()> {
+//! use rdma_cm::SendWr;
+//! // The QP was created with QpInit::new().max_send_sge(2).
+//! let pieces = [(header, 0..16), (body, 4096..8192)];
+//! qp.post_send(&[SendWr::send_sg(&pieces)?.wr_id(7)])?;
+//! # Ok(()) }
+//! ```
 
 use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::mr::{MemoryRegion, RemoteRegion};
+
+/// The most pieces (scatter/gather entries) one work request may name. A queue takes at most
+/// what it was created for, up to this ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),
+/// [`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge),
+/// [`SharedReceiveQueue::with_sge`](crate::SharedReceiveQueue::with_sge)). It sizes the
+/// scatter/gather arrays a post builds on the stack.
+pub const MAX_SGE: usize = 4;
+
+/// One piece of a work request: a range of a region.
+pub(crate) type Piece<'a> = (&'a MemoryRegion, Range<usize>);
+
+/// Splits a list of pieces into the first (which goes where a single piece goes) and the rest,
+/// refusing an empty list, more than [`MAX_SGE`] pieces, and empty pieces in a list of several.
+fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(Piece<'a>, &'a [Piece<'a>])> {
+    let Some(((mr, first), rest)) = pieces.split_first() else {
+        return Err(Error::InvalidArgument(format!(
+            "{what} of no pieces: a scatter/gather list needs at least one (region, range)"
+        )));
+    };
+    if pieces.len() > MAX_SGE {
+        return Err(Error::InvalidArgument(format!(
+            "{what} of {} pieces: a work request names at most {MAX_SGE} (rdma_cm::MAX_SGE)",
+            pieces.len()
+        )));
+    }
+    if !rest.is_empty() {
+        if let Some((i, (_, r))) = pieces.iter().enumerate().find(|(_, (_, r))| r.is_empty()) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: piece {i} ({r:?}) is empty or reversed; a list of several pieces takes non-empty ones only (leave it out)"
+            )));
+        }
+    }
+    Ok(((*mr, first.clone()), rest))
+}
+
+/// Bytes a list of pieces moves in all (what the remote side of a WRITE or READ must hold).
+fn total_len(first: &Range<usize>, rest: &[Piece<'_>]) -> u64 {
+    rest.iter().fold(first.len() as u64, |n, (_, r)| n.saturating_add(r.len() as u64))
+}
 
 /// The operation of a send-queue work request.
 #[derive(Debug, Clone, Copy)]
@@ -33,7 +106,9 @@ impl SendOp {
 pub struct SendWr<'a> {
     pub(crate) wr_id: u64,
     pub(crate) op: SendOp,
-    pub(crate) local: Option<(&'a MemoryRegion, Range<usize>)>,
+    pub(crate) local: Option<Piece<'a>>,
+    /// The pieces after `local` (empty for a single piece).
+    pub(crate) rest: &'a [Piece<'a>],
     pub(crate) inline: Option<&'a [u8]>,
     pub(crate) imm: Option<u32>,
     pub(crate) signaled: bool,
@@ -41,8 +116,13 @@ pub struct SendWr<'a> {
 }
 
 impl<'a> SendWr<'a> {
-    fn new(op: SendOp, local: Option<(&'a MemoryRegion, Range<usize>)>) -> Self {
-        SendWr { wr_id: 0, op, local, inline: None, imm: None, signaled: true, solicited: false }
+    fn new(op: SendOp, local: Option<Piece<'a>>) -> Self {
+        SendWr { wr_id: 0, op, local, rest: &[], inline: None, imm: None, signaled: true, solicited: false }
+    }
+
+    fn with_rest(mut self, rest: &'a [Piece<'a>]) -> Self {
+        self.rest = rest;
+        self
     }
 
     /// Sends `mr[range]`.
@@ -56,6 +136,18 @@ impl<'a> SendWr<'a> {
         SendWr { inline: Some(data), ..Self::new(SendOp::Send, None) }
     }
 
+    /// Sends the concatenation of `pieces`, in order (a gathered send). See the
+    /// [module docs](self) on scatter/gather.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty list, more than [`MAX_SGE`] pieces, or an empty
+    /// piece in a list of several. Each piece is checked against its region, and the count
+    /// against the QP's [`QpInit::max_send_sge`](crate::QpInit::max_send_sge), when posting.
+    pub fn send_sg(pieces: &'a [(&'a MemoryRegion, Range<usize>)]) -> Result<Self> {
+        let (first, rest) = split_pieces(pieces, "a send")?;
+        Ok(Self::new(SendOp::Send, Some(first)).with_rest(rest))
+    }
+
     /// Writes `mr[range]` to `remote` at `remote_offset` (RDMA WRITE).
     ///
     /// # Errors
@@ -64,6 +156,45 @@ impl<'a> SendWr<'a> {
         let len = range.len() as u64;
         let addr = remote.at(remote_offset, len)?;
         Ok(Self::new(SendOp::Write { addr, rkey: remote.rkey }, Some((mr, range))))
+    }
+
+    /// Writes the concatenation of `pieces` to `remote` at `remote_offset` (a gathered RDMA
+    /// WRITE).
+    ///
+    /// # Errors
+    /// As for [`SendWr::send_sg`]; [`Error::OutOfBounds`] when the target range (as long as
+    /// all pieces together) leaves the remote region.
+    pub fn write_sg(
+        pieces: &'a [(&'a MemoryRegion, Range<usize>)],
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<Self> {
+        let ((mr, first), rest) = split_pieces(pieces, "an RDMA WRITE")?;
+        let addr = remote.at(remote_offset, total_len(&first, rest))?;
+        Ok(Self::new(SendOp::Write { addr, rkey: remote.rkey }, Some((mr, first))).with_rest(rest))
+    }
+
+    /// Reads `remote` at `remote_offset` into `pieces`, in order (a scattered RDMA READ). Every
+    /// piece's region needs [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE), and
+    /// none is readable from Rust until the completion is reaped.
+    ///
+    /// # Errors
+    /// As for [`SendWr::send_sg`]; [`Error::OutOfBounds`] when the source range (as long as
+    /// all pieces together) leaves the remote region.
+    pub fn read_sg(
+        pieces: &'a [(&'a MemoryRegion, Range<usize>)],
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Result<Self> {
+        let ((mr, first), rest) = split_pieces(pieces, "an RDMA READ")?;
+        let addr = remote.at(remote_offset, total_len(&first, rest))?;
+        Ok(Self::new(SendOp::Read { addr, rkey: remote.rkey }, Some((mr, first))).with_rest(rest))
+    }
+
+    /// How many pieces (scatter/gather entries) it names: 0 for an inline send, 1 for the
+    /// single-region constructors.
+    pub fn num_pieces(&self) -> usize {
+        self.local.is_some() as usize + self.rest.len()
     }
 
     /// Reads `remote` at `remote_offset` into `mr[range]` (RDMA READ). The region needs
@@ -166,19 +297,43 @@ fn atomic_target(range: &Range<usize>, remote: &RemoteRegion, remote_offset: u64
     Ok(addr)
 }
 
-/// A receive-queue work request: receive into `mr[range]`.
+/// A receive-queue work request: receive into `mr[range]`, or scatter into several pieces.
 #[derive(Clone, Debug)]
 pub struct RecvWr<'a> {
     pub(crate) wr_id: u64,
     pub(crate) mr: &'a MemoryRegion,
     pub(crate) range: Range<usize>,
+    /// The pieces after the first (empty for a single piece); each non-empty.
+    pub(crate) rest: &'a [Piece<'a>],
 }
 
 impl<'a> RecvWr<'a> {
     /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
     pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
-        RecvWr { wr_id: 0, mr, range }
+        RecvWr { wr_id: 0, mr, range, rest: &[] }
     }
+
+    /// Receives into `pieces`, in order: the message fills the first piece, then the next, and
+    /// so on (a scattered receive). Every piece's region needs
+    /// [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE), and none is readable
+    /// from Rust until the completion is reaped. See the [module docs](self) on
+    /// scatter/gather.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty list, more than [`MAX_SGE`] pieces, or an empty
+    /// piece in a list of several. Each piece is checked against its region, and the count
+    /// against the queue's limit ([`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge),
+    /// [`SharedReceiveQueue::with_sge`](crate::SharedReceiveQueue::with_sge)), when posting.
+    pub fn sg(pieces: &'a [(&'a MemoryRegion, Range<usize>)]) -> Result<Self> {
+        let ((mr, range), rest) = split_pieces(pieces, "a receive")?;
+        Ok(RecvWr { wr_id: 0, mr, range, rest })
+    }
+
+    /// How many pieces (scatter/gather entries) it names.
+    pub fn num_pieces(&self) -> usize {
+        1 + self.rest.len()
+    }
+
     /// Sets the `wr_id` returned in the completion.
     pub fn wr_id(mut self, id: u64) -> Self {
         self.wr_id = id;

@@ -659,3 +659,240 @@ fn lookup_resolves_names_for_connecting_and_listening() {
     drop((conn, server, _cpd, pd, listener));
     t.finish();
 }
+
+/// A send gathered from 3 pieces of 2 regions lands in a receive scattered over 2 pieces of the
+/// peer's 2 regions: every byte checked in place, the bytes around the pieces untouched.
+#[test]
+fn scatter_gather_send_of_3_pieces_into_a_2_piece_receive() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_recv_sge(2), ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    assert_eq!((c.conn.qp().max_send_sge(), s.conn.qp().max_recv_sge()), (3, 2));
+    assert_eq!((c.conn.qp().max_recv_sge(), s.conn.qp().max_send_sge()), (1, 1), "the defaults are one piece");
+    c.mrs[0].as_mut_slice().unwrap().copy_from_slice(&pattern(4096, 1));
+    c.mrs[1].as_mut_slice().unwrap().copy_from_slice(&pattern(4096, 2));
+    let (a, b) = (pattern(4096, 1), pattern(4096, 2));
+    let want = [&a[0..100], &b[1000..1300], &a[2000..2050]].concat();
+    assert_eq!(want.len(), 450);
+    // 200 + 300 bytes of room for 450.
+    let rpieces = [(&s.mrs[0], 100..300), (&s.mrs[1], 0..300)];
+    let recv = RecvWr::sg(&rpieces).unwrap().wr_id(5);
+    assert_eq!(recv.num_pieces(), 2);
+    s.conn.qp_mut().post_recv(&[recv]).unwrap();
+    let spieces = [(&c.mrs[0], 0..100), (&c.mrs[1], 1000..1300), (&c.mrs[0], 2000..2050)];
+    let send = SendWr::send_sg(&spieces).unwrap().wr_id(6);
+    assert_eq!(send.num_pieces(), 3);
+    c.conn.qp_mut().post_send(&[send]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 6, T).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 5, T).unwrap();
+    assert_eq!(wc.byte_len(), 450);
+    let s0 = s.mrs[0].as_slice().unwrap().to_vec();
+    let s1 = s.mrs[1].as_slice().unwrap().to_vec();
+    assert_eq!(&s0[100..300], &want[..200], "the first receive piece holds the first 200 bytes");
+    assert_eq!(&s1[..250], &want[200..], "the second holds the other 250");
+    assert!(s0[..100].iter().chain(&s0[300..]).all(|&b| b == 0), "bytes around the first piece untouched");
+    assert!(s1[250..].iter().all(|&b| b == 0), "the rest of the second piece untouched");
+    drop((c, s));
+    t.finish();
+}
+
+/// An RDMA WRITE gathered from 3 pieces and an RDMA READ scattered into 3 pieces, both checked
+/// byte for byte against the peer's region.
+#[test]
+fn rdma_write_gathered_and_read_scattered_over_3_pieces() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec {
+        mr_sizes: vec![8192],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    assert!(c.conn.qp().max_read_sge() >= 3, "rxe reads into 3 pieces: {}", c.conn.qp().max_read_sge());
+    let remote = s.mrs[0].remote();
+    // WRITE: 64 + 1000 + 7 bytes gathered, landing at offset 512 of the peer's region.
+    c.mrs[0].as_mut_slice().unwrap().copy_from_slice(&pattern(4096, 3));
+    c.mrs[1].as_mut_slice().unwrap().copy_from_slice(&pattern(4096, 4));
+    let (a, b) = (pattern(4096, 3), pattern(4096, 4));
+    let want = [&b[3000..3064], &a[10..1010], &b[0..7]].concat();
+    let pieces = [(&c.mrs[1], 3000..3064), (&c.mrs[0], 10..1010), (&c.mrs[1], 0..7)];
+    let wr = SendWr::write_sg(&pieces, &remote, 512).unwrap().wr_id(1);
+    c.conn.qp_mut().post_send(&[wr]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let mut got = vec![0u8; 8192];
+    s.mrs[0].read_at(0, &mut got).unwrap();
+    assert_eq!(&got[512..512 + 1071], &want[..], "the gathered WRITE");
+    assert!(got[..512].iter().chain(&got[512 + 1071..]).all(|&b| b == 0), "nothing written around it");
+    // The whole list must fit the remote region.
+    let e = SendWr::write_sg(&pieces, &remote, 8192 - 1070).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { len: 1071, .. }), "{e:?}");
+    // READ: 4096 bytes of the peer's region scattered into 100 + 3000 + 996 bytes of 2 regions.
+    let src = pattern(8192, 5);
+    s.mrs[0].write_at(0, &src).unwrap();
+    c.mrs[0].as_mut_slice().unwrap().fill(0);
+    c.mrs[1].as_mut_slice().unwrap().fill(0);
+    let pieces = [(&c.mrs[0], 4000..4096), (&c.mrs[1], 50..3050), (&c.mrs[0], 0..1000)];
+    let wr = SendWr::read_sg(&pieces, &remote, 1000).unwrap().wr_id(2);
+    c.conn.qp_mut().post_send(&[wr]).unwrap();
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    assert_eq!(wc.byte_len(), 4096);
+    let (a, b) = (c.mrs[0].as_slice().unwrap().to_vec(), c.mrs[1].as_slice().unwrap().to_vec());
+    assert_eq!(&a[4000..4096], &src[1000..1096], "first READ piece");
+    assert_eq!(&b[50..3050], &src[1096..4096], "second READ piece");
+    assert_eq!(&a[..1000], &src[4096..5096], "third READ piece");
+    assert!(a[1000..4000].iter().all(|&x| x == 0) && b[..50].iter().chain(&b[3050..]).all(|&x| x == 0));
+    drop((c, s));
+    t.finish();
+}
+
+/// A receive of 4 pieces (3 regions, one of them chunks of a split registration) posted on a
+/// shared receive queue, consumed by an attached QP.
+#[test]
+fn srq_receive_of_4_pieces() {
+    use rdma_cm::SharedReceiveQueue;
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let want = pattern(3000, 6);
+    let sent = want.clone();
+    let client = thread::spawn(move || {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mut mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        mr.as_mut_slice().unwrap()[..3000].copy_from_slice(&sent);
+        let mut conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+        conn.qp_mut().post_send(&[SendWr::send(&mr, 0..3000).wr_id(1)]).unwrap();
+        conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+        (conn, mr, pd)
+    });
+    let req = listener.get_request(T).unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let srq = SharedReceiveQueue::with_sge(&pd, 4, 4).unwrap();
+    assert_eq!(srq.max_sge(), 4);
+    let mut a = MemoryRegion::new(&pd, 1024, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut b = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut chunks = MemoryRegion::new(&pd, 2048, AccessFlags::LOCAL_WRITE).unwrap().split(1024).unwrap();
+    {
+        // 1000 + 1000 + 96 + 924 bytes of room for 3000.
+        let pieces = [(&a, 24..1024), (&chunks[1], 0..1000), (&b, 4000..4096), (&chunks[0], 100..1024)];
+        srq.post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(9)]).unwrap();
+    }
+    assert_eq!(srq.outstanding(), 1);
+    let mut conn = req.create_qp(&pd, QpInit::new().srq(&srq)).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 9, T).unwrap();
+    assert_eq!(wc.byte_len(), 3000);
+    assert_eq!(srq.outstanding(), 0);
+    let mut got = a.as_slice().unwrap()[24..1024].to_vec();
+    got.extend_from_slice(&chunks[1].as_slice().unwrap()[..1000]);
+    got.extend_from_slice(&b.as_slice().unwrap()[4000..4096]);
+    got.extend_from_slice(&chunks[0].as_slice().unwrap()[100..1004]);
+    assert_eq!(got, want, "every byte in its piece, in order");
+    assert!(a.as_slice().unwrap()[..24].iter().all(|&x| x == 0));
+    assert!(chunks[0].as_slice().unwrap()[1004..].iter().all(|&x| x == 0), "the last piece's tail untouched");
+    assert!(chunks[0].as_mut_slice().is_ok() && b.as_mut_slice().is_ok() && a.as_mut_slice().is_ok());
+    let peer = client.join().unwrap();
+    drop((peer, conn, srq, a, b, chunks, pd, listener));
+    t.finish();
+}
+
+/// Scatter/gather limits, each refused with `InvalidArgument` (or `OutOfBounds`) before
+/// anything is posted: more pieces than the queue takes (alone or in a batch), an empty list,
+/// more than `MAX_SGE`, an empty piece among several, a piece on another PD, out of bounds, or
+/// without LOCAL_WRITE where the device writes; and queue sizes the crate cannot take.
+#[test]
+fn scatter_gather_limits_are_checked_before_posting() {
+    use rdma_cm::{ProtectionDomain, SharedReceiveQueue, MAX_SGE};
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_send_sge(2), ..PairSpec::default() };
+    let sspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_recv_sge(2), ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let invalid = |r: rdma_cm::Result<()>, needle: &str| match r {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
+        other => panic!("expected InvalidArgument mentioning {needle:?}, got {other:?}"),
+    };
+    let held = |c: &common::Side, s: &common::Side| {
+        (
+            c.conn.qp().outstanding_sends(),
+            s.conn.qp().outstanding_recvs(),
+            c.mrs[0].outstanding() + c.mrs[1].outstanding(),
+        )
+    };
+    // More pieces than the QP takes: 3 on a queue of 2 (the message names the limit and the setter).
+    let three = [(&c.mrs[0], 0..8), (&c.mrs[1], 0..8), (&c.mrs[0], 8..16)];
+    let two = [(&c.mrs[0], 0..8), (&c.mrs[1], 0..8)];
+    invalid(c.conn.qp_mut().post_send(&[SendWr::send_sg(&three).unwrap()]), "QpInit::max_send_sge");
+    invalid(c.conn.qp_mut().post_send(&[SendWr::send_sg(&three).unwrap()]), "limit of 2");
+    // In a batch: the valid ones before it are not posted either.
+    let batch = [SendWr::send_sg(&two).unwrap(), SendWr::send(&c.mrs[0], 0..8), SendWr::send_sg(&three).unwrap()];
+    invalid(c.conn.qp_mut().post_send(&batch), "max_send_sge");
+    assert_eq!(held(&c, &s), (0, 0, 0), "nothing was posted or held");
+    let rthree = [(&s.mrs[0], 0..8), (&s.mrs[1], 0..8), (&s.mrs[0], 8..16)];
+    invalid(s.conn.qp_mut().post_recv(&[RecvWr::sg(&rthree).unwrap()]), "QpInit::max_recv_sge");
+    // The receive queue of the sender was left at one piece.
+    let rtwo = [(&c.mrs[0], 0..8), (&c.mrs[1], 0..8)];
+    invalid(c.conn.qp_mut().post_recv(&[RecvWr::sg(&rtwo).unwrap()]), "limit of 1");
+    assert_eq!(held(&c, &s), (0, 0, 0));
+    // Lists the constructors refuse: empty, beyond MAX_SGE, an empty piece among several.
+    invalid(SendWr::send_sg(&[]).map(drop), "no pieces");
+    invalid(RecvWr::sg(&[]).map(drop), "no pieces");
+    let many: Vec<_> = (0..MAX_SGE + 1).map(|i| (&c.mrs[0], i * 8..i * 8 + 8)).collect();
+    invalid(SendWr::send_sg(&many).map(drop), &format!("at most {MAX_SGE}"));
+    invalid(RecvWr::sg(&many).map(drop), "MAX_SGE");
+    invalid(SendWr::read_sg(&many, &s.mrs[0].remote(), 0).map(drop), "MAX_SGE");
+    invalid(SendWr::send_sg(&[(&c.mrs[0], 0..8), (&c.mrs[1], 8..8)]).map(drop), "piece 1");
+    invalid(RecvWr::sg(&[(&c.mrs[0], 0..0), (&c.mrs[1], 0..8)]).map(drop), "piece 0");
+    // One piece of one length 0 is the single-piece request (an empty message).
+    assert_eq!(SendWr::send_sg(&[(&c.mrs[0], 0..0)]).unwrap().num_pieces(), 1);
+    // A later piece on another PD, out of bounds, or (for a receive) without LOCAL_WRITE.
+    let other_pd = ProtectionDomain::new(c.pd.context()).unwrap();
+    let foreign = MemoryRegion::new(&other_pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let wr = [(&c.mrs[0], 0..8), (&foreign, 0..8)];
+    invalid(c.conn.qp_mut().post_send(&[SendWr::send_sg(&wr).unwrap()]), "another protection domain");
+    let wr = [(&c.mrs[0], 0..8), (&c.mrs[1], 4090..4100)];
+    let e = c.conn.qp_mut().post_send(&[SendWr::send_sg(&wr).unwrap()]).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { offset: 4090, len: 10, size: 4096, .. }), "{e:?}");
+    let read_only = MemoryRegion::new(&s.pd, 64, AccessFlags::REMOTE_READ).unwrap();
+    let wr = [(&s.mrs[0], 0..8), (&read_only, 0..8)];
+    invalid(s.conn.qp_mut().post_recv(&[RecvWr::sg(&wr).unwrap()]), "LOCAL_WRITE");
+    let remote = s.mrs[0].remote();
+    let wr = [(&c.mrs[0], 0..8), (&read_only, 0..8)];
+    // (read_only is on the server's PD: refused for that first.)
+    invalid(c.conn.qp_mut().post_send(&[SendWr::read_sg(&wr, &remote, 0).unwrap()]), "protection domain");
+    let c_read_only = MemoryRegion::new(&c.pd, 64, AccessFlags::REMOTE_READ).unwrap();
+    let wr = [(&c.mrs[0], 0..8), (&c_read_only, 0..8)];
+    invalid(c.conn.qp_mut().post_send(&[SendWr::read_sg(&wr, &remote, 0).unwrap()]), "LOCAL_WRITE");
+    // ... but a gathered send may read it.
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(1)]).unwrap();
+    c.conn.qp_mut().post_send(&[SendWr::send_sg(&wr).unwrap().wr_id(2)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 16);
+    assert_eq!(held(&c, &s), (0, 0, 0));
+    // Queue sizes: 0 and more than MAX_SGE are refused when the QP or SRQ is made.
+    let route = || {
+        let r = Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, 7999), T).unwrap();
+        r.resolve_route(T).unwrap()
+    };
+    let pd = ProtectionDomain::new(c.pd.context()).unwrap();
+    for (init, needle) in [
+        (QpInit::new().max_send_sge(0), "QpInit::max_send_sge(0)"),
+        (QpInit::new().max_recv_sge(MAX_SGE as u32 + 1), "QpInit::max_recv_sge(5)"),
+    ] {
+        let e = match route().create_qp(&pd, init) {
+            Err(e) => e,
+            Ok(_) => panic!("a QP of {needle} was created"),
+        };
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains(needle) && m.contains("MAX_SGE")), "{e:?}");
+    }
+    invalid(SharedReceiveQueue::with_sge(&pd, 4, 0).map(drop), "with_sge(0)");
+    invalid(SharedReceiveQueue::with_sge(&pd, 4, MAX_SGE as u32 + 1).map(drop), "MAX_SGE");
+    // An SRQ of one piece refuses two.
+    let srq = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let m = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let wr = [(&m, 0..8), (&m, 8..16)];
+    invalid(srq.post_recv(&[RecvWr::sg(&wr).unwrap()]), "SharedReceiveQueue::with_sge");
+    assert_eq!((srq.outstanding(), m.outstanding()), (0, 0));
+    drop((srq, m, pd, foreign, other_pd, read_only, c_read_only));
+    drop((c, s));
+    t.finish();
+}
