@@ -1,5 +1,6 @@
 //! Posting and polling on a connected QP allocate nothing: a counting global allocator watches
-//! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device.
+//! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device, the shared CQ and SRQ
+//! shapes, and work requests of several pieces (scatter/gather).
 
 mod common;
 
@@ -167,5 +168,51 @@ fn shared_cq_and_srq_post_and_poll_allocate_nothing() {
     assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations on a shared CQ and an SRQ");
     drop((conn, mr, _cpd));
     drop((server, slot, srq, cq, pd, ctx, listener));
+    t.finish();
+}
+
+/// Work requests of several pieces allocate nothing either: building them, posting them (every
+/// piece held in the ring's side table) and reaping them, for gathered sends into scattered
+/// receives, gathered WRITEs and scattered READs.
+#[test]
+fn scatter_gather_post_and_poll_allocate_nothing() {
+    use rdma_cm::QpInit;
+    const N: u64 = 2_000;
+    let t = DeviceTest::start();
+    let cspec = PairSpec {
+        mr_sizes: vec![4096, 4096],
+        init: QpInit::new().max_send_sge(3).max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let sspec = PairSpec {
+        mr_sizes: vec![4096, 4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        ..cspec.clone()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let remote = s.mrs[0].remote();
+    let recv_pieces = [(&s.mrs[0], 0..64), (&s.mrs[1], 0..64), (&s.mrs[0], 64..128)];
+    let send_pieces = [(&c.mrs[0], 0..16), (&c.mrs[1], 0..100), (&c.mrs[0], 200..264)];
+    let read_pieces = [(&c.mrs[1], 1000..1100), (&c.mrs[0], 3000..3010), (&c.mrs[1], 2000..2070)];
+    let mut wcs = [WorkCompletion::default(); 4];
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for i in 0..N {
+        watched(|| s.conn.qp_mut().post_recv(&[RecvWr::sg(&recv_pieces)?.wr_id(i)])).unwrap();
+        watched(|| c.conn.qp_mut().post_send(&[SendWr::send_sg(&send_pieces)?.wr_id(i)])).unwrap();
+        assert_eq!(poll_one(c.conn.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_one(s.conn.qp_mut(), &mut wcs);
+        assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i, 180));
+        let wr = || SendWr::write_sg(&send_pieces, &remote, 1024).map(|w| w.wr_id(i));
+        watched(|| c.conn.qp_mut().post_send(&[wr()?])).unwrap();
+        assert_eq!(poll_one(c.conn.qp_mut(), &mut wcs).wr_id(), i);
+        let wr = || SendWr::read_sg(&read_pieces, &remote, 1024).map(|w| w.wr_id(i));
+        watched(|| c.conn.qp_mut().post_send(&[wr()?])).unwrap();
+        let wc = poll_one(c.conn.qp_mut(), &mut wcs);
+        assert_eq!((wc.wr_id(), wc.byte_len()), (i, 180));
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations of scatter/gather post and poll");
+    drop((c, s));
     t.finish();
 }

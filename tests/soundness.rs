@@ -534,3 +534,349 @@ fn in_flight_sources_are_readable_and_targets_are_not() {
     drop((c, s, tgt));
     t.finish();
 }
+
+/// Every accessor of `mr` refuses while the device may write it.
+fn out_of_reach(mr: &mut MemoryRegion, what: &str) {
+    let mut b = [0u8; 4];
+    assert!(matches!(mr.as_slice(), Err(Error::InFlight { .. })), "{what}: as_slice");
+    assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: as_mut_slice");
+    assert!(matches!(mr.read_at(0, &mut b), Err(Error::InFlight { .. })), "{what}: read_at");
+    assert!(matches!(mr.write_at(0, b"x"), Err(Error::InFlight { .. })), "{what}: write_at");
+}
+
+/// Scatter/gather: while a receive or an RDMA READ of several pieces is outstanding, every
+/// region of every piece (the second and third especially: they live in the ring's side table)
+/// refuses every accessor; the regions of an outstanding gathered send may be read, not
+/// written; a region named by two pieces counts both. Once reaped, all is reachable and right.
+#[test]
+fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![], init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        init: QpInit::new().max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let lw = AccessFlags::LOCAL_WRITE;
+    // A gathered send the peer has no receive for yet: it stays in flight (RNR retries).
+    let mut g0 = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    let mut g1 = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    g0.as_mut_slice().unwrap().copy_from_slice(&[1; 64]);
+    g1.as_mut_slice().unwrap().copy_from_slice(&[2; 64]);
+    let pieces = [(&g0, 0..64), (&g1, 0..64), (&g0, 0..22)];
+    c.conn.qp_mut().post_send(&[SendWr::send_sg(&pieces).unwrap().wr_id(1)]).unwrap();
+    assert_eq!((g0.outstanding(), g1.outstanding()), (2, 1), "one hold per piece");
+    for (mr, what) in [(&mut g0, "first/third send piece"), (&mut g1, "second send piece")] {
+        assert!(mr.as_slice().is_ok(), "{what}: a send's source may be read");
+        assert!(mr.read_at(0, &mut [0u8; 4]).is_ok(), "{what}: read_at");
+        assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: but not written");
+        assert!(matches!(mr.write_at(0, b"x"), Err(Error::InFlight { .. })), "{what}: write_at");
+    }
+    // A receive of 3 pieces: 3 regions, the second and third chunks of one registration.
+    let mut a = MemoryRegion::new(&s.pd, 64, lw).unwrap();
+    let mut bc = MemoryRegion::new(&s.pd, 128, lw).unwrap().split(64).unwrap();
+    let mut cc = bc.pop().unwrap();
+    let mut b = bc.pop().unwrap();
+    let pieces = [(&a, 0..64), (&b, 0..64), (&cc, 0..64)];
+    s.conn.qp_mut().post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(2)]).unwrap();
+    out_of_reach(&mut a, "first receive piece");
+    out_of_reach(&mut b, "second receive piece");
+    out_of_reach(&mut cc, "third receive piece");
+    // A READ scattered into 3 pieces, one region named twice.
+    let mut x = MemoryRegion::new(&c.pd, 128, lw).unwrap();
+    let mut y = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    let remote = s.mrs[0].remote();
+    s.mrs[0].as_mut_slice().unwrap()[..160].copy_from_slice(&common::pattern(160, 7));
+    let pieces = [(&x, 0..32), (&y, 0..64), (&x, 64..128)];
+    c.conn.qp_mut().post_send(&[SendWr::read_sg(&pieces, &remote, 0).unwrap().wr_id(3)]).unwrap();
+    assert_eq!((x.outstanding(), y.outstanding()), (2, 1));
+    out_of_reach(&mut x, "first and third READ piece");
+    out_of_reach(&mut y, "second READ piece");
+    // Reaped: everything is reachable again, with the right bytes.
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap();
+    assert_eq!(wc.byte_len(), 160);
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap().byte_len(), 150);
+    assert_eq!(a.as_slice().unwrap(), &[1; 64]);
+    assert_eq!(b.as_slice().unwrap(), &[2; 64]);
+    assert_eq!(&cc.as_slice().unwrap()[..22], &[1; 22]);
+    let want = common::pattern(160, 7);
+    assert_eq!(&x.as_slice().unwrap()[..32], &want[..32]);
+    assert_eq!(y.as_slice().unwrap(), &want[32..96]);
+    assert_eq!(&x.as_slice().unwrap()[64..], &want[96..]);
+    for mr in [&mut g0, &mut g1, &mut a, &mut b, &mut cc, &mut x, &mut y] {
+        assert_eq!(mr.outstanding(), 0);
+        assert!(mr.as_mut_slice().is_ok());
+    }
+    drop((g0, g1, a, b, cc, x, y, bc, c, s));
+    t.finish();
+}
+
+/// Scatter/gather: dropping the handles of every piece of an outstanding receive and READ
+/// keeps the memory registered (the kernel still lists it) and usable by the device (the work
+/// completes successfully, which it could not on a deregistered region) until the completions
+/// are reaped; then it goes.
+#[test]
+fn dropped_pieces_stay_registered_until_their_completion() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec {
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        init: QpInit::new().max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let before = common::mr_count();
+    let lw = AccessFlags::LOCAL_WRITE;
+    let recv: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&s.pd, 64, lw).unwrap()).collect();
+    let pieces = [(&recv[0], 0..64), (&recv[1], 0..64), (&recv[2], 0..64)];
+    s.conn.qp_mut().post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(1)]).unwrap();
+    let read: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&c.pd, 64, lw).unwrap()).collect();
+    let pieces = [(&read[0], 0..64), (&read[1], 0..64), (&read[2], 0..64)];
+    let remote = s.mrs[0].remote();
+    c.conn.qp_mut().post_send(&[SendWr::read_sg(&pieces, &remote, 0).unwrap().wr_id(2)]).unwrap();
+    drop((recv, read));
+    if let Some(n) = before {
+        assert_eq!(common::mr_count(), Some(n + 6), "the dropped regions must stay registered");
+    }
+    c.mrs[0].as_mut_slice().unwrap()[..192].copy_from_slice(&common::pattern(192, 3));
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..192).wr_id(3)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("the device wrote every dropped piece");
+    assert_eq!(wc.byte_len(), 192);
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 2, T).expect("the READ landed in the dropped pieces");
+    assert_eq!(wc.byte_len(), 192);
+    if let Some(n) = before {
+        assert_eq!(common::mr_count(), Some(n), "reaping released (and deregistered) all six");
+    }
+    drop((c, s));
+    t.finish();
+}
+
+/// Scatter/gather: a QP dropped with work of several pieces outstanding (a receive, a READ, a
+/// gathered send, none reaped) releases every piece once it is destroyed, and the kernel's
+/// accounting ends clean.
+#[test]
+fn a_qp_dropped_with_multi_piece_work_outstanding_releases_every_piece() {
+    let t = DeviceTest::start();
+    let spec = PairSpec {
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        init: QpInit::new().max_send_sge(3).max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
+    let lw = AccessFlags::LOCAL_WRITE;
+    let mut r: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&s.pd, 128, lw).unwrap()).collect();
+    let p0 = [(&r[0], 0..64), (&r[1], 0..64), (&r[2], 0..64)];
+    let p1 = [(&r[0], 64..128), (&r[1], 64..128), (&r[2], 64..128)];
+    s.conn.qp_mut().post_recv(&[RecvWr::sg(&p0).unwrap().wr_id(0), RecvWr::sg(&p1).unwrap().wr_id(1)]).unwrap();
+    let mut x: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&c.pd, 64, lw).unwrap()).collect();
+    let remote = s.mrs[0].remote();
+    let read = [(&x[0], 0..64), (&x[1], 0..64), (&x[2], 0..64)];
+    let send = [(&x[0], 0..8), (&x[1], 0..8), (&x[2], 0..8)];
+    let wrs = [SendWr::read_sg(&read, &remote, 0).unwrap().wr_id(1), SendWr::send_sg(&send).unwrap().wr_id(2)];
+    c.conn.qp_mut().post_send(&wrs).unwrap();
+    assert!(x.iter().all(|m| m.outstanding() == 2) && r.iter().all(|m| m.outstanding() == 2));
+    drop(c.conn);
+    for (k, m) in x.iter_mut().enumerate() {
+        assert_eq!(m.outstanding(), 0, "READ/send piece {k}");
+        assert!(m.as_mut_slice().is_ok(), "READ/send piece {k} is released with the QP");
+    }
+    drop(s.conn);
+    for (k, m) in r.iter_mut().enumerate() {
+        assert_eq!(m.outstanding(), 0, "receive piece {k}");
+        assert!(m.as_mut_slice().is_ok(), "receive piece {k} is released with the QP");
+    }
+    drop((x, r, c.mrs, c.pd, s.mrs, s.pd));
+    t.finish();
+}
+
+type PostSend = unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_send_wr, *mut *mut ffi::ibv_send_wr) -> i32;
+type PostRecv = unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32;
+type PostSrqRecv = unsafe extern "C" fn(*mut ffi::ibv_srq, *mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32;
+static REAL_POST_SEND: std::sync::OnceLock<PostSend> = std::sync::OnceLock::new();
+static REAL_POST_RECV: std::sync::OnceLock<PostRecv> = std::sync::OnceLock::new();
+static REAL_POST_SRQ_RECV: std::sync::OnceLock<PostSrqRecv> = std::sync::OnceLock::new();
+/// How many work requests of a list the stand-in providers below take before refusing one.
+static TAKE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Stands in for a provider that takes the first `TAKE` work requests of `wr` (posting them
+/// through `real`) and refuses the next with ENOMEM, naming it in `bad` as verbs do.
+///
+/// # Safety
+/// `wr` is a well-formed list with more than `TAKE` entries; `real` is the provider's post.
+unsafe fn take_some<Q, W>(
+    q: *mut Q,
+    wr: *mut W,
+    bad: *mut *mut W,
+    next: impl Fn(*mut W) -> *mut *mut W,
+    real: unsafe extern "C" fn(*mut Q, *mut W, *mut *mut W) -> i32,
+) -> i32 {
+    let take = TAKE.load(std::sync::atomic::Ordering::SeqCst);
+    let (mut last, mut refused) = (std::ptr::null_mut::<W>(), wr);
+    for _ in 0..take {
+        last = refused;
+        // SAFETY: the list has more than `take` entries (the caller's promise).
+        refused = unsafe { *next(refused) };
+    }
+    if !last.is_null() {
+        // SAFETY: cut the list after the last one taken, post that much, and mend it again: the
+        // crate's list, valid for the call.
+        unsafe {
+            *next(last) = std::ptr::null_mut();
+            let ret = real(q, wr, bad);
+            *next(last) = refused;
+            if ret != 0 {
+                return ret;
+            }
+        }
+    }
+    // SAFETY: `bad` is the caller's out-pointer.
+    unsafe { *bad = refused };
+    libc::ENOMEM
+}
+
+unsafe extern "C" fn partial_post_send(
+    qp: *mut ffi::ibv_qp,
+    wr: *mut ffi::ibv_send_wr,
+    bad: *mut *mut ffi::ibv_send_wr,
+) -> i32 {
+    // SAFETY: forwarded from the crate's post (see take_some); the entries' `next` fields are
+    // valid to read and write.
+    unsafe { take_some(qp, wr, bad, |w| &raw mut (*w).next, *REAL_POST_SEND.get().expect("set before the swap")) }
+}
+
+unsafe extern "C" fn partial_post_recv(
+    qp: *mut ffi::ibv_qp,
+    wr: *mut ffi::ibv_recv_wr,
+    bad: *mut *mut ffi::ibv_recv_wr,
+) -> i32 {
+    // SAFETY: as in partial_post_send.
+    unsafe { take_some(qp, wr, bad, |w| &raw mut (*w).next, *REAL_POST_RECV.get().expect("set before the swap")) }
+}
+
+unsafe extern "C" fn partial_post_srq_recv(
+    srq: *mut ffi::ibv_srq,
+    wr: *mut ffi::ibv_recv_wr,
+    bad: *mut *mut ffi::ibv_recv_wr,
+) -> i32 {
+    // SAFETY: as in partial_post_send.
+    unsafe { take_some(srq, wr, bad, |w| &raw mut (*w).next, *REAL_POST_SRQ_RECV.get().expect("set before the swap")) }
+}
+
+/// Scatter/gather: a refused post releases every piece of the refused work requests, and only
+/// those: refused by the crate (one work request of a batch names more pieces than the queue
+/// takes: nothing is posted), or by the provider part-way through a batch (sends, receives and
+/// SRQ receives, the provider stood in for by wrapping its post entry). A region named both by a
+/// taken and a refused work request keeps exactly the taken one's hold.
+#[test]
+fn a_refused_post_releases_the_pieces_of_the_refused_work_requests_only() {
+    use rdma_cm::SharedReceiveQueue;
+    use std::sync::atomic::Ordering::SeqCst;
+    let t = DeviceTest::start();
+    let spec =
+        PairSpec { mr_sizes: vec![64; 6], init: QpInit::new().max_send_sge(3).max_recv_sge(3), ..PairSpec::default() };
+    // The server has one receive (on its region 0) posted before connecting.
+    let (mut c, mut s) = pair(t.addr, spec.clone(), PairSpec { pre_recv: vec![(100, 64)], ..spec });
+    let holds = |m: &[MemoryRegion]| m.iter().map(|m| m.outstanding()).collect::<Vec<_>>();
+    // Refused by the crate: one work request of the batch is too long for a queue of 3.
+    let m = &c.mrs;
+    let (p0, p1) = ([(&m[0], 0..8), (&m[1], 0..8)], [(&m[2], 0..8), (&m[3], 0..8), (&m[4], 0..8), (&m[5], 0..8)]);
+    let r = c.conn.qp_mut().post_send(&[SendWr::send_sg(&p0).unwrap(), SendWr::send_sg(&p1).unwrap()]);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert_eq!(holds(&c.mrs), [0; 6], "nothing posted, nothing held");
+    assert_eq!(c.conn.qp().outstanding_sends(), 0);
+    // Refused by the provider: it takes the first of three sends and refuses the second.
+    let qp = c.conn.qp().as_raw();
+    let m = &c.mrs;
+    let p0 = [(&m[0], 0..8), (&m[1], 0..8)];
+    let p1 = [(&m[2], 0..8), (&m[3], 0..8), (&m[4], 0..8)];
+    let p2 = [(&m[5], 0..8), (&m[1], 8..16)];
+    let wrs = [
+        SendWr::send_sg(&p0).unwrap().wr_id(1),
+        SendWr::send_sg(&p1).unwrap().wr_id(2),
+        SendWr::send_sg(&p2).unwrap().wr_id(3),
+    ];
+    TAKE.store(1, SeqCst);
+    // SAFETY: the QP and its context are alive; the context's ops table is the provider's,
+    // swapped for this one call and restored; nothing else posts on this context meanwhile
+    // (device tests run one at a time, and this one posts from this thread only).
+    let r = unsafe {
+        let ops = &mut (*(*qp).context).ops;
+        let real = ops.post_send.expect("the provider's post_send");
+        let _ = REAL_POST_SEND.set(real);
+        ops.post_send = Some(partial_post_send);
+        let r = c.conn.qp_mut().post_send(&wrs);
+        ops.post_send = Some(real);
+        r
+    };
+    assert!(matches!(&r, Err(Error::Call { op: "ibv_post_send", .. })), "{r:?}");
+    assert_eq!(holds(&c.mrs), [1, 1, 0, 0, 0, 0], "the taken send's pieces only (m1 is in a refused one too)");
+    assert!(matches!(c.mrs[0].as_mut_slice(), Err(Error::InFlight { .. })));
+    assert!(matches!(c.mrs[1].as_mut_slice(), Err(Error::InFlight { .. })));
+    for k in 2..6 {
+        assert!(c.mrs[k].as_mut_slice().is_ok(), "piece region {k} of a refused send is released at once");
+    }
+    // The taken one completes into the receive posted before connecting.
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 100, T).unwrap().byte_len(), 16);
+    assert_eq!(holds(&c.mrs), [0; 6]);
+    // Receives: the provider takes the first of two and refuses the second.
+    let qp = s.conn.qp().as_raw();
+    let m = &s.mrs;
+    let p0 = [(&m[0], 0..64), (&m[1], 0..64), (&m[2], 0..64)];
+    let p1 = [(&m[3], 0..64), (&m[0], 0..64)];
+    let wrs = [RecvWr::sg(&p0).unwrap().wr_id(1), RecvWr::sg(&p1).unwrap().wr_id(2)];
+    // SAFETY: as above, for the provider's post_recv.
+    let r = unsafe {
+        let ops = &mut (*(*qp).context).ops;
+        let real = ops.post_recv.expect("the provider's post_recv");
+        let _ = REAL_POST_RECV.set(real);
+        ops.post_recv = Some(partial_post_recv);
+        let r = s.conn.qp_mut().post_recv(&wrs);
+        ops.post_recv = Some(real);
+        r
+    };
+    assert!(matches!(&r, Err(Error::Call { op: "ibv_post_recv", .. })), "{r:?}");
+    assert_eq!(holds(&s.mrs), [1, 1, 1, 0, 0, 0]);
+    for k in 0..3 {
+        assert!(matches!(s.mrs[k].as_slice(), Err(Error::InFlight { .. })), "the taken receive's piece {k}");
+    }
+    assert!(s.mrs[3].as_mut_slice().is_ok(), "the refused receive's own region is released");
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(4)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 4, T).unwrap();
+    s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    assert_eq!(holds(&s.mrs), [0; 6]);
+    // An SRQ (not attached: the device never consumes its receives): the same, on its slots.
+    let srq = SharedReceiveQueue::with_sge(&s.pd, 4, 3).unwrap();
+    let m = &s.mrs;
+    let p0 = [(&m[0], 0..8), (&m[1], 0..8)];
+    let p1 = [(&m[2], 0..8), (&m[0], 8..16), (&m[3], 0..8)];
+    let p2 = [(&m[4], 0..8)];
+    let wrs = [RecvWr::sg(&p0).unwrap(), RecvWr::sg(&p1).unwrap(), RecvWr::sg(&p2).unwrap()];
+    // SAFETY: as above, for the provider's post_srq_recv.
+    let r = unsafe {
+        let ops = &mut (*(*srq.as_raw()).context).ops;
+        let real = ops.post_srq_recv.expect("the provider's post_srq_recv");
+        let _ = REAL_POST_SRQ_RECV.set(real);
+        ops.post_srq_recv = Some(partial_post_srq_recv);
+        let r = srq.post_recv(&wrs);
+        ops.post_srq_recv = Some(real);
+        r
+    };
+    assert!(matches!(&r, Err(Error::Call { op: "ibv_post_srq_recv", .. })), "{r:?}");
+    assert_eq!(srq.outstanding(), 1);
+    assert_eq!(holds(&s.mrs), [1, 1, 0, 0, 0, 0]);
+    // The freed slots take new receives (their side-table entries were cleared).
+    let p3 = [(&m[5], 0..8), (&m[5], 8..16), (&m[5], 16..24)];
+    srq.post_recv(&vec![RecvWr::sg(&p3).unwrap(); 3]).unwrap();
+    assert_eq!((srq.outstanding(), s.mrs[5].outstanding()), (4, 9));
+    // The SRQ goes, and every piece with it.
+    drop(srq);
+    assert_eq!(holds(&s.mrs), [0; 6]);
+    assert!(s.mrs.iter_mut().all(|m| m.as_mut_slice().is_ok()));
+    drop((c, s));
+    t.finish();
+}

@@ -124,6 +124,12 @@ pub fn wait_for_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str, wi
     }
 }
 
+/// The kernel's count of user-space memory regions (registered and not yet deregistered), or
+/// `None` when the device is shared with other processes (see [`SHARED_DEVICE_ENV`]).
+pub fn mr_count() -> Option<usize> {
+    (!device_shared()).then(|| resources().into_iter().find(|(k, _)| *k == "mr").map_or(0, |(_, n)| n))
+}
+
 pub fn resource_total() -> usize {
     resources().iter().map(|(_, n)| n).sum()
 }
