@@ -712,7 +712,10 @@ impl QueuePair {
             // Every later piece is held too, in the ring's side table (at most MAX_SGE - 1: the
             // same pieces the list below names).
             let rest = w.rest.iter().take(MAX_SGE - 1);
-            let seq = q.send.stage(k as u64, w.wr_id, hold, rest.clone().map(|(m, _)| Hold::new(m.inner(), writes)));
+            let seq = q.send.stage(k as u64, w.wr_id, hold);
+            if !w.rest.is_empty() {
+                q.send.stage_rest(seq, rest.clone().map(|(m, _)| Hold::new(m.inner(), writes)));
+            }
             let first = match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
                 (None, Some((m, range))) => {
@@ -721,20 +724,25 @@ impl QueuePair {
                 (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
             };
             let start = used;
-            let later = rest.map(|(m, r)| ffi::ibv_sge {
-                addr: m.addr() + r.start as u64,
-                length: r.len() as u32,
-                lkey: m.lkey(),
-            });
-            for e in std::iter::once(first).chain(later) {
-                // SAFETY: at most MAX_SGE entries per work request (one plus the MAX_SGE - 1
-                // taken above) and at most CHUNK work requests: `used` < CHUNK_SGE.
-                unsafe { sge_base.add(used).write(e) };
-                used += 1;
+            // SAFETY: at most MAX_SGE entries per work request (the first, and at most
+            // MAX_SGE - 1 more below) and at most CHUNK work requests: `used` < CHUNK_SGE.
+            unsafe { sge_base.add(used).write(first) };
+            used += 1;
+            if !w.rest.is_empty() {
+                for (m, r) in rest {
+                    let e = ffi::ibv_sge { addr: m.addr() + r.start as u64, length: r.len() as u32, lkey: m.lkey() };
+                    // SAFETY: as above.
+                    unsafe { sge_base.add(used).write(e) };
+                    used += 1;
+                }
             }
-            // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those);
-            // all-zero is a valid value.
-            let mut r: ffi::ibv_send_wr = unsafe { mem::zeroed() };
+            // SAFETY: k < n <= CHUNK: within `raw`. ibv_send_wr is plain old data (pointers,
+            // integers, unions of those); all-zero is a valid value. The entry is initialised
+            // in place, and reached only through `base`.
+            let r = unsafe {
+                base.add(k).write(mem::zeroed());
+                &mut *base.add(k)
+            };
             r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
             let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
             // A list of several pieces has no empty piece (the constructors refuse them).
@@ -780,8 +788,6 @@ impl QueuePair {
                 flags |= f::IBV_SEND_INLINE.0;
             }
             r.send_flags = flags;
-            // SAFETY: k < n <= CHUNK: within `raw`.
-            unsafe { base.add(k).write(r) };
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive for
@@ -858,8 +864,11 @@ impl QueuePair {
         }
         for chunk in wrs.chunks(CHUNK) {
             let stage = |k: usize, w: &RecvWr<'_>| {
-                let rest = w.rest.iter().take(MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
-                let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)), rest);
+                let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
+                if !w.rest.is_empty() {
+                    let rest = w.rest.iter().take(MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
+                    q.recv.stage_rest(seq, rest);
+                }
                 tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
             };
             let post = |head: *mut ffi::ibv_recv_wr, n| {

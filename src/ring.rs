@@ -91,6 +91,7 @@ impl<H> Extra<H> {
     }
 
     /// Releases slot `i`'s `n` later pieces.
+    #[cold]
     pub(crate) fn clear(&mut self, i: usize, n: u8) {
         let start = i * self.width;
         for e in self.holds.iter_mut().skip(start).take(n as usize) {
@@ -156,6 +157,7 @@ impl<H> Ring<H> {
     /// Empties the slot of `seq` and returns what it held; the holds of its later pieces are
     /// released here, the first piece's with the returned slot. Every retirement goes through
     /// this, so no side-table entry outlives its slot.
+    #[inline(always)]
     fn take(&mut self, seq: u64) -> Slot<H> {
         let i = self.index(seq);
         let s = mem::take(&mut self.slots[i]);
@@ -165,16 +167,23 @@ impl<H> Ring<H> {
         s
     }
     /// Records a work request at `tail + k` (not yet committed), holding `hold` (its first
-    /// piece) and `rest` (the holds of its later pieces, at most `max_pieces - 1`).
-    pub(crate) fn stage(&mut self, k: u64, user_wr_id: u64, hold: Option<H>, rest: impl Iterator<Item = H>) -> u64 {
+    /// piece); the holds of its later pieces, if any, follow with [`Ring::stage_rest`].
+    #[inline]
+    pub(crate) fn stage(&mut self, k: u64, user_wr_id: u64, hold: Option<H>) -> u64 {
         let seq = self.tail + k;
         let i = self.index(seq);
         // The slot is free: at most `depth` work requests are outstanding, and retired slots
         // are emptied (side table included) by `take`.
         debug_assert!(self.slots[i]._hold.is_none() && self.slots[i].extra == 0);
-        let extra = self.extra.store(i, rest);
-        self.slots[i] = Slot { user_wr_id, _hold: hold, extra, void: false };
+        self.slots[i] = Slot { user_wr_id, _hold: hold, extra: 0, void: false };
         seq
+    }
+    /// Adds the holds of the later pieces (at most `max_pieces - 1`) of the work request just
+    /// staged as `seq`; they are released with its slot.
+    pub(crate) fn stage_rest(&mut self, seq: u64, rest: impl Iterator<Item = H>) {
+        let i = self.index(seq);
+        let n = self.extra.store(i, rest);
+        self.slots[i].extra = n;
     }
     /// Commits `staged` work requests, of which the provider took the first `posted`: the
     /// others become void (their regions, every piece's, are released at once), and their
@@ -189,6 +198,7 @@ impl<H> Ring<H> {
         self.skip_void();
     }
     /// Retires void slots at the head: nothing before them is outstanding any more.
+    #[inline(always)]
     fn skip_void(&mut self) {
         while self.head < self.tail {
             let h = self.head;
@@ -417,15 +427,18 @@ mod tests {
     /// A stand-in for a region's hold: the count of live clones shows what the ring holds.
     type Held = Arc<()>;
 
-    fn none() -> std::iter::Empty<Held> {
-        std::iter::empty()
+    /// Stages a work request of a first piece and `rest` later ones.
+    fn stage(r: &mut Ring<Held>, k: u64, id: u64, hold: Option<Held>, rest: impl Iterator<Item = Held>) -> u64 {
+        let seq = r.stage(k, id, hold);
+        r.stage_rest(seq, rest);
+        seq
     }
 
     #[test]
     fn ring_retires_in_order_and_refuses_overflow() {
         let mut r = Ring::<Held>::new(4, 1);
         for k in 0..3 {
-            r.stage(k, 100 + k, None, none());
+            r.stage(k, 100 + k, None);
         }
         r.commit(3, 3);
         assert_eq!(r.outstanding(), 3);
@@ -448,7 +461,7 @@ mod tests {
     fn rejected_work_requests_use_up_their_sequence_numbers() {
         let mut r = Ring::<Held>::new(4, 1);
         for k in 0..3 {
-            r.stage(k, k, None, none());
+            r.stage(k, k, None);
         }
         // The provider took the first one only.
         r.commit(1, 3);
@@ -457,7 +470,7 @@ mod tests {
         assert_eq!(r.outstanding(), 0, "void slots behind a retired one are retired with it");
         assert_eq!(r.complete(1), None, "an unposted work request must not be completable");
         // The next post gets a fresh sequence number, not the rejected ones.
-        assert_eq!(r.stage(0, 9, None, none()), 3);
+        assert_eq!(r.stage(0, 9, None), 3);
         r.commit(1, 1);
         assert_eq!(r.complete(1), None, "an old sequence number is refused");
         assert_eq!(r.complete(3), Some(9));
@@ -466,11 +479,11 @@ mod tests {
     #[test]
     fn a_fully_rejected_post_leaves_nothing_outstanding() {
         let mut r = Ring::<Held>::new(2, 1);
-        r.stage(0, 1, None, none());
-        r.stage(1, 2, None, none());
+        r.stage(0, 1, None);
+        r.stage(1, 2, None);
         r.commit(0, 2);
         assert_eq!(r.outstanding(), 0);
-        assert_eq!(r.stage(0, 3, None, none()), 2);
+        assert_eq!(r.stage(0, 3, None), 2);
     }
 
     #[test]
@@ -479,7 +492,7 @@ mod tests {
         assert_eq!(r.slots.len(), 4);
         assert_eq!(r.free(), 3);
         for k in 0..3 {
-            r.stage(k, k, None, none());
+            r.stage(k, k, None);
         }
         r.commit(3, 3);
         assert_eq!(r.free(), 0);
@@ -491,7 +504,7 @@ mod tests {
     fn ring_wraps_and_widens_truncated_sequence_numbers() {
         let mut r = Ring::<Held>::new(2, 1);
         for i in 0..10u64 {
-            r.stage(0, i, None, none());
+            r.stage(0, i, None);
             r.commit(1, 1);
             let wide = r.widen(i & 0xf, 4);
             assert_eq!(wide, i);
@@ -518,9 +531,9 @@ mod tests {
         let region: Held = Arc::new(());
         let mut r = Ring::<Held>::new(4, 3);
         // Three work requests of 3, 1 and 2 pieces.
-        r.stage(0, 10, Some(Arc::clone(&region)), holds(&region, 2));
-        r.stage(1, 11, Some(Arc::clone(&region)), holds(&region, 0));
-        r.stage(2, 12, Some(Arc::clone(&region)), holds(&region, 1));
+        stage(&mut r, 0, 10, Some(Arc::clone(&region)), holds(&region, 2));
+        stage(&mut r, 1, 11, Some(Arc::clone(&region)), holds(&region, 0));
+        stage(&mut r, 2, 12, Some(Arc::clone(&region)), holds(&region, 1));
         r.commit(3, 3);
         assert_eq!(Arc::strong_count(&region), 1 + 6);
         assert_eq!(r.extra.held(), 3);
@@ -538,9 +551,9 @@ mod tests {
     fn void_slots_release_their_later_pieces_at_once() {
         let (a, b): (Held, Held) = (Arc::new(()), Arc::new(()));
         let mut r = Ring::<Held>::new(4, 4);
-        r.stage(0, 1, Some(Arc::clone(&a)), holds(&a, 3));
-        r.stage(1, 2, Some(Arc::clone(&b)), holds(&b, 3));
-        r.stage(2, 3, Some(Arc::clone(&b)), holds(&b, 1));
+        stage(&mut r, 0, 1, Some(Arc::clone(&a)), holds(&a, 3));
+        stage(&mut r, 1, 2, Some(Arc::clone(&b)), holds(&b, 3));
+        stage(&mut r, 2, 3, Some(Arc::clone(&b)), holds(&b, 1));
         // The provider took the first only: the refused ones' pieces go now, the taken one's stay.
         r.commit(1, 3);
         assert_eq!(Arc::strong_count(&a), 1 + 4);
@@ -550,7 +563,7 @@ mod tests {
         assert_eq!(Arc::strong_count(&a), 1);
         assert_eq!(r.extra.held(), 0);
         // A fully refused post holds nothing either.
-        r.stage(0, 4, Some(Arc::clone(&a)), holds(&a, 2));
+        stage(&mut r, 0, 4, Some(Arc::clone(&a)), holds(&a, 2));
         r.commit(0, 1);
         assert_eq!((Arc::strong_count(&a), r.extra.held(), r.outstanding()), (1, 0, 0));
     }
@@ -562,8 +575,8 @@ mod tests {
         for i in 0..40u64 {
             // Two at a time, of varying piece counts; the second's completion retires both.
             let (p, q) = ((i % 4) as usize, ((i + 1) % 4) as usize);
-            let s0 = r.stage(0, 2 * i, Some(Arc::clone(&region)), holds(&region, p));
-            r.stage(1, 2 * i + 1, Some(Arc::clone(&region)), holds(&region, q));
+            let s0 = stage(&mut r, 0, 2 * i, Some(Arc::clone(&region)), holds(&region, p));
+            stage(&mut r, 1, 2 * i + 1, Some(Arc::clone(&region)), holds(&region, q));
             r.commit(2, 2);
             assert_eq!(Arc::strong_count(&region), 1 + 2 + p + q, "round {i}");
             assert_eq!(r.complete(s0 + 1), Some(2 * i + 1));
@@ -575,7 +588,7 @@ mod tests {
     fn dropping_a_ring_releases_every_piece() {
         let region: Held = Arc::new(());
         let mut r = Ring::<Held>::new(2, 3);
-        r.stage(0, 1, Some(Arc::clone(&region)), holds(&region, 2));
+        stage(&mut r, 0, 1, Some(Arc::clone(&region)), holds(&region, 2));
         r.commit(1, 1);
         assert_eq!(Arc::strong_count(&region), 4);
         drop(r);

@@ -83,8 +83,11 @@ impl Slots {
     /// generation. `None` when no slot is free (the caller checked the room before).
     fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u16)> {
         let i = self.free.pop()?;
-        let rest = w.rest.iter().take(crate::wr::MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
-        let extra = self.extra.store(i as usize, rest);
+        let mut extra = 0;
+        if !w.rest.is_empty() {
+            let rest = w.rest.iter().take(crate::wr::MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
+            extra = self.extra.store(i as usize, rest);
+        }
         let s = &mut self.slots[i as usize];
         let generation = s.generation.wrapping_add(1);
         *s = Slot { generation, posted: true, user_wr_id: w.wr_id, _hold: Some(Hold::new(w.mr.inner(), true)), extra };
@@ -93,6 +96,7 @@ impl Slots {
 
     /// Empties slot `i` (keeping its generation), releases every piece it held, and returns it
     /// to the free list. Every retirement and release goes through this.
+    #[inline]
     fn release(&mut self, i: u32) {
         let s = &mut self.slots[i as usize];
         let extra = s.extra;
