@@ -276,7 +276,10 @@ fn soak_under_loss_reordering_and_duplication() {
 }
 
 /// Corrupted packets never reach the application: the echo of every message checks, and the
-/// receiving stacks counted the drops (rxe's ICRC check, or UDP's checksum before it).
+/// stages of the receiving hosts that dropped them are counted: frames the NIC took that IP
+/// never saw (a flipped address or type), UDP datagrams that failed their checksum, and datagrams
+/// UDP handed to rxe that rxe never counted as received (its ICRC check: a flipped payload bit,
+/// or its header checks). The last must be non-zero: the transport itself drops corruption.
 #[test]
 fn corrupted_packets_are_dropped_never_delivered() {
     let t = DeviceTest::start();
@@ -284,17 +287,18 @@ fn corrupted_packets_are_dropped_never_delivered() {
     let base = p.resources();
     let wire = Wire::new(&p);
     let a = p.addr.to_string();
-    let drops = "echo icrc $(dmesg | grep -c 'bad ICRC'); awk '/^Udp:/{n++} n==2 && /^Udp:/{print \"udpcsum\", $8; exit}' /proc/net/snmp";
-    let parse = |s: String| -> (u64, u64) {
-        let v: BTreeMap<String, u64> = s
-            .lines()
+    // Received: frames at eth0, UDP datagrams delivered and checksum errors, rxe's packets.
+    let stages = "echo eth $(cat /sys/class/net/eth0/statistics/rx_packets); \
+                  awk '/^Udp:/{n++} n==2 && /^Udp:/{print \"udp\", $2; print \"udpcsum\", $8; exit}' /proc/net/snmp; \
+                  awk '/^Ip:/{n++} n==2 && /^Ip:/{print \"ip\", $4; exit}' /proc/net/snmp; \
+                  echo rxe $(cat /sys/class/infiniband/rxe0/ports/1/hw_counters/rcvd_pkts)";
+    let parse = |s: String| -> BTreeMap<String, u64> {
+        s.lines()
             .filter_map(|l| l.split_once(' '))
             .map(|(k, n)| (k.to_string(), n.trim().parse().unwrap_or(0)))
-            .collect();
-        (v["icrc"], v["udpcsum"])
+            .collect()
     };
-    let (b0, a0) = (parse(sh_local(drops)), parse(p.sh(drops)));
-    let (cb0, ca0) = (counters(), p.counters());
+    let (b0, a0) = (parse(sh_local(stages)), parse(p.sh(stages)));
     wire.netem("ab", "corrupt 5%");
     let srv =
         p.start("corrupt-server", &[&example("server"), "-a", &a, "-p", "7803", "--count", "1", "--timeout", "60"]);
@@ -308,19 +312,16 @@ fn corrupted_packets_are_dropped_never_delivered() {
     let (rc, sout) = srv.wait(Duration::from_secs(120));
     assert_eq!(rc, 0, "{sout}");
     assert!(sout.contains("Echoed 150 messages of 4096 bytes"), "{sout}");
-    let (b1, a1) = (parse(sh_local(drops)), parse(p.sh(drops)));
-    let (cb1, ca1) = (counters(), p.counters());
-    let (icrc, csum) = (b1.0 - b0.0 + a1.0 - a0.0, b1.1 - b0.1 + a1.1 - a0.1);
-    // What one rxe sent and the other did not count as received (rxe counts a packet once its
-    // headers and ICRC checked): the corrupted packets that the transport dropped.
-    let sent = delta(&ca1, &ca0, "sent_pkts") + delta(&cb1, &cb0, "sent_pkts");
-    let rcvd = delta(&ca1, &ca0, "rcvd_pkts") + delta(&cb1, &cb0, "rcvd_pkts");
-    let dropped = sent.saturating_sub(rcvd);
+    let (b1, a1) = (parse(sh_local(stages)), parse(p.sh(stages)));
+    let d = |k: &str| delta(&b1, &b0, k) + delta(&a1, &a0, k);
+    let (eth, ip, udp, csum, rxe) = (d("eth"), d("ip"), d("udp"), d("udpcsum"), d("rxe"));
+    let by_rxe = udp.saturating_sub(rxe);
     eprintln!(
-        "measured: 5% corruption both ways, 150 x 4096 B echoed intact; {sent} packets sent, {dropped} never received \
-         (rxe's 'bad ICRC' log lines {icrc}, UDP checksum errors {csum})"
+        "measured: 5% corruption both ways, 150 x 4096 B echoed intact; received {eth} frames: {} dropped before IP, \
+         {csum} by UDP's checksum, {by_rxe} by rxe (ICRC or header checks) of {udp} datagrams UDP delivered to it",
+        eth.saturating_sub(ip)
     );
-    assert!(dropped > 0, "5% of packets corrupted, yet every packet sent was received: were corrupted ones delivered?");
+    assert!(by_rxe > 0, "5% of packets corrupted, yet rxe accepted every datagram UDP gave it: is the ICRC checked?");
     drop(wire);
     p.wait_resources(&base, "after the corruption run");
     t.finish();
