@@ -439,7 +439,7 @@ fn silent_and_killed_peers_are_noticed_and_never_delay_others() {
     let killed = Instant::now();
     let (rc, _) = srv.wait(Duration::from_secs(30));
     assert_eq!(rc, 137, "the server was killed");
-    let out = busy.wait_with_output().unwrap();
+    let out = peer::wait_output(busy, Duration::from_secs(60), "the client");
     let noticed = killed.elapsed();
     let err = String::from_utf8_lossy(&out.stderr);
     eprintln!("measured: the client noticed the killed server after {noticed:?}");

@@ -46,7 +46,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     sh_local(&format!("ip link set {NETDEV} down"));
     // The client fails at once (its own link is down: a local error), exits, and so tears down
     // its connection while the link is still down.
-    let out = busy.wait_with_output().unwrap();
+    let out = peer::wait_output(busy, Duration::from_secs(60), "the client");
     assert_eq!(out.status.code(), Some(1), "the busy client survived its own link going down");
     sh_local(&format!("ip link set {NETDEV} up && {}", port_active_script()));
     let trace_text = sh_local(&format!("cat {trace}/trace"));

@@ -72,6 +72,19 @@ impl Peer {
         Job { dir, peer_jobs: self.jobs.clone() }
     }
 
+    /// Powers host A off at once, as a power failure would: harness/two-host, told through the
+    /// control directory, kills host A's QEMU within about 50 ms (no process there is told, and
+    /// harness/two-host does not report host A's end as a failure). Nothing runs there after.
+    pub fn poweroff(&self) {
+        let ctl = self.jobs.parent().unwrap();
+        std::fs::write(ctl.join("host-a-powered-off"), b"").unwrap();
+    }
+
+    /// Whether host A's QEMU is gone (harness/two-host says so once it killed it).
+    pub fn is_gone(&self) -> bool {
+        self.jobs.parent().unwrap().join("host-a-gone").exists()
+    }
+
     /// Runs `script` with sh on host A; panics unless it exits 0. Returns its output.
     pub fn sh(&self, script: &str) -> String {
         let (rc, out) = self.start("sh", &["sh", "-c", script]).wait(Duration::from_secs(60));
@@ -165,6 +178,11 @@ pub fn run_local(argv: &[&str], within: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+    wait_output(child, within, &format!("{argv:?}"))
+}
+
+/// Waits for a child of this process, bounded; kills it (and panics) past `within`.
+pub fn wait_output(child: std::process::Child, within: Duration, what: &str) -> Output {
     let pid = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
     thread::spawn(move || {
@@ -174,7 +192,7 @@ pub fn run_local(argv: &[&str], within: Duration) -> Output {
         Ok(out) => out.unwrap(),
         Err(_) => {
             let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{argv:?} did not end within {within:?}: killed");
+            panic!("{what} did not end within {within:?}: killed");
         }
     }
 }
