@@ -28,16 +28,12 @@ use common::DeviceTest;
 use example_protocol::{fill_pattern, Mode, Request};
 use peer::{counters, delta, example, peer, run_local, sh_local, text, wait_until, Wire, NOTICE, SLACK};
 use rdma_cm::{
-    ffi, AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, QueuePair, RecvWr, SendWr,
-    WcStatus, WorkQueue,
+    AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, SendWr, WcStatus,
+    WorkQueue,
 };
 
 // ---------------------------------------------------------------------------------------------
 // A client built on the API, against the example server (send mode), for the retry bounds.
-
-/// `RDMA_OPTION_ID` / `RDMA_OPTION_ID_ACK_TIMEOUT` of <rdma/rdma_cma.h> (not in the bindings).
-const RDMA_OPTION_ID: i32 = 0;
-const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 
 struct ApiClient {
     conn: Connection,
@@ -48,26 +44,15 @@ struct ApiClient {
 
 impl ApiClient {
     /// Connects to the example server at `dst` (send mode, `size`-byte messages) with the given
-    /// retry count and, when given, the ACK timeout exponent (set through `as_raw`: the crate has no
-    /// option for it yet).
+    /// retry count and, when given, the ACK timeout exponent (`CmId::set_ack_timeout`).
     fn connect(dst: SocketAddr, size: usize, retry: u8, ack_timeout: Option<u8>) -> ApiClient {
         let t = Duration::from_secs(20);
         let route = Client::new().unwrap().resolve_addr(None, dst, t).unwrap().resolve_route(t).unwrap();
         let pd = route.alloc_pd().unwrap();
         let data = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap();
         let back = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap();
-        if let Some(mut v) = ack_timeout {
-            // SAFETY: the id is alive (owned by `route`), and the option is one u8 read during the call.
-            let rc = unsafe {
-                ffi::rdma_set_option(
-                    route.id().as_raw(),
-                    RDMA_OPTION_ID,
-                    RDMA_OPTION_ID_ACK_TIMEOUT,
-                    (&mut v as *mut u8).cast(),
-                    1,
-                )
-            };
-            assert_eq!(rc, 0, "rdma_set_option(ACK_TIMEOUT): {}", std::io::Error::last_os_error());
+        if let Some(exp) = ack_timeout {
+            route.id().set_ack_timeout(exp).unwrap();
         }
         let mut pending = route.create_qp(&pd, QpInit::new()).unwrap();
         pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)]).unwrap();
@@ -111,17 +96,6 @@ impl ApiClient {
     }
 }
 
-/// The QP's ACK timeout exponent and retry count, as the device holds them.
-fn qp_timeout_and_retry(qp: &QueuePair) -> (u8, u8) {
-    // SAFETY: both structs are plain C data that ibv_query_qp fills; all-zero is a valid value.
-    let (mut attr, mut init): (ffi::ibv_qp_attr, ffi::ibv_qp_init_attr) = unsafe { std::mem::zeroed() };
-    let mask = (ffi::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 | ffi::ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0) as i32;
-    // SAFETY: the QP is alive (borrowed), and attr/init are valid for writes.
-    let rc = unsafe { ffi::ibv_query_qp(qp.as_raw(), &mut attr, mask, &mut init) };
-    assert_eq!(rc, 0, "ibv_query_qp: errno {rc}");
-    (attr.timeout, attr.retry_cnt)
-}
-
 /// The local ACK timeout that exponent `t` means: 4.096 µs × 2^t.
 fn ack_timeout(t: u8) -> Duration {
     Duration::from_nanos(4096u64 << t)
@@ -143,8 +117,10 @@ struct RetryRun {
 fn retry_exhaustion(wire: &Wire, dst: SocketAddr, retry: u8, ack: Option<u8>) -> (RetryRun, ApiClient) {
     assert!(retry < 7, "rxe retries forever with retry_count 7");
     let mut c = ApiClient::connect(dst, 64, retry, ack);
-    let (timeout_exp, retry_cnt) = qp_timeout_and_retry(c.conn.qp());
-    assert_eq!(retry_cnt, retry, "the retry count set through ConnParam reaches the QP");
+    // The ACK timeout exponent and retry count, as the device holds them (`ibv_query_qp`).
+    let attrs = c.conn.qp().attributes().unwrap();
+    let timeout_exp = attrs.ack_timeout;
+    assert_eq!(attrs.retry_count, retry, "the retry count set through ConnParam reaches the QP");
     if let Some(a) = ack {
         assert_eq!(timeout_exp, a, "the ACK timeout set on the id reaches the QP");
     }
