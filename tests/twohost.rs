@@ -21,12 +21,13 @@ mod example_protocol;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::DeviceTest;
 use example_protocol::{fill_pattern, Mode, Request};
-use peer::{counters, delta, example, peer, run_local, sh_local, text, wait_until, Wire, NOTICE, SLACK};
+use peer::{
+    counters, delta, example, peer, run_local, sh_local, streaming_client, text, wait_until, Wire, NOTICE, SLACK,
+};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, SendWr, WcStatus,
     WorkQueue,
@@ -384,11 +385,7 @@ fn silent_and_killed_peers_are_noticed_and_never_delay_others() {
     let a = p.addr.to_string();
     let srv = p.start("many-server", &[&example("server"), "-a", &a, "-p", "7807", "--timeout", "30"]);
     srv.wait_line("Listening on port 7807", Duration::from_secs(60));
-    let busy_args =
-        ["-a", &a, "-p", "7807", "--mode", "write", "--size", "4096", "--iters", "10000000", "--timeout", "30"];
-    let mut silent = Command::new(example("client")).args(busy_args).stdout(Stdio::piped()).spawn().unwrap();
-    let lines = common::lines_of(&mut silent);
-    common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
+    let (mut silent, _lines) = streaming_client(&p, "7807", "4096", "30");
     sh_local(&format!("kill -STOP {}", silent.id()));
     // Another client is served while the silent one holds its connection (the server's --timeout is 30 s).
     let start = Instant::now();
@@ -407,10 +404,7 @@ fn silent_and_killed_peers_are_noticed_and_never_delay_others() {
     });
     eprintln!("measured: the server noticed the killed client after {:?}", killed.elapsed());
     // And the other way round: the server killed mid-transfer.
-    let mut busy =
-        Command::new(example("client")).args(busy_args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let lines = common::lines_of(&mut busy);
-    common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
+    let (busy, _lines) = streaming_client(&p, "7807", "4096", "30");
     srv.kill("KILL");
     let killed = Instant::now();
     let (rc, _) = srv.wait(Duration::from_secs(30));

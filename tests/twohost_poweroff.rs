@@ -5,11 +5,10 @@ mod common;
 #[path = "common/peer.rs"]
 mod peer;
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::DeviceTest;
-use peer::{example, peer, SLACK};
+use peer::{example, peer, streaming_client, SLACK};
 
 /// The server's whole guest powered off while a client streams to it: the client (on host B)
 /// notices through its own --timeout, since nothing ever answers again (rxe retries forever with
@@ -22,14 +21,7 @@ fn server_host_powered_off_mid_transfer_is_noticed_through_the_clients_timeout()
     let a = p.addr.to_string();
     let srv = p.start("server", &[&example("server"), "-a", &a, "-p", "7808", "--timeout", "30"]);
     srv.wait_line("Listening on port 7808", Duration::from_secs(60));
-    let mut busy = Command::new(example("client"))
-        .args(["-a", &a, "-p", "7808", "--mode", "write", "--size", "65536", "--iters", "10000000", "--timeout", "5"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = common::lines_of(&mut busy);
-    common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
+    let (mut busy, _lines) = streaming_client(&p, "7808", "65536", "5");
     p.poweroff();
     let asked = Instant::now();
     // Note when host A is really gone, while the client runs (bounded).

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::DeviceTest;
-use peer::{example, peer, port_active_script, run_local, sh_local, text, Wire, NETDEV};
+use peer::{example, peer, port_active_script, run_local, sh_local, streaming_client, text, Wire, NETDEV};
 
 /// Where recovery after a cut breaks (the issue: "after the wire is back, no new connection
 /// completes"). Our side is ruled out: the same example server process accepts again as soon as
@@ -35,14 +35,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     ));
     let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7806", "--timeout", "5"]);
     srv.wait_line("Listening on port 7806", Duration::from_secs(60));
-    let mut busy = Command::new(example("client"))
-        .args(["-a", &a, "-p", "7806", "--mode", "write", "--size", "65536", "--iters", "10000000", "--timeout", "5"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = common::lines_of(&mut busy);
-    common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
+    let (busy, _lines) = streaming_client(&p, "7806", "65536", "5");
     sh_local(&format!("ip link set {NETDEV} down"));
     // The client fails at once (its own link is down: a local error), exits, and so tears down
     // its connection while the link is still down.

@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc::Receiver;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -168,6 +169,19 @@ pub fn example(name: &str) -> String {
     let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
     assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
     p.to_string_lossy().into_owned()
+}
+
+/// Starts the example client here, streaming RDMA WRITEs of `size` bytes to host A's server on
+/// `port` without end (each of its waits bounded by `timeout` seconds), and returns it once it
+/// is connected, with stdout and stderr piped; keep the receiver of its lines while it runs.
+pub fn streaming_client(peer: &Peer, port: &str, size: &str, timeout: &str) -> (Child, Receiver<String>) {
+    let a = peer.addr.to_string();
+    let args = ["-a", &a, "-p", port, "--mode", "write", "--size", size, "--iters", "10000000", "--timeout", timeout];
+    let mut client =
+        Command::new(example("client")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let lines = crate::common::lines_of(&mut client);
+    crate::common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
+    (client, lines)
 }
 
 /// Runs a command here, bounded; kills it past `within`.
