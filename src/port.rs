@@ -178,7 +178,8 @@ pub struct GidEntry {
     pub netdev: Option<String>,
 }
 
-fn mtu_bytes(m: ffi::ibv_mtu::Type) -> u32 {
+/// An `enum ibv_mtu` value in bytes (`IBV_MTU_256` = 1 … `IBV_MTU_4096` = 5); 0 for none.
+pub(crate) fn mtu_bytes(m: ffi::ibv_mtu::Type) -> u32 {
     if (1..=5).contains(&m) {
         128 << m
     } else {

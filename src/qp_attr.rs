@@ -8,6 +8,7 @@ use std::mem;
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Result};
+use crate::port::mtu_bytes;
 use crate::qp::QueuePair;
 
 /// A QP's state (`enum ibv_qp_state`).
@@ -94,15 +95,6 @@ pub struct QpAttributes {
     /// The traffic class of the path's global route header: on RoCE, the IP type of service
     /// the id was given ([`CmId::set_tos`](crate::CmId::set_tos)).
     pub traffic_class: u8,
-}
-
-fn mtu_bytes(m: ffi::ibv_mtu::Type) -> u32 {
-    // ibv_mtu: IBV_MTU_256 = 1 ... IBV_MTU_4096 = 5.
-    if (1..=5).contains(&m) {
-        128 << m
-    } else {
-        0
-    }
 }
 
 impl QueuePair {
