@@ -896,3 +896,73 @@ fn scatter_gather_limits_are_checked_before_posting() {
     drop((c, s));
     t.finish();
 }
+
+/// IPv6 end to end: a RoCE v2 GID of a global or unique-local IPv6 address (the guest gives its
+/// netdev fd77::1) carries a connection whose addresses are IPv6 and whose data arrives intact;
+/// a listener on `[::]` with `set_afonly(false)` also takes IPv4 clients, and with
+/// `set_afonly(true)` an IPv4 client finds nobody listening.
+#[test]
+fn ipv6_end_to_end_and_the_ipv6_only_option() {
+    use rdma_cm::{GidType, VerbsContext};
+    use std::net::{IpAddr, Ipv6Addr};
+    let t = DeviceTest::start();
+    let ctx = VerbsContext::open(&rdma_cm::devices().unwrap()[0].name).unwrap();
+    let v6: Vec<Ipv6Addr> = ctx
+        .gid_table(1)
+        .unwrap()
+        .iter()
+        .filter(|g| g.gid_type == GidType::RoceV2 && g.gid.ipv4().is_none())
+        .map(|g| g.gid.to_ipv6())
+        .filter(|a| (a.segments()[0] & 0xffc0) != 0xfe80) // not link-local: no scope id needed
+        .collect();
+    drop(ctx);
+    let Some(&a6) = v6.first() else {
+        panic!("no global or unique-local IPv6 RoCE v2 GID on port 1: give the RDMA netdev one (`ip -6 addr add fd77::1/64 dev NETDEV nodad`; the guest harness does)")
+    };
+    if let Ok(expected) = std::env::var("RDMA_VM_ADDR6") {
+        assert_eq!(a6.to_string(), expected, "the guest's IPv6 address is the GID found");
+    }
+    // A connection over IPv6, data checked both ways.
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut c, mut s) = pair(IpAddr::V6(a6), spec.clone(), spec);
+    assert!(matches!(c.conn.peer_addr(), Some(SocketAddr::V6(p)) if *p.ip() == a6), "{:?}", c.conn.peer_addr());
+    assert!(matches!(s.conn.local_addr(), Some(SocketAddr::V6(p)) if *p.ip() == a6), "{:?}", s.conn.local_addr());
+    let expect = pattern(4096, 6);
+    c.mrs[0].as_mut_slice().unwrap().copy_from_slice(&expect);
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..4096).wr_id(1)]).unwrap();
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..4096).wr_id(1)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 4096);
+    assert_eq!(s.mrs[0].as_slice().unwrap(), &expect[..], "the IPv6 send arrived intact");
+    drop((c, s));
+
+    // [::] without IPv6-only: an IPv4 client is served.
+    let any6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 7995);
+    let srv = Server::new().unwrap();
+    srv.id().set_afonly(false).unwrap();
+    let listener = srv.bind(any6).unwrap().listen(2).unwrap();
+    let v4 = SocketAddr::new(t.addr, 7995);
+    let client = thread::spawn(move || {
+        let route = Client::new().unwrap().resolve_addr(None, v4, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T);
+        (conn, pd)
+    });
+    let req = listener.get_request(T).expect("an IPv4 client reaches a [::] listener that is not IPv6-only");
+    let pd = req.alloc_pd().unwrap();
+    let server = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let (conn, cpd) = client.join().unwrap();
+    let conn = conn.unwrap();
+    drop((conn, server, cpd, pd, listener));
+
+    // [::] IPv6-only: the IPv4 client finds nobody.
+    let srv = Server::new().unwrap();
+    srv.id().set_afonly(true).unwrap();
+    let listener = srv.bind(any6).unwrap().listen(2).unwrap();
+    let route = Client::new().unwrap().resolve_addr(None, v4, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let err = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap_err();
+    assert!(matches!(err, Error::UnexpectedEvent { got: CmEventType::Rejected, .. }), "{err}");
+    drop((pd, listener));
+    t.finish();
+}
