@@ -58,6 +58,10 @@ struct Args {
     /// print each setup step's cost per connection in cmtime's format.
     #[arg(long, default_value_t = 1)]
     connections: u32,
+    /// Busy-poll the completion queues while waiting (lowest latency, a whole core), as
+    /// perftest does; default: spin briefly, then sleep on the completion channel.
+    #[arg(long)]
+    busy_poll: bool,
 }
 
 /// Quiets the per-step log lines when --connections runs many clients.
@@ -152,6 +156,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
     let mut conn = steps.time(|| pending.connect(&param, t))?;
+    conn.qp_mut().set_busy_poll(args.busy_poll);
     say!("[EVENT] Connection established");
     let u = steps.current();
     say!(

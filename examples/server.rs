@@ -61,6 +61,10 @@ struct Args {
     /// With --shared: most clients connected at once (sizes the shared CQ).
     #[arg(long, default_value_t = 1024)]
     max_clients: u32,
+    /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
+    /// as perftest does; default: spin briefly, then sleep on the completion channel.
+    #[arg(long)]
+    busy_poll: bool,
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -114,7 +118,8 @@ fn main() {
         let peer = req.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
         println!("[EVENT] Received CONNECT_REQUEST from {peer}");
         let (served, failed) = (Arc::clone(&served), Arc::clone(&failed));
-        workers.push(std::thread::spawn(move || match serve(req, timeout) {
+        let busy = args.busy_poll;
+        workers.push(std::thread::spawn(move || match serve(req, timeout, busy) {
             Ok(()) => {
                 served.fetch_add(1, Ordering::SeqCst);
                 println!("[INFO] Client {peer} done");
@@ -137,7 +142,7 @@ fn main() {
 }
 
 /// Serves one client from its request to its disconnect.
-fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
+fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), String> {
     let parsed = match Request::decode(req.private_data()) {
         Ok(r) => r,
         Err(why) => {
@@ -199,6 +204,7 @@ fn serve(req: ConnectRequest, timeout: Duration) -> Result<(), String> {
     let info = if mode == Mode::Send { QpInfo { rkey: 0, vaddr: 0, ..info } } else { info };
     let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
     let mut conn = pending.accept(&param, timeout).map_err(err)?;
+    conn.qp_mut().set_busy_poll(busy_poll);
     println!("[EVENT] Connection established");
 
     let result = match mode {

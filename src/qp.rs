@@ -235,6 +235,8 @@ pub struct QueuePair {
     connected: bool,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
+    /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
+    busy_poll: bool,
     /// Its teardown was handed to another value (see Drop): this one destroys nothing.
     #[cfg(feature = "tokio")]
     detached: bool,
@@ -542,6 +544,7 @@ impl QueuePair {
             recv_reserved,
             connected: false,
             peer_left: false,
+            busy_poll: false,
             #[cfg(feature = "tokio")]
             detached: false,
             #[cfg(feature = "tokio")]
@@ -977,6 +980,22 @@ impl QueuePair {
         self.wait_on(None, out, &mut Deadline::new(timeout), true)
     }
 
+    /// Makes the blocking waits ([`QueuePair::wait`], [`QueuePair::wait_queue`],
+    /// [`QueuePair::wait_for`]) busy-poll: they poll the CQs in a loop until a completion
+    /// arrives or the timeout passes, and never sleep on the completion channels. This is what
+    /// perftest's latency tools do: the lowest and steadiest latency, for a whole core while
+    /// waiting. A busy wait still notices the peer leaving (it looks at the connection's events
+    /// without sleeping, every few thousand polls) and still honours its timeout. Off by
+    /// default: a wait spins briefly, then sleeps. The async waits are not affected.
+    pub fn set_busy_poll(&mut self, on: bool) {
+        self.busy_poll = on;
+    }
+
+    /// Whether waits busy-poll ([`QueuePair::set_busy_poll`]).
+    pub fn busy_poll(&self) -> bool {
+        self.busy_poll
+    }
+
     /// Like [`QueuePair::wait`], for one queue only: the other queue's completions stay for
     /// later (in their CQ, or kept when the queues share one).
     ///
@@ -1058,6 +1077,9 @@ impl QueuePair {
         if out.is_empty() {
             return Ok(0);
         }
+        if self.busy_poll {
+            return self.spin_on(which, out, deadline, kept);
+        }
         let cqs = self.wait_cqs(which);
         loop {
             let n = self.poll_or_arm(which, &cqs, out, kept)?;
@@ -1071,6 +1093,42 @@ impl QueuePair {
             let mut fds = self.wait_fds(&cqs).map(pollfd);
             poll_readable(&mut fds, left)?;
             self.after_wake(&cqs, fds[2].revents != 0)?;
+        }
+    }
+
+    /// The busy-poll wait: polls until something arrives or the deadline passes, looking at
+    /// the link (without sleeping) between rounds so that a peer that left is noticed and its
+    /// flushed completions are reaped like any others.
+    fn spin_on(
+        &mut self,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        deadline: &mut Deadline,
+        kept: bool,
+    ) -> Result<usize> {
+        // Polls per round: the clock and the link are read once a round, not once a poll.
+        const ROUND: u32 = 4096;
+        let budget = deadline.left();
+        let start = std::time::Instant::now();
+        loop {
+            for _ in 0..ROUND {
+                let n = self.poll_on(which, out, kept)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                std::hint::spin_loop();
+            }
+            let link = self.watch_fd();
+            if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
+                if let Some(l) = &self.link {
+                    if l.peer_left()? {
+                        self.peer_gone();
+                    }
+                }
+            }
+            if start.elapsed() >= budget {
+                return Ok(0);
+            }
         }
     }
 
@@ -1316,6 +1374,7 @@ impl QueuePair {
             recv_reserved: self.recv_reserved,
             connected: self.connected,
             peer_left: self.peer_left,
+            busy_poll: self.busy_poll,
             detached: false,
             inline_teardown: true,
             queues: Arc::clone(&self.queues),

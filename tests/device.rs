@@ -966,3 +966,43 @@ fn ipv6_end_to_end_and_the_ipv6_only_option() {
     drop((pd, listener));
     t.finish();
 }
+
+/// Busy-poll waits: round trips complete as with sleeping waits, a wait with nothing coming
+/// still ends at its timeout, and a peer that leaves during a busy wait is noticed.
+#[test]
+fn busy_poll_waits_complete_time_out_and_notice_the_peer_leaving() {
+    let t = DeviceTest::start();
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
+    c.conn.qp_mut().set_busy_poll(true);
+    s.conn.qp_mut().set_busy_poll(true);
+    assert!(c.conn.qp().busy_poll());
+    for i in 0..200u64 {
+        s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(i)]).unwrap();
+        c.conn.qp_mut().post_recv(&[RecvWr::new(&c.mrs[0], 64..128).wr_id(i)]).unwrap();
+        c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(i)]).unwrap();
+        assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, i, T).unwrap().byte_len(), 64);
+        s.conn.qp_mut().post_send(&[SendWr::send(&s.mrs[0], 0..64).wr_id(i)]).unwrap();
+        c.conn.qp_mut().wait_for(WorkQueue::Send, i, T).unwrap();
+        assert_eq!(c.conn.qp_mut().wait_for(WorkQueue::Recv, i, T).unwrap().byte_len(), 64);
+        s.conn.qp_mut().wait_for(WorkQueue::Send, i, T).unwrap();
+    }
+    // Nothing posted by the peer: the busy wait ends at its timeout, not before, not long after.
+    c.conn.qp_mut().post_recv(&[RecvWr::new(&c.mrs[0], 64..128).wr_id(500)]).unwrap();
+    let started = Instant::now();
+    let e = c.conn.qp_mut().wait_for(WorkQueue::Recv, 500, Duration::from_millis(300)).unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(5), "{took:?}");
+    // The peer leaves while we busy-wait for its message: the wait ends with Disconnected.
+    let waiter = thread::spawn(move || {
+        let r = c.conn.qp_mut().wait_for(WorkQueue::Recv, 500, T);
+        (r, c)
+    });
+    drop(s);
+    let (r, c) = waiter.join().unwrap();
+    assert!(matches!(r, Err(Error::Disconnected { .. }) | Err(Error::WorkCompletion { .. })), "{r:?}");
+    assert!(c.conn.qp().peer_left(), "the busy wait noticed the peer leaving");
+    drop(c);
+    t.finish();
+}

@@ -166,6 +166,20 @@ fn demo_atomic_modes_move_the_servers_counter() {
     assert!(s.contains("Counter is 1 after 1 cmp-swap(s)"), "{s}");
 }
 
+/// `--busy-poll` on both ends: the echo runs and the latency table is printed as without it.
+#[test]
+fn demo_busy_poll_mode_runs_the_latency_table() {
+    let addr = common::device_addr().to_string();
+    let srv = Srv::start(&["-a", &addr, "-p", "7632", "--count", "1", "--busy-poll"]);
+    let out = client(&["-a", &addr, "-p", "7632", "--size", "2", "--iters", "300", "--busy-poll"]);
+    let (c, cerr) = text(&out);
+    let (code, s) = srv.finish();
+    assert!(out.status.success() && code == 0, "{c}{cerr}\n{s}");
+    let row = c.lines().skip_while(|l| !l.contains("#bytes")).nth(1).expect("a result row");
+    assert!(row.split_whitespace().take(2).eq(["2", "300"]), "{row}");
+    assert!(s.contains("Echoed 300 messages of 2 bytes"), "{s}");
+}
+
 #[test]
 fn demo_iterations_print_a_perftest_latency_table() {
     let (c, s) = demo("7604", &["--size", "2", "--iters", "200"]);
