@@ -134,6 +134,12 @@ impl Router {
         Ok(())
     }
 
+    /// Whether the QP about to detach is the last of `srq`'s on this CQ (the SRQ's entry goes
+    /// with it, so none of its completions may be left in the CQ: see [`CompletionQueue::sweep`]).
+    pub(crate) fn last_user_of(&self, srq: &Arc<SrqShared>) -> bool {
+        self.srqs.iter().any(|e| Arc::ptr_eq(&e.srq, srq) && e.users == 1)
+    }
+
     pub(crate) fn detach_srq(&mut self, srq: &Arc<SrqShared>) {
         if let Some(i) = self.srqs.iter().position(|e| Arc::ptr_eq(&e.srq, srq)) {
             self.srqs[i].users -= 1;
@@ -400,6 +406,29 @@ impl CompletionQueue {
         if n > 0 {
             // SAFETY: we received `n` events for this CQ on its channel and ack each once.
             unsafe { ffi::ibv_ack_cq_events(self.as_raw(), n) };
+        }
+    }
+
+    /// Routes every completion the CQ holds now, keeping each for its owner (QP or SRQ), so
+    /// that none is left for a routing entry about to go. An SRQ's tag is only 16 bits: were a
+    /// completion of an SRQ that left this CQ still in it, a later SRQ given the same tag could
+    /// take it for its own and release a receive the device still owns. The caller holds the
+    /// routing table (`router`) and calls this after the QP whose work it was is destroyed, so
+    /// no completion of it can come later.
+    pub(crate) fn sweep(&self, router: &mut Router) -> Result<()> {
+        loop {
+            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+            let got = self.poll_raw(&mut raw)?;
+            for wc in &raw[..got] {
+                // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                if let Some((done, owner)) = router.route(wc) {
+                    router.keep(done, owner);
+                }
+            }
+            if got < POLL_CHUNK {
+                return Ok(());
+            }
         }
     }
 

@@ -1428,7 +1428,12 @@ impl Drop for QueuePair {
             }
             r.unreserve(self.recv_reserved);
             if let Some(srq) = &self.srq {
-                r.detach_srq(srq.shared());
+                // The SRQ leaves this CQ with its last QP: first route what the CQ still holds,
+                // so no completion of the SRQ stays behind for a later SRQ with the same tag.
+                // If that fails, the entry stays (and with it the SRQ and its tag on this CQ).
+                if !r.last_user_of(srq.shared()) || self.recv_cq.sweep(&mut r).is_ok() {
+                    r.detach_srq(srq.shared());
+                }
             }
         }
         // The rings (and the regions they hold) drop with the last handle of the queues.
