@@ -793,10 +793,10 @@ impl QueuePair {
             r.send_flags = flags;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive for
-        // the call. Each piece was checked against a region on this PD, whose handle a ring slot
-        // (or its side table) now holds until the completion is reaped; inline data is copied
-        // before post returns.
+        // Each piece was checked against a region on this PD, whose handle a ring slot (or its
+        // side table) now holds until the completion is reaped; inline data is copied in the call.
+        // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive
+        // for the call; every region it names is held (above).
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
         self.commit_posted(q, ret, bad, base, n, true, "ibv_post_send")
     }

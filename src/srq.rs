@@ -310,10 +310,10 @@ impl SharedReceiveQueue {
             };
             let post = |first: *mut ffi::ibv_recv_wr, n| {
                 let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-                // SAFETY: the SRQ is valid; the list is well formed over live stack arrays;
-                // every piece was checked against a region of this PD with LOCAL_WRITE, whose
-                // handle a slot (or its side table) now holds until the completion is reaped or
-                // the SRQ is destroyed.
+                // Every piece was checked against a region of this PD with LOCAL_WRITE, whose
+                // handle a slot (or its side table) holds until reaped or the SRQ is destroyed.
+                // SAFETY: the SRQ is valid; the list is well formed over live stack arrays; every
+                // region it names is held (above).
                 let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
                 (ret, crate::qp::rejected_from(bad, first.cast_const(), n), n)
             };
