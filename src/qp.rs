@@ -83,7 +83,7 @@ use crate::pd::ProtectionDomain;
 use crate::ring::{tag, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
 use crate::wait::{poll_readable, pollfd, Deadline};
-use crate::wr::{RecvWr, SendOp, SendWr, MAX_SGE};
+use crate::wr::{hold_rest, RecvWr, SendOp, SendWr, MAX_SGE};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
@@ -308,6 +308,23 @@ pub(crate) fn check_rest(
     Ok(())
 }
 
+/// Checks a receive before posting: every piece against its region (PD, bounds, LOCAL_WRITE),
+/// and their count against the queue's limit `max` (`queue` and `setter` name them).
+pub(crate) fn check_recv(
+    pd: &Arc<ProtectionDomain>,
+    w: &RecvWr<'_>,
+    max: u32,
+    queue: &str,
+    setter: &str,
+) -> Result<()> {
+    check_local(pd, w.mr, &w.range, true)?;
+    if !w.rest.is_empty() {
+        check_pieces(w.num_pieces(), max, queue, setter)?;
+        check_rest(pd, w.range.len(), w.rest, true)?;
+    }
+    Ok(())
+}
+
 /// Refuses a work request of more pieces than its queue takes.
 pub(crate) fn check_pieces(pieces: usize, max: u32, queue: &str, setter: &str) -> Result<()> {
     if pieces > max as usize {
@@ -369,10 +386,9 @@ pub(crate) fn with_recv_list<R>(
         let first = used;
         let pieces = std::iter::once((w.mr, &w.range)).chain(w.rest.iter().map(|(m, r)| (*m, r)));
         for (mr, r) in pieces.take(MAX_SGE) {
-            let e = ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() };
             // SAFETY: at most MAX_SGE entries per work request and CHUNK work requests, so
             // `used` < CHUNK_SGE: within `sge`.
-            unsafe { sge_base.add(used).write(e) };
+            unsafe { sge_base.add(used).write(mr.sge(r)) };
             used += 1;
         }
         // A zero-length receive has no scatter entry: some providers read a byte count of 0 as
@@ -712,18 +728,14 @@ impl QueuePair {
         for (k, w) in wrs[..n].iter().enumerate() {
             let writes = w.op.writes_local();
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
-            // Every later piece is held too, in the ring's side table (at most MAX_SGE - 1: the
-            // same pieces the list below names).
-            let rest = w.rest.iter().take(MAX_SGE - 1);
             let seq = q.send.stage(k as u64, w.wr_id, hold);
             if !w.rest.is_empty() {
-                q.send.stage_rest(seq, rest.clone().map(|(m, _)| Hold::new(m.inner(), writes)));
+                // Every later piece is held too, in the ring's side table.
+                q.send.stage_rest(seq, hold_rest(w.rest, writes));
             }
             let first = match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
-                (None, Some((m, range))) => {
-                    ffi::ibv_sge { addr: m.addr() + range.start as u64, length: range.len() as u32, lkey: m.lkey() }
-                }
+                (None, Some((m, range))) => m.sge(range),
                 (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
             };
             let start = used;
@@ -731,13 +743,10 @@ impl QueuePair {
             // MAX_SGE - 1 more below) and at most CHUNK work requests: `used` < CHUNK_SGE.
             unsafe { sge_base.add(used).write(first) };
             used += 1;
-            if !w.rest.is_empty() {
-                for (m, r) in rest {
-                    let e = ffi::ibv_sge { addr: m.addr() + r.start as u64, length: r.len() as u32, lkey: m.lkey() };
-                    // SAFETY: as above.
-                    unsafe { sge_base.add(used).write(e) };
-                    used += 1;
-                }
+            for (m, r) in w.rest.iter().take(MAX_SGE - 1) {
+                // SAFETY: as above.
+                unsafe { sge_base.add(used).write(m.sge(r)) };
+                used += 1;
             }
             // SAFETY: k < n <= CHUNK: within `raw`. ibv_send_wr is plain old data (pointers,
             // integers, unions of those); all-zero is a valid value. The entry is initialised
@@ -855,11 +864,7 @@ impl QueuePair {
             return Err(Error::Disconnected { op: "ibv_post_recv", addr: self.peer_addr() });
         }
         for w in wrs {
-            check_local(&self.pd, w.mr, &w.range, true)?;
-            if !w.rest.is_empty() {
-                check_pieces(w.num_pieces(), self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
-                check_rest(&self.pd, w.range.len(), w.rest, true)?;
-            }
+            check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
         }
         let mut q = lock(&self.queues);
         if (wrs.len() as u64) > q.recv.free() {
@@ -869,8 +874,7 @@ impl QueuePair {
             let stage = |k: usize, w: &RecvWr<'_>| {
                 let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
                 if !w.rest.is_empty() {
-                    let rest = w.rest.iter().take(MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
-                    q.recv.stage_rest(seq, rest);
+                    q.recv.stage_rest(seq, hold_rest(w.rest, true));
                 }
                 tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
             };

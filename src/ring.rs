@@ -94,9 +94,7 @@ impl<H> Extra<H> {
     #[cold]
     pub(crate) fn clear(&mut self, i: usize, n: u8) {
         let start = i * self.width;
-        for e in self.holds.iter_mut().skip(start).take(n as usize) {
-            *e = None;
-        }
+        self.holds[start..start + n as usize].fill_with(|| None);
     }
 
     /// Holds stored (for tests and debug checks).

@@ -85,8 +85,7 @@ impl Slots {
         let i = self.free.pop()?;
         let mut extra = 0;
         if !w.rest.is_empty() {
-            let rest = w.rest.iter().take(crate::wr::MAX_SGE - 1).map(|(m, _)| Hold::new(m.inner(), true));
-            extra = self.extra.store(i as usize, rest);
+            extra = self.extra.store(i as usize, crate::wr::hold_rest(w.rest, true));
         }
         let s = &mut self.slots[i as usize];
         let generation = s.generation.wrapping_add(1);
@@ -280,12 +279,7 @@ impl SharedReceiveQueue {
     /// released; when it does not say what it took, everything stays held until the SRQ goes).
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         for w in wrs {
-            crate::qp::check_local(&self.inner.pd, w.mr, &w.range, true)?;
-            if !w.rest.is_empty() {
-                let max = self.inner.max_sge;
-                crate::qp::check_pieces(w.num_pieces(), max, "SRQ", "SharedReceiveQueue::with_sge")?;
-                crate::qp::check_rest(&self.inner.pd, w.range.len(), w.rest, true)?;
-            }
+            crate::qp::check_recv(&self.inner.pd, w, self.inner.max_sge, "SRQ", "SharedReceiveQueue::with_sge")?;
         }
         let mut slots = self.inner.slots();
         if wrs.len() > slots.room() {

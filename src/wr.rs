@@ -40,6 +40,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::mr::{MemoryRegion, RemoteRegion};
+use crate::ring::Hold;
 
 /// The most pieces (scatter/gather entries) one work request may name. A queue takes at most
 /// what it was created for, up to this ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),
@@ -73,6 +74,12 @@ fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(Piece<'a>, &
         }
     }
     Ok(((*mr, first.clone()), rest))
+}
+
+/// The holds of the pieces after the first, as a post stages them (at most `MAX_SGE - 1`: the
+/// same pieces its scatter/gather list names). `writes`: the device writes them.
+pub(crate) fn hold_rest<'a>(rest: &'a [Piece<'a>], writes: bool) -> impl Iterator<Item = Hold> + 'a {
+    rest.iter().take(MAX_SGE - 1).map(move |(m, _)| Hold::new(m.inner(), writes))
 }
 
 /// Bytes a list of pieces moves in all (what the remote side of a WRITE or READ must hold).
