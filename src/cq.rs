@@ -135,12 +135,14 @@ impl Router {
     }
 
     /// Whether the QP about to detach is the last of `srq`'s on this CQ (the SRQ's entry goes
-    /// with it, so none of its completions may be left in the CQ: see [`CompletionQueue::sweep`]).
-    pub(crate) fn last_user_of(&self, srq: &Arc<SrqShared>) -> bool {
+    /// with it, so none of its completions may be left in the CQ: see
+    /// [`CompletionQueue::detach_srq`]).
+    fn last_user_of(&self, srq: &Arc<SrqShared>) -> bool {
         self.srqs.iter().any(|e| Arc::ptr_eq(&e.srq, srq) && e.users == 1)
     }
 
-    pub(crate) fn detach_srq(&mut self, srq: &Arc<SrqShared>) {
+    /// Only through [`CompletionQueue::detach_srq`], which empties the CQ first.
+    fn detach_srq(&mut self, srq: &Arc<SrqShared>) {
         if let Some(i) = self.srqs.iter().position(|e| Arc::ptr_eq(&e.srq, srq)) {
             self.srqs[i].users -= 1;
             if self.srqs[i].users == 0 {
@@ -409,13 +411,21 @@ impl CompletionQueue {
         }
     }
 
-    /// Routes every completion the CQ holds now, keeping each for its owner (QP or SRQ), so
-    /// that none is left for a routing entry about to go. An SRQ's tag is only 16 bits: were a
-    /// completion of an SRQ that left this CQ still in it, a later SRQ given the same tag could
-    /// take it for its own and release a receive the device still owns. The caller holds the
-    /// routing table (`router`) and calls this after the QP whose work it was is destroyed, so
-    /// no completion of it can come later.
-    pub(crate) fn sweep(&self, router: &mut Router) -> Result<()> {
+    /// One QP of `srq` leaves this CQ (it is destroyed, or was never created). With the last
+    /// one the SRQ's routing entry goes, and first every completion the CQ holds is routed and
+    /// kept for its owner: an SRQ's tag is only 16 bits, so a completion of it left in the CQ
+    /// could be taken by a later SRQ given the same tag, which would release a receive the
+    /// device still owns. No completion of the SRQ can come later (its QPs here are gone). If
+    /// that poll fails, the entry stays (and with it the SRQ and its tag on this CQ).
+    pub(crate) fn detach_srq(&self, srq: &Arc<SrqShared>) {
+        let mut router = self.router();
+        if !router.last_user_of(srq) || self.sweep(&mut router).is_ok() {
+            router.detach_srq(srq);
+        }
+    }
+
+    /// Routes every completion the CQ holds now, keeping each for its owner (QP or SRQ).
+    fn sweep(&self, router: &mut Router) -> Result<()> {
         loop {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let got = self.poll_raw(&mut raw)?;

@@ -491,7 +491,7 @@ impl QueuePair {
         let undo = || {
             undo();
             if let Some(srq) = &init.srq {
-                recv_cq.router().detach_srq(srq.shared());
+                recv_cq.detach_srq(srq.shared());
             }
         };
         // SAFETY: ibv_qp_init_attr is plain old data; zero is a valid start.
@@ -1062,10 +1062,17 @@ impl QueuePair {
             cq.drain_events()?;
         }
         if link_ready {
-            if let Some(l) = &self.link {
-                if l.peer_left()? {
-                    self.peer_gone();
-                }
+            self.check_link()?;
+        }
+        Ok(())
+    }
+
+    /// Asks the link whether the peer left (its descriptor was readable), and if so moves the
+    /// QP to the error state so its work is flushed.
+    fn check_link(&mut self) -> Result<()> {
+        if let Some(l) = &self.link {
+            if l.peer_left()? {
+                self.peer_gone();
             }
         }
         Ok(())
@@ -1124,11 +1131,7 @@ impl QueuePair {
             }
             let link = self.watch_fd();
             if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
-                if let Some(l) = &self.link {
-                    if l.peer_left()? {
-                        self.peer_gone();
-                    }
-                }
+                self.check_link()?;
             }
             if start.elapsed() >= budget {
                 return Ok(0);
@@ -1431,14 +1434,9 @@ impl Drop for QueuePair {
                 r.detach_qp(self.recv_slot.index);
             }
             r.unreserve(self.recv_reserved);
-            if let Some(srq) = &self.srq {
-                // The SRQ leaves this CQ with its last QP: first route what the CQ still holds,
-                // so no completion of the SRQ stays behind for a later SRQ with the same tag.
-                // If that fails, the entry stays (and with it the SRQ and its tag on this CQ).
-                if !r.last_user_of(srq.shared()) || self.recv_cq.sweep(&mut r).is_ok() {
-                    r.detach_srq(srq.shared());
-                }
-            }
+        }
+        if let Some(srq) = &self.srq {
+            self.recv_cq.detach_srq(srq.shared());
         }
         // The rings (and the regions they hold) drop with the last handle of the queues.
     }
