@@ -223,6 +223,8 @@ pub struct CompletionQueue {
     /// syscalls off CQ creation).
     nonblocking: AtomicBool,
     unacked: AtomicU32,
+    /// Its place in the context's registry of async events (left before the CQ is destroyed).
+    async_reg: crate::async_event::Registration,
     // Dropped after the CQ and channel are destroyed (Drop::drop runs first).
     ctx: VerbsContext,
 }
@@ -262,6 +264,11 @@ impl CompletionQueue {
             router: Mutex::new(Router::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
+            async_reg: crate::async_event::Registration::new(
+                ctx,
+                crate::async_kind::Subject::Cq,
+                raw.as_ptr() as usize,
+            ),
             ctx: ctx.clone(),
         };
         Ok(Arc::new(cq))
@@ -357,13 +364,43 @@ impl CompletionQueue {
             if n > 0 {
                 return Ok(n);
             }
+            if let Some(e) = self.async_reg.error("waiting on a CQ") {
+                return Err(e);
+            }
             let left = deadline.left();
             if left.is_zero() {
                 return Ok(0);
             }
-            poll_readable(&mut [pollfd(self.as_raw_fd())], left)?;
+            // The context's async events too, so that an overrun ends the wait at once.
+            let mut fds = [pollfd(self.as_raw_fd()), pollfd(self.ctx.as_raw_fd())];
+            poll_readable(&mut fds, left)?;
+            if fds[1].revents != 0 {
+                self.async_reg.refresh(&self.ctx)?;
+            }
             self.drain_events()?;
         }
+    }
+
+    /// Whether the device reported this CQ in error (`IBV_EVENT_CQ_ERR`: it overran, so
+    /// completions were lost), or itself failed, after reading what is pending. Once it did,
+    /// [`CompletionQueue::wait`] fails with [`Error::AsyncEvent`] when it finds nothing to
+    /// reap. See [`crate::async_event`].
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn has_error(&self) -> Result<bool> {
+        self.async_reg.refresh(&self.ctx)?;
+        Ok(self.async_reg.fatal().is_some())
+    }
+
+    /// The last asynchronous event the device reported about this CQ, after reading what is
+    /// pending.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
+        self.async_reg.refresh(&self.ctx)?;
+        Ok(self.async_reg.events().last())
     }
 
     /// Asks for an event on the channel at the next completion (`ibv_req_notify_cq`).
@@ -474,8 +511,9 @@ impl AsRawFd for CompletionQueue {
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
         self.ack_pending();
-        // SAFETY: every QP using this CQ holds an Arc of it, so none is alive; all events are
-        // acked above. The CQ and then its channel are destroyed exactly once.
+        self.async_reg.leave(); // before the destroy: see crate::async_event
+                                // SAFETY: every QP using this CQ holds an Arc of it, so none is alive; all events are
+                                // acked above. The CQ and then its channel are destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_cq(self.as_raw()) };
         if ret != 0 {
             // Whatever the routing table still holds stays held: the CQ, and so the QPs on

@@ -1,6 +1,6 @@
 //! Devices and their contexts: [`devices`] lists the RDMA devices, [`VerbsContext`] is an open
-//! one (`ibv_context`), and [`AsyncEvent`] is what the device reports on its own (port changes,
-//! QP and CQ errors, SRQ limits).
+//! one (`ibv_context`). What the device reports on its own (port changes, QP and CQ errors, SRQ
+//! limits) comes from [`VerbsContext::async_events`]: see [`crate::async_event`].
 //!
 //! This is the bottom of the verbs layer: protection domains, memory regions, completion
 //! queues, shared receive queues and queue pairs are built on a context and know nothing of
@@ -21,14 +21,13 @@ use std::fmt;
 use std::mem;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use rdma_sys as ffi;
 
+use crate::async_event::Hub;
+pub use crate::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 use crate::error::{check_ibv, errno, Error, Result};
-use crate::wait::{poll_readable, pollfd, Deadline};
 
 /// An RDMA device found by `ibv_get_device_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,8 +113,8 @@ pub struct VerbsContext {
     raw: NonNull<ffi::ibv_context>,
     /// What keeps `raw` open: an `Opened`, or the connection-manager id librdmacm opened it for.
     keep: Arc<dyn Any + Send + Sync>,
-    /// Whether the async-event descriptor was made non-blocking.
-    async_nonblocking: Arc<AtomicBool>,
+    /// Its objects' registry and its asynchronous events (shared by every handle of `raw`).
+    hub: Arc<Hub>,
 }
 
 // SAFETY: libibverbs' calls on one context are thread-safe, and what `keep` holds is Send + Sync.
@@ -173,7 +172,7 @@ impl VerbsContext {
 
     /// A context kept open by `keep` (e.g. the id librdmacm opened it for).
     pub(crate) fn kept_by(raw: NonNull<ffi::ibv_context>, keep: Arc<dyn Any + Send + Sync>) -> VerbsContext {
-        VerbsContext { raw, keep, async_nonblocking: Arc::new(AtomicBool::new(false)) }
+        VerbsContext { raw, keep, hub: crate::async_event::hub_for(raw.as_ptr()) }
     }
 
     /// What keeps the context open.
@@ -220,55 +219,17 @@ impl VerbsContext {
         })
     }
 
-    /// Returns the device's next asynchronous event without waiting, acked already.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `ibv_get_async_event` fails with anything but `EAGAIN`.
-    pub fn try_async_event(&self) -> Result<Option<AsyncEvent>> {
-        if !self.async_nonblocking.load(Ordering::Acquire) {
-            crate::wait::set_nonblocking(self.as_raw_fd())?;
-            self.async_nonblocking.store(true, Ordering::Release);
-        }
-        let mut ev = RawAsyncEvent { element: 0, event_type: 0 };
-        // SAFETY: context open; `ev` has the layout of struct ibv_async_event (a union of
-        // pointers and an int, then the event type read as the raw integer, never as
-        // rdma-sys's Rust enum); the descriptor is non-blocking.
-        let ret = unsafe { ffi::ibv_get_async_event(self.as_raw(), (&mut ev as *mut RawAsyncEvent).cast()) };
-        if ret != 0 {
-            let e = errno();
-            return if e == libc::EAGAIN || e == libc::EWOULDBLOCK {
-                Ok(None)
-            } else {
-                Err(Error::call("ibv_get_async_event", e, None))
-            };
-        }
-        let out = AsyncEvent::from_raw(&ev);
-        // SAFETY: the event was returned by ibv_get_async_event and is acked once, after we
-        // copied it (destroying the object it names waits for this ack).
-        unsafe { ffi::ibv_ack_async_event((&mut ev as *mut RawAsyncEvent).cast()) };
-        Ok(Some(out))
-    }
-
-    /// Waits up to `timeout` for the device's next asynchronous event.
-    ///
-    /// # Errors
-    /// [`Error::Timeout`]; as for [`VerbsContext::try_async_event`].
-    pub fn async_event(&self, timeout: Duration) -> Result<AsyncEvent> {
-        let mut deadline = Deadline::new(timeout);
-        loop {
-            if let Some(ev) = self.try_async_event()? {
-                return Ok(ev);
-            }
-            let left = deadline.left();
-            if left.is_zero() || !poll_readable(&mut [pollfd(self.as_raw_fd())], left)? {
-                return Err(Error::Timeout { op: "ibv_get_async_event", timeout, addr: None, hint: None });
-            }
-        }
+    /// What the context's handles share: its objects' registry and its events' log.
+    pub(crate) fn hub(&self) -> &Arc<Hub> {
+        &self.hub
     }
 }
 
+/// The device's async-event descriptor, as `AsRawFd` only: reading it directly takes events
+/// that libibverbs then never acknowledges, so destroying the objects they name would block
+/// for ever. Use [`VerbsContext::async_events`], whose source has a descriptor of its own.
 impl AsRawFd for VerbsContext {
-    /// The async-event descriptor (readable when [`VerbsContext::try_async_event`] has one).
+    /// The async-event descriptor (for polling only; see above).
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: the context is open while `self` lives; async_fd is plain data.
         unsafe { (*self.raw.as_ptr()).async_fd }
@@ -278,70 +239,5 @@ impl AsRawFd for VerbsContext {
 impl fmt::Debug for VerbsContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("VerbsContext").field("device", &self.device_name()).finish()
-    }
-}
-
-/// `struct ibv_async_event`, with the event type as the raw integer.
-#[repr(C)]
-struct RawAsyncEvent {
-    /// The union of `cq`, `qp`, `srq`, `wq` pointers and `port_num`.
-    element: usize,
-    event_type: u32,
-}
-
-/// What an asynchronous event is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AsyncElement {
-    /// A QP (its raw handle, compare with `QueuePair::as_raw`).
-    Qp(usize),
-    /// A CQ (its raw handle).
-    Cq(usize),
-    /// A shared receive queue (its raw handle).
-    Srq(usize),
-    /// A port.
-    Port(u8),
-    /// The whole device.
-    Device,
-}
-
-/// An asynchronous event of a device (`ibv_get_async_event`), copied and acked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AsyncEvent {
-    /// The raw `enum ibv_event_type` value.
-    pub kind: u32,
-    /// What it is about.
-    pub element: AsyncElement,
-}
-
-impl AsyncEvent {
-    fn from_raw(ev: &RawAsyncEvent) -> AsyncEvent {
-        use ffi::ibv_event_type as t;
-        let k = ev.event_type;
-        let is = |v: t| k == v as u32;
-        let element = if is(t::IBV_EVENT_CQ_ERR) {
-            AsyncElement::Cq(ev.element)
-        } else if is(t::IBV_EVENT_SRQ_ERR) || is(t::IBV_EVENT_SRQ_LIMIT_REACHED) {
-            AsyncElement::Srq(ev.element)
-        } else if is(t::IBV_EVENT_PORT_ACTIVE)
-            || is(t::IBV_EVENT_PORT_ERR)
-            || is(t::IBV_EVENT_LID_CHANGE)
-            || is(t::IBV_EVENT_PKEY_CHANGE)
-            || is(t::IBV_EVENT_SM_CHANGE)
-            || is(t::IBV_EVENT_CLIENT_REREGISTER)
-            || is(t::IBV_EVENT_GID_CHANGE)
-        {
-            AsyncElement::Port(ev.element as u8)
-        } else if is(t::IBV_EVENT_DEVICE_FATAL) {
-            AsyncElement::Device
-        } else {
-            AsyncElement::Qp(ev.element)
-        };
-        AsyncEvent { kind: k, element }
-    }
-
-    /// Whether this is an SRQ limit event (`IBV_EVENT_SRQ_LIMIT_REACHED`).
-    pub fn is_srq_limit(&self) -> bool {
-        self.kind == ffi::ibv_event_type::IBV_EVENT_SRQ_LIMIT_REACHED as u32
     }
 }

@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::Duration;
 
+use crate::async_kind::AsyncEventKind;
 use crate::status::{CmEventType, PrivateData, WcStatus};
 
 /// Result alias used throughout the crate.
@@ -167,6 +168,18 @@ pub enum Error {
         query: String,
         /// The resolver's reason (`gai_strerror`, or the errno).
         reason: String,
+    },
+
+    /// The device reported the object unusable through an asynchronous event (a QP that went
+    /// fatal, a CQ that overran, a failed device): see [`crate::async_event`].
+    #[error("{op}: the device reported {event} on this {object}")]
+    AsyncEvent {
+        /// The step that was waiting.
+        op: &'static str,
+        /// `"QP"`, `"CQ"`, `"SRQ"` or `"device"`.
+        object: &'static str,
+        /// The event (its message carries the usual cause).
+        event: AsyncEventKind,
     },
 }
 

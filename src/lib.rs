@@ -181,6 +181,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod addrinfo;
+pub mod async_event;
+mod async_kind;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod cm_id;
@@ -205,13 +207,14 @@ pub mod wr;
 pub use rdma_sys as ffi;
 
 pub use addrinfo::{lookup, lookup_passive};
+pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
     ResolvingAddr, ResolvingRoute, RouteResolved, Server, ServerQp,
 };
 pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
-pub use device::{devices, AsyncElement, AsyncEvent, Device, DeviceLimits, VerbsContext};
+pub use device::{devices, Device, DeviceLimits, VerbsContext};
 pub use error::{Error, Result};
 pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};

@@ -245,6 +245,8 @@ pub struct QueuePair {
     #[cfg(feature = "tokio")]
     inline_teardown: bool,
     queues: Arc<Mutex<Queues>>,
+    /// Its place in the context's registry of async events (left before the QP is destroyed).
+    async_reg: crate::async_event::Registration,
     // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
     // QP, which Drop::drop destroys first.
     link: Option<Arc<dyn Link>>,
@@ -546,6 +548,8 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
             }
         };
+        let async_reg =
+            crate::async_event::Registration::new(ctx, crate::async_kind::Subject::Qp, raw.as_ptr() as usize);
         Ok(QueuePair {
             raw,
             qp_num,
@@ -566,6 +570,7 @@ impl QueuePair {
             #[cfg(feature = "tokio")]
             inline_teardown: false,
             queues,
+            async_reg,
             link,
             send_cq,
             recv_cq,
@@ -1097,12 +1102,20 @@ impl QueuePair {
             if n > 0 {
                 return Ok(n);
             }
+            if let Some(e) = self.async_reg.error("waiting for a completion") {
+                return Err(e);
+            }
             let left = deadline.left();
             if left.is_zero() {
                 return Ok(0);
             }
-            let mut fds = self.wait_fds(&cqs).map(pollfd);
+            // The context's async events too, so that a QP going fatal ends the wait at once.
+            let [a, b, c] = self.wait_fds(&cqs);
+            let mut fds = [a, b, c, self.pd.context().as_raw_fd()].map(pollfd);
             poll_readable(&mut fds, left)?;
+            if fds[3].revents != 0 {
+                self.async_reg.refresh(self.pd.context())?;
+            }
             self.after_wake(&cqs, fds[2].revents != 0)?;
         }
     }
@@ -1132,6 +1145,10 @@ impl QueuePair {
             let link = self.watch_fd();
             if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
                 self.check_link()?;
+            }
+            self.async_reg.refresh(self.pd.context())?;
+            if let Some(e) = self.async_reg.error("waiting for a completion") {
+                return Err(e);
             }
             if start.elapsed() >= budget {
                 return Ok(0);
@@ -1210,6 +1227,11 @@ impl QueuePair {
         if !wc.is_ok() && self.peer_left && wc.wr_id() == wr_id {
             return Err(Error::Disconnected { op: "waiting for a completion", addr: self.peer_addr() });
         }
+        if !wc.is_ok() && wc.wr_id() == wr_id {
+            if let Some(e) = self.async_reg.error("waiting for a completion") {
+                return Err(e);
+            }
+        }
         wc.ok()
     }
 
@@ -1266,6 +1288,28 @@ impl QueuePair {
     /// Whether the peer disconnected (seen while waiting, or through the connection's events).
     pub fn peer_left(&self) -> bool {
         self.peer_left
+    }
+
+    /// The last asynchronous event the device reported about this QP (e.g.
+    /// [`AsyncEventKind::QpFatal`](crate::AsyncEventKind::QpFatal)), after reading what is
+    /// pending. See [`crate::async_event`].
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
+        self.async_reg.refresh(self.pd.context())?;
+        Ok(self.async_reg.events().last())
+    }
+
+    /// The event that made this QP unusable (a fatal QP event, or the device failing), after
+    /// reading what is pending. Once there is one, waits that find nothing to reap fail with
+    /// [`Error::AsyncEvent`] instead of sleeping.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn fatal_event(&self) -> Result<Option<crate::AsyncEventKind>> {
+        self.async_reg.refresh(self.pd.context())?;
+        Ok(self.async_reg.fatal())
     }
 
     /// Waits for the completion with `wr_id` on `queue`, checking every completion of that
@@ -1385,6 +1429,7 @@ impl QueuePair {
             detached: false,
             inline_teardown: true,
             queues: Arc::clone(&self.queues),
+            async_reg: self.async_reg.clone(),
             link: self.link.clone(),
             send_cq: Arc::clone(&self.send_cq),
             recv_cq: Arc::clone(&self.recv_cq),
@@ -1407,6 +1452,7 @@ impl Drop for QueuePair {
             return;
         }
         self.drain(DRAIN_TIMEOUT);
+        self.async_reg.leave(); // before the destroy: see crate::async_event
         let ret = match &self.link {
             Some(l) => l.destroy(self.raw.as_ptr()),
             // SAFETY: the QP is destroyed exactly once, here; nothing else refers to it.

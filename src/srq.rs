@@ -22,9 +22,11 @@
 //! # The limit event
 //!
 //! [`SharedReceiveQueue::arm_limit`] asks the device for an `IBV_EVENT_SRQ_LIMIT_REACHED`
-//! asynchronous event when fewer than the given number of receives remain posted; it arrives on
-//! the context ([`crate::VerbsContext::async_event`]), and [`SharedReceiveQueue::is_limit_event`]
-//! tells whether an event is this SRQ's. It fires once per arming.
+//! asynchronous event when fewer than the given number of receives remain posted. It fires once
+//! per arming, and is delivered to the SRQ: [`SharedReceiveQueue::limit_reached`] says whether
+//! it came since the last arming. It also arrives on the context's event sources
+//! ([`crate::VerbsContext::async_events`]), where [`SharedReceiveQueue::is_limit_event`] tells
+//! whether an event is this SRQ's.
 
 use std::fmt;
 use std::mem;
@@ -34,6 +36,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_sys as ffi;
 
+use crate::async_kind::Subject;
 use crate::cq::{WorkCompletion, WorkQueue};
 use crate::device::AsyncEvent;
 use crate::error::{check_ibv, errno, Error, Result};
@@ -146,6 +149,8 @@ pub(crate) struct SrqShared {
     /// The most pieces a receive may name (what the side table was sized for).
     max_sge: u32,
     slots: Mutex<Slots>,
+    /// Its place in the context's registry of async events (left before the SRQ is destroyed).
+    async_reg: crate::async_event::Registration,
     // Dropped after the SRQ is destroyed (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
 }
@@ -170,7 +175,8 @@ impl SrqShared {
 
 impl Drop for SrqShared {
     fn drop(&mut self) {
-        // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
+        self.async_reg.leave(); // before the destroy: see crate::async_event
+                                // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_srq(self.raw.as_ptr()) };
         if ret != 0 {
             // The device may still write posted receives: leak their regions (every piece's),
@@ -237,7 +243,9 @@ impl SharedReceiveQueue {
         static NEXT: AtomicU16 = AtomicU16::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let slots = Mutex::new(Slots::new(depth, max_sge));
-        Ok(SharedReceiveQueue { inner: Arc::new(SrqShared { raw, id, depth, max_sge, slots, pd: Arc::clone(pd) }) })
+        let async_reg = crate::async_event::Registration::new(pd.context(), Subject::Srq, raw.as_ptr() as usize);
+        let pd = Arc::clone(pd);
+        Ok(SharedReceiveQueue { inner: Arc::new(SrqShared { raw, id, depth, max_sge, slots, async_reg, pd }) })
     }
 
     pub(crate) fn shared(&self) -> &Arc<SrqShared> {
@@ -336,11 +344,15 @@ impl SharedReceiveQueue {
         Ok(())
     }
 
-    /// Asks for the limit event when fewer than `limit` receives remain posted (0 disarms).
+    /// Asks for the limit event when fewer than `limit` receives remain posted (0 disarms),
+    /// and clears [`SharedReceiveQueue::limit_reached`].
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_modify_srq` fails (`EINVAL` when `limit` exceeds the depth).
     pub fn arm_limit(&self, limit: u32) -> Result<()> {
+        // Read what is pending first, so that an old limit event does not count for this arming.
+        self.inner.async_reg.refresh(self.inner.pd.context())?;
+        self.inner.async_reg.events().clear_limit();
         // SAFETY: ibv_srq_attr is plain old data.
         let mut attr: ffi::ibv_srq_attr = unsafe { mem::zeroed() };
         attr.srq_limit = limit;
@@ -349,6 +361,29 @@ impl SharedReceiveQueue {
             unsafe { ffi::ibv_modify_srq(self.as_raw(), &mut attr, ffi::ibv_srq_attr_mask::IBV_SRQ_LIMIT.0 as i32) },
             "ibv_modify_srq(limit)",
         )
+    }
+
+    /// Whether the limit event arrived since the limit was last armed
+    /// ([`SharedReceiveQueue::arm_limit`]), after reading what the device has pending: the SRQ
+    /// is running dry. Costs one `poll` when nothing is pending.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn limit_reached(&self) -> Result<bool> {
+        self.inner.async_reg.refresh(self.inner.pd.context())?;
+        Ok(self.inner.async_reg.events().limit())
+    }
+
+    /// The last asynchronous event the device reported about this SRQ
+    /// ([`AsyncEventKind::SrqLimitReached`](crate::AsyncEventKind::SrqLimitReached),
+    /// [`AsyncEventKind::SrqError`](crate::AsyncEventKind::SrqError)), after reading what is
+    /// pending.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
+        self.inner.async_reg.refresh(self.inner.pd.context())?;
+        Ok(self.inner.async_reg.events().last())
     }
 
     /// Whether `ev` is this SRQ's limit event.

@@ -1,0 +1,619 @@
+//! Asynchronous device events (`ibv_get_async_event`): port changes, QP, CQ and SRQ errors,
+//! SRQ limits, a failed device. [`AsyncEvents`] is a non-blocking source of them with an
+//! [`AsFd`] for event loops (and [`AsyncEvents::next_async`] under the `tokio` feature); each
+//! event is also delivered to the object it names, when this crate owns it.
+//!
+//! # Delivery to objects
+//!
+//! Every QP, CQ and SRQ this crate creates registers with its context, keyed by its raw handle,
+//! and leaves before it is destroyed. An event naming a registered object marks it:
+//! [`QueuePair::fatal_event`](crate::QueuePair::fatal_event) and
+//! [`QueuePair::last_async_event`](crate::QueuePair::last_async_event),
+//! [`CompletionQueue::has_error`](crate::CompletionQueue::has_error),
+//! [`SharedReceiveQueue::limit_reached`](crate::SharedReceiveQueue::limit_reached). A QP whose
+//! QP (or device) went fatal ends its blocking waits with [`Error::AsyncEvent`] as soon as
+//! nothing is left to reap, instead of sleeping to the timeout: its blocking waits watch the
+//! context's event descriptor beside the CQ channels. The element of an event is compared as
+//! a number, never dereferenced, so an event about an object this crate does not own (made
+//! through [`ffi`](crate::ffi)) is still returned, and marks nothing.
+//!
+//! Nobody has to read events for that to work: whoever notices the descriptor readable (a
+//! QP's wait, a query such as `fatal_event`, or an [`AsyncEvents`] source) reads everything
+//! pending, delivers it, and keeps it in the context's log for the sources.
+//!
+//! # Acknowledgement
+//!
+//! libibverbs' `ibv_destroy_qp`/`_cq`/`_srq` block until every event read about the object has
+//! been acknowledged (`ibv_ack_async_event`). Each event is therefore acknowledged right after
+//! it is copied and handed to its object (atomic stores, under the context's lock, with no
+//! blocking step in between), before anyone sees it. Handing it over before the ack also
+//! keeps delivery exact: the object cannot be destroyed, and its address reused by a new one,
+//! until the ack. Objects leave the registry before they are destroyed, so the destroy never
+//! waits on a lock held by a reader.
+//!
+//! # Why the descriptor is not the device's own
+//!
+//! The device's descriptor (`VerbsContext::as_raw_fd`) is not offered as `AsFd`: safe code
+//! holding one could read an event from it, which libibverbs then never acknowledges, so the
+//! destroy of the object it names would block forever; or clear `O_NONBLOCK`, so that a read
+//! blocks. Each [`AsyncEvents`] has its own `epoll` descriptor instead, watching the device's
+//! descriptor (level-triggered) and an `eventfd` the context signals when another reader has
+//! already taken events this source has not seen. Reading that descriptor fails (`EINVAL`),
+//! and changing its flags changes nothing here: the crate never reads it, it only polls it. The
+//! device's descriptor itself is read only after `poll` with a zero timeout says it is
+//! readable, and is made non-blocking first, so even a raw user who clears `O_NONBLOCK` on it
+//! (through `unsafe`) cannot make the crate block, short of also racing to read it.
+//!
+//! One thing remains possible in safe code: adding other descriptors to a source's `epoll`
+//! set (e.g. `rustix::event::epoll::add`). The source then looks readable when they are;
+//! its [`AsyncEvents::next`] stays bounded by its timeout, but spins. Don't.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+pub use crate::async_kind::AsyncEventKind;
+use crate::async_kind::Subject;
+use crate::device::VerbsContext;
+use crate::error::{errno, Error, Result};
+use crate::wait::{poll_readable, pollfd, Deadline};
+
+/// Events a context keeps for its sources (the most recent ones; older ones are counted as
+/// lost by a source that had not read them).
+pub const LOG_LEN: usize = 64;
+
+/// What an asynchronous event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AsyncElement {
+    /// A QP (its raw handle, compare with `QueuePair::as_raw`).
+    Qp(usize),
+    /// A CQ (its raw handle, compare with `CompletionQueue::as_raw`).
+    Cq(usize),
+    /// A shared receive queue (its raw handle, compare with `SharedReceiveQueue::as_raw`).
+    Srq(usize),
+    /// A work queue (`ibv_wq`, its raw handle).
+    Wq(usize),
+    /// A port (numbered from 1).
+    Port(u8),
+    /// The whole device.
+    Device,
+}
+
+/// An asynchronous event of a device (`ibv_get_async_event`), copied and acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AsyncEvent {
+    /// What happened.
+    pub kind: AsyncEventKind,
+    /// What it is about.
+    pub element: AsyncElement,
+}
+
+impl AsyncEvent {
+    fn from_raw(ev: &RawAsyncEvent) -> AsyncEvent {
+        let kind = AsyncEventKind::from_raw(ev.event_type);
+        // SAFETY: every member of the union is plain data; which one libibverbs wrote is
+        // decided by the kind, as ibv_get_async_event decodes it. Pointers are kept as numbers.
+        let element = unsafe {
+            match kind.subject() {
+                Subject::Cq => AsyncElement::Cq(ev.element.ptr as usize),
+                Subject::Qp => AsyncElement::Qp(ev.element.ptr as usize),
+                Subject::Srq => AsyncElement::Srq(ev.element.ptr as usize),
+                Subject::Wq => AsyncElement::Wq(ev.element.ptr as usize),
+                Subject::Device => AsyncElement::Device,
+                Subject::Port => AsyncElement::Port(ev.element.port.clamp(0, 255) as u8),
+            }
+        };
+        AsyncEvent { kind, element }
+    }
+
+    /// Whether this is an SRQ limit event (`IBV_EVENT_SRQ_LIMIT_REACHED`).
+    pub fn is_srq_limit(&self) -> bool {
+        self.kind == AsyncEventKind::SrqLimitReached
+    }
+
+    fn key(&self) -> Option<(Subject, usize)> {
+        match self.element {
+            AsyncElement::Qp(p) => Some((Subject::Qp, p)),
+            AsyncElement::Cq(p) => Some((Subject::Cq, p)),
+            AsyncElement::Srq(p) => Some((Subject::Srq, p)),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for AsyncEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.element {
+            AsyncElement::Qp(p) => write!(f, "QP {p:#x}: ")?,
+            AsyncElement::Cq(p) => write!(f, "CQ {p:#x}: ")?,
+            AsyncElement::Srq(p) => write!(f, "SRQ {p:#x}: ")?,
+            AsyncElement::Wq(p) => write!(f, "WQ {p:#x}: ")?,
+            AsyncElement::Port(n) => write!(f, "port {n}: ")?,
+            AsyncElement::Device => f.write_str("device: ")?,
+        }
+        write!(f, "{}", self.kind)
+    }
+}
+
+/// `union ibv_async_event::element`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+union RawElement {
+    ptr: *mut libc::c_void,
+    port: libc::c_int,
+}
+
+/// `struct ibv_async_event`, with the event type read as the raw integer, never as rdma-sys's
+/// Rust enum (a value a newer library adds would be undefined behaviour there).
+#[repr(C)]
+struct RawAsyncEvent {
+    element: RawElement,
+    event_type: u32,
+}
+
+/// What one object has been told: kept by the object, filled by whoever reads the events.
+#[derive(Debug, Default)]
+pub(crate) struct ObjectEvents {
+    /// Raw kind + 1 of the last event (0: none).
+    last: AtomicU32,
+    /// Raw kind + 1 of the first fatal event (0: none).
+    fatal: AtomicU32,
+    /// An SRQ limit event arrived since the limit was last armed.
+    limit: AtomicBool,
+}
+
+impl ObjectEvents {
+    fn deliver(&self, kind: AsyncEventKind) {
+        let v = kind.as_raw().saturating_add(1);
+        self.last.store(v, Ordering::Release);
+        if kind.is_fatal() {
+            let _ = self.fatal.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire);
+        }
+        if kind == AsyncEventKind::SrqLimitReached {
+            self.limit.store(true, Ordering::Release);
+        }
+    }
+
+    fn decode(v: u32) -> Option<AsyncEventKind> {
+        v.checked_sub(1).map(AsyncEventKind::from_raw)
+    }
+
+    /// The last event delivered.
+    pub(crate) fn last(&self) -> Option<AsyncEventKind> {
+        Self::decode(self.last.load(Ordering::Acquire))
+    }
+
+    /// The first fatal event delivered.
+    pub(crate) fn fatal(&self) -> Option<AsyncEventKind> {
+        Self::decode(self.fatal.load(Ordering::Acquire))
+    }
+
+    /// Whether a limit event arrived since [`ObjectEvents::clear_limit`].
+    pub(crate) fn limit(&self) -> bool {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn clear_limit(&self) {
+        self.limit.store(false, Ordering::Release);
+    }
+}
+
+/// What a context shares among its handles: the registry of its objects and the log of its
+/// events. One per open context (all handles of one `ibv_context` find the same one).
+pub(crate) struct Hub {
+    state: Mutex<HubState>,
+    nonblocking: AtomicBool,
+    device_fatal: AtomicBool,
+}
+
+struct HubState {
+    objects: HashMap<(Subject, usize), Arc<ObjectEvents>>,
+    /// The last `LOG_LEN` events; event number `s` sits at `s % LOG_LEN`.
+    log: Box<[Option<AsyncEvent>]>,
+    /// The number the next event gets.
+    next: u64,
+    /// The sources' eventfds, by source number.
+    sources: Vec<(u64, RawFd)>,
+    next_source: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The hub of the context `raw`: the one its other handles use, or a new one.
+pub(crate) fn hub_for(raw: *mut ffi::ibv_context) -> Arc<Hub> {
+    static HUBS: Mutex<Vec<(usize, Weak<Hub>)>> = Mutex::new(Vec::new());
+    let mut hubs = lock(&HUBS);
+    // A hub lives as long as a handle of its context, so a dead entry's context may be closed
+    // and its address reused: forget those.
+    hubs.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(h) = hubs.iter().find(|(r, _)| *r == raw as usize).and_then(|(_, w)| w.upgrade()) {
+        return h;
+    }
+    let h = Arc::new(Hub {
+        state: Mutex::new(HubState {
+            objects: HashMap::new(),
+            log: vec![None; LOG_LEN].into_boxed_slice(),
+            next: 0,
+            sources: Vec::new(),
+            next_source: 0,
+        }),
+        nonblocking: AtomicBool::new(false),
+        device_fatal: AtomicBool::new(false),
+    });
+    hubs.push((raw as usize, Arc::downgrade(&h)));
+    h
+}
+
+impl Hub {
+    /// Registers an object of this context; its events are delivered to what this returns
+    /// until [`Hub::unregister`], which must come before the object is destroyed.
+    pub(crate) fn register(&self, subject: Subject, raw: usize) -> Arc<ObjectEvents> {
+        let ev = Arc::new(ObjectEvents::default());
+        lock(&self.state).objects.insert((subject, raw), Arc::clone(&ev));
+        ev
+    }
+
+    /// Takes an object out of the registry (before it is destroyed: see the module docs).
+    pub(crate) fn unregister(&self, subject: Subject, raw: usize) {
+        lock(&self.state).objects.remove(&(subject, raw));
+    }
+
+    /// Whether the device reported itself failed.
+    pub(crate) fn device_fatal(&self) -> bool {
+        self.device_fatal.load(Ordering::Acquire)
+    }
+
+    /// Reads every pending event of `ctx` (this hub's context) without blocking: delivers each
+    /// to its object, acknowledges it, and logs it for the sources. Returns how many.
+    pub(crate) fn pump(&self, ctx: &VerbsContext) -> Result<usize> {
+        let fd = ctx.as_raw_fd();
+        let mut st = lock(&self.state);
+        if !self.nonblocking.load(Ordering::Acquire) {
+            crate::wait::set_nonblocking(fd)?;
+            self.nonblocking.store(true, Ordering::Release);
+        }
+        let mut n = 0;
+        // Poll before every read: a read is attempted only when the kernel has an event, so it
+        // cannot block even if someone cleared O_NONBLOCK behind our back.
+        while poll_readable(&mut [pollfd(fd)], Duration::ZERO)? {
+            let mut raw = RawAsyncEvent { element: RawElement { ptr: std::ptr::null_mut() }, event_type: 0 };
+            // SAFETY: the context is open while `ctx` lives; `raw` has the layout of struct
+            // ibv_async_event (the union, then the type as a 32-bit integer).
+            let ret = unsafe { ffi::ibv_get_async_event(ctx.as_raw(), (&mut raw as *mut RawAsyncEvent).cast()) };
+            if ret != 0 {
+                let e = errno();
+                if e == libc::EAGAIN || e == libc::EWOULDBLOCK || e == libc::EINTR {
+                    break;
+                }
+                return Err(Error::call("ibv_get_async_event", e, None));
+            }
+            let ev = AsyncEvent::from_raw(&raw);
+            if let Some(obj) = ev.key().and_then(|k| st.objects.get(&k)) {
+                obj.deliver(ev.kind);
+            }
+            if ev.kind == AsyncEventKind::DeviceFatal {
+                self.device_fatal.store(true, Ordering::Release);
+            }
+            // SAFETY: returned by ibv_get_async_event above and acknowledged exactly once,
+            // right after it was copied and delivered; the object it names cannot be destroyed
+            // before this (its destroy waits for the ack).
+            unsafe { ffi::ibv_ack_async_event((&mut raw as *mut RawAsyncEvent).cast()) };
+            let slot = (st.next % LOG_LEN as u64) as usize;
+            st.log[slot] = Some(ev);
+            st.next += 1;
+            n += 1;
+        }
+        if n > 0 {
+            for &(_, efd) in &st.sources {
+                let one: u64 = 1;
+                // SAFETY: `efd` is a source's open eventfd (a source leaves this list before
+                // closing it, under this lock); 8 bytes from a valid u64. A full counter
+                // (EAGAIN) still reads as readable, which is all this is for.
+                let _ = unsafe { libc::write(efd, (&one as *const u64).cast(), 8) };
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// An object's place in its context's registry. The owner calls [`Registration::leave`] right
+/// before destroying the object (not after: a new object may get the same address as soon as
+/// the old one is destroyed) and never holds a lock a reader of events needs meanwhile.
+#[derive(Clone)]
+pub(crate) struct Registration {
+    hub: Arc<Hub>,
+    key: (Subject, usize),
+    events: Arc<ObjectEvents>,
+}
+
+impl Registration {
+    pub(crate) fn new(ctx: &VerbsContext, subject: Subject, raw: usize) -> Registration {
+        let hub = Arc::clone(ctx.hub());
+        let events = hub.register(subject, raw);
+        Registration { hub, key: (subject, raw), events }
+    }
+
+    /// Leaves the registry: events about the object are no longer delivered to it.
+    pub(crate) fn leave(&self) {
+        self.hub.unregister(self.key.0, self.key.1);
+    }
+
+    /// What the object has been told.
+    pub(crate) fn events(&self) -> &ObjectEvents {
+        &self.events
+    }
+
+    /// The event that makes the object unusable, if one came: its own first fatal event, or
+    /// the device's.
+    pub(crate) fn fatal(&self) -> Option<AsyncEventKind> {
+        self.events.fatal().or_else(|| self.hub.device_fatal().then_some(AsyncEventKind::DeviceFatal))
+    }
+
+    /// Reads what the device has pending (one `poll` when nothing is), so the answers above
+    /// are current.
+    pub(crate) fn refresh(&self, ctx: &VerbsContext) -> Result<()> {
+        self.hub.pump(ctx).map(|_| ())
+    }
+
+    /// The error a wait of the object returns once it is unusable.
+    pub(crate) fn error(&self, op: &'static str) -> Option<Error> {
+        let object = match self.key.0 {
+            Subject::Qp => "QP",
+            Subject::Cq => "CQ",
+            Subject::Srq => "SRQ",
+            _ => "object",
+        };
+        self.fatal().map(|event| Error::AsyncEvent {
+            op,
+            object: if event == AsyncEventKind::DeviceFatal { "device" } else { object },
+            event,
+        })
+    }
+}
+
+/// A source of a context's asynchronous events: non-blocking, with its own descriptor for
+/// `epoll`/`poll`/tokio ([`AsFd`]), readable when [`AsyncEvents::try_next`] may have an event.
+///
+/// Every source sees every event of its context read after it was made, and first the ones the
+/// context still keeps (up to [`LOG_LEN`] of the most recent), in order; one that falls more
+/// than [`LOG_LEN`] events behind skips the oldest and counts them ([`AsyncEvents::lost`]).
+/// The events were delivered to the objects they name before any source sees them.
+///
+/// ```no_run
+/// # fn f(ctx: &rdma_cm::VerbsContext) -> rdma_cm::Result<()> {
+/// use std::time::Duration;
+/// let mut events = ctx.async_events()?;
+/// // In an event loop: wait for `events.as_fd()` to be readable, then drain.
+/// while let Some(ev) = events.try_next()? {
+///     println!("{ev}");
+/// }
+/// // Or block, bounded:
+/// let ev = events.next(Duration::from_secs(5))?;
+/// # Ok(()) }
+/// ```
+pub struct AsyncEvents {
+    /// Our number among the hub's sources.
+    id: u64,
+    /// The number of the next event to return.
+    cursor: u64,
+    lost: u64,
+    // Drop::drop leaves the hub's list first; then the descriptors close (field order).
+    epoll: OwnedFd,
+    wake: OwnedFd,
+    ctx: VerbsContext,
+}
+
+fn owned(fd: RawFd, op: &'static str) -> Result<OwnedFd> {
+    if fd < 0 {
+        return Err(Error::call(op, errno(), None));
+    }
+    // SAFETY: `fd` was just returned by the call that created it and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn epoll_add(epoll: &OwnedFd, fd: RawFd) -> Result<()> {
+    let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+    // SAFETY: both descriptors are open; `ev` is a valid epoll_event the call copies.
+    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+        return Err(Error::call("epoll_ctl(ADD)", errno(), None));
+    }
+    Ok(())
+}
+
+impl AsyncEvents {
+    /// A new source of `ctx`'s events (also [`VerbsContext::async_events`]).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `epoll_create1`, `eventfd` or `epoll_ctl` fail (`EMFILE`: out of
+    /// descriptors).
+    pub fn new(ctx: &VerbsContext) -> Result<AsyncEvents> {
+        // SAFETY: plain system calls; the results are checked and owned below.
+        let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }, "epoll_create1")?;
+        // SAFETY: as above.
+        let wake = owned(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) }, "eventfd")?;
+        epoll_add(&epoll, ctx.as_raw_fd())?;
+        epoll_add(&epoll, wake.as_raw_fd())?;
+        let hub = ctx.hub();
+        let mut st = lock(&hub.state);
+        let id = st.next_source;
+        st.next_source += 1;
+        st.sources.push((id, wake.as_raw_fd()));
+        let cursor = st.next.saturating_sub(LOG_LEN as u64);
+        drop(st);
+        Ok(AsyncEvents { id, cursor, lost: 0, epoll, wake, ctx: ctx.clone() })
+    }
+
+    /// The context whose events these are.
+    pub fn context(&self) -> &VerbsContext {
+        &self.ctx
+    }
+
+    /// How many events this source skipped because it fell more than [`LOG_LEN`] behind.
+    pub fn lost(&self) -> u64 {
+        self.lost
+    }
+
+    /// The next event from the log, if this source has not seen it.
+    fn take(&mut self) -> Option<AsyncEvent> {
+        let st = lock(&self.ctx.hub().state);
+        let oldest = st.next.saturating_sub(LOG_LEN as u64);
+        if self.cursor < oldest {
+            self.lost += oldest - self.cursor;
+            self.cursor = oldest;
+        }
+        if self.cursor >= st.next {
+            return None;
+        }
+        let ev = st.log[(self.cursor % LOG_LEN as u64) as usize];
+        self.cursor += 1;
+        ev
+    }
+
+    /// The next event, without waiting. Call it until it returns `None` after the descriptor
+    /// became readable (that also clears the readiness it owes to other readers).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails with anything but `EAGAIN`.
+    pub fn try_next(&mut self) -> Result<Option<AsyncEvent>> {
+        let hub = Arc::clone(self.ctx.hub());
+        hub.pump(&self.ctx)?;
+        if let Some(ev) = self.take() {
+            return Ok(Some(ev));
+        }
+        // Nothing for us: clear the wake-up, then look again, so that events another reader
+        // logged between the look and the clear are not left without a wake-up.
+        let mut buf = 0u64;
+        // SAFETY: our open, non-blocking eventfd; 8 bytes into a valid u64.
+        let _ = unsafe { libc::read(self.wake.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+        hub.pump(&self.ctx)?;
+        Ok(self.take())
+    }
+
+    /// Waits up to `timeout` for the next event.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; as for [`AsyncEvents::try_next`].
+    pub fn next(&mut self, timeout: Duration) -> Result<AsyncEvent> {
+        let mut deadline = Deadline::new(timeout);
+        loop {
+            if let Some(ev) = self.try_next()? {
+                return Ok(ev);
+            }
+            let left = deadline.left();
+            if left.is_zero() || !poll_readable(&mut [pollfd(self.epoll.as_raw_fd())], left)? {
+                return Err(Error::Timeout {
+                    op: "waiting for an async device event",
+                    timeout,
+                    addr: None,
+                    hint: Some("the device reported nothing (port changes, QP/CQ/SRQ errors, SRQ limits)"),
+                });
+            }
+        }
+    }
+
+    /// Waits for the next event without blocking a tokio runtime (feature `tokio`). Unbounded
+    /// by itself: wrap it in `tokio::time::timeout`. Cancelling it loses no event (events are
+    /// taken from the log only when returned). One task at a time may await a given source.
+    ///
+    /// # Errors
+    /// As for [`AsyncEvents::try_next`]; [`Error::InvalidArgument`] outside a runtime with IO.
+    #[cfg(feature = "tokio")]
+    pub async fn next_async(&mut self) -> Result<AsyncEvent> {
+        loop {
+            if let Some(ev) = self.try_next()? {
+                return Ok(ev);
+            }
+            crate::wait::readable_any([self.epoll.as_raw_fd(), -1, -1], |_| false).await?;
+        }
+    }
+}
+
+/// The source's own `epoll` descriptor (readable when [`AsyncEvents::try_next`] may have an
+/// event), not the device's: see the module docs for why it is safe to hand out.
+impl AsFd for AsyncEvents {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
+    }
+}
+
+impl AsRawFd for AsyncEvents {
+    fn as_raw_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+}
+
+impl Drop for AsyncEvents {
+    fn drop(&mut self) {
+        // Leave the list before the eventfd closes (the fields drop after this).
+        lock(&self.ctx.hub().state).sources.retain(|&(id, _)| id != self.id);
+    }
+}
+
+impl fmt::Debug for AsyncEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncEvents")
+            .field("device", &self.ctx.device_name())
+            .field("fd", &self.epoll.as_raw_fd())
+            .field("lost", &self.lost)
+            .finish()
+    }
+}
+
+impl VerbsContext {
+    /// A new source of this context's asynchronous events ([`AsyncEvents::new`]).
+    ///
+    /// # Errors
+    /// As for [`AsyncEvents::new`].
+    pub fn async_events(&self) -> Result<AsyncEvents> {
+        AsyncEvents::new(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elements_are_decoded_by_kind_and_never_dereferenced() {
+        let ev = |t: u32, e: RawElement| AsyncEvent::from_raw(&RawAsyncEvent { element: e, event_type: t });
+        let p = RawElement { ptr: 0x1000 as *mut libc::c_void };
+        assert_eq!(ev(0, p).element, AsyncElement::Cq(0x1000));
+        assert_eq!(ev(1, p).element, AsyncElement::Qp(0x1000));
+        assert_eq!(ev(15, p).element, AsyncElement::Srq(0x1000));
+        assert_eq!(ev(19, p).element, AsyncElement::Wq(0x1000));
+        assert_eq!(ev(8, p).element, AsyncElement::Device);
+        let mut port = RawElement { ptr: std::ptr::null_mut() };
+        port.port = 1;
+        assert_eq!(ev(9, port).element, AsyncElement::Port(1));
+        assert_eq!(ev(9, port).kind, AsyncEventKind::PortActive);
+        // An unknown kind: libibverbs decodes it as a port number; nothing is delivered.
+        let e = ev(77, port);
+        assert_eq!((e.kind, e.element, e.key()), (AsyncEventKind::Other(77), AsyncElement::Port(1), None));
+        assert!(ev(15, p).is_srq_limit());
+        assert_eq!(ev(10, port).to_string(), format!("port 1: {}", AsyncEventKind::PortError));
+    }
+
+    #[test]
+    fn objects_keep_the_first_fatal_event_and_the_limit_flag() {
+        let o = ObjectEvents::default();
+        assert_eq!((o.last(), o.fatal(), o.limit()), (None, None, false));
+        o.deliver(AsyncEventKind::CommEstablished);
+        assert_eq!((o.last(), o.fatal()), (Some(AsyncEventKind::CommEstablished), None));
+        o.deliver(AsyncEventKind::QpAccessError);
+        o.deliver(AsyncEventKind::QpFatal);
+        assert_eq!((o.last(), o.fatal()), (Some(AsyncEventKind::QpFatal), Some(AsyncEventKind::QpAccessError)));
+        o.deliver(AsyncEventKind::SrqLimitReached);
+        assert!(o.limit());
+        o.clear_limit();
+        assert!(!o.limit());
+    }
+}
