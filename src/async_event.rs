@@ -10,12 +10,16 @@
 //! [`QueuePair::fatal_event`](crate::QueuePair::fatal_event) and
 //! [`QueuePair::last_async_event`](crate::QueuePair::last_async_event),
 //! [`CompletionQueue::has_error`](crate::CompletionQueue::has_error),
-//! [`SharedReceiveQueue::limit_reached`](crate::SharedReceiveQueue::limit_reached). A QP whose
-//! QP (or device) went fatal ends its blocking waits with [`Error::AsyncEvent`] as soon as
-//! nothing is left to reap, instead of sleeping to the timeout: its blocking waits watch the
-//! context's event descriptor beside the CQ channels. The element of an event is compared as
+//! [`SharedReceiveQueue::limit_reached`](crate::SharedReceiveQueue::limit_reached). A QP that
+//! went fatal, or one of whose CQs overran, or whose device failed, ends its blocking waits
+//! with [`Error::AsyncEvent`] as soon as nothing is left to reap, instead of sleeping to the
+//! timeout: its blocking waits (and [`CompletionQueue::wait`](crate::CompletionQueue::wait))
+//! watch the context's event descriptor beside the CQ channels. Its async waits
+//! (`wait_async`, `wait_for_async`) check the same marks at every wake-up but do not watch
+//! that descriptor (tokio cannot register one descriptor for several QPs at once); keep an
+//! [`AsyncEvents`] source running, or bound them with `tokio::time::timeout`. The element of an event is compared as
 //! a number, never dereferenced, so an event about an object this crate does not own (made
-//! through [`ffi`](crate::ffi)) is still returned, and marks nothing.
+//! through [`crate::ffi`]) is still returned, and marks nothing.
 //!
 //! Nobody has to read events for that to work: whoever notices the descriptor readable (a
 //! QP's wait, a query such as `fatal_event`, or an [`AsyncEvents`] source) reads everything

@@ -393,6 +393,12 @@ impl CompletionQueue {
         Ok(self.async_reg.fatal().is_some())
     }
 
+    /// The error a wait on this CQ (or on a QP using it) returns once the device reported it
+    /// unusable; reads nothing.
+    pub(crate) fn async_error(&self, op: &'static str) -> Option<Error> {
+        self.async_reg.error(op)
+    }
+
     /// The last asynchronous event the device reported about this CQ, after reading what is
     /// pending.
     ///

@@ -1102,7 +1102,7 @@ impl QueuePair {
             if n > 0 {
                 return Ok(n);
             }
-            if let Some(e) = self.async_reg.error("waiting for a completion") {
+            if let Some(e) = self.async_error() {
                 return Err(e);
             }
             let left = deadline.left();
@@ -1147,7 +1147,7 @@ impl QueuePair {
                 self.check_link()?;
             }
             self.async_reg.refresh(self.pd.context())?;
-            if let Some(e) = self.async_reg.error("waiting for a completion") {
+            if let Some(e) = self.async_error() {
                 return Err(e);
             }
             if start.elapsed() >= budget {
@@ -1207,6 +1207,9 @@ impl QueuePair {
             if n > 0 {
                 return Ok(n);
             }
+            if let Some(e) = self.async_error() {
+                return Err(e);
+            }
             let fds = self.wait_fds(&cqs);
             crate::wait::readable_any(fds, |_| false).await?;
             self.after_wake(&cqs, fds[2] >= 0)?;
@@ -1228,7 +1231,7 @@ impl QueuePair {
             return Err(Error::Disconnected { op: "waiting for a completion", addr: self.peer_addr() });
         }
         if !wc.is_ok() && wc.wr_id() == wr_id {
-            if let Some(e) = self.async_reg.error("waiting for a completion") {
+            if let Some(e) = self.async_error() {
                 return Err(e);
             }
         }
@@ -1290,6 +1293,13 @@ impl QueuePair {
         self.peer_left
     }
 
+    /// What ends a wait once the device reported this QP, one of its CQs, or itself unusable
+    /// (delivered by whoever read the event; see [`crate::async_event`]).
+    fn async_error(&self) -> Option<Error> {
+        const OP: &str = "waiting for a completion";
+        self.async_reg.error(OP).or_else(|| self.send_cq.async_error(OP)).or_else(|| self.recv_cq.async_error(OP))
+    }
+
     /// The last asynchronous event the device reported about this QP (e.g.
     /// [`AsyncEventKind::QpFatal`](crate::AsyncEventKind::QpFatal)), after reading what is
     /// pending. See [`crate::async_event`].
@@ -1303,7 +1313,8 @@ impl QueuePair {
 
     /// The event that made this QP unusable (a fatal QP event, or the device failing), after
     /// reading what is pending. Once there is one, waits that find nothing to reap fail with
-    /// [`Error::AsyncEvent`] instead of sleeping.
+    /// [`Error::AsyncEvent`] instead of sleeping; so they do when one of its CQs overran
+    /// ([`CompletionQueue::has_error`]).
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use common::{DeviceTest, T};
 use rdma_cm::{
-    ffi, AccessFlags, AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents, Client, CompletionQueue, ConnParam,
-    Error, MemoryRegion, ProtectionDomain, QpInit, RecvWr, SendWr, Server, SharedReceiveQueue, VerbsContext,
-    WorkCompletion, WorkQueue,
+    ffi, AccessFlags, AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents, Client, CompletionQueue, ConnParam, Error,
+    MemoryRegion, ProtectionDomain, QpInit, RecvWr, SendWr, Server, SharedReceiveQueue, VerbsContext, WorkCompletion,
+    WorkQueue,
 };
 
 /// Reads `events` (bounded by `within`) until one satisfies `want`; returns it and the others.
@@ -47,6 +47,9 @@ fn open_device() -> VerbsContext {
 /// provoking what the crate's own QPs never do (overrunning their CQ).
 struct RawLoopQp(*mut ffi::ibv_qp);
 
+// SAFETY: verbs on a QP may be called from any thread (libibverbs locks what it shares).
+unsafe impl Sync for RawLoopQp {}
+
 impl RawLoopQp {
     fn new(ctx: &VerbsContext, pd: &ProtectionDomain, cq: &CompletionQueue, addr: std::net::IpAddr) -> RawLoopQp {
         let std::net::IpAddr::V4(v4) = addr else { panic!("this test needs an IPv4 device address") };
@@ -63,7 +66,7 @@ impl RawLoopQp {
             a.send_cq = cq.as_raw();
             a.recv_cq = cq.as_raw();
             a.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
-            a.cap.max_send_wr = 16;
+            a.cap.max_send_wr = 64;
             a.cap.max_recv_wr = 1;
             a.cap.max_send_sge = 1;
             a.cap.max_recv_sge = 1;
@@ -77,9 +80,8 @@ impl RawLoopQp {
             let mut a: ffi::ibv_qp_attr = std::mem::zeroed();
             a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
             a.port_num = 1;
-            a.qp_access_flags = (ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-                | ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE)
-                .0;
+            a.qp_access_flags =
+                (ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE | ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE).0;
             let mask = m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS;
             assert_eq!(ffi::ibv_modify_qp(qp.0, &mut a, mask.0 as i32), 0, "INIT");
             let mut a: ffi::ibv_qp_attr = std::mem::zeroed();
@@ -118,7 +120,13 @@ impl RawLoopQp {
         qp
     }
 
-    /// Posts `n` signaled 8-byte RDMA WRITEs from `mr` into itself (wr_ids with bit 62 clear:
+    /// How many completions `cq` really holds (the provider may round the depth up).
+    fn capacity(cq: &CompletionQueue) -> u64 {
+        // SAFETY: the CQ is valid; `cqe` is plain data set at creation.
+        unsafe { (*cq.as_raw()).cqe as u64 }
+    }
+
+    /// Posts `n` (at most 64) signaled 8-byte RDMA WRITEs from `mr` into itself (wr_ids with bit 62 clear:
     /// foreign to the crate's CQ, which retires nothing for them).
     fn write_self(&self, mr: &MemoryRegion, n: u64) {
         for i in 0..n {
@@ -260,7 +268,14 @@ fn srq_limit_event_is_delivered_to_the_srq() {
     srq.arm_limit(1).unwrap();
     assert!(!srq.limit_reached().unwrap());
     assert_eq!(conn.qp().fatal_event().unwrap(), None);
-    conn.disconnect(T).unwrap();
+    // A QP of an SRQ moved to the error state: what the provider says (kernels from 6.10 on
+    // raise IBV_EVENT_QP_LAST_WQE_REACHED on rxe).
+    conn.qp_mut().set_error().unwrap();
+    let after: Vec<_> = std::iter::from_fn(|| before.next(Duration::from_millis(300)).ok()).collect();
+    eprintln!("measured: after set_error on an SRQ's QP: {after:?}, the QP's last {:?}", conn.qp().last_async_event());
+    let ours = conn.qp().as_raw() as usize;
+    assert!(after.iter().all(|e| matches!(e.element, AsyncElement::Qp(p) if p == ours)), "{after:?}");
+    let _ = conn.disconnect(T);
     client.join().unwrap();
     drop(recvs);
     drop((slots, srq, pd, before, ctx, listener));
@@ -313,7 +328,9 @@ fn guest_only_link_flap_reports_port_error_then_active() {
     let (ev, others) = wait_event(&mut events, T, |e| e.kind == AsyncEventKind::PortActive);
     let took_up = start.elapsed();
     assert_eq!(ev.element, AsyncElement::Port(1), "{ev}");
-    eprintln!("measured: PORT_ERR {took_down:?} after `ip link set down`, PORT_ACTIVE {took_up:?} after up; also {others:?}");
+    eprintln!(
+        "measured: PORT_ERR {took_down:?} after `ip link set down`, PORT_ACTIVE {took_up:?} after up; also {others:?}"
+    );
     // The port is back for the next test.
     let deadline = Instant::now() + T;
     while ctx.port(1).unwrap().state != rdma_cm::PortState::Active {
@@ -389,5 +406,54 @@ fn bad_rkey_write_fails_the_writer_and_marks_no_other_object() {
     }
     drop(Arc::clone(&s.pd));
     drop((events, ctx, c, s));
+    t.finish();
+}
+
+/// A connected QP whose receive CQ overruns (a raw QP shares it) stops waiting at once, with
+/// the event named, instead of sleeping to its timeout: its wait watches the context's events.
+#[test]
+fn qp_whose_cq_overran_fails_its_wait_at_once() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let mut conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+        // Until the client leaves.
+        let _ = conn.next_event(T);
+        drop((conn, pd, listener));
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 16).unwrap();
+    let buf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut qp = route.create_qp(&pd, QpInit::new().recv_cq(Arc::clone(&cq))).unwrap();
+    qp.post_recv(&[RecvWr::new(&buf, 0..64).wr_id(1)]).unwrap();
+    let mut conn = qp.connect(&ConnParam::new(), T).unwrap();
+    let mut events = ctx.async_events().unwrap();
+    let target = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let raw = RawLoopQp::new(&ctx, &pd, &cq, t.addr);
+    let n = RawLoopQp::capacity(&cq) + 2;
+    assert!(n <= 64, "CQ capacity {n}");
+    // The overrun happens while (or before) the QP waits for a receive that never comes.
+    let start = Instant::now();
+    thread::scope(|s| {
+        s.spawn(|| raw.write_self(&target, n));
+        let r = conn.qp_mut().wait_for(WorkQueue::Recv, 1, T);
+        let took = start.elapsed();
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::AsyncEvent { event: AsyncEventKind::CqError, object: "CQ", .. }), "{e:?}");
+        assert!(took < T / 2, "the wait took {took:?}");
+        eprintln!("measured: the QP's wait ended {took:?} after the overrun started: {e}");
+    });
+    let (ev, others) = wait_event(&mut events, T, |e| e.kind == AsyncEventKind::CqError);
+    assert_eq!(ev.element, AsyncElement::Cq(cq.as_raw() as usize));
+    eprintln!("events besides: {others:?}; QP's own: {:?}", conn.qp().last_async_event().unwrap());
+    drop(raw);
+    let _ = conn.disconnect(T);
+    server.join().unwrap();
+    drop((events, target, buf, cq, pd, ctx));
     t.finish();
 }
