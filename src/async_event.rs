@@ -228,6 +228,44 @@ struct HubState {
     next_source: u64,
 }
 
+impl HubState {
+    fn new() -> HubState {
+        HubState {
+            objects: HashMap::new(),
+            log: vec![None; LOG_LEN].into_boxed_slice(),
+            next: 0,
+            sources: Vec::new(),
+            next_source: 0,
+        }
+    }
+
+    fn push(&mut self, ev: AsyncEvent) {
+        self.log[(self.next % LOG_LEN as u64) as usize] = Some(ev);
+        self.next += 1;
+    }
+
+    /// The number of the oldest event still kept.
+    fn oldest(&self) -> u64 {
+        self.next.saturating_sub(LOG_LEN as u64)
+    }
+
+    /// The event numbered `*cursor`, advancing it; one that is gone already is skipped and
+    /// counted in `lost`.
+    fn take(&self, cursor: &mut u64, lost: &mut u64) -> Option<AsyncEvent> {
+        let oldest = self.oldest();
+        if *cursor < oldest {
+            *lost += oldest - *cursor;
+            *cursor = oldest;
+        }
+        if *cursor >= self.next {
+            return None;
+        }
+        let ev = self.log[(*cursor % LOG_LEN as u64) as usize];
+        *cursor += 1;
+        ev
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -243,13 +281,7 @@ pub(crate) fn hub_for(raw: *mut ffi::ibv_context) -> Arc<Hub> {
         return h;
     }
     let h = Arc::new(Hub {
-        state: Mutex::new(HubState {
-            objects: HashMap::new(),
-            log: vec![None; LOG_LEN].into_boxed_slice(),
-            next: 0,
-            sources: Vec::new(),
-            next_source: 0,
-        }),
+        state: Mutex::new(HubState::new()),
         nonblocking: AtomicBool::new(false),
         device_fatal: AtomicBool::new(false),
     });
@@ -311,9 +343,7 @@ impl Hub {
             // right after it was copied and delivered; the object it names cannot be destroyed
             // before this (its destroy waits for the ack).
             unsafe { ffi::ibv_ack_async_event((&mut raw as *mut RawAsyncEvent).cast()) };
-            let slot = (st.next % LOG_LEN as u64) as usize;
-            st.log[slot] = Some(ev);
-            st.next += 1;
+            st.push(ev);
             n += 1;
         }
         if n > 0 {
@@ -451,7 +481,7 @@ impl AsyncEvents {
         let id = st.next_source;
         st.next_source += 1;
         st.sources.push((id, wake.as_raw_fd()));
-        let cursor = st.next.saturating_sub(LOG_LEN as u64);
+        let cursor = st.oldest();
         drop(st);
         Ok(AsyncEvents { id, cursor, lost: 0, epoll, wake, ctx: ctx.clone() })
     }
@@ -468,18 +498,7 @@ impl AsyncEvents {
 
     /// The next event from the log, if this source has not seen it.
     fn take(&mut self) -> Option<AsyncEvent> {
-        let st = lock(&self.ctx.hub().state);
-        let oldest = st.next.saturating_sub(LOG_LEN as u64);
-        if self.cursor < oldest {
-            self.lost += oldest - self.cursor;
-            self.cursor = oldest;
-        }
-        if self.cursor >= st.next {
-            return None;
-        }
-        let ev = st.log[(self.cursor % LOG_LEN as u64) as usize];
-        self.cursor += 1;
-        ev
+        lock(&self.ctx.hub().state).take(&mut self.cursor, &mut self.lost)
     }
 
     /// The next event, without waiting. Call it until it returns `None` after the descriptor
@@ -604,6 +623,35 @@ mod tests {
         assert_eq!((e.kind, e.element, e.key()), (AsyncEventKind::Other(77), AsyncElement::Port(1), None));
         assert!(ev(15, p).is_srq_limit());
         assert_eq!(ev(10, port).to_string(), format!("port 1: {}", AsyncEventKind::PortError));
+    }
+
+    #[test]
+    fn the_log_serves_each_cursor_in_order_and_counts_what_a_slow_one_lost() {
+        let mut st = HubState::new();
+        let ev = |n: u8| AsyncEvent { kind: AsyncEventKind::PortActive, element: AsyncElement::Port(n) };
+        let (mut a, mut lost_a) = (st.oldest(), 0);
+        assert_eq!(st.take(&mut a, &mut lost_a), None);
+        for n in 0..3 {
+            st.push(ev(n));
+        }
+        // A cursor made now starts at the oldest kept event: it sees all three.
+        let (mut b, mut lost_b) = (st.oldest(), 0);
+        for n in 0..3 {
+            assert_eq!(st.take(&mut a, &mut lost_a), Some(ev(n)));
+            assert_eq!(st.take(&mut b, &mut lost_b), Some(ev(n)));
+        }
+        assert_eq!(st.take(&mut a, &mut lost_a), None);
+        // `b` falls LOG_LEN + 5 behind: it loses the 5 oldest, then gets the rest in order.
+        for n in 0..(LOG_LEN as u64 + 5) {
+            st.push(ev(n as u8));
+        }
+        assert_eq!(st.take(&mut b, &mut lost_b), Some(ev(5)));
+        assert_eq!(lost_b, 5);
+        let mut got = 1;
+        while st.take(&mut b, &mut lost_b).is_some() {
+            got += 1;
+        }
+        assert_eq!((got, lost_b), (LOG_LEN, 5));
     }
 
     #[test]

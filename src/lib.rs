@@ -116,6 +116,7 @@
 //! | [`EventChannel`], [`CmId`], [`VerbsContext`] | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
 //! | [`ProtectionDomain`], [`CompletionQueue`], [`SharedReceiveQueue`] | yes | yes | thread-safe verbs through `&self`; a CQ's routing table and an SRQ's slots are behind mutexes |
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
+//! | [`AsyncEvents`] | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
@@ -147,10 +148,17 @@
 //! many connections on one channel: [`ConnectRequest::from_event`], [`ServerQp::start_accept`],
 //! [`Accepting::complete`] and [`Connection::handle_event`].
 //!
+//! What the device reports on its own (a port going down or up, a QP, CQ or SRQ error, an
+//! SRQ running below its limit, the device failing) comes from an [`AsyncEvents`] source
+//! ([`VerbsContext::async_events`]), which has an `AsFd` of its own (an `epoll` descriptor, so
+//! safe code cannot take events the library must acknowledge), and is also delivered to the QP,
+//! CQ or SRQ it names: their waits then fail at once with [`Error::AsyncEvent`]. See
+//! [`async_event`].
+//!
 //! With the `tokio` feature (off by default), every blocking step has an `_async` twin
 //! (`resolve_addr_async`, `resolve_route_async`, `connect_async`, `get_request_async`,
-//! `accept_async`, `next_event_async`, `disconnect_async`) and the QP has `wait_async` and
-//! `wait_for_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
+//! `accept_async`, `next_event_async`, `disconnect_async`), the QP has `wait_async` and
+//! `wait_for_async`, and [`AsyncEvents`] has `next_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
 //! these futures is safe: posted work requests keep their regions inside the QP until their
 //! completions are polled or the QP is dropped. See `examples/async_pingpong.rs`.
 //!
