@@ -52,6 +52,11 @@ unsafe impl Sync for RawLoopQp {}
 
 impl RawLoopQp {
     fn new(ctx: &VerbsContext, pd: &ProtectionDomain, cq: &CompletionQueue, addr: std::net::IpAddr) -> RawLoopQp {
+        Self::on_raw_cq(ctx, pd, cq.as_raw(), addr)
+    }
+
+    /// The same on a CQ given by its raw handle (which must outlive the QP).
+    fn on_raw_cq(ctx: &VerbsContext, pd: &ProtectionDomain, cq: *mut ffi::ibv_cq, addr: std::net::IpAddr) -> RawLoopQp {
         let std::net::IpAddr::V4(v4) = addr else { panic!("this test needs an IPv4 device address") };
         let gid = ctx
             .gid_table(1)
@@ -63,8 +68,8 @@ impl RawLoopQp {
         // in Drop, before them: the test drops it first).
         let qp = unsafe {
             let mut a: ffi::ibv_qp_init_attr = std::mem::zeroed();
-            a.send_cq = cq.as_raw();
-            a.recv_cq = cq.as_raw();
+            a.send_cq = cq;
+            a.recv_cq = cq;
             a.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
             a.cap.max_send_wr = 64;
             a.cap.max_recv_wr = 1;
@@ -213,6 +218,37 @@ fn cq_overrun_is_delivered_to_the_cq_and_ends_its_wait() {
     eprintln!("error: {e}");
     drop(qp);
     drop((events, early, mr, cq, other, pd, ctx));
+    t.finish();
+}
+
+/// An event about a CQ the crate does not own (made through ffi) is returned with its handle,
+/// marks none of the crate's objects, and is acknowledged: the raw CQ's destroy, which waits
+/// for the acknowledgement of every event read about it, returns.
+#[test]
+fn events_about_foreign_objects_are_returned_acked_and_mark_nothing() {
+    let t = DeviceTest::start();
+    let ctx = open_device();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let ours = CompletionQueue::new(&ctx, 4).unwrap();
+    let mut events = ctx.async_events().unwrap();
+    // SAFETY: the context is open; a CQ of one entry without a channel; destroyed below.
+    let raw_cq = unsafe { ffi::ibv_create_cq(ctx.as_raw(), 1, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+    assert!(!raw_cq.is_null());
+    let target = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let qp = RawLoopQp::on_raw_cq(&ctx, &pd, raw_cq, t.addr);
+    qp.write_self(&target, 4);
+    let (ev, _) = wait_event(&mut events, T, |e| e.kind == AsyncEventKind::CqError);
+    assert_eq!(ev.element, AsyncElement::Cq(raw_cq as usize));
+    assert!(!ours.has_error().unwrap());
+    assert_eq!(ours.last_async_event().unwrap(), None);
+    drop(qp);
+    // More CQ_ERR events may have been read meanwhile; all were acknowledged, or this hangs.
+    while events.try_next().unwrap().is_some() {}
+    let start = Instant::now();
+    // SAFETY: its only QP is destroyed; destroyed once.
+    assert_eq!(unsafe { ffi::ibv_destroy_cq(raw_cq) }, 0);
+    assert!(start.elapsed() < Duration::from_secs(2), "ibv_destroy_cq took {:?}", start.elapsed());
+    drop((events, target, ours, pd, ctx));
     t.finish();
 }
 
