@@ -379,6 +379,34 @@ fn guest_only_link_flap_reports_port_error_then_active() {
     t.finish();
 }
 
+/// `doctor --watch` prints the port's events while the link flaps (as `ibv_asyncwatch` does).
+#[test]
+fn guest_only_doctor_watch_prints_port_events() {
+    let t = DeviceTest::start();
+    let exe = std::env::current_exe().unwrap();
+    let doctor = exe.parent().unwrap().parent().unwrap().join("examples").join("doctor");
+    let mut child = Command::new(doctor)
+        .args(["--watch", "60"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = common::lines_of(&mut child);
+    common::wait_for_line(&lines, "watching", Duration::from_secs(60));
+    let down = LinkDown::new();
+    common::wait_for_line(&lines, "IBV_EVENT_PORT_ERR", Duration::from_secs(30));
+    drop(down);
+    common::wait_for_line(&lines, "IBV_EVENT_PORT_ACTIVE", Duration::from_secs(30));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + T;
+    while !std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state").unwrap_or_default().contains("ACTIVE") {
+        assert!(Instant::now() < deadline, "rxe0 did not come back");
+        thread::sleep(Duration::from_millis(50));
+    }
+    t.finish();
+}
+
 /// The same CQ overrun, awaited through tokio.
 #[cfg(feature = "tokio")]
 #[test]
