@@ -517,9 +517,10 @@ impl AsRawFd for CompletionQueue {
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
         self.ack_pending();
-        self.async_reg.leave(); // before the destroy: see crate::async_event
-                                // SAFETY: every QP using this CQ holds an Arc of it, so none is alive; all events are
-                                // acked above. The CQ and then its channel are destroyed exactly once.
+        // Out of the registry before the destroy (see crate::async_event).
+        self.async_reg.leave();
+        // SAFETY: every QP using this CQ holds an Arc of it, so none is alive; all events are
+        // acked above. The CQ and then its channel are destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_cq(self.as_raw()) };
         if ret != 0 {
             // Whatever the routing table still holds stays held: the CQ, and so the QPs on

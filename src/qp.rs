@@ -1463,7 +1463,8 @@ impl Drop for QueuePair {
             return;
         }
         self.drain(DRAIN_TIMEOUT);
-        self.async_reg.leave(); // before the destroy: see crate::async_event
+        // Out of the registry before the destroy (see crate::async_event).
+        self.async_reg.leave();
         let ret = match &self.link {
             Some(l) => l.destroy(self.raw.as_ptr()),
             // SAFETY: the QP is destroyed exactly once, here; nothing else refers to it.

@@ -175,8 +175,9 @@ impl SrqShared {
 
 impl Drop for SrqShared {
     fn drop(&mut self) {
-        self.async_reg.leave(); // before the destroy: see crate::async_event
-                                // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
+        // Out of the registry before the destroy (see crate::async_event).
+        self.async_reg.leave();
+        // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_srq(self.raw.as_ptr()) };
         if ret != 0 {
             // The device may still write posted receives: leak their regions (every piece's),
