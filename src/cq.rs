@@ -348,7 +348,8 @@ impl CompletionQueue {
     /// timeout passed. One thread at a time should wait on a CQ.
     ///
     /// # Errors
-    /// [`Error::Call`] when polling or the channel fails.
+    /// [`Error::Call`] when polling or the channel fails; [`Error::AsyncEvent`] when nothing is
+    /// left to reap and the device reported the CQ overrun ([`CompletionQueue::has_error`]).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);

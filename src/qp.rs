@@ -984,7 +984,8 @@ impl QueuePair {
     /// at its next wake-up: wait for a shared CQ from one thread ([`CompletionQueue::wait`]).
     ///
     /// # Errors
-    /// [`Error::Call`] when polling or the channels fail.
+    /// [`Error::Call`] when polling or the channels fail; [`Error::AsyncEvent`] when nothing is
+    /// left to reap and the device reported the QP, one of its CQs, or itself unusable.
     pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
         self.wait_on(None, out, &mut Deadline::new(timeout), true)
     }
@@ -1330,7 +1331,8 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::WorkCompletion`] for a failed completion; [`Error::Disconnected`];
-    /// [`Error::Timeout`].
+    /// [`Error::Timeout`]; [`Error::AsyncEvent`] when the device reported the QP, one of its
+    /// CQs, or itself unusable (see [`QueuePair::fatal_event`]).
     pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
         if let Some(r) = self.pick_kept(queue, wr_id) {
             return r;
