@@ -181,6 +181,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod addrinfo;
+pub mod ah;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod cm_id;
@@ -199,12 +200,14 @@ mod qp_attr;
 mod ring;
 pub mod srq;
 pub mod status;
+pub mod ud;
 mod wait;
 pub mod wr;
 
 pub use rdma_sys as ffi;
 
 pub use addrinfo::{lookup, lookup_passive};
+pub use ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
@@ -221,6 +224,10 @@ pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
+pub use ud::{
+    Datagram, PortSpace, UdAddrResolved, UdClient, UdDest, UdEndpoint, UdListener, UdQp, UdRequest, UdRoute, UdSendWr,
+    UdServer, UdServerQp, RDMA_UDP_QKEY,
+};
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr, MAX_SGE};
 
