@@ -61,6 +61,8 @@
 //!                   ├──────► SharedReceiveQueue ─► ProtectionDomain         or the opened device)
 //!                   └──────► ProtectionDomain ─► VerbsContext
 //! MemoryRegion ─► ProtectionDomain
+//! AddressHandle ─► ProtectionDomain
+//! UdEndpoint ─► UdQp ─► QueuePair (as above; its send slots hold the AddressHandles in use)
 //! ```
 //!
 //! so whatever order values are dropped in, each C object is destroyed after everything that
@@ -105,6 +107,10 @@
 //!   are copied with volatile accesses. Regions a peer may only *read* are handed out as slices:
 //!   the peer may see a buffer while Rust writes it, which is no memory-safety issue.
 //!
+//! A UD send also holds its [`AddressHandle`] in the send ring's address-handle table (one
+//! entry per slot, made with the QP) until its slot is retired, so the handle outlives every
+//! send that names it, however the caller drops it (see [`ud`]).
+//!
 //! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
 //! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
 //! Post and poll make no heap allocation.
@@ -116,6 +122,8 @@
 //! | [`EventChannel`], [`CmId`], [`VerbsContext`] | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
 //! | [`ProtectionDomain`], [`CompletionQueue`], [`SharedReceiveQueue`] | yes | yes | thread-safe verbs through `&self`; a CQ's routing table and an SRQ's slots are behind mutexes |
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
+//! | [`AddressHandle`] | yes | yes | immutable once made; shared by the sends that use it |
+//! | [`UdQp`], [`UdEndpoint`] | yes | no | as [`QueuePair`] |
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
@@ -136,6 +144,36 @@
 //! Dropping a [`QueuePair`] with work in flight blocks for up to 2 s while the flush is reaped.
 //! With the `tokio` feature, a QP dropped on a runtime thread (a future holding it was
 //! cancelled, say) hands that wait to the runtime's blocking pool instead.
+//!
+//! ## Unreliable datagrams
+//!
+//! [`UdClient`] and [`UdServer`] run the UD side of rdma_cm (`RDMA_PS_UDP`): the client's
+//! [`UdEndpoint::connect`] is one request and one reply, whose `ESTABLISHED` event carries the
+//! server's QP number, QKey and address ([`CmEvent::ud`], [`UdDest`]); the server answers
+//! whoever sends to it ([`UdDest::reply_to`]). A [`UdQp`] posts [`UdSendWr`]s, each addressed,
+//! and only sends: an RDMA WRITE, READ or atomic on UD does not compile. Every receive starts
+//! with [`GRH_LEN`] bytes the device writes; [`Datagram::parse`] gives the payload's range, the
+//! sender's QP number and address. A datagram over the port's MTU, or a receive with no room
+//! for the GRH, is refused before posting. `examples/udaddy` is rdma-core's `udaddy`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{AccessFlags, Datagram, MemoryRegion, QpInit, RecvWr, UdClient, UdSendWr, WorkQueue, GRH_LEN};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let route = UdClient::new()?.resolve_addr(None, "10.77.0.1:7174".parse().unwrap(), t)?.resolve_route(t)?;
+//! let pd = route.alloc_pd()?;
+//! let mut ep = route.create_qp(&pd, QpInit::new())?;
+//! let mut buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
+//! ep.qp_mut().post_recv(&[RecvWr::new(&buf, 0..GRH_LEN + 1024).wr_id(1)])?;
+//! let server = ep.connect(&[], t)?;                         // its QPN, QKey and address
+//! ep.qp_mut().post_send(&[UdSendWr::send_inline(&server, b"ping").wr_id(2)])?;
+//! let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 1, t)?;   // the answer
+//! let d = Datagram::parse(&wc, &mut buf, 0)?;
+//! println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//! # Ok(()) }
+//! ```
 //!
 //! ## Event loops and async
 //!
