@@ -21,8 +21,8 @@
 //! immediate: its QP number), unsignaled; the server receives them, makes an address handle
 //! from the first datagram's completion and GRH, and replies with `message_count` signaled
 //! sends to the QP number in the immediate data; the client receives the replies. Unlike
-//! `udaddy`, every wait is bounded (30 s), and a message over the port's active MTU is refused
-//! before anything is sent.
+//! `udaddy`, every wait is bounded (30 s; the server waits 120 s for each client), and a
+//! message over the port's active MTU is refused before anything is sent.
 
 use std::net::SocketAddr;
 use std::process::exit;

@@ -239,6 +239,7 @@ mod ring;
 pub mod srq;
 pub mod status;
 pub mod ud;
+pub mod ud_cm;
 mod wait;
 pub mod wr;
 
@@ -262,9 +263,9 @@ pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
-pub use ud::{
-    Datagram, PortSpace, UdAddrResolved, UdClient, UdDest, UdEndpoint, UdListener, UdQp, UdRequest, UdRoute, UdSendWr,
-    UdServer, UdServerQp, RDMA_UDP_QKEY,
+pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
+pub use ud_cm::{
+    PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
 };
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr, MAX_SGE};
