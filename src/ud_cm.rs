@@ -233,8 +233,10 @@ impl UdEndpoint {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for private data over [`MAX_UD_PRIVATE_DATA`];
-    /// [`Error::UnexpectedEvent`] naming `REJECTED` (nobody listens on that port, or the
-    /// server refused), `UNREACHABLE` (no answer) or `CONNECT_ERROR`; [`Error::Timeout`];
+    /// [`Error::UnexpectedEvent`] naming `UNREACHABLE`: with status 1 when nobody listens on
+    /// that port (the SIDR reply's "service not supported", measured on rxe), 2 when the
+    /// server rejected the request, a negative errno when nothing answered; or
+    /// `CONNECT_ERROR`; [`Error::Timeout`];
     /// [`Error::Call`] when the address handle cannot be made.
     pub fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<UdDest> {
         let ev = {
@@ -245,7 +247,7 @@ impl UdEndpoint {
             // points to outlive the call, which copies them.
             check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
                 .map_err(|e| with_opt_addr(e, peer))?;
-            expect(&self.id, CmEventType::Established, "rdma_connect (UD)", timeout)?
+            expect(&self.id, CmEventType::Established, "rdma_connect (UD)", timeout).map_err(sidr_hint)?
         };
         let ud = ev.ud().ok_or_else(|| {
             with_opt_addr(
@@ -254,6 +256,26 @@ impl UdEndpoint {
             )
         })?;
         UdDest::from_ud_param(self.qp.pd(), ud)
+    }
+}
+
+/// A UD connect's `UNREACHABLE` carries the SIDR reply's status (`enum ib_cm_sidr_status`)
+/// when the server's side answered: say what it means rather than "no answer".
+fn sidr_hint(e: Error) -> Error {
+    match e {
+        Error::UnexpectedEvent { op, expected, got: CmEventType::Unreachable, status, addr, private_data, .. }
+            if (1..=5).contains(&status) =>
+        {
+            let hint = Some(match status {
+                1 => "the server's side answered that nobody listens there (SIDR status 1, service not supported): is the UD server running, on this port and port space?",
+                2 => "the server rejected the request (SIDR status 2)",
+                3 => "the server has no QP for the request (SIDR status 3)",
+                4 => "the server redirected the request (SIDR status 4), which rdma_cm does not follow",
+                _ => "the server does not support this SIDR version (status 5)",
+            });
+            Error::UnexpectedEvent { op, expected, got: CmEventType::Unreachable, status, addr, hint, private_data }
+        }
+        e => e,
     }
 }
 
