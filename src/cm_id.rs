@@ -26,7 +26,8 @@ use crate::device::VerbsContext;
 use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::EventChannel;
 
-/// An owned `rdma_cm_id` on the RC port space (`RDMA_PS_TCP`).
+/// An owned `rdma_cm_id`: on the RC port space (`RDMA_PS_TCP`), or for UD
+/// ([`UdClient`](crate::UdClient), [`UdServer`](crate::UdServer)) on `RDMA_PS_UDP`/`RDMA_PS_IPOIB`.
 pub struct CmId {
     raw: NonNull<ffi::rdma_cm_id>,
     // Dropped after `raw` is destroyed (Drop::drop runs before fields drop).
@@ -58,11 +59,15 @@ impl CmId {
     /// # Errors
     /// [`Error::NoDevice`] when no RDMA device exists; [`Error::Call`] otherwise.
     pub fn new(channel: &EventChannel) -> Result<CmId> {
+        CmId::with_port_space(channel, ffi::rdma_port_space::RDMA_PS_TCP)
+    }
+
+    /// Creates an id on port space `ps` (`RDMA_PS_TCP` for RC, `RDMA_PS_UDP` or
+    /// `RDMA_PS_IPOIB` for UD).
+    pub(crate) fn with_port_space(channel: &EventChannel, ps: ffi::rdma_port_space::Type) -> Result<CmId> {
         let mut raw = std::ptr::null_mut();
         // SAFETY: the channel is open for the call; `raw` is a valid out-pointer.
-        let ret = unsafe {
-            ffi::rdma_create_id(channel.raw(), &mut raw, std::ptr::null_mut(), ffi::rdma_port_space::RDMA_PS_TCP)
-        };
+        let ret = unsafe { ffi::rdma_create_id(channel.raw(), &mut raw, std::ptr::null_mut(), ps) };
         check_rdma(ret, "rdma_create_id")?;
         let raw = NonNull::new(raw).ok_or_else(|| Error::call("rdma_create_id", libc::EIO, None))?;
         Ok(CmId { raw, channel: channel.clone() })

@@ -226,7 +226,7 @@ fn is_peer_gone(ev: &CmEvent) -> bool {
 /// Creates the RC QP of `id` on `pd` through `rdma_create_qp`, so librdmacm drives its state
 /// changes during connect/accept. Only the typestates call this, each consuming the state that
 /// owns the id, so an id gets at most one QP.
-fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
+pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<QueuePair> {
     if id.verbs().map(|v| v.as_ptr()) != Some(pd.context().as_raw()) {
         return Err(Error::InvalidArgument(format!(
             "the protection domain is on device {}, not on the device context of this connection's id (allocate it from the id: alloc_pd)",
@@ -253,7 +253,7 @@ fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Res
 }
 
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
-fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
+pub(crate) fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
     let peer = id.peer_addr();
     let ev = id.channel().get_event_for(id.handle(), timeout).map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
@@ -507,7 +507,7 @@ pub(crate) fn with_opt_addr(e: Error, a: Option<SocketAddr>) -> Error {
     }
 }
 
-fn context_of(id: &Arc<CmId>) -> Result<VerbsContext> {
+pub(crate) fn context_of(id: &Arc<CmId>) -> Result<VerbsContext> {
     id.context().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: id.peer_addr() })
 }
 
@@ -717,7 +717,7 @@ impl Listener {
     }
 }
 
-fn expect_any_request(listener: &CmId, timeout: Duration) -> Result<CmEvent> {
+pub(crate) fn expect_any_request(listener: &CmId, timeout: Duration) -> Result<CmEvent> {
     let ev = listener.channel().get_event_for(listener.handle(), timeout).map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout {
             op: "waiting for CONNECT_REQUEST",

@@ -555,6 +555,13 @@ pub struct WorkCompletion {
     pub(crate) imm: Option<u32>,
     pub(crate) qp_num: u32,
     pub(crate) queue: WorkQueue,
+    /// The sender's QP number (UD receives).
+    pub(crate) src_qp: u32,
+    pub(crate) wc_flags: u32,
+    pub(crate) pkey_index: u16,
+    pub(crate) slid: u16,
+    pub(crate) sl: u8,
+    pub(crate) dlid_path_bits: u8,
 }
 
 impl Default for WorkCompletion {
@@ -568,6 +575,12 @@ impl Default for WorkCompletion {
             imm: None,
             qp_num: 0,
             queue: WorkQueue::Send,
+            src_qp: 0,
+            wc_flags: 0,
+            pkey_index: 0,
+            slid: 0,
+            sl: 0,
+            dlid_path_bits: 0,
         }
     }
 }
@@ -585,7 +598,62 @@ impl WorkCompletion {
             imm: with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })),
             qp_num: wc.qp_num,
             queue,
+            src_qp: wc.src_qp,
+            wc_flags: wc.wc_flags,
+            pkey_index: wc.pkey_index,
+            slid: wc.slid,
+            sl: wc.sl,
+            dlid_path_bits: wc.dlid_path_bits,
         }
+    }
+
+    /// The completion as libibverbs lays it out (for `ibv_init_ah_from_wc`); `wr_id` is the
+    /// caller's, the opcode and status as received.
+    pub(crate) fn to_raw(self) -> ffi::ibv_wc {
+        ffi::ibv_wc {
+            wr_id: self.wr_id,
+            status: self.status.to_raw(),
+            opcode: self.opcode,
+            vendor_err: self.vendor_err,
+            byte_len: self.byte_len,
+            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t {
+                imm_data: self.imm.unwrap_or(0).to_be(),
+            },
+            qp_num: self.qp_num,
+            src_qp: self.src_qp,
+            wc_flags: self.wc_flags,
+            pkey_index: self.pkey_index,
+            slid: self.slid,
+            sl: self.sl,
+            dlid_path_bits: self.dlid_path_bits,
+        }
+    }
+
+    /// The sender's QP number (a UD receive's; meaningless for RC and for sends).
+    pub fn src_qp(&self) -> u32 {
+        self.src_qp
+    }
+
+    /// Whether the received packet carried a GRH (`IBV_WC_GRH`): on RoCE every datagram does,
+    /// and the first 40 bytes of the receive buffer hold it ([`crate::Grh`]). On a UD QP those
+    /// 40 bytes are taken whether or not a GRH was present.
+    pub fn has_grh(&self) -> bool {
+        self.wc_flags & ffi::ibv_wc_flags::IBV_WC_GRH.0 != 0
+    }
+
+    /// The sender's LID (InfiniBand; 0 on RoCE).
+    pub fn slid(&self) -> u16 {
+        self.slid
+    }
+
+    /// The service level of the received packet.
+    pub fn sl(&self) -> u8 {
+        self.sl
+    }
+
+    /// The partition key index of the received packet (UD).
+    pub fn pkey_index(&self) -> u16 {
+        self.pkey_index
     }
 
     /// The `wr_id` the caller gave the work request.

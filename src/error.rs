@@ -151,6 +151,15 @@ pub enum Error {
         size: u64,
     },
 
+    /// A UD datagram larger than the MTU was refused before posting: a datagram is one packet.
+    #[error("a UD message of {len} bytes exceeds the MTU of {mtu} bytes: a datagram is a single packet, so split the message (or, on RoCE, raise the netdev's MTU: `ip link set DEV mtu 9000` gives an active MTU of 4096)")]
+    MessageTooLong {
+        /// Bytes the message carries.
+        len: u64,
+        /// The port's active MTU in bytes.
+        mtu: u32,
+    },
+
     /// An argument was rejected before calling into C.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
+use crate::ah::UdParam;
 use crate::cm_id::{CmId, IdHandle};
 use crate::error::{check_ptr, errno, Error, Result};
 use crate::wait::{poll_readable, pollfd, Deadline};
@@ -459,6 +460,7 @@ pub struct CmEvent {
     responder_resources: u8,
     initiator_depth: u8,
     new_id: Option<CmId>,
+    ud: Option<UdParam>,
 }
 
 impl CmEvent {
@@ -470,10 +472,20 @@ impl CmEvent {
         // SAFETY: caller guarantees `ev` is valid until we ack it below.
         let e = unsafe { &*ev };
         let kind = CmEventType::from_raw(e.event);
-        // SAFETY: for connection events (all but UD/multicast, which this crate does not
-        // create) the `conn` arm of the param union is the one librdmacm filled.
+        // Which arm of the param union librdmacm filled: `ud` for every event of an id whose
+        // QP type is UD (a UDP or IPoIB port-space id) and for multicast events, `conn`
+        // otherwise (see `rdma_get_cm_event`).
+        // SAFETY: a non-null `id` of a valid event is a valid rdma_cm_id.
+        let on_ud = !e.id.is_null() && unsafe { (*e.id).qp_type } == ffi::ibv_qp_type::IBV_QPT_UD;
+        let multicast = matches!(kind, CmEventType::MulticastJoin | CmEventType::MulticastError);
+        // SAFETY: both arms are plain old data; the one read is the one filled (above).
+        let ud = (on_ud || multicast).then(|| UdParam::from_raw(unsafe { &e.param.ud }));
+        // SAFETY: the union's arms are plain old data of which every bit pattern is valid;
+        // `private_data` and its length sit at the same offsets in both arms, and the
+        // remaining `conn` fields read below are only meaningful for connection events.
         let conn = unsafe { e.param.conn };
-        let len = (conn.private_data_len as usize).min(MAX_PRIVATE_DATA);
+        // A multicast event's private-data pointer is the join's user context, not bytes.
+        let len = if multicast { 0 } else { (conn.private_data_len as usize).min(MAX_PRIVATE_DATA) };
         let private_data = if conn.private_data.is_null() || len == 0 {
             PrivateData::EMPTY
         } else {
@@ -496,6 +508,7 @@ impl CmEvent {
             responder_resources: conn.responder_resources,
             initiator_depth: conn.initiator_depth,
             new_id,
+            ud,
         };
         // SAFETY: `ev` is valid and acked exactly once, here; nothing reads it afterwards.
         unsafe { ffi::rdma_ack_cm_event(ev) };
@@ -537,6 +550,14 @@ impl CmEvent {
     /// The peer's initiator depth (for `CONNECT_REQUEST`/`ESTABLISHED`).
     pub fn initiator_depth(&self) -> u8 {
         self.initiator_depth
+    }
+
+    /// The `ud` parameters (the peer's or the group's address attributes, QP number and
+    /// QKey) of an event on a UD id, or of a multicast event. A UD `ESTABLISHED` event (the
+    /// answer to [`UdEndpoint::connect`](crate::UdEndpoint::connect)) and a `MULTICAST_JOIN`
+    /// carry meaningful ones; `None` for RC events.
+    pub fn ud(&self) -> Option<&UdParam> {
+        self.ud.as_ref()
     }
 
     /// Takes the new id out of a `CONNECT_REQUEST`. Dropping it unaccepted rejects the peer.

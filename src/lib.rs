@@ -61,6 +61,8 @@
 //!                   ├──────► SharedReceiveQueue ─► ProtectionDomain         or the opened device)
 //!                   └──────► ProtectionDomain ─► VerbsContext
 //! MemoryRegion ─► ProtectionDomain
+//! AddressHandle ─► ProtectionDomain
+//! UdEndpoint ─► UdQp ─► QueuePair (as above; its send slots hold the AddressHandles in use)
 //! ```
 //!
 //! so whatever order values are dropped in, each C object is destroyed after everything that
@@ -105,6 +107,10 @@
 //!   are copied with volatile accesses. Regions a peer may only *read* are handed out as slices:
 //!   the peer may see a buffer while Rust writes it, which is no memory-safety issue.
 //!
+//! A UD send also holds its [`AddressHandle`] in the send ring's address-handle table (one
+//! entry per slot, made with the QP) until its slot is retired, so the handle outlives every
+//! send that names it, however the caller drops it (see [`ud`]).
+//!
 //! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
 //! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
 //! Post and poll make no heap allocation.
@@ -117,6 +123,8 @@
 //! | [`ProtectionDomain`], [`CompletionQueue`], [`SharedReceiveQueue`] | yes | yes | thread-safe verbs through `&self`; a CQ's routing table and an SRQ's slots are behind mutexes |
 //! | [`MemoryRegion`] | yes | yes | bytes only through `&mut self` with a unique handle |
 //! | [`AsyncEvents`] | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
+//! | [`AddressHandle`] | yes | yes | immutable once made; shared by the sends that use it |
+//! | [`UdQp`], [`UdEndpoint`] | yes | no | as [`QueuePair`] |
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
@@ -137,6 +145,36 @@
 //! Dropping a [`QueuePair`] with work in flight blocks for up to 2 s while the flush is reaped.
 //! With the `tokio` feature, a QP dropped on a runtime thread (a future holding it was
 //! cancelled, say) hands that wait to the runtime's blocking pool instead.
+//!
+//! ## Unreliable datagrams
+//!
+//! [`UdClient`] and [`UdServer`] run the UD side of rdma_cm (`RDMA_PS_UDP`): the client's
+//! [`UdEndpoint::connect`] is one request and one reply, whose `ESTABLISHED` event carries the
+//! server's QP number, QKey and address ([`CmEvent::ud`], [`UdDest`]); the server answers
+//! whoever sends to it ([`UdDest::reply_to`]). A [`UdQp`] posts [`UdSendWr`]s, each addressed,
+//! and only sends: an RDMA WRITE, READ or atomic on UD does not compile. Every receive starts
+//! with [`GRH_LEN`] bytes the device writes; [`Datagram::parse`] gives the payload's range, the
+//! sender's QP number and address. A datagram over the port's MTU, or a receive with no room
+//! for the GRH, is refused before posting. `examples/udaddy` is rdma-core's `udaddy`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{AccessFlags, Datagram, MemoryRegion, QpInit, RecvWr, UdClient, UdSendWr, WorkQueue, GRH_LEN};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let route = UdClient::new()?.resolve_addr(None, "10.77.0.1:7174".parse().unwrap(), t)?.resolve_route(t)?;
+//! let pd = route.alloc_pd()?;
+//! let mut ep = route.create_qp(&pd, QpInit::new())?;
+//! let mut buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
+//! ep.qp_mut().post_recv(&[RecvWr::new(&buf, 0..GRH_LEN + 1024).wr_id(1)])?;
+//! let server = ep.connect(&[], t)?;                         // its QPN, QKey and address
+//! ep.qp_mut().post_send(&[UdSendWr::send_inline(&server, b"ping").wr_id(2)])?;
+//! let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 1, t)?;   // the answer
+//! let d = Datagram::parse(&wc, &mut buf, 0)?;
+//! println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//! # Ok(()) }
+//! ```
 //!
 //! ## Event loops and async
 //!
@@ -191,6 +229,7 @@
 pub mod addrinfo;
 pub mod async_event;
 mod async_kind;
+pub mod ah;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod cm_id;
@@ -209,6 +248,8 @@ mod qp_attr;
 mod ring;
 pub mod srq;
 pub mod status;
+pub mod ud;
+pub mod ud_cm;
 mod wait;
 pub mod wr;
 
@@ -216,6 +257,7 @@ pub use rdma_sys as ffi;
 
 pub use addrinfo::{lookup, lookup_passive};
 pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
+pub use ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
@@ -232,6 +274,10 @@ pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
+pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
+pub use ud_cm::{
+    PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
+};
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr, MAX_SGE};
 

@@ -1,4 +1,5 @@
-//! [`QueuePair`]: an owned RC queue pair and its sound, allocation-free data path.
+//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::UdQp), UD) queue pair and its sound,
+//! allocation-free data path.
 //!
 //! # Ownership of in-flight memory
 //!
@@ -83,7 +84,7 @@ use crate::pd::ProtectionDomain;
 use crate::ring::{tag, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
 use crate::wait::{poll_readable, pollfd, Deadline};
-use crate::wr::{hold_rest, RecvWr, SendOp, SendWr, MAX_SGE};
+use crate::wr::{hold_rest, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
@@ -110,6 +111,9 @@ pub struct QpInit {
     pub(crate) send_cq: Option<Arc<CompletionQueue>>,
     pub(crate) recv_cq: Option<Arc<CompletionQueue>>,
     pub(crate) srq: Option<SharedReceiveQueue>,
+    /// A UD QP (set by the UD layer only): `IBV_QPT_UD`, and a send ring that holds address
+    /// handles.
+    pub(crate) datagrams: bool,
 }
 
 impl Default for QpInit {
@@ -123,6 +127,7 @@ impl Default for QpInit {
             send_cq: None,
             recv_cq: None,
             srq: None,
+            datagrams: false,
         }
     }
 }
@@ -233,6 +238,8 @@ pub struct QueuePair {
     recv_reserved: u64,
     /// The connection is established: sends may be posted, and waits may watch the link.
     connected: bool,
+    /// A UD QP: its sends are datagrams, each naming an address handle.
+    datagrams: bool,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
     /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
@@ -501,7 +508,7 @@ impl QueuePair {
         attr.send_cq = send_cq.as_raw();
         attr.recv_cq = recv_cq.as_raw();
         attr.srq = init.srq.as_ref().map_or(std::ptr::null_mut(), |s| s.as_raw());
-        attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
+        attr.qp_type = if init.datagrams { ffi::ibv_qp_type::IBV_QPT_UD } else { ffi::ibv_qp_type::IBV_QPT_RC };
         attr.sq_sig_all = 0;
         attr.cap.max_send_wr = init.max_send_wr;
         attr.cap.max_recv_wr = recv_depth;
@@ -523,7 +530,8 @@ impl QueuePair {
         let max_send_sge = attr.cap.max_send_sge.clamp(1, init.max_send_sge);
         let max_recv_sge = if on_srq { 0 } else { attr.cap.max_recv_sge.clamp(1, max_recv_sge) };
         let max_read_sge = max_read_sge.min(max_send_sge);
-        let queues = Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth, max_send_sge, max_recv_sge)));
+        let queues =
+            Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth, max_send_sge, max_recv_sge, init.datagrams)));
         let send_index = send_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues));
         let recv_index = if Arc::ptr_eq(&send_cq, &recv_cq) {
             send_index.as_ref().map(|i| *i).map_err(|_| Error::InvalidArgument(String::new()))
@@ -562,7 +570,9 @@ impl QueuePair {
             recv_slot: Slot { index: recv_index },
             send_reserved,
             recv_reserved,
-            connected: false,
+            // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
+            connected: init.datagrams,
+            datagrams: init.datagrams,
             peer_left: false,
             busy_poll: false,
             #[cfg(feature = "tokio")]
@@ -665,6 +675,12 @@ impl QueuePair {
     /// anything is posted; [`Error::Call`] when `ibv_post_send` rejects a work request (the
     /// ones before it stay posted and are tracked).
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        self.post_sends(wrs)
+    }
+
+    /// [`QueuePair::post_send`] for any list of work requests that are sends underneath (a
+    /// UD QP's [`UdSendWr`](crate::UdSendWr)s).
+    pub(crate) fn post_sends<W: AsSendWr>(&mut self, wrs: &[W]) -> Result<()> {
         if !self.connected {
             // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
             return Err(Error::InvalidArgument("sends need an established connection".into()));
@@ -673,6 +689,16 @@ impl QueuePair {
             return Err(Error::Disconnected { op: "ibv_post_send", addr: self.peer_addr() });
         }
         for w in wrs {
+            let w = w.send_wr();
+            if w.ud.is_some() != self.datagrams {
+                // Unreachable through the public API: only a UdQp posts datagrams, and it
+                // offers nothing else.
+                return Err(Error::InvalidArgument(if self.datagrams {
+                    "a UD QP sends datagrams only, each addressed (UdSendWr)".into()
+                } else {
+                    "an addressed datagram needs a UD QP".into()
+                }));
+            }
             if let Some(data) = w.inline {
                 if data.len() > self.max_inline as usize {
                     return Err(Error::InvalidArgument(format!(
@@ -717,7 +743,7 @@ impl QueuePair {
         check_rest(&self.pd, first_len, w.rest, w.op.writes_local())
     }
 
-    fn post_send_chunk(&self, q: &mut Queues, wrs: &[SendWr<'_>]) -> Result<()> {
+    fn post_send_chunk<W: AsSendWr>(&self, q: &mut Queues, wrs: &[W]) -> Result<()> {
         // Only the `n` entries used are initialised (zeroing whole arrays costs on every post).
         let mut raw: [MaybeUninit<ffi::ibv_send_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
         let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK_SGE] = [const { MaybeUninit::uninit() }; CHUNK_SGE];
@@ -731,6 +757,7 @@ impl QueuePair {
         // unsignaled work always has a completion coming that retires it.
         let free = q.send.free();
         for (k, w) in wrs[..n].iter().enumerate() {
+            let w = w.send_wr();
             let writes = w.op.writes_local();
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
             let seq = q.send.stage(k as u64, w.wr_id, hold);
@@ -738,6 +765,9 @@ impl QueuePair {
                 // Every later piece is held too, in the ring's side table.
                 q.send.stage_rest(seq, hold_rest(w.rest, writes));
             }
+            // A datagram's address handle is held in the ring's table until the slot retires
+            // (the check above made sure this is a UD QP, whose send ring has the table).
+            let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
             let first = match (w.inline, &w.local) {
                 (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
                 (None, Some((m, range))) => m.sge(range),
@@ -791,7 +821,11 @@ impl QueuePair {
                 SendOp::CompareSwap { addr, rkey, compare, swap } => {
                     r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
                 }
-                SendOp::Send => {}
+                SendOp::Send => {
+                    if let Some(d) = ud {
+                        r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };
+                    }
+                }
             }
             use ffi::ibv_send_flags as f;
             let mut flags = 0;
@@ -808,9 +842,10 @@ impl QueuePair {
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // Each piece was checked against a region on this PD, whose handle a ring slot (or its
-        // side table) now holds until the completion is reaped; inline data is copied in the call.
+        // side table) now holds until the completion is reaped; inline data is copied in the call;
+        // a datagram's address handle is held by the ring's address-handle table likewise.
         // SAFETY: QP valid; raw[..n] is an initialised, NULL-terminated list over `sge`, alive
-        // for the call; every region it names is held (above).
+        // for the call; every region and address handle it names is held (above).
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), base, &mut bad) };
         self.commit_posted(q, ret, bad, base, n, true, "ibv_post_send")
     }
@@ -1437,6 +1472,7 @@ impl QueuePair {
             send_reserved: self.send_reserved,
             recv_reserved: self.recv_reserved,
             connected: self.connected,
+            datagrams: self.datagrams,
             peer_left: self.peer_left,
             busy_poll: self.busy_poll,
             detached: false,

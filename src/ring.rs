@@ -7,6 +7,7 @@ use std::mem;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::ah::AddressHandle;
 use crate::cq::WorkCompletion;
 use crate::mr::MrInner;
 
@@ -47,11 +48,13 @@ pub(crate) struct Slot<H = Hold> {
     /// The provider said it did not take this work request: it holds nothing, completes
     /// nothing, and the head steps over it.
     void: bool,
+    /// Its address handle (a UD send's) sits in the ring's address-handle table.
+    ah: bool,
 }
 
 impl<H> Default for Slot<H> {
     fn default() -> Self {
-        Slot { user_wr_id: 0, _hold: None, extra: 0, void: false }
+        Slot { user_wr_id: 0, _hold: None, extra: 0, void: false, ah: false }
     }
 }
 
@@ -110,6 +113,9 @@ pub(crate) struct Ring<H = Hold> {
     pub(crate) slots: Box<[Slot<H>]>,
     /// The holds of later pieces (empty for a queue of one piece per work request).
     extra: Extra<H>,
+    /// The address handle each UD send uses, one entry per slot (empty for a queue that sends
+    /// no datagrams: an RC QP's, or any receive queue). Allocated once, with the ring.
+    ahs: Box<[Option<Arc<AddressHandle>>]>,
     /// How many work requests the queue holds.
     depth: u64,
     /// Sequence number of the oldest outstanding work request.
@@ -129,10 +135,30 @@ impl<H> Ring<H> {
         Ring {
             slots: (0..len).map(|_| Slot::default()).collect(),
             extra: Extra::<H>::new(len, max_pieces),
+            ahs: Box::new([]),
             depth: depth as u64,
             head: 0,
             tail: 0,
             undelivered: 0,
+        }
+    }
+    /// Gives the ring its address-handle table (a UD QP's send queue), one entry per slot.
+    pub(crate) fn with_address_handles(mut self) -> Ring<H> {
+        self.ahs = (0..self.slots.len()).map(|_| None).collect();
+        self
+    }
+    /// Holds `ah` for the work request just staged as `seq` until its slot is retired, so the
+    /// address handle cannot be destroyed while the device may use it. Returns false when the
+    /// ring has no table (not a UD send queue): the caller must not post then.
+    pub(crate) fn stage_ah(&mut self, seq: u64, ah: &Arc<AddressHandle>) -> bool {
+        let i = self.index(seq);
+        match self.ahs.get_mut(i) {
+            Some(e) => {
+                *e = Some(Arc::clone(ah));
+                self.slots[i].ah = true;
+                true
+            }
+            None => false,
         }
     }
     pub(crate) fn cap(&self) -> u64 {
@@ -162,6 +188,9 @@ impl<H> Ring<H> {
         if s.extra > 0 {
             self.extra.clear(i, s.extra);
         }
+        if s.ah {
+            self.ahs[i] = None;
+        }
         s
     }
     /// Records a work request at `tail + k` (not yet committed), holding `hold` (its first
@@ -173,7 +202,7 @@ impl<H> Ring<H> {
         // The slot is free: at most `depth` work requests are outstanding, and retired slots
         // are emptied (side table included) by `take`.
         debug_assert!(self.slots[i]._hold.is_none() && self.slots[i].extra == 0);
-        self.slots[i] = Slot { user_wr_id, _hold: hold, extra: 0, void: false };
+        self.slots[i] = Slot { user_wr_id, _hold: hold, extra: 0, void: false, ah: false };
         seq
     }
     /// Adds the holds of the later pieces (at most `max_pieces - 1`) of the work request just
@@ -303,10 +332,12 @@ pub(crate) struct Queues {
 }
 
 impl Queues {
-    /// Rings of the given depths, for work requests of up to `send_sge`/`recv_sge` pieces.
-    pub(crate) fn new(send_depth: u32, recv_depth: u32, send_sge: u32, recv_sge: u32) -> Queues {
+    /// Rings of the given depths, for work requests of up to `send_sge`/`recv_sge` pieces;
+    /// `datagrams`: the send ring holds an address handle per work request (a UD QP).
+    pub(crate) fn new(send_depth: u32, recv_depth: u32, send_sge: u32, recv_sge: u32, datagrams: bool) -> Queues {
+        let send = Ring::<Hold>::new(send_depth, send_sge);
         Queues {
-            send: Ring::<Hold>::new(send_depth, send_sge),
+            send: if datagrams { send.with_address_handles() } else { send },
             recv: Ring::<Hold>::new(recv_depth, recv_sge),
             send_kept: Pending::new(send_depth),
             recv_kept: Pending::new(recv_depth),

@@ -23,6 +23,11 @@ macro_rules! wc_status {
                 use ffi::ibv_wc_status::*;
                 match v { $( $c => WcStatus::$var, )* v => WcStatus::Other(v) }
             }
+            /// The raw value.
+            pub(crate) fn to_raw(self) -> u32 {
+                use ffi::ibv_wc_status::*;
+                match self { $( WcStatus::$var => $c, )* WcStatus::Other(v) => v }
+            }
             /// The usual cause, when known.
             pub fn hint(self) -> Option<&'static str> {
                 match self { $( WcStatus::$var => $hint, )* WcStatus::Other(_) => None }

@@ -41,6 +41,7 @@ use std::ops::Range;
 use crate::error::{Error, Result};
 use crate::mr::{MemoryRegion, RemoteRegion};
 use crate::ring::Hold;
+use crate::ud::UdDest;
 
 /// The most pieces (scatter/gather entries) one work request may name. A queue takes at most
 /// what it was created for, up to this ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),
@@ -54,7 +55,7 @@ pub(crate) type Piece<'a> = (&'a MemoryRegion, Range<usize>);
 
 /// Splits a list of pieces into the first (which goes where a single piece goes) and the rest,
 /// refusing an empty list, more than [`MAX_SGE`] pieces, and empty pieces in a list of several.
-fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(Piece<'a>, &'a [Piece<'a>])> {
+pub(crate) fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(Piece<'a>, &'a [Piece<'a>])> {
     let Some(((mr, first), rest)) = pieces.split_first() else {
         return Err(Error::InvalidArgument(format!(
             "{what} of no pieces: a scatter/gather list needs at least one (region, range)"
@@ -120,16 +121,40 @@ pub struct SendWr<'a> {
     pub(crate) imm: Option<u32>,
     pub(crate) signaled: bool,
     pub(crate) solicited: bool,
+    /// Where a datagram goes (a UD send's; only [`UdSendWr`](crate::UdSendWr) sets it).
+    pub(crate) ud: Option<&'a UdDest>,
+}
+
+/// What the posting code needs of a send-queue work request: the [`SendWr`] underneath (a
+/// [`UdSendWr`](crate::UdSendWr) is one with a destination).
+pub(crate) trait AsSendWr {
+    fn send_wr(&self) -> &SendWr<'_>;
+}
+
+impl AsSendWr for SendWr<'_> {
+    #[inline(always)]
+    fn send_wr(&self) -> &SendWr<'_> {
+        self
+    }
 }
 
 impl<'a> SendWr<'a> {
-    fn new(op: SendOp, local: Option<Piece<'a>>) -> Self {
-        SendWr { wr_id: 0, op, local, rest: &[], inline: None, imm: None, signaled: true, solicited: false }
+    pub(crate) fn new(op: SendOp, local: Option<Piece<'a>>) -> Self {
+        SendWr { wr_id: 0, op, local, rest: &[], inline: None, imm: None, signaled: true, solicited: false, ud: None }
     }
 
-    fn with_rest(mut self, rest: &'a [Piece<'a>]) -> Self {
+    pub(crate) fn with_rest(mut self, rest: &'a [Piece<'a>]) -> Self {
         self.rest = rest;
         self
+    }
+
+    /// Bytes the work request moves: the inline data, or all pieces together.
+    pub(crate) fn total_len(&self) -> u64 {
+        match (&self.inline, &self.local) {
+            (Some(d), _) => d.len() as u64,
+            (None, Some((_, r))) => total_len(r, self.rest),
+            (None, None) => 0,
+        }
     }
 
     /// Sends `mr[range]`.

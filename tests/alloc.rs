@@ -216,3 +216,54 @@ fn scatter_gather_post_and_poll_allocate_nothing() {
     drop((c, s));
     t.finish();
 }
+
+/// Polls a UD QP until one completion arrives (bounded), counting only the poll itself.
+fn poll_ud_one(qp: &mut rdma_cm::UdQp, wcs: &mut [WorkCompletion; 4]) -> WorkCompletion {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = watched(|| qp.poll(wcs)).unwrap();
+        if n > 0 {
+            assert_eq!(n, 1);
+            return wcs[0].ok().unwrap();
+        }
+        assert!(Instant::now() < deadline, "no completion within 10 s");
+    }
+}
+
+/// UD allocates nothing either: a datagram each way per iteration, each send holding its
+/// address handle in the send ring's table, and the receive read as a `Datagram`.
+#[test]
+fn ud_post_and_poll_allocate_nothing() {
+    use rdma_cm::{Datagram, MemoryRegion, QpInit, UdSendWr, GRH_LEN};
+    const N: u64 = 5_000;
+    let t = DeviceTest::start();
+    let common::ud::UdPair { mut client, to_server, mut server, to_client } =
+        common::ud::ud_pair(t.addr, 7321, QpInit::new());
+    let cbuf = MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut crecv = MemoryRegion::new(client.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut srecv = MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut wcs = [WorkCompletion::default(); 4];
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for i in 0..N {
+        let r = RecvWr::new(&srecv, 0..GRH_LEN + 64).wr_id(i);
+        watched(|| server.qp_mut().post_recv(&[r])).unwrap();
+        let r = RecvWr::new(&crecv, 0..GRH_LEN + 64).wr_id(i);
+        watched(|| client.qp_mut().post_recv(&[r])).unwrap();
+        let s = UdSendWr::send(&to_server, &cbuf, 0..64).wr_id(i);
+        watched(|| client.qp_mut().post_send(&[s])).unwrap();
+        assert_eq!(poll_ud_one(client.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_ud_one(server.qp_mut(), &mut wcs);
+        let d = watched(|| Datagram::parse(&wc, &mut srecv, 0)).unwrap();
+        assert_eq!(d.len(), 64);
+        let s = UdSendWr::send_inline(&to_client, b"pong").wr_id(i);
+        watched(|| server.qp_mut().post_send(&[s])).unwrap();
+        assert_eq!(poll_ud_one(server.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+        let wc = poll_ud_one(client.qp_mut(), &mut wcs);
+        assert_eq!(watched(|| Datagram::parse(&wc, &mut crecv, 0)).unwrap().len(), 4);
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} UD round trips");
+    drop((client, server, to_server, to_client, cbuf, crecv, srecv));
+    t.finish();
+}

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr, Server};
 
 mod device;
+pub mod ud;
 pub use device::device_addr;
 
 pub const T: Duration = Duration::from_secs(10);

@@ -1,0 +1,487 @@
+//! Unreliable datagrams (UD) through rdma_cm: [`UdQp`], a UD queue pair whose sends are
+//! addressed per work request ([`UdSendWr`] to a [`UdDest`]); [`Datagram`], a received
+//! message with its 40-byte GRH accounted for; and the UD connection-manager steps.
+//!
+//! ```text
+//!  client                                         server
+//!  UdClient::new           (RDMA_PS_UDP)          UdServer::new        (RDMA_PS_UDP)
+//!   │ resolve_addr  → ADDR_RESOLVED               │ listen             (rdma_bind_addr, rdma_listen)
+//!  UdAddrResolved                                 UdListener
+//!   │ resolve_route → ROUTE_RESOLVED              │ get_request   → CONNECT_REQUEST (SIDR REQ)
+//!  UdRoute        ── alloc_pd                     UdRequest     ── alloc_pd
+//!   │ create_qp     (rdma_create_qp, UD: RTS)     │ create_qp / reject
+//!  UdEndpoint     ── post_recv, poll              UdServerQp    ── post_recv
+//!   │ connect       → ESTABLISHED + ud param      │ accept             (rdma_accept: SIDR REP)
+//!   ▼ = UdDest of the server's QP                 UdEndpoint    (learns each sender from its datagrams)
+//! ```
+//!
+//! A UD "connect" is one request and one reply (IB SIDR): the client learns the server's QP
+//! number and QKey and an address for it from the `ESTABLISHED` event's `ud` parameters
+//! ([`UdParam`]); nothing is connected, and the server learns a client from the datagrams it
+//! receives ([`AddressHandle::reply_to`], [`WorkCompletion::src_qp`]).
+//!
+//! # What a UD QP refuses, and why
+//!
+//! - **RDMA WRITE, READ and atomics** do not exist on UD. A [`UdQp`] posts [`UdSendWr`]s only,
+//!   and those are sends (with or without immediate data, gathered or inline): asking a UD QP
+//!   for an RDMA WRITE does not compile.
+//!
+//!   ```compile_fail
+//!   # fn f(qp: &mut rdma_cm::UdQp, mr: &rdma_cm::MemoryRegion, r: &rdma_cm::RemoteRegion) -> rdma_cm::Result<()> {
+//!   qp.post_send(&[rdma_cm::SendWr::write(mr, 0..8, r, 0)?])?;
+//!   # Ok(()) }
+//!   ```
+//!
+//!   Nor can safe code reach the [`QueuePair`] underneath mutably ([`UdQp::qp`] lends it
+//!   shared, for its number and capabilities).
+//! - **A message over the MTU** is one packet too big to send: [`UdQp::post_send`] refuses it
+//!   before posting, with [`Error::MessageTooLong`] naming both sizes.
+//! - **A receive buffer of fewer than [`GRH_LEN`] bytes** has no room for the header the
+//!   device writes first: refused before posting. A message longer than the buffer's room
+//!   after the 40 bytes completes with `LOC_LEN_ERR`.
+//! - **An address handle on another protection domain** than the QP's is refused.
+//!
+//! # Soundness
+//!
+//! As for RC (see [`crate::qp`]): every region a send or receive names is held by its slot
+//! until the completion retires it. A UD send also holds its [`AddressHandle`]: the send ring
+//! of a UD QP has one more table of `Option<Arc<AddressHandle>>`, one entry per slot, made when
+//! the QP is created; posting clones the `Arc` into it (no allocation) and retiring the slot
+//! drops it. Dropping every handle the caller has while a send is posted therefore only delays
+//! `ibv_destroy_ah` until the completion is reaped (or the QP is gone). UD work queues complete
+//! in order, so the RC rings apply as they are.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+use crate::ah::{AddressHandle, Grh, UdParam, GRH_LEN};
+use crate::cm_id::CmId;
+use crate::connection::create_qp_on;
+use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
+use crate::error::{check_ibv, Error, Result};
+use crate::mr::MemoryRegion;
+use crate::pd::ProtectionDomain;
+use crate::qp::{QpInit, QueuePair};
+use crate::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
+
+/// The QKey librdmacm gives every UD QP of the UDP port space (`RDMA_UDP_QKEY`).
+pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
+
+/// Private data a UD connect request carries at most (the SIDR REQ's 216 bytes less the
+/// rdma_cm header's 20).
+pub const MAX_UD_PRIVATE_DATA: usize = 196;
+
+/// Where a datagram goes: an address handle, the remote QP number and its QKey. Cheap to
+/// clone (the handle is shared).
+#[derive(Clone, Debug)]
+pub struct UdDest {
+    ah: Arc<AddressHandle>,
+    qpn: u32,
+    qkey: u32,
+}
+
+impl UdDest {
+    /// A destination from its parts.
+    pub fn new(ah: Arc<AddressHandle>, qpn: u32, qkey: u32) -> UdDest {
+        UdDest { ah, qpn: qpn & 0x00ff_ffff, qkey }
+    }
+
+    /// The destination an event's `ud` parameters name (a UD `ESTABLISHED` event, or a
+    /// multicast `JOIN`): makes the address handle on `pd` (`ibv_create_ah`).
+    ///
+    /// # Errors
+    /// As for [`AddressHandle::new`].
+    pub fn from_ud_param(pd: &Arc<ProtectionDomain>, ud: &UdParam) -> Result<UdDest> {
+        Ok(UdDest::new(AddressHandle::new(pd, ud.ah_attr())?, ud.qp_num(), ud.qkey()))
+    }
+
+    /// The destination that answers a received datagram: an address handle from its
+    /// completion and GRH ([`AddressHandle::reply_to`]), the sender's QP number, and `qkey`
+    /// (the sender's QKey; rdma_cm gives every UDP-space QP [`RDMA_UDP_QKEY`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the datagram carried no GRH (RoCE always has one);
+    /// as for [`AddressHandle::reply_to`].
+    pub fn reply_to(qp: &UdQp, d: &Datagram, qkey: u32) -> Result<UdDest> {
+        let grh = d.grh().ok_or_else(|| {
+            Error::InvalidArgument("the datagram carried no GRH: its sender's address is not known".into())
+        })?;
+        let ah = AddressHandle::reply_to(qp.pd(), qp.port_num(), &d.wc, grh)?;
+        Ok(UdDest::new(ah, d.src_qp(), qkey))
+    }
+
+    /// The address handle.
+    pub fn ah(&self) -> &Arc<AddressHandle> {
+        &self.ah
+    }
+
+    /// The remote QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The remote QKey.
+    pub fn qkey(&self) -> u32 {
+        self.qkey
+    }
+}
+
+/// A UD send: a [`SendWr`] send addressed to a [`UdDest`]. Only sends exist on UD: there is no
+/// constructor for an RDMA WRITE, READ or atomic.
+#[derive(Clone, Debug)]
+pub struct UdSendWr<'a> {
+    wr: SendWr<'a>,
+}
+
+impl AsSendWr for UdSendWr<'_> {
+    #[inline(always)]
+    fn send_wr(&self) -> &SendWr<'_> {
+        &self.wr
+    }
+}
+
+impl<'a> UdSendWr<'a> {
+    fn to(dest: &'a UdDest, mut wr: SendWr<'a>) -> Self {
+        wr.ud = Some(dest);
+        UdSendWr { wr }
+    }
+
+    /// Sends `mr[range]` to `dest`.
+    pub fn send(dest: &'a UdDest, mr: &'a MemoryRegion, range: Range<usize>) -> Self {
+        Self::to(dest, SendWr::new(SendOp::Send, Some((mr, range))))
+    }
+
+    /// Sends `data` inline to `dest` (copied during the post; at most the QP's
+    /// `max_inline_data`).
+    pub fn send_inline(dest: &'a UdDest, data: &'a [u8]) -> Self {
+        Self::to(dest, SendWr { inline: Some(data), ..SendWr::new(SendOp::Send, None) })
+    }
+
+    /// Sends the concatenation of `pieces` to `dest` (a gathered send; see
+    /// [`SendWr::send_sg`]).
+    ///
+    /// # Errors
+    /// As for [`SendWr::send_sg`].
+    pub fn send_sg(dest: &'a UdDest, pieces: &'a [Piece<'a>]) -> Result<Self> {
+        let (first, rest) = split_pieces(pieces, "a UD send")?;
+        Ok(Self::to(dest, SendWr::new(SendOp::Send, Some(first)).with_rest(rest)))
+    }
+
+    /// Sets the `wr_id` returned in the completion.
+    pub fn wr_id(mut self, id: u64) -> Self {
+        self.wr.wr_id = id;
+        self
+    }
+
+    /// Adds 32 bits of immediate data.
+    pub fn imm(mut self, imm: u32) -> Self {
+        self.wr.imm = Some(imm);
+        self
+    }
+
+    /// Generates no completion on success; retired by the next signaled completion (see
+    /// [`SendWr::unsignaled`]).
+    pub fn unsignaled(mut self) -> Self {
+        self.wr.signaled = false;
+        self
+    }
+
+    /// Sets the solicited-event bit.
+    pub fn solicited(mut self) -> Self {
+        self.wr.solicited = true;
+        self
+    }
+
+    /// Bytes the datagram carries.
+    pub fn len(&self) -> u64 {
+        self.wr.total_len()
+    }
+
+    /// Whether it carries no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A received datagram: where its payload lies in the receive buffer (after the 40-byte GRH
+/// area), who sent it, and its GRH. Built from a receive's completion and its region
+/// ([`Datagram::parse`]); the sizes come from the device and are checked, never trusted.
+#[derive(Clone, Copy, Debug)]
+pub struct Datagram {
+    wc: WorkCompletion,
+    grh: Option<Grh>,
+    payload: (usize, usize),
+}
+
+impl Datagram {
+    /// Reads a UD receive's completion `wc` against the region `mr` it was posted on,
+    /// starting at `offset` (the receive's range start): copies the GRH out (when the packet
+    /// had one) and computes the payload's range, `offset + 40 .. offset + byte_len`.
+    ///
+    /// # Errors
+    /// [`Error::WorkCompletion`] for a failed completion; [`Error::InvalidArgument`] for a
+    /// send's completion, or one shorter than the GRH area (not a UD receive);
+    /// [`Error::OutOfBounds`] when the message does not fit the region from `offset` (the
+    /// completion is not this region's); [`Error::InFlight`] while a posted receive still lets
+    /// the device write `mr`.
+    pub fn parse(wc: &WorkCompletion, mr: &mut MemoryRegion, offset: usize) -> Result<Datagram> {
+        let wc = wc.ok()?;
+        if wc.queue() != WorkQueue::Recv {
+            return Err(Error::InvalidArgument("a datagram is read from a receive's completion, not a send's".into()));
+        }
+        let len = wc.byte_len() as usize;
+        if len < GRH_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "a receive completion of {len} bytes is shorter than the {GRH_LEN}-byte GRH area every UD receive \
+                 starts with: it is not a UD receive"
+            )));
+        }
+        crate::mr::check_range(offset, len, mr.len())?;
+        let grh = if wc.has_grh() {
+            let mut b = [0u8; GRH_LEN];
+            mr.read_at(offset, &mut b)?;
+            Some(Grh::from_bytes(b))
+        } else {
+            None
+        };
+        Ok(Datagram { wc, grh, payload: (offset + GRH_LEN, offset + len) })
+    }
+
+    /// Where the payload lies in the region: after the GRH area, as long as the sender sent.
+    pub fn payload(&self) -> Range<usize> {
+        self.payload.0..self.payload.1
+    }
+
+    /// The payload's length.
+    pub fn len(&self) -> usize {
+        self.payload.1 - self.payload.0
+    }
+
+    /// Whether the payload is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The sender's QP number.
+    pub fn src_qp(&self) -> u32 {
+        self.wc.src_qp()
+    }
+
+    /// The GRH the packet carried (on RoCE: always), copied out of the buffer.
+    pub fn grh(&self) -> Option<&Grh> {
+        self.grh.as_ref()
+    }
+
+    /// The sender's IP address, from the GRH.
+    pub fn src_ip(&self) -> Option<std::net::IpAddr> {
+        self.grh.and_then(|g| g.src_ip())
+    }
+
+    /// The immediate data, if the sender attached any.
+    pub fn imm_data(&self) -> Option<u32> {
+        self.wc.imm_data()
+    }
+
+    /// The completion.
+    pub fn completion(&self) -> &WorkCompletion {
+        &self.wc
+    }
+}
+
+/// A UD queue pair: addressed sends ([`UdSendWr`]), receives with room for the GRH, and the
+/// polls and waits of [`QueuePair`].
+#[derive(Debug)]
+pub struct UdQp {
+    qp: QueuePair,
+    port_num: u8,
+    mtu: u32,
+    qkey: u32,
+}
+
+impl UdQp {
+    /// Wraps a UD QP made on `id`, reading its port's MTU and its QKey.
+    fn new(id: &CmId, qp: QueuePair) -> Result<UdQp> {
+        let port_num = id.port_num();
+        let mtu = qp.pd().context().port(port_num)?.active_mtu;
+        // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data; zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the QP is valid; both out-pointers are live for the call.
+        let ret = unsafe {
+            ffi::ibv_query_qp(qp.as_raw(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_QKEY.0 as i32, &mut init)
+        };
+        check_ibv(ret, "ibv_query_qp(QKEY)")?;
+        Ok(UdQp { qp, port_num, mtu, qkey: attr.qkey })
+    }
+
+    /// Posts UD sends, each to its own destination. Nothing is posted unless all pass the
+    /// checks and the queue has room for all.
+    ///
+    /// # Errors
+    /// [`Error::MessageTooLong`] for a datagram over [`UdQp::mtu`]; [`Error::InvalidArgument`]
+    /// for an address handle of another protection domain; otherwise as for
+    /// [`QueuePair::post_send`].
+    pub fn post_send(&mut self, wrs: &[UdSendWr<'_>]) -> Result<()> {
+        for w in wrs {
+            let len = w.len();
+            if len > self.mtu as u64 {
+                return Err(Error::MessageTooLong { len, mtu: self.mtu });
+            }
+            if let Some(d) = w.wr.ud {
+                if !Arc::ptr_eq(d.ah().pd(), self.qp.pd()) {
+                    return Err(Error::InvalidArgument(
+                        "the destination's address handle is on another protection domain than the UD QP".into(),
+                    ));
+                }
+            }
+        }
+        self.qp.post_sends(wrs)
+    }
+
+    /// Posts receives. Each must have room for the 40-byte GRH area plus the largest payload
+    /// expected ([`UdQp::recv_len`] for any datagram up to the MTU); a longer message
+    /// completes with `LOC_LEN_ERR`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a receive of fewer than [`GRH_LEN`] bytes; as for
+    /// [`QueuePair::post_recv`].
+    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        for w in wrs {
+            let len = w.rest.iter().fold(w.range.len(), |n, (_, r)| n.saturating_add(r.len()));
+            if len < GRH_LEN {
+                return Err(Error::InvalidArgument(format!(
+                    "a UD receive of {len} bytes has no room for the {GRH_LEN}-byte GRH the device writes first: \
+                     give it {GRH_LEN} + the largest payload (UdQp::recv_len() = {} for any datagram)",
+                    self.recv_len()
+                )));
+            }
+        }
+        self.qp.post_recv(wrs)
+    }
+
+    /// The receive length that takes any datagram: [`GRH_LEN`] + [`UdQp::mtu`].
+    pub fn recv_len(&self) -> usize {
+        GRH_LEN + self.mtu as usize
+    }
+
+    /// The largest datagram it sends: the port's active MTU (a UD message is one packet).
+    pub fn mtu(&self) -> u32 {
+        self.mtu
+    }
+
+    /// Its QKey (what its peers put in their sends to it).
+    pub fn qkey(&self) -> u32 {
+        self.qkey
+    }
+
+    /// The local port it runs on.
+    pub fn port_num(&self) -> u8 {
+        self.port_num
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qp.qp_num()
+    }
+
+    /// The PD.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        self.qp.pd()
+    }
+
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Arc<CompletionQueue> {
+        self.qp.send_cq()
+    }
+
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Arc<CompletionQueue> {
+        self.qp.recv_cq()
+    }
+
+    /// The queue pair underneath, shared: its number, capabilities and counts. Posting goes
+    /// through the UD QP only.
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// The raw QP (see [`QueuePair::as_raw`]).
+    pub fn as_raw(&self) -> *mut ffi::ibv_qp {
+        self.qp.as_raw()
+    }
+
+    /// As [`QueuePair::poll`].
+    ///
+    /// # Errors
+    /// As for [`QueuePair::poll`].
+    pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.qp.poll(out)
+    }
+
+    /// As [`QueuePair::poll_queue`].
+    ///
+    /// # Errors
+    /// As for [`QueuePair::poll_queue`].
+    pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.qp.poll_queue(queue, out)
+    }
+
+    /// As [`QueuePair::wait`].
+    ///
+    /// # Errors
+    /// As for [`QueuePair::wait`].
+    pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        self.qp.wait(out, timeout)
+    }
+
+    /// As [`QueuePair::wait_queue`].
+    ///
+    /// # Errors
+    /// As for [`QueuePair::wait_queue`].
+    pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        self.qp.wait_queue(queue, out, timeout)
+    }
+
+    /// As [`QueuePair::wait_for`].
+    ///
+    /// # Errors
+    /// As for [`QueuePair::wait_for`].
+    pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
+        self.qp.wait_for(queue, wr_id, timeout)
+    }
+
+    /// As [`QueuePair::set_busy_poll`].
+    pub fn set_busy_poll(&mut self, on: bool) {
+        self.qp.set_busy_poll(on)
+    }
+
+    /// Send work requests posted and not yet retired.
+    pub fn outstanding_sends(&self) -> usize {
+        self.qp.outstanding_sends()
+    }
+
+    /// Receives posted and not yet completed.
+    pub fn outstanding_recvs(&self) -> usize {
+        self.qp.outstanding_recvs()
+    }
+
+    /// Moves the QP to the error state, flushing everything posted.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::set_error`].
+    pub fn set_error(&mut self) -> Result<()> {
+        self.qp.set_error()
+    }
+}
+
+/// Creates the UD QP of `id` on `pd` through `rdma_create_qp` (which takes it to RTS with the
+/// port space's QKey).
+pub(crate) fn create_ud_qp(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, mut init: QpInit) -> Result<UdQp> {
+    init.datagrams = true;
+    let qp = create_qp_on(id, pd, init)?;
+    UdQp::new(id, qp)
+}
