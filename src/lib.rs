@@ -192,6 +192,7 @@ pub mod diagnostics;
 pub mod error;
 pub mod event_channel;
 pub mod mr;
+pub mod multicast;
 pub mod pd;
 pub mod port;
 pub mod private_data;
@@ -218,6 +219,7 @@ pub use device::{devices, AsyncElement, AsyncEvent, Device, DeviceLimits, VerbsC
 pub use error::{Error, Result};
 pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
+pub use multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use pd::ProtectionDomain;
 pub use port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
 pub use private_data::QpInfo;
