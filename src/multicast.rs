@@ -47,14 +47,16 @@
 //! Dropping it calls `rdma_leave_multicast`, which detaches the id's QP (`ibv_detach_mcast`)
 //! when there is one, and tells the kernel to leave. That happens under the id's channel lock,
 //! which the QP's destruction takes too: the QP is either alive while librdmacm detaches it,
-//! or already destroyed and the id's `qp` field cleared (then the kernel detached it when it
-//! destroyed the QP). So memberships and the endpoint may be dropped in any order.
+//! or already destroyed and the id's `qp` field cleared. The kernel refuses to destroy a QP
+//! that is still attached to a group (`EBUSY`), so a [`McastEndpoint`] dropped before its
+//! memberships first detaches its QP from the groups they joined (it shares that list with
+//! them). So memberships and the endpoint may be dropped in any order.
 //! `rdma_leave_multicast` waits for the acks of the events it reported for the group; the
 //! crate acks every event as it reads it, under that same lock, so the wait is short.
 
 use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
@@ -243,7 +245,13 @@ impl McastResolved {
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, mut init: QpInit) -> Result<McastEndpoint> {
         init.block_self_mcast_lb = self.block_loopback;
         let qp = create_ud_qp(&self.id, pd, init)?;
-        Ok(McastEndpoint { qp, id: self.id, group: self.group, loopback: !self.block_loopback })
+        Ok(McastEndpoint {
+            qp,
+            id: self.id,
+            group: self.group,
+            loopback: !self.block_loopback,
+            attached: Arc::default(),
+        })
     }
 
     /// The group resolved.
@@ -307,11 +315,44 @@ pub(crate) fn create_qp_blocking_loopback(
 /// [`McastEndpoint::join`].
 #[derive(Debug)]
 pub struct McastEndpoint {
-    // Dropped first: the QP holds its own Arc of the id.
+    // Dropped first (after Drop::drop detached it from its groups): the QP holds its own Arc
+    // of the id.
     qp: UdQp,
     id: Arc<CmId>,
     group: IpAddr,
     loopback: bool,
+    attached: Attached,
+}
+
+/// The groups the endpoint's QP is attached to (full-member joins not yet left), shared with
+/// their memberships: the kernel refuses to destroy a QP that is still attached (`EBUSY`), so
+/// the endpoint detaches it from these before it goes.
+type Attached = Arc<Mutex<Vec<Attachment>>>;
+
+/// One attachment: the group's GID and LID, as librdmacm attached them (from the JOIN event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Attachment {
+    mgid: [u8; 16],
+    mlid: u16,
+}
+
+impl Drop for McastEndpoint {
+    fn drop(&mut self) {
+        // Under the channel lock, which every leave takes too: a leave either ran before (and
+        // took its attachment out of the list) or runs after this, when librdmacm's
+        // ibv_detach_mcast of the still-live QP finds nothing to detach, harmlessly.
+        let _lock = self.id.channel().lock();
+        let list = std::mem::take(&mut *self.attached.lock().unwrap_or_else(|e| e.into_inner()));
+        for a in list {
+            let gid = ffi::ibv_gid { raw: a.mgid };
+            // SAFETY: the QP is alive (it drops after this) and attached to the group; `gid`
+            // lives through the call, which reads it.
+            let ret = unsafe { ffi::ibv_detach_mcast(self.qp.as_raw(), &gid, a.mlid) };
+            if ret != 0 {
+                crate::report_leak("ibv_detach_mcast", ret);
+            }
+        }
+    }
 }
 
 /// Tokens that tell a join's events from another's on the same id (the join's context).
@@ -397,7 +438,7 @@ impl McastEndpoint {
             });
         }
         // From here on the membership leaves the group when dropped, on every error path too.
-        let membership = Membership { id: Arc::clone(&self.id), group, sockaddr: ss };
+        let mut membership = Membership { id: Arc::clone(&self.id), group, sockaddr: ss, attached: None };
         let end = Instant::now().checked_add(timeout);
         loop {
             let left = end.map_or(timeout, |end| end.saturating_duration_since(Instant::now()));
@@ -425,6 +466,13 @@ impl McastEndpoint {
                 let Some(ud) = ev.ud() else {
                     return Err(ev.unexpected("rdma_join_multicast_ex: no ud parameters", CmEventType::MulticastJoin));
                 };
+                if kind == JoinKind::FullMember {
+                    // librdmacm attached the QP while it processed the event: record it.
+                    let attr = ud.ah_attr();
+                    let a = Attachment { mgid: attr.dgid().0, mlid: attr.dlid() };
+                    self.attached.lock().unwrap_or_else(|e| e.into_inner()).push(a);
+                    membership.attached = Some((Arc::clone(&self.attached), a));
+                }
                 let dest = UdDest::from_ud_param(self.qp.pd(), ud)?;
                 return Ok(Multicast { dest, kind, membership });
             }
@@ -500,6 +548,8 @@ struct Membership {
     group: IpAddr,
     // The address exactly as joined: librdmacm finds the membership by comparing its bytes.
     sockaddr: libc::sockaddr_storage,
+    // Where the QP's attachment to the group is recorded (full members).
+    attached: Option<(Attached, Attachment)>,
 }
 
 impl Membership {
@@ -513,6 +563,12 @@ impl Membership {
             // Serialises with the QP's destruction (which clears id->qp under this lock) and
             // with event processing (which reads id->qp on a JOIN).
             let _lock = self.id.channel().lock();
+            if let Some((list, a)) = &self.attached {
+                let mut list = list.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(i) = list.iter().position(|x| x == a) {
+                    list.swap_remove(i);
+                }
+            }
             // SAFETY: the id is valid (held); id->qp is either the live QP or NULL (see the
             // lock); `ss` is the address the join was made with and lives through the call.
             // librdmacm waits for the acks of this group's events: all were acked when read,
