@@ -446,3 +446,112 @@ fn mckey_example_and_mckey_refuse_loopback_off_alike_on_rxe() {
     }
     t.finish();
 }
+
+// ---- soundness and allocation on the multicast data path ----
+
+struct Counting;
+
+static ALLOCS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+thread_local! {
+    // const-initialised and without a destructor: reading it never allocates.
+    static WATCH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+// SAFETY: every call forwards to the system allocator unchanged; the counter is an atomic.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: forwarded; `p` came from System.alloc with `l`.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        // SAFETY: forwarded.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn watched<T>(f: impl FnOnce() -> T) -> T {
+    WATCH.with(|w| w.set(true));
+    let r = f();
+    WATCH.with(|w| w.set(false));
+    r
+}
+
+/// Polls `queue` of `ep` until one completion arrives (bounded), counting only the polls.
+fn poll_one(ep: &mut McastEndpoint, queue: WorkQueue, wcs: &mut [WorkCompletion; 4]) -> WorkCompletion {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let n = watched(|| ep.qp_mut().poll_queue(queue, wcs)).unwrap();
+        if n > 0 {
+            assert_eq!(n, 1);
+            return wcs[0].ok().unwrap();
+        }
+        assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
+    }
+}
+
+#[test]
+fn posting_to_the_group_and_polling_allocate_nothing() {
+    const N: u64 = 2_000;
+    let t = DeviceTest::start();
+    let g = group("239.1.2.11");
+    let mut rx = endpoint(t.addr, g);
+    let mut tx = endpoint(t.addr, g);
+    let rpd = Arc::clone(rx.qp().pd());
+    let tpd = Arc::clone(tx.qp().pd());
+    let mut rbuf = MemoryRegion::new(&rpd, GRH_LEN + 256, AccessFlags::LOCAL_WRITE).unwrap();
+    let out = MemoryRegion::new(&tpd, 256, AccessFlags::LOCAL_WRITE).unwrap();
+    let _rm = rx.join(JoinKind::FullMember, T).unwrap();
+    let tm = tx.join(JoinKind::SendOnlyFullMember, T).unwrap();
+    let mut wcs = [WorkCompletion::default(); 4];
+    ALLOCS.store(0, std::sync::atomic::Ordering::SeqCst);
+    drop(watched(|| std::hint::black_box(Vec::<u8>::with_capacity(10))));
+    assert_eq!(ALLOCS.load(std::sync::atomic::Ordering::SeqCst), 1, "the counting allocator must see allocations");
+    ALLOCS.store(0, std::sync::atomic::Ordering::SeqCst);
+    for i in 0..N {
+        let len = 1 + (i as usize % 256);
+        watched(|| rx.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 256).wr_id(i)])).unwrap();
+        watched(|| tx.qp_mut().post_send(&[UdSendWr::send(tm.dest(), &out, 0..len).wr_id(i)])).unwrap();
+        assert_eq!(poll_one(&mut tx, WorkQueue::Send, &mut wcs).wr_id(), i);
+        let wc = poll_one(&mut rx, WorkQueue::Recv, &mut wcs);
+        assert_eq!((wc.wr_id(), wc.byte_len() as usize), (i, GRH_LEN + len));
+        assert_eq!(watched(|| Datagram::parse(&wc, &mut rbuf, 0)).unwrap().len(), len);
+    }
+    let allocs = ALLOCS.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(allocs, 0, "{allocs} allocations in {N} multicast sends and receives (post, poll, parse)");
+    drop((tm, _rm, rx, tx, rbuf, out, rpd, tpd));
+    t.finish();
+}
+
+#[test]
+fn leaving_with_a_send_in_flight_keeps_the_groups_address_handle_until_the_completion() {
+    let t = DeviceTest::start();
+    let g = group("239.1.2.12");
+    let mut tx = endpoint(t.addr, g);
+    let pd = Arc::clone(tx.qp().pd());
+    let out = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let m = tx.join(JoinKind::SendOnlyFullMember, T).unwrap();
+    let ah = Arc::downgrade(m.dest().ah());
+    tx.qp_mut().post_send(&[UdSendWr::send(m.dest(), &out, 0..64).wr_id(5)]).unwrap();
+    m.leave().unwrap();
+    // The membership and its destination are gone; the posted send still holds the handle.
+    assert!(ah.upgrade().is_some(), "the group's AH was destroyed under a posted send");
+    let wc = tx.qp_mut().wait_for(WorkQueue::Send, 5, T).unwrap();
+    assert!(wc.is_ok());
+    assert!(ah.upgrade().is_none(), "the AH outlived the completion that retired its slot");
+    drop((tx, out, pd));
+    t.finish();
+}
