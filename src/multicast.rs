@@ -401,7 +401,8 @@ impl McastEndpoint {
     /// [`Error::InvalidArgument`] when `group` is not a multicast address or not of the id's
     /// family; [`Error::Call`] naming `rdma_join_multicast_ex` with the group when the kernel
     /// refuses (errno 524 for an IPv6 group over RoCE v2); [`Error::UnexpectedEvent`] naming
-    /// `MULTICAST_ERROR` and the group when the join fails later (its status is the errno);
+    /// `MULTICAST_ERROR` and the group when the join fails later (status -1 when librdmacm could
+    /// not attach the QP, past the device's `max_mcast_qp_attach` say);
     /// [`Error::Timeout`] (the join is then cancelled); [`Error::Call`] when the address
     /// handle cannot be made.
     pub fn join_group(&mut self, group: IpAddr, kind: JoinKind, timeout: Duration) -> Result<Multicast> {
@@ -479,8 +480,9 @@ impl McastEndpoint {
             let mut e = ev.unexpected("rdma_join_multicast_ex", CmEventType::MulticastJoin).with_addr(addr);
             if let Error::UnexpectedEvent { hint, got: CmEventType::MulticastError, .. } = &mut e {
                 *hint = Some(
-                    "the group refused the join (the subnet manager on InfiniBand), or the QP could not be attached to it \
-                     (the status is the errno of ibv_attach_mcast)",
+                    "the subnet manager refused the join (InfiniBand), or librdmacm could not attach the QP to the group: \
+                     ibv_attach_mcast failed, which librdmacm reports as status -1 (shown as EPERM), e.g. past the \
+                     device's max_mcast_qp_attach (56 QPs per group on rxe; `ibv_devinfo -v`)",
                 );
             }
             return Err(e);

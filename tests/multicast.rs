@@ -555,3 +555,43 @@ fn leaving_with_a_send_in_flight_keeps_the_groups_address_handle_until_the_compl
     drop((tx, out, pd));
     t.finish();
 }
+
+/// rxe attaches at most `max_mcast_qp_attach` (56) QPs to one group: the join past that gets a
+/// `MULTICAST_ERROR` event (librdmacm turns the JOIN into one when `ibv_attach_mcast` fails),
+/// which the join reports naming the group, and leaves the group behind it.
+#[test]
+fn a_join_whose_qp_cannot_be_attached_is_a_multicast_error_naming_the_group() {
+    let t = DeviceTest::start();
+    let g = group("239.1.2.13");
+    let mut members = vec![];
+    let mut failed = None;
+    for i in 0..80 {
+        let r = McastClient::new().unwrap().resolve(Some(t.addr), g, T).unwrap();
+        let pd = r.alloc_pd().unwrap();
+        let mut ep = r.create_qp(&pd, QpInit::new().max_send_wr(1).max_recv_wr(1)).unwrap();
+        match ep.join(JoinKind::FullMember, T) {
+            Ok(m) => members.push((m, ep)),
+            Err(e) => {
+                failed = Some((i, e));
+                break;
+            }
+        }
+    }
+    let Some((i, e)) = failed else { panic!("80 QPs attached to one group: the device has no attach limit below 80") };
+    assert!(i >= 1, "the first join failed: {e}");
+    match &e {
+        Error::UnexpectedEvent { got, expected, .. } => {
+            assert_eq!(*got, rdma_cm::CmEventType::MulticastError, "{e}");
+            assert_eq!(*expected, rdma_cm::CmEventType::MulticastJoin, "{e}");
+        }
+        e => panic!("expected a MULTICAST_ERROR, got {e:?}"),
+    }
+    let m = e.to_string();
+    assert!(m.contains("MULTICAST_ERROR") && m.contains("239.1.2.13"), "{m}");
+    assert!(m.contains("could not attach the QP") && m.contains("max_mcast_qp_attach"), "{m}");
+    eprintln!("join {i} failed (rxe's max_mcast_qp_attach): {m}");
+    assert!(igmp_member(g), "the {i} members before it are still joined");
+    drop(members);
+    assert!(!igmp_member(g), "every member left");
+    t.finish();
+}
