@@ -17,6 +17,15 @@
 //!
 //! This is what rdma-core's `mckey` does; `examples/mckey.rs` is it, flag for flag.
 //!
+//! The QP comes before the join, so librdmacm attaches it when the `MULTICAST_JOIN` event
+//! arrives: joining from an id without a QP does not compile.
+//!
+//! ```compile_fail
+//! # fn f(r: rdma_cm::McastResolved) -> rdma_cm::Result<()> {
+//! let m = r.join(rdma_cm::JoinKind::FullMember, std::time::Duration::from_secs(1))?;
+//! # Ok(()) }
+//! ```
+//!
 //! # Joins
 //!
 //! - A [`JoinKind::FullMember`] join attaches the id's QP to the group: it receives what
@@ -29,7 +38,10 @@
 //! group fails with errno 524 (`ENOTSUPP`), reported with that cause.
 //!
 //! A `MULTICAST_ERROR` event in answer to a join (the SA refused it on InfiniBand, or
-//! librdmacm could not attach the QP) becomes [`Error::UnexpectedEvent`] naming the group.
+//! librdmacm could not attach the QP) becomes [`Error::UnexpectedEvent`] naming the group. One
+//! that comes later, for a group already joined (an InfiniBand SA re-registration, say),
+//! arrives on the id's channel like any event: read it with
+//! [`EventChannel::try_get_event_for`]`(ep.id().handle())` (or the channel's event loop).
 //!
 //! # Loopback
 //!
