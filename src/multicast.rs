@@ -80,7 +80,8 @@ use crate::error::{check_rdma, errno, Error, Result};
 use crate::event_channel::{CmEventType, EventChannel};
 use crate::pd::ProtectionDomain;
 use crate::qp::QpInit;
-use crate::ud::{create_ud_qp, PortSpace, UdDest, UdQp};
+use crate::ud::{create_ud_qp, UdDest, UdQp};
+use crate::PortSpace;
 
 /// The QP number that addresses a multicast group (`0xFFFFFF`).
 pub const MULTICAST_QPN: u32 = 0x00ff_ffff;
@@ -158,7 +159,11 @@ impl McastClient {
     /// # Errors
     /// As for [`McastClient::new`].
     pub fn on_channel(channel: &EventChannel, ps: PortSpace) -> Result<McastClient> {
-        Ok(McastClient { id: CmId::with_port_space(channel, ps.raw())? })
+        let ps = match ps {
+            PortSpace::Udp => ffi::rdma_port_space::RDMA_PS_UDP,
+            PortSpace::Ipoib => ffi::rdma_port_space::RDMA_PS_IPOIB,
+        };
+        Ok(McastClient { id: CmId::with_port_space(channel, ps)? })
     }
 
     /// Resolves the group's address within `timeout` (`rdma_resolve_addr` with the group as

@@ -517,7 +517,7 @@ impl PortSpace {
         }
     }
 
-    pub(crate) fn raw(self) -> ffi::rdma_port_space::Type {
+    fn raw(self) -> ffi::rdma_port_space::Type {
         match self {
             PortSpace::Udp => ffi::rdma_port_space::RDMA_PS_UDP,
             PortSpace::Ipoib => ffi::rdma_port_space::RDMA_PS_IPOIB,
