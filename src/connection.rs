@@ -233,17 +233,22 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
             pd.context().device_name()
         )));
     }
+    let block_self_mcast_lb = init.block_self_mcast_lb;
     QueuePair::create(
         pd,
         init,
         |attr| {
             // The channel's lock: no event processing reads id->qp while it is being set.
             let _lock = id.channel().lock();
-            // SAFETY: id, PD and CQs are valid and on one device context (checked above and in
-            // QueuePair::create; librdmacm checks the PD's context against the id's too); attr
-            // is fully initialised.
-            let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), attr) };
-            check_rdma(ret, "rdma_create_qp")?;
+            if block_self_mcast_lb {
+                crate::multicast::create_qp_blocking_loopback(id, pd, attr)?;
+            } else {
+                // SAFETY: id, PD and CQs are valid and on one device context (checked above and
+                // in QueuePair::create; librdmacm checks the PD's context against the id's
+                // too); attr is fully initialised.
+                let ret = unsafe { ffi::rdma_create_qp(id.as_raw(), pd.as_raw(), attr) };
+                check_rdma(ret, "rdma_create_qp")?;
+            }
             // SAFETY: rdma_create_qp succeeded, so id->qp is the new QP.
             std::ptr::NonNull::new(unsafe { (*id.as_raw()).qp })
                 .ok_or_else(|| Error::call("rdma_create_qp", libc::EIO, None))

@@ -461,6 +461,8 @@ pub struct CmEvent {
     initiator_depth: u8,
     new_id: Option<CmId>,
     ud: Option<UdParam>,
+    /// A multicast event's context: the token its join passed (`param.ud.private_data`).
+    mc_context: usize,
 }
 
 impl CmEvent {
@@ -509,6 +511,7 @@ impl CmEvent {
             initiator_depth: conn.initiator_depth,
             new_id,
             ud,
+            mc_context: if multicast { conn.private_data as usize } else { 0 },
         };
         // SAFETY: `ev` is valid and acked exactly once, here; nothing reads it afterwards.
         unsafe { ffi::rdma_ack_cm_event(ev) };
@@ -558,6 +561,12 @@ impl CmEvent {
     /// carry meaningful ones; `None` for RC events.
     pub fn ud(&self) -> Option<&UdParam> {
         self.ud.as_ref()
+    }
+
+    /// The context a multicast event's join passed (0 for other events): which membership of
+    /// the id the event is about.
+    pub(crate) fn mc_context(&self) -> usize {
+        self.mc_context
     }
 
     /// Takes the new id out of a `CONNECT_REQUEST`. Dropping it unaccepted rejects the peer.

@@ -200,6 +200,41 @@
 //! these futures is safe: posted work requests keep their regions inside the QP until their
 //! completions are polled or the QP is dropped. See `examples/async_pingpong.rs`.
 //!
+//! ## Multicast
+//!
+//! [`McastClient`] resolves a group's address (binding the id to the device that reaches it),
+//! [`McastResolved::create_qp`] makes the UD QP, and [`McastEndpoint::join`] returns a
+//! [`Multicast`] membership once the `MULTICAST_JOIN` event arrives; librdmacm has then
+//! attached the QP (a [`JoinKind::FullMember`]; a send-only member is not attached). Sends to
+//! the group go to [`Multicast::dest`]: the group's address handle, QPN `0xFFFFFF` and the
+//! join's QKey, through the same [`UdQp::post_send`] (the handle held by every posted send until
+//! its completion). Dropping the membership leaves the group; the endpoint and its memberships
+//! may be dropped in either order (see [`multicast`]). A unicast address as the group is
+//! refused before any call; loopback off ([`McastResolved::loopback`]) is a clear error where
+//! the device cannot block it (rxe). On RoCE v2 the kernel joins IPv4 groups only.
+//! `examples/mckey` is rdma-core's `mckey`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{AccessFlags, Datagram, JoinKind, McastClient, MemoryRegion, QpInit, RecvWr, UdSendWr, WorkQueue, GRH_LEN};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let (src, group) = ("10.77.0.1".parse().unwrap(), "239.1.1.1".parse().unwrap());
+//! let r = McastClient::new()?.resolve(Some(src), group, t)?;
+//! let pd = r.alloc_pd()?;
+//! let mut ep = r.create_qp(&pd, QpInit::new())?;
+//! let mut buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
+//! ep.qp_mut().post_recv(&[RecvWr::new(&buf, 0..GRH_LEN + 1024).wr_id(1)])?;
+//! let member = ep.join(JoinKind::FullMember, t)?;
+//! ep.qp_mut().post_send(&[UdSendWr::send_inline(member.dest(), b"hello, group").wr_id(2)])?;
+//! let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 1, t)?; // our own datagram: loopback is on
+//! let d = Datagram::parse(&wc, &mut buf, 0)?;
+//! println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//! drop(member); // rdma_leave_multicast
+//! # Ok(()) }
+//! ```
+//!
 //! ## Troubleshooting
 //!
 //! | symptom | likely cause | check |
@@ -240,6 +275,7 @@ pub mod diagnostics;
 pub mod error;
 pub mod event_channel;
 pub mod mr;
+pub mod multicast;
 pub mod pd;
 pub mod port;
 pub mod private_data;
@@ -268,6 +304,7 @@ pub use device::{devices, Device, DeviceLimits, VerbsContext};
 pub use error::{Error, Result};
 pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
+pub use multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use pd::ProtectionDomain;
 pub use port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
 pub use private_data::QpInfo;

@@ -114,6 +114,9 @@ pub struct QpInit {
     /// A UD QP (set by the UD layer only): `IBV_QPT_UD`, and a send ring that holds address
     /// handles.
     pub(crate) datagrams: bool,
+    /// Create the QP with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB` (set by the multicast layer
+    /// only): it does not receive the multicast datagrams it sends itself.
+    pub(crate) block_self_mcast_lb: bool,
 }
 
 impl Default for QpInit {
@@ -128,6 +131,7 @@ impl Default for QpInit {
             recv_cq: None,
             srq: None,
             datagrams: false,
+            block_self_mcast_lb: false,
         }
     }
 }

@@ -1,0 +1,345 @@
+//! Multicast over rdma_cm: rdma-core's `mckey` (rdma-core 44), with the same flags, the same
+//! output and the same wire behaviour, written with this crate. It receives from `mckey -s`
+//! and sends to `mckey` receivers.
+//!
+//! ```text
+//! cargo run --example mckey -- -m 239.1.1.1 -b 10.77.0.1                  # receiver
+//! cargo run --example mckey -- -m 239.1.1.1 -b 10.77.0.1 -s -C 10 -S 100  # sender
+//! ```
+//!
+//! Flags: `-m multicast_address`, `-s` (sender), `-b bind_address`, `-c connections` (1),
+//! `-C message_count` (10), `-S message_size` (100), `-p port_space` (0x111 UDP, 0x2 IPoIB),
+//! `-o` (join as a send-only full member), `-l` (join without multicast loopback), `-M
+//! unmapped_multicast_address` (an AF_IB address: refused with a clear line, as this crate's ids
+//! take IP addresses). Two more, not in `mckey`: `--verify` fills every message with a pattern
+//! and checks it at the receiver (use it when both ends are this example), and `--settle
+//! SECONDS` (3, as `mckey`'s fixed pause) is how long a sender waits after joining before it
+//! sends, for a subnet manager to program the switches; on RoCE nothing needs it.
+//!
+//! What happens, as in `mckey`: each id resolves the group's address (from `-b`), creates a UD
+//! QP, posts `message_count` receives of `message_size` + 40 bytes (receivers only) and joins
+//! the group; the `MULTICAST_JOIN` event gives the group's address, QPN 0xFFFFFF and QKey
+//! (`mckey: joined dgid: ...`). A sender sends `message_count` datagrams (send with immediate:
+//! its QP number); a receiver waits for `message_count` of them on each id and checks each one:
+//! `message_size` bytes, sent to the group, immediate data equal to the sender's QP number. Then
+//! every id leaves the group (the memberships are dropped). Unlike `mckey`, every wait is
+//! bounded (30 s), and a message over the port's active MTU is refused before joining.
+
+use std::net::IpAddr;
+use std::process::exit;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_cm::{
+    AccessFlags, Datagram, EventChannel, JoinKind, McastClient, McastEndpoint, MemoryRegion, Multicast, PortSpace,
+    ProtectionDomain, QpInit, RecvWr, UdSendWr, WorkCompletion, WorkQueue, GRH_LEN,
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Args {
+    group: Option<String>,
+    unmapped: bool,
+    sender: bool,
+    bind: Option<String>,
+    connections: usize,
+    count: usize,
+    size: usize,
+    ps: PortSpace,
+    send_only: bool,
+    loopback: bool,
+    verify: bool,
+    settle: Duration,
+}
+
+fn usage(prog: &str) -> ! {
+    println!("usage: {prog}");
+    println!("\t-m multicast_address");
+    println!("\t[-M unmapped_multicast_address]\n\t replaces -m and requires -b");
+    println!("\t[-s(ender)]");
+    println!("\t[-b bind_address]");
+    println!("\t[-c connections]");
+    println!("\t[-C message_count]");
+    println!("\t[-S message_size]");
+    println!("\t[-p port_space - 0x111 for UDP (default), 0x2 for IPOIB]");
+    println!("\t[-o join as a send-only full-member]");
+    println!("\t[-l join without multicast loopback]");
+    println!("\t[--verify]  check a pattern in every message (both ends this example)");
+    println!("\t[--settle seconds]  pause after joining before sending (3)");
+    exit(1);
+}
+
+/// `strtol(s, NULL, 0)` / `atoi`: decimal, `0x` hex or `0` octal.
+fn num(s: &str) -> Option<u64> {
+    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        u64::from_str_radix(h, 16).ok()
+    } else if s.len() > 1 && s.starts_with('0') {
+        u64::from_str_radix(&s[1..], 8).ok()
+    } else {
+        s.parse().ok()
+    }
+}
+
+fn parse() -> Args {
+    let argv: Vec<String> = std::env::args().collect();
+    let prog = argv.first().cloned().unwrap_or_else(|| "mckey".into());
+    let mut a = Args {
+        group: None,
+        unmapped: false,
+        sender: false,
+        bind: None,
+        connections: 1,
+        count: 10,
+        size: 100,
+        ps: PortSpace::Udp,
+        send_only: false,
+        loopback: true,
+        verify: false,
+        settle: Duration::from_secs(3),
+    };
+    let mut it = argv.iter().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "-s" => a.sender = true,
+            "-o" => a.send_only = true,
+            "-l" => a.loopback = false,
+            "--verify" => a.verify = true,
+            _ => {
+                let v = it.next().cloned().unwrap_or_else(|| usage(&prog));
+                let n = || num(&v).unwrap_or_else(|| usage(&prog));
+                match flag.as_str() {
+                    "-m" => a.group = Some(v.clone()),
+                    "-M" => {
+                        a.unmapped = true;
+                        a.group = Some(v.clone());
+                    }
+                    "-b" => a.bind = Some(v.clone()),
+                    "-c" => a.connections = n().max(1) as usize,
+                    "-C" => a.count = n() as usize,
+                    "-S" => a.size = n() as usize,
+                    "-p" => a.ps = PortSpace::from_raw(n() as u32).unwrap_or_else(|e| fail(&format!("mckey: {e}"))),
+                    "--settle" => a.settle = Duration::from_secs(n()),
+                    _ => usage(&prog),
+                }
+            }
+        }
+    }
+    if a.unmapped && a.bind.is_none() {
+        println!("unmapped multicast address requires binding to source address");
+        exit(1);
+    }
+    if a.size == 0 {
+        a.count = 0;
+    }
+    a
+}
+
+fn fail(msg: &str) -> ! {
+    println!("{msg}");
+    println!("test complete");
+    println!("return status -1");
+    exit(1)
+}
+
+fn ip(host: &str) -> IpAddr {
+    match rdma_cm::lookup(host, "0") {
+        Ok(v) if !v.is_empty() => v[0].ip(),
+        Ok(_) => fail(&format!("getaddrinfo failed (no address for {host}) - invalid hostname or IP address")),
+        Err(e) => fail(&format!("getaddrinfo failed ({e}) - invalid hostname or IP address")),
+    }
+}
+
+/// The byte at `i` of every message under `--verify`.
+fn pattern(i: usize) -> u8 {
+    (i as u32).wrapping_mul(131).wrapping_add(7) as u8
+}
+
+/// One id's resources: the endpoint, its receive buffers (one region per posted receive, each
+/// `message_size` + 40 bytes), the send buffer, and the membership.
+struct Node {
+    // Dropped first: leaves the group (the endpoint's QP may go before or after; see
+    // rdma_cm::multicast).
+    mc: Option<Multicast>,
+    ep: McastEndpoint,
+    recv: Vec<MemoryRegion>,
+    send: MemoryRegion,
+}
+
+fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, MemoryRegion)> {
+    let slot = a.size + GRH_LEN;
+    let recv = if a.count > 0 && !a.sender {
+        MemoryRegion::new(pd, a.count * slot, AccessFlags::LOCAL_WRITE)?.split(slot)?
+    } else {
+        vec![]
+    };
+    let mut send = MemoryRegion::new(pd, a.size.max(1), AccessFlags::LOCAL_WRITE)?;
+    for (i, b) in send.as_mut_slice()?.iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    Ok((recv, send))
+}
+
+/// Sends `count` datagrams to the group (imm: our QP number, as `mckey`), each signaled, and
+/// reaps their completions.
+fn post_sends(node: &mut Node, a: &Args) {
+    let Some(mc) = &node.mc else { return };
+    let dest = mc.dest().clone();
+    let qpn = node.ep.qp().qp_num();
+    let depth = a.count.max(1); // the send queue is this deep (as mckey makes it)
+    let mut wcs = [WorkCompletion::default(); 8];
+    let mut posted = 0;
+    let mut done = 0;
+    while done < a.count {
+        while posted < a.count && posted - done < depth {
+            let wr = UdSendWr::send(&dest, &node.send, 0..a.size).imm(qpn).wr_id(posted as u64);
+            if let Err(e) = node.ep.qp_mut().post_send(&[wr]) {
+                fail(&format!("failed to post sends: {e}"));
+            }
+            posted += 1;
+        }
+        let n = node
+            .ep
+            .qp_mut()
+            .wait_queue(WorkQueue::Send, &mut wcs, WAIT)
+            .unwrap_or_else(|e| fail(&format!("mckey: failed polling CQ: {e}")));
+        if n == 0 {
+            fail(&format!("mckey: no send completion within {WAIT:?} ({done} of {} done)", a.count));
+        }
+        if let Some(wc) = wcs[..n].iter().find(|wc| !wc.is_ok()) {
+            fail(&format!("mckey: send failed: {}", wc.status()));
+        }
+        done += n;
+    }
+}
+
+/// Reaps `count` receives and checks each datagram; under `--verify`, its bytes too. Returns
+/// how many were checked.
+fn poll_recvs(node: &mut Node, a: &Args) -> usize {
+    let mut wcs = [WorkCompletion::default(); 8];
+    let mut done = 0;
+    let group = node.ep.group();
+    while done < a.count {
+        let n = node
+            .ep
+            .qp_mut()
+            .wait_queue(WorkQueue::Recv, &mut wcs, WAIT)
+            .unwrap_or_else(|e| fail(&format!("mckey: failed polling CQ: {e}")));
+        if n == 0 {
+            fail(&format!("mckey: no datagram within {WAIT:?} ({done} of {} received)", a.count));
+        }
+        for wc in &wcs[..n] {
+            let Some(buf) = node.recv.get_mut(wc.wr_id() as usize) else { continue };
+            let d = Datagram::parse(wc, buf, 0).unwrap_or_else(|e| fail(&format!("mckey: bad datagram: {e}")));
+            if d.len() != a.size {
+                fail(&format!("mckey: datagram {} has {} bytes, not {}", wc.wr_id(), d.len(), a.size));
+            }
+            if d.imm_data() != Some(d.src_qp()) {
+                fail(&format!(
+                    "mckey: datagram {} carries immediate data {:?}, not its sender's QP number {}",
+                    wc.wr_id(),
+                    d.imm_data(),
+                    d.src_qp()
+                ));
+            }
+            let to = d.grh().and_then(|g| g.dgid());
+            let to_group = match (to, group) {
+                (Some(g), IpAddr::V4(v4)) => g.ipv4() == Some(v4),
+                (Some(g), IpAddr::V6(v6)) => g.to_ipv6() == v6,
+                (None, _) => false,
+            };
+            if !to_group {
+                fail(&format!("mckey: datagram {} was not sent to the group {group} ({to:?})", wc.wr_id()));
+            }
+            if a.verify {
+                let bytes = buf.as_slice().unwrap_or_else(|e| fail(&format!("mckey: receive buffer: {e}")));
+                if bytes[d.payload()].iter().enumerate().any(|(i, b)| *b != pattern(i)) {
+                    fail(&format!("mckey: datagram {} has the wrong bytes", wc.wr_id()));
+                }
+            }
+        }
+        done += n;
+    }
+    done
+}
+
+fn main() {
+    let a = parse();
+    println!("mckey: starting {}", if a.sender { "client" } else { "server" });
+    let Some(group) = a.group.as_deref() else {
+        fail("mckey: give the group with -m multicast_address");
+    };
+    if a.unmapped {
+        fail("mckey: -M (an unmapped AF_IB address, InfiniBand only) is not supported by this example: use -m with an IP group");
+    }
+    let group = ip(group);
+    let src = a.bind.as_deref().map(ip);
+    println!("mckey: joining");
+    let ch = EventChannel::new().unwrap_or_else(|e| fail(&format!("mckey: {e}")));
+    let kind = if a.send_only { JoinKind::SendOnlyFullMember } else { JoinKind::FullMember };
+    let mut nodes = Vec::with_capacity(a.connections);
+    for _ in 0..a.connections {
+        let c = McastClient::on_channel(&ch, a.ps).unwrap_or_else(|e| fail(&format!("mckey: {e}")));
+        let r = c
+            .resolve(src, group, Duration::from_millis(2000))
+            .unwrap_or_else(|e| fail(&format!("mckey: resolve addr failure: {e}")));
+        let mtu = r.mtu().unwrap_or_else(|e| fail(&format!("mckey: {e}")));
+        if a.count > 0 && a.size > mtu as usize {
+            fail(&format!("mckey: message_size {} is larger than active mtu {mtu}", a.size));
+        }
+        let pd = r.alloc_pd().unwrap_or_else(|e| fail(&format!("mckey: unable to allocate PD: {e}")));
+        let (recv, send) = buffers(&pd, &a).unwrap_or_else(|e| fail(&format!("mckey: failed to create messages: {e}")));
+        let n = a.count.max(1) as u32;
+        let mut ep = r
+            .loopback(a.loopback)
+            .create_qp(&pd, QpInit::new().max_send_wr(n).max_recv_wr(n))
+            .unwrap_or_else(|e| fail(&format!("mckey: unable to create QP: {e}")));
+        for (i, b) in recv.iter().enumerate() {
+            if let Err(e) = ep.qp_mut().post_recv(&[RecvWr::new(b, 0..a.size + GRH_LEN).wr_id(i as u64)]) {
+                fail(&format!("failed to post receives: {e}"));
+            }
+        }
+        let mc = ep.join(kind, WAIT).unwrap_or_else(|e| match &e {
+            rdma_cm::Error::UnexpectedEvent { got, status, .. } => {
+                println!("mckey: event: RDMA_CM_EVENT_{got}, error: {status}");
+                fail(&format!("mckey: {e}"))
+            }
+            _ => fail(&format!("mckey: failure joining: {e}")),
+        });
+        let attr = *mc.dest().ah().attr();
+        println!("mckey: joined dgid: {} mlid 0x{:x} sl {}", attr.dgid().to_ipv6(), attr.dlid(), attr.sl());
+        nodes.push(Node { mc: Some(mc), ep, recv, send });
+    }
+    if a.count > 0 {
+        if a.sender {
+            std::thread::sleep(a.settle);
+            println!("initiating data transfers");
+            for n in &mut nodes {
+                post_sends(n, &a);
+            }
+        } else {
+            println!("receiving data transfers");
+            let checked: usize = nodes.iter_mut().map(|n| poll_recvs(n, &a)).sum();
+            println!(
+                "mckey: {checked} datagrams checked: {} bytes each, sent to the group, immediate data = the sender's QP number{}",
+                a.size,
+                if a.verify { ", every byte" } else { "" }
+            );
+        }
+        println!("data transfers complete");
+    }
+    let mut status = 0;
+    for n in &mut nodes {
+        if let Some(mc) = n.mc.take() {
+            if let Err(e) = mc.leave() {
+                println!("mckey: failure leaving: {e}");
+                status = -1;
+            }
+        }
+    }
+    println!("test complete");
+    drop(nodes);
+    println!("return status {status}");
+    if status != 0 {
+        exit(1);
+    }
+}
