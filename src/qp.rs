@@ -260,6 +260,7 @@ pub struct QueuePair {
 unsafe impl Send for QueuePair {}
 
 /// Checks a local range of a work request against its region.
+#[inline]
 pub(crate) fn check_local(
     pd: &Arc<ProtectionDomain>,
     mr: &MemoryRegion,
@@ -916,6 +917,9 @@ impl QueuePair {
     /// come first. A wait for one `wr_id` polls without them: it has looked at them already, and
     /// getting them back would keep it from ever reaching the CQ (or its deadline).
     fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+        if self.srq.is_none() || which == Some(WorkQueue::Send) {
+            return self.poll_own(which, out, kept);
+        }
         let mut n = 0;
         if kept {
             n += self.queues().deliver_kept(which, out);
@@ -933,6 +937,89 @@ impl QueuePair {
             n += self.poll_cq(&self.recv_cq, which, &mut out[n..])?;
         }
         Ok(n)
+    }
+
+    /// [`QueuePair::poll_on`] without an SRQ's kept receives to deliver (no SRQ, or only the
+    /// send queue asked for): each CQ is polled with this QP's queues locked once, and its own
+    /// completions are retired under that lock rather than through the routing table.
+    fn poll_own(&self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        let mut n = 0;
+        let mut deliver = kept;
+        if which != Some(WorkQueue::Recv) || same {
+            n += self.poll_cq_own(&self.send_cq, self.send_slot.index, which, out, deliver)?;
+            deliver = false;
+        }
+        if which != Some(WorkQueue::Send) && !same {
+            n += self.poll_cq_own(&self.recv_cq, self.recv_slot.index, which, &mut out[n..], deliver)?;
+        }
+        Ok(n)
+    }
+
+    /// Polls `cq`, on whose routing table this QP sits at `index`, with the routing table and
+    /// then this QP's queues locked (the order `Router::route` takes them in): completions of
+    /// `which` queue of this QP go to `out`, after the kept ones when `deliver`; this QP's
+    /// others are kept here, everyone else's for their owner.
+    fn poll_cq_own(
+        &self,
+        cq: &CompletionQueue,
+        index: u16,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        deliver: bool,
+    ) -> Result<usize> {
+        let mut router = cq.router();
+        let mut q = self.queues();
+        let mut filled = if deliver && q.has_kept() { q.deliver_kept(which, out) } else { 0 };
+        while filled < out.len() {
+            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+            let want = (out.len() - filled).min(POLL_CHUNK);
+            let got = match cq.poll_raw(&mut raw[..want]) {
+                Ok(got) => got,
+                // What was reaped already is returned; the error comes back on the next poll.
+                Err(_) if filled > 0 => break,
+                Err(e) => return Err(e),
+            };
+            for wc in &raw[..got] {
+                // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                let Some(t) = tag::decode(wc.wr_id) else { continue };
+                if !t.srq && t.owner == index {
+                    // This QP's index: ours, or stale (an earlier QP at the index: the checks
+                    // Router::route makes).
+                    if t.nonce != self.nonce || wc.qp_num != self.qp_num {
+                        continue;
+                    }
+                    let Some(id) = q.complete(&t) else { continue };
+                    let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
+                    let done = WorkCompletion::from_raw(wc, id, queue);
+                    if which.is_none_or(|w| w == queue) {
+                        out[filled] = done;
+                        filled += 1;
+                    } else {
+                        q.keep(done);
+                        router.note_kept();
+                    }
+                    continue;
+                }
+                // Another QP's, or an SRQ's: routed (and kept) without this QP's lock, so that
+                // no poll ever holds two QPs' queues at once.
+                drop(q);
+                if let Some((done, owner)) = router.route(wc) {
+                    if done.qp_num() == self.qp_num && which.is_none_or(|q| q == done.queue()) {
+                        out[filled] = done;
+                        filled += 1;
+                    } else {
+                        router.keep(done, owner);
+                    }
+                }
+                q = self.queues();
+            }
+            if got < want {
+                break;
+            }
+        }
+        Ok(filled)
     }
 
     /// Polls `cq`: completions of this QP (of `which` queue) go to `out`; every other one is

@@ -123,6 +123,7 @@ pub struct SendWr<'a> {
 }
 
 impl<'a> SendWr<'a> {
+    #[inline]
     fn new(op: SendOp, local: Option<Piece<'a>>) -> Self {
         SendWr { wr_id: 0, op, local, rest: &[], inline: None, imm: None, signaled: true, solicited: false }
     }
@@ -133,6 +134,7 @@ impl<'a> SendWr<'a> {
     }
 
     /// Sends `mr[range]`.
+    #[inline]
     pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
         Self::new(SendOp::Send, Some((mr, range)))
     }
@@ -159,6 +161,7 @@ impl<'a> SendWr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] when the target range leaves the remote region.
+    #[inline]
     pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
         let len = range.len() as u64;
         let addr = remote.at(remote_offset, len)?;
@@ -262,6 +265,7 @@ impl<'a> SendWr<'a> {
     }
 
     /// Sets the `wr_id` returned in the completion.
+    #[inline]
     pub fn wr_id(mut self, id: u64) -> Self {
         self.wr_id = id;
         self
@@ -276,6 +280,7 @@ impl<'a> SendWr<'a> {
 
     /// Generates no completion on success. The work request (and the region it holds) is
     /// retired by the next signaled completion on this queue.
+    #[inline]
     pub fn unsignaled(mut self) -> Self {
         self.signaled = false;
         self
@@ -316,6 +321,7 @@ pub struct RecvWr<'a> {
 
 impl<'a> RecvWr<'a> {
     /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
+    #[inline]
     pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
         RecvWr { wr_id: 0, mr, range, rest: &[] }
     }
@@ -342,6 +348,7 @@ impl<'a> RecvWr<'a> {
     }
 
     /// Sets the `wr_id` returned in the completion.
+    #[inline]
     pub fn wr_id(mut self, id: u64) -> Self {
         self.wr_id = id;
         self
