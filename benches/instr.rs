@@ -29,7 +29,9 @@ use std::time::Duration;
 
 use common::{pair, zeroed, PairSpec, Side};
 use rdma_cm::ffi;
-use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion, WorkQueue};
+use rdma_cm::{
+    AccessFlags, CompletionQueue, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
+};
 
 /// How long the loop lets the device work before it polls (not counted).
 const SETTLE: Duration = Duration::from_micros(300);
@@ -62,7 +64,7 @@ fn callgrind_zero_stats() {
 /// Raw: posts one signaled send-queue work request.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_raw_post_send(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, len: u32, op: u32, remote: Option<RemoteRegion>) {
+pub fn instr_raw_post_send(qp: &QueuePair, mr: &MemoryRegion, len: u32, op: u32, remote: Option<RemoteRegion>) {
     let mut sge = ffi::ibv_sge { addr: mr.addr(), length: len, lkey: mr.lkey() };
     // SAFETY: ibv_send_wr is plain old data.
     let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
@@ -76,13 +78,13 @@ pub fn instr_raw_post_send(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, len: u32, op
     let mut bad = std::ptr::null_mut();
     // SAFETY: the QP is alive; wr and sge live for the call; the region outlives the
     // completion, which the loop reaps before the next post.
-    assert_eq!(unsafe { ffi::ibv_post_send(qp, &mut wr, &mut bad) }, 0);
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
 }
 
 /// Raw: posts one receive.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_raw_post_recv(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, len: u32) {
+pub fn instr_raw_post_recv(qp: &QueuePair, mr: &MemoryRegion, len: u32) {
     let mut sge = ffi::ibv_sge { addr: mr.addr(), length: len, lkey: mr.lkey() };
     // SAFETY: ibv_recv_wr is plain old data.
     let mut wr: ffi::ibv_recv_wr = unsafe { zeroed() };
@@ -90,16 +92,16 @@ pub fn instr_raw_post_recv(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, len: u32) {
     wr.num_sge = 1;
     let mut bad = std::ptr::null_mut();
     // SAFETY: as in instr_raw_post_send.
-    assert_eq!(unsafe { ffi::ibv_post_recv(qp, &mut wr, &mut bad) }, 0);
+    assert_eq!(unsafe { ffi::ibv_post_recv(qp.as_raw(), &mut wr, &mut bad) }, 0);
 }
 
 /// Raw: one `ibv_poll_cq` for one entry; whether it found one (a success).
 #[no_mangle]
 #[inline(never)]
-pub fn instr_raw_poll(cq: *mut ffi::ibv_cq) -> bool {
+pub fn instr_raw_poll(cq: &CompletionQueue) -> bool {
     let mut wc = MaybeUninit::<ffi::ibv_wc>::uninit();
     // SAFETY: the CQ is alive (held by the QP); `wc` has room for one entry.
-    let n = unsafe { ffi::ibv_poll_cq(cq, 1, wc.as_mut_ptr()) };
+    let n = unsafe { ffi::ibv_poll_cq(cq.as_raw(), 1, wc.as_mut_ptr()) };
     assert!(n >= 0, "ibv_poll_cq failed");
     if n == 1 {
         // SAFETY: ibv_poll_cq filled the entry.
@@ -162,9 +164,9 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
     let mut wcs = [WorkCompletion::default(); 1];
     match variant {
         "send-raw" => {
-            instr_raw_post_recv(b.conn.qp().as_raw(), &b.mrs[0], LEN);
-            instr_raw_post_send(a.conn.qp().as_raw(), &a.mrs[0], LEN, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
-            let (scq, rcq) = (a.conn.qp().send_cq().as_raw(), b.conn.qp().recv_cq().as_raw());
+            instr_raw_post_recv(b.conn.qp(), &b.mrs[0], LEN);
+            instr_raw_post_send(a.conn.qp(), &a.mrs[0], LEN, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
+            let (scq, rcq) = (a.conn.qp().send_cq(), b.conn.qp().recv_cq());
             settle_and_poll(empties, || instr_raw_poll(scq));
             settle_and_poll(empties, || instr_raw_poll(rcq));
         }
@@ -176,8 +178,8 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
         }
         "write-raw" => {
             let op = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-            instr_raw_post_send(a.conn.qp().as_raw(), &a.mrs[0], LEN, op, Some(*remote));
-            let scq = a.conn.qp().send_cq().as_raw();
+            instr_raw_post_send(a.conn.qp(), &a.mrs[0], LEN, op, Some(*remote));
+            let scq = a.conn.qp().send_cq();
             settle_and_poll(empties, || instr_raw_poll(scq));
         }
         "write-crate" => {
