@@ -5,7 +5,15 @@
 //! cargo run --example client -- -a 10.77.0.1 --mode write --size 65536
 //! cargo run --example client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
 //! cargo run --example client -- -a 10.77.0.1 --mode fetch-add --iters 1000    # atomics on the server's counter
+//! cargo run --example client -- -a 10.77.0.1 --bw --mode send --size 64 --iters 100000 --post-list 8 --cq-mod 16
 //! ```
+//!
+//! `--bw` streams `--iters` messages one way (sends, or RDMA WRITEs with `--mode write`) and
+//! prints perftest's bandwidth table (`ib_send_bw`/`ib_write_bw`), with perftest's knobs:
+//! `--tx-depth` work requests in flight (`-t`), `--post-list` work requests per post (`-l`), one
+//! completion per `--cq-mod` work requests (`-Q`). The server checks a send stream (count,
+//! lengths, content) and answers with what it got; a write stream is followed by one verified
+//! round trip.
 //!
 //! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
 //! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
@@ -50,10 +58,20 @@ struct Args {
     /// Seconds any single wait may take (resolution, handshake, each message).
     #[arg(long, default_value_t = 10)]
     timeout: u64,
-    /// With --mode write: first stream --iters RDMA WRITEs (16 in flight) and print the
-    /// bandwidth in ib_write_bw's format, then run one verified round trip.
+    /// Stream --iters messages one way (--mode send or write) and print the bandwidth table
+    /// of ib_send_bw / ib_write_bw; the server verifies a send stream, a write stream is
+    /// followed by one verified round trip.
     #[arg(long)]
     bw: bool,
+    /// With --bw: work requests in flight (perftest's -t).
+    #[arg(long, default_value_t = 128)]
+    tx_depth: u32,
+    /// With --bw: work requests per post_send call (perftest's -l).
+    #[arg(long, default_value_t = 1)]
+    post_list: u32,
+    /// With --bw: one signaled completion per this many work requests (perftest's -Q).
+    #[arg(long, default_value_t = 100)]
+    cq_mod: u32,
     /// Run the whole client this many times in one process, one connection after another, and
     /// print each setup step's cost per connection in cmtime's format.
     #[arg(long, default_value_t = 1)]
@@ -86,8 +104,17 @@ fn main() {
     if args.iters == 0 {
         fail("bad arguments", "--iters must be at least 1");
     }
-    if args.bw && args.mode != Mode::Write {
-        fail("bad arguments", "--bw measures RDMA WRITE bandwidth: use it with --mode write");
+    if args.bw && !matches!(args.mode, Mode::Write | Mode::Send) {
+        fail("bad arguments", "--bw streams sends or RDMA WRITEs: use it with --mode send or --mode write");
+    }
+    if args.tx_depth == 0 || args.tx_depth > 8192 {
+        fail("bad arguments", format!("--tx-depth {} is outside 1..=8192", args.tx_depth));
+    }
+    if args.post_list == 0 || args.post_list > args.tx_depth {
+        fail("bad arguments", format!("--post-list {} is outside 1..=--tx-depth ({})", args.post_list, args.tx_depth));
+    }
+    if args.cq_mod == 0 {
+        fail("bad arguments", "--cq-mod must be at least 1");
     }
     let timeout = Duration::from_secs(args.timeout.max(1));
     let dst = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
@@ -123,7 +150,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     let started = Instant::now();
     // `data`: what we send (or expose to RDMA READ); `back`: where the echo lands.
     let (data_access, back_access) = match args.mode {
-        Mode::Send => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
+        Mode::Send | Mode::SendStream => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
         Mode::Write => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE),
         Mode::Read => (AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, AccessFlags::LOCAL_WRITE),
         // `back` takes the value each atomic found.
@@ -131,28 +158,44 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     };
     let mut data = MemoryRegion::new(&pd, size, data_access)?;
     let mut back = MemoryRegion::new(&pd, size, back_access)?;
-    let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
+    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
     say!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
 
     let started = Instant::now();
-    let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new()))?;
+    let send_depth = if args.bw { args.tx_depth } else { 16 };
+    let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new().max_send_wr(send_depth)))?;
     let qp_num = pending.qp().qp_num();
-    say!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started.elapsed()));
+    say!(
+        "[INFO] QP creation took {:.1} us (qp_num {qp_num}, {send_depth} send / 16 recv WRs)",
+        micros(started.elapsed())
+    );
 
     // Post the first receive before connecting, so the server's first message finds it.
     match args.mode {
+        // A send stream's answer: the count the server received and its verdict.
+        Mode::Send if args.bw => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
         Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
         Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
-        Mode::FetchAdd | Mode::CmpSwap => {} // the server sends nothing
+        Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => {} // the server sends nothing
     }
     let region = match args.mode {
-        Mode::Send | Mode::FetchAdd | Mode::CmpSwap => QpInfo { qp_num, ..QpInfo::default() },
+        Mode::Send | Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => QpInfo { qp_num, ..QpInfo::default() },
         Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size },
         Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size },
     };
-    // With --bw the stream is one-sided; the server sees a single verified round trip.
-    let iters = if args.bw { 1 } else { args.iters };
-    let req = Request { info: region, mode: args.mode, size: size as u32, iters };
+    // With --bw the stream is one-sided. A write stream is followed by a single verified round
+    // trip (all the server sees); a send stream is checked by the server, with no round trip.
+    let send_stream = args.bw && args.mode == Mode::Send;
+    let iters = match (args.bw, send_stream) {
+        (false, _) => args.iters,
+        (true, false) => 1,
+        (true, true) => 0,
+    };
+    let req = if send_stream {
+        Request { info: region, mode: Mode::SendStream, size: size as u32, iters: args.iters }
+    } else {
+        Request { info: region, mode: args.mode, size: size as u32, iters }
+    };
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
     let mut conn = steps.time(|| pending.connect(&param, t))?;
@@ -180,7 +223,24 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     let server_region = server.and_then(|s| s.region());
 
     if args.bw {
-        stream_writes(&mut conn, &data, need(server_region)?, args.iters, t)?;
+        fill_pattern(data.as_mut_slice()?, 0);
+        let target = if send_stream { None } else { Some(need(server_region)?) };
+        stream(&mut conn, &data, target, args, t)?;
+    }
+    if send_stream {
+        let qp = conn.qp_mut();
+        let wc = qp.wait_for(WorkQueue::Recv, 0, t)?;
+        let mut answer = [0u8; 5];
+        ctl.read_at(0, &mut answer)?;
+        let got = u32::from_be_bytes([answer[0], answer[1], answer[2], answer[3]]);
+        if wc.byte_len() != 5 || got != args.iters || answer[4] != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "the server received {got} of {} messages (content {})",
+                args.iters,
+                if answer[4] == 1 { "matched" } else { "did not match" }
+            )));
+        }
+        say!("[INFO] Stream verified: the server received {got} x {size} bytes, content matched");
     }
     let mut rtts = Vec::with_capacity(iters as usize);
     let mut expected = vec![0u8; size];
@@ -190,7 +250,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         let one = iters == 1;
         let start = Instant::now();
         let n = match args.mode {
-            Mode::Send => round_trip_send(&mut conn, &data, &back, i, one, t)?,
+            Mode::Send | Mode::SendStream => round_trip_send(&mut conn, &data, &back, i, one, t)?,
             Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, iters, one, t)?,
             Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, iters, one, t)?,
             Mode::FetchAdd | Mode::CmpSwap => {
@@ -276,45 +336,74 @@ impl Steps {
     }
 }
 
-/// Streams `n` RDMA WRITEs of the whole region, 16 in flight, one signaled in 8; prints the
-/// bandwidth like ib_write_bw (MB/s = 2^20 bytes per second).
-fn stream_writes(
+/// Streams `--iters` messages of the whole region: sends, or RDMA WRITEs to `target`;
+/// `--tx-depth` in flight, `--post-list` per `post_send`, one signaled per `--cq-mod` (and the
+/// last of a list after which no full list fits, so a completion always comes). Prints the
+/// bandwidth as perftest does (MB/s = 2^20 bytes per second; the peak is the best of ten
+/// equal slices of the run).
+fn stream(
     conn: &mut Connection,
     data: &MemoryRegion,
-    server: RemoteRegion,
-    n: u32,
+    target: Option<RemoteRegion>,
+    args: &Args,
     t: Duration,
 ) -> Result<(), Error> {
-    const DEPTH: u32 = 16;
-    const SIGNAL_EVERY: u32 = 8;
+    let (n, depth, list, cq_mod) = (args.iters, args.tx_depth, args.post_list, args.cq_mod);
     let size = data.len();
     let qp = conn.qp_mut();
-    let mut wcs = [rdma_cm::WorkCompletion::default(); 4];
+    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
+    let mut batch: Vec<SendWr> = Vec::with_capacity(list as usize);
     let (mut posted, mut done) = (0u32, 0u32);
+    let slice = (n / 10).max(1);
+    let mut peak = 0f64;
     let start = Instant::now();
+    let mut mark = (start, 0u32);
     while done < n {
-        while posted < n && posted - done < DEPTH {
-            let mut wr = SendWr::write(data, 0..size, &server, 0)?.wr_id(posted as u64);
-            if posted % SIGNAL_EVERY != SIGNAL_EVERY - 1 && posted != n - 1 {
-                wr = wr.unsignaled();
+        loop {
+            let room = depth - (posted - done);
+            let b = list.min(n - posted).min(room);
+            if b == 0 || (b < list && posted + b < n) {
+                break;
             }
-            qp.post_send(&[wr])?;
-            posted += 1;
+            let full_after = room - b < list;
+            batch.clear();
+            for id in posted..posted + b {
+                let wr = match &target {
+                    Some(r) => SendWr::write(data, 0..size, r, 0)?,
+                    None => SendWr::send(data, 0..size),
+                }
+                .wr_id(id as u64);
+                let signaled = id % cq_mod == cq_mod - 1 || id == n - 1 || (full_after && id == posted + b - 1);
+                batch.push(if signaled { wr } else { wr.unsignaled() });
+            }
+            qp.post_send(&batch)?;
+            posted += b;
         }
         let k = qp.wait_queue(WorkQueue::Send, &mut wcs, t)?;
         if k == 0 {
-            return Err(Error::Timeout { op: "streaming RDMA WRITEs", timeout: t, addr: None, hint: None });
+            return Err(Error::Timeout { op: "streaming work requests", timeout: t, addr: None, hint: None });
         }
         for wc in &wcs[..k] {
-            // A signaled completion retires itself and every unsignaled write before it.
+            // A signaled completion retires itself and every unsignaled one before it.
             done = wc.ok()?.wr_id() as u32 + 1;
+        }
+        if done - mark.1 >= slice {
+            let now = Instant::now();
+            peak = peak.max((done - mark.1) as f64 / (now - mark.0).as_secs_f64());
+            mark = (now, done);
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let mbs = (size as f64 * n as f64) / secs / (1 << 20) as f64;
+    let rate = n as f64 / secs;
+    let mib = |msgs: f64| msgs * size as f64 / (1 << 20) as f64;
     println!("---------------------------------------------------------------------------------------");
     println!(" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]");
-    println!(" {size:<10} {n:<10}       {mbs:<7.2}            {mbs:<7.2}              {:.6}", n as f64 / secs / 1e6);
+    println!(
+        " {size:<10} {n:<10}       {:<7.2}            {:<7.2}              {:.6}",
+        mib(peak.max(rate)),
+        mib(rate),
+        rate / 1e6
+    );
     println!("---------------------------------------------------------------------------------------");
     Ok(())
 }

@@ -15,8 +15,10 @@
 //! `harness/demo` runs server and client together there. The client chooses the mode
 //! (send/write/read), the size and the iteration count and tells the server in the connect
 //! private data; a client without that data (rdma-core's `rdma_client`) gets the 16-byte
-//! exchange of rdma-core's `rdma_server`. Clients are served concurrently, one thread each; a
-//! client's failure is logged and never stops the server. SIGINT/SIGTERM stop it cleanly.
+//! exchange of rdma-core's `rdma_server`; a client streaming sends (`client --bw --mode send`)
+//! gets a receiver that keeps 512 receives posted and reports what arrived. Clients are served
+//! concurrently, one thread each; a client's failure is logged and never stops the server.
+//! SIGINT/SIGTERM stop it cleanly.
 
 mod common;
 
@@ -25,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{fail, micros, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
+use common::{fail, fill_pattern, micros, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, QpInfo, QpInit, QueuePair, RecvWr, SendWr,
     Server, WorkQueue,
@@ -164,7 +166,7 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
     let t = Instant::now();
     let access = match mode {
-        Mode::Send => AccessFlags::LOCAL_WRITE,
+        Mode::Send | Mode::SendStream => AccessFlags::LOCAL_WRITE,
         Mode::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         Mode::Read => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
         Mode::FetchAdd | Mode::CmpSwap => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
@@ -177,9 +179,11 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     println!("[INFO] Memory registration took {:.1} us ({} bytes, {:?})", micros(t.elapsed()), size, access);
 
     let t = Instant::now();
-    let mut pending = req.create_qp(&pd, QpInit::new()).map_err(err)?;
+    // A stream of sends needs receives posted well ahead of it, as ib_send_bw's server does.
+    let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
+    let mut pending = req.create_qp(&pd, QpInit::new().max_recv_wr(recv_depth)).map_err(err)?;
     println!(
-        "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / 16 recv WRs)",
+        "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / {recv_depth} recv WRs)",
         micros(t.elapsed()),
         pending.qp().qp_num()
     );
@@ -187,6 +191,13 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     let client_region = parsed.and_then(|r| r.info.region());
     match mode {
         Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
+        Mode::SendStream => {
+            // Every receive of the stream lands in the same bytes: only the count, the lengths
+            // and the last message's content are checked.
+            let first: Vec<RecvWr> =
+                (0..iters.min(recv_depth)).map(|k| RecvWr::new(&bufs[0], 0..size as usize).wr_id(k as u64)).collect();
+            pending.post_recv(&first).map_err(err)?
+        }
         Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
             pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?
         }
@@ -201,7 +212,8 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         vaddr: bufs[0].addr(),
         len: if mode == Mode::Send { 0 } else { size },
     };
-    let info = if mode == Mode::Send { QpInfo { rkey: 0, vaddr: 0, ..info } } else { info };
+    let info =
+        if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };
     let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
     let mut conn = pending.accept(&param, timeout).map_err(err)?;
     conn.qp_mut().set_busy_poll(busy_poll);
@@ -209,6 +221,7 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
     let result = match mode {
         Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
+        Mode::SendStream => sink_sends(&mut conn, &mut bufs[0], size, iters, iters.min(recv_depth), timeout),
         Mode::Write => {
             echo_write(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
         }
@@ -229,6 +242,67 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         }
     }
     println!("[INFO] Disconnected");
+    Ok(())
+}
+
+/// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
+const STREAM_RX_DEPTH: u32 = 512;
+
+/// The receiving end of `client --bw --mode send`: keeps receives posted until `iters` sends
+/// have arrived (`posted` were posted before accepting), checks each length and the last
+/// message's content, and answers with the count and the verdict (5 bytes, inline).
+fn sink_sends(
+    conn: &mut Connection,
+    buf: &mut MemoryRegion,
+    size: u32,
+    iters: u32,
+    posted: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    let qp = conn.qp_mut();
+    let (mut posted, mut got, mut bad_len) = (posted, 0u32, 0u32);
+    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
+    let mut refill: Vec<RecvWr> = Vec::with_capacity(16);
+    while got < iters {
+        let k = qp.wait_queue(WorkQueue::Recv, &mut wcs, t)?;
+        if k == 0 {
+            return Err(Error::Timeout { op: "receiving a stream of sends", timeout: t, addr: None, hint: None });
+        }
+        for wc in &wcs[..k] {
+            if wc.ok()?.byte_len() != size {
+                bad_len += 1;
+            }
+            got += 1;
+        }
+        while posted < iters && posted - got < STREAM_RX_DEPTH {
+            refill.clear();
+            let n = (iters - posted).min(STREAM_RX_DEPTH - (posted - got)).min(16);
+            refill.extend((posted..posted + n).map(|k| RecvWr::new(buf, 0..size as usize).wr_id(k as u64)));
+            qp.post_recv(&refill)?;
+            posted += n;
+        }
+    }
+    // Nothing is posted any more: the bytes are readable.
+    let mut last = vec![0u8; size as usize];
+    buf.read_at(0, &mut last)?;
+    let mut expected = vec![0u8; size as usize];
+    fill_pattern(&mut expected, 0);
+    let ok = bad_len == 0 && last == expected;
+    println!(
+        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
+        if ok { "lengths and content checked" } else { "MISMATCH" }
+    );
+    let mut answer = [0u8; 5];
+    answer[..4].copy_from_slice(&got.to_be_bytes());
+    answer[4] = ok as u8;
+    qp.post_send(&[SendWr::send_inline(&answer).wr_id(u64::MAX)])?;
+    qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
+    if !ok {
+        return Err(Error::InvalidArgument(format!(
+            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
+            if last == expected { "matches" } else { "differs" }
+        )));
+    }
     Ok(())
 }
 

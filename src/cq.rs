@@ -170,6 +170,12 @@ impl Router {
         Some((WorkCompletion::from_raw(wc, id, queue), Owner::Qp(t.owner)))
     }
 
+    /// A QP kept one of its own completions (polled on its own, without [`Router::keep`]):
+    /// the CQ's own poll looks for it.
+    pub(crate) fn note_kept(&mut self) {
+        self.kept = true;
+    }
+
     /// Keeps a routed completion for its owner's next poll or wait.
     pub(crate) fn keep(&mut self, wc: WorkCompletion, owner: Owner) {
         match owner {

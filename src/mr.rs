@@ -602,6 +602,7 @@ impl RemoteRegion {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] when the range leaves the advertised region.
+    #[inline]
     pub fn at(&self, offset: u64, len: u64) -> Result<u64> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(self.addr.wrapping_add(offset)),

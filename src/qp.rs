@@ -83,6 +83,7 @@ use crate::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::pd::ProtectionDomain;
 use crate::ring::{tag, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
+use crate::ud::UdDest;
 use crate::wait::{poll_readable, pollfd, Deadline};
 use crate::wr::{hold_rest, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 
@@ -273,6 +274,7 @@ pub struct QueuePair {
 unsafe impl Send for QueuePair {}
 
 /// Checks a local range of a work request against its region.
+#[inline(always)]
 pub(crate) fn check_local(
     pd: &Arc<ProtectionDomain>,
     mr: &MemoryRegion,
@@ -419,6 +421,24 @@ pub(crate) fn with_recv_list<R>(
         unsafe { base.add(k).write(entry) };
     }
     post(base, n)
+}
+
+/// The first scatter entry of a send-queue work request: its inline data, its (first) piece,
+/// or nothing.
+#[inline(always)]
+fn first_sge(w: &SendWr<'_>) -> ffi::ibv_sge {
+    match (w.inline, &w.local) {
+        (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
+        (None, Some((m, range))) => m.sge(range),
+        (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+    }
+}
+
+/// Whether a send-queue work request moves any bytes (a zero-length one gets no scatter entry:
+/// some providers read a byte count of 0 as 2 GiB).
+#[inline(always)]
+fn has_data(w: &SendWr<'_>) -> bool {
+    w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty())
 }
 
 impl QueuePair {
@@ -726,10 +746,91 @@ impl QueuePair {
         if (wrs.len() as u64) > q.send.free() {
             return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
         }
+        if let [w] = wrs {
+            let w = w.send_wr();
+            if w.rest.is_empty() {
+                return self.post_send_one(&mut q, w);
+            }
+        }
         for chunk in wrs.chunks(CHUNK) {
             self.post_send_chunk(&mut q, chunk)?;
         }
         Ok(())
+    }
+
+    /// `post_send_chunk` for one work request of at most one piece (the common
+    /// case): the same work request, built on the stack without the list's arrays and loops.
+    #[inline]
+    fn post_send_one(&self, q: &mut Queues, w: &SendWr<'_>) -> Result<()> {
+        // Taking the last free slot makes it signaled (see post_send_chunk).
+        let signaled = w.signaled || q.send.free() == 1;
+        let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), w.op.writes_local()));
+        let seq = q.send.stage(0, w.wr_id, hold);
+        // A datagram's address handle is held like the region (see post_send_chunk).
+        let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
+        let mut sge = first_sge(w);
+        let mut wr = self.send_wr(w, seq, signaled, ud);
+        wr.sg_list = &mut sge;
+        wr.num_sge = has_data(w) as i32;
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // The piece was checked against a region on this PD, whose handle the slot staged above
+        // now holds until the completion is reaped; inline data is copied in the call.
+        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge`, both alive for
+        // the call; the region it names is held (above).
+        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
+        self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
+    }
+
+    /// A send-queue work request's fields for `w` staged as `seq`, but its scatter list
+    /// (`sg_list`, `num_sge`) and `next`, which the caller sets.
+    #[inline(always)]
+    fn send_wr(&self, w: &SendWr<'_>, seq: u64, signaled: bool, ud: Option<&UdDest>) -> ffi::ibv_send_wr {
+        // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those); all-zero
+        // is a valid value.
+        let mut r: ffi::ibv_send_wr = unsafe { mem::zeroed() };
+        r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+        use ffi::ibv_wr_opcode::*;
+        r.opcode = match (w.op, w.imm.is_some()) {
+            (SendOp::Send, false) => IBV_WR_SEND,
+            (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
+            (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
+            (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
+            (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
+            (SendOp::FetchAdd { .. }, _) => IBV_WR_ATOMIC_FETCH_AND_ADD,
+            (SendOp::CompareSwap { .. }, _) => IBV_WR_ATOMIC_CMP_AND_SWP,
+        };
+        if let Some(imm) = w.imm {
+            r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        match w.op {
+            SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } => {
+                r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
+            }
+            SendOp::FetchAdd { addr, rkey, add } => {
+                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: add, swap: 0, rkey };
+            }
+            SendOp::CompareSwap { addr, rkey, compare, swap } => {
+                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
+            }
+            SendOp::Send => {
+                if let Some(d) = ud {
+                    r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };
+                }
+            }
+        }
+        use ffi::ibv_send_flags as f;
+        let mut flags = 0;
+        if signaled {
+            flags |= f::IBV_SEND_SIGNALED.0;
+        }
+        if w.solicited {
+            flags |= f::IBV_SEND_SOLICITED.0;
+        }
+        if w.inline.is_some() {
+            flags |= f::IBV_SEND_INLINE.0;
+        }
+        r.send_flags = flags;
+        r
     }
 
     /// Checks a send-queue work request of several pieces: their count against the QP's
@@ -772,11 +873,7 @@ impl QueuePair {
             // A datagram's address handle is held in the ring's table until the slot retires
             // (the check above made sure this is a UD QP, whose send ring has the table).
             let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
-            let first = match (w.inline, &w.local) {
-                (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
-                (None, Some((m, range))) => m.sge(range),
-                (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
-            };
+            let first = first_sge(w);
             let start = used;
             // SAFETY: at most MAX_SGE entries per work request (the first, and at most
             // MAX_SGE - 1 more below) and at most CHUNK work requests: `used` < CHUNK_SGE.
@@ -787,62 +884,18 @@ impl QueuePair {
                 unsafe { sge_base.add(used).write(m.sge(r)) };
                 used += 1;
             }
-            // SAFETY: k < n <= CHUNK: within `raw`. ibv_send_wr is plain old data (pointers,
-            // integers, unions of those); all-zero is a valid value. The entry is initialised
-            // in place, and reached only through `base`.
+            // SAFETY: k < n <= CHUNK: within `raw`. The entry is initialised in place, and
+            // reached only through `base`.
             let r = unsafe {
-                base.add(k).write(mem::zeroed());
+                base.add(k).write(self.send_wr(w, seq, w.signaled || free == k as u64 + 1, ud));
                 &mut *base.add(k)
             };
-            r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
-            let has_data = w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty());
             // A list of several pieces has no empty piece (the constructors refuse them).
-            r.num_sge = if w.rest.is_empty() { has_data as i32 } else { (used - start) as i32 };
+            r.num_sge = if w.rest.is_empty() { has_data(w) as i32 } else { (used - start) as i32 };
             // SAFETY: start < CHUNK_SGE (see above).
             r.sg_list = unsafe { sge_base.add(start) };
             // SAFETY: k + 1 < n <= CHUNK, so the pointer stays within `raw`.
             r.next = if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() };
-            use ffi::ibv_wr_opcode::*;
-            r.opcode = match (w.op, w.imm.is_some()) {
-                (SendOp::Send, false) => IBV_WR_SEND,
-                (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
-                (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
-                (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
-                (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
-                (SendOp::FetchAdd { .. }, _) => IBV_WR_ATOMIC_FETCH_AND_ADD,
-                (SendOp::CompareSwap { .. }, _) => IBV_WR_ATOMIC_CMP_AND_SWP,
-            };
-            if let Some(imm) = w.imm {
-                r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-            }
-            match w.op {
-                SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } => {
-                    r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
-                }
-                SendOp::FetchAdd { addr, rkey, add } => {
-                    r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: add, swap: 0, rkey };
-                }
-                SendOp::CompareSwap { addr, rkey, compare, swap } => {
-                    r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
-                }
-                SendOp::Send => {
-                    if let Some(d) = ud {
-                        r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };
-                    }
-                }
-            }
-            use ffi::ibv_send_flags as f;
-            let mut flags = 0;
-            if w.signaled || free == k as u64 + 1 {
-                flags |= f::IBV_SEND_SIGNALED.0;
-            }
-            if w.solicited {
-                flags |= f::IBV_SEND_SOLICITED.0;
-            }
-            if w.inline.is_some() {
-                flags |= f::IBV_SEND_INLINE.0;
-            }
-            r.send_flags = flags;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // Each piece was checked against a region on this PD, whose handle a ring slot (or its
@@ -856,6 +909,7 @@ impl QueuePair {
 
     /// Commits the staged slots after a post, and maps the error (see "Failed posts" in the
     /// module docs).
+    #[inline]
     #[allow(clippy::too_many_arguments)]
     fn commit_posted<T>(
         &self,
@@ -867,11 +921,28 @@ impl QueuePair {
         send: bool,
         op: &'static str,
     ) -> Result<()> {
-        let ring = if send { &mut q.send } else { &mut q.recv };
         if ret == 0 {
+            let ring = if send { &mut q.send } else { &mut q.recv };
             ring.commit(n as u64, n as u64);
             return Ok(());
         }
+        self.commit_failed(q, ret, bad, first, n, send, op)
+    }
+
+    /// [`QueuePair::commit_posted`] after the provider refused a post.
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    fn commit_failed<T>(
+        &self,
+        q: &mut Queues,
+        ret: i32,
+        bad: *mut T,
+        first: *const T,
+        n: usize,
+        send: bool,
+        op: &'static str,
+    ) -> Result<()> {
+        let ring = if send { &mut q.send } else { &mut q.recv };
         if let Some(k) = rejected_from(bad, first, n) {
             ring.commit(k as u64, n as u64);
             return check_ibv(ret, op);
@@ -960,6 +1031,9 @@ impl QueuePair {
     /// come first. A wait for one `wr_id` polls without them: it has looked at them already, and
     /// getting them back would keep it from ever reaching the CQ (or its deadline).
     fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+        if self.srq.is_none() || which == Some(WorkQueue::Send) {
+            return self.poll_own(which, out, kept);
+        }
         let mut n = 0;
         if kept {
             n += self.queues().deliver_kept(which, out);
@@ -977,6 +1051,89 @@ impl QueuePair {
             n += self.poll_cq(&self.recv_cq, which, &mut out[n..])?;
         }
         Ok(n)
+    }
+
+    /// [`QueuePair::poll_on`] without an SRQ's kept receives to deliver (no SRQ, or only the
+    /// send queue asked for): each CQ is polled with this QP's queues locked once, and its own
+    /// completions are retired under that lock rather than through the routing table.
+    fn poll_own(&self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        let mut n = 0;
+        let mut deliver = kept;
+        if which != Some(WorkQueue::Recv) || same {
+            n += self.poll_cq_own(&self.send_cq, self.send_slot.index, which, out, deliver)?;
+            deliver = false;
+        }
+        if which != Some(WorkQueue::Send) && !same {
+            n += self.poll_cq_own(&self.recv_cq, self.recv_slot.index, which, &mut out[n..], deliver)?;
+        }
+        Ok(n)
+    }
+
+    /// Polls `cq`, on whose routing table this QP sits at `index`, with the routing table and
+    /// then this QP's queues locked (the order `Router::route` takes them in): completions of
+    /// `which` queue of this QP go to `out`, after the kept ones when `deliver`; this QP's
+    /// others are kept here, everyone else's for their owner.
+    fn poll_cq_own(
+        &self,
+        cq: &CompletionQueue,
+        index: u16,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        deliver: bool,
+    ) -> Result<usize> {
+        let mut router = cq.router();
+        let mut q = self.queues();
+        let mut filled = if deliver && q.has_kept() { q.deliver_kept(which, out) } else { 0 };
+        while filled < out.len() {
+            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
+            let want = (out.len() - filled).min(POLL_CHUNK);
+            let got = match cq.poll_raw(&mut raw[..want]) {
+                Ok(got) => got,
+                // What was reaped already is returned; the error comes back on the next poll.
+                Err(_) if filled > 0 => break,
+                Err(e) => return Err(e),
+            };
+            for wc in &raw[..got] {
+                // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                let wc = unsafe { wc.assume_init_ref() };
+                let Some(t) = tag::decode(wc.wr_id) else { continue };
+                if !t.srq && t.owner == index {
+                    // This QP's index: ours, or stale (an earlier QP at the index: the checks
+                    // Router::route makes).
+                    if t.nonce != self.nonce || wc.qp_num != self.qp_num {
+                        continue;
+                    }
+                    let Some(id) = q.complete(&t) else { continue };
+                    let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
+                    let done = WorkCompletion::from_raw(wc, id, queue);
+                    if which.is_none_or(|w| w == queue) {
+                        out[filled] = done;
+                        filled += 1;
+                    } else {
+                        q.keep(done);
+                        router.note_kept();
+                    }
+                    continue;
+                }
+                // Another QP's, or an SRQ's: routed (and kept) without this QP's lock, so that
+                // no poll ever holds two QPs' queues at once.
+                drop(q);
+                if let Some((done, owner)) = router.route(wc) {
+                    if done.qp_num() == self.qp_num && which.is_none_or(|q| q == done.queue()) {
+                        out[filled] = done;
+                        filled += 1;
+                    } else {
+                        router.keep(done, owner);
+                    }
+                }
+                q = self.queues();
+            }
+            if got < want {
+                break;
+            }
+        }
+        Ok(filled)
     }
 
     /// Polls `cq`: completions of this QP (of `which` queue) go to `out`; every other one is

@@ -215,7 +215,18 @@ impl<H> Ring<H> {
     /// Commits `staged` work requests, of which the provider took the first `posted`: the
     /// others become void (their regions, every piece's, are released at once), and their
     /// sequence numbers are used up all the same.
+    #[inline]
     pub(crate) fn commit(&mut self, posted: u64, staged: u64) {
+        if posted == staged {
+            // Nothing becomes void, and the head never rests on a void slot: nothing to skip.
+            self.tail += staged;
+            return;
+        }
+        self.commit_partly(posted, staged);
+    }
+    /// [`Ring::commit`] when the provider refused some of the work requests.
+    #[cold]
+    fn commit_partly(&mut self, posted: u64, staged: u64) {
         for k in posted..staged {
             let seq = self.tail + k;
             drop(self.take(seq));
@@ -239,6 +250,7 @@ impl<H> Ring<H> {
     /// Retires every work request up to and including `seq`; returns the caller's wr_id, or
     /// `None` for a sequence number outside the outstanding window (never ours, or stale) or
     /// a void slot.
+    #[inline]
     pub(crate) fn complete(&mut self, seq: u64) -> Option<u64> {
         if seq < self.head || seq >= self.tail {
             return None;
@@ -346,6 +358,7 @@ impl Queues {
 
     /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
     /// names nothing outstanding (stale).
+    #[inline]
     pub(crate) fn complete(&mut self, t: &tag::Tag) -> Option<u64> {
         let ring = if t.recv { &mut self.recv } else { &mut self.send };
         let seq = ring.widen(t.low, tag::SEQ_BITS);
@@ -366,9 +379,18 @@ impl Queues {
         }
     }
 
+    /// Whether any completion is kept (cheap: the polls ask before delivering).
+    #[inline]
+    pub(crate) fn has_kept(&self) -> bool {
+        self.send_kept.len() != 0 || self.recv_kept.len() != 0
+    }
+
     /// Moves kept completions (of `which` queue, or both) into `out`.
     pub(crate) fn deliver_kept(&mut self, which: Option<crate::cq::WorkQueue>, out: &mut [WorkCompletion]) -> usize {
         use crate::cq::WorkQueue;
+        if !self.has_kept() {
+            return 0;
+        }
         let mut n = 0;
         if which != Some(WorkQueue::Recv) {
             let k = self.send_kept.drain_into(out);

@@ -139,6 +139,7 @@ impl AsSendWr for SendWr<'_> {
 }
 
 impl<'a> SendWr<'a> {
+    #[inline]
     pub(crate) fn new(op: SendOp, local: Option<Piece<'a>>) -> Self {
         SendWr { wr_id: 0, op, local, rest: &[], inline: None, imm: None, signaled: true, solicited: false, ud: None }
     }
@@ -158,6 +159,7 @@ impl<'a> SendWr<'a> {
     }
 
     /// Sends `mr[range]`.
+    #[inline]
     pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
         Self::new(SendOp::Send, Some((mr, range)))
     }
@@ -184,6 +186,7 @@ impl<'a> SendWr<'a> {
     ///
     /// # Errors
     /// [`Error::OutOfBounds`] when the target range leaves the remote region.
+    #[inline]
     pub fn write(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
         let len = range.len() as u64;
         let addr = remote.at(remote_offset, len)?;
@@ -287,6 +290,7 @@ impl<'a> SendWr<'a> {
     }
 
     /// Sets the `wr_id` returned in the completion.
+    #[inline]
     pub fn wr_id(mut self, id: u64) -> Self {
         self.wr_id = id;
         self
@@ -301,6 +305,7 @@ impl<'a> SendWr<'a> {
 
     /// Generates no completion on success. The work request (and the region it holds) is
     /// retired by the next signaled completion on this queue.
+    #[inline]
     pub fn unsignaled(mut self) -> Self {
         self.signaled = false;
         self
@@ -341,6 +346,7 @@ pub struct RecvWr<'a> {
 
 impl<'a> RecvWr<'a> {
     /// Receives into `mr[range]`. The region needs [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
+    #[inline]
     pub fn new(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
         RecvWr { wr_id: 0, mr, range, rest: &[] }
     }
@@ -367,6 +373,7 @@ impl<'a> RecvWr<'a> {
     }
 
     /// Sets the `wr_id` returned in the completion.
+    #[inline]
     pub fn wr_id(mut self, id: u64) -> Self {
         self.wr_id = id;
         self

@@ -193,6 +193,52 @@ fn demo_iterations_print_a_perftest_latency_table() {
     assert!(s.contains("Echoed 200 messages of 2 bytes"), "{s}");
 }
 
+/// `--bw`: the client streams sends (post lists of 8, one completion in 16) and RDMA WRITEs,
+/// prints perftest's bandwidth table with one row of the size and iteration count asked for,
+/// and the data arrived: the server counted every send and checked its length and content,
+/// and the write stream is followed by a verified round trip.
+#[test]
+fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
+    let row_of = |c: &str| -> Vec<f64> {
+        assert!(c.contains(" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]"), "{c}");
+        let row = c.lines().skip_while(|l| !l.contains("#bytes")).nth(1).expect("a result row");
+        let f: Vec<f64> = row.split_whitespace().map(|x| x.parse().expect("a number")).collect();
+        assert_eq!(f.len(), 5, "{row}");
+        // Bandwidth is size x message rate; the peak is at least the average.
+        assert!(f[3] > 0.0 && f[2] >= f[3] && f[4] > 0.0, "{row}");
+        assert!((f[3] - f[0] * f[4] * 1e6 / 1048576.0).abs() <= 0.02 * f[3] + 0.01, "BW = size x rate: {row}");
+        f
+    };
+    let args = ["--bw", "--mode", "send", "--size", "64", "--iters", "3000", "--post-list", "8", "--cq-mod", "16"];
+    let (c, s) = demo("7633", &args);
+    assert_eq!(row_of(&c)[..2], [64.0, 3000.0], "{c}");
+    assert!(c.contains("Stream verified: the server received 3000 x 64 bytes, content matched"), "{c}");
+    assert!(s.contains("Received a stream of 3000 messages of 64 bytes (lengths and content checked)"), "{s}");
+    let args = ["--bw", "--mode", "write", "--size", "2", "--iters", "2000", "--post-list", "4", "--cq-mod", "64"];
+    let (c, _) = demo("7634", &args);
+    assert_eq!(row_of(&c)[..2], [2.0, 2000.0], "{c}");
+    assert!(c.contains("Echo verified: 1 x 2 bytes match"), "{c}");
+}
+
+/// The --bw options refuse what would not run: another mode, an empty or too long post list,
+/// no signaling at all.
+#[test]
+fn bw_options_out_of_range_are_refused() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--bw", "--mode", "read"], "--bw streams sends or RDMA WRITEs"),
+        (&["--bw", "--post-list", "0"], "--post-list 0 is outside 1..=--tx-depth (128)"),
+        (&["--bw", "--tx-depth", "4", "--post-list", "8"], "--post-list 8 is outside 1..=--tx-depth (4)"),
+        (&["--bw", "--cq-mod", "0"], "--cq-mod must be at least 1"),
+    ];
+    for (extra, msg) in cases {
+        let mut args = vec!["-a", "10.0.0.1"];
+        args.extend_from_slice(extra);
+        let out = client(&args);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}");
+        assert!(text(&out).1.contains(msg), "{extra:?}: {:?}", text(&out));
+    }
+}
+
 #[test]
 fn client_without_a_server_fails_with_one_clear_line() {
     let addr = common::device_addr().to_string();

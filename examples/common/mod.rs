@@ -32,6 +32,11 @@ pub enum Mode {
     /// RDMA compare-and-swap of the server's counter from i to i + 1 per iteration; each
     /// returned value is checked, and the server checks the final count.
     CmpSwap,
+    /// Sends in one direction only (the client's `--bw --mode send`): the server keeps
+    /// receives posted for `iters` messages, checks them, and answers with one message that
+    /// carries the count it received and whether the content matched.
+    #[value(skip)]
+    SendStream,
 }
 
 impl Mode {
@@ -42,6 +47,7 @@ impl Mode {
             Mode::Read => 2,
             Mode::FetchAdd => 3,
             Mode::CmpSwap => 4,
+            Mode::SendStream => 5,
         }
     }
 
@@ -56,6 +62,7 @@ impl Mode {
             2 => Mode::Read,
             3 => Mode::FetchAdd,
             4 => Mode::CmpSwap,
+            5 => Mode::SendStream,
             _ => return None,
         })
     }
@@ -69,6 +76,7 @@ impl fmt::Display for Mode {
             Mode::Read => "read",
             Mode::FetchAdd => "fetch-add",
             Mode::CmpSwap => "cmp-swap",
+            Mode::SendStream => "send-stream",
         })
     }
 }

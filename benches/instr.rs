@@ -1,0 +1,218 @@
+//! Instructions per operation: one variant of the data path, N times, for
+//! `valgrind --tool=callgrind` to count. Run it through `harness/bench-instr`
+//! (`harness/bench --instr-only`), which starts it under callgrind in the guest and splits the
+//! counts into the crate's own instructions and the provider's.
+//!
+//! ```text
+//! harness/bench --instr-only                        # every variant, table in target/bench/instr.txt
+//! cargo bench --bench instr -- write-crate 2000     # one variant, without valgrind (a smoke run)
+//! ```
+//!
+//! Variants: `send-raw`, `send-crate` (post a receive on one end, post a send on the other, poll
+//! both completions) and `write-raw`, `write-crate` (post an RDMA WRITE, poll its completion).
+//! `raw` makes the same `rdma-sys` calls directly on the same QP and CQs, as
+//! `benches/datapath.rs` does. The measured code lives in the `instr_*` functions (unmangled, so
+//! callgrind's `--toggle-collect=instr_*` finds them); everything else (connection setup, the
+//! pause that lets the device complete the work) is not counted. Before polling, the loop waits
+//! outside the measured functions until the device is likely done, so almost every poll finds
+//! its completion: the count is then the work of a post and of a successful poll, not of the
+//! empty polls a busy loop would add (their number depends on timing). Empty polls that still
+//! happen are counted and printed, and the harness reports them.
+//!
+//! After a warm-up (which also resolves the lazy symbol bindings), the counters are zeroed with
+//! callgrind's `ZERO_STATS` client request, so only the N measured iterations count.
+
+mod common;
+
+use std::mem::MaybeUninit;
+use std::time::Duration;
+
+use common::{pair, zeroed, PairSpec, Side};
+use rdma_cm::ffi;
+use rdma_cm::{
+    AccessFlags, CompletionQueue, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
+};
+
+/// How long the loop lets the device work before it polls (not counted).
+const SETTLE: Duration = Duration::from_micros(300);
+
+/// Callgrind's `ZERO_STATS` client request: a no-op when not running under valgrind.
+fn callgrind_zero_stats() {
+    // VG_USERREQ_TOOL_BASE('C', 'T') + 1 (callgrind.h).
+    const ZERO_STATS: u64 = ((b'C' as u64) << 24 | (b'T' as u64) << 16) + 1;
+    let args: [u64; 6] = [ZERO_STATS, 0, 0, 0, 0, 0];
+    let mut result: u64 = 0;
+    // SAFETY: valgrind's client-request sequence (valgrind.h, amd64): the four rotations of rdi
+    // add up to 128 bits and leave it unchanged, `xchg rbx, rbx` exchanges rbx with itself, so
+    // natively the block changes nothing but flags. Under valgrind it reads the six words at
+    // rax (alive for the block) and writes its result to rdx.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::asm!(
+            "rol rdi, 3", "rol rdi, 13", "rol rdi, 61", "rol rdi, 51",
+            "xchg rbx, rbx",
+            inout("rdx") result,
+            in("rax") args.as_ptr(),
+            options(nostack),
+        );
+    }
+    let _ = (result, args);
+}
+
+// --- measured: raw rdma-sys calls --------------------------------------------------------------
+
+/// Raw: posts one signaled send-queue work request.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_raw_post_send(qp: &QueuePair, mr: &MemoryRegion, len: u32, op: u32, remote: Option<RemoteRegion>) {
+    let mut sge = ffi::ibv_sge { addr: mr.addr(), length: len, lkey: mr.lkey() };
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    if let Some(r) = remote {
+        wr.wr.rdma = ffi::rdma_t { remote_addr: r.addr, rkey: r.rkey };
+    }
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive; wr and sge live for the call; the region outlives the
+    // completion, which the loop reaps before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
+/// Raw: posts one receive.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_raw_post_recv(qp: &QueuePair, mr: &MemoryRegion, len: u32) {
+    let mut sge = ffi::ibv_sge { addr: mr.addr(), length: len, lkey: mr.lkey() };
+    // SAFETY: ibv_recv_wr is plain old data.
+    let mut wr: ffi::ibv_recv_wr = unsafe { zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: as in instr_raw_post_send.
+    assert_eq!(unsafe { ffi::ibv_post_recv(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
+/// Raw: one `ibv_poll_cq` for one entry; whether it found one (a success).
+#[no_mangle]
+#[inline(never)]
+pub fn instr_raw_poll(cq: &CompletionQueue) -> bool {
+    let mut wc = MaybeUninit::<ffi::ibv_wc>::uninit();
+    // SAFETY: the CQ is alive (held by the QP); `wc` has room for one entry.
+    let n = unsafe { ffi::ibv_poll_cq(cq.as_raw(), 1, wc.as_mut_ptr()) };
+    assert!(n >= 0, "ibv_poll_cq failed");
+    if n == 1 {
+        // SAFETY: ibv_poll_cq filled the entry.
+        assert_eq!(unsafe { wc.assume_init_ref() }.status, ffi::ibv_wc_status::IBV_WC_SUCCESS);
+    }
+    n == 1
+}
+
+// --- measured: through the crate ---------------------------------------------------------------
+
+/// The crate: posts one send of `mr[0..len]`.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_crate_post_send(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
+    qp.post_send(&[SendWr::send(mr, 0..len)]).unwrap();
+}
+
+/// The crate: posts one RDMA WRITE of `mr[0..len]` to the start of `remote`.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_crate_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
+    qp.post_send(&[SendWr::write(mr, 0..len, remote, 0).unwrap()]).unwrap();
+}
+
+/// The crate: posts one receive into `mr[0..len]`.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_crate_post_recv(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
+    qp.post_recv(&[RecvWr::new(mr, 0..len)]).unwrap();
+}
+
+/// The crate: one poll of `queue` for one entry; whether it found one (a success).
+#[no_mangle]
+#[inline(never)]
+pub fn instr_crate_poll(qp: &mut QueuePair, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
+    let n = qp.poll_queue(queue, wcs).unwrap();
+    if n == 1 {
+        assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
+    }
+    n == 1
+}
+
+// --- the loop (not measured) --------------------------------------------------------------------
+
+/// Polls with `poll` until it finds a completion, letting the device work first; counts the
+/// polls that found nothing into `empties`.
+fn settle_and_poll(empties: &mut u64, mut poll: impl FnMut() -> bool) {
+    for _ in 0..10_000 {
+        std::thread::sleep(SETTLE);
+        if poll() {
+            return;
+        }
+        *empties += 1;
+    }
+    panic!("no completion within 10,000 polls");
+}
+
+fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, empties: &mut u64) {
+    const LEN: u32 = 64;
+    let mut wcs = [WorkCompletion::default(); 1];
+    match variant {
+        "send-raw" => {
+            instr_raw_post_recv(b.conn.qp(), &b.mrs[0], LEN);
+            instr_raw_post_send(a.conn.qp(), &a.mrs[0], LEN, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
+            let (scq, rcq) = (a.conn.qp().send_cq(), b.conn.qp().recv_cq());
+            settle_and_poll(empties, || instr_raw_poll(scq));
+            settle_and_poll(empties, || instr_raw_poll(rcq));
+        }
+        "send-crate" => {
+            instr_crate_post_recv(b.conn.qp_mut(), &b.mrs[0], LEN as usize);
+            instr_crate_post_send(a.conn.qp_mut(), &a.mrs[0], LEN as usize);
+            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+            settle_and_poll(empties, || instr_crate_poll(b.conn.qp_mut(), WorkQueue::Recv, &mut wcs));
+        }
+        "write-raw" => {
+            let op = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            instr_raw_post_send(a.conn.qp(), &a.mrs[0], LEN, op, Some(*remote));
+            let scq = a.conn.qp().send_cq();
+            settle_and_poll(empties, || instr_raw_poll(scq));
+        }
+        "write-crate" => {
+            instr_crate_post_write(a.conn.qp_mut(), &a.mrs[0], LEN as usize, remote);
+            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+        }
+        other => panic!("unknown variant {other:?}: send-raw, send-crate, write-raw, write-crate"),
+    }
+}
+
+fn main() {
+    // `cargo bench` runs every bench binary with `--bench`: this one only runs when asked.
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let Some(variant) = args.first() else {
+        println!("benches/instr: give a variant (send-raw, send-crate, write-raw, write-crate) and N; see harness/bench-instr");
+        return;
+    };
+    let n: u64 = args.get(1).map(|s| s.parse().expect("N: a number")).unwrap_or(2000);
+    let spec = PairSpec {
+        mr_sizes: vec![8192],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        ..PairSpec::default()
+    };
+    let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec);
+    let remote = b.mrs[0].remote();
+    let mut warm_empties = 0;
+    for _ in 0..200 {
+        iteration(variant, &mut a, &mut b, &remote, &mut warm_empties);
+    }
+    let mut empties = 0;
+    callgrind_zero_stats();
+    for _ in 0..n {
+        iteration(variant, &mut a, &mut b, &remote, &mut empties);
+    }
+    println!("instr: variant {variant} iterations {n} empty_polls {empties}");
+}
