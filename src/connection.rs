@@ -219,7 +219,7 @@ impl Link for CmLink {
     }
 }
 
-fn is_peer_gone(ev: &CmEvent) -> bool {
+pub(crate) fn is_peer_gone(ev: &CmEvent) -> bool {
     matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
 }
 
@@ -253,7 +253,7 @@ fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpInit) -> Res
 }
 
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
-fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
+pub(crate) fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
     let peer = id.peer_addr();
     let ev = id.channel().get_event_for(id.handle(), timeout).map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
@@ -1063,27 +1063,17 @@ impl Connection {
     }
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
-    /// that Drop would only print.
+    /// that Drop would only print. The QP is destroyed before the wait, once its flushed work
+    /// is reaped ([`Connection::shutdown`]), so its teardown overlaps the peer's answer.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
-    pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
+    pub fn disconnect(self, timeout: Duration) -> Result<()> {
         let id = Arc::clone(&self.id);
+        // Registered before the disconnect, so no other reader of a shared channel takes the
+        // DISCONNECTED meant for this wait.
         let _expecting = id.channel().expecting(id.handle());
-        if self.start_disconnect()? {
-            // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
-            let mut deadline = crate::wait::Deadline::new(timeout);
-            loop {
-                let left = deadline.left();
-                let ev = expect(&self.id, CmEventType::Disconnected, "rdma_disconnect", left);
-                match ev {
-                    Ok(_) => break,
-                    Err(Error::UnexpectedEvent { got: CmEventType::TimewaitExit, .. }) => continue,
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        Ok(())
+        self.shutdown()?.wait(timeout)
     }
 }
 

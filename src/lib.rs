@@ -183,6 +183,7 @@
 pub mod addrinfo;
 #[cfg(feature = "tokio")]
 mod asynchronous;
+pub mod closing;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
@@ -205,6 +206,7 @@ pub mod wr;
 pub use rdma_sys as ffi;
 
 pub use addrinfo::{lookup, lookup_passive};
+pub use closing::Disconnecting;
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
