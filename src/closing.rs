@@ -52,13 +52,13 @@ impl Connection {
     /// [`Error::Call`] when `rdma_disconnect` fails; the QP is destroyed and the id dropped
     /// all the same.
     pub fn shutdown(self) -> Result<Disconnecting> {
+        let peer_left = self.qp.peer_left();
+        let sent = if self.disconnected || peer_left { Ok(()) } else { self.send_disconnect() };
         let this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped (ManuallyDrop) nor used after these reads, so the QP
         // and the id are each moved out exactly once and dropped once, by their new owners;
-        // the remaining fields are plain data (`PrivateData` is Copy, `disconnected` a bool).
+        // the remaining fields are plain data (`PrivateData` is Copy, the flags are bools).
         let (qp, id) = unsafe { (std::ptr::read(&this.qp), std::ptr::read(&this.id)) };
-        let peer_left = qp.peer_left();
-        let sent = if this.disconnected || peer_left { Ok(()) } else { id.disconnect() };
         // The QP goes now, whatever the disconnect said: its drop moves it to the error state
         // if rdma_disconnect did not, reaps the flush, destroys it and only then releases the
         // regions its work requests held.

@@ -200,6 +200,7 @@ mod qp_attr;
 mod ring;
 pub mod srq;
 pub mod status;
+pub mod user_qp;
 mod wait;
 pub mod wr;
 
@@ -223,6 +224,7 @@ pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
+pub use user_qp::UserQp;
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr, MAX_SGE};
 
