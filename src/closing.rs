@@ -13,7 +13,15 @@
 //! flush of outstanding work is reaped first, so every region a work request held is released
 //! only once the device is done with it (the same bounded drain as dropping the QP; see
 //! [`crate::qp`]). What is left, the id, waits for `DISCONNECTED` in [`Disconnecting`].
-//! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`].
+//! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`]. The QP is
+//! gone from the type too:
+//!
+//! ```compile_fail
+//! # fn f(c: rdma_cm::Connection) -> rdma_cm::Result<()> {
+//! let d = c.shutdown()?;
+//! let n = d.qp().qp_num();
+//! # Ok(()) }
+//! ```
 
 use std::mem::ManuallyDrop;
 use std::net::SocketAddr;

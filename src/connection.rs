@@ -7,6 +7,8 @@
 //! client: Client ─resolve_addr→ AddrResolved ─resolve_route→ RouteResolved ─create_qp→ ClientQp ─connect→ Connection
 //! server: Server ─bind→ Bound ─listen→ Listener ─get_request→ ConnectRequest ─create_qp→ ServerQp ─accept→ Connection
 //!                                                                      └─reject                └─reject
+//! a QP the user made: RouteResolved / ConnectRequest ─attach_qp(UserQp)→ ClientQp / ServerQp (see crate::user_qp)
+//! closing:            Connection ─shutdown→ Disconnecting (see crate::closing)
 //! ```
 //!
 //! ```compile_fail

@@ -12,7 +12,14 @@
 //!
 //! Everything else about the QP is a [`QueuePair`]'s: the same slots hold the regions of its
 //! work requests until their completions are reaped, the same bounded flush runs when it is
-//! dropped, and the typestates offer receives only until the connection exists.
+//! dropped, and the typestates offer receives only until the connection exists. A `UserQp`
+//! itself hands out no mutable QP, so nothing is posted to it before it is attached:
+//!
+//! ```compile_fail
+//! # fn f(mut q: rdma_cm::UserQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
+//! q.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&mr, 0..8)])?;
+//! # Ok(()) }
+//! ```
 
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
