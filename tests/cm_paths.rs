@@ -58,6 +58,50 @@ fn shutdown_destroys_the_qp_before_the_peer_answers() {
     t.finish();
 }
 
+/// On a channel other ids share, the event loop feeds the `DISCONNECTED` to
+/// `Disconnecting::complete`: another id's event is refused (and leaves it waiting), the
+/// right one completes it.
+#[test]
+fn disconnecting_completes_only_with_its_own_disconnected() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let srv = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let mut conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+        let ev = conn.next_event(T).expect("server: DISCONNECTED");
+        assert_eq!(ev.event_type(), CmEventType::Disconnected);
+    });
+    let ch = rdma_cm::EventChannel::new().unwrap();
+    let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+    let mut d = conn.shutdown().unwrap();
+    // Another id on the same channel: its ADDR_RESOLVED is not this disconnect's event.
+    let other = Client::on_channel(&ch).unwrap().start_resolve(None, dst, T).unwrap();
+    let mut theirs = None;
+    let mut done = false;
+    while theirs.is_none() || !done {
+        let ev = ch.get_event(T).expect("an event of either id");
+        if ev.id() == other.handle() {
+            let err = d.complete(&ev).unwrap_err();
+            assert!(matches!(err, Error::UnexpectedEvent { got: CmEventType::AddrResolved, .. }), "{err:?}");
+            assert!(!d.is_complete(), "another id's event leaves it waiting");
+            theirs = Some(ev);
+        } else if ev.event_type() == CmEventType::Disconnected {
+            d.complete(&ev).expect("its own DISCONNECTED");
+            assert!(d.is_complete());
+            done = true;
+        }
+    }
+    assert_eq!(d.peer_addr(), Some(dst), "the id is still there");
+    drop(d);
+    srv.join().unwrap();
+    drop((other, theirs, pd));
+    t.finish();
+}
+
 /// A user QP on each side, on one side only, or on neither: every combination connects, its
 /// states are the ones librdmacm's rules require at each step, and data flows both ways.
 #[test]
