@@ -12,9 +12,22 @@
 //! complete them in whatever order they arrive. The server accepts on one channel from one
 //! thread and exits once every connection has come and gone.
 //!
-//! Where cmtime's steps differ: its "disconnect" also destroys the QP (`rdma_destroy_qp`) and
-//! its "destroy" destroys the id; here "destroy" drops the connection, which destroys the QP,
-//! its two CQs and the id. Each QP has one send and one receive work request, as cmtime's.
+//! The steps mean what cmtime's mean:
+//!
+//! - "create qp" creates one QP per connection on one pair of CQs that all QPs share, created
+//!   by the first connection's step. That is what `cmtime` does, though not on purpose: its
+//!   `rdma_create_qp(id, NULL, &init_qp_attr)` creates a completion channel and a CQ for each
+//!   queue when the attributes name none, and writes them back into the static
+//!   `init_qp_attr` that every later call passes, so every later QP shares the first one's
+//!   CQs (an strace of `cmtime -c 5` shows the CQs created once, and its later
+//!   `rdma_destroy_qp` failing to destroy them with `EBUSY`).
+//! - "disconnect" is [`Connection::shutdown`](rdma_cm::Connection::shutdown) (`rdma_disconnect`,
+//!   then the QP destroyed at once, as `cmtime`'s `rdma_disconnect` + `rdma_destroy_qp`) for
+//!   every connection, then the wait for every `DISCONNECTED`.
+//! - "destroy" destroys the ids (`rdma_destroy_id`); the shared CQs and the PD go afterwards,
+//!   outside the table (`cmtime` never destroys its CQs).
+//!
+//! Each QP has one send and one receive work request, as cmtime's.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,8 +36,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_cm::{
-    Accepting, Client, CmEvent, CmEventType, ConnParam, ConnectRequest, Connection, EventChannel, IdHandle,
-    ProtectionDomain, QpInit, Server,
+    Accepting, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connection, Disconnecting,
+    EventChannel, IdHandle, ProtectionDomain, QpInit, Server,
 };
 
 #[derive(Clone, Copy)]
@@ -249,15 +262,17 @@ fn client(args: &Args, dst: SocketAddr) {
     println!("creating qp");
     perf.begin(Step::CreateQp);
     let mut pd: Option<Arc<ProtectionDomain>> = None;
+    let mut cqs: Option<[Arc<CompletionQueue>; 2]> = None;
     let mut qps = Vec::with_capacity(n);
     for (i, r) in routes.into_iter().enumerate() {
         let r = r.expect("routed above");
         // One PD for all, as librdmacm's default PD is one per device.
         let pd = pd.get_or_insert_with(|| r.alloc_pd().unwrap_or_else(|e| die("ibv_alloc_pd", e)));
         perf.begin_conn(i, Step::CreateQp);
-        qps.push(
-            r.create_qp(pd, QpInit::new().max_send_wr(1).max_recv_wr(1)).unwrap_or_else(|e| die("rdma_create_qp", e)),
-        );
+        // The first connection creates the CQs every QP shares, as cmtime's (see the header).
+        let [scq, rcq] = cqs.get_or_insert_with(|| shared_cqs(&r.context().unwrap_or_else(|e| die("context", e)), n));
+        let init = QpInit::new().max_send_wr(1).max_recv_wr(1).send_cq(Arc::clone(scq)).recv_cq(Arc::clone(rcq));
+        qps.push(r.create_qp(pd, init).unwrap_or_else(|e| die("rdma_create_qp", e)));
         perf.end_conn(i, Step::CreateQp);
     }
     perf.end(Step::CreateQp);
@@ -283,14 +298,18 @@ fn client(args: &Args, dst: SocketAddr) {
 
     println!("disconnecting");
     perf.begin(Step::Disconnect);
-    let mut conns: Vec<Connection> = conns.into_iter().map(|c| c.expect("connected above")).collect();
     let mut waiting = HashMap::new();
-    for (i, c) in conns.iter_mut().enumerate() {
+    let mut closed: Vec<Option<Disconnecting>> = Vec::with_capacity(n);
+    closed.resize_with(n, || None);
+    for (i, c) in conns.into_iter().enumerate() {
         perf.begin_conn(i, Step::Disconnect);
-        if c.start_disconnect().unwrap_or_else(|e| die("rdma_disconnect", e)) {
-            waiting.insert(c.id().handle(), i);
-        } else {
+        // rdma_disconnect and the QP destroyed at once, as cmtime's rdma_destroy_qp.
+        let d = c.expect("connected above").shutdown().unwrap_or_else(|e| die("rdma_disconnect", e));
+        if d.is_complete() {
             perf.end_conn(i, Step::Disconnect);
+            closed[i] = Some(d);
+        } else {
+            waiting.insert(d.handle(), (i, d));
         }
     }
     while !waiting.is_empty() {
@@ -298,22 +317,32 @@ fn client(args: &Args, dst: SocketAddr) {
         if ev.event_type() != CmEventType::Disconnected {
             continue;
         }
-        if let Some(i) = waiting.remove(&ev.id()) {
+        if let Some((i, mut d)) = waiting.remove(&ev.id()) {
+            d.complete(&ev).unwrap_or_else(|e| die("disconnecting", e));
             perf.end_conn(i, Step::Disconnect);
+            closed[i] = Some(d);
         }
     }
     perf.end(Step::Disconnect);
 
     println!("destroying id");
     perf.begin(Step::Destroy);
-    for (i, c) in conns.into_iter().enumerate() {
+    for (i, d) in closed.into_iter().enumerate() {
         perf.begin_conn(i, Step::Destroy);
-        drop(c);
+        drop(d);
         perf.end_conn(i, Step::Destroy);
     }
     perf.end(Step::Destroy);
+    drop(cqs);
     drop(pd);
     perf.show(src.is_some());
+}
+
+/// A send and a receive CQ deep enough for `n` QPs of one work request each.
+fn shared_cqs(ctx: &rdma_cm::VerbsContext, n: usize) -> [Arc<CompletionQueue>; 2] {
+    let depth = u32::try_from(n).unwrap_or(u32::MAX);
+    let cq = || CompletionQueue::new(ctx, depth).unwrap_or_else(|e| die("ibv_create_cq", e));
+    [cq(), cq()]
 }
 
 fn server(args: &Args) {
@@ -326,6 +355,7 @@ fn server(args: &Args) {
         .unwrap_or_else(|e| die("listening", e));
     let mut perf = Perf::new(n);
     let mut pd: Option<Arc<ProtectionDomain>> = None;
+    let mut cqs: Option<[Arc<CompletionQueue>; 2]> = None;
     let mut accepting: HashMap<IdHandle, (usize, Accepting)> = HashMap::new();
     let mut conns: HashMap<IdHandle, (usize, Connection)> = HashMap::new();
     let (mut next, mut gone) = (0usize, 0usize);
@@ -341,9 +371,13 @@ fn server(args: &Args) {
                 perf.begin_conn(i, Step::CreateQp);
                 let req = ConnectRequest::from_event(ev).unwrap_or_else(|e| die("taking a request", e));
                 let pd = pd.get_or_insert_with(|| req.alloc_pd().unwrap_or_else(|e| die("ibv_alloc_pd", e)));
-                let q = req
-                    .create_qp(pd, QpInit::new().max_send_wr(1).max_recv_wr(1))
-                    .unwrap_or_else(|e| die("rdma_create_qp", e));
+                // One CQ pair for all QPs, as cmtime's server (its requests pass the same static
+                // init_qp_attr, into which the first rdma_create_qp wrote its CQs).
+                let [scq, rcq] =
+                    cqs.get_or_insert_with(|| shared_cqs(&req.context().unwrap_or_else(|e| die("context", e)), n));
+                let init =
+                    QpInit::new().max_send_wr(1).max_recv_wr(1).send_cq(Arc::clone(scq)).recv_cq(Arc::clone(rcq));
+                let q = req.create_qp(pd, init).unwrap_or_else(|e| die("rdma_create_qp", e));
                 perf.end_conn(i, Step::CreateQp);
                 perf.begin_conn(i, Step::Connect);
                 let acc = q.start_accept(&ConnParam::new()).unwrap_or_else(|e| die("rdma_accept", e));
@@ -378,5 +412,7 @@ fn server(args: &Args) {
         }
     }
     drop(listener);
+    drop(cqs);
+    drop(pd);
     perf.show(false);
 }

@@ -82,8 +82,8 @@ impl ClientQp {
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
-        let ev = expect_async(&self.id, CmEventType::Established, "rdma_connect").await?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+        let ev = expect_async(&self.id, crate::connection::connected_event(self.user), "rdma_connect").await?;
+        crate::connection::finish_connect(self.id, self.qp, self.user, &ev)
     }
 }
 

@@ -7,6 +7,8 @@
 //! client: Client ─resolve_addr→ AddrResolved ─resolve_route→ RouteResolved ─create_qp→ ClientQp ─connect→ Connection
 //! server: Server ─bind→ Bound ─listen→ Listener ─get_request→ ConnectRequest ─create_qp→ ServerQp ─accept→ Connection
 //!                                                                      └─reject                └─reject
+//! a QP the user made: RouteResolved / ConnectRequest ─attach_qp(UserQp)→ ClientQp / ServerQp (see crate::user_qp)
+//! closing:            Connection ─shutdown→ Disconnecting (see crate::closing)
 //! ```
 //!
 //! ```compile_fail
@@ -78,6 +80,7 @@ use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::pd::ProtectionDomain;
 use crate::qp::{Link, QpInit, QueuePair};
+use crate::user_qp::{self, UserQp};
 
 /// Most private data `rdma_connect` carries on RC.
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
@@ -95,6 +98,7 @@ pub struct ConnParam {
     retry_count: u8,
     rnr_retry_count: u8,
     private_data: PrivateData,
+    qp_num: u32,
 }
 
 impl Default for ConnParam {
@@ -105,6 +109,7 @@ impl Default for ConnParam {
             retry_count: 7,
             rnr_retry_count: 7,
             private_data: PrivateData::EMPTY,
+            qp_num: 0,
         }
     }
 }
@@ -149,6 +154,18 @@ impl ConnParam {
         Ok(self)
     }
 
+    /// The QP number to send (`rdma_conn_param.qp_num`). Optional: the connection sends its
+    /// QP's own number, for a QP librdmacm made and for a [`UserQp`] alike; a number set here
+    /// must be that one, or connect and accept refuse it.
+    pub fn qp_num(mut self, n: u32) -> Self {
+        self.qp_num = n;
+        self
+    }
+
+    pub(crate) fn qp_num_value(&self) -> u32 {
+        self.qp_num
+    }
+
     pub(crate) fn raw(&self, limit: usize, what: &str) -> Result<ffi::rdma_conn_param> {
         if self.private_data.len() > limit {
             return Err(too_long(what, self.private_data.len(), limit));
@@ -166,7 +183,7 @@ impl ConnParam {
             retry_count: self.retry_count,
             rnr_retry_count: self.rnr_retry_count,
             srq: 0,
-            qp_num: 0,
+            qp_num: self.qp_num,
         })
     }
 }
@@ -219,7 +236,7 @@ impl Link for CmLink {
     }
 }
 
-fn is_peer_gone(ev: &CmEvent) -> bool {
+pub(crate) fn is_peer_gone(ev: &CmEvent) -> bool {
     matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
 }
 
@@ -453,11 +470,31 @@ impl ResolvingRoute {
     }
 }
 
+/// The event that answers a connect: librdmacm turns the CM's `CONNECT_RESPONSE` into
+/// `ESTABLISHED` only for a QP it made.
+pub(crate) fn connected_event(user: bool) -> CmEventType {
+    if user {
+        CmEventType::ConnectResponse
+    } else {
+        CmEventType::Established
+    }
+}
+
+/// Turns the answer to a connect into the connection; a [`UserQp`] is made ready to send and
+/// the handshake completed (`rdma_establish`) first.
+pub(crate) fn finish_connect(id: Arc<CmId>, qp: QueuePair, user: bool, ev: &CmEvent) -> Result<Connection> {
+    if user {
+        user_qp::establish(&id, &qp)?;
+    }
+    Ok(Connection::new(id, qp, *ev.private_data(), user))
+}
+
 /// A client whose connect is under way: feed its next event to [`Connecting::complete`].
 #[derive(Debug)]
 pub struct Connecting {
     id: Arc<CmId>,
     qp: QueuePair,
+    user: bool,
 }
 
 impl Connecting {
@@ -466,14 +503,16 @@ impl Connecting {
         self.id.handle()
     }
 
-    /// Completes the connection with the id's `ESTABLISHED` event.
+    /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for a
+    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`).
     ///
     /// # Errors
     /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
-    /// hint, or another id's event.
+    /// hint, or another id's event; for a [`UserQp`], [`Error::Call`] naming the
+    /// `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish` call that failed.
     pub fn complete(self, ev: CmEvent) -> Result<Connection> {
-        let ev = check_event(&self.id, ev, CmEventType::Established, "rdma_connect")?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+        let ev = check_event(&self.id, ev, connected_event(self.user), "rdma_connect")?;
+        finish_connect(self.id, self.qp, self.user, &ev)
     }
 }
 
@@ -547,7 +586,20 @@ impl RouteResolved {
     /// [`Error::InvalidArgument`] when `pd` or a CQ belongs to another device.
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
         let qp = create_qp_on(&self.id, pd, init)?;
-        Ok(ClientQp { id: self.id, qp })
+        Ok(ClientQp { id: self.id, qp, user: false })
+    }
+
+    /// Takes a QP the user created ([`UserQp`], as `rping -q` does) instead of creating one,
+    /// and moves it to INIT with the route's attributes (`rdma_init_qp_attr`,
+    /// `ibv_modify_qp`). The connect then sends its number and moves it to RTR and RTS when the
+    /// peer answers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the QP is not on the route's device context;
+    /// [`Error::Call`] when `rdma_init_qp_attr` or `ibv_modify_qp` fails.
+    pub fn attach_qp(self, qp: UserQp) -> Result<ClientQp> {
+        let qp = qp.attach(&self.id)?;
+        Ok(ClientQp { id: self.id, qp, user: true })
     }
 
     /// The id.
@@ -561,6 +613,8 @@ impl RouteResolved {
 pub struct ClientQp {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
+    /// The QP is a [`UserQp`]: this crate, not librdmacm, moves it through its states.
+    pub(crate) user: bool,
 }
 
 impl ClientQp {
@@ -599,8 +653,8 @@ impl ClientQp {
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
-        let ev = expect(&self.id, CmEventType::Established, "rdma_connect", timeout)?;
-        Ok(Connection::new(self.id, self.qp, *ev.private_data()))
+        let ev = expect(&self.id, connected_event(self.user), "rdma_connect", timeout)?;
+        finish_connect(self.id, self.qp, self.user, &ev)
     }
 
     /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
@@ -609,11 +663,13 @@ impl ClientQp {
     /// As for [`ClientQp::connect`], without the waiting.
     pub fn start(self, param: &ConnParam) -> Result<Connecting> {
         self.start_connect(param)?;
-        Ok(Connecting { id: self.id, qp: self.qp })
+        Ok(Connecting { id: self.id, qp: self.qp, user: self.user })
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
         let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+        raw.qp_num = user_qp::qp_num_for(param, &self.qp)?;
+        raw.srq = u8::from(self.qp.srq().is_some());
         let peer = self.id.peer_addr();
         // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
         // `param`) outlive the call, which copies them.
@@ -830,7 +886,18 @@ impl ConnectRequest {
     /// As for [`RouteResolved::create_qp`].
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
         let qp = create_qp_on(&self.id, pd, init)?;
-        Ok(ServerQp { id: self.id, qp, private_data: self.private_data })
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: false })
+    }
+
+    /// Takes a QP the user created ([`UserQp`]) instead of creating one, and moves it to INIT
+    /// with the request's attributes; the accept moves it to RTR and RTS before
+    /// `rdma_accept` and sends its number.
+    ///
+    /// # Errors
+    /// As for [`RouteResolved::attach_qp`].
+    pub fn attach_qp(self, qp: UserQp) -> Result<ServerQp> {
+        let qp = qp.attach(&self.id)?;
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: true })
     }
 
     /// Allocates a PD on the request's device.
@@ -866,6 +933,8 @@ pub struct ServerQp {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
     pub(crate) private_data: PrivateData,
+    /// The QP is a [`UserQp`].
+    pub(crate) user: bool,
 }
 
 impl ServerQp {
@@ -918,11 +987,17 @@ impl ServerQp {
     /// As for [`ServerQp::accept`], without the waiting.
     pub fn start_accept(self, param: &ConnParam) -> Result<Accepting> {
         let mut raw = param.raw(MAX_ACCEPT_PRIVATE_DATA, "accept private data")?;
+        raw.qp_num = user_qp::qp_num_for(param, &self.qp)?;
+        raw.srq = u8::from(self.qp.srq().is_some());
+        if self.user {
+            // librdmacm moves only its own QP to RTR and RTS inside rdma_accept.
+            user_qp::ready(&self.id, &self.qp, raw.responder_resources, raw.initiator_depth)?;
+        }
         // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
         // the call, which copies them.
         check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
             .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
-        Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data })
+        Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, user: self.user })
     }
 
     /// Rejects the request with `private_data` (at most 148 bytes).
@@ -940,6 +1015,7 @@ pub struct Accepting {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
     pub(crate) private_data: PrivateData,
+    pub(crate) user: bool,
 }
 
 impl Accepting {
@@ -963,7 +1039,7 @@ impl Accepting {
         if ev.event_type() != CmEventType::Established || ev.id() != self.id.handle() {
             return Err(with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr()));
         }
-        Ok(Connection::new(self.id, self.qp, self.private_data))
+        Ok(Connection::new(self.id, self.qp, self.private_data, self.user))
     }
 }
 
@@ -975,12 +1051,23 @@ pub struct Connection {
     peer_private_data: PrivateData,
     /// We called rdma_disconnect.
     pub(crate) disconnected: bool,
+    /// The QP is a [`UserQp`]: a disconnect moves it to ERR itself.
+    pub(crate) user_qp: bool,
 }
 
 impl Connection {
-    pub(crate) fn new(id: Arc<CmId>, mut qp: QueuePair, peer_private_data: PrivateData) -> Connection {
+    pub(crate) fn new(id: Arc<CmId>, mut qp: QueuePair, peer_private_data: PrivateData, user_qp: bool) -> Connection {
         qp.set_connected();
-        Connection { qp, id, peer_private_data, disconnected: false }
+        Connection { qp, id, peer_private_data, disconnected: false, user_qp }
+    }
+
+    /// `rdma_disconnect`, after moving a [`UserQp`] to ERR (librdmacm does that only for its
+    /// own QPs).
+    pub(crate) fn send_disconnect(&self) -> Result<()> {
+        if self.user_qp {
+            user_qp::to_error(&self.qp)?;
+        }
+        self.id.disconnect()
     }
 
     /// The QP.
@@ -1062,33 +1149,23 @@ impl Connection {
             self.disconnected = true;
             return Ok(false);
         }
-        self.id.disconnect()?;
+        self.send_disconnect()?;
         self.disconnected = true;
         Ok(true)
     }
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
-    /// that Drop would only print.
+    /// that Drop would only print. The QP is destroyed before the wait, once its flushed work
+    /// is reaped ([`Connection::shutdown`]), so its teardown overlaps the peer's answer.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails; [`Error::Timeout`].
-    pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
+    pub fn disconnect(self, timeout: Duration) -> Result<()> {
         let id = Arc::clone(&self.id);
+        // Registered before the disconnect, so no other reader of a shared channel takes the
+        // DISCONNECTED meant for this wait.
         let _expecting = id.channel().expecting(id.handle());
-        if self.start_disconnect()? {
-            // An event other than DISCONNECTED (TIMEWAIT_EXIT, say) is skipped.
-            let mut deadline = crate::wait::Deadline::new(timeout);
-            loop {
-                let left = deadline.left();
-                let ev = expect(&self.id, CmEventType::Disconnected, "rdma_disconnect", left);
-                match ev {
-                    Ok(_) => break,
-                    Err(Error::UnexpectedEvent { got: CmEventType::TimewaitExit, .. }) => continue,
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        Ok(())
+        self.shutdown()?.wait(timeout)
     }
 }
 
@@ -1096,7 +1173,7 @@ impl Drop for Connection {
     fn drop(&mut self) {
         if !self.disconnected && !self.qp.peer_left() {
             // Best effort: the peer learns we left. Failure (already disconnected) is harmless.
-            let _ = self.id.disconnect();
+            let _ = self.send_disconnect();
         }
     }
 }

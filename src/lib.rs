@@ -51,6 +51,28 @@
 //! Any other event where one is expected (`REJECTED`, `UNREACHABLE`, `ADDR_ERROR`, …) becomes
 //! [`Error::UnexpectedEvent`] naming what arrived, with the usual cause. Every wait is bounded.
 //!
+//! Two variations on the same states:
+//!
+//! ```text
+//!  a QP the user creates (rping -q)                     closing early (cmtime)
+//!  UserQp::new(pd, init)   (ibv_create_qp: RESET)       Connection
+//!   │ RouteResolved::attach_qp / ConnectRequest::attach_qp   │ shutdown: rdma_disconnect, QP flushed,
+//!   ▼   (rdma_init_qp_attr + ibv_modify_qp: INIT)        │   reaped and destroyed at once
+//!  ClientQp ── connect: qp_num sent → CONNECT_RESPONSE   Disconnecting
+//!              → INIT, RTR, RTS → rdma_establish          │ complete(DISCONNECTED) / wait
+//!  ServerQp ── accept: INIT, RTR, RTS → rdma_accept       ▼ drop: rdma_destroy_id
+//!              (qp_num sent) → ESTABLISHED
+//!  Connection ── disconnect / peer left: ERR
+//! ```
+//!
+//! A [`UserQp`] is created on the verbs layer (its PD must be on the id's device context), not
+//! through `rdma_create_qp`, so librdmacm never drives it: the connection moves it through its
+//! states with the attributes the CM gives (`rdma_init_qp_attr`) at the points librdmacm's
+//! rules put them, and to the error state when either side disconnects. It is a
+//! [`QueuePair`] in every other way. [`Connection::shutdown`] destroys the QP without waiting
+//! for the peer's answer to the disconnect, as rdma-core's `cmtime` does;
+//! [`Connection::disconnect`] is `shutdown` and [`Disconnecting::wait`].
+//!
 //! ## Ownership and cleanup
 //!
 //! Children hold an `Arc` of what they depend on:
@@ -267,6 +289,7 @@ pub mod async_event;
 mod async_kind;
 #[cfg(feature = "tokio")]
 mod asynchronous;
+pub mod closing;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
@@ -286,6 +309,7 @@ pub mod srq;
 pub mod status;
 pub mod ud;
 pub mod ud_cm;
+pub mod user_qp;
 mod wait;
 pub mod wr;
 
@@ -294,6 +318,7 @@ pub use rdma_sys as ffi;
 pub use addrinfo::{lookup, lookup_passive};
 pub use ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
+pub use closing::Disconnecting;
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
@@ -315,6 +340,7 @@ pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKE
 pub use ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
 };
+pub use user_qp::UserQp;
 pub use wait::FOREVER;
 pub use wr::{RecvWr, SendWr, MAX_SGE};
 
