@@ -1,12 +1,19 @@
-//! Async ping-pong on tokio: a server task and a client task in one process, both awaiting the
-//! CM channels and completion channels through tokio's reactor.
+//! Async ping-pong on tokio: a server and a client in one process, each on its own thread with
+//! its own current-thread runtime (as the synchronous server and client run in two processes),
+//! both awaiting the CM channels and completion channels through tokio's reactor. With
+//! `--iters N > 1` the client prints the same latency table as the synchronous client
+//! (perftest's `ib_send_lat` format), so the two compare line by line; `--same-thread` runs
+//! both tasks on one runtime thread instead.
 //!
 //! ```text
 //! cargo run --example async_pingpong --features tokio                    # in the guest without a device
 //! cargo run --example async_pingpong --features tokio -- -a 10.0.0.1 --iters 1000 --size 4096
+//! cargo run --example async_pingpong --features tokio -- --size 2 --iters 3000   # next to `client --size 2`
 //! ```
 //!
 //! Without `-a` it uses the first address the doctor finds usable (a RoCE v2 GID's IPv4).
+
+mod common;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -29,6 +36,9 @@ struct Args {
     /// Round trips.
     #[arg(long, default_value_t = 100)]
     iters: u64,
+    /// Run the server and client tasks on one runtime thread instead of one thread each.
+    #[arg(long)]
+    same_thread: bool,
 }
 
 /// Bounds every await of the example: nothing waits forever.
@@ -94,20 +104,22 @@ async fn client(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
             return Err(format!("echo {i} differs"));
         }
     }
-    rtts.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!(
-        "[client] {iters} round trips of {size} bytes verified: min {:.1} us, median {:.1} us, max {:.1} us",
-        us(rtts[0]),
-        us(rtts[rtts.len() / 2]),
-        us(rtts[rtts.len() - 1])
-    );
+    println!("[client] {iters} round trips of {size} bytes verified");
+    if iters > 1 {
+        common::print_latency_table(size as u32, &mut rtts);
+    }
     bounded("disconnect", conn.disconnect_async()).await?;
     Ok(())
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() {
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| common::fail("tokio runtime", e))
+}
+
+fn main() {
     let args = Args::parse();
     let ip = args.addr.or_else(|| rdma_cm::diagnostics::diagnose(0).usable_addrs().first().map(|&a| IpAddr::V4(a)));
     let Some(ip) = ip else {
@@ -119,10 +131,20 @@ async fn main() {
         std::process::exit(1);
     }
     let addr = SocketAddr::new(ip, args.port);
-    let srv = tokio::spawn(server(addr, args.size, args.iters));
-    tokio::time::sleep(Duration::from_millis(200)).await; // let the server listen
-    let c = client(addr, args.size, args.iters).await;
-    let s = srv.await.map_err(|e| e.to_string()).and_then(|r| r);
+    let (size, iters) = (args.size, args.iters);
+    let (c, s) = if args.same_thread {
+        runtime().block_on(async move {
+            let srv = tokio::spawn(server(addr, size, iters));
+            tokio::time::sleep(Duration::from_millis(200)).await; // let the server listen
+            let c = client(addr, size, iters).await;
+            (c, srv.await.map_err(|e| e.to_string()).and_then(|r| r))
+        })
+    } else {
+        let srv = std::thread::spawn(move || runtime().block_on(server(addr, size, iters)));
+        std::thread::sleep(Duration::from_millis(200)); // let the server listen
+        let c = runtime().block_on(client(addr, size, iters));
+        (c, srv.join().map_err(|_| "the server thread panicked".to_string()).and_then(|r| r))
+    };
     match (c, s) {
         (Ok(()), Ok(())) => println!("[INFO] Round-trip completed."),
         (c, s) => {

@@ -191,6 +191,9 @@ pub(crate) trait Link: Send + Sync {
     fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
     /// The descriptor on which the peer leaving shows, when waits may watch it now.
     fn watch_fd(&self) -> Option<RawFd>;
+    /// That descriptor's registration with tokio's reactor (kept by its channel).
+    #[cfg(feature = "tokio")]
+    fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
     /// Reads what arrived on that descriptor; true when the peer left.
     fn peer_left(&self) -> Result<bool>;
     /// Disconnects (which also moves the QP to the error state).
@@ -1211,9 +1214,13 @@ impl QueuePair {
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
-            let fds = self.wait_fds(&cqs);
-            crate::wait::readable_any(fds, |_| false).await?;
-            self.after_wake(&cqs, fds[2] >= 0)?;
+            let [a, b, c] = self.wait_fds(&cqs);
+            // Each descriptor with its owner's lasting reactor registration: no epoll_ctl
+            // calls per wait.
+            let reactor = |i: usize| cqs[i].as_deref().map(CompletionQueue::reactor);
+            let link = self.link.as_deref().and_then(|l| l.watch_reactor());
+            crate::wait::readable_any([(a, reactor(0)), (b, reactor(1)), (c, link)], |_| false).await?;
+            self.after_wake(&cqs, c >= 0)?;
         }
     }
 
