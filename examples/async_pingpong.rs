@@ -56,20 +56,25 @@ async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     println!("[server] listening on {addr}");
     let req = bounded("get_request", listener.get_request_async()).await?;
     let pd = req.alloc_pd().map_err(|e| e.to_string())?;
-    let buf = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    // Two buffers, alternating: the next receive is posted (into one) before the echo is sent
+    // (from the other), as the synchronous server does, so that the client's next message
+    // never finds no receive posted (an RNR NAK and a retry timer, milliseconds on rxe).
+    let mr = || MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string());
+    let bufs = [mr()?, mr()?];
     let mut q = req.create_qp(&pd, QpInit::new()).map_err(|e| e.to_string())?;
-    q.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
+    q.post_recv(&[RecvWr::new(&bufs[0], 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
     let mut conn = bounded("accept", q.accept_async(&ConnParam::new())).await?;
     println!("[server] connection established");
     for i in 0..iters {
         let qp = conn.qp_mut();
         let wc = bounded("receive", qp.wait_for_async(WorkQueue::Recv, i)).await?;
         let n = wc.byte_len() as usize;
-        qp.post_send(&[SendWr::send(&buf, 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
-        bounded("echo", qp.wait_for_async(WorkQueue::Send, i)).await?;
         if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+            let next = &bufs[((i + 1) % 2) as usize];
+            qp.post_recv(&[RecvWr::new(next, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
         }
+        qp.post_send(&[SendWr::send(&bufs[(i % 2) as usize], 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
+        bounded("echo", qp.wait_for_async(WorkQueue::Send, i)).await?;
     }
     // Wait (bounded) for the client to leave.
     while !conn.is_disconnected() {

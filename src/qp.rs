@@ -1161,7 +1161,9 @@ impl QueuePair {
     }
 
     /// Like [`QueuePair::wait`], without blocking a tokio runtime: sleeps on the CQ channels
-    /// (and the CM channel, to notice the peer leaving) through tokio's reactor. Unbounded by
+    /// (and the CM channel, to notice the peer leaving) through tokio's reactor, where the CQ
+    /// and the channel stay registered from their first async wait on (no system calls to
+    /// register per wait; a wait on another runtime registers for its own duration). Unbounded by
     /// itself: wrap it in `tokio::time::timeout`. Cancelling it (dropping the future) is safe at
     /// any point: the posted work requests, and the regions they hold, stay with the QP until
     /// their completions are polled or the QP is dropped.
