@@ -51,6 +51,19 @@ async fn bounded<F: std::future::Future<Output = rdma_cm::Result<R>>, R>(what: &
     }
 }
 
+/// Bounds a loop of `iters` round trips: T, plus 10 ms a round trip.
+async fn loop_bounded<F: std::future::Future<Output = Result<(), String>>>(
+    what: &str,
+    iters: u64,
+    f: F,
+) -> Result<(), String> {
+    let bound = T + Duration::from_millis(10).saturating_mul(iters.min(u32::MAX as u64) as u32);
+    match tokio::time::timeout(bound, f).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("{what}: not done within {bound:?}")),
+    }
+}
+
 async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String> {
     let listener = Server::new().and_then(|s| s.bind(addr)).and_then(|b| b.listen(4)).map_err(|e| e.to_string())?;
     println!("[server] listening on {addr}");
@@ -65,17 +78,23 @@ async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     q.post_recv(&[RecvWr::new(&bufs[0], 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
     let mut conn = bounded("accept", q.accept_async(&ConnParam::new())).await?;
     println!("[server] connection established");
-    for i in 0..iters {
-        let qp = conn.qp_mut();
-        let wc = bounded("receive", qp.wait_for_async(WorkQueue::Recv, i)).await?;
-        let n = wc.byte_len() as usize;
-        if i + 1 < iters {
-            let next = &bufs[((i + 1) % 2) as usize];
-            qp.post_recv(&[RecvWr::new(next, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+    // One bound for the whole loop (T, plus 10 ms a round trip), not a timer per wait: a
+    // per-wait `tokio::time::timeout` costs clock reads and timer-wheel work at every wait.
+    let echo_loop = async {
+        for i in 0..iters {
+            let qp = conn.qp_mut();
+            let wc = qp.wait_for_async(WorkQueue::Recv, i).await.map_err(|e| format!("receive: {e}"))?;
+            let n = wc.byte_len() as usize;
+            if i + 1 < iters {
+                let next = &bufs[((i + 1) % 2) as usize];
+                qp.post_recv(&[RecvWr::new(next, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+            }
+            qp.post_send(&[SendWr::send(&bufs[(i % 2) as usize], 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.wait_for_async(WorkQueue::Send, i).await.map_err(|e| format!("echo: {e}"))?;
         }
-        qp.post_send(&[SendWr::send(&bufs[(i % 2) as usize], 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
-        bounded("echo", qp.wait_for_async(WorkQueue::Send, i)).await?;
-    }
+        Ok::<(), String>(())
+    };
+    loop_bounded("echo loop", iters, echo_loop).await?;
     // Wait (bounded) for the client to leave.
     while !conn.is_disconnected() {
         bounded("disconnect", conn.next_event_async()).await?;
@@ -95,20 +114,24 @@ async fn client(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     let mut conn = bounded("connect", q.connect_async(&ConnParam::new())).await?;
     println!("[client] connection established");
     let mut rtts = Vec::with_capacity(iters as usize);
-    for i in 0..iters {
-        let byte = (i % 251) as u8;
-        ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
-        let start = Instant::now();
-        let qp = conn.qp_mut();
-        qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
-        qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
-        bounded("send", qp.wait_for_async(WorkQueue::Send, i)).await?;
-        bounded("echo", qp.wait_for_async(WorkQueue::Recv, i)).await?;
-        rtts.push(start.elapsed());
-        if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
-            return Err(format!("echo {i} differs"));
+    let ping_loop = async {
+        for i in 0..iters {
+            let byte = (i % 251) as u8;
+            ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
+            let start = Instant::now();
+            let qp = conn.qp_mut();
+            qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.wait_for_async(WorkQueue::Send, i).await.map_err(|e| format!("send: {e}"))?;
+            qp.wait_for_async(WorkQueue::Recv, i).await.map_err(|e| format!("echo: {e}"))?;
+            rtts.push(start.elapsed());
+            if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
+                return Err(format!("echo {i} differs"));
+            }
         }
-    }
+        Ok::<(), String>(())
+    };
+    loop_bounded("ping loop", iters, ping_loop).await?;
     println!("[client] {iters} round trips of {size} bytes verified");
     if iters > 1 {
         common::print_latency_table(size as u32, &mut rtts);

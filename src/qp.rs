@@ -1221,8 +1221,9 @@ impl QueuePair {
             // calls per wait.
             let reactor = |i: usize| cqs[i].as_deref().map(CompletionQueue::reactor);
             let link = self.link.as_deref().and_then(|l| l.watch_reactor());
-            crate::wait::readable_any([(a, reactor(0)), (b, reactor(1)), (c, link)], |_| false).await?;
-            self.after_wake(&cqs, c >= 0)?;
+            let woke = crate::wait::readable_any([(a, reactor(0)), (b, reactor(1)), (c, link)], |_| false).await?;
+            // The link is read only when its descriptor woke us, as in the blocking wait.
+            self.after_wake(&cqs, woke == Some(2))?;
         }
     }
 

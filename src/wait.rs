@@ -168,7 +168,8 @@ impl Reactor {
 
 /// Waits until any of `fds` (-1 entries are ignored) is readable, or `ready` says so, without
 /// blocking the runtime. `ready` is asked on every poll of the future, with the task's waker,
-/// which it may keep to wake the task later (the event channel's queue does).
+/// which it may keep to wake the task later (the event channel's queue does). Returns the
+/// index of the descriptor found readable (`None` when `ready` ended the wait).
 ///
 /// Each descriptor comes with its owner's [`Reactor`], whose lasting registration is used when
 /// it belongs to the current runtime; otherwise the descriptor is registered for the duration
@@ -181,7 +182,7 @@ impl Reactor {
 pub(crate) async fn readable_any(
     fds: [(RawFd, Option<&Reactor>); 3],
     mut ready: impl FnMut(&std::task::Waker) -> bool,
-) -> Result<()> {
+) -> Result<Option<usize>> {
     use std::future::Future;
     use std::pin::pin;
     use std::task::Poll;
@@ -213,16 +214,16 @@ pub(crate) async fn readable_any(
     let mut w2 = pin!(afds[2].map(|a| a.readable()));
     std::future::poll_fn(|cx| {
         if ready(cx.waker()) {
-            return Poll::Ready(Ok(()));
+            return Poll::Ready(Ok(None));
         }
-        for w in [w0.as_mut(), w1.as_mut(), w2.as_mut()] {
+        for (i, w) in [w0.as_mut(), w1.as_mut(), w2.as_mut()].into_iter().enumerate() {
             let Some(w) = w.as_pin_mut() else { continue };
             match w.poll(cx) {
                 Poll::Ready(Ok(mut guard)) => {
                     // Cleared only if no new readiness came since this one (tokio compares
                     // the event's tick), so nothing arriving from here on is missed.
                     guard.clear_ready();
-                    return Poll::Ready(Ok(()));
+                    return Poll::Ready(Ok(Some(i)));
                 }
                 Poll::Ready(Err(e)) => {
                     return Poll::Ready(Err(Error::call(
