@@ -202,6 +202,12 @@ pub(crate) trait Link: Send + Sync {
     fn peer_addr(&self) -> Option<SocketAddr>;
 }
 
+/// Polls a blocking wait makes before it arms the CQs and sleeps.
+const SYNC_SPINS: u32 = 64;
+/// Polls an async wait makes before it arms the CQs and sleeps on tokio's reactor.
+#[cfg(feature = "tokio")]
+const ASYNC_SPINS: u32 = 1024;
+
 /// Where this QP sits in a CQ's routing table.
 #[derive(Clone, Copy)]
 struct Slot {
@@ -1036,9 +1042,10 @@ impl QueuePair {
         cqs: &[Option<Arc<CompletionQueue>>; 2],
         out: &mut [WorkCompletion],
         kept: bool,
+        spins: u32,
     ) -> Result<usize> {
         // A short busy phase keeps latency low without burning a core while idle.
-        for _ in 0..64 {
+        for _ in 0..spins {
             let n = self.poll_on(which, out, kept)?;
             if n > 0 {
                 return Ok(n);
@@ -1102,7 +1109,7 @@ impl QueuePair {
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out, kept)?;
+            let n = self.poll_or_arm(which, &cqs, out, kept, SYNC_SPINS)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -1209,7 +1216,9 @@ impl QueuePair {
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out, kept)?;
+            // A longer busy phase than the blocking wait's: a sleep through the reactor costs
+            // more than one in poll(2) (the runtime's park and wake-up).
+            let n = self.poll_or_arm(which, &cqs, out, kept, ASYNC_SPINS)?;
             if n > 0 {
                 return Ok(n);
             }
