@@ -1,12 +1,19 @@
-//! Async ping-pong on tokio: a server task and a client task in one process, both awaiting the
-//! CM channels and completion channels through tokio's reactor.
+//! Async ping-pong on tokio: a server and a client in one process, each on its own thread with
+//! its own current-thread runtime (as the synchronous server and client run in two processes),
+//! both awaiting the CM channels and completion channels through tokio's reactor. With
+//! `--iters N > 1` the client prints the same latency table as the synchronous client
+//! (perftest's `ib_send_lat` format), so the two compare line by line; `--same-thread` runs
+//! both tasks on one runtime thread instead.
 //!
 //! ```text
 //! cargo run --example async_pingpong --features tokio                    # in the guest without a device
 //! cargo run --example async_pingpong --features tokio -- -a 10.0.0.1 --iters 1000 --size 4096
+//! cargo run --example async_pingpong --features tokio -- --size 2 --iters 3000   # next to `client --size 2`
 //! ```
 //!
 //! Without `-a` it uses the first address the doctor finds usable (a RoCE v2 GID's IPv4).
+
+mod common;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -29,6 +36,9 @@ struct Args {
     /// Round trips.
     #[arg(long, default_value_t = 100)]
     iters: u64,
+    /// Run the server and client tasks on one runtime thread instead of one thread each.
+    #[arg(long)]
+    same_thread: bool,
 }
 
 /// Bounds every await of the example: nothing waits forever.
@@ -41,26 +51,50 @@ async fn bounded<F: std::future::Future<Output = rdma_cm::Result<R>>, R>(what: &
     }
 }
 
+/// Bounds a loop of `iters` round trips: T, plus 10 ms a round trip.
+async fn loop_bounded<F: std::future::Future<Output = Result<(), String>>>(
+    what: &str,
+    iters: u64,
+    f: F,
+) -> Result<(), String> {
+    let bound = T + Duration::from_millis(10).saturating_mul(iters.min(u32::MAX as u64) as u32);
+    match tokio::time::timeout(bound, f).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("{what}: not done within {bound:?}")),
+    }
+}
+
 async fn server(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String> {
     let listener = Server::new().and_then(|s| s.bind(addr)).and_then(|b| b.listen(4)).map_err(|e| e.to_string())?;
     println!("[server] listening on {addr}");
     let req = bounded("get_request", listener.get_request_async()).await?;
     let pd = req.alloc_pd().map_err(|e| e.to_string())?;
-    let buf = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string())?;
+    // Two buffers, alternating: the next receive is posted (into one) before the echo is sent
+    // (from the other), as the synchronous server does, so that the client's next message
+    // never finds no receive posted (an RNR NAK and a retry timer, milliseconds on rxe).
+    let mr = || MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).map_err(|e| e.to_string());
+    let bufs = [mr()?, mr()?];
     let mut q = req.create_qp(&pd, QpInit::new()).map_err(|e| e.to_string())?;
-    q.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
+    q.post_recv(&[RecvWr::new(&bufs[0], 0..size).wr_id(0)]).map_err(|e| e.to_string())?;
     let mut conn = bounded("accept", q.accept_async(&ConnParam::new())).await?;
     println!("[server] connection established");
-    for i in 0..iters {
-        let qp = conn.qp_mut();
-        let wc = bounded("receive", qp.wait_for_async(WorkQueue::Recv, i)).await?;
-        let n = wc.byte_len() as usize;
-        qp.post_send(&[SendWr::send(&buf, 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
-        bounded("echo", qp.wait_for_async(WorkQueue::Send, i)).await?;
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(&buf, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+    // One bound for the whole loop (T, plus 10 ms a round trip), not a timer per wait: a
+    // per-wait `tokio::time::timeout` costs clock reads and timer-wheel work at every wait.
+    let echo_loop = async {
+        for i in 0..iters {
+            let qp = conn.qp_mut();
+            let wc = qp.wait_for_async(WorkQueue::Recv, i).await.map_err(|e| format!("receive: {e}"))?;
+            let n = wc.byte_len() as usize;
+            if i + 1 < iters {
+                let next = &bufs[((i + 1) % 2) as usize];
+                qp.post_recv(&[RecvWr::new(next, 0..size).wr_id(i + 1)]).map_err(|e| e.to_string())?;
+            }
+            qp.post_send(&[SendWr::send(&bufs[(i % 2) as usize], 0..n).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.wait_for_async(WorkQueue::Send, i).await.map_err(|e| format!("echo: {e}"))?;
         }
-    }
+        Ok::<(), String>(())
+    };
+    loop_bounded("echo loop", iters, echo_loop).await?;
     // Wait (bounded) for the client to leave.
     while !conn.is_disconnected() {
         bounded("disconnect", conn.next_event_async()).await?;
@@ -80,34 +114,40 @@ async fn client(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     let mut conn = bounded("connect", q.connect_async(&ConnParam::new())).await?;
     println!("[client] connection established");
     let mut rtts = Vec::with_capacity(iters as usize);
-    for i in 0..iters {
-        let byte = (i % 251) as u8;
-        ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
-        let start = Instant::now();
-        let qp = conn.qp_mut();
-        qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
-        qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
-        bounded("send", qp.wait_for_async(WorkQueue::Send, i)).await?;
-        bounded("echo", qp.wait_for_async(WorkQueue::Recv, i)).await?;
-        rtts.push(start.elapsed());
-        if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
-            return Err(format!("echo {i} differs"));
+    let ping_loop = async {
+        for i in 0..iters {
+            let byte = (i % 251) as u8;
+            ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
+            let start = Instant::now();
+            let qp = conn.qp_mut();
+            qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
+            qp.wait_for_async(WorkQueue::Send, i).await.map_err(|e| format!("send: {e}"))?;
+            qp.wait_for_async(WorkQueue::Recv, i).await.map_err(|e| format!("echo: {e}"))?;
+            rtts.push(start.elapsed());
+            if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
+                return Err(format!("echo {i} differs"));
+            }
         }
+        Ok::<(), String>(())
+    };
+    loop_bounded("ping loop", iters, ping_loop).await?;
+    println!("[client] {iters} round trips of {size} bytes verified");
+    if iters > 1 {
+        common::print_latency_table(size as u32, &mut rtts);
     }
-    rtts.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    println!(
-        "[client] {iters} round trips of {size} bytes verified: min {:.1} us, median {:.1} us, max {:.1} us",
-        us(rtts[0]),
-        us(rtts[rtts.len() / 2]),
-        us(rtts[rtts.len() - 1])
-    );
     bounded("disconnect", conn.disconnect_async()).await?;
     Ok(())
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() {
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| common::fail("tokio runtime", e))
+}
+
+fn main() {
     let args = Args::parse();
     let ip = args.addr.or_else(|| rdma_cm::diagnostics::diagnose(0).usable_addrs().first().map(|&a| IpAddr::V4(a)));
     let Some(ip) = ip else {
@@ -119,10 +159,20 @@ async fn main() {
         std::process::exit(1);
     }
     let addr = SocketAddr::new(ip, args.port);
-    let srv = tokio::spawn(server(addr, args.size, args.iters));
-    tokio::time::sleep(Duration::from_millis(200)).await; // let the server listen
-    let c = client(addr, args.size, args.iters).await;
-    let s = srv.await.map_err(|e| e.to_string()).and_then(|r| r);
+    let (size, iters) = (args.size, args.iters);
+    let (c, s) = if args.same_thread {
+        runtime().block_on(async move {
+            let srv = tokio::spawn(server(addr, size, iters));
+            tokio::time::sleep(Duration::from_millis(200)).await; // let the server listen
+            let c = client(addr, size, iters).await;
+            (c, srv.await.map_err(|e| e.to_string()).and_then(|r| r))
+        })
+    } else {
+        let srv = std::thread::spawn(move || runtime().block_on(server(addr, size, iters)));
+        std::thread::sleep(Duration::from_millis(200)); // let the server listen
+        let c = runtime().block_on(client(addr, size, iters));
+        (c, srv.join().map_err(|_| "the server thread panicked".to_string()).and_then(|r| r))
+    };
     match (c, s) {
         (Ok(()), Ok(())) => println!("[INFO] Round-trip completed."),
         (c, s) => {

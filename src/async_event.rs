@@ -555,7 +555,7 @@ impl AsyncEvents {
             if let Some(ev) = self.try_next()? {
                 return Ok(ev);
             }
-            crate::wait::readable_any([self.epoll.as_raw_fd(), -1, -1], |_| false).await?;
+            crate::wait::readable_any([(self.epoll.as_raw_fd(), None), (-1, None), (-1, None)], |_| false).await?;
         }
     }
 }

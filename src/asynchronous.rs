@@ -7,8 +7,8 @@
 //! these futures is safe at every point, since the ids and QPs they hold are owned values
 //! that clean up in `Drop` as usual.
 //!
-//! One task at a time may await a given channel (each wait registers its descriptor with the
-//! reactor for the duration of the wait).
+//! The channel's descriptor is registered with the reactor at its first async wait and stays so
+//! for the channel's life (see `crate::wait::Reactor`); any number of tasks may await it.
 
 use std::net::SocketAddr;
 use std::time::Duration;

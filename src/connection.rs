@@ -219,6 +219,11 @@ impl Link for CmLink {
         self.0.channel().is_exclusive().then(|| self.0.channel().as_raw_fd())
     }
 
+    #[cfg(feature = "tokio")]
+    fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
+        Some(self.0.channel().reactor())
+    }
+
     fn peer_left(&self) -> Result<bool> {
         let me = self.0.handle();
         let mut left = false;

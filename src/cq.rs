@@ -231,6 +231,9 @@ pub struct CompletionQueue {
     unacked: AtomicU32,
     /// Its place in the context's registry of async events (left before the CQ is destroyed).
     async_reg: crate::async_event::Registration,
+    /// The channel's lasting registration with tokio's reactor, made at the first async wait.
+    #[cfg(feature = "tokio")]
+    reactor: crate::wait::Reactor,
     // Dropped after the CQ and channel are destroyed (Drop::drop runs first).
     ctx: VerbsContext,
 }
@@ -275,6 +278,8 @@ impl CompletionQueue {
                 crate::async_kind::Subject::Cq,
                 raw.as_ptr() as usize,
             ),
+            #[cfg(feature = "tokio")]
+            reactor: crate::wait::Reactor::default(),
             ctx: ctx.clone(),
         };
         Ok(Arc::new(cq))
@@ -416,6 +421,12 @@ impl CompletionQueue {
         Ok(self.async_reg.events().last())
     }
 
+    /// The channel's registration with tokio's reactor (see [`crate::wait::Reactor`]).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn reactor(&self) -> &crate::wait::Reactor {
+        &self.reactor
+    }
+
     /// Asks for an event on the channel at the next completion (`ibv_req_notify_cq`).
     ///
     /// # Errors
@@ -526,6 +537,9 @@ impl Drop for CompletionQueue {
         self.ack_pending();
         // Out of the registry before the destroy (see crate::async_event).
         self.async_reg.leave();
+        // Out of tokio's reactor before the channel's descriptor closes.
+        #[cfg(feature = "tokio")]
+        self.reactor.clear();
         // SAFETY: every QP using this CQ holds an Arc of it, so none is alive; all events are
         // acked above. The CQ and then its channel are destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_cq(self.as_raw()) };

@@ -64,6 +64,9 @@ pub(crate) struct ChannelInner {
     demux: Mutex<Demux>,
     /// Signalled when an event is queued for another waiter, or when the poller leaves.
     changed: Condvar,
+    /// The descriptor's lasting registration with tokio's reactor, made at the first async wait.
+    #[cfg(feature = "tokio")]
+    reactor: crate::wait::Reactor,
 }
 
 /// What the channel's lock guards besides the reads themselves.
@@ -100,6 +103,9 @@ impl Drop for ChannelInner {
         // (see `EventChannel::purge`), but be thorough.
         let queued = std::mem::take(&mut self.demux.get_mut().unwrap_or_else(|e| e.into_inner()).queued);
         drop(queued);
+        // Out of tokio's reactor before the descriptor closes.
+        #[cfg(feature = "tokio")]
+        self.reactor.clear();
         // SAFETY: `raw` came from rdma_create_event_channel and is destroyed only here, once.
         // Every CmId on this channel holds an Arc of this inner, so none is alive now.
         unsafe { ffi::rdma_destroy_event_channel(self.raw.as_ptr()) };
@@ -155,6 +161,8 @@ impl EventChannel {
                 // Room for a connection's own few events, so that keeping them allocates nothing.
                 demux: Mutex::new(Demux { queued: VecDeque::with_capacity(8), ..Demux::default() }),
                 changed: Condvar::new(),
+                #[cfg(feature = "tokio")]
+                reactor: crate::wait::Reactor::default(),
             }),
         };
         crate::wait::set_nonblocking(ch.as_raw_fd())?;
@@ -397,7 +405,7 @@ impl EventChannel {
                 }
                 d.generation
             };
-            crate::wait::readable_any([self.as_raw_fd(), -1, -1], |waker| {
+            crate::wait::readable_any([(self.as_raw_fd(), Some(self.reactor())), (-1, None), (-1, None)], |waker| {
                 let mut d = self.lock();
                 if d.generation != seen {
                     return true;
@@ -442,6 +450,14 @@ impl fmt::Debug for EventChannel {
 ///     let _owned = ch.as_fd().try_clone_to_owned();
 /// }
 /// ```
+impl EventChannel {
+    /// The descriptor's registration with tokio's reactor (see [`crate::wait::Reactor`]).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn reactor(&self) -> &crate::wait::Reactor {
+        &self.inner.reactor
+    }
+}
+
 impl AsRawFd for EventChannel {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: the channel is valid while `self` lives; reading its `fd` field has no effect.

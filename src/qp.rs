@@ -201,6 +201,9 @@ pub(crate) trait Link: Send + Sync {
     fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
     /// The descriptor on which the peer leaving shows, when waits may watch it now.
     fn watch_fd(&self) -> Option<RawFd>;
+    /// That descriptor's registration with tokio's reactor (kept by its channel).
+    #[cfg(feature = "tokio")]
+    fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
     /// Reads what arrived on that descriptor; true when the peer left.
     fn peer_left(&self) -> Result<bool>;
     /// Disconnects (which also moves the QP to the error state).
@@ -208,6 +211,12 @@ pub(crate) trait Link: Send + Sync {
     /// The peer's address, for errors.
     fn peer_addr(&self) -> Option<SocketAddr>;
 }
+
+/// Polls a blocking wait makes before it arms the CQs and sleeps.
+const SYNC_SPINS: u32 = 64;
+/// Polls an async wait makes before it arms the CQs and sleeps on tokio's reactor.
+#[cfg(feature = "tokio")]
+const ASYNC_SPINS: u32 = 1024;
 
 /// Where this QP sits in a CQ's routing table.
 #[derive(Clone, Copy)]
@@ -1229,9 +1238,10 @@ impl QueuePair {
         cqs: &[Option<Arc<CompletionQueue>>; 2],
         out: &mut [WorkCompletion],
         kept: bool,
+        spins: u32,
     ) -> Result<usize> {
         // A short busy phase keeps latency low without burning a core while idle.
-        for _ in 0..64 {
+        for _ in 0..spins {
             let n = self.poll_on(which, out, kept)?;
             if n > 0 {
                 return Ok(n);
@@ -1295,7 +1305,7 @@ impl QueuePair {
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out, kept)?;
+            let n = self.poll_or_arm(which, &cqs, out, kept, SYNC_SPINS)?;
             if n > 0 {
                 return Ok(n);
             }
@@ -1354,7 +1364,9 @@ impl QueuePair {
     }
 
     /// Like [`QueuePair::wait`], without blocking a tokio runtime: sleeps on the CQ channels
-    /// (and the CM channel, to notice the peer leaving) through tokio's reactor. Unbounded by
+    /// (and the CM channel, to notice the peer leaving) through tokio's reactor, where the CQ
+    /// and the channel stay registered from their first async wait on (no system calls to
+    /// register per wait; a wait on another runtime registers for its own duration). Unbounded by
     /// itself: wrap it in `tokio::time::timeout`. Cancelling it (dropping the future) is safe at
     /// any point: the posted work requests, and the regions they hold, stay with the QP until
     /// their completions are polled or the QP is dropped.
@@ -1400,16 +1412,23 @@ impl QueuePair {
         }
         let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out, kept)?;
+            // A longer busy phase than the blocking wait's: a sleep through the reactor costs
+            // more than one in poll(2) (the runtime's park and wake-up).
+            let n = self.poll_or_arm(which, &cqs, out, kept, ASYNC_SPINS)?;
             if n > 0 {
                 return Ok(n);
             }
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
-            let fds = self.wait_fds(&cqs);
-            crate::wait::readable_any(fds, |_| false).await?;
-            self.after_wake(&cqs, fds[2] >= 0)?;
+            let [a, b, c] = self.wait_fds(&cqs);
+            // Each descriptor with its owner's lasting reactor registration: no epoll_ctl
+            // calls per wait.
+            let reactor = |i: usize| cqs[i].as_deref().map(CompletionQueue::reactor);
+            let link = self.link.as_deref().and_then(|l| l.watch_reactor());
+            let woke = crate::wait::readable_any([(a, reactor(0)), (b, reactor(1)), (c, link)], |_| false).await?;
+            // The link is read only when its descriptor woke us, as in the blocking wait.
+            self.after_wake(&cqs, woke == Some(2))?;
         }
     }
 

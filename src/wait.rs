@@ -85,62 +85,146 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> Result<()> {
     }
 }
 
-/// Waits until any of `fds` (-1 entries are ignored) is readable, or `ready` says so, without
-/// blocking the runtime. `ready` is asked on every poll of the future, with the task's waker,
-/// which it may keep to wake the task later (the event channel's queue does).
-///
-/// Each call registers the descriptors with tokio's reactor and deregisters them on return
-/// or cancellation, so a fresh registration reports readiness that is already there (nothing
-/// edge-triggered can be missed between calls), and one task at a time may await a given
+/// A descriptor's registration with tokio's reactor, kept by the object owning the descriptor
+/// (a CQ's completion channel, a CM event channel) for that object's life, so that a wait costs
+/// no `epoll_ctl` calls. Made at the first async wait, with the runtime that wait runs on; a
+/// wait on another runtime registers the descriptor with that runtime's reactor for the
+/// duration of the wait instead (correct, but slower). A descriptor can be registered with one
+/// reactor only once, which is why the registration lives in the owner of the descriptor and
+/// not in the QPs that share it. The owner drops it ([`Reactor::clear`]) before closing the
 /// descriptor.
 #[cfg(feature = "tokio")]
-pub(crate) async fn readable_any(fds: [RawFd; 3], mut ready: impl FnMut(&std::task::Waker) -> bool) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    use std::task::Poll;
+#[derive(Default)]
+pub(crate) struct Reactor(std::sync::OnceLock<Option<Registered>>);
+
+#[cfg(feature = "tokio")]
+pub(crate) struct Registered {
+    rt: tokio::runtime::Id,
+    fd: tokio::io::unix::AsyncFd<Fd>,
+}
+
+/// A descriptor owned elsewhere, for [`tokio::io::unix::AsyncFd`].
+#[cfg(feature = "tokio")]
+pub(crate) struct Fd(RawFd);
+
+#[cfg(feature = "tokio")]
+impl std::os::fd::AsRawFd for Fd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+#[cfg(feature = "tokio")]
+fn no_io() -> Error {
+    Error::InvalidArgument(
+        "the async API needs a tokio runtime with its IO driver enabled (Builder::enable_io or enable_all)".into(),
+    )
+}
+
+/// Registers `fd` with the current runtime's reactor.
+///
+/// # Safety
+/// `fd` must stay open for as long as the result lives.
+#[cfg(feature = "tokio")]
+unsafe fn register(fd: RawFd) -> Result<tokio::io::unix::AsyncFd<Fd>> {
     use tokio::io::unix::AsyncFd;
     use tokio::io::Interest;
+    // tokio panics ("IO is disabled") instead of failing when the runtime has no IO driver,
+    // and offers no way to ask first: catch that one panic and report it.
+    let attempt = std::panic::catch_unwind(|| {
+        // SAFETY: the caller keeps `fd` open for the AsyncFd's life, and Fd::as_raw_fd always
+        // returns it.
+        unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }
+    });
+    match attempt {
+        Err(_) => Err(no_io()),
+        Ok(r) => r.map_err(|e| {
+            Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
+        }),
+    }
+}
 
-    struct Fd(RawFd);
-    impl AsRawFd for Fd {
-        fn as_raw_fd(&self) -> RawFd {
-            self.0
-        }
-    }
-    let no_io = || {
-        Error::InvalidArgument(
-            "the async API needs a tokio runtime with its IO driver enabled (Builder::enable_io or enable_all)".into(),
-        )
-    };
-    if tokio::runtime::Handle::try_current().is_err() {
-        return Err(no_io());
-    }
-    let reg = |fd: RawFd| -> Result<Option<AsyncFd<Fd>>> {
-        if fd < 0 {
-            return Ok(None);
-        }
-        // tokio panics ("IO is disabled") instead of failing when the runtime has no IO
-        // driver, and offers no way to ask first: catch that one panic and report it.
-        let attempt = std::panic::catch_unwind(|| {
-            // SAFETY: `fd` stays open for this AsyncFd's life (it ends when this function
-            // returns or is cancelled; callers hold the channel or CQ owning it across the
-            // await), and Fd::as_raw_fd always returns it.
-            unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }
+#[cfg(feature = "tokio")]
+impl Reactor {
+    /// The lasting registration of `fd` (which must be the owner's descriptor, open while
+    /// `self` lives), when it belongs to the runtime `rt`; made here at the first call.
+    fn get(&self, fd: RawFd, rt: tokio::runtime::Id) -> Option<&tokio::io::unix::AsyncFd<Fd>> {
+        let reg = self.0.get_or_init(|| {
+            // A failure (a runtime without IO) is not kept as such: such waits register
+            // their own and report the error.
+            // SAFETY: `fd` is the owner's descriptor, and the owner drops this registration
+            // (Reactor::clear) before it closes it.
+            unsafe { register(fd) }.ok().map(|fd| Registered { rt, fd })
         });
-        match attempt {
-            Err(_) => Err(no_io()),
-            Ok(r) => r.map(Some).map_err(|e| {
-                Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
-            }),
-        }
+        reg.as_ref().filter(|r| r.rt == rt).map(|r| &r.fd)
+    }
+
+    /// Drops the registration (deregistering the descriptor): the owner calls this before it
+    /// closes the descriptor.
+    pub(crate) fn clear(&mut self) {
+        drop(self.0.take());
+    }
+}
+
+/// Waits until any of `fds` (-1 entries are ignored) is readable, or `ready` says so, without
+/// blocking the runtime. `ready` is asked on every poll of the future, with the task's waker,
+/// which it may keep to wake the task later (the event channel's queue does). Returns the
+/// index of the descriptor found readable (`None` when `ready` ended the wait).
+///
+/// Each descriptor comes with its owner's [`Reactor`], whose lasting registration is used when
+/// it belongs to the current runtime; otherwise the descriptor is registered for the duration
+/// of this call. The readiness a wake-up reports is cleared before returning (tokio keeps it
+/// set until then), so callers must read their descriptors without blocking until they are
+/// empty or they found what they wait for, before waiting again: every caller does (the CQ
+/// drains its channel; the event channel reads before each wait). Any number of tasks may wait
+/// on one descriptor: each wake-up wakes them all.
+#[cfg(feature = "tokio")]
+pub(crate) async fn readable_any(
+    fds: [(RawFd, Option<&Reactor>); 3],
+    mut ready: impl FnMut(&std::task::Waker) -> bool,
+) -> Result<Option<usize>> {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::Poll;
+    use tokio::io::unix::AsyncFd;
+
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return Err(no_io());
     };
-    let afds = [reg(fds[0])?, reg(fds[1])?, reg(fds[2])?];
+    let rt = rt.id();
+    // Per descriptor: the lasting registration, or one for this wait (its `AsyncFd` dropped,
+    // so deregistered, when the wait returns or is cancelled; callers hold the channel or CQ
+    // owning the descriptor across the await).
+    let mut own: [Option<AsyncFd<Fd>>; 3] = [None, None, None];
+    let mut lasting: [Option<&AsyncFd<Fd>>; 3] = [None, None, None];
+    for (i, &(fd, reactor)) in fds.iter().enumerate() {
+        if fd < 0 {
+            continue;
+        }
+        lasting[i] = reactor.and_then(|r| r.get(fd, rt));
+        if lasting[i].is_none() {
+            // SAFETY: `own` is dropped when this function returns or is cancelled, and the
+            // callers hold the channel or CQ owning `fd` across the await.
+            own[i] = Some(unsafe { register(fd) }?);
+        }
+    }
+    let afds: [Option<&AsyncFd<Fd>>; 3] = std::array::from_fn(|i| lasting[i].or(own[i].as_ref()));
+    let mut w0 = pin!(afds[0].map(|a| a.readable()));
+    let mut w1 = pin!(afds[1].map(|a| a.readable()));
+    let mut w2 = pin!(afds[2].map(|a| a.readable()));
     std::future::poll_fn(|cx| {
         if ready(cx.waker()) {
-            return Poll::Ready(Ok(()));
+            return Poll::Ready(Ok(None));
         }
-        for a in afds.iter().flatten() {
-            match a.poll_read_ready(cx) {
-                Poll::Ready(Ok(_guard)) => return Poll::Ready(Ok(())),
+        for (i, w) in [w0.as_mut(), w1.as_mut(), w2.as_mut()].into_iter().enumerate() {
+            let Some(w) = w.as_pin_mut() else { continue };
+            match w.poll(cx) {
+                Poll::Ready(Ok(mut guard)) => {
+                    // Cleared only if no new readiness came since this one (tokio compares
+                    // the event's tick), so nothing arriving from here on is missed.
+                    guard.clear_ready();
+                    return Poll::Ready(Ok(Some(i)));
+                }
                 Poll::Ready(Err(e)) => {
                     return Poll::Ready(Err(Error::call(
                         "tokio readiness",

@@ -1,6 +1,7 @@
 //! Posting and polling on a connected QP allocate nothing: a counting global allocator watches
 //! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device, the shared CQ and SRQ
-//! shapes, and work requests of several pieces (scatter/gather).
+//! shapes, work requests of several pieces (scatter/gather), and async round trips on tokio
+//! (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in between).
 
 mod common;
 
@@ -102,6 +103,44 @@ fn post_and_poll_allocate_nothing() {
     }
     let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
     assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations of post and poll");
+    drop((c, s));
+    t.finish();
+}
+
+/// Async send/recv round trips on a current-thread runtime (the test's thread, which the
+/// counter watches): after a warm-up that makes the lasting reactor registrations, 2,000 round
+/// trips of post, `wait_for_async` on both ends (each sleeping on tokio's reactor when the
+/// completion is not there yet) allocate nothing, the runtime's own parking included.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_round_trips_allocate_nothing() {
+    const WARM: u64 = 100;
+    const N: u64 = 2_000;
+    let t = DeviceTest::start();
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec.clone(), spec);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let bound = Duration::from_secs(10);
+    let (allocs, bytes) = rt.block_on(async {
+        for i in 0..WARM + N {
+            if i == WARM {
+                ALLOCS.store(0, Ordering::SeqCst);
+                BYTES.store(0, Ordering::SeqCst);
+                WATCH.with(|w| w.set(true));
+            }
+            s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(i)]).unwrap();
+            c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(i)]).unwrap();
+            let send = c.conn.qp_mut().wait_for_async(WorkQueue::Send, i);
+            let wc = tokio::time::timeout(bound, send).await.expect("no send completion within 10 s").unwrap();
+            assert_eq!(wc.wr_id(), i);
+            let recv = s.conn.qp_mut().wait_for_async(WorkQueue::Recv, i);
+            let wc = tokio::time::timeout(bound, recv).await.expect("no receive within 10 s").unwrap();
+            assert_eq!((wc.wr_id(), wc.byte_len()), (i, 64));
+        }
+        WATCH.with(|w| w.set(false));
+        (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst))
+    });
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} async round trips");
     drop((c, s));
     t.finish();
 }

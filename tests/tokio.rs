@@ -127,3 +127,45 @@ fn a_runtime_without_io_is_an_error_not_a_panic() {
     drop(ch);
     t.finish();
 }
+
+/// One async round trip: the server's receive and the client's send, awaited on the current
+/// runtime (each wait sleeps on the reactor until its completion arrives).
+async fn async_round_trip(c: &mut common::Side, s: &mut common::Side, i: u64) {
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(i)]).unwrap();
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(i)]).unwrap();
+    let wc = within(s.conn.qp_mut().wait_for_async(WorkQueue::Recv, i)).await.unwrap();
+    assert_eq!((wc.wr_id(), wc.byte_len()), (i, 64));
+    let wc = within(c.conn.qp_mut().wait_for_async(WorkQueue::Send, i)).await.unwrap();
+    assert_eq!(wc.wr_id(), i);
+}
+
+/// The CQ and CM channel descriptors (the QP's waits watch both) stay registered with the
+/// runtime of their first async wait; waits on another runtime (while the first one lives, idle, and after it is gone)
+/// register for themselves instead of sleeping on a reactor nobody drives, and the first
+/// runtime's registration still serves it afterwards.
+#[test]
+fn async_waits_work_across_runtimes() {
+    let t = DeviceTest::start();
+    let spec = common::PairSpec { mr_sizes: vec![4096], ..common::PairSpec::default() };
+    let (mut c, mut s) = common::pair(t.addr, spec.clone(), spec);
+    let first = rt();
+    let second = rt();
+    let mut i = 0;
+    for r in [&first, &second, &first, &second] {
+        r.block_on(async {
+            for _ in 0..50 {
+                async_round_trip(&mut c, &mut s, i).await;
+                i += 1;
+            }
+        });
+    }
+    drop(first);
+    second.block_on(async {
+        for _ in 0..50 {
+            async_round_trip(&mut c, &mut s, i).await;
+            i += 1;
+        }
+    });
+    drop((c, s));
+    t.finish();
+}
