@@ -58,6 +58,11 @@ impl Link for UserLink {
         id.channel().is_exclusive().then(|| id.channel().as_raw_fd())
     }
 
+    #[cfg(feature = "tokio")]
+    fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
+        Some(self.id.get()?.channel().reactor())
+    }
+
     fn peer_left(&self) -> Result<bool> {
         let Some(id) = self.id.get() else { return Ok(false) };
         let me = id.handle();
