@@ -73,10 +73,8 @@ fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
     let t = DeviceTest::start();
     let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7402, QpInit::new());
     let chunk = GRH_LEN + 32;
-    let mut chunks = MemoryRegion::new(server.qp().pd(), 2 * chunk, AccessFlags::LOCAL_WRITE)
-        .unwrap()
-        .split(chunk)
-        .unwrap();
+    let mut chunks =
+        MemoryRegion::new(server.qp().pd(), 2 * chunk, AccessFlags::LOCAL_WRITE).unwrap().split(chunk).unwrap();
     let canary = pattern(chunk, 77);
     chunks[1].as_mut_slice().unwrap().copy_from_slice(&canary);
     server.qp_mut().post_recv(&[RecvWr::new(&chunks[0], 0..chunk).wr_id(1)]).unwrap();
@@ -93,7 +91,11 @@ fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
     let n = server.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T).unwrap();
     assert_eq!(n, 1, "the too-long datagram completes the receive (with an error) rather than vanishing");
     let wc = wcs[0];
-    eprintln!("measured: a 200/512-byte datagram into a {chunk}-byte receive: {} byte_len {}", wc.status(), wc.byte_len());
+    eprintln!(
+        "measured: a 200/512-byte datagram into a {chunk}-byte receive: {} byte_len {}",
+        wc.status(),
+        wc.byte_len()
+    );
     match Datagram::parse(&wc, &mut chunks[0], 0) {
         Err(Error::WorkCompletion { .. }) => {}
         Ok(d) => assert!(d.payload().end <= chunk, "payload {:?} past the {chunk}-byte buffer", d.payload()),
@@ -120,11 +122,8 @@ fn refused_ud_posts_hold_nothing() {
     assert!(e.to_string().contains(&mtu.to_string()), "the error names the MTU: {e}");
     // Another PD on the same context.
     let other_pd = ProtectionDomain::new(pd.context()).unwrap();
-    let foreign = UdDest::new(
-        AddressHandle::new(&other_pd, to_server.ah().attr()).unwrap(),
-        to_server.qpn(),
-        to_server.qkey(),
-    );
+    let foreign =
+        UdDest::new(AddressHandle::new(&other_pd, to_server.ah().attr()).unwrap(), to_server.qpn(), to_server.qkey());
     let e = client
         .qp_mut()
         .post_send(&[UdSendWr::send(&to_server, &sbuf, 0..8).wr_id(1), UdSendWr::send(&foreign, &sbuf, 0..8).wr_id(2)])
@@ -315,11 +314,21 @@ struct SrqServer {
 
 /// A UD client connected to a UD server whose QP draws on an SRQ of `n` receives of `slot`
 /// bytes each (all posted, and the limit armed when given, before the accept).
-fn ud_srq_pair(addr: std::net::IpAddr, port: u16, n: usize, slot: usize, limit: Option<u32>) -> (rdma_cm::UdEndpoint, UdDest, SrqServer) {
+fn ud_srq_pair(
+    addr: std::net::IpAddr,
+    port: u16,
+    n: usize,
+    slot: usize,
+    limit: Option<u32>,
+) -> (rdma_cm::UdEndpoint, UdDest, SrqServer) {
     let l = UdServer::new().unwrap().listen(SocketAddr::new(addr, port), 4).unwrap();
     let client = std::thread::spawn(move || {
-        let route =
-            UdClient::new().unwrap().resolve_addr(None, SocketAddr::new(addr, port), T).unwrap().resolve_route(T).unwrap();
+        let route = UdClient::new()
+            .unwrap()
+            .resolve_addr(None, SocketAddr::new(addr, port), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
         let pd = route.alloc_pd().unwrap();
         let mut ep = route.create_qp(&pd, QpInit::new()).unwrap();
         let dest = ep.connect(&[], T).unwrap();
@@ -330,7 +339,8 @@ fn ud_srq_pair(addr: std::net::IpAddr, port: u16, n: usize, slot: usize, limit: 
     let pd = req.alloc_pd().unwrap();
     let chunks = MemoryRegion::new(&pd, n * slot, AccessFlags::LOCAL_WRITE).unwrap().split(slot).unwrap();
     let srq = SharedReceiveQueue::new(&pd, n as u32).unwrap();
-    let recvs: Vec<RecvWr> = chunks.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..slot).wr_id(100 + i as u64)).collect();
+    let recvs: Vec<RecvWr> =
+        chunks.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..slot).wr_id(100 + i as u64)).collect();
     srq.post_recv(&recvs).unwrap();
     drop(recvs);
     if let Some(k) = limit {
