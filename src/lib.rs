@@ -262,9 +262,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod addrinfo;
+pub mod ah;
 pub mod async_event;
 mod async_kind;
-pub mod ah;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod cm_id;
@@ -292,8 +292,8 @@ pub mod wr;
 pub use rdma_sys as ffi;
 
 pub use addrinfo::{lookup, lookup_passive};
-pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
+pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use cm_id::{CmId, IdHandle};
 pub use connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
