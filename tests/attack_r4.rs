@@ -495,3 +495,52 @@ fn memberships_and_endpoints_dropped_in_any_order_or_forgotten() {
     drop((dest, m, rx, rbuf));
     t.finish();
 }
+
+/// A peer's datagram longer than the posted receive. Measured on rxe: the receive fails
+/// (`LOC_QP_OP_ERR`) and the UD QP goes to the error state, so one hostile datagram stops it
+/// receiving; before the fix, the next receive was accepted and never completed (its wait
+/// timed out blaming the peer). Now the QP refuses posts with an error that names the cause
+/// and `UdQp::recv_len`, and holds nothing. Then, on the healthy QP: gathered sends naming a
+/// region of another PD, and a batch of receives whose second has no room for the GRH, are
+/// refused whole.
+#[test]
+fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
+    let t = DeviceTest::start();
+    let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7410, QpInit::new());
+    let spd = Arc::clone(server.qp().pd());
+    let small = MemoryRegion::new(&spd, GRH_LEN + 8, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut ok = MemoryRegion::new(&spd, GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&small, 0..GRH_LEN + 8).wr_id(1)]).unwrap();
+    client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &[1; 64]).wr_id(2)]).unwrap();
+    client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    let e = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap_err();
+    assert!(matches!(e, Error::WorkCompletion { wr_id: 1, .. }), "{e}");
+    let state = server.qp().qp().attributes().unwrap().state;
+    eprintln!("measured: the UD QP after a too-long datagram: {state:?}");
+    assert_eq!(state, rdma_cm::QpState::Error, "if the QP survives, the refusal below is too strict");
+    let e = server.qp_mut().post_recv(&[RecvWr::new(&ok, 0..GRH_LEN + 64).wr_id(3)]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("recv_len"), "{e}");
+    assert!(ok.outstanding() == 0 && server.qp().outstanding_recvs() == 0);
+    assert!(ok.as_mut_slice().is_ok());
+    // Gathered sends naming a region of another PD are refused before posting.
+    let other = ProtectionDomain::new(client.qp().pd().context()).unwrap();
+    let a = MemoryRegion::new(client.qp().pd(), 8, AccessFlags::LOCAL_WRITE).unwrap();
+    let b = MemoryRegion::new(&other, 8, AccessFlags::LOCAL_WRITE).unwrap();
+    let pieces = [(&a, 0..8), (&b, 0..8)];
+    let r = UdSendWr::send_sg(&to_server, &pieces).and_then(|w| client.qp_mut().post_send(&[w]));
+    assert!(r.is_err(), "a piece on another PD was posted");
+    assert!(a.outstanding() == 0 && b.outstanding() == 0 && client.qp().outstanding_sends() == 0);
+    // A batch of receives whose second has no room for the GRH: none is posted.
+    let c = MemoryRegion::new(client.qp().pd(), GRH_LEN + 8, AccessFlags::LOCAL_WRITE).unwrap();
+    let e = client
+        .qp_mut()
+        .post_recv(&[RecvWr::new(&c, 0..GRH_LEN + 8).wr_id(5), RecvWr::new(&a, 0..8).wr_id(6)])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("GRH"), "{e}");
+    assert!(c.outstanding() == 0 && a.outstanding() == 0 && client.qp().outstanding_recvs() == 0);
+    // The healthy QP still sends.
+    client.qp_mut().post_send(&[UdSendWr::send_sg(&to_server, &pieces[..1]).unwrap().wr_id(7)]).unwrap();
+    assert!(client.qp_mut().wait_for(WorkQueue::Send, 7, T).unwrap().is_ok());
+    drop((client, server, to_server, to_client, small, ok, a, b, c, other, spd));
+    t.finish();
+}
