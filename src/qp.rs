@@ -700,6 +700,9 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state("ibv_post_send"));
         }
+        if self.datagrams && lock(&self.queues).failed {
+            return Err(failed_datagram("ibv_post_send"));
+        }
         for w in wrs {
             let w = w.send_wr();
             if w.ud.is_some() != self.datagrams {
@@ -918,6 +921,9 @@ impl QueuePair {
         }
         if self.errored {
             return Err(in_error_state("ibv_post_recv"));
+        }
+        if self.datagrams && lock(&self.queues).failed {
+            return Err(failed_datagram("ibv_post_recv"));
         }
         for w in wrs {
             check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
@@ -1473,6 +1479,15 @@ fn in_error_state(op: &'static str) -> Error {
     Error::InvalidArgument(format!(
         "{op}: the QP is in the error state (QueuePair::set_error): nothing posted now can run, and a receive \
          posted now is never flushed on rxe; create a new QP"
+    ))
+}
+
+/// The refusal of a post to a UD QP that a failed completion moved to the error state.
+fn failed_datagram(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the UD QP is in the error state after a completion failed (a datagram longer than the receive \
+         buffer does this: one peer can stop the QP): nothing posted now can run; create a new QP, and post \
+         receives of UdQp::recv_len() bytes, which any datagram fits"
     ))
 }
 
