@@ -165,7 +165,14 @@ impl Router {
         if e.qp_num != wc.qp_num || e.nonce != t.nonce {
             return None;
         }
-        let id = lock(&e.queues).complete(&t)?;
+        let mut q = lock(&e.queues);
+        let id = q.complete(&t)?;
+        // Any error but a flush moves the QP to the error state (IB spec; measured on rxe for
+        // a UD receive too short for its datagram): remember it, so posts are refused.
+        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS && wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+            q.failed = true;
+        }
+        drop(q);
         let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
         Some((WorkCompletion::from_raw(wc, id, queue), Owner::Qp(t.owner)))
     }

@@ -256,6 +256,10 @@ pub struct QueuePair {
     datagrams: bool,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
+    /// The caller moved the QP to the error state ([`QueuePair::set_error`]): nothing posted
+    /// from then on can run, and rxe never flushes a receive posted then (it would stay held,
+    /// and its wait time out), so posts are refused.
+    errored: bool,
     /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
     busy_poll: bool,
     /// Its teardown was handed to another value (see Drop): this one destroys nothing.
@@ -607,6 +611,7 @@ impl QueuePair {
             connected: init.datagrams,
             datagrams: init.datagrams,
             peer_left: false,
+            errored: false,
             busy_poll: false,
             #[cfg(feature = "tokio")]
             detached: false,
@@ -720,6 +725,12 @@ impl QueuePair {
         }
         if self.peer_left {
             return Err(Error::Disconnected { op: "ibv_post_send", addr: self.peer_addr() });
+        }
+        if self.errored {
+            return Err(in_error_state("ibv_post_send"));
+        }
+        if self.datagrams && lock(&self.queues).failed {
+            return Err(failed_datagram("ibv_post_send"));
         }
         for w in wrs {
             let w = w.send_wr();
@@ -975,7 +986,8 @@ impl QueuePair {
     /// Posts receive work requests.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] on a QP that takes its receives from an SRQ (post there);
+    /// [`Error::InvalidArgument`] on a QP that takes its receives from an SRQ (post there), or
+    /// one moved to the error state ([`QueuePair::set_error`]);
     /// as for [`QueuePair::post_send`].
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
         if self.srq.is_some() {
@@ -986,6 +998,12 @@ impl QueuePair {
         if self.peer_left {
             // The QP is in the error state: a receive posted now may never be flushed (rxe).
             return Err(Error::Disconnected { op: "ibv_post_recv", addr: self.peer_addr() });
+        }
+        if self.errored {
+            return Err(in_error_state("ibv_post_recv"));
+        }
+        if self.datagrams && lock(&self.queues).failed {
+            return Err(failed_datagram("ibv_post_recv"));
         }
         for w in wrs {
             check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
@@ -1572,12 +1590,16 @@ impl QueuePair {
         }
     }
 
-    /// Moves the QP to the error state, which flushes every outstanding work request.
+    /// Moves the QP to the error state, which flushes every outstanding work request. From
+    /// then on posts are refused: nothing posted to a QP in the error state can run, and rxe
+    /// never flushes a receive posted then (it would stay held until the QP is dropped).
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_modify_qp` fails.
     pub fn set_error(&mut self) -> Result<()> {
-        self.set_error_state()
+        self.set_error_state()?;
+        self.errored = true;
+        Ok(())
     }
 
     fn set_error_state(&self) -> Result<()> {
@@ -1628,6 +1650,23 @@ impl QueuePair {
     }
 }
 
+/// The refusal of a post to a QP the caller moved to the error state.
+fn in_error_state(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the QP is in the error state (QueuePair::set_error): nothing posted now can run, and a receive \
+         posted now is never flushed on rxe; create a new QP"
+    ))
+}
+
+/// The refusal of a post to a UD QP that a failed completion moved to the error state.
+fn failed_datagram(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the UD QP is in the error state after a completion failed (a datagram longer than the receive \
+         buffer does this: one peer can stop the QP): nothing posted now can run; create a new QP, and post \
+         receives of UdQp::recv_len() bytes, which any datagram fits"
+    ))
+}
+
 impl QueuePair {
     /// On a tokio runtime thread, a QP with work in flight would block the runtime for up to
     /// `DRAIN_TIMEOUT` while the flush is reaped: hand the whole teardown to the runtime's
@@ -1654,6 +1693,7 @@ impl QueuePair {
             connected: self.connected,
             datagrams: self.datagrams,
             peer_left: self.peer_left,
+            errored: self.errored,
             busy_poll: self.busy_poll,
             detached: false,
             inline_teardown: true,

@@ -341,6 +341,9 @@ pub(crate) struct Queues {
     pub(crate) recv: Ring,
     pub(crate) send_kept: Pending,
     pub(crate) recv_kept: Pending,
+    /// A completion of this QP failed with a status other than a flush: the QP is in the
+    /// error state (on UD, a datagram longer than its receive buffer does this).
+    pub(crate) failed: bool,
 }
 
 impl Queues {
@@ -353,6 +356,7 @@ impl Queues {
             recv: Ring::<Hold>::new(recv_depth, recv_sge),
             send_kept: Pending::new(send_depth),
             recv_kept: Pending::new(recv_depth),
+            failed: false,
         }
     }
 

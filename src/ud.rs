@@ -38,7 +38,10 @@
 //!   before posting, with [`Error::MessageTooLong`] naming both sizes.
 //! - **A receive buffer of fewer than [`GRH_LEN`] bytes** has no room for the header the
 //!   device writes first: refused before posting. A message longer than the buffer's room
-//!   after the 40 bytes completes with `LOC_LEN_ERR`.
+//!   after the 40 bytes completes with an error (`LOC_LEN_ERR`; rxe says `LOC_QP_OP_ERR`)
+//!   **and moves the QP to the error state**: one peer's datagram stops it receiving. Posts
+//!   are refused from then on ([`Error::InvalidArgument`]); receives of [`UdQp::recv_len`]
+//!   bytes make it impossible, since no datagram exceeds the MTU.
 //! - **An address handle on another protection domain** than the QP's is refused.
 //!
 //! # Soundness
@@ -344,7 +347,7 @@ impl UdQp {
 
     /// Posts receives. Each must have room for the 40-byte GRH area plus the largest payload
     /// expected ([`UdQp::recv_len`] for any datagram up to the MTU); a longer message
-    /// completes with `LOC_LEN_ERR`.
+    /// completes with an error and moves the QP to the error state (see [`crate::ud`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a receive of fewer than [`GRH_LEN`] bytes; as for
