@@ -268,6 +268,7 @@ impl McastResolved {
             group: self.group,
             loopback: !self.block_loopback,
             attached: Arc::default(),
+            joined: Arc::default(),
         })
     }
 
@@ -339,7 +340,13 @@ pub struct McastEndpoint {
     group: IpAddr,
     loopback: bool,
     attached: Attached,
+    joined: Joined,
 }
+
+/// The groups the id holds a membership of (joined and not yet left), shared with the
+/// memberships: librdmacm accepts a second join of a group on one id, but its leave then
+/// detaches the QP for both memberships, so the second join is refused instead.
+type Joined = Arc<Mutex<Vec<IpAddr>>>;
 
 /// The groups the endpoint's QP is attached to (full-member joins not yet left), shared with
 /// their memberships: the kernel refuses to destroy a QP that is still attached (`EBUSY`), so
@@ -424,6 +431,12 @@ impl McastEndpoint {
     /// handle cannot be made.
     pub fn join_group(&mut self, group: IpAddr, kind: JoinKind, timeout: Duration) -> Result<Multicast> {
         check_group(group)?;
+        if lock_joined(&self.joined).contains(&group) {
+            return Err(Error::InvalidArgument(format!(
+                "this endpoint already holds a membership of {group}: keep using it (Multicast::dest), \
+                 or drop it before joining again (one leave would end both)"
+            )));
+        }
         if group.is_ipv4() != self.group.is_ipv4() {
             return Err(Error::InvalidArgument(format!(
                 "the group {group} is not of the family of the id's address ({}): resolve an id for it",
@@ -456,7 +469,14 @@ impl McastEndpoint {
             });
         }
         // From here on the membership leaves the group when dropped, on every error path too.
-        let mut membership = Membership { id: Arc::clone(&self.id), group, sockaddr: ss, attached: None };
+        lock_joined(&self.joined).push(group);
+        let mut membership = Membership {
+            id: Arc::clone(&self.id),
+            group,
+            sockaddr: ss,
+            attached: None,
+            joined: Arc::clone(&self.joined),
+        };
         let end = Instant::now().checked_add(timeout);
         loop {
             let left = end.map_or(timeout, |end| end.saturating_duration_since(Instant::now()));
@@ -569,6 +589,12 @@ struct Membership {
     sockaddr: libc::sockaddr_storage,
     // Where the QP's attachment to the group is recorded (full members).
     attached: Option<(Attached, Attachment)>,
+    // The endpoint's list of groups joined, which this membership leaves when it leaves.
+    joined: Joined,
+}
+
+fn lock_joined(j: &Joined) -> std::sync::MutexGuard<'_, Vec<IpAddr>> {
+    j.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Membership {
@@ -578,6 +604,12 @@ impl Membership {
         }
         let mut ss = self.sockaddr;
         self.sockaddr.ss_family = 0; // left (or failed to): nothing more to do in Drop
+        {
+            let mut joined = lock_joined(&self.joined);
+            if let Some(i) = joined.iter().position(|g| *g == self.group) {
+                joined.swap_remove(i);
+            }
+        }
         let ret = {
             // Serialises with the QP's destruction (which clears id->qp under this lock) and
             // with event processing (which reads id->qp on a JOIN).
