@@ -1,7 +1,9 @@
 //! The data path on a connected QP: post plus poll of one signaled send/recv and of one RDMA
 //! WRITE, and a ping-pong round trip at 2 B and 4 KiB, each measured as `raw` (ibv_post_* and
 //! ibv_poll_cq called directly on the same QP and CQs) beside `rdma_cm` (through the crate).
-//! Both ends of the connection are driven from one thread, so each figure is the full cost of
+//! `post_poll/write_4sge` (one RDMA WRITE gathered from four 16 B pieces) and
+//! `post_poll/fetch_add` (an atomic fetch-and-add on the peer's REMOTE_ATOMIC region) run on a
+//! QP created with `max_send_sge` 4. Both ends of the connection are driven from one thread, so each figure is the full cost of
 //! the operation through the device, with no thread hand-off.
 //!
 //! ```text
@@ -106,6 +108,93 @@ fn post_poll(c: &mut Criterion) {
     g.finish();
 }
 
+/// Raw: posts one signaled RDMA WRITE gathered from `sges` on `qp`.
+fn raw_write_sg(qp: &QueuePair, sges: &mut [ffi::ibv_sge], remote: RemoteRegion) {
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = sges.as_mut_ptr();
+    wr.num_sge = sges.len() as i32;
+    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: QP alive (created with max_send_sge >= sges.len()); wr and the sges live for the
+    // call; the regions outlive the completion, which the caller reaps before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
+/// Raw: posts one signaled fetch-and-add of `add` on the 8 bytes at `remote`'s start, the
+/// original value into `mr[at..at + 8]`.
+fn raw_fetch_add(qp: &QueuePair, mr: &rdma_cm::MemoryRegion, at: u64, remote: RemoteRegion, add: u64) {
+    let mut sge = ffi::ibv_sge { addr: mr.addr() + at, length: 8, lkey: mr.lkey() };
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.atomic = ffi::atomic_t { remote_addr: remote.addr, compare_add: add, swap: 0, rkey: remote.rkey };
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: QP alive; wr and sge live for the call; the result range (8 bytes, 8-aligned,
+    // inside the region) outlives the completion, which the caller reaps before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
+/// A gathered RDMA WRITE (4 x 16 B from one region, 1 KiB apart) and an atomic fetch-and-add,
+/// raw beside the crate, on a QP with `max_send_sge` 4 whose peer region allows atomics.
+fn post_poll_sg_atomic(c: &mut Criterion) {
+    const PIECES: [std::ops::Range<usize>; 4] = [0..16, 1024..1040, 2048..2064, 3072..3088];
+    let spec = PairSpec {
+        mr_sizes: vec![8192],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC,
+        init: rdma_cm::QpInit::new().max_send_sge(4),
+        ..PairSpec::default()
+    };
+    let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec);
+    assert!(a.conn.qp().max_send_sge() >= 4, "QP granted {} send pieces", a.conn.qp().max_send_sge());
+    let remote = b.mrs[0].remote();
+    // The atomic's target: the peer's first 8 bytes (its region is page-aligned).
+    let counter = RemoteRegion { len: 8, ..remote };
+    b.mrs[0].write_at(0, &0u64.to_ne_bytes()).unwrap();
+    let mut adds = 0u64;
+    let mut wcs = [WorkCompletion::default(); 1];
+    let mut g = c.benchmark_group("post_poll");
+    g.bench_function("write_4sge/raw", |bn| {
+        let mr = &a.mrs[0];
+        let mut sges = PIECES.map(|r| ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: 16, lkey: mr.lkey() });
+        bn.iter(|| {
+            raw_write_sg(a.conn.qp(), &mut sges, RemoteRegion { addr: remote.addr + 4096, ..remote });
+            raw_poll1(a.conn.qp().send_cq().as_raw());
+        })
+    });
+    g.bench_function("write_4sge/rdma_cm", |bn| {
+        let pieces = PIECES.map(|r| (&a.mrs[0], r));
+        bn.iter(|| {
+            a.conn.qp_mut().post_send(&[SendWr::write_sg(&pieces, &remote, 4096).unwrap()]).unwrap();
+            poll_queue(a.conn.qp_mut(), true, &mut wcs);
+        })
+    });
+    g.bench_function("fetch_add/raw", |bn| {
+        bn.iter(|| {
+            raw_fetch_add(a.conn.qp(), &a.mrs[0], 4096, counter, 1);
+            raw_poll1(a.conn.qp().send_cq().as_raw());
+            adds += 1;
+        })
+    });
+    g.bench_function("fetch_add/rdma_cm", |bn| {
+        bn.iter(|| {
+            a.conn.qp_mut().post_send(&[SendWr::fetch_add(&a.mrs[0], 4096..4104, &counter, 0, 1).unwrap()]).unwrap();
+            poll_queue(a.conn.qp_mut(), true, &mut wcs);
+            adds += 1;
+        })
+    });
+    g.finish();
+    // Every add landed: the peer's counter is the number of iterations run.
+    let mut v = [0u8; 8];
+    b.mrs[0].read_at(0, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), adds, "fetch-and-add count on the peer");
+}
+
 fn pingpong(c: &mut Criterion) {
     let (mut a, mut b) = connected();
     let mut wcs = [WorkCompletion::default(); 1];
@@ -186,6 +275,6 @@ criterion_group! {
     name = benches;
     // The data path's ratios are a few percent: sample longer than the setup groups.
     config = criterion().measurement_time(std::time::Duration::from_secs(6)).sample_size(40);
-    targets = post_poll, pingpong, shared_cq
+    targets = post_poll, post_poll_sg_atomic, pingpong, shared_cq
 }
 criterion_main!(benches);
