@@ -620,10 +620,9 @@ impl Membership {
                     list.swap_remove(i);
                 }
             }
-            // SAFETY: the id is valid (held); id->qp is either the live QP or NULL (see the
-            // lock); `ss` is the address the join was made with and lives through the call.
-            // librdmacm waits for the acks of this group's events: all were acked when read,
-            // under the lock held here.
+            // SAFETY: id valid (held); id->qp is the live QP or NULL (the lock); `ss` is the
+            // joined address, alive through the call; the group's events, which librdmacm waits
+            // to be acked, were all acked when read, under the lock held here.
             unsafe { ffi::rdma_leave_multicast(self.id.as_raw(), (&mut ss as *mut libc::sockaddr_storage).cast()) }
         };
         check_rdma(ret, "rdma_leave_multicast").map_err(|e| e.with_addr(group_sockaddr(self.group)))
