@@ -167,11 +167,7 @@ impl Router {
         }
         let mut q = lock(&e.queues);
         let id = q.complete(&t)?;
-        // Any error but a flush moves the QP to the error state (IB spec; measured on rxe for
-        // a UD receive too short for its datagram): remember it, so posts are refused.
-        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS && wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-            q.failed = true;
-        }
+        q.note_status(wc.status);
         drop(q);
         let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
         Some((WorkCompletion::from_raw(wc, id, queue), Owner::Qp(t.owner)))

@@ -1132,6 +1132,7 @@ impl QueuePair {
                         continue;
                     }
                     let Some(id) = q.complete(&t) else { continue };
+                    q.note_status(wc.status);
                     let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
                     let done = WorkCompletion::from_raw(wc, id, queue);
                     if which.is_none_or(|w| w == queue) {

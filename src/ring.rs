@@ -360,6 +360,17 @@ impl Queues {
         }
     }
 
+    /// Notes a completion's status: any error but a flush moves the QP to the error state (IB
+    /// spec; measured on rxe for a UD receive too short for its datagram), so posts are refused.
+    /// Called by every path that retires a completion of this QP.
+    #[inline]
+    pub(crate) fn note_status(&mut self, status: rdma_sys::ibv_wc_status::Type) {
+        use rdma_sys::ibv_wc_status::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR};
+        if status != IBV_WC_SUCCESS && status != IBV_WC_WR_FLUSH_ERR {
+            self.failed = true;
+        }
+    }
+
     /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
     /// names nothing outstanding (stale).
     #[inline]
