@@ -475,8 +475,11 @@ fn bad_rkey_write_fails_the_writer_and_marks_no_other_object() {
     t.finish();
 }
 
-/// A connected QP whose receive CQ overruns (a raw QP shares it) stops waiting at once, with
-/// the event named, instead of sleeping to its timeout: its wait watches the context's events.
+/// A connected QP whose send CQ overruns (a raw QP shares it) stops waiting for a receive at
+/// once, with the event named, instead of sleeping to its timeout: its wait watches the
+/// context's events. The wait is on the QP's own receive CQ, so it cannot reap the raw QP's
+/// completions from the shared CQ and so prevent the overrun (an earlier version shared the
+/// receive CQ, and the wait's polls sometimes kept up with the raw writes).
 #[test]
 fn qp_whose_cq_overran_fails_its_wait_at_once() {
     let t = DeviceTest::start();
@@ -495,7 +498,7 @@ fn qp_whose_cq_overran_fails_its_wait_at_once() {
     let pd = route.alloc_pd().unwrap();
     let cq = CompletionQueue::new(&ctx, 16).unwrap();
     let buf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut qp = route.create_qp(&pd, QpInit::new().recv_cq(Arc::clone(&cq))).unwrap();
+    let mut qp = route.create_qp(&pd, QpInit::new().send_cq(Arc::clone(&cq))).unwrap();
     qp.post_recv(&[RecvWr::new(&buf, 0..64).wr_id(1)]).unwrap();
     let mut conn = qp.connect(&ConnParam::new(), T).unwrap();
     let mut events = ctx.async_events().unwrap();
