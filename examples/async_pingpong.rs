@@ -16,7 +16,7 @@
 mod common;
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser;
 use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit, RecvWr, SendWr, Server, WorkQueue};
@@ -114,17 +114,18 @@ async fn client(addr: SocketAddr, size: usize, iters: u64) -> Result<(), String>
     let mut conn = bounded("connect", q.connect_async(&ConnParam::new())).await?;
     println!("[client] connection established");
     let mut rtts = Vec::with_capacity(iters as usize);
+    let clock = common::Stopwatch::calibrate();
     let ping_loop = async {
         for i in 0..iters {
             let byte = (i % 251) as u8;
             ping.as_mut_slice().map_err(|e| e.to_string())?.fill(byte);
-            let start = Instant::now();
+            let start = clock.now();
             let qp = conn.qp_mut();
             qp.post_recv(&[RecvWr::new(&pong, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
             qp.post_send(&[SendWr::send(&ping, 0..size).wr_id(i)]).map_err(|e| e.to_string())?;
             qp.wait_for_async(WorkQueue::Send, i).await.map_err(|e| format!("send: {e}"))?;
             qp.wait_for_async(WorkQueue::Recv, i).await.map_err(|e| format!("echo: {e}"))?;
-            rtts.push(start.elapsed());
+            rtts.push(clock.since(start));
             if pong.as_slice().map_err(|e| e.to_string())?.iter().any(|&b| b != byte) {
                 return Err(format!("echo {i} differs"));
             }

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{
-    fail, fill_pattern, micros, print_latency_table, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE, MAX_SIZE,
+    fail, fill_pattern, micros, print_latency_table, resolve_host, Mode, Request, Stopwatch, DEFAULT_PORT, LEGACY_SIZE,
+    MAX_SIZE,
 };
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, RemoteRegion, SendWr,
@@ -243,12 +244,13 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         say!("[INFO] Stream verified: the server received {got} x {size} bytes, content matched");
     }
     let mut rtts = Vec::with_capacity(iters as usize);
+    let clock = Stopwatch::calibrate();
     let mut expected = vec![0u8; size];
     let mut got = vec![0u8; size];
     for i in 0..iters {
         fill_pattern(data.as_mut_slice()?, i);
         let one = iters == 1;
-        let start = Instant::now();
+        let start = clock.now();
         let n = match args.mode {
             Mode::Send | Mode::SendStream => round_trip_send(&mut conn, &data, &back, i, one, t)?,
             Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, iters, one, t)?,
@@ -257,7 +259,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
                 atomic_step(&mut conn, &mut back, need(server_region)?, args.mode, i, one, t)?
             }
         };
-        rtts.push(start.elapsed());
+        rtts.push(clock.since(start));
         if n != size {
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }

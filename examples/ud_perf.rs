@@ -214,11 +214,12 @@ fn client(a: &Args, dst: SocketAddr) {
         return;
     }
     let mut rtts = Vec::with_capacity(a.iters as usize);
+    let clock = common::Stopwatch::calibrate();
     for k in 0..(a.iters + WARMUP) as u64 {
-        let start = Instant::now();
+        let start = clock.now();
         qp.post_send(&[UdSendWr::send(&to, &send, 0..a.size).wr_id(k)]).unwrap_or_else(|e| fail("sending", e));
         qp.wait_for(WorkQueue::Recv, 0, T).unwrap_or_else(|e| fail("receiving the answer", e));
-        let rtt = start.elapsed();
+        let rtt = clock.since(start);
         // The next receive goes up before the next send, so the answer always has one.
         qp.post_recv(&[RecvWr::new(&bufs[0], 0..slot).wr_id(0)]).unwrap_or_else(|e| fail("posting", e));
         qp.wait_for(WorkQueue::Send, k, T).unwrap_or_else(|e| fail("send completion", e));

@@ -168,6 +168,60 @@ pub fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// Timestamps for the latency loops, taken as perftest takes them (`get_cycles`): the cycle
+/// counter on x86_64, which costs no system call. `Instant::now` is a system call where the
+/// kernel has no fast vDSO clock: 0.8 µs in the project's QEMU guest (clock source HPET), two
+/// of them per round trip, which perftest does not pay. Elsewhere, `Instant`.
+pub struct Stopwatch {
+    #[cfg(target_arch = "x86_64")]
+    ns_per_tick: f64,
+    #[cfg(not(target_arch = "x86_64"))]
+    origin: std::time::Instant,
+}
+
+impl Stopwatch {
+    /// Calibrates the counter against the monotonic clock over about 20 ms.
+    pub fn calibrate() -> Stopwatch {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (t0, c0) = (std::time::Instant::now(), Self::ticks());
+            while t0.elapsed() < Duration::from_millis(20) {
+                std::hint::spin_loop();
+            }
+            let (dt, dc) = (t0.elapsed(), Self::ticks().wrapping_sub(c0));
+            Stopwatch { ns_per_tick: dt.as_nanos() as f64 / dc.max(1) as f64 }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Stopwatch { origin: std::time::Instant::now() }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn ticks() -> u64 {
+        // SAFETY: RDTSC has no preconditions and exists on every x86_64 CPU; it reads a
+        // counter and touches no memory.
+        unsafe { std::arch::x86_64::_rdtsc() }
+    }
+
+    /// A timestamp, for [`Stopwatch::since`].
+    #[inline]
+    pub fn now(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        return Self::ticks();
+        #[cfg(not(target_arch = "x86_64"))]
+        return self.origin.elapsed().as_nanos() as u64;
+    }
+
+    /// The time from `start` (a [`Stopwatch::now`]) to now.
+    #[inline]
+    pub fn since(&self, start: u64) -> Duration {
+        let d = self.now().wrapping_sub(start);
+        #[cfg(target_arch = "x86_64")]
+        return Duration::from_nanos((d as f64 * self.ns_per_tick) as u64);
+        #[cfg(not(target_arch = "x86_64"))]
+        return Duration::from_nanos(d);
+    }
+}
+
 /// Prints a latency table in perftest's format (half round trip, as ib_send_lat reports).
 pub fn print_latency_table(size: u32, rtts: &mut [Duration]) {
     let mut us: Vec<f64> = rtts.iter().map(|d| micros(*d) / 2.0).collect();
