@@ -289,7 +289,7 @@ fn user_qp_client_interoperates_with_rping_q() {
         .args(["-s", "-q", "-V", "-a", &addr, "-p", &port.to_string(), "-S", &SIZE.to_string()])
         .spawn()
         .expect("run rping (rdmacm-utils)");
-    common::wait_listening(port, T);
+    common::wait_listening(port, std::time::Duration::from_secs(60));
 
     let route =
         Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, port), T).unwrap().resolve_route(T).unwrap();

@@ -80,7 +80,10 @@ impl Srv {
             }
             thread::sleep(Duration::from_millis(20));
         };
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(300)) {
+        // The server has exited: its pipe ends, and the reader thread drops the sender after
+        // the last line. Read to that end (bounded), not for a fixed short while, which a
+        // reader scheduled late would miss the summary lines by.
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(30)) {
             self.seen.push(l);
         }
         (status.code().unwrap_or(-1), self.seen.join("\n"))
@@ -204,8 +207,10 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
         let row = c.lines().skip_while(|l| !l.contains("#bytes")).nth(1).expect("a result row");
         let f: Vec<f64> = row.split_whitespace().map(|x| x.parse().expect("a number")).collect();
         assert_eq!(f.len(), 5, "{row}");
-        // Bandwidth is size x message rate; the peak is at least the average.
-        assert!(f[3] > 0.0 && f[2] >= f[3] && f[4] > 0.0, "{row}");
+        // Bandwidth is size x message rate; the peak is at least the average. The rate is the
+        // figure checked for being positive: 2-byte messages print a bandwidth of 0.00 MB/s
+        // below 2,600 messages per second, which a loaded guest can fall to.
+        assert!(f[2] >= f[3] && f[4] > 0.0, "{row}");
         assert!((f[3] - f[0] * f[4] * 1e6 / 1048576.0).abs() <= 0.02 * f[3] + 0.01, "BW = size x rate: {row}");
         f
     };

@@ -293,9 +293,11 @@ fn text(o: &std::process::Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-/// Runs `receiver` until it prints its `joined` line (rdma-core's `mckey` under `stdbuf -oL`,
-/// so its lines arrive as printed), then `sender` to completion; returns both outputs after
-/// checking both succeeded.
+/// Runs `receiver` until it prints `receiving data transfers` (rdma-core's `mckey` under
+/// `stdbuf -oL`, so its lines arrive as printed): both mckeys print it once every one of their
+/// ids has joined and attached its QP, whereas the first `joined` line may come while a second
+/// id is still joining. Then runs `sender` to completion; returns both outputs after checking
+/// both succeeded.
 fn run_pair(receiver: &[&str], sender: &[&str]) -> (String, String) {
     let mut rcmd = Command::new(receiver[0]);
     rcmd.args(&receiver[1..]).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -303,12 +305,12 @@ fn run_pair(receiver: &[&str], sender: &[&str]) -> (String, String) {
     let lines = lines_of(&mut rchild);
     let mut seen = vec![];
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !seen.iter().any(|l: &String| l.starts_with("mckey: joined dgid: ")) {
+    while !seen.iter().any(|l: &String| l.starts_with("receiving data transfers")) {
         match lines.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
             Ok(l) => seen.push(l),
             Err(_) => {
                 let _ = rchild.kill();
-                panic!("{receiver:?} did not print its joined line within 60 s; it said:\n{}", seen.join("\n"));
+                panic!("{receiver:?} was not receiving within 60 s; it said:\n{}", seen.join("\n"));
             }
         }
     }
