@@ -147,6 +147,24 @@ fn mr_reg(c: &mut Criterion) {
                 }
             })
         });
+        g.bench_function(BenchmarkId::new("raw_alloc", name), |b| {
+            let p = buf.as_mut().unwrap();
+            b.iter(|| {
+                // SAFETY: as above.
+                unsafe {
+                    let mr = ffi::ibv_reg_mr(
+                        pd.as_raw(),
+                        p.as_mut_ptr().cast(),
+                        len,
+                        AccessFlags::LOCAL_WRITE.bits() as i32,
+                    );
+                    assert!(!mr.is_null(), "ibv_reg_mr {len}");
+                    let a = std::hint::black_box(Box::new([0u64; 8]));
+                    assert_eq!(ffi::ibv_dereg_mr(mr), 0);
+                    drop(a);
+                }
+            })
+        });
         g.bench_function(BenchmarkId::new("rdma_cm", name), |b| {
             b.iter(|| {
                 let mr = MemoryRegion::register(&pd, buf.take().unwrap(), AccessFlags::LOCAL_WRITE).unwrap();
