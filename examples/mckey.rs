@@ -25,6 +25,8 @@
 //! every id leaves the group (the memberships are dropped). Unlike `mckey`, every wait is
 //! bounded (30 s), and a message over the port's active MTU is refused before joining.
 
+mod common;
+
 use std::net::IpAddr;
 use std::process::exit;
 use std::sync::Arc;
@@ -69,17 +71,6 @@ fn usage(prog: &str) -> ! {
     exit(1);
 }
 
-/// `strtol(s, NULL, 0)` / `atoi`: decimal, `0x` hex or `0` octal.
-fn num(s: &str) -> Option<u64> {
-    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16).ok()
-    } else if s.len() > 1 && s.starts_with('0') {
-        u64::from_str_radix(&s[1..], 8).ok()
-    } else {
-        s.parse().ok()
-    }
-}
-
 fn parse() -> Args {
     let argv: Vec<String> = std::env::args().collect();
     let prog = argv.first().cloned().unwrap_or_else(|| "mckey".into());
@@ -106,7 +97,7 @@ fn parse() -> Args {
             "--verify" => a.verify = true,
             _ => {
                 let v = it.next().cloned().unwrap_or_else(|| usage(&prog));
-                let n = || num(&v).unwrap_or_else(|| usage(&prog));
+                let n = || common::c_number(&v).unwrap_or_else(|| usage(&prog));
                 match flag.as_str() {
                     "-m" => a.group = Some(v.clone()),
                     "-M" => {

@@ -24,6 +24,8 @@
 //! `udaddy`, every wait is bounded (30 s; the server waits 120 s for each client), and a
 //! message over the port's active MTU is refused before anything is sent.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::process::exit;
 use std::sync::Arc;
@@ -61,17 +63,6 @@ fn usage(prog: &str) -> ! {
     exit(1);
 }
 
-/// `strtoul(s, NULL, 0)`: decimal, `0x` hex or `0` octal.
-fn num(s: &str) -> Option<u64> {
-    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16).ok()
-    } else if s.len() > 1 && s.starts_with('0') {
-        u64::from_str_radix(&s[1..], 8).ok()
-    } else {
-        s.parse().ok()
-    }
-}
-
 fn parse() -> Args {
     let argv: Vec<String> = std::env::args().collect();
     let prog = argv.first().cloned().unwrap_or_else(|| "udaddy".into());
@@ -92,7 +83,7 @@ fn parse() -> Args {
             continue;
         }
         let v = it.next().cloned().unwrap_or_else(|| usage(&prog));
-        let n = || num(&v).unwrap_or_else(|| usage(&prog));
+        let n = || common::c_number(&v).unwrap_or_else(|| usage(&prog));
         match flag.as_str() {
             "-s" => a.server = Some(v.clone()),
             "-b" => a.bind = Some(v.clone()),

@@ -164,6 +164,18 @@ pub fn fail(context: &str, e: impl fmt::Display) -> ! {
     std::process::exit(1)
 }
 
+/// A number as rdma-core's tools read their flags (`strtoul(s, NULL, 0)`): decimal, `0x` hex
+/// or `0` octal.
+pub fn c_number(s: &str) -> Option<u64> {
+    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        u64::from_str_radix(h, 16).ok()
+    } else if s.len() > 1 && s.starts_with('0') {
+        u64::from_str_radix(&s[1..], 8).ok()
+    } else {
+        s.parse().ok()
+    }
+}
+
 pub fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
