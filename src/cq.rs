@@ -568,16 +568,20 @@ impl fmt::Debug for CompletionQueue {
 }
 
 /// A work completion, copied out of the CQ.
-#[derive(Debug, Clone, Copy)]
+///
+/// Kept as the provider wrote it (`ibv_wc`'s fields in `ibv_wc`'s order, the `wr_id` the
+/// caller's), so that reaping one is a plain copy; the accessors decode.
+#[derive(Clone, Copy, Default)]
 pub struct WorkCompletion {
     pub(crate) wr_id: u64,
-    pub(crate) status: WcStatus,
+    /// `ibv_wc_status`, as the provider wrote it ([`WorkCompletion::status`] decodes it).
+    pub(crate) status: u32,
     pub(crate) opcode: u32,
     pub(crate) vendor_err: u32,
     pub(crate) byte_len: u32,
-    pub(crate) imm: Option<u32>,
+    /// The immediate data in network order, when `wc_flags` has `IBV_WC_WITH_IMM`.
+    pub(crate) imm: u32,
     pub(crate) qp_num: u32,
-    pub(crate) queue: WorkQueue,
     /// The sender's QP number (UD receives).
     pub(crate) src_qp: u32,
     pub(crate) wc_flags: u32,
@@ -585,48 +589,50 @@ pub struct WorkCompletion {
     pub(crate) slid: u16,
     pub(crate) sl: u8,
     pub(crate) dlid_path_bits: u8,
+    pub(crate) queue: WorkQueue,
 }
 
-impl Default for WorkCompletion {
-    fn default() -> Self {
-        WorkCompletion {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: 0,
-            vendor_err: 0,
-            byte_len: 0,
-            imm: None,
-            qp_num: 0,
-            queue: WorkQueue::Send,
-            src_qp: 0,
-            wc_flags: 0,
-            pkey_index: 0,
-            slid: 0,
-            sl: 0,
-            dlid_path_bits: 0,
-        }
+impl fmt::Debug for WorkCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkCompletion")
+            .field("wr_id", &self.wr_id)
+            .field("status", &self.status())
+            .field("opcode", &self.opcode)
+            .field("vendor_err", &self.vendor_err)
+            .field("byte_len", &self.byte_len)
+            .field("imm", &self.imm_data())
+            .field("qp_num", &self.qp_num)
+            .field("queue", &self.queue)
+            .field("src_qp", &self.src_qp)
+            .field("wc_flags", &self.wc_flags)
+            .field("pkey_index", &self.pkey_index)
+            .field("slid", &self.slid)
+            .field("sl", &self.sl)
+            .field("dlid_path_bits", &self.dlid_path_bits)
+            .finish()
     }
 }
 
 impl WorkCompletion {
+    #[inline(always)]
     pub(crate) fn from_raw(wc: &ffi::ibv_wc, wr_id: u64, queue: WorkQueue) -> WorkCompletion {
-        let with_imm = wc.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
         WorkCompletion {
             wr_id,
-            status: WcStatus::from_raw(wc.status),
+            status: wc.status,
             opcode: wc.opcode,
             vendor_err: wc.vendor_err,
             byte_len: wc.byte_len,
-            // SAFETY: with IBV_WC_WITH_IMM set, the union holds imm_data (network order).
-            imm: with_imm.then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })),
+            // SAFETY: both members of the union are u32s, so either reads a valid value; it
+            // is read as immediate data only when IBV_WC_WITH_IMM says it is one.
+            imm: unsafe { wc.imm_data_invalidated_rkey_union.imm_data },
             qp_num: wc.qp_num,
-            queue,
             src_qp: wc.src_qp,
             wc_flags: wc.wc_flags,
             pkey_index: wc.pkey_index,
             slid: wc.slid,
             sl: wc.sl,
             dlid_path_bits: wc.dlid_path_bits,
+            queue,
         }
     }
 
@@ -635,13 +641,11 @@ impl WorkCompletion {
     pub(crate) fn to_raw(self) -> ffi::ibv_wc {
         ffi::ibv_wc {
             wr_id: self.wr_id,
-            status: self.status.to_raw(),
+            status: self.status,
             opcode: self.opcode,
             vendor_err: self.vendor_err,
             byte_len: self.byte_len,
-            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t {
-                imm_data: self.imm.unwrap_or(0).to_be(),
-            },
+            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t { imm_data: self.imm },
             qp_num: self.qp_num,
             src_qp: self.src_qp,
             wc_flags: self.wc_flags,
@@ -686,12 +690,13 @@ impl WorkCompletion {
 
     /// The status.
     pub fn status(&self) -> WcStatus {
-        self.status
+        WcStatus::from_raw(self.status)
     }
 
     /// Whether it succeeded.
+    #[inline]
     pub fn is_ok(&self) -> bool {
-        self.status == WcStatus::Success
+        self.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
     }
 
     /// `Ok(self)` on success, else [`Error::WorkCompletion`] with the status and vendor error.
@@ -702,7 +707,7 @@ impl WorkCompletion {
         if self.is_ok() {
             Ok(self)
         } else {
-            Err(Error::WorkCompletion { wr_id: self.wr_id, status: self.status, vendor_err: self.vendor_err })
+            Err(Error::WorkCompletion { wr_id: self.wr_id, status: self.status(), vendor_err: self.vendor_err })
         }
     }
 
@@ -724,7 +729,7 @@ impl WorkCompletion {
 
     /// Immediate data in host order, when the peer sent any.
     pub fn imm_data(&self) -> Option<u32> {
-        self.imm
+        (self.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| u32::from_be(self.imm))
     }
 
     /// The local QP number.
@@ -754,7 +759,12 @@ mod tests {
 
     #[test]
     fn failed_completion_becomes_error_and_hides_opcode() {
-        let wc = WorkCompletion { status: WcStatus::RemAccessErr, vendor_err: 0x81, wr_id: 9, ..Default::default() };
+        let wc = WorkCompletion {
+            status: ffi::ibv_wc_status::IBV_WC_REM_ACCESS_ERR,
+            vendor_err: 0x81,
+            wr_id: 9,
+            ..Default::default()
+        };
         assert_eq!(wc.opcode(), None);
         let e = wc.ok().unwrap_err();
         let m = e.to_string();

@@ -1005,6 +1005,11 @@ impl QueuePair {
         if self.datagrams && lock(&self.queues).failed {
             return Err(failed_datagram("ibv_post_recv"));
         }
+        if let [w] = wrs {
+            if w.rest.is_empty() {
+                return self.post_recv_one(w);
+            }
+        }
         for w in wrs {
             check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
         }
@@ -1034,6 +1039,33 @@ impl QueuePair {
         Ok(())
     }
 
+    /// `post_recv` for one receive of at most one piece (the common case): the same checks and
+    /// work request, built on the stack without the list's arrays and loops.
+    #[inline]
+    fn post_recv_one(&self, w: &RecvWr<'_>) -> Result<()> {
+        check_local(&self.pd, w.mr, &w.range, true)?;
+        let mut q = lock(&self.queues);
+        if q.recv.free() == 0 {
+            return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
+        }
+        let seq = q.recv.stage(0, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
+        let mut sge = w.mr.sge(&w.range);
+        let mut wr = ffi::ibv_recv_wr {
+            wr_id: tag::encode(self.recv_slot.index, self.nonce, seq, true, false),
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            // A zero-length receive has no scatter entry (see with_recv_list).
+            num_sge: !w.range.is_empty() as i32,
+        };
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // The piece was checked (bounds, PD, LOCAL_WRITE) and its region is held by the slot
+        // staged above until the completion is reaped.
+        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge`, both alive for
+        // the call.
+        let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), &mut wr, &mut bad) };
+        self.commit_posted(&mut q, ret, bad, &wr, 1, false, "ibv_post_recv")
+    }
+
     /// Polls both CQs into `out` without waiting; returns how many entries were filled. Each
     /// completion releases the region its work request held (and, on the send queue, those of
     /// earlier unsignaled work requests). Completions kept for this QP come first; those of
@@ -1057,6 +1089,7 @@ impl QueuePair {
     /// Polls `which` queue (or both) into `out`; with `kept`, the completions kept for this QP
     /// come first. A wait for one `wr_id` polls without them: it has looked at them already, and
     /// getting them back would keep it from ever reaching the CQ (or its deadline).
+    #[inline(always)]
     fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
         if self.srq.is_none() || which == Some(WorkQueue::Send) {
             return self.poll_own(which, out, kept);
@@ -1083,6 +1116,7 @@ impl QueuePair {
     /// [`QueuePair::poll_on`] without an SRQ's kept receives to deliver (no SRQ, or only the
     /// send queue asked for): each CQ is polled with this QP's queues locked once, and its own
     /// completions are retired under that lock rather than through the routing table.
+    #[inline(always)]
     fn poll_own(&self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
         let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
         let mut n = 0;
@@ -1101,6 +1135,7 @@ impl QueuePair {
     /// then this QP's queues locked (the order `Router::route` takes them in): completions of
     /// `which` queue of this QP go to `out`, after the kept ones when `deliver`; this QP's
     /// others are kept here, everyone else's for their owner.
+    #[inline(always)]
     fn poll_cq_own(
         &self,
         cq: &CompletionQueue,

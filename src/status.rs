@@ -24,7 +24,7 @@ macro_rules! wc_status {
                 match v { $( $c => WcStatus::$var, )* v => WcStatus::Other(v) }
             }
             /// The raw value.
-            pub(crate) fn to_raw(self) -> u32 {
+            pub fn to_raw(self) -> u32 {
                 use ffi::ibv_wc_status::*;
                 match self { $( WcStatus::$var => $c, )* WcStatus::Other(v) => v }
             }

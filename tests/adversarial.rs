@@ -734,6 +734,11 @@ fn a_bad_work_request_in_the_middle_of_a_batch_posts_nothing() {
         ("another PD", RecvWr::new(&foreign, 0..8)),
     ];
     for (what, bad) in bad_recvs {
+        // Alone (the single-receive path, which builds its work request without the list's)...
+        let e = c.conn.qp_mut().post_recv(std::slice::from_ref(&bad)).expect_err(what);
+        assert!(matches!(e, Error::InvalidArgument(_) | Error::OutOfBounds { .. }), "{what} alone: {e:?}");
+        assert_eq!(c.conn.qp().outstanding_recvs(), 0, "{what} alone: nothing posted");
+        // ...and in the middle of a batch.
         let batch = [RecvWr::new(g, 0..8).wr_id(1), bad.wr_id(2), RecvWr::new(g, 8..16).wr_id(3)];
         let e = c.conn.qp_mut().post_recv(&batch).expect_err(what);
         assert!(matches!(e, Error::InvalidArgument(_) | Error::OutOfBounds { .. }), "{what}: {e:?}");
@@ -748,6 +753,9 @@ fn a_bad_work_request_in_the_middle_of_a_batch_posts_nothing() {
         ("another PD", SendWr::send(&foreign, 0..8)),
     ];
     for (what, bad) in bad_sends {
+        let e = c.conn.qp_mut().post_send(std::slice::from_ref(&bad)).expect_err(what);
+        assert!(matches!(e, Error::InvalidArgument(_) | Error::OutOfBounds { .. }), "{what} alone: {e:?}");
+        assert_eq!(c.conn.qp().outstanding_sends(), 0, "{what} alone: nothing posted");
         let batch = [SendWr::send(g, 0..8).wr_id(1), bad.wr_id(2), SendWr::send(g, 8..16).wr_id(3)];
         let e = c.conn.qp_mut().post_send(&batch).expect_err(what);
         assert!(matches!(e, Error::InvalidArgument(_) | Error::OutOfBounds { .. }), "{what}: {e:?}");
