@@ -161,6 +161,14 @@ pub(crate) struct MrInner {
     /// Posted work requests that let the device write this region (receives, RDMA READ
     /// targets); maintained by the QP's slot holds.
     pub(crate) writers: AtomicUsize,
+    /// Copies of what every post reads (the registration's fields never change), so that a
+    /// post reads them here rather than through the part and the `ibv_mr`.
+    addr: u64,
+    len: usize,
+    lkey: u32,
+    access: AccessFlags,
+    /// The address of the PD's `Arc` allocation, compared by [`MrInner::on_pd`].
+    pd: usize,
 }
 
 enum Part {
@@ -170,7 +178,15 @@ enum Part {
 
 impl MrInner {
     fn new(part: Part) -> Arc<MrInner> {
-        Arc::new(MrInner { part, writers: AtomicUsize::new(0) })
+        let (reg, offset, len) = match &part {
+            Part::Whole(r) => (r, 0, r.len),
+            Part::Chunk { reg, offset, len } => (&**reg, *offset, *len),
+        };
+        // SAFETY: the MR is registered for as long as the registration exists; lkey is immutable.
+        let lkey = unsafe { (*reg.mr.as_ptr()).lkey };
+        let addr = reg.buf.as_ptr() as u64 + offset as u64;
+        let (access, pd) = (reg.access, Arc::as_ptr(&reg.pd) as usize);
+        Arc::new(MrInner { part, writers: AtomicUsize::new(0), addr, len, lkey, access, pd })
     }
     fn reg(&self) -> &Registration {
         match &self.part {
@@ -178,9 +194,9 @@ impl MrInner {
             Part::Chunk { reg, .. } => reg,
         }
     }
+    #[inline]
     pub(crate) fn lkey(&self) -> u32 {
-        // SAFETY: the MR is registered for as long as the registration exists; lkey is immutable.
-        unsafe { (*self.reg().mr.as_ptr()).lkey }
+        self.lkey
     }
     fn offset(&self) -> usize {
         match &self.part {
@@ -188,14 +204,18 @@ impl MrInner {
             Part::Chunk { offset, .. } => *offset,
         }
     }
+    #[inline]
     pub(crate) fn addr(&self) -> u64 {
-        self.reg().buf.as_ptr() as u64 + self.offset() as u64
+        self.addr
     }
+    #[inline]
     pub(crate) fn len(&self) -> usize {
-        match &self.part {
-            Part::Whole(r) => r.len,
-            Part::Chunk { len, .. } => *len,
-        }
+        self.len
+    }
+    /// Whether the region is registered on `pd`.
+    #[inline]
+    pub(crate) fn on_pd(&self, pd: &Arc<ProtectionDomain>) -> bool {
+        self.pd == Arc::as_ptr(pd) as usize
     }
     fn ptr(&self) -> *mut u8 {
         // SAFETY: offset + len lies within the registration (checked when the chunk was made).
@@ -345,6 +365,7 @@ impl MemoryRegion {
     }
 
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         self.inner.len()
     }
@@ -355,6 +376,7 @@ impl MemoryRegion {
     }
 
     /// The local key.
+    #[inline]
     pub fn lkey(&self) -> u32 {
         self.inner.lkey()
     }
@@ -366,6 +388,7 @@ impl MemoryRegion {
     }
 
     /// The region's virtual address, as a peer addresses it.
+    #[inline]
     pub fn addr(&self) -> u64 {
         self.inner.addr()
     }
@@ -378,7 +401,7 @@ impl MemoryRegion {
 
     /// The access rights it was registered with ([`AccessFlags::effective`] of those asked for).
     pub fn access(&self) -> AccessFlags {
-        self.inner.reg().access
+        self.inner.access
     }
 
     /// The PD it is registered on.

@@ -294,7 +294,7 @@ pub(crate) fn check_local(
     range: &Range<usize>,
     needs_write: bool,
 ) -> Result<()> {
-    if !Arc::ptr_eq(mr.pd(), pd) {
+    if !mr.inner().on_pd(pd) {
         return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
     }
     if range.start > range.end {

@@ -255,12 +255,14 @@ impl<H> Ring<H> {
         if seq < self.head || seq >= self.tail {
             return None;
         }
-        let mut last = Slot::<H>::default();
-        while self.head <= seq {
+        // Earlier unsignaled work requests retire with it.
+        while self.head < seq {
             let h = self.head;
-            last = self.take(h);
+            drop(self.take(h));
             self.head += 1;
         }
+        let last = self.take(seq);
+        self.head += 1;
         self.skip_void();
         if last.void {
             return None;
