@@ -727,9 +727,12 @@ impl WorkCompletion {
         self.vendor_err
     }
 
-    /// Immediate data in host order, when the peer sent any.
+    /// Immediate data in host order, when the peer sent any: on a receive's completion only.
+    /// (`IBV_WC_WITH_IMM` is defined for receives; rxe also sets it on the sender's completion
+    /// of a send or WRITE with immediate, with the value 0, which is not data anyone sent.)
     pub fn imm_data(&self) -> Option<u32> {
-        (self.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0).then(|| u32::from_be(self.imm))
+        (self.queue == WorkQueue::Recv && self.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+            .then(|| u32::from_be(self.imm))
     }
 
     /// The local QP number.
