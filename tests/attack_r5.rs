@@ -10,20 +10,11 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{pair, pattern, resources, DeviceTest, PairSpec, T};
+use common::{out_of_reach, pair, pattern, resources, DeviceTest, PairSpec, T};
 use rdma_cm::{
     AccessFlags, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, QueuePair, RecvWr, SendWr, VerbsContext,
     WcOpcode, WcStatus, WorkCompletion, WorkQueue,
 };
-
-/// Every accessor of `mr` refuses while the device may write it.
-fn out_of_reach(mr: &mut MemoryRegion, what: &str) {
-    let mut b = [0u8; 4];
-    assert!(matches!(mr.as_slice(), Err(Error::InFlight { .. })), "{what}: as_slice");
-    assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: as_mut_slice");
-    assert!(matches!(mr.read_at(0, &mut b), Err(Error::InFlight { .. })), "{what}: read_at");
-    assert!(matches!(mr.write_at(0, b"x"), Err(Error::InFlight { .. })), "{what}: write_at");
-}
 
 /// Waits (bounded) for the completion with `wr_id` on any queue of `qp`, failed or not;
 /// other completions met on the way are returned too, in order.

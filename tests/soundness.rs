@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{pair, DeviceTest, PairSpec, T};
+use common::{out_of_reach, pair, DeviceTest, PairSpec, T};
 use rdma_cm::{
     ffi, AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, Error, EventChannel, MemoryRegion, QpInit,
     RecvWr, SendWr, Server, WcOpcode, WcStatus, WorkCompletion, WorkQueue, FOREVER,
@@ -533,15 +533,6 @@ fn in_flight_sources_are_readable_and_targets_are_not() {
     c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
     drop((c, s, tgt));
     t.finish();
-}
-
-/// Every accessor of `mr` refuses while the device may write it.
-fn out_of_reach(mr: &mut MemoryRegion, what: &str) {
-    let mut b = [0u8; 4];
-    assert!(matches!(mr.as_slice(), Err(Error::InFlight { .. })), "{what}: as_slice");
-    assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: as_mut_slice");
-    assert!(matches!(mr.read_at(0, &mut b), Err(Error::InFlight { .. })), "{what}: read_at");
-    assert!(matches!(mr.write_at(0, b"x"), Err(Error::InFlight { .. })), "{what}: write_at");
 }
 
 /// Scatter/gather: while a receive or an RDMA READ of several pieces is outstanding, every

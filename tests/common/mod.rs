@@ -245,3 +245,12 @@ impl IpV4 {
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u32).wrapping_mul(131).wrapping_add(seed as u32 * 17 + 3) as u8).collect()
 }
+
+/// Every accessor of `mr` refuses while the device may write it.
+pub fn out_of_reach(mr: &mut MemoryRegion, what: &str) {
+    let mut b = [0u8; 4];
+    assert!(matches!(mr.as_slice(), Err(rdma_cm::Error::InFlight { .. })), "{what}: as_slice");
+    assert!(matches!(mr.as_mut_slice(), Err(rdma_cm::Error::InFlight { .. })), "{what}: as_mut_slice");
+    assert!(matches!(mr.read_at(0, &mut b), Err(rdma_cm::Error::InFlight { .. })), "{what}: read_at");
+    assert!(matches!(mr.write_at(0, b"x"), Err(rdma_cm::Error::InFlight { .. })), "{what}: write_at");
+}
