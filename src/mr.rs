@@ -5,8 +5,8 @@
 //! A `MemoryRegion` owns its memory (page-aligned, zero-initialised) and is a handle to a
 //! shared inner value. When a work request that uses the region is posted, the queue pair
 //! stores a clone of that handle in its slot table until the work request's completion is
-//! reaped: one clone per piece that names the region, for a work request of several pieces
-//! ([scatter/gather](crate::wr#scattergather)). Local access to the bytes requires `&mut self` **and** that the handle be unique
+//! reaped: one clone per work request that names the region, however many of its pieces
+//! ([scatter/gather](crate::wr#scattergather)) do. Local access to the bytes requires `&mut self` **and** that the handle be unique
 //! (`Arc::get_mut`), so:
 //!
 //! - while the device may *write* the region for a local work request (a receive, or the
@@ -414,8 +414,9 @@ impl MemoryRegion {
         self.inner.reg().mr.as_ptr()
     }
 
-    /// How many holds posted work requests have on this region: one per work request, or per
-    /// piece naming it for a work request of several pieces.
+    /// How many holds posted work requests have on this region: one per work request that
+    /// names it, however many of that work request's pieces do (they are released together,
+    /// when its completion is reaped).
     pub fn outstanding(&self) -> usize {
         Arc::strong_count(&self.inner) - 1
     }

@@ -887,8 +887,9 @@ impl QueuePair {
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
             let seq = q.send.stage(k as u64, w.wr_id, hold);
             if !w.rest.is_empty() {
-                // Every later piece is held too, in the ring's side table.
-                q.send.stage_rest(seq, hold_rest(w.rest, writes));
+                // Every later piece is held too, in the ring's side table (once per region).
+                let first = w.local.as_ref().map(|(m, _)| m.inner());
+                q.send.stage_rest(seq, hold_rest(first, w.rest, writes));
             }
             // A datagram's address handle is held in the ring's table until the slot retires
             // (the check above made sure this is a UD QP, whose send ring has the table).
@@ -1021,7 +1022,7 @@ impl QueuePair {
             let stage = |k: usize, w: &RecvWr<'_>| {
                 let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
                 if !w.rest.is_empty() {
-                    q.recv.stage_rest(seq, hold_rest(w.rest, true));
+                    q.recv.stage_rest(seq, hold_rest(Some(w.mr.inner()), w.rest, true));
                 }
                 tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
             };

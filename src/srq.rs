@@ -88,7 +88,7 @@ impl Slots {
         let i = self.free.pop()?;
         let mut extra = 0;
         if !w.rest.is_empty() {
-            extra = self.extra.store(i as usize, crate::wr::hold_rest(w.rest, true));
+            extra = self.extra.store(i as usize, crate::wr::hold_rest(Some(w.mr.inner()), w.rest, true));
         }
         let s = &mut self.slots[i as usize];
         let generation = s.generation.wrapping_add(1);

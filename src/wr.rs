@@ -37,9 +37,10 @@
 //! ```
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::mr::{MemoryRegion, RemoteRegion};
+use crate::mr::{MemoryRegion, MrInner, RemoteRegion};
 use crate::ring::Hold;
 use crate::ud::UdDest;
 
@@ -79,8 +80,24 @@ pub(crate) fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(P
 
 /// The holds of the pieces after the first, as a post stages them (at most `MAX_SGE - 1`: the
 /// same pieces its scatter/gather list names). `writes`: the device writes them.
-pub(crate) fn hold_rest<'a>(rest: &'a [Piece<'a>], writes: bool) -> impl Iterator<Item = Hold> + 'a {
-    rest.iter().take(MAX_SGE - 1).map(move |(m, _)| Hold::new(m.inner(), writes))
+///
+/// A piece whose region the work request already holds (the first piece's, `first`, or an
+/// earlier piece's) takes no second hold: every hold of one work request is released together,
+/// when its slot retires, so one hold of a region keeps it allocated, and for `writes` its
+/// writer count above zero, for exactly as long as a hold per piece would. A list of ranges of
+/// one buffer, the usual gather, then costs one hold instead of one per piece.
+pub(crate) fn hold_rest<'a>(
+    first: Option<&'a Arc<MrInner>>,
+    rest: &'a [Piece<'a>],
+    writes: bool,
+) -> impl Iterator<Item = Hold> + 'a {
+    let rest = &rest[..rest.len().min(MAX_SGE - 1)];
+    rest.iter().enumerate().filter_map(move |(i, (m, _))| {
+        let region = m.inner();
+        let held = first.is_some_and(|f| Arc::ptr_eq(region, f))
+            || rest[..i].iter().any(|(e, _)| Arc::ptr_eq(e.inner(), region));
+        (!held).then(|| Hold::new(region, writes))
+    })
 }
 
 /// Bytes a list of pieces moves in all (what the remote side of a WRITE or READ must hold).

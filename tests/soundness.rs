@@ -538,7 +538,7 @@ fn in_flight_sources_are_readable_and_targets_are_not() {
 /// Scatter/gather: while a receive or an RDMA READ of several pieces is outstanding, every
 /// region of every piece (the second and third especially: they live in the ring's side table)
 /// refuses every accessor; the regions of an outstanding gathered send may be read, not
-/// written; a region named by two pieces counts both. Once reaped, all is reachable and right.
+/// written; a region named by two pieces of one work request is held once for it. Once reaped, all is reachable and right.
 #[test]
 fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
     let t = DeviceTest::start();
@@ -558,7 +558,7 @@ fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
     g1.as_mut_slice().unwrap().copy_from_slice(&[2; 64]);
     let pieces = [(&g0, 0..64), (&g1, 0..64), (&g0, 0..22)];
     c.conn.qp_mut().post_send(&[SendWr::send_sg(&pieces).unwrap().wr_id(1)]).unwrap();
-    assert_eq!((g0.outstanding(), g1.outstanding()), (2, 1), "one hold per piece");
+    assert_eq!((g0.outstanding(), g1.outstanding()), (1, 1), "one hold per work request naming the region");
     for (mr, what) in [(&mut g0, "first/third send piece"), (&mut g1, "second send piece")] {
         assert!(mr.as_slice().is_ok(), "{what}: a send's source may be read");
         assert!(mr.read_at(0, &mut [0u8; 4]).is_ok(), "{what}: read_at");
@@ -582,7 +582,7 @@ fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
     s.mrs[0].as_mut_slice().unwrap()[..160].copy_from_slice(&common::pattern(160, 7));
     let pieces = [(&x, 0..32), (&y, 0..64), (&x, 64..128)];
     c.conn.qp_mut().post_send(&[SendWr::read_sg(&pieces, &remote, 0).unwrap().wr_id(3)]).unwrap();
-    assert_eq!((x.outstanding(), y.outstanding()), (2, 1));
+    assert_eq!((x.outstanding(), y.outstanding()), (1, 1));
     out_of_reach(&mut x, "first and third READ piece");
     out_of_reach(&mut y, "second READ piece");
     // Reaped: everything is reachable again, with the right bytes.
@@ -863,7 +863,7 @@ fn a_refused_post_releases_the_pieces_of_the_refused_work_requests_only() {
     // The freed slots take new receives (their side-table entries were cleared).
     let p3 = [(&m[5], 0..8), (&m[5], 8..16), (&m[5], 16..24)];
     srq.post_recv(&vec![RecvWr::sg(&p3).unwrap(); 3]).unwrap();
-    assert_eq!((srq.outstanding(), s.mrs[5].outstanding()), (4, 9));
+    assert_eq!((srq.outstanding(), s.mrs[5].outstanding()), (4, 3), "one hold per receive, not per piece");
     // The SRQ goes, and every piece with it.
     drop(srq);
     assert_eq!(holds(&s.mrs), [0; 6]);
