@@ -729,9 +729,6 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state("ibv_post_send"));
         }
-        if self.datagrams && lock(&self.queues).failed {
-            return Err(failed_datagram("ibv_post_send"));
-        }
         for w in wrs {
             let w = w.send_wr();
             if w.ud.is_some() != self.datagrams {
@@ -763,6 +760,10 @@ impl QueuePair {
             }
         }
         let mut q = lock(&self.queues);
+        // Read under the lock the post takes anyway (one lock per post, not two).
+        if self.datagrams && q.failed {
+            return Err(failed_datagram("ibv_post_send"));
+        }
         if (wrs.len() as u64) > q.send.free() {
             return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
         }
@@ -1003,9 +1004,6 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state("ibv_post_recv"));
         }
-        if self.datagrams && lock(&self.queues).failed {
-            return Err(failed_datagram("ibv_post_recv"));
-        }
         if let [w] = wrs {
             if w.rest.is_empty() {
                 return self.post_recv_one(w);
@@ -1015,6 +1013,9 @@ impl QueuePair {
             check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
         }
         let mut q = lock(&self.queues);
+        if self.datagrams && q.failed {
+            return Err(failed_datagram("ibv_post_recv"));
+        }
         if (wrs.len() as u64) > q.recv.free() {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
         }
@@ -1046,6 +1047,10 @@ impl QueuePair {
     fn post_recv_one(&self, w: &RecvWr<'_>) -> Result<()> {
         check_local(&self.pd, w.mr, &w.range, true)?;
         let mut q = lock(&self.queues);
+        // Read under the lock the post takes anyway (see post_sends).
+        if self.datagrams && q.failed {
+            return Err(failed_datagram("ibv_post_recv"));
+        }
         if q.recv.free() == 0 {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
         }
