@@ -9,7 +9,9 @@
 //! ```
 //!
 //! Variants: `send-raw`, `send-crate` (post a receive on one end, post a send on the other, poll
-//! both completions) and `write-raw`, `write-crate` (post an RDMA WRITE, poll its completion).
+//! both completions), `write-raw`, `write-crate` (post an RDMA WRITE, poll its completion) and
+//! `write4-raw`, `write4-crate` (an RDMA WRITE gathered from four 16-byte pieces of one region,
+//! as `post_poll/write_4sge` in `benches/datapath.rs`, on a QP created with `max_send_sge` 4).
 //! `raw` makes the same `rdma-sys` calls directly on the same QP and CQs, as
 //! `benches/datapath.rs` does. The measured code lives in the `instr_*` functions (unmangled, so
 //! callgrind's `--toggle-collect=instr_*` finds them); everything else (connection setup, the
@@ -30,8 +32,12 @@ use std::time::Duration;
 use common::{pair, zeroed, PairSpec, Side};
 use rdma_cm::ffi;
 use rdma_cm::{
-    AccessFlags, CompletionQueue, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
+    AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion,
+    WorkQueue,
 };
+
+/// Every variant, as `main` takes them.
+const VARIANTS: &str = "send-raw, send-crate, write-raw, write-crate, write4-raw, write4-crate";
 
 /// How long the loop lets the device work before it polls (not counted).
 const SETTLE: Duration = Duration::from_micros(300);
@@ -110,7 +116,37 @@ pub fn instr_raw_poll(cq: &CompletionQueue) -> bool {
     n == 1
 }
 
+/// Raw: posts one signaled RDMA WRITE gathered from `PIECES` of `mr` to the start of `remote`.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_raw_post_write4(qp: &QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+    let mut sge =
+        PIECES.map(|r| ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() });
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = sge.as_mut_ptr();
+    wr.num_sge = sge.len() as i32;
+    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive (created with max_send_sge 4); wr and the sges live for the call;
+    // the region outlives the completion, which the loop reaps before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
 // --- measured: through the crate ---------------------------------------------------------------
+
+/// The four pieces of the gathered WRITE, in one region.
+const PIECES: [std::ops::Range<usize>; 4] = [0..16, 1024..1040, 2048..2064, 3072..3088];
+
+/// The crate: posts one RDMA WRITE gathered from `PIECES` of `mr` to the start of `remote`.
+#[no_mangle]
+#[inline(never)]
+pub fn instr_crate_post_write4(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+    let pieces = PIECES.map(|r| (mr, r));
+    qp.post_send(&[SendWr::write_sg(&pieces, remote, 0).unwrap()]).unwrap();
+}
 
 /// The crate: posts one send of `mr[0..len]`.
 #[no_mangle]
@@ -186,7 +222,16 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
             instr_crate_post_write(a.conn.qp_mut(), &a.mrs[0], LEN as usize, remote);
             settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
         }
-        other => panic!("unknown variant {other:?}: send-raw, send-crate, write-raw, write-crate"),
+        "write4-raw" => {
+            instr_raw_post_write4(a.conn.qp(), &a.mrs[0], remote);
+            let scq = a.conn.qp().send_cq();
+            settle_and_poll(empties, || instr_raw_poll(scq));
+        }
+        "write4-crate" => {
+            instr_crate_post_write4(a.conn.qp_mut(), &a.mrs[0], remote);
+            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+        }
+        other => panic!("unknown variant {other:?}: {VARIANTS}"),
     }
 }
 
@@ -194,13 +239,17 @@ fn main() {
     // `cargo bench` runs every bench binary with `--bench`: this one only runs when asked.
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let Some(variant) = args.first() else {
-        println!("benches/instr: give a variant (send-raw, send-crate, write-raw, write-crate) and N; see harness/bench-instr");
+        println!("benches/instr: give a variant ({VARIANTS}) and N; see harness/bench-instr");
         return;
     };
     let n: u64 = args.get(1).map(|s| s.parse().expect("N: a number")).unwrap_or(2000);
+    // Only the gathered variants get a QP of 4 send pieces, so the others measure the QP
+    // they always did.
+    let sge = if variant.starts_with("write4") { 4 } else { 1 };
     let spec = PairSpec {
         mr_sizes: vec![8192],
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        init: QpInit::new().max_send_sge(sge),
         ..PairSpec::default()
     };
     let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec);
