@@ -85,7 +85,7 @@ use crate::ring::{tag, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
 use crate::ud::UdDest;
 use crate::wait::{poll_readable, pollfd, Deadline};
-use crate::wr::{hold_rest, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
+use crate::wr::{hold_rest, needs_rest_holds, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
@@ -315,7 +315,6 @@ pub(crate) fn check_local(
 
 /// Checks the pieces after the first of a work request, and the whole list: every piece as
 /// [`check_local`] does, and at most 4 GiB in all. `first_len` is the first piece's length.
-#[cold]
 pub(crate) fn check_rest(
     pd: &Arc<ProtectionDomain>,
     first_len: usize,
@@ -769,9 +768,7 @@ impl QueuePair {
         }
         if let [w] = wrs {
             let w = w.send_wr();
-            if w.rest.is_empty() {
-                return self.post_send_one(&mut q, w);
-            }
+            return if w.rest.is_empty() { self.post_send_one(&mut q, w) } else { self.post_send_gather(&mut q, w) };
         }
         for chunk in wrs.chunks(CHUNK) {
             self.post_send_chunk(&mut q, chunk)?;
@@ -798,6 +795,38 @@ impl QueuePair {
         // now holds until the completion is reaped; inline data is copied in the call.
         // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge`, both alive for
         // the call; the region it names is held (above).
+        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
+        self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
+    }
+
+    /// `post_send_chunk` for one work request of several pieces: its scatter list on the stack
+    /// (at most [`MAX_SGE`] entries, the count checked above), without the list's arrays and
+    /// loops, and the side table touched only when a later piece names another region.
+    fn post_send_gather(&self, q: &mut Queues, w: &SendWr<'_>) -> Result<()> {
+        let signaled = w.signaled || q.send.free() == 1;
+        let writes = w.op.writes_local();
+        let first = w.local.as_ref().map(|(m, _)| m.inner());
+        let seq = q.send.stage(0, w.wr_id, first.map(|m| Hold::new(m, writes)));
+        if needs_rest_holds(first, w.rest) {
+            q.send.stage_rest(seq, hold_rest(first, w.rest, writes));
+        }
+        let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
+        let mut sge = [first_sge(w); MAX_SGE];
+        let mut n = 1;
+        for (m, r) in w.rest.iter().take(MAX_SGE - 1) {
+            sge[n] = m.sge(r);
+            n += 1;
+        }
+        let mut wr = self.send_wr(w, seq, signaled, ud);
+        // A list of several pieces has no empty piece (the constructors refuse them).
+        wr.sg_list = sge.as_mut_ptr();
+        wr.num_sge = n as i32;
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // Every piece was checked against a region on this PD (check_send_pieces), and the slot
+        // staged above (with its side table) holds each region named until the completion.
+        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge[..n]`, both alive
+        // for the call; every region it names is held (above), and so is a datagram's address
+        // handle.
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
         self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
     }
@@ -856,7 +885,6 @@ impl QueuePair {
 
     /// Checks a send-queue work request of several pieces: their count against the QP's
     /// limits, and every piece after the first.
-    #[cold]
     fn check_send_pieces(&self, w: &SendWr<'_>, first_len: usize) -> Result<()> {
         let pieces = w.num_pieces();
         check_pieces(pieces, self.max_send_sge, "QP's send queue", "QpInit::max_send_sge")?;
@@ -887,9 +915,9 @@ impl QueuePair {
             let writes = w.op.writes_local();
             let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
             let seq = q.send.stage(k as u64, w.wr_id, hold);
-            if !w.rest.is_empty() {
-                // Every later piece is held too, in the ring's side table (once per region).
-                let first = w.local.as_ref().map(|(m, _)| m.inner());
+            let first = w.local.as_ref().map(|(m, _)| m.inner());
+            if needs_rest_holds(first, w.rest) {
+                // Every later piece's region is held too, in the ring's side table (once).
                 q.send.stage_rest(seq, hold_rest(first, w.rest, writes));
             }
             // A datagram's address handle is held in the ring's table until the slot retires
@@ -1022,7 +1050,7 @@ impl QueuePair {
         for chunk in wrs.chunks(CHUNK) {
             let stage = |k: usize, w: &RecvWr<'_>| {
                 let seq = q.recv.stage(k as u64, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
-                if !w.rest.is_empty() {
+                if needs_rest_holds(Some(w.mr.inner()), w.rest) {
                     q.recv.stage_rest(seq, hold_rest(Some(w.mr.inner()), w.rest, true));
                 }
                 tag::encode(self.recv_slot.index, self.nonce, seq, true, false)

@@ -87,7 +87,7 @@ impl Slots {
     fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u16)> {
         let i = self.free.pop()?;
         let mut extra = 0;
-        if !w.rest.is_empty() {
+        if crate::wr::needs_rest_holds(Some(w.mr.inner()), w.rest) {
             extra = self.extra.store(i as usize, crate::wr::hold_rest(Some(w.mr.inner()), w.rest, true));
         }
         let s = &mut self.slots[i as usize];

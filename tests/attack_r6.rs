@@ -238,3 +238,47 @@ fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
     drop((c, s));
     t.finish();
 }
+
+/// A datagram gathered from three pieces of two regions (the first region named twice) on a
+/// UD QP, to a destination whose caller drops it at once: the address handle and both regions
+/// are held until the send's completion (one hold each), the sources stay readable and not
+/// writable meanwhile, and the peer receives the pieces' bytes in order after the GRH.
+#[test]
+fn a_gathered_datagram_holds_its_regions_once_and_its_address_handle_until_the_completion() {
+    use rdma_cm::{Datagram, UdDest, UdSendWr, GRH_LEN};
+    let t = DeviceTest::start();
+    let common::ud::UdPair { mut client, to_server, mut server, to_client } =
+        common::ud::ud_pair(t.addr, 7461, QpInit::new().max_send_sge(3));
+    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, LW).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64).wr_id(3)]).unwrap();
+    let mut a = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
+    let mut b = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
+    a.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 5));
+    b.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 6));
+    let ah = std::sync::Arc::clone(to_server.ah());
+    let handles = std::sync::Arc::strong_count(&ah);
+    {
+        let dest = UdDest::new(std::sync::Arc::clone(&ah), to_server.qpn(), to_server.qkey());
+        let pieces = [(&a, 0..16), (&b, 16..32), (&a, 48..64)];
+        client.qp_mut().post_send(&[UdSendWr::send_sg(&dest, &pieces).unwrap().wr_id(9)]).unwrap();
+        // `dest` goes here, with the caller's handle of it.
+    }
+    assert_eq!(std::sync::Arc::strong_count(&ah), handles + 1, "the posted datagram holds its address handle");
+    assert_eq!((a.outstanding(), b.outstanding()), (1, 1), "one hold per region");
+    for (m, what) in [(&mut a, "region a, two pieces"), (&mut b, "region b")] {
+        assert!(m.as_slice().is_ok(), "{what}: a send's source may be read");
+        assert!(matches!(m.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: but not written");
+    }
+    let wc = client.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
+    assert!(wc.is_ok(), "{wc:?}");
+    assert_eq!(std::sync::Arc::strong_count(&ah), handles, "released with the completion");
+    assert_eq!((a.outstanding(), b.outstanding()), (0, 0));
+    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap();
+    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+    let (sa, sb) = (a.as_slice().unwrap().to_vec(), b.as_slice().unwrap().to_vec());
+    let want: Vec<u8> = [&sa[..16], &sb[16..32], &sa[48..]].concat();
+    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], &want[..], "the three pieces, in order");
+    assert!(a.as_mut_slice().is_ok() && b.as_mut_slice().is_ok());
+    drop((client, server, to_server, to_client, ah, a, b, rbuf));
+    t.finish();
+}
