@@ -750,9 +750,14 @@ impl QueuePair {
             }
             if let Some((mr, r)) = &w.local {
                 check_local(&self.pd, mr, r, w.op.writes_local())?;
-                if !w.rest.is_empty() {
-                    self.check_send_pieces(w, r.len())?;
-                }
+            }
+            if !w.rest.is_empty() {
+                // Every constructor of a list sets its first piece; were one ever to leave it
+                // out, the later pieces must not reach the device unchecked.
+                let Some((_, first)) = &w.local else {
+                    return Err(Error::InvalidArgument("a scatter/gather list needs its first piece".into()));
+                };
+                self.check_send_pieces(w, first.len())?;
             }
             if w.op.is_atomic() && w.imm.is_some() {
                 return Err(Error::InvalidArgument("an atomic carries no immediate data".into()));

@@ -78,6 +78,17 @@ pub(crate) fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(P
     Ok(((*mr, first.clone()), rest))
 }
 
+/// Whether any piece after the first names a region other than `first` (the first piece's),
+/// so that [`hold_rest`] has holds to give: a list of ranges of one buffer has none, and its
+/// post skips the side table altogether.
+#[inline]
+pub(crate) fn needs_rest_holds(first: Option<&Arc<MrInner>>, rest: &[Piece<'_>]) -> bool {
+    match first {
+        Some(f) => rest.iter().take(MAX_SGE - 1).any(|(m, _)| !Arc::ptr_eq(m.inner(), f)),
+        None => !rest.is_empty(),
+    }
+}
+
 /// The holds of the pieces after the first, as a post stages them (at most `MAX_SGE - 1`: the
 /// same pieces its scatter/gather list names). `writes`: the device writes them.
 ///
@@ -86,17 +97,6 @@ pub(crate) fn split_pieces<'a>(pieces: &'a [Piece<'a>], what: &str) -> Result<(P
 /// when its slot retires, so one hold of a region keeps it allocated, and for `writes` its
 /// writer count above zero, for exactly as long as a hold per piece would. A list of ranges of
 /// one buffer, the usual gather, then costs one hold instead of one per piece.
-/// Whether any piece after the first names a region other than `first` (the first piece's),
-/// so that [`hold_rest`] has holds to give: a list of ranges of one buffer has none, and its
-/// post skips the side table altogether.
-#[inline]
-pub(crate) fn needs_rest_holds(first: Option<&Arc<MrInner>>, rest: &[Piece<'_>]) -> bool {
-    match first {
-        Some(f) => rest.iter().any(|(m, _)| !Arc::ptr_eq(m.inner(), f)),
-        None => !rest.is_empty(),
-    }
-}
-
 pub(crate) fn hold_rest<'a>(
     first: Option<&'a Arc<MrInner>>,
     rest: &'a [Piece<'a>],
