@@ -3,7 +3,9 @@
 //! ibv_poll_cq called directly on the same QP and CQs) beside `rdma_cm` (through the crate).
 //! `post_poll/write_4sge` (one RDMA WRITE gathered from four 16 B pieces) and
 //! `post_poll/fetch_add` (an atomic fetch-and-add on the peer's REMOTE_ATOMIC region) run on a
-//! QP created with `max_send_sge` 4. Both ends of the connection are driven from one thread, so each figure is the full cost of
+//! QP created with `max_send_sge` 4. `post_poll/ud_send` is the UD twin of `post_poll/send`:
+//! one 64-byte datagram, addressed through the UD connect's address handle, into a receive with
+//! room for the GRH, on a UD pair through rdma_cm. Both ends of the connection are driven from one thread, so each figure is the full cost of
 //! the operation through the device, with no thread hand-off.
 //!
 //! ```text
@@ -264,6 +266,59 @@ fn shared_cq(c: &mut Criterion) {
     g.finish();
 }
 
+/// UD: post a receive (room for the GRH) on one end, a 64-byte datagram to it from the other
+/// (raw: the work request's `ud` fields from the UD connect's destination), poll both.
+fn ud_post_poll(c: &mut Criterion) {
+    use rdma_cm::{QpInit, UdSendWr, GRH_LEN};
+    let common::ud::UdPair { mut client, to_server, mut server, to_client: _to_client } =
+        common::ud::ud_pair(common::device_addr(), 7490, QpInit::new());
+    let sbuf = rdma_cm::MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let rbuf = rdma_cm::MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut wcs = [WorkCompletion::default(); 1];
+    let mut g = c.benchmark_group("post_poll");
+    g.bench_function("ud_send/raw", |bn| {
+        let (cqp, sqp) = (client.qp().as_raw(), server.qp().as_raw());
+        let (scq, rcq) = (client.qp().send_cq().as_raw(), server.qp().recv_cq().as_raw());
+        bn.iter(|| {
+            let mut rsge = ffi::ibv_sge { addr: rbuf.addr(), length: (GRH_LEN + 64) as u32, lkey: rbuf.lkey() };
+            // SAFETY: ibv_recv_wr is plain old data.
+            let mut rwr: ffi::ibv_recv_wr = unsafe { zeroed() };
+            rwr.sg_list = &mut rsge;
+            rwr.num_sge = 1;
+            let mut bad_r = std::ptr::null_mut();
+            // SAFETY: the server's QP is alive; rwr and rsge live for the call; the region
+            // outlives the completion, which this iteration reaps.
+            assert_eq!(unsafe { ffi::ibv_post_recv(sqp, &mut rwr, &mut bad_r) }, 0);
+            let mut sge = ffi::ibv_sge { addr: sbuf.addr(), length: 64, lkey: sbuf.lkey() };
+            // SAFETY: ibv_send_wr is plain old data.
+            let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+            wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.ud =
+                ffi::ud_t { ah: to_server.ah().as_raw(), remote_qpn: to_server.qpn(), remote_qkey: to_server.qkey() };
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: as above, for the client's QP; the address handle is held by `to_server`,
+            // which outlives the group.
+            assert_eq!(unsafe { ffi::ibv_post_send(cqp, &mut wr, &mut bad) }, 0);
+            raw_poll1(scq);
+            raw_poll1(rcq);
+        })
+    });
+    g.bench_function("ud_send/rdma_cm", |bn| {
+        bn.iter(|| {
+            server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64)]).unwrap();
+            client.qp_mut().post_send(&[UdSendWr::send(&to_server, &sbuf, 0..64)]).unwrap();
+            while client.qp_mut().poll_queue(rdma_cm::WorkQueue::Send, &mut wcs).unwrap() == 0 {}
+            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
+            while server.qp_mut().poll_queue(rdma_cm::WorkQueue::Recv, &mut wcs).unwrap() == 0 {}
+            assert!(wcs[0].is_ok() && wcs[0].byte_len() as usize == GRH_LEN + 64, "{:?}", wcs[0]);
+        })
+    });
+    g.finish();
+}
+
 /// Busy-polls one queue of the crate's QP (as the raw version polls one CQ).
 fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
     let q = if send { rdma_cm::WorkQueue::Send } else { rdma_cm::WorkQueue::Recv };
@@ -275,6 +330,6 @@ criterion_group! {
     name = benches;
     // The data path's ratios are a few percent: sample longer than the setup groups.
     config = criterion().measurement_time(std::time::Duration::from_secs(6)).sample_size(40);
-    targets = post_poll, post_poll_sg_atomic, pingpong, shared_cq
+    targets = post_poll, post_poll_sg_atomic, ud_post_poll, pingpong, shared_cq
 }
 criterion_main!(benches);
