@@ -16,7 +16,7 @@ mod common;
 
 use std::mem::MaybeUninit;
 
-use common::{criterion, pair, zeroed, PairSpec, Side};
+use common::{criterion, pair, raw_write_sg, zeroed, PairSpec, Side};
 use criterion::{criterion_group, criterion_main, Criterion};
 use rdma_cm::ffi;
 use rdma_cm::{AccessFlags, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion};
@@ -108,21 +108,6 @@ fn post_poll(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-/// Raw: posts one signaled RDMA WRITE gathered from `sges` on `qp`.
-fn raw_write_sg(qp: &QueuePair, sges: &mut [ffi::ibv_sge], remote: RemoteRegion) {
-    // SAFETY: ibv_send_wr is plain old data.
-    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
-    wr.sg_list = sges.as_mut_ptr();
-    wr.num_sge = sges.len() as i32;
-    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-    wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
-    let mut bad = std::ptr::null_mut();
-    // SAFETY: QP alive (created with max_send_sge >= sges.len()); wr and the sges live for the
-    // call; the regions outlive the completion, which the caller reaps before the next post.
-    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
 }
 
 /// Raw: posts one signaled fetch-and-add of `add` on the 8 bytes at `remote`'s start, the

@@ -122,17 +122,7 @@ pub fn instr_raw_poll(cq: &CompletionQueue) -> bool {
 pub fn instr_raw_post_write4(qp: &QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
     let mut sge =
         PIECES.map(|r| ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() });
-    // SAFETY: ibv_send_wr is plain old data.
-    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
-    wr.sg_list = sge.as_mut_ptr();
-    wr.num_sge = sge.len() as i32;
-    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-    wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
-    let mut bad = std::ptr::null_mut();
-    // SAFETY: the QP is alive (created with max_send_sge 4); wr and the sges live for the call;
-    // the region outlives the completion, which the loop reaps before the next post.
-    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+    common::raw_write_sg(qp, &mut sge, *remote);
 }
 
 // --- measured: through the crate ---------------------------------------------------------------

@@ -56,3 +56,18 @@ pub unsafe fn zeroed<T>() -> T {
     // SAFETY: the caller guarantees all-zero is a valid T.
     unsafe { std::mem::zeroed() }
 }
+
+/// Raw: posts one signaled RDMA WRITE gathered from `sges` on `qp`.
+pub fn raw_write_sg(qp: &rdma_cm::QueuePair, sges: &mut [ffi::ibv_sge], remote: rdma_cm::RemoteRegion) {
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = sges.as_mut_ptr();
+    wr.num_sge = sges.len() as i32;
+    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: QP alive (created with max_send_sge >= sges.len()); wr and the sges live for the
+    // call; the regions outlive the completion, which the caller reaps before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
