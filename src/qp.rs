@@ -918,9 +918,8 @@ impl QueuePair {
         for (k, w) in wrs[..n].iter().enumerate() {
             let w = w.send_wr();
             let writes = w.op.writes_local();
-            let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), writes));
-            let seq = q.send.stage(k as u64, w.wr_id, hold);
             let first = w.local.as_ref().map(|(m, _)| m.inner());
+            let seq = q.send.stage(k as u64, w.wr_id, first.map(|m| Hold::new(m, writes)));
             if needs_rest_holds(first, w.rest) {
                 // Every later piece's region is held too, in the ring's side table (once).
                 q.send.stage_rest(seq, hold_rest(first, w.rest, writes));
