@@ -444,6 +444,11 @@ pub struct AsyncEvents {
     epoll: OwnedFd,
     wake: OwnedFd,
     ctx: VerbsContext,
+    /// The epoll descriptor's lasting registrations with tokio's reactors (cleared in Drop,
+    /// before the descriptor closes): a wait never registers it for itself, so a forgotten
+    /// wait leaves nothing behind.
+    #[cfg(feature = "tokio")]
+    reactor: crate::wait::Reactor,
 }
 
 fn owned(fd: RawFd, op: &'static str) -> Result<OwnedFd> {
@@ -483,7 +488,16 @@ impl AsyncEvents {
         st.sources.push((id, wake.as_raw_fd()));
         let cursor = st.oldest();
         drop(st);
-        Ok(AsyncEvents { id, cursor, lost: 0, epoll, wake, ctx: ctx.clone() })
+        Ok(AsyncEvents {
+            id,
+            cursor,
+            lost: 0,
+            epoll,
+            wake,
+            ctx: ctx.clone(),
+            #[cfg(feature = "tokio")]
+            reactor: crate::wait::Reactor::default(),
+        })
     }
 
     /// The context whose events these are.
@@ -555,7 +569,7 @@ impl AsyncEvents {
             if let Some(ev) = self.try_next()? {
                 return Ok(ev);
             }
-            crate::wait::readable_any([(self.epoll.as_raw_fd(), None), (-1, None), (-1, None)], |_| false).await?;
+            crate::wait::readable_any([Some((self.epoll.as_raw_fd(), &self.reactor)), None, None], |_| false).await?;
         }
     }
 }
@@ -578,6 +592,9 @@ impl Drop for AsyncEvents {
     fn drop(&mut self) {
         // Leave the list before the eventfd closes (the fields drop after this).
         lock(&self.ctx.hub().state).sources.retain(|&(id, _)| id != self.id);
+        // Out of tokio's reactors before the epoll descriptor closes.
+        #[cfg(feature = "tokio")]
+        self.reactor.clear();
     }
 }
 

@@ -30,7 +30,7 @@ use rdma_sys as ffi;
 
 use crate::device::VerbsContext;
 use crate::error::{check_ibv, check_ptr, errno, Error, Result};
-use crate::ring::{tag, Queues};
+use crate::ring::{tag, Notify, Queues};
 use crate::srq::SrqShared;
 use crate::wait::{poll_readable, pollfd, Deadline};
 
@@ -72,6 +72,9 @@ pub(crate) struct Router {
     reserved: u64,
     /// A QP's poll kept completions of other QPs here: the CQ's own poll looks for them.
     kept: bool,
+    /// Wakes a [`CompletionQueue::wait`] asleep while a QP's poll keeps a completion (which
+    /// took the CQ's entry, and perhaps its event, from under the sleeper).
+    notify: Notify,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -85,7 +88,7 @@ impl Router {
     pub(crate) fn reserve(&mut self, n: u64, depth: u32) -> Result<()> {
         if self.reserved + n > depth as u64 {
             return Err(Error::InvalidArgument(format!(
-                "the CQ holds {depth} completions and its queues may already have {} outstanding: {n} more could overrun it; create it deeper (the sum of the depths of the queues it serves)",
+                "the CQ holds {depth} completions and its queues may already have {} outstanding: {n} more could overrun it; create it deeper (the sum of the depths of the queues it serves), resize it (CompletionQueue::resize), or let it grow as queues join (CompletionQueue::set_auto_grow)",
                 self.reserved
             )));
         }
@@ -120,18 +123,15 @@ impl Router {
         }
     }
 
-    /// Registers an SRQ whose receives complete here (once per CQ; counted per QP).
-    pub(crate) fn attach_srq(&mut self, srq: &Arc<SrqShared>, cq_depth: u32) -> Result<()> {
-        if let Some(e) = self.srqs.iter_mut().find(|e| Arc::ptr_eq(&e.srq, srq)) {
-            e.users += 1;
-            return Ok(());
+    /// Counts one more QP of `srq` when the SRQ completes here already; false when it does not.
+    fn add_srq_user(&mut self, srq: &Arc<SrqShared>) -> bool {
+        match self.srqs.iter_mut().find(|e| Arc::ptr_eq(&e.srq, srq)) {
+            Some(e) => {
+                e.users += 1;
+                true
+            }
+            None => false,
         }
-        if self.srqs.iter().any(|e| e.srq.id == srq.id) {
-            return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
-        }
-        self.reserve(srq.depth() as u64, cq_depth)?;
-        self.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
-        Ok(())
     }
 
     /// Whether the QP about to detach is the last of `srq`'s on this CQ (the SRQ's entry goes
@@ -177,20 +177,43 @@ impl Router {
     /// the CQ's own poll looks for it.
     pub(crate) fn note_kept(&mut self) {
         self.kept = true;
+        self.notify.bump();
+    }
+
+    /// Whether completions are kept here for the CQ's own poll to deliver.
+    fn has_kept(&self) -> bool {
+        self.kept || self.srqs.iter().any(|e| e.srq.slots().has_kept())
     }
 
     /// Keeps a routed completion for its owner's next poll or wait.
+    /// The QP's wait, asleep or about to sleep, is told (`ring::Notify`), so a completion kept
+    /// for a QP waited on by another thread is never missed.
     pub(crate) fn keep(&mut self, wc: WorkCompletion, owner: Owner) {
         match owner {
             Owner::Qp(i) => {
                 if let Some(Some(e)) = self.qps.get(i as usize) {
-                    lock(&e.queues).keep(wc);
+                    let mut q = lock(&e.queues);
+                    q.keep(wc);
+                    q.notify.bump();
+                    drop(q);
                     self.kept = true;
+                    self.notify.bump();
                 }
             }
             Owner::Srq(id) => {
+                // Kept for the QP that consumed the receive; every live QP whose receives
+                // complete on this CQ is in this table.
+                let Some(qp) = self.qps.iter().flatten().find(|e| e.qp_num == wc.qp_num()) else {
+                    // That QP is gone: no poll or wait can ever take the completion, and kept it
+                    // would count against the SRQ's room for good. Its slot (and the region it
+                    // held) was retired by `route`; the completion is dropped, as a dropped QP's
+                    // own completions are.
+                    return;
+                };
                 if let Some(e) = self.srqs.iter().find(|e| e.srq.id == id) {
                     e.srq.slots().keep(wc);
+                    lock(&qp.queues).notify.bump();
+                    self.notify.bump();
                 }
             }
         }
@@ -226,7 +249,11 @@ impl Router {
 pub struct CompletionQueue {
     raw: NonNull<ffi::ibv_cq>,
     channel: NonNull<ffi::ibv_comp_channel>,
-    depth: u32,
+    /// The completions it holds (what it was created or last resized with); changed only under
+    /// the router's lock.
+    depth: AtomicU32,
+    /// Grows (`ibv_resize_cq`) when a queue joining it would otherwise be refused.
+    auto_grow: AtomicBool,
     router: Mutex<Router>,
     /// Whether the channel's descriptor was made non-blocking (done at first use, to keep two
     /// syscalls off CQ creation).
@@ -272,7 +299,8 @@ impl CompletionQueue {
         let cq = CompletionQueue {
             raw,
             channel,
-            depth,
+            depth: AtomicU32::new(depth),
+            auto_grow: AtomicBool::new(false),
             router: Mutex::new(Router::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
@@ -306,9 +334,90 @@ impl CompletionQueue {
         self.raw.as_ptr()
     }
 
-    /// The depth it was created with.
+    /// The completions it holds: the depth it was created with, or last resized to
+    /// ([`CompletionQueue::resize`]).
     pub fn depth(&self) -> u32 {
-        self.depth
+        self.depth.load(Ordering::Acquire)
+    }
+
+    /// Changes how many completions the CQ holds (`ibv_resize_cq`); completions in it are kept.
+    /// The crate counts what the queues it serves may have outstanding, so a depth below that
+    /// is refused before the call. Polls of this crate are held off during the resize (they
+    /// take the same lock); raw polls of [`CompletionQueue::as_raw`] must not run meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a depth of 0, above `i32::MAX`, or below what its queues
+    /// may have outstanding; [`Error::Call`] when `ibv_resize_cq` fails (`EINVAL` beyond the
+    /// device's `max_cqe` or below the completions it holds now, `EOPNOTSUPP` where the
+    /// provider cannot resize).
+    pub fn resize(&self, depth: u32) -> Result<()> {
+        let mut router = self.router();
+        let reserved = router.reserved;
+        if depth == 0 || depth > i32::MAX as u32 || (depth as u64) < reserved {
+            return Err(Error::InvalidArgument(format!(
+                "CQ depth {depth}: must be between 1 and {} and at least the {reserved} completions its queues may have outstanding",
+                i32::MAX
+            )));
+        }
+        self.resize_locked(&mut router, depth)
+    }
+
+    /// `ibv_resize_cq` with the router's lock held (`_router`): no poll of this crate runs.
+    fn resize_locked(&self, _router: &mut Router, depth: u32) -> Result<()> {
+        // SAFETY: the CQ is valid while `self` lives, and no poll of this crate runs while the
+        // router is locked (every poll and arm path takes it), so the provider may replace its
+        // queue.
+        check_ibv(unsafe { ffi::ibv_resize_cq(self.as_raw(), depth as i32) }, "ibv_resize_cq")?;
+        self.depth.store(depth, Ordering::Release);
+        Ok(())
+    }
+
+    /// Lets the CQ grow as queues join it: a QP (or SRQ) that would make its queues' possible
+    /// outstanding completions exceed its depth resizes it (`ibv_resize_cq`, to twice the
+    /// depth or what is needed, within the device's `max_cqe`) instead of being refused. So a
+    /// CQ shared by many connections need not be sized up front for all of them. It never
+    /// shrinks by itself. Off by default.
+    pub fn set_auto_grow(&self, on: bool) {
+        self.auto_grow.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the CQ grows as queues join it ([`CompletionQueue::set_auto_grow`]).
+    pub fn auto_grow(&self) -> bool {
+        self.auto_grow.load(Ordering::Relaxed)
+    }
+
+    /// Reserves room for `n` more outstanding completions (a queue joining), growing the CQ
+    /// first when it may ([`CompletionQueue::set_auto_grow`]).
+    pub(crate) fn reserve(&self, router: &mut Router, n: u64) -> Result<()> {
+        let depth = self.depth();
+        if router.reserved + n > depth as u64 && self.auto_grow() {
+            let need = router.reserved + n;
+            let max = self.ctx.limits()?.max_cqe as u64;
+            if need > max {
+                return Err(Error::InvalidArgument(format!(
+                    "the CQ's queues would have {need} completions outstanding, beyond device {}'s max_cqe of {max}: use another CQ for the next QPs",
+                    self.ctx.device_name()
+                )));
+            }
+            let want = need.max(depth as u64 * 2).min(max).min(i32::MAX as u64) as u32;
+            self.resize_locked(router, want)?;
+        }
+        router.reserve(n, self.depth())
+    }
+
+    /// Registers an SRQ whose receives complete here (once per CQ; counted per QP), reserving
+    /// room for its depth when it is new here.
+    pub(crate) fn attach_srq(&self, srq: &Arc<SrqShared>) -> Result<()> {
+        let mut router = self.router();
+        if router.add_srq_user(srq) {
+            return Ok(());
+        }
+        if router.srqs.iter().any(|e| e.srq.id == srq.id) {
+            return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
+        }
+        self.reserve(&mut router, srq.depth() as u64)?;
+        router.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
+        Ok(())
     }
 
     /// The context it was created on.
@@ -386,9 +495,25 @@ impl CompletionQueue {
             if left.is_zero() {
                 return Ok(0);
             }
+            // Announce the sleep: a QP's poll that keeps a completion from here on (taking the
+            // CQ's entry, and perhaps its event) wakes it; one kept already is polled first.
+            let notify_fd = {
+                let mut r = self.router();
+                if r.has_kept() {
+                    continue;
+                }
+                let fd = r.notify.fd()?;
+                r.notify.sleeping = true;
+                fd
+            };
             // The context's async events too, so that an overrun ends the wait at once.
-            let mut fds = [pollfd(self.as_raw_fd()), pollfd(self.ctx.as_raw_fd())];
-            poll_readable(&mut fds, left)?;
+            let mut fds = [pollfd(self.as_raw_fd()), pollfd(self.ctx.as_raw_fd()), pollfd(notify_fd)];
+            let slept = poll_readable(&mut fds, left);
+            self.router().notify.sleeping = false;
+            slept?;
+            if fds[2].revents != 0 {
+                crate::wait::eventfd_clear(notify_fd);
+            }
             if fds[1].revents != 0 {
                 self.async_reg.refresh(&self.ctx)?;
             }
@@ -435,6 +560,8 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Call`] when the verb fails.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        // Under the router's lock, so that it never runs during a resize.
+        let _router = self.router();
         // SAFETY: the CQ is valid while `self` lives.
         check_ibv(unsafe { ffi::ibv_req_notify_cq(self.as_raw(), solicited_only as i32) }, "ibv_req_notify_cq")
     }
@@ -563,7 +690,7 @@ impl Drop for CompletionQueue {
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionQueue").field("depth", &self.depth).field("fd", &self.as_raw_fd()).finish()
+        f.debug_struct("CompletionQueue").field("depth", &self.depth()).field("fd", &self.as_raw_fd()).finish()
     }
 }
 

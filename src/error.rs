@@ -94,6 +94,19 @@ pub enum Error {
         addr: Option<SocketAddr>,
     },
 
+    /// The QP is in the error state though the caller did not put it there: nothing posted to
+    /// it can run (and rxe never flushes a receive posted then), so posts are refused. A
+    /// completion failed, or a wait that ran out found the QP there with nothing saying why.
+    #[error("{op}: the QP is in the error state{}: {cause}; nothing posted to it now can run: set up a new connection (or QP)", AddrCtx(.addr))]
+    QpInError {
+        /// The step that was refused or waiting.
+        op: &'static str,
+        /// The peer address, when connected.
+        addr: Option<SocketAddr>,
+        /// What put it there, with the usual cause.
+        cause: String,
+    },
+
     /// A bounded wait ran out.
     #[error("{op} timed out after {timeout:?}{}{}", AddrCtx(.addr), Hint(.hint))]
     Timeout {

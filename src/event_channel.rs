@@ -405,7 +405,7 @@ impl EventChannel {
                 }
                 d.generation
             };
-            crate::wait::readable_any([(self.as_raw_fd(), Some(self.reactor())), (-1, None), (-1, None)], |waker| {
+            crate::wait::readable_any([Some((self.as_raw_fd(), self.reactor())), None, None], |waker| {
                 let mut d = self.lock();
                 if d.generation != seen {
                     return true;

@@ -150,9 +150,11 @@
 //! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
-//! together. A QP's poll keeps the completions of other QPs it meets for them; a thread asleep
-//! in another QP's wait notices those at its next wake-up, so wait for a shared CQ from one
-//! thread ([`CompletionQueue::wait`]) and let it hand the work out.
+//! together. A QP's poll keeps the completions of other QPs it meets for them, and wakes the
+//! owner's wait if it sleeps (a blocking wait sleeps on an eventfd of its QP's too, made at its
+//! first sleep; an async wait leaves its task's waker), so no wait misses what another thread
+//! reaped for it. Waiting for a shared CQ from one thread ([`CompletionQueue::wait`]) and handing
+//! the work out still costs the least.
 //!
 //! Ids may share an [`EventChannel`] across threads. Every read of a channel happens under its
 //! lock, and each blocking step takes only its own id's events, keeping the others, in order,

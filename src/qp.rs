@@ -81,7 +81,7 @@ use crate::cq::{lock, CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
 use crate::error::{check_ibv, Error, Result};
 use crate::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::pd::ProtectionDomain;
-use crate::ring::{tag, Hold, Queues};
+use crate::ring::{tag, Failure, Hold, Queues};
 use crate::srq::SharedReceiveQueue;
 use crate::ud::UdDest;
 use crate::wait::{poll_readable, pollfd, Deadline};
@@ -217,6 +217,17 @@ const SYNC_SPINS: u32 = 64;
 /// Polls an async wait makes before it arms the CQs and sleeps on tokio's reactor.
 #[cfg(feature = "tokio")]
 const ASYNC_SPINS: u32 = 1024;
+
+/// What ended a wait on the CQs.
+enum Woke {
+    /// This many completions were polled into the caller's slice.
+    Found(usize),
+    /// Another QP's poll kept a completion for this QP (only for waits that do not poll the
+    /// kept ones themselves).
+    Kept,
+    /// The deadline passed.
+    TimedOut,
+}
 
 /// Where this QP sits in a CQ's routing table.
 #[derive(Clone, Copy)]
@@ -517,9 +528,9 @@ impl QueuePair {
         // Reserve room on the CQs (and register the SRQ) before creating anything.
         let send_reserved = init.max_send_wr as u64;
         let recv_reserved = recv_depth as u64;
-        send_cq.router().reserve(send_reserved, send_cq.depth())?;
+        send_cq.reserve(&mut send_cq.router(), send_reserved)?;
         let undo_send = || send_cq.router().unreserve(send_reserved);
-        if let Err(e) = recv_cq.router().reserve(recv_reserved, recv_cq.depth()) {
+        if let Err(e) = recv_cq.reserve(&mut recv_cq.router(), recv_reserved) {
             undo_send();
             return Err(e);
         }
@@ -528,7 +539,7 @@ impl QueuePair {
             recv_cq.router().unreserve(recv_reserved);
         };
         if let Some(srq) = &init.srq {
-            if let Err(e) = recv_cq.router().attach_srq(srq.shared(), recv_cq.depth()) {
+            if let Err(e) = recv_cq.attach_srq(srq.shared()) {
                 undo();
                 return Err(e);
             }
@@ -709,8 +720,9 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::QueueFull`], [`Error::InvalidArgument`] or [`Error::OutOfBounds`] before
-    /// anything is posted; [`Error::Call`] when `ibv_post_send` rejects a work request (the
-    /// ones before it stay posted and are tracked).
+    /// anything is posted; [`Error::QpInError`] once a completion of this QP failed (the QP is
+    /// in the error state: nothing posted now can run); [`Error::Call`] when `ibv_post_send`
+    /// rejects a work request (the ones before it stay posted and are tracked).
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
         self.post_sends(wrs)
     }
@@ -765,8 +777,8 @@ impl QueuePair {
         }
         let mut q = lock(&self.queues);
         // Read under the lock the post takes anyway (one lock per post, not two).
-        if self.datagrams && q.failed {
-            return Err(failed_datagram("ibv_post_send"));
+        if let Some(f) = q.failed {
+            return Err(self.failed_error(f, "ibv_post_send"));
         }
         if (wrs.len() as u64) > q.send.free() {
             return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
@@ -1021,8 +1033,9 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a QP that takes its receives from an SRQ (post there), or
-    /// one moved to the error state ([`QueuePair::set_error`]);
-    /// as for [`QueuePair::post_send`].
+    /// one moved to the error state ([`QueuePair::set_error`]); [`Error::QpInError`] once a
+    /// completion failed (or a wait found the QP in the error state); as for
+    /// [`QueuePair::post_send`].
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
         if self.srq.is_some() {
             return Err(Error::InvalidArgument(
@@ -1045,8 +1058,8 @@ impl QueuePair {
             check_recv(&self.pd, w, self.max_recv_sge, "QP's receive queue", "QpInit::max_recv_sge")?;
         }
         let mut q = lock(&self.queues);
-        if self.datagrams && q.failed {
-            return Err(failed_datagram("ibv_post_recv"));
+        if let Some(f) = q.failed {
+            return Err(self.failed_error(f, "ibv_post_recv"));
         }
         if (wrs.len() as u64) > q.recv.free() {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
@@ -1080,8 +1093,8 @@ impl QueuePair {
         check_local(&self.pd, w.mr, &w.range, true)?;
         let mut q = lock(&self.queues);
         // Read under the lock the post takes anyway (see post_sends).
-        if self.datagrams && q.failed {
-            return Err(failed_datagram("ibv_post_recv"));
+        if let Some(f) = q.failed {
+            return Err(self.failed_error(f, "ibv_post_recv"));
         }
         if q.recv.free() == 0 {
             return Err(Error::QueueFull { queue: "receive", depth: q.recv.cap() as u32 });
@@ -1128,7 +1141,7 @@ impl QueuePair {
     /// come first. A wait for one `wr_id` polls without them: it has looked at them already, and
     /// getting them back would keep it from ever reaching the CQ (or its deadline).
     #[inline(always)]
-    fn poll_on(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
+    fn poll_on(&self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
         if self.srq.is_none() || which == Some(WorkQueue::Send) {
             return self.poll_own(which, out, kept);
         }
@@ -1277,14 +1290,31 @@ impl QueuePair {
     ///
     /// It polls first, then arms the CQs and sleeps on their completion channels, so an idle
     /// wait costs no CPU. Returns 0 only when the timeout passed. On CQs shared with QPs that
-    /// other threads wait on, a completion one thread keeps for another is noticed by the other
-    /// at its next wake-up: wait for a shared CQ from one thread ([`CompletionQueue::wait`]).
+    /// other threads wait on, a completion another thread's poll keeps for this QP wakes this
+    /// wait.
     ///
     /// # Errors
     /// [`Error::Call`] when polling or the channels fail; [`Error::AsyncEvent`] when nothing is
-    /// left to reap and the device reported the QP, one of its CQs, or itself unusable.
+    /// left to reap and the device reported the QP, one of its CQs, or itself unusable;
+    /// [`Error::QpInError`] when the timeout passed and the QP is in the error state though
+    /// nothing said so (see [`QueuePair::wait_for`]).
     pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_on(None, out, &mut Deadline::new(timeout), true)
+        self.wait_kept(None, out, timeout)
+    }
+
+    /// [`QueuePair::wait`] on `which` queue (or both): kept completions come first, and one
+    /// kept for this QP by another thread meanwhile ends a sleep.
+    fn wait_kept(&mut self, which: Option<WorkQueue>, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        let mut seen = self.queues().notify.seq;
+        match self.wait_on(which, out, &mut Deadline::new(timeout), true, &mut seen)? {
+            Woke::Found(n) => Ok(n),
+            // Not returned with `kept`: a kept completion is polled like any other.
+            Woke::Kept => Ok(0),
+            Woke::TimedOut => {
+                self.check_silent_error("waiting for a completion")?;
+                Ok(0)
+            }
+        }
     }
 
     /// Makes the blocking waits ([`QueuePair::wait`], [`QueuePair::wait_queue`],
@@ -1309,25 +1339,26 @@ impl QueuePair {
     /// # Errors
     /// As for [`QueuePair::wait`].
     pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.wait_on(Some(queue), out, &mut Deadline::new(timeout), true)
+        self.wait_kept(Some(queue), out, timeout)
     }
 
     /// The CQs a wait on `which` sleeps on (one entry is None when there is only one).
-    fn wait_cqs(&self, which: Option<WorkQueue>) -> [Option<Arc<CompletionQueue>>; 2] {
+    /// Borrowed, not cloned: a wait owns nothing, so a wait future that is forgotten
+    /// (`mem::forget`) keeps no CQ alive, and a wait makes no reference-count changes.
+    fn wait_cqs(&self, which: Option<WorkQueue>) -> [Option<&CompletionQueue>; 2] {
         match which {
-            _ if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(Arc::clone(&self.send_cq)), None],
-            None => [Some(Arc::clone(&self.send_cq)), Some(Arc::clone(&self.recv_cq))],
-            Some(WorkQueue::Send) => [Some(Arc::clone(&self.send_cq)), None],
-            Some(WorkQueue::Recv) => [Some(Arc::clone(&self.recv_cq)), None],
+            _ if Arc::ptr_eq(&self.send_cq, &self.recv_cq) => [Some(&self.send_cq), None],
+            None => [Some(&self.send_cq), Some(&self.recv_cq)],
+            Some(WorkQueue::Send) => [Some(&self.send_cq), None],
+            Some(WorkQueue::Recv) => [Some(&self.recv_cq), None],
         }
     }
 
     /// Polls, then arms the CQs and polls again (so no completion slips between the two);
     /// returns what was found, or 0 when the caller should sleep on the descriptors.
     fn poll_or_arm(
-        &mut self,
+        &self,
         which: Option<WorkQueue>,
-        cqs: &[Option<Arc<CompletionQueue>>; 2],
         out: &mut [WorkCompletion],
         kept: bool,
         spins: u32,
@@ -1340,7 +1371,7 @@ impl QueuePair {
             }
             std::hint::spin_loop();
         }
-        for cq in cqs.iter().flatten() {
+        for cq in self.wait_cqs(which).into_iter().flatten() {
             cq.req_notify(false)?;
         }
         self.poll_on(which, out, kept)
@@ -1355,14 +1386,14 @@ impl QueuePair {
     }
 
     /// The descriptors a sleeping wait watches: the CQ channels, and the link's.
-    fn wait_fds(&self, cqs: &[Option<Arc<CompletionQueue>>; 2]) -> [RawFd; 3] {
-        let cq_fd = |cq: &Option<Arc<CompletionQueue>>| cq.as_ref().map_or(-1, |c| c.as_raw_fd());
-        [cq_fd(&cqs[0]), cq_fd(&cqs[1]), self.watch_fd()]
+    fn wait_fds(&self, which: Option<WorkQueue>) -> [RawFd; 3] {
+        let [a, b] = self.wait_cqs(which).map(|cq| cq.map_or(-1, |c| c.as_raw_fd()));
+        [a, b, self.watch_fd()]
     }
 
     /// After a sleep: acks the CQ events and asks the link what woke us.
-    fn after_wake(&mut self, cqs: &[Option<Arc<CompletionQueue>>; 2], link_ready: bool) -> Result<()> {
-        for cq in cqs.iter().flatten() {
+    fn after_wake(&mut self, which: Option<WorkQueue>, link_ready: bool) -> Result<()> {
+        for cq in self.wait_cqs(which).into_iter().flatten() {
             cq.drain_events()?;
         }
         if link_ready {
@@ -1382,53 +1413,83 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Polls, sleeps on the CQs (and the link, the device's events, and this QP's notify
+    /// eventfd) until something arrives or `deadline` passes. With `kept`, completions kept for
+    /// this QP are polled like new ones; without (a wait for one `wr_id`, which has looked at
+    /// them already), a completion kept for this QP by another QP's poll since `seen` ends the
+    /// wait with [`Woke::Kept`], so that the caller looks at it.
     fn wait_on(
         &mut self,
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
         deadline: &mut Deadline,
         kept: bool,
-    ) -> Result<usize> {
+        seen: &mut u64,
+    ) -> Result<Woke> {
         if out.is_empty() {
-            return Ok(0);
+            return Ok(Woke::TimedOut);
         }
         if self.busy_poll {
-            return self.spin_on(which, out, deadline, kept);
+            return self.spin_on(which, out, deadline, kept, seen);
         }
-        let cqs = self.wait_cqs(which);
         loop {
-            let n = self.poll_or_arm(which, &cqs, out, kept, SYNC_SPINS)?;
+            let n = self.poll_or_arm(which, out, kept, SYNC_SPINS)?;
             if n > 0 {
-                return Ok(n);
+                return Ok(Woke::Found(n));
             }
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
             let left = deadline.left();
             if left.is_zero() {
-                return Ok(0);
+                return Ok(Woke::TimedOut);
             }
+            // Announce the sleep (see ring::Notify): from here on, a completion another QP's
+            // poll keeps for this one writes the eventfd; one kept since `seen` ends the sleep
+            // before it starts. (The CQ's event alone cannot be relied on: the thread that took
+            // the completion may also have taken the event.)
+            let notify_fd = {
+                let mut q = self.queues();
+                if q.notify.seq != *seen {
+                    *seen = q.notify.seq;
+                    drop(q);
+                    if kept {
+                        continue;
+                    }
+                    return Ok(Woke::Kept);
+                }
+                let fd = q.notify.fd()?;
+                q.notify.sleeping = true;
+                fd
+            };
             // The context's async events too, so that a QP going fatal ends the wait at once.
-            let [a, b, c] = self.wait_fds(&cqs);
-            let mut fds = [a, b, c, self.pd.context().as_raw_fd()].map(pollfd);
-            poll_readable(&mut fds, left)?;
+            let [a, b, c] = self.wait_fds(which);
+            let mut fds = [a, b, c, self.pd.context().as_raw_fd(), notify_fd].map(pollfd);
+            let slept = poll_readable(&mut fds, left);
+            self.queues().notify.sleeping = false;
+            slept?;
+            if fds[4].revents != 0 {
+                crate::wait::eventfd_clear(notify_fd);
+            }
             if fds[3].revents != 0 {
                 self.async_reg.refresh(self.pd.context())?;
             }
-            self.after_wake(&cqs, fds[2].revents != 0)?;
+            self.after_wake(which, fds[2].revents != 0)?;
         }
     }
 
     /// The busy-poll wait: polls until something arrives or the deadline passes, looking at
     /// the link (without sleeping) between rounds so that a peer that left is noticed and its
-    /// flushed completions are reaped like any others.
+    /// flushed completions are reaped like any others, and (without `kept`) at completions
+    /// kept for this QP by others since `seen`.
     fn spin_on(
         &mut self,
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
         deadline: &mut Deadline,
         kept: bool,
-    ) -> Result<usize> {
+        seen: &mut u64,
+    ) -> Result<Woke> {
         // Polls per round: the clock and the link are read once a round, not once a poll.
         const ROUND: u32 = 4096;
         let budget = deadline.left();
@@ -1441,9 +1502,16 @@ impl QueuePair {
             for _ in 0..ROUND {
                 let n = self.poll_on(which, out, kept)?;
                 if n > 0 {
-                    return Ok(n);
+                    return Ok(Woke::Found(n));
                 }
                 std::hint::spin_loop();
+            }
+            if !kept {
+                let seq = self.queues().notify.seq;
+                if seq != *seen {
+                    *seen = seq;
+                    return Ok(Woke::Kept);
+                }
             }
             let link = self.watch_fd();
             if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
@@ -1454,9 +1522,47 @@ impl QueuePair {
                 return Err(e);
             }
             if start.get_or_insert_with(std::time::Instant::now).elapsed() >= budget {
-                return Ok(0);
+                return Ok(Woke::TimedOut);
             }
         }
+    }
+
+    /// After a wait ran out: a connected QP found in the error state though nothing said so
+    /// (on RC, the peer's RDMA access with a bad rkey does this to the responder, with no
+    /// completion and, on rxe, no async event) is recorded as failed, so posts are refused
+    /// from then on, and the wait fails saying so instead of timing out blind.
+    fn check_silent_error(&mut self, op: &'static str) -> Result<()> {
+        if !self.connected || self.peer_left || self.errored {
+            return Ok(());
+        }
+        if self.state()? != crate::QpState::Error {
+            return Ok(());
+        }
+        let f = *self.queues().failed.get_or_insert(Failure::FoundInError);
+        Err(self.failed_error(f, op))
+    }
+
+    /// The refusal (or the wait's error) for a QP known to be in the error state.
+    fn failed_error(&self, f: Failure, op: &'static str) -> Error {
+        if self.datagrams {
+            if let Failure::Completion(_) = f {
+                return failed_datagram(op);
+            }
+        }
+        let cause = match f {
+            Failure::Completion(status) => {
+                let st = crate::WcStatus::from_raw(status);
+                let hint = st.hint().map(|h| format!(" ({h})")).unwrap_or_default();
+                format!("a completion failed with {st}{hint}")
+            }
+            Failure::FoundInError => {
+                "it went there with no completion saying why: on RC the usual cause is the peer's \
+                RDMA WRITE, READ or atomic naming a wrong rkey or a range outside the region (the responder's QP fails \
+                silently), or a local catastrophic error (see `dmesg`)"
+                    .into()
+            }
+        };
+        Error::QpInError { op, addr: self.peer_addr(), cause }
     }
 
     /// Like [`QueuePair::wait`], without blocking a tokio runtime: sleeps on the CQ channels
@@ -1471,7 +1577,13 @@ impl QueuePair {
     /// As for [`QueuePair::wait`].
     #[cfg(feature = "tokio")]
     pub async fn wait_async(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.wait_on_async(None, out, true).await
+        let mut seen = self.queues().notify.seq;
+        loop {
+            // With `kept`, a completion kept by another thread is polled like a new one.
+            if let Woke::Found(n) = self.wait_on_async(None, out, true, &mut seen).await? {
+                return Ok(n);
+            }
+        }
     }
 
     /// [`QueuePair::wait_for`] for async code: waits for `wr_id` on `queue`, failing on any
@@ -1482,15 +1594,20 @@ impl QueuePair {
     /// [`Error::WorkCompletion`], [`Error::Disconnected`].
     #[cfg(feature = "tokio")]
     pub async fn wait_for_async(&mut self, queue: WorkQueue, wr_id: u64) -> Result<WorkCompletion> {
-        if let Some(r) = self.pick_kept(queue, wr_id) {
+        let mut seen = 0;
+        if let Some(r) = self.pick_kept(queue, wr_id, &mut seen) {
             return r;
         }
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
             // Completions are kept or returned within the poll that reaps them, so dropping
             // this future between polls loses none.
-            let n = self.wait_on_async(Some(queue), &mut wcs, false).await?;
-            if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
+            let r = match self.wait_on_async(Some(queue), &mut wcs, false, &mut seen).await? {
+                Woke::Found(n) => self.pick(&wcs[..n], queue, wr_id),
+                // Another thread kept a completion for this QP: it may be the one.
+                Woke::Kept | Woke::TimedOut => self.pick_kept(queue, wr_id, &mut seen),
+            };
+            if let Some(r) = r {
                 return r;
             }
         }
@@ -1502,29 +1619,53 @@ impl QueuePair {
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
         kept: bool,
-    ) -> Result<usize> {
+        seen: &mut u64,
+    ) -> Result<Woke> {
         if out.is_empty() {
-            return Ok(0);
+            return Ok(Woke::Found(0));
         }
-        let cqs = self.wait_cqs(which);
         loop {
             // A longer busy phase than the blocking wait's: a sleep through the reactor costs
             // more than one in poll(2) (the runtime's park and wake-up).
-            let n = self.poll_or_arm(which, &cqs, out, kept, ASYNC_SPINS)?;
+            let n = self.poll_or_arm(which, out, kept, ASYNC_SPINS)?;
             if n > 0 {
-                return Ok(n);
+                return Ok(Woke::Found(n));
             }
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
-            let [a, b, c] = self.wait_fds(&cqs);
+            let [a, b, c] = self.wait_fds(which);
             // Each descriptor with its owner's lasting reactor registration: no epoll_ctl
             // calls per wait.
-            let reactor = |i: usize| cqs[i].as_deref().map(CompletionQueue::reactor);
+            let cqs = self.wait_cqs(which);
+            let reactor = |i: usize| cqs[i].map(CompletionQueue::reactor);
             let link = self.link.as_deref().and_then(|l| l.watch_reactor());
-            let woke = crate::wait::readable_any([(a, reactor(0)), (b, reactor(1)), (c, link)], |_| false).await?;
-            // The link is read only when its descriptor woke us, as in the blocking wait.
-            self.after_wake(&cqs, woke == Some(2))?;
+            let queues = &self.queues;
+            // A completion another QP's poll keeps for this one wakes the task (ring::Notify);
+            // one kept since `seen` ends the wait before it sleeps.
+            let woke = crate::wait::readable_any(
+                [with_fd(a, reactor(0)), with_fd(b, reactor(1)), with_fd(c, link)],
+                |waker| {
+                    let mut q = lock(queues);
+                    if q.notify.seq != *seen {
+                        *seen = q.notify.seq;
+                        q.notify.waker = None;
+                        return true;
+                    }
+                    if !q.notify.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+                        q.notify.waker = Some(waker.clone());
+                    }
+                    false
+                },
+            )
+            .await;
+            lock(&self.queues).notify.waker = None;
+            match woke? {
+                None if kept => continue,
+                None => return Ok(Woke::Kept),
+                // The link is read only when its descriptor woke us, as in the blocking wait.
+                Some(i) => self.after_wake(which, i == 2)?,
+            }
         }
     }
 
@@ -1554,9 +1695,14 @@ impl QueuePair {
         self.link.as_ref().and_then(|l| l.peer_addr())
     }
 
-    /// A kept completion that decides a wait for `wr_id`, if there is one.
-    fn pick_kept(&mut self, queue: WorkQueue, wr_id: u64) -> Option<Result<WorkCompletion>> {
-        let wc = self.queues().take_kept(queue, |wc| Self::decides(wc, queue, wr_id));
+    /// A kept completion that decides a wait for `wr_id`, if there is one. `seen` becomes the
+    /// count of keeps by others looked at (see `ring::Notify`).
+    fn pick_kept(&mut self, queue: WorkQueue, wr_id: u64, seen: &mut u64) -> Option<Result<WorkCompletion>> {
+        let wc = {
+            let mut q = self.queues();
+            *seen = q.notify.seq;
+            q.take_kept(queue, |wc| Self::decides(wc, queue, wr_id))
+        };
         let wc = wc.or_else(|| {
             let srq = self.srq.as_ref().filter(|_| queue == WorkQueue::Recv)?;
             srq.take_kept_for(self.qp_num, |wc| Self::decides(wc, queue, wr_id))
@@ -1640,29 +1786,43 @@ impl QueuePair {
     /// Completions of other work requests met on the way are kept, in order, for the next
     /// poll or wait ([`QueuePair::undelivered`] counts them).
     ///
+    /// When the timeout passes, the QP's state is asked ([`QueuePair::state`]): a QP in the
+    /// error state that no completion explained (the responder of the peer's RDMA access with a
+    /// bad rkey gets there silently) fails the wait with [`Error::QpInError`], and its posts
+    /// are refused from then on.
+    ///
     /// # Errors
     /// [`Error::WorkCompletion`] for a failed completion; [`Error::Disconnected`];
-    /// [`Error::Timeout`]; [`Error::AsyncEvent`] when the device reported the QP, one of its
-    /// CQs, or itself unusable (see [`QueuePair::fatal_event`]).
+    /// [`Error::Timeout`]; [`Error::QpInError`] (above); [`Error::AsyncEvent`] when the device
+    /// reported the QP, one of its CQs, or itself unusable (see [`QueuePair::fatal_event`]).
     pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
-        if let Some(r) = self.pick_kept(queue, wr_id) {
+        let mut seen = 0;
+        if let Some(r) = self.pick_kept(queue, wr_id, &mut seen) {
             return r;
         }
         let mut deadline = Deadline::new(timeout);
         let mut wcs = [WorkCompletion::default(); 4];
         loop {
-            let n = self.wait_on(Some(queue), &mut wcs, &mut deadline, false)?;
-            if n == 0 {
-                let op =
-                    if queue == WorkQueue::Recv { "waiting for a receive" } else { "waiting for a send completion" };
-                return Err(Error::Timeout {
-                    op,
-                    timeout,
-                    addr: self.peer_addr(),
-                    hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
-                });
-            }
-            if let Some(r) = self.pick(&wcs[..n], queue, wr_id) {
+            let r = match self.wait_on(Some(queue), &mut wcs, &mut deadline, false, &mut seen)? {
+                Woke::Found(n) => self.pick(&wcs[..n], queue, wr_id),
+                // Another thread's poll kept a completion for this QP: it may be the one.
+                Woke::Kept => self.pick_kept(queue, wr_id, &mut seen),
+                Woke::TimedOut => {
+                    let op = if queue == WorkQueue::Recv {
+                        "waiting for a receive"
+                    } else {
+                        "waiting for a send completion"
+                    };
+                    self.check_silent_error(op)?;
+                    return Err(Error::Timeout {
+                        op,
+                        timeout,
+                        addr: self.peer_addr(),
+                        hint: Some("the peer sent nothing, or is gone without a disconnect (link down?)"),
+                    });
+                }
+            };
+            if let Some(r) = r {
                 return r;
             }
         }
@@ -1726,6 +1886,12 @@ impl QueuePair {
             }
         }
     }
+}
+
+/// A descriptor and its owner's reactor registrations, for `readable_any`.
+#[cfg(feature = "tokio")]
+fn with_fd(fd: RawFd, r: Option<&crate::wait::Reactor>) -> Option<(RawFd, &crate::wait::Reactor)> {
+    r.map(|r| (fd, r))
 }
 
 /// The refusal of a post to a QP the caller moved to the error state.
@@ -1831,6 +1997,10 @@ impl Drop for QueuePair {
         }
         if let Some(srq) = &self.srq {
             self.recv_cq.detach_srq(srq.shared());
+            // Receives this QP consumed and nobody polled, kept in the SRQ, can reach nobody
+            // now: they would hold the SRQ's room for good. (From here on the routing tables
+            // keep none for it: it is in none of them.)
+            srq.shared().slots().discard_for(self.qp_num);
         }
         // The rings (and the regions they hold) drop with the last handle of the queues.
     }

@@ -98,6 +98,23 @@ pub struct QpAttributes {
 }
 
 impl QueuePair {
+    /// The QP's state as the device reports it now (`ibv_query_qp`, the state only). A QP
+    /// can reach [`QpState::Error`] without a completion saying so (the responder of an RDMA
+    /// access with a bad rkey, on rxe): waits that run out ask this, and fail with
+    /// [`Error::QpInError`](crate::Error::QpInError) when it says so.
+    ///
+    /// # Errors
+    /// [`Error::Call`](crate::Error::Call) when `ibv_query_qp` fails.
+    pub fn state(&self) -> Result<QpState> {
+        // SAFETY: both are plain old data; all-zero is a valid value of each.
+        let (mut a, mut init): (ffi::ibv_qp_attr, ffi::ibv_qp_init_attr) = unsafe { (mem::zeroed(), mem::zeroed()) };
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
+        // SAFETY: the QP is alive (self holds it); `a` and `init` are valid out-pointers of the
+        // types the call fills.
+        check_ibv(unsafe { ffi::ibv_query_qp(self.as_raw(), &mut a, mask as i32, &mut init) }, "ibv_query_qp")?;
+        Ok(QpState::from_raw(a.qp_state))
+    }
+
     /// Queries the QP's state and connection attributes (`ibv_query_qp`).
     ///
     /// # Errors

@@ -336,6 +336,57 @@ pub(crate) mod tag {
     }
 }
 
+/// Why a QP is known to be in the error state without the caller having put it there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// A completion of it failed with this status (other than a flush).
+    Completion(rdma_sys::ibv_wc_status::Type),
+    /// A wait that ran out found it in the error state with no completion saying why: on RC,
+    /// the peer's RDMA access with a bad rkey moves the responder there silently (rxe).
+    FoundInError,
+}
+
+/// How a completion kept for a QP by another QP's poll reaches a wait of that QP that is
+/// asleep, or about to sleep: every such keep bumps `seq`; a blocking wait that sleeps sets
+/// `sleeping` and has the keep write its eventfd; an async wait leaves its waker.
+#[derive(Default)]
+pub(crate) struct Notify {
+    /// Keeps made for this QP by others, ever (compared, never read as a count).
+    pub(crate) seq: u64,
+    /// A blocking wait of this QP sleeps on `fd`: a keep must write it.
+    pub(crate) sleeping: bool,
+    /// An eventfd a blocking wait sleeps on, made at the first wait that sleeps.
+    pub(crate) fd: Option<std::os::fd::OwnedFd>,
+    /// The task of an async wait of this QP that sleeps.
+    #[cfg(feature = "tokio")]
+    pub(crate) waker: Option<std::task::Waker>,
+}
+
+impl Notify {
+    /// A completion was kept for this QP by someone else: wake whoever waits.
+    pub(crate) fn bump(&mut self) {
+        self.seq = self.seq.wrapping_add(1);
+        if self.sleeping {
+            if let Some(fd) = &self.fd {
+                crate::wait::eventfd_signal(fd);
+            }
+        }
+        #[cfg(feature = "tokio")]
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// The eventfd a blocking wait sleeps on (made here the first time).
+    pub(crate) fn fd(&mut self) -> crate::error::Result<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        if self.fd.is_none() {
+            self.fd = Some(crate::wait::eventfd()?);
+        }
+        Ok(self.fd.as_ref().map_or(-1, |f| f.as_raw_fd()))
+    }
+}
+
 /// One QP's work-queue state: the slot rings and the completions kept for it. Shared between
 /// the QP (which posts) and the routing tables of its CQs (which retire), behind a mutex.
 pub(crate) struct Queues {
@@ -343,9 +394,12 @@ pub(crate) struct Queues {
     pub(crate) recv: Ring,
     pub(crate) send_kept: Pending,
     pub(crate) recv_kept: Pending,
-    /// A completion of this QP failed with a status other than a flush: the QP is in the
-    /// error state (on UD, a datagram longer than its receive buffer does this).
-    pub(crate) failed: bool,
+    /// The QP is in the error state, and why (on RC any failed completion does this, on UD a
+    /// datagram longer than its receive buffer): posts are refused, since nothing posted now
+    /// can run and rxe never flushes a receive posted then.
+    pub(crate) failed: Option<Failure>,
+    /// Wakes a wait of this QP when another QP's poll keeps a completion for it.
+    pub(crate) notify: Notify,
 }
 
 impl Queues {
@@ -358,7 +412,8 @@ impl Queues {
             recv: Ring::<Hold>::new(recv_depth, recv_sge),
             send_kept: Pending::new(send_depth),
             recv_kept: Pending::new(recv_depth),
-            failed: false,
+            failed: None,
+            notify: Notify::default(),
         }
     }
 
@@ -368,8 +423,8 @@ impl Queues {
     #[inline]
     pub(crate) fn note_status(&mut self, status: rdma_sys::ibv_wc_status::Type) {
         use rdma_sys::ibv_wc_status::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR};
-        if status != IBV_WC_SUCCESS && status != IBV_WC_WR_FLUSH_ERR {
-            self.failed = true;
+        if status != IBV_WC_SUCCESS && status != IBV_WC_WR_FLUSH_ERR && self.failed.is_none() {
+            self.failed = Some(Failure::Completion(status));
         }
     }
 
@@ -475,6 +530,22 @@ impl Pending {
         }
         self.len -= 1;
         Some(wc)
+    }
+    /// Removes every entry that `drop_it` accepts, keeping the others in order; returns how
+    /// many it removed.
+    pub(crate) fn remove_all(&mut self, mut drop_it: impl FnMut(&WorkCompletion) -> bool) -> usize {
+        let mut kept = 0;
+        for i in 0..self.len {
+            let wc = self.buf[self.at(i)];
+            if !drop_it(&wc) {
+                let dst = self.at(kept);
+                self.buf[dst] = wc;
+                kept += 1;
+            }
+        }
+        let removed = self.len - kept;
+        self.len = kept;
+        removed
     }
     /// Moves up to `out.len()` entries, oldest first, into `out`; returns how many.
     pub(crate) fn drain_into(&mut self, out: &mut [WorkCompletion]) -> usize {
@@ -689,5 +760,24 @@ mod tests {
         assert_eq!(p.drain_into(&mut out), 2);
         assert_eq!((out[0].wr_id, out[1].wr_id), (3, 7));
         assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn pending_removes_what_it_is_told_and_keeps_the_rest_in_order() {
+        let mut p = Pending::new(4);
+        // Wrapped: start in the middle of the buffer.
+        for i in 0..2 {
+            p.push(WorkCompletion { wr_id: 100 + i, ..Default::default() });
+        }
+        let mut out = [WorkCompletion::default(); 4];
+        assert_eq!(p.drain_into(&mut out[..2]), 2);
+        for i in 0..4 {
+            p.push(WorkCompletion { wr_id: i, qp_num: (i % 2) as u32, ..Default::default() });
+        }
+        assert_eq!(p.remove_all(|w| w.qp_num == 1), 2);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.drain_into(&mut out), 2);
+        assert_eq!((out[0].wr_id, out[1].wr_id), (0, 2));
+        assert_eq!(p.remove_all(|_| true), 0, "nothing left to remove");
     }
 }

@@ -132,6 +132,12 @@ impl Slots {
         self.kept.take_first(pick)
     }
 
+    /// Drops the kept completions of QP `qp_num` (which is gone); their slots were retired
+    /// when they were reaped.
+    pub(crate) fn discard_for(&mut self, qp_num: u32) -> usize {
+        self.kept.remove_all(|wc| wc.qp_num() == qp_num)
+    }
+
     /// Whether completions are kept.
     pub(crate) fn has_kept(&self) -> bool {
         self.kept.len() > 0

@@ -85,22 +85,62 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> Result<()> {
     }
 }
 
-/// A descriptor's registration with tokio's reactor, kept by the object owning the descriptor
-/// (a CQ's completion channel, a CM event channel) for that object's life, so that a wait costs
-/// no `epoll_ctl` calls. Made at the first async wait, with the runtime that wait runs on; a
-/// wait on another runtime registers the descriptor with that runtime's reactor for the
-/// duration of the wait instead (correct, but slower). A descriptor can be registered with one
-/// reactor only once, which is why the registration lives in the owner of the descriptor and
-/// not in the QPs that share it. The owner drops it ([`Reactor::clear`]) before closing the
-/// descriptor.
+/// A non-blocking eventfd, for waking a sleeping wait from another thread.
+pub(crate) fn eventfd() -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: eventfd takes no pointers; the result is checked before use.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::call("eventfd", errno(), None));
+    }
+    // SAFETY: `fd` was just created by eventfd and is owned by nobody else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Makes an eventfd readable. A failure (the counter full, which takes 2^64 - 1 signals
+/// nobody read) still leaves it readable, so it is ignored.
+pub(crate) fn eventfd_signal(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to a descriptor `fd` keeps open.
+    let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+/// Resets an eventfd (non-blocking) to not readable.
+pub(crate) fn eventfd_clear(fd: RawFd) {
+    let mut v: u64 = 0;
+    // SAFETY: reads at most 8 bytes into a live u64; `fd` is a non-blocking eventfd the caller
+    // keeps open, so the read never blocks (EAGAIN when already clear, which is ignored).
+    let _ = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+}
+
+/// A descriptor's registrations with tokio's reactors, kept by the object owning the
+/// descriptor (a CQ's completion channel, a CM event channel, an async-event source) for that
+/// object's life, so that a wait costs no `epoll_ctl` calls. One registration per runtime that
+/// ever waited on it, each made at the first async wait on that runtime and kept from then on.
+///
+/// Why lasting, and why one per runtime: a descriptor can be registered with one reactor only
+/// once (a second registration fails with `EEXIST`), so no wait may register it for itself:
+/// two waits on the same runtime would collide, and a wait whose future was forgotten
+/// (`mem::forget` never runs its drop) would leave its registration behind for good. The
+/// owner drops them all ([`Reactor::clear`]) before closing the descriptor.
+///
+/// The registrations form an append-only list of `OnceLock`s, so finding this runtime's is a
+/// few loads with no lock, and a new runtime appends a node (the one allocation, once per
+/// runtime per descriptor).
 #[cfg(feature = "tokio")]
 #[derive(Default)]
-pub(crate) struct Reactor(std::sync::OnceLock<Option<Registered>>);
+pub(crate) struct Reactor {
+    reg: std::sync::OnceLock<Registered>,
+    next: std::sync::OnceLock<Box<Reactor>>,
+}
 
 #[cfg(feature = "tokio")]
 pub(crate) struct Registered {
     rt: tokio::runtime::Id,
-    fd: tokio::io::unix::AsyncFd<Fd>,
+    /// The registration, or the errno (0: the runtime has no IO driver) it failed with: kept
+    /// as such, so every wait on that runtime reports it.
+    fd: std::result::Result<tokio::io::unix::AsyncFd<Fd>, i32>,
 }
 
 /// A descriptor owned elsewhere, for [`tokio::io::unix::AsyncFd`].
@@ -121,12 +161,12 @@ fn no_io() -> Error {
     )
 }
 
-/// Registers `fd` with the current runtime's reactor.
+/// Registers `fd` with the current runtime's reactor; the errno on failure (0: no IO driver).
 ///
 /// # Safety
 /// `fd` must stay open for as long as the result lives.
 #[cfg(feature = "tokio")]
-unsafe fn register(fd: RawFd) -> Result<tokio::io::unix::AsyncFd<Fd>> {
+unsafe fn register(fd: RawFd) -> std::result::Result<tokio::io::unix::AsyncFd<Fd>, i32> {
     use tokio::io::unix::AsyncFd;
     use tokio::io::Interest;
     // tokio panics ("IO is disabled") instead of failing when the runtime has no IO driver,
@@ -137,50 +177,68 @@ unsafe fn register(fd: RawFd) -> Result<tokio::io::unix::AsyncFd<Fd>> {
         unsafe { AsyncFd::register_with_interest(Fd(fd), Interest::READABLE) }
     });
     match attempt {
-        Err(_) => Err(no_io()),
-        Ok(r) => r.map_err(|e| {
-            Error::call("tokio AsyncFd::register", e.into_parts().1.raw_os_error().unwrap_or(libc::EIO), None)
-        }),
+        Err(_) => Err(0),
+        Ok(r) => r.map_err(|e| e.into_parts().1.raw_os_error().unwrap_or(libc::EIO)),
     }
 }
 
 #[cfg(feature = "tokio")]
 impl Reactor {
     /// The lasting registration of `fd` (which must be the owner's descriptor, open while
-    /// `self` lives), when it belongs to the runtime `rt`; made here at the first call.
-    fn get(&self, fd: RawFd, rt: tokio::runtime::Id) -> Option<&tokio::io::unix::AsyncFd<Fd>> {
-        let reg = self.0.get_or_init(|| {
-            // A failure (a runtime without IO) is not kept as such: such waits register
-            // their own and report the error.
-            // SAFETY: `fd` is the owner's descriptor, and the owner drops this registration
+    /// `self` lives) with the runtime `rt`; made here at that runtime's first call.
+    fn get(&self, fd: RawFd, rt: tokio::runtime::Id) -> Result<&tokio::io::unix::AsyncFd<Fd>> {
+        let mut node = self;
+        loop {
+            // SAFETY: `fd` is the owner's descriptor, and the owner drops every registration
             // (Reactor::clear) before it closes it.
-            unsafe { register(fd) }.ok().map(|fd| Registered { rt, fd })
-        });
-        reg.as_ref().filter(|r| r.rt == rt).map(|r| &r.fd)
+            let reg = node.reg.get_or_init(|| Registered { rt, fd: unsafe { register(fd) } });
+            if reg.rt == rt {
+                return match &reg.fd {
+                    Ok(a) => Ok(a),
+                    Err(0) => Err(no_io()),
+                    Err(e) => Err(Error::call("tokio AsyncFd::register", *e, None)),
+                };
+            }
+            node = node.next.get_or_init(Default::default);
+        }
     }
 
-    /// Drops the registration (deregistering the descriptor): the owner calls this before it
-    /// closes the descriptor.
+    /// Drops every registration (deregistering the descriptor): the owner calls this before
+    /// it closes the descriptor.
     pub(crate) fn clear(&mut self) {
-        drop(self.0.take());
+        drop(self.reg.take());
+        drop(self.next.take());
+    }
+
+    /// Runtimes the descriptor is registered with (for tests).
+    #[cfg(test)]
+    fn runtimes(&self) -> usize {
+        let mut n = 0;
+        let mut node = Some(self);
+        while let Some(r) = node {
+            n += r.reg.get().is_some() as usize;
+            node = r.next.get().map(|b| &**b);
+        }
+        n
     }
 }
 
-/// Waits until any of `fds` (-1 entries are ignored) is readable, or `ready` says so, without
-/// blocking the runtime. `ready` is asked on every poll of the future, with the task's waker,
-/// which it may keep to wake the task later (the event channel's queue does). Returns the
-/// index of the descriptor found readable (`None` when `ready` ended the wait).
+/// Waits until any of `fds` (`None` entries are ignored) is readable, or `ready` says so,
+/// without blocking the runtime. `ready` is asked on every poll of the future, with the task's
+/// waker, which it may keep to wake the task later (the event channel's queue does). Returns
+/// the index of the descriptor found readable (`None` when `ready` ended the wait).
 ///
-/// Each descriptor comes with its owner's [`Reactor`], whose lasting registration is used when
-/// it belongs to the current runtime; otherwise the descriptor is registered for the duration
-/// of this call. The readiness a wake-up reports is cleared before returning (tokio keeps it
-/// set until then), so callers must read their descriptors without blocking until they are
-/// empty or they found what they wait for, before waiting again: every caller does (the CQ
-/// drains its channel; the event channel reads before each wait). Any number of tasks may wait
-/// on one descriptor: each wake-up wakes them all.
+/// Each descriptor comes with its owner's [`Reactor`], whose lasting registration with the
+/// current runtime is used (made at the first wait there). Nothing is registered for the
+/// duration of one wait, so a cancelled or forgotten wait leaves nothing behind. The readiness a
+/// wake-up reports is cleared before returning (tokio keeps it set until then), so callers must
+/// read their descriptors without blocking until they are empty or they found what they wait
+/// for, before waiting again: every caller does (the CQ drains its channel; the event channel
+/// reads before each wait). Any number of tasks may wait on one descriptor: each wake-up wakes
+/// them all.
 #[cfg(feature = "tokio")]
 pub(crate) async fn readable_any(
-    fds: [(RawFd, Option<&Reactor>); 3],
+    fds: [Option<(RawFd, &Reactor)>; 3],
     mut ready: impl FnMut(&std::task::Waker) -> bool,
 ) -> Result<Option<usize>> {
     use std::future::Future;
@@ -192,23 +250,14 @@ pub(crate) async fn readable_any(
         return Err(no_io());
     };
     let rt = rt.id();
-    // Per descriptor: the lasting registration, or one for this wait (its `AsyncFd` dropped,
-    // so deregistered, when the wait returns or is cancelled; callers hold the channel or CQ
-    // owning the descriptor across the await).
-    let mut own: [Option<AsyncFd<Fd>>; 3] = [None, None, None];
-    let mut lasting: [Option<&AsyncFd<Fd>>; 3] = [None, None, None];
-    for (i, &(fd, reactor)) in fds.iter().enumerate() {
-        if fd < 0 {
-            continue;
-        }
-        lasting[i] = reactor.and_then(|r| r.get(fd, rt));
-        if lasting[i].is_none() {
-            // SAFETY: `own` is dropped when this function returns or is cancelled, and the
-            // callers hold the channel or CQ owning `fd` across the await.
-            own[i] = Some(unsafe { register(fd) }?);
+    let mut afds: [Option<&AsyncFd<Fd>>; 3] = [None, None, None];
+    for (i, f) in fds.iter().enumerate() {
+        if let Some((fd, reactor)) = *f {
+            if fd >= 0 {
+                afds[i] = Some(reactor.get(fd, rt)?);
+            }
         }
     }
-    let afds: [Option<&AsyncFd<Fd>>; 3] = std::array::from_fn(|i| lasting[i].or(own[i].as_ref()));
     let mut w0 = pin!(afds[0].map(|a| a.readable()));
     let mut w1 = pin!(afds[1].map(|a| a.readable()));
     let mut w2 = pin!(afds[2].map(|a| a.readable()));
@@ -252,6 +301,53 @@ mod tests {
         assert!(d.left() > Duration::from_millis(30));
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(d.left(), Duration::ZERO);
+    }
+
+    /// One lasting registration per runtime: a second runtime, and a second wait on it, reuse
+    /// theirs instead of registering again (which fails with EEXIST).
+    #[cfg(feature = "tokio")]
+    #[test]
+    fn a_descriptor_is_registered_once_per_runtime() {
+        let mut p = [0; 2];
+        // SAFETY: `p` has room for the two descriptors pipe() writes.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let mut reactor = Reactor::default();
+        let rts: Vec<_> =
+            (0..3).map(|_| tokio::runtime::Builder::new_current_thread().enable_io().build().unwrap()).collect();
+        for _ in 0..2 {
+            for rt in &rts {
+                rt.block_on(async {
+                    let id = tokio::runtime::Handle::current().id();
+                    reactor.get(p[0], id).expect("registered (or reused), never EEXIST");
+                    reactor.get(p[0], id).expect("a second wait on the same runtime reuses it");
+                });
+            }
+        }
+        assert_eq!(reactor.runtimes(), 3);
+        // A runtime without IO gets its error, every time, and no registration.
+        let no_io = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let e = no_io.block_on(async { reactor.get(p[0], tokio::runtime::Handle::current().id()).err() });
+        assert!(e.unwrap().to_string().contains("IO driver"));
+        reactor.clear();
+        assert_eq!(reactor.runtimes(), 0);
+        // SAFETY: closing the two descriptors this test opened, after their registrations.
+        unsafe {
+            libc::close(p[0]);
+            libc::close(p[1]);
+        }
+    }
+
+    #[test]
+    fn an_eventfd_wakes_a_poll_and_clears() {
+        use std::os::fd::AsRawFd;
+        let e = eventfd().unwrap();
+        let mut fds = [pollfd(e.as_raw_fd())];
+        assert!(!poll_readable(&mut fds, Duration::ZERO).unwrap());
+        eventfd_signal(&e);
+        eventfd_signal(&e);
+        assert!(poll_readable(&mut fds, Duration::from_secs(1)).unwrap());
+        eventfd_clear(e.as_raw_fd());
+        assert!(!poll_readable(&mut fds, Duration::ZERO).unwrap(), "one read clears every signal");
     }
 
     #[test]

@@ -415,3 +415,75 @@ fn many_connections_set_up_and_torn_down_on_one_channel() {
     drop(ch);
     t.finish();
 }
+
+/// A shared CQ need not be sized up front (issue 20): `resize` changes its depth (refusing one
+/// below what its queues may have outstanding), completions in it survive a resize, and with
+/// `set_auto_grow` it grows as QPs join instead of refusing them.
+#[test]
+fn a_shared_cq_is_resized_and_grows_as_qps_join() {
+    let t = DeviceTest::start();
+    const QPS: usize = 3;
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let srv = thread::spawn(move || {
+        (0..QPS + 1)
+            .map(|_| {
+                let req = listener.get_request(T).unwrap();
+                let pd = req.alloc_pd().unwrap();
+                let mr = MemoryRegion::new(&pd, 8 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+                let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
+                let recvs: Vec<_> =
+                    (0..8).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64 + 1)).collect();
+                q.post_recv(&recvs).unwrap();
+                (q.accept(&ConnParam::new(), T).unwrap(), mr, pd)
+            })
+            .collect::<Vec<_>>()
+    });
+    let route = || Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let r0 = route();
+    let ctx = r0.context().unwrap();
+    let pd = r0.alloc_pd().unwrap();
+    // Depth 16 cannot serve a QP of 16 sends and 16 receives: refused, with the way out named.
+    let cq = CompletionQueue::new(&ctx, 16).unwrap();
+    let init = |cq: &Arc<CompletionQueue>| QpInit::new().send_cq(Arc::clone(cq)).recv_cq(Arc::clone(cq));
+    let e = route().create_qp(&pd, init(&cq)).unwrap_err().to_string();
+    assert!(e.contains("resize") && e.contains("set_auto_grow"), "{e}");
+    cq.resize(32).unwrap();
+    assert_eq!(cq.depth(), 32);
+    let mut c0 = route().create_qp(&pd, init(&cq)).unwrap().connect(&ConnParam::new(), T).unwrap();
+    let e = cq.resize(31).unwrap_err().to_string();
+    assert!(e.contains("32 completions its queues may have outstanding"), "{e}");
+    // Completions in the CQ survive a resize.
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..4 {
+        c0.qp_mut().post_send(&[SendWr::send_inline(b"x").wr_id(i)]).unwrap();
+    }
+    // Grown (not yet polled) with the four completions arriving in it meanwhile.
+    cq.resize(64).unwrap();
+    let mut got = Vec::new();
+    while got.len() < 4 {
+        got.push(c0.qp_mut().wait_for(WorkQueue::Send, got.len() as u64, T).unwrap().wr_id());
+    }
+    assert_eq!(got, [0, 1, 2, 3]);
+
+    // Auto-grow: a CQ of depth 1 takes QPS QPs of 16/16.
+    let grow = CompletionQueue::new(&ctx, 1).unwrap();
+    assert!(!grow.auto_grow());
+    grow.set_auto_grow(true);
+    let mut conns: Vec<_> =
+        (0..QPS).map(|_| route().create_qp(&pd, init(&grow)).unwrap().connect(&ConnParam::new(), T).unwrap()).collect();
+    assert!(grow.depth() as usize >= 32 * QPS, "grew to {}", grow.depth());
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.qp_mut().post_send(&[SendWr::send(&mr, 0..64).wr_id(i as u64)]).unwrap();
+        assert_eq!(c.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap().qp_num(), c.qp().qp_num());
+    }
+    let mut servers = srv.join().unwrap();
+    // The first connection's server got the four, every other one its one.
+    for (k, (s, _, _)) in servers.iter_mut().enumerate() {
+        for id in 1..=if k == 0 { 4 } else { 1 } {
+            s.qp_mut().wait_for(WorkQueue::Recv, id, T).unwrap();
+        }
+    }
+    drop((conns, c0, servers, mr, grow, cq, pd, ctx, r0));
+    t.finish();
+}

@@ -139,10 +139,11 @@ async fn async_round_trip(c: &mut common::Side, s: &mut common::Side, i: u64) {
     assert_eq!(wc.wr_id(), i);
 }
 
-/// The CQ and CM channel descriptors (the QP's waits watch both) stay registered with the
-/// runtime of their first async wait; waits on another runtime (while the first one lives, idle, and after it is gone)
-/// register for themselves instead of sleeping on a reactor nobody drives, and the first
-/// runtime's registration still serves it afterwards.
+/// The CQ and CM channel descriptors (the QP's waits watch both) stay registered with each
+/// runtime that waited on them, from its first async wait on; waits on another runtime (while
+/// the first one lives, idle, and after it is gone) use that runtime's own lasting
+/// registration instead of sleeping on a reactor nobody drives, and the first runtime's
+/// registration still serves it afterwards.
 #[test]
 fn async_waits_work_across_runtimes() {
     let t = DeviceTest::start();
@@ -167,5 +168,143 @@ fn async_waits_work_across_runtimes() {
         }
     });
     drop((c, s));
+    t.finish();
+}
+
+/// Two client QPs sharing one CQ (send and receive), each with its server connection; the
+/// server sends one message to each when told to.
+struct SharedCqPair {
+    c: Vec<rdma_cm::Connection>,
+    mrs: Vec<MemoryRegion>,
+    go: std::sync::mpsc::Sender<u64>,
+    server: std::thread::JoinHandle<()>,
+    _cq: std::sync::Arc<rdma_cm::CompletionQueue>,
+}
+
+fn shared_cq_pair(addr: std::net::IpAddr) -> SharedCqPair {
+    use std::sync::Arc;
+    let listener = Server::new().unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let (go, told) = std::sync::mpsc::channel::<u64>();
+    let server = std::thread::spawn(move || {
+        let mut conns: Vec<_> = (0..2)
+            .map(|_| {
+                let req = listener.get_request(T).unwrap();
+                let pd = req.alloc_pd().unwrap();
+                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+                (req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap(), mr)
+            })
+            .collect();
+        // Each word from the test: one message to each client, with that wr_id.
+        while let Ok(i) = told.recv_timeout(T) {
+            for (conn, mr) in &mut conns {
+                conn.qp_mut().post_send(&[SendWr::send(mr, 0..64).wr_id(i)]).unwrap();
+                conn.qp_mut().wait_for(WorkQueue::Send, i, T).unwrap();
+            }
+        }
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = rdma_cm::CompletionQueue::new(&ctx, 64).unwrap();
+    let init = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+    let q1 = route.create_qp(&pd, init()).unwrap();
+    let route2 = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let q2 = route2.create_qp(&pd, init()).unwrap();
+    let c = [q1, q2].into_iter().map(|q| q.connect(&ConnParam::new(), T).unwrap()).collect();
+    let mrs = (0..2).map(|_| MemoryRegion::new(&pd, 64 * 16, AccessFlags::LOCAL_WRITE).unwrap()).collect();
+    SharedCqPair { c, mrs, go, server, _cq: cq }
+}
+
+impl SharedCqPair {
+    fn post_recvs(&mut self, i: u64) {
+        for (c, mr) in self.c.iter_mut().zip(&self.mrs) {
+            let at = (i % 16) as usize * 64;
+            c.qp_mut().post_recv(&[RecvWr::new(mr, at..at + 64).wr_id(i)]).unwrap();
+        }
+    }
+    fn finish(self) {
+        drop(self.go);
+        self.server.join().unwrap();
+    }
+}
+
+/// Issue 20, finding 5: on a runtime other than the one whose wait registered the CQ's
+/// descriptor first, each wait registered the descriptor for itself; two QPs sharing the CQ,
+/// awaited together there, made the second wait fail at once with `AsyncFd::register`
+/// `EEXIST`. Both must sleep and both must complete.
+#[test]
+fn two_qps_sharing_a_cq_are_awaited_together_on_a_second_runtime() {
+    let t = DeviceTest::start();
+    let mut p = shared_cq_pair(t.addr);
+    let (first, second) = (rt(), rt());
+    for (i, r) in [(0, &first), (1, &second), (2, &first), (3, &second)] {
+        p.post_recvs(i);
+        let go = p.go.clone();
+        let [c1, c2] = &mut p.c[..] else { unreachable!() };
+        r.block_on(async {
+            // Both waits are polled (and sleep) before the server is told to send.
+            let (a, b, ()) = tokio::join!(
+                within(c1.qp_mut().wait_for_async(WorkQueue::Recv, i)),
+                within(c2.qp_mut().wait_for_async(WorkQueue::Recv, i)),
+                async { go.send(i).unwrap() }
+            );
+            assert_eq!(a.expect("the first QP's wait").byte_len(), 64, "round {i}");
+            assert_eq!(b.expect("the second QP's wait, on the same CQ").byte_len(), 64, "round {i}");
+        });
+    }
+    p.finish();
+    t.finish();
+}
+
+/// Issue 20, finding 6: a boxed wait polled once and then forgotten (`mem::forget` never runs
+/// its drop) left its registration of the CQ's descriptor behind, and every later wait of that
+/// CQ that had to sleep on that runtime failed with `EEXIST`. The same shape on an async-event
+/// source's descriptor.
+#[test]
+fn a_forgotten_wait_leaves_no_registration_behind() {
+    let t = DeviceTest::start();
+    let mut p = shared_cq_pair(t.addr);
+    let (first, second) = (rt(), rt());
+    p.post_recvs(0);
+    // The first runtime's registration exists; the forgotten wait is on the second.
+    first.block_on(async {
+        let cut = tokio::time::timeout(Duration::from_millis(50), p.c[0].qp_mut().wait_for_async(WorkQueue::Recv, 0));
+        assert!(cut.await.is_err(), "nothing was sent yet");
+    });
+    second.block_on(async {
+        let mut f = Box::pin(p.c[0].qp_mut().wait_for_async(WorkQueue::Recv, 0));
+        assert!(tokio::time::timeout(Duration::from_millis(50), &mut f).await.is_err(), "it sleeps");
+        std::mem::forget(f);
+    });
+    p.go.send(0).unwrap();
+    second.block_on(async {
+        for c in &mut p.c {
+            let wc = within(c.qp_mut().wait_for_async(WorkQueue::Recv, 0)).await.expect("no EEXIST after the forget");
+            assert_eq!(wc.byte_len(), 64);
+        }
+        // And a wait that must sleep again (the next message is sent once it sleeps).
+        p.post_recvs(1);
+        let go = p.go.clone();
+        let [c1, c2] = &mut p.c[..] else { unreachable!() };
+        let (a, b, ()) = tokio::join!(
+            within(c1.qp_mut().wait_for_async(WorkQueue::Recv, 1)),
+            within(c2.qp_mut().wait_for_async(WorkQueue::Recv, 1)),
+            async { go.send(1).unwrap() }
+        );
+        assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    });
+    // An async-event source: a forgotten next_async, then another that must sleep.
+    let ctx = p.c[0].qp().pd().context().clone();
+    let mut events = ctx.async_events().unwrap();
+    second.block_on(async {
+        let mut f = Box::pin(events.next_async());
+        assert!(tokio::time::timeout(Duration::from_millis(50), &mut f).await.is_err(), "no device event");
+        std::mem::forget(f);
+        let r = tokio::time::timeout(Duration::from_millis(100), events.next_async()).await;
+        assert!(r.is_err(), "the second wait sleeps until the bound (no EEXIST): {r:?}");
+    });
+    drop((events, ctx));
+    p.finish();
     t.finish();
 }
