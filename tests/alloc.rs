@@ -308,9 +308,10 @@ fn ud_post_and_poll_allocate_nothing() {
 }
 
 /// One thread waiting on a connection's channel and CQ through a `Readiness` allocates
-/// nothing per wait: 300 receives (the whole binary also runs under valgrind), each waited for (`poll(2)` on both descriptors, the
-/// channel's queue looked at), its CQ event drained, the CQ re-armed and polled. The CQ is
-/// armed before each send, so every receive's completion makes it ready.
+/// nothing per wait: 300 receives (few: the whole binary also runs under valgrind), each waited
+/// for (`poll(2)` on both descriptors, the channel's queue looked at), its CQ event drained, the
+/// CQ re-armed and polled. The CQ is armed before each send, so every receive's completion makes
+/// it ready.
 #[test]
 fn readiness_waits_allocate_nothing() {
     use rdma_cm::Readiness;
