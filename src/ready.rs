@@ -104,7 +104,14 @@ struct Entry<'a, T> {
 /// A set of sources to wait on together, each with a token of the caller's (see the
 /// [module docs](self) for what "ready" means for each kind, and how to drain it).
 ///
-/// It borrows every source, so none can be dropped, and no descriptor closed, while it waits.
+/// It borrows every source, so none can be dropped, and no descriptor closed, while it waits:
+///
+/// ```compile_fail,E0505
+/// let ch = rdma_cm::EventChannel::new().unwrap();
+/// let mut set = rdma_cm::Readiness::new().channel(&ch, 0);
+/// drop(ch); // error[E0505]: cannot move out of `ch` because it is borrowed
+/// set.wait(std::time::Duration::ZERO).unwrap();
+/// ```
 ///
 /// # Examples
 ///
