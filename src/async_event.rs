@@ -1,6 +1,6 @@
 //! Asynchronous device events (`ibv_get_async_event`): port changes, QP, CQ and SRQ errors,
 //! SRQ limits, a failed device. [`AsyncEvents`] is a non-blocking source of them with an
-//! [`AsFd`] for event loops (and [`AsyncEvents::next_async`] under the `tokio` feature); each
+//! [`AsFd`] for event loops (and `AsyncEvents::next_async` under the `tokio` feature); each
 //! event is also delivered to the object it names, when this crate owns it.
 //!
 //! # Delivery to objects

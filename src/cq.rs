@@ -555,6 +555,12 @@ impl CompletionQueue {
         &self.reactor
     }
 
+    /// Whether a QP's poll kept completions for this CQ's poll: readiness that `poll(2)` on
+    /// the channel cannot see (`crate::ready`).
+    pub(crate) fn has_kept(&self) -> bool {
+        self.router().has_kept()
+    }
+
     /// Asks for an event on the channel at the next completion (`ibv_req_notify_cq`).
     ///
     /// # Errors

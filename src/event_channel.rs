@@ -268,6 +268,13 @@ impl EventChannel {
         self.take_locked(&mut d, Want::For(id))
     }
 
+    /// Whether an untargeted read ([`EventChannel::try_get_event`]) would return an event kept
+    /// in the queue: readiness that `poll(2)` on the descriptor cannot see (`crate::ready`).
+    pub(crate) fn has_untargeted_queued(&self) -> bool {
+        let d = self.lock();
+        d.queued.iter().any(|ev| Want::Any.takes(ev, &d))
+    }
+
     /// Reads every pending event into the queue, calling `seen` on each newly read one. The
     /// events stay queued for [`EventChannel::get_event_for`] and the untargeted reads.
     pub(crate) fn pump(&self, mut seen: impl FnMut(&CmEvent)) -> Result<()> {

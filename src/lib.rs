@@ -206,7 +206,9 @@
 //! read them behind the library's back or clear `O_NONBLOCK`); their descriptors are
 //! non-blocking, so an `epoll` loop waits for readability and then drains with
 //! [`EventChannel::try_get_event`] / [`CompletionQueue::drain_events`] until they report
-//! nothing (correct for edge-triggered notification). CQ events are acked in batches. For
+//! nothing (correct for edge-triggered notification). CQ events are acked in batches. Without
+//! a runtime, one thread waits on channels, CQs, [`AsyncEvents`] and its own descriptors
+//! together through a [`Readiness`] set (`poll(2)`, level-triggered). For
 //! many connections on one channel: [`ConnectRequest::from_event`], [`ServerQp::start_accept`],
 //! [`Accepting::complete`] and [`Connection::handle_event`].
 //!
@@ -312,6 +314,7 @@ pub mod port;
 pub mod private_data;
 pub mod qp;
 mod qp_attr;
+pub mod ready;
 mod ring;
 pub mod srq;
 pub mod status;
@@ -343,6 +346,7 @@ pub use port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
 pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
+pub use ready::{Readiness, Ready};
 pub use srq::SharedReceiveQueue;
 pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use ud_cm::{

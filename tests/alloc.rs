@@ -306,3 +306,43 @@ fn ud_post_and_poll_allocate_nothing() {
     drop((client, server, to_server, to_client, cbuf, crecv, srecv));
     t.finish();
 }
+
+/// One thread waiting on a connection's channel and CQ through a `Readiness` allocates
+/// nothing per wait: 300 receives (few: the whole binary also runs under valgrind), each waited
+/// for (`poll(2)` on both descriptors, the channel's queue looked at), its CQ event drained, the
+/// CQ re-armed and polled. The CQ is armed before each send, so every receive's completion makes
+/// it ready.
+#[test]
+fn readiness_waits_allocate_nothing() {
+    use rdma_cm::Readiness;
+    const N: u64 = 300;
+    let t = DeviceTest::start();
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    // Clones, so that the set's borrows leave the connection free for posting.
+    let ch = s.conn.id().channel().clone();
+    let cq = std::sync::Arc::clone(s.conn.qp().recv_cq());
+    let mut set = Readiness::with_capacity(2).channel(&ch, 0u8).cq(&cq, 1);
+    let mut wcs = [WorkCompletion::default(); 4];
+    cq.req_notify(false).unwrap();
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for i in 0..N {
+        watched(|| s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(i)])).unwrap();
+        watched(|| c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(i)])).unwrap();
+        let (first, second) = watched(|| {
+            let mut ready = set.wait(Duration::from_secs(10)).unwrap();
+            (ready.next(), ready.next())
+        });
+        assert_eq!((first, second), (Some(1), None), "receive {i}: the CQ, and only the CQ, becomes ready");
+        assert_eq!(watched(|| cq.drain_events()).unwrap(), 1, "receive {i}: one CQ event");
+        watched(|| cq.req_notify(false)).unwrap();
+        let wc = poll_cq_one(&cq, &mut wcs);
+        assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i, 64));
+        assert_eq!(poll_one(c.conn.qp_mut(), &mut wcs).queue(), WorkQueue::Send);
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} waits");
+    drop(set);
+    drop((ch, cq, c, s));
+    t.finish();
+}

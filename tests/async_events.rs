@@ -438,6 +438,48 @@ fn tokio_next_async_receives_the_cq_error() {
     t.finish();
 }
 
+/// The same CQ overrun, awaited by one thread through a `Readiness` set (no runtime): the
+/// source is not ready while the device is quiet, and becomes ready with the CQ error, beside
+/// a CQ whose own channel stays quiet (nothing armed it).
+#[test]
+fn readiness_reports_the_source_ready_with_the_cq_error() {
+    let t = DeviceTest::start();
+    let ctx = open_device();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let cq = CompletionQueue::new(&ctx, 1).unwrap();
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+    let mut events = ctx.async_events().unwrap();
+    let qp = RawLoopQp::new(&ctx, &pd, &cq, t.addr);
+    let ev = {
+        let mut set = rdma_cm::Readiness::new().async_events(&events, "events").cq(&cq, "cq");
+        let idle = set.wait(Duration::from_millis(100)).unwrap();
+        assert_eq!(idle.len(), 0, "the device reported nothing yet, but {idle:?} was ready");
+        qp.write_self(&mr, 4);
+        let ready: Vec<&str> = set.wait(T).unwrap().collect();
+        assert_eq!(ready, ["events"], "the source, and not the unarmed CQ");
+        drop(set);
+        // Drain it as the set's docs say; the CQ error is among what it holds.
+        let mut seen = vec![];
+        let deadline = Instant::now() + T;
+        loop {
+            while let Some(ev) = events.try_next().unwrap() {
+                seen.push(ev);
+            }
+            if let Some(ev) = seen.iter().find(|e| e.kind == AsyncEventKind::CqError) {
+                break *ev;
+            }
+            assert!(Instant::now() < deadline, "no CQ error within {T:?}; seen: {seen:?}");
+            let mut set = rdma_cm::Readiness::new().async_events(&events, ());
+            set.wait(deadline.saturating_duration_since(Instant::now())).unwrap();
+        }
+    };
+    assert_eq!(ev.element, AsyncElement::Cq(cq.as_raw() as usize));
+    assert!(cq.has_error().unwrap());
+    drop(qp);
+    drop((events, mr, cq, pd, ctx));
+    t.finish();
+}
+
 /// A peer's RDMA WRITE with a bad rkey: what the responder's QP learns (rxe raises no QP event
 /// for it; the test records what arrives and checks that nothing is misdelivered).
 #[test]

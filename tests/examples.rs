@@ -461,48 +461,210 @@ fn memlock_limit_too_small_names_ulimit() {
     assert!(err.contains("ulimit -l") && err.contains("64 KiB") && err.contains("1048576"), "{err}");
 }
 
-/// Runs `cmd` under valgrind memcheck and returns its "definitely lost" byte count.
-fn definitely_lost(cmd: &[&str]) -> (bool, u64, String) {
-    let out = Command::new("valgrind")
-        .args(["--leak-check=full", "--show-leak-kinds=definite", "--error-exitcode=0"])
-        .args(cmd)
-        // The other tests of this binary use the device meanwhile: a test binary run here must
-        // not count their RDMA objects as its own.
-        .env(common::SHARED_DEVICE_ENV, "1")
-        .output()
-        .expect("valgrind");
-    // The program's own output first (a failing test says why there), then valgrind's report.
-    let err = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    let lost = err
+/// The CPU time `pid` has used so far, in clock ticks (`utime` + `stime` of `/proc/PID/stat`),
+/// or `None` once it is gone. Valgrind runs the program in its own process (the launcher execs
+/// the tool), so this is the program's progress: it grows while valgrind translates code, on a
+/// loaded machine too, and stops growing only when the process waits.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces: state is
+    // field 3, utime 14 and stime 15.
+    let f: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+/// How long a program under valgrind may go without using any CPU before it counts as stuck,
+/// and how long it may run in all however busy it stays. A slow machine (other guests beside
+/// this one, all under TCG) only stretches the time valgrind keeps using CPU: the bounds below
+/// are about a process that stopped, not about how fast it goes.
+struct Watch {
+    /// No CPU used for this long: stuck (its own waits are shorter).
+    stall: Duration,
+    /// In all, busy or not.
+    outer: Duration,
+}
+
+/// A child under valgrind, whose stdout and stderr lines are collected by threads (so a full
+/// pipe never blocks it), killed if the test fails before it exits.
+struct Watched {
+    child: Child,
+    what: &'static str,
+    lines: mpsc::Receiver<(bool, String)>,
+    out: Vec<String>,
+    err: Vec<String>,
+    readers: Vec<thread::JoinHandle<()>>,
+}
+
+impl Watched {
+    fn spawn(what: &'static str, cmd: &mut Command) -> Watched {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn valgrind");
+        let (tx, lines) = mpsc::channel();
+        let mut readers = vec![];
+        for (is_err, r) in [
+            (false, Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>),
+            (true, Box::new(child.stderr.take().unwrap())),
+        ] {
+            let tx = tx.clone();
+            readers.push(thread::spawn(move || {
+                for l in BufReader::new(r).lines().map_while(Result::ok) {
+                    if tx.send((is_err, l)).is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        Watched { child, what, lines, out: vec![], err: vec![], readers }
+    }
+
+    /// Takes the lines the readers have sent so far.
+    fn drain(&mut self) {
+        while let Ok((is_err, l)) = self.lines.try_recv() {
+            if is_err { &mut self.err } else { &mut self.out }.push(l);
+        }
+    }
+
+    fn log(&self) -> String {
+        format!("{}\n{}", self.out.join("\n"), self.err.join("\n"))
+    }
+
+    /// Waits until `done` says so (asked after every line and every second), for as long as the
+    /// child uses CPU or `done` sees new lines, within `w`. Returns how long it took.
+    fn wait(&mut self, w: &Watch, expecting: &str, mut done: impl FnMut(&mut Self) -> bool) -> Duration {
+        let start = Instant::now();
+        let (mut ticks, mut moved) = (cpu_ticks(self.child.id()), Instant::now());
+        while !done(self) {
+            match self.lines.recv_timeout(Duration::from_secs(1)) {
+                Ok((is_err, l)) => {
+                    if is_err { &mut self.err } else { &mut self.out }.push(l);
+                    moved = Instant::now();
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // Both pipes closed: the child has exited or is about to.
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            let exited = self.readers.iter().all(|r| r.is_finished()) && self.child.try_wait().unwrap().is_some();
+            if exited {
+                self.drain();
+            }
+            assert!(
+                !exited || done(self),
+                "{} under valgrind exited before {expecting}; its output:\n{}",
+                self.what,
+                self.log()
+            );
+            let now = cpu_ticks(self.child.id());
+            if now != ticks {
+                (ticks, moved) = (now, Instant::now());
+            }
+            let waited = start.elapsed();
+            assert!(
+                moved.elapsed() < w.stall && waited < w.outer,
+                "{} under valgrind: {expecting} did not happen: {} (after {waited:?}); its output:\n{}",
+                self.what,
+                if waited >= w.outer {
+                    format!("still running after the outer bound of {:?}", w.outer)
+                } else {
+                    format!("it used no CPU and printed nothing for {:?}", w.stall)
+                },
+                self.log()
+            );
+        }
+        start.elapsed()
+    }
+
+    /// Waits for a line of the child's stdout containing `needle`.
+    fn wait_line(&mut self, w: &Watch, needle: &str) -> Duration {
+        let expecting = format!("the line {needle:?}");
+        self.wait(w, &expecting, |s| s.out.iter().any(|l| l.contains(needle)))
+    }
+
+    /// Waits for the child to exit and for the rest of its output; returns whether it
+    /// succeeded, and its stdout and stderr (valgrind's report) as one text.
+    fn finish(mut self, w: &Watch) -> (bool, String) {
+        let mut status = None;
+        self.wait(w, "its exit", |s| {
+            status = status.or_else(|| s.child.try_wait().unwrap());
+            status.is_some() && s.readers.iter().all(|r| r.is_finished())
+        });
+        self.drain();
+        (status.unwrap().success(), self.log())
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        // Only reached with the child running when the test failed: do not leave it behind.
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The "definitely lost" byte count in valgrind's report (`u64::MAX` when there is none).
+fn definitely_lost_in(log: &str) -> u64 {
+    let lost = log
         .lines()
         .find(|l| l.contains("definitely lost:"))
         .and_then(|l| l.split("definitely lost:").nth(1))
         .and_then(|r| r.split_whitespace().next())
         .map(|n| n.replace(',', "").parse::<u64>().unwrap());
-    let clean = err.contains("All heap blocks were freed") || err.contains("no leaks are possible");
-    (out.status.success(), lost.unwrap_or(if clean { 0 } else { u64::MAX }), err)
+    let clean = log.contains("All heap blocks were freed") || log.contains("no leaks are possible");
+    lost.unwrap_or(if clean { 0 } else { u64::MAX })
 }
 
+/// Runs `cmd` under valgrind memcheck, watched (see [`Watch`]); returns whether it succeeded,
+/// its "definitely lost" byte count and its output with valgrind's report.
+fn definitely_lost(what: &'static str, cmd: &[&str], w: &Watch) -> (bool, u64, String) {
+    let mut c = Command::new("valgrind");
+    c.args(["--leak-check=full", "--show-leak-kinds=definite", "--error-exitcode=0"])
+        .args(cmd)
+        // The other tests of this binary use the device meanwhile: a test binary run here must
+        // not count their RDMA objects as its own.
+        .env(common::SHARED_DEVICE_ENV, "1");
+    let (ok, log) = Watched::spawn(what, &mut c).finish(w);
+    (ok, definitely_lost_in(&log), log)
+}
+
+/// The server, the client and the zero-allocation test binary under valgrind memcheck, which
+/// runs them tens of times slower (more with other guests on the machine). No bound here is a
+/// guess at valgrind's speed: each process is waited for while it keeps using CPU (see
+/// [`Watch`]), and the client's own waits, which depend on the server's pace under valgrind, are
+/// scaled by how long the server took to start.
 #[test]
 fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     let addr = common::device_addr().to_string();
-    let server = example("server");
-    let srv = Command::new("valgrind")
-        .args(["--leak-check=full", "--show-leak-kinds=definite"])
-        .arg(&server)
-        .args(["-a", &addr, "-p", "7615", "--count", "1", "--timeout", "60"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_listening(7615, Duration::from_secs(120)); // valgrind starts slowly under emulation
+    let outer = Duration::from_secs(20 * 60);
+    // Nothing the server does before listening waits for anyone: a minute without CPU is stuck.
+    let starting = Watch { stall: Duration::from_secs(60), outer };
+    let mut srv = Watched::spawn(
+        "the server",
+        Command::new("valgrind")
+            .args(["--leak-check=full", "--show-leak-kinds=definite"])
+            .arg(example("server"))
+            // Its waits for the client (which starts under valgrind too) are bounded by the
+            // watch below; the server exits once it has served its one client.
+            .args(["-a", &addr, "-p", "7615", "--count", "1", "--timeout", "600"]),
+    );
+    let startup = srv.wait_line(&starting, "Listening on port 7615");
+    eprintln!("measured: the server under valgrind listened after {startup:?}");
+    // The client's steps wait for the server, whose accept path valgrind translates as slowly
+    // as it did the start: give each wait a minute beyond that start.
+    let client_timeout = Duration::from_secs(60) + startup;
+    let client_watch = Watch { stall: client_timeout + Duration::from_secs(60), outer };
+    let secs = client_timeout.as_secs().to_string();
     let client = example("client");
-    let (ok, lost, log) = definitely_lost(&[client.to_str().unwrap(), "-a", &addr, "-p", "7615", "--timeout", "60"]);
+    let (ok, lost, log) = definitely_lost(
+        "the client",
+        &[client.to_str().unwrap(), "-a", &addr, "-p", "7615", "--timeout", &secs],
+        &client_watch,
+    );
     assert!(ok, "client under valgrind failed:\n{log}");
     assert_eq!(lost, 0, "client leaks:\n{log}");
-    let out = srv.wait_with_output().unwrap();
-    let slog = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "server under valgrind failed:\n{slog}");
+    let (ok, slog) = srv.finish(&client_watch);
+    assert!(ok, "server under valgrind failed:\n{slog}");
     let clean = slog.contains("definitely lost: 0 bytes") || slog.contains("All heap blocks were freed");
     assert!(clean, "server leaks:\n{slog}");
     // One integration-test binary: the zero-allocation test, run whole.
@@ -518,7 +680,10 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
         // The newest: builds with other features leave older ones beside it.
         .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
         .expect("the alloc test binary (built by cargo test)");
-    let (ok, lost, log) = definitely_lost(&[alloc.to_str().unwrap(), "--test-threads=1"]);
+    // Its own waits are 10 s at most (and its connects take T): two minutes without CPU is stuck.
+    let alloc_watch = Watch { stall: Duration::from_secs(120), outer };
+    let (ok, lost, log) =
+        definitely_lost("the alloc test", &[alloc.to_str().unwrap(), "--test-threads=1"], &alloc_watch);
     assert!(ok, "alloc test under valgrind failed:\n{log}");
     assert_eq!(lost, 0, "alloc test leaks:\n{log}");
 }
