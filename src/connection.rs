@@ -1156,6 +1156,7 @@ impl Connection {
         }
         self.send_disconnect()?;
         self.disconnected = true;
+        self.qp.set_closing();
         Ok(true)
     }
 

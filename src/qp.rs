@@ -271,6 +271,9 @@ pub struct QueuePair {
     /// from then on can run, and rxe never flushes a receive posted then (it would stay held,
     /// and its wait time out), so posts are refused.
     errored: bool,
+    /// This side disconnected (`rdma_disconnect` moved the QP to the error state): not an error
+    /// a wait that runs out should report.
+    closing: bool,
     /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
     busy_poll: bool,
     /// Its teardown was handed to another value (see Drop): this one destroys nothing.
@@ -622,6 +625,7 @@ impl QueuePair {
             datagrams: init.datagrams,
             peer_left: false,
             errored: false,
+            closing: false,
             busy_poll: false,
             #[cfg(feature = "tokio")]
             detached: false,
@@ -1532,7 +1536,7 @@ impl QueuePair {
     /// completion and, on rxe, no async event) is recorded as failed, so posts are refused
     /// from then on, and the wait fails saying so instead of timing out blind.
     fn check_silent_error(&mut self, op: &'static str) -> Result<()> {
-        if !self.connected || self.peer_left || self.errored {
+        if !self.connected || self.peer_left || self.errored || self.closing {
             return Ok(());
         }
         if self.state()? != crate::QpState::Error {
@@ -1742,6 +1746,11 @@ impl QueuePair {
         }
     }
 
+    /// This side disconnected: the QP is in the error state by the caller's wish.
+    pub(crate) fn set_closing(&mut self) {
+        self.closing = true;
+    }
+
     pub(crate) fn set_connected(&mut self) {
         self.connected = true;
     }
@@ -1938,6 +1947,7 @@ impl QueuePair {
             datagrams: self.datagrams,
             peer_left: self.peer_left,
             errored: self.errored,
+            closing: self.closing,
             busy_poll: self.busy_poll,
             detached: false,
             inline_teardown: true,
