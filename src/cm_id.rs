@@ -234,9 +234,27 @@ impl CmId {
 
     /// The verbs context librdmacm opened for this id's device, or `None` before the id is
     /// bound to a device (a listener on `0.0.0.0` never is).
+    ///
+    /// The context holds no id: it is kept open by librdmacm's device list, so PDs and CQs
+    /// made on it may outlive this id and serve other connections on the device (see
+    /// [`crate::cm_device`]). Only where librdmacm no longer lists the device (it was removed
+    /// while this id used it) does the context hold this id instead (as every context from an id used to).
     pub fn context(self: &Arc<Self>) -> Option<VerbsContext> {
-        // librdmacm keeps the context open while this id is bound to it: the handle holds the id.
-        self.verbs().map(|raw| VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>))
+        let raw = self.verbs()?;
+        match crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip())) {
+            Ok(Some(ctx)) => Some(ctx),
+            // librdmacm keeps the context open while this id is bound to it: the handle holds
+            // the id.
+            _ => Some(VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>)),
+        }
+    }
+
+    /// The id-free context of this id's device (see [`CmId::context`]), for an id that is not
+    /// in an `Arc` (a listener's).
+    pub(crate) fn device_context(&self) -> Result<VerbsContext> {
+        let raw = self.verbs().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: self.local_addr() })?;
+        crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip()))?
+            .ok_or(Error::NoDevice { op: "rdma_get_devices", addr: self.local_addr() })
     }
 }
 
@@ -277,8 +295,10 @@ impl fmt::Debug for CmId {
 }
 
 impl VerbsContext {
-    /// The connection-manager id whose device context this is, when librdmacm opened it (a
-    /// context from [`VerbsContext::open`] has none).
+    /// The connection-manager id that keeps this context open, if one does: only a context
+    /// of a device librdmacm no longer lists ([`CmId::context`]). Contexts of librdmacm's
+    /// devices are kept by its device list and have none, as have contexts from
+    /// [`VerbsContext::open`].
     pub fn cm_id(&self) -> Option<Arc<CmId>> {
         Arc::clone(self.keeper()).downcast::<CmId>().ok()
     }

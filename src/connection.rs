@@ -567,10 +567,13 @@ pub struct RouteResolved {
 }
 
 impl RouteResolved {
-    /// The device context the route runs over.
+    /// The device context the route runs over: librdmacm's context of the device, which holds
+    /// no id, so PDs and CQs made on it may serve other connections and outlive this one (see
+    /// [`crate::cm_device`]).
     ///
     /// # Errors
-    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution).
+    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution), or
+    /// [`Error::Call`] when `rdma_get_devices` fails.
     pub fn context(&self) -> Result<VerbsContext> {
         context_of(&self.id)
     }
@@ -772,6 +775,20 @@ impl Listener {
         self.id.local_addr()
     }
 
+    /// librdmacm's context of the device this listener is bound to, which holds no id (see
+    /// [`crate::cm_device`]): make the PD, CQs and SRQ that the accepted connections will
+    /// share on it before the first request arrives. [`ConnectRequest::context`] returns the
+    /// same context for requests on that device.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] when the listener is bound to a wildcard address (`0.0.0.0`, `[::]`),
+    /// which is on no device (bind to the device's address, or use
+    /// [`VerbsContext::cm_for_addr`] / [`VerbsContext::cm_open`]); [`Error::Call`] when
+    /// `rdma_get_devices` fails.
+    pub fn context(&self) -> Result<VerbsContext> {
+        self.id.device_context()
+    }
+
     /// The listener's id token (a `CONNECT_REQUEST`'s [`CmEvent::listen_id`]).
     pub fn handle(&self) -> IdHandle {
         self.id.handle()
@@ -913,11 +930,14 @@ impl ConnectRequest {
         ProtectionDomain::new(&self.context()?)
     }
 
-    /// The device context of the request. Holding it keeps the request's id alive; PDs and CQs
-    /// made from it may serve this and later connections on the same device.
+    /// The device context of the request: librdmacm's context of the device, which holds no
+    /// id (see [`crate::cm_device`]). PDs, CQs and SRQs made from it may serve this and later
+    /// connections on the same device, and outlive this request's connection: dropping the
+    /// connection destroys its id even while they live.
     ///
     /// # Errors
-    /// [`Error::NoDevice`] if the request has no device (cannot happen for a request).
+    /// [`Error::NoDevice`] if the request has no device (cannot happen for a request), or
+    /// [`Error::Call`] when `rdma_get_devices` fails.
     pub fn context(&self) -> Result<VerbsContext> {
         context_of(&self.id)
     }

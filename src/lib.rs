@@ -79,7 +79,7 @@
 //!
 //! ```text
 //! Connection ─► QueuePair ─► CmId ─► EventChannel
-//!                   ├──────► CompletionQueue ─► VerbsContext ─► (the CmId librdmacm opened it for,
+//!                   ├──────► CompletionQueue ─► VerbsContext ─► (librdmacm's device list,
 //!                   ├──────► SharedReceiveQueue ─► ProtectionDomain         or the opened device)
 //!                   └──────► ProtectionDomain ─► VerbsContext
 //! MemoryRegion ─► ProtectionDomain
@@ -296,6 +296,7 @@ mod async_kind;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod closing;
+pub mod cm_device;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;

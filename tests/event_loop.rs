@@ -1,0 +1,133 @@
+//! What a new user meets writing a ucmatose-style server and client in one event loop (issue
+//! 20): device contexts that pin no connection, accept parameters taken from the request, event
+//! loop steps that hand their state back on an unexpected event, and `rdma_notify`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{DeviceTest, T};
+use rdma_cm::{
+    AccessFlags, Client, CompletionQueue, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr,
+    SendWr, Server, VerbsContext, WorkQueue,
+};
+
+/// The kernel's `rdma res show cm_id` lines.
+fn cm_ids() -> Vec<String> {
+    let out = Command::new("rdma").args(["res", "show", "cm_id"]).output().expect("run `rdma res show cm_id`");
+    assert!(out.status.success(), "`rdma res show cm_id` failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect()
+}
+
+/// Waits (bounded) until no cm_id the kernel tracks names `addr`; panics with the list if one
+/// still does.
+fn wait_cm_id_gone(addr: SocketAddr, within: Duration) {
+    let needle = format!("{addr} ");
+    let deadline = Instant::now() + within;
+    loop {
+        let ids = cm_ids();
+        if !ids.iter().any(|l| format!("{l} ").contains(&needle)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "a cm_id with {addr} is still there after {within:?}:\n{}", ids.join("\n"));
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether the kernel lists a cm_id that names `addr`.
+fn cm_id_listed(addr: SocketAddr) -> bool {
+    let needle = format!("{addr} ");
+    cm_ids().iter().any(|l| format!("{l} ").contains(&needle))
+}
+
+/// One client connection to `dst` with a receive posted for the server's message.
+fn connect_client(dst: SocketAddr) -> (Connection, MemoryRegion, Arc<ProtectionDomain>) {
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
+    q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
+    (q.connect(&ConnParam::new(), T).expect("client: connect"), mr, pd)
+}
+
+/// The listener's device context, opened before any request (by the listener, by name and by
+/// address: one `ibv_context`, librdmacm's), serves two connections in turn with one PD and one
+/// CQ. Dropping the first connection destroys its id while the PD and CQ live on (a context that
+/// held the first request's id kept it listed in `rdma res show cm_id` until the CQ went), and
+/// the second connection still works on them.
+#[test]
+fn a_listener_context_pins_no_connection() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let ctx = listener.context().expect("the context of a listener bound to the device's address");
+    let by_name = VerbsContext::cm_open(&ctx.device_name()).unwrap();
+    let by_addr = VerbsContext::cm_for_addr(t.addr).unwrap();
+    assert!(ctx.same_as(&by_name) && ctx.same_as(&by_addr), "librdmacm has one context per device");
+    assert!(ctx.cm_id().is_none() && by_addr.cm_id().is_none(), "the contexts hold no id");
+    let own = VerbsContext::open(&ctx.device_name()).unwrap();
+    assert!(!own.same_as(&ctx), "VerbsContext::open opens a context of its own");
+    assert!(VerbsContext::cm_open("no-such-device").is_err());
+    // The wildcard listener is on no device.
+    let any = Server::new().unwrap().bind("0.0.0.0:0".parse().unwrap()).unwrap().listen(1).unwrap();
+    assert!(matches!(any.context(), Err(rdma_cm::Error::NoDevice { .. })), "{:?}", any.context());
+    drop(any);
+
+    // The shared objects, made on the context found by address, before any request.
+    let pd = ProtectionDomain::new(&by_addr).unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    mr.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
+    drop((ctx, by_name, by_addr, own));
+
+    let (pd2, cq2) = (Arc::clone(&pd), Arc::clone(&cq));
+    let server = thread::spawn(move || {
+        let mut conns = vec![];
+        for _ in 0..2 {
+            let req = listener.get_request(T).expect("server: get_request");
+            assert!(req.context().unwrap().same_as(pd2.context()), "the request's context is the listener's");
+            let init = QpInit::new().send_cq(Arc::clone(&cq2)).recv_cq(Arc::clone(&cq2));
+            let q = req.create_qp(&pd2, init).expect("server: create_qp on the shared PD and CQ");
+            conns.push(q.accept(&ConnParam::new(), T).expect("server: accept"));
+            if conns.len() == 1 {
+                // Hand the first back at once, so the test can drop it before the second.
+                return (listener, conns);
+            }
+        }
+        unreachable!()
+    });
+    let (c1, mr1, pd1) = connect_client(dst);
+    let (listener, mut first) = server.join().unwrap();
+    let s1 = first.pop().unwrap();
+    let client1 = s1.peer_addr().expect("the first client's address");
+    assert!(cm_id_listed(client1), "the first connection's ids are listed while it lives");
+    // Both ends of the first connection go; the PD and CQ stay. (The server side goes first:
+    // nothing reads its id's events, so it would answer the client's disconnect only when its
+    // id is destroyed.)
+    drop(s1);
+    c1.disconnect(T).unwrap();
+    drop((mr1, pd1));
+    wait_cm_id_gone(client1, Duration::from_secs(5));
+
+    // The second connection, on the same PD and CQ.
+    let (pd2, cq2) = (Arc::clone(&pd), Arc::clone(&cq));
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).expect("server: second get_request");
+        let init = QpInit::new().send_cq(Arc::clone(&cq2)).recv_cq(cq2);
+        req.create_qp(&pd2, init).unwrap().accept(&ConnParam::new(), T).expect("server: second accept")
+    });
+    let (mut c2, mut cmr, cpd2) = connect_client(dst);
+    let mut s2 = server.join().unwrap();
+    s2.qp_mut().post_send(&[SendWr::send(&mr, 0..5).wr_id(7)]).unwrap();
+    s2.qp_mut().wait_for(WorkQueue::Send, 7, T).expect("the send's completion on the shared CQ");
+    let wc = c2.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    assert_eq!(&cmr.as_slice().unwrap()[..wc.byte_len() as usize], b"hello");
+    drop(s2);
+    c2.disconnect(T).unwrap();
+    drop((mr, cq, pd, cmr, cpd2));
+    t.finish();
+}
