@@ -91,6 +91,16 @@ pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
 
 /// Connection parameters for connect and accept. Defaults follow the seed program:
 /// responder_resources and initiator_depth 1, retry and RNR retry counts 7, no private data.
+/// [`ConnParam::from_request`] takes the RDMA READ depths from the request instead, as
+/// `rdma_accept(id, NULL)` does.
+///
+/// # Flow control
+///
+/// The crate always sends `flow_control = 1`, as the seed program did; there is no setter.
+/// The field says whether this side's hardware does end-to-end flow control: the CM passes it
+/// to the peer (it arrives in the peer's `CONNECT_REQUEST` or `ESTABLISHED`) and configures no
+/// QP with it (`rdma_connect(3)`, `rdma_accept(3)`). rxe sends unlimited credits in every ACK
+/// whatever the field says. `rdma_accept(id, NULL)` sends 0.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnParam {
     responder_resources: u8,
@@ -119,12 +129,44 @@ impl ConnParam {
     pub fn new() -> ConnParam {
         ConnParam::default()
     }
-    /// Outstanding RDMA READs the peer may send us.
+    /// librdmacm's "choose for me" value of [`ConnParam::responder_resources`] and
+    /// [`ConnParam::initiator_depth`] (`RDMA_MAX_RESP_RES`, `RDMA_MAX_INIT_DEPTH`): on
+    /// connect, the device's limit; on accept, the request's value, clamped to the device's
+    /// limit.
+    pub const FROM_DEVICE: u8 = 0xFF;
+
+    /// The parameters to accept `req` with as `rdma_accept(id, NULL)` would choose them: the
+    /// responder resources and initiator depth the request asks for (its
+    /// [`ConnectRequest::responder_resources`] and [`ConnectRequest::initiator_depth`], as seen
+    /// from this side), each clamped to this device's limit (`max_qp_rd_atom`,
+    /// `max_qp_init_rd_atom`) by librdmacm, which is what an explicit value over the limit
+    /// would fail with (`EINVAL`). The other fields are the defaults (retries 7, no private
+    /// data; add it with [`ConnParam::private_data`]); unlike `rdma_accept(id, NULL)`, the
+    /// crate's `flow_control` (1) is sent.
+    ///
+    /// The clamping happens in `rdma_accept` against the values librdmacm stored for the
+    /// accepted id, so the parameters follow whichever request they accept; `req` names the
+    /// intent.
+    ///
+    /// ```no_run
+    /// # fn f(req: rdma_cm::ConnectRequest, pd: &std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {
+    /// let param = rdma_cm::ConnParam::from_request(&req).private_data(b"welcome")?;
+    /// let conn = req.create_qp(pd, rdma_cm::QpInit::new())?.accept(&param, std::time::Duration::from_secs(5))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_request(req: &ConnectRequest) -> ConnParam {
+        let _ = req;
+        ConnParam::new().responder_resources(ConnParam::FROM_DEVICE).initiator_depth(ConnParam::FROM_DEVICE)
+    }
+
+    /// Outstanding RDMA READs (and atomics) the peer may send us; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
     pub fn responder_resources(mut self, n: u8) -> Self {
         self.responder_resources = n;
         self
     }
-    /// Outstanding RDMA READs we may send the peer.
+    /// Outstanding RDMA READs (and atomics) we may send the peer; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
     pub fn initiator_depth(mut self, n: u8) -> Self {
         self.initiator_depth = n;
         self

@@ -131,3 +131,60 @@ fn a_listener_context_pins_no_connection() {
     drop((mr, cq, pd, cmr, cpd2));
     t.finish();
 }
+
+/// `ConnParam::from_request` accepts with the RDMA READ depths the request asks for, as
+/// `rdma_accept(id, NULL)` does: the client's initiator depth becomes the server QP's
+/// responder resources and its responder resources the server's initiator depth (not the
+/// defaults, 1 and 1). With the client asking librdmacm for its device's limits
+/// (`ConnParam::FROM_DEVICE`), the server gets them clamped to its own. (rxe rounds both up to
+/// a power of two, so the values asked for are powers of two.)
+#[test]
+fn accept_from_request_takes_the_request_depths() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let limits = listener.context().unwrap().limits().unwrap();
+    let (max_resp, max_init) = (limits.max_qp_rd_atom.min(254) as u8, limits.max_qp_init_rd_atom.min(254) as u8);
+    assert!(max_resp >= 4 && max_init >= 4, "the device allows 4 outstanding READs: {limits:?}");
+    let cases = [
+        // (client initiator_depth, client responder_resources) -> (server responder, server initiator)
+        ((4u8, 2u8), (4u8, 2u8)),
+        ((ConnParam::FROM_DEVICE, ConnParam::FROM_DEVICE), (max_resp.min(max_init), max_init.min(max_resp))),
+    ];
+    let server = thread::spawn(move || {
+        let mut seen = vec![];
+        for _ in 0..cases.len() {
+            let req = listener.get_request(T).unwrap();
+            let asked = (req.responder_resources(), req.initiator_depth());
+            let param = ConnParam::from_request(&req);
+            let pd = req.alloc_pd().unwrap();
+            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&param, T).expect("accept from the request");
+            let a = conn.qp().attributes().unwrap();
+            seen.push((asked, (a.max_dest_rd_atomic, a.max_rd_atomic)));
+            drop(conn); // answers the client's disconnect at once
+        }
+        seen
+    });
+    for ((init, resp), _) in cases {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let param = ConnParam::new().initiator_depth(init).responder_resources(resp);
+        let mut conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&param, T).expect("connect");
+        let _ = conn.next_event(T); // the server's disconnect
+        drop(conn);
+    }
+    let seen = server.join().unwrap();
+    // The first request, from this side: its responder resources are the client's initiator
+    // depth (what the client will send us), its initiator depth the client's responder
+    // resources (what we may send it).
+    assert_eq!(seen[0].0, (4, 2), "the request's depths as the server sees them");
+    for (((_, want), (_, got)), i) in cases.iter().zip(&seen).zip(0..) {
+        let rounded = (want.0.next_power_of_two(), want.1.next_power_of_two()); // rxe's rounding
+        assert!(
+            *got == *want || *got == rounded,
+            "case {i}: the server QP's (max_dest_rd_atomic, max_rd_atomic) are {got:?}, not {want:?}"
+        );
+        assert_ne!(*got, (1, 1), "case {i}: not the defaults");
+    }
+    t.finish();
+}
