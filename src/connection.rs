@@ -67,6 +67,7 @@
 //! serves many connections on one channel uses [`EventChannel::get_event`],
 //! [`ConnectRequest::from_event`], [`ServerQp::start_accept`] and [`Accepting::complete`].
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -80,6 +81,7 @@ use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::pd::ProtectionDomain;
 use crate::qp::{Link, QpInit, QueuePair};
+use crate::step::StepError;
 use crate::user_qp::{self, UserQp};
 
 /// Most private data `rdma_connect` carries on RC.
@@ -328,14 +330,15 @@ pub(crate) fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
         e => e,
     })?;
-    check_event(id, ev, expected, op)
+    check_event(id, &ev, expected, op)?;
+    Ok(ev)
 }
 
 /// Accepts `ev` if it is `expected` for `id`; turns anything else into a clear error.
-pub(crate) fn check_event(id: &CmId, ev: CmEvent, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
+pub(crate) fn check_event(id: &CmId, ev: &CmEvent, expected: CmEventType, op: &'static str) -> Result<()> {
     let peer = id.peer_addr();
     if ev.event_type() == expected && ev.id() == id.handle() {
-        return Ok(ev);
+        return Ok(());
     }
     // Resolution errors carry a negative errno: report them as the call that failed.
     if matches!(ev.event_type(), CmEventType::AddrError | CmEventType::RouteError) && ev.status() < 0 {
@@ -475,14 +478,19 @@ impl ResolvingAddr {
         self.id.resolve_addr(src, dst, timeout)
     }
 
-    /// Completes the step with the id's `ADDR_RESOLVED` event.
+    /// Completes the step with the id's `ADDR_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after an
+    /// `ADDR_ERROR`, [`ResolvingAddr::retry`] it and feed it the next event.
     ///
     /// # Errors
     /// [`Error::Call`] for an `ADDR_ERROR` (with the errno and hint);
-    /// [`Error::UnexpectedEvent`] for any other event or another id's.
-    pub fn complete(self, ev: CmEvent) -> Result<AddrResolved> {
-        check_event(&self.id, ev, CmEventType::AddrResolved, "rdma_resolve_addr")?;
-        Ok(AddrResolved { id: self.id })
+    /// [`Error::UnexpectedEvent`] for any other event or another id's; either way with this
+    /// state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<AddrResolved, StepError<ResolvingAddr>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::AddrResolved, "rdma_resolve_addr") {
+            Ok(()) => Ok(AddrResolved { id: self.id }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
     }
 }
 
@@ -507,13 +515,17 @@ impl ResolvingRoute {
         self.id.resolve_route(timeout)
     }
 
-    /// Completes the step with the id's `ROUTE_RESOLVED` event.
+    /// Completes the step with the id's `ROUTE_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after a
+    /// `ROUTE_ERROR`, [`ResolvingRoute::retry`] it.
     ///
     /// # Errors
-    /// As for [`ResolvingAddr::complete`].
-    pub fn complete(self, ev: CmEvent) -> Result<RouteResolved> {
-        check_event(&self.id, ev, CmEventType::RouteResolved, "rdma_resolve_route")?;
-        Ok(RouteResolved { id: Arc::new(self.id) })
+    /// As for [`ResolvingAddr::complete`] (`ROUTE_ERROR` names `rdma_resolve_route`).
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<RouteResolved, StepError<ResolvingRoute>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::RouteResolved, "rdma_resolve_route") {
+            Ok(()) => Ok(RouteResolved { id: Arc::new(self.id) }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
     }
 }
 
@@ -551,15 +563,26 @@ impl Connecting {
     }
 
     /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for a
-    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`).
+    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`), given by
+    /// reference or by value. Any other event gives this state back in the [`StepError`].
     ///
     /// # Errors
     /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
-    /// hint, or another id's event; for a [`UserQp`], [`Error::Call`] naming the
-    /// `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish` call that failed.
-    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
-        let ev = check_event(&self.id, ev, connected_event(self.user), "rdma_connect")?;
-        finish_connect(self.id, self.qp, self.user, &ev)
+    /// hint, or another id's event (the state can take the right event later; after
+    /// `REJECTED` or `UNREACHABLE` the connect is over: drop it); for a [`UserQp`],
+    /// [`Error::Call`] naming the `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish`
+    /// call that failed. Each with this state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Connecting>> {
+        let ev = ev.borrow();
+        if let Err(e) = check_event(&self.id, ev, connected_event(self.user), "rdma_connect") {
+            return Err(StepError::new(self, e));
+        }
+        if self.user {
+            if let Err(e) = user_qp::establish(&self.id, &self.qp) {
+                return Err(StepError::new(self, e));
+            }
+        }
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))
     }
 }
 
@@ -880,9 +903,17 @@ impl ConnectRequest {
     /// it, and [`ServerQp::accept`] works too (it takes only this id's events).
     ///
     /// # Errors
-    /// [`Error::UnexpectedEvent`] for any other event.
-    pub fn from_event(ev: CmEvent) -> Result<ConnectRequest> {
-        Self::build(ev, false)
+    /// [`Error::UnexpectedEvent`] for any other event, which the [`StepError`] gives back
+    /// (for its owner).
+    pub fn from_event(mut ev: CmEvent) -> std::result::Result<ConnectRequest, StepError<CmEvent>> {
+        let id = if ev.event_type() == CmEventType::ConnectRequest { ev.take_id() } else { None };
+        match id {
+            Some(id) => Ok(Self::from_parts(&ev, id)),
+            None => {
+                let e = ev.unexpected("taking a connection request", CmEventType::ConnectRequest);
+                Err(StepError::new(ev, e))
+            }
+        }
     }
 
     /// `own_channel`: move the new id onto a fresh channel of its own first.
@@ -898,12 +929,16 @@ impl ConnectRequest {
             id.migrate(&ch)?;
             id.set_channel(ch);
         }
-        Ok(ConnectRequest {
+        Ok(Self::from_parts(&ev, id))
+    }
+
+    fn from_parts(ev: &CmEvent, id: CmId) -> ConnectRequest {
+        ConnectRequest {
             id: Arc::new(id),
             private_data: *ev.private_data(),
             responder_resources: ev.responder_resources(),
             initiator_depth: ev.initiator_depth(),
-        })
+        }
     }
 
     /// The peer's address.
@@ -1045,7 +1080,7 @@ impl ServerQp {
         let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
         let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
-        acc.complete(ev)
+        Ok(acc.complete(&ev)?)
     }
 
     /// Accepts without waiting; feed the id's next event to [`Accepting::complete`].
@@ -1098,13 +1133,19 @@ impl Accepting {
         &self.qp
     }
 
-    /// Completes the handshake with the id's `ESTABLISHED` event.
+    /// Completes the handshake with the id's `ESTABLISHED` event, given by reference or by
+    /// value. Any other event gives this state back in the [`StepError`], so an event loop
+    /// loses nothing when it feeds it the wrong one.
     ///
     /// # Errors
-    /// [`Error::UnexpectedEvent`] for any other event or an event of another id.
-    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
+    /// [`Error::UnexpectedEvent`] for any other event or an event of another id, with this
+    /// state, unchanged (after `CONNECT_ERROR`, `UNREACHABLE` or `DISCONNECTED` the connection
+    /// is over: drop it, which destroys the id).
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Accepting>> {
+        let ev = ev.borrow();
         if ev.event_type() != CmEventType::Established || ev.id() != self.id.handle() {
-            return Err(with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr()));
+            let e = with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr());
+            return Err(StepError::new(self, e));
         }
         Ok(Connection::new(self.id, self.qp, self.private_data, self.user))
     }

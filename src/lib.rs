@@ -314,6 +314,7 @@ mod qp_attr;
 mod ring;
 pub mod srq;
 pub mod status;
+pub mod step;
 pub mod ud;
 pub mod ud_cm;
 pub mod user_qp;
@@ -343,6 +344,7 @@ pub use private_data::QpInfo;
 pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use srq::SharedReceiveQueue;
+pub use step::StepError;
 pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use common::{DeviceTest, T};
 use rdma_cm::{
-    AccessFlags, Client, CompletionQueue, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr,
-    SendWr, Server, VerbsContext, WorkQueue,
+    Accepting, AccessFlags, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connecting,
+    Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, RecvWr, ResolvingAddr,
+    ResolvingRoute, SendWr, Server, StepError, VerbsContext, WorkQueue,
 };
 
 /// The kernel's `rdma res show cm_id` lines.
@@ -186,5 +187,172 @@ fn accept_from_request_takes_the_request_depths() {
         );
         assert_ne!(*got, (1, 1), "case {i}: not the defaults");
     }
+    t.finish();
+}
+
+/// One step of a connection in the event loop below.
+enum State {
+    Addr(ResolvingAddr),
+    Route(ResolvingRoute),
+    Connect(Connecting),
+    Accept(Accepting),
+}
+
+impl State {
+    fn handle(&self) -> IdHandle {
+        match self {
+            State::Addr(s) => s.handle(),
+            State::Route(s) => s.handle(),
+            State::Connect(s) => s.handle(),
+            State::Accept(s) => s.handle(),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            State::Addr(_) => "ResolvingAddr",
+            State::Route(_) => "ResolvingRoute",
+            State::Connect(_) => "Connecting",
+            State::Accept(_) => "Accepting",
+        }
+    }
+}
+
+/// What feeding an event to a state gives.
+enum Outcome {
+    Next(State),
+    Done(Connection),
+    /// The state back, with why it did not complete.
+    Back(State, Error),
+}
+
+/// Feeds `ev` to `st`.
+fn step(st: State, ev: &CmEvent) -> Outcome {
+    fn back<S>(e: StepError<S>, wrap: fn(S) -> State) -> Outcome {
+        let (s, e) = e.into_parts();
+        Outcome::Back(wrap(s), e)
+    }
+    match st {
+        State::Addr(s) => match s.complete(ev) {
+            Ok(a) => Outcome::Next(State::Route(a.start_resolve_route(T).unwrap())),
+            Err(e) => back(e, State::Addr),
+        },
+        State::Route(s) => match s.complete(ev) {
+            Ok(r) => {
+                let pd = r.alloc_pd().unwrap();
+                Outcome::Next(State::Connect(
+                    r.create_qp(&pd, QpInit::new()).unwrap().start(&ConnParam::new()).unwrap(),
+                ))
+            }
+            Err(e) => back(e, State::Route),
+        },
+        State::Connect(s) => match s.complete(ev) {
+            Ok(c) => Outcome::Done(c),
+            Err(e) => back(e, State::Connect),
+        },
+        State::Accept(s) => match s.complete(ev) {
+            Ok(c) => Outcome::Done(c),
+            Err(e) => back(e, State::Accept),
+        },
+    }
+}
+
+/// Two clients and a server on one channel, in one thread, driven by the non-blocking steps.
+/// Every event is first fed to a state it is not for (another id's, which is not waiting for
+/// it) and to `ConnectRequest::from_event` when it is no request, and each connecting client
+/// is first fed its own stale `ADDR_RESOLVED`: each time the state (or the event) comes back
+/// with `UnexpectedEvent`, is put back, and still completes with the right event. Both
+/// connections are established and carry a message.
+#[test]
+fn event_loop_steps_hand_their_state_back() {
+    let t = DeviceTest::start();
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let mut states: Vec<State> = vec![];
+    for _ in 0..2 {
+        states.push(State::Addr(Client::on_channel(&ch).unwrap().start_resolve(None, dst, T).unwrap()));
+    }
+    let clients: Vec<IdHandle> = states.iter().map(State::handle).collect();
+    let mut stale: Vec<(IdHandle, CmEvent)> = vec![]; // each client's ADDR_RESOLVED, kept
+    let (mut conns, mut refused, mut server_pds) = (vec![], 0, vec![]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while conns.len() < 4 {
+        assert!(Instant::now() < deadline, "{} of 4 connections after 60 s", conns.len());
+        let ev = ch.get_event(T).expect("the next event of the loop");
+        // An event that is not a request comes back from ConnectRequest::from_event.
+        let ev = if ev.event_type() == CmEventType::ConnectRequest {
+            let req = ConnectRequest::from_event(ev).expect("a request");
+            let pd = req.alloc_pd().unwrap();
+            let acc = req.create_qp(&pd, QpInit::new()).unwrap().start_accept(&ConnParam::new()).unwrap();
+            server_pds.push(pd);
+            states.push(State::Accept(acc));
+            continue;
+        } else {
+            let kind = ev.event_type();
+            let back = ConnectRequest::from_event(ev).expect_err("not a request");
+            assert!(matches!(back.error(), Error::UnexpectedEvent { .. }), "{}", back.error());
+            let ev = back.into_state();
+            assert_eq!(ev.event_type(), kind, "the event comes back as it was");
+            refused += 1;
+            ev
+        };
+        // Fed first to a state of another id: refused, and given back.
+        if let Some(i) = states.iter().position(|s| s.handle() != ev.id()) {
+            let other = states.swap_remove(i);
+            let (h, name) = (other.handle(), other.name());
+            let Outcome::Back(other, e) = step(other, &ev) else {
+                panic!("{name} took another id's {}", ev.event_type())
+            };
+            assert!(matches!(e, Error::UnexpectedEvent { .. }), "{name} given another id's event: {e}");
+            assert_eq!((other.handle(), other.name()), (h, name), "the state comes back unchanged");
+            states.push(other);
+            refused += 1;
+        }
+        let i = states.iter().position(|s| s.handle() == ev.id()).expect("an event of a state in the loop");
+        let mut st = states.swap_remove(i);
+        // A connecting client is first fed its own stale ADDR_RESOLVED: same id, wrong kind.
+        if let State::Connect(_) = st {
+            let (_, old) = stale.iter().find(|(h, _)| *h == ev.id()).expect("the client's ADDR_RESOLVED");
+            let Outcome::Back(back, e) = step(st, old) else { panic!("Connecting took ADDR_RESOLVED") };
+            assert!(
+                matches!(
+                    e,
+                    Error::UnexpectedEvent { expected: CmEventType::Established, got: CmEventType::AddrResolved, .. }
+                ),
+                "{e}"
+            );
+            st = back;
+            refused += 1;
+        }
+        match step(st, &ev) {
+            Outcome::Next(next) => states.push(next),
+            Outcome::Done(conn) => conns.push(conn),
+            Outcome::Back(st, e) => panic!("{} refused its own {}: {e}", st.name(), ev.event_type()),
+        }
+        if ev.event_type() == CmEventType::AddrResolved {
+            stale.push((ev.id(), ev));
+        }
+    }
+    assert!(states.is_empty());
+    assert!(refused >= 8, "the wrong events were fed ({refused} times)");
+    // Both pairs work: each client sends to its server side.
+    let (mut cl, mut sv): (Vec<_>, Vec<_>) = conns.into_iter().partition(|c| clients.contains(&c.id().handle()));
+    assert_eq!((cl.len(), sv.len()), (2, 2));
+    for c in &mut cl {
+        let s = sv.iter_mut().find(|s| s.peer_addr() == c.local_addr()).expect("the client's server side");
+        let rmr = MemoryRegion::new(s.qp().pd(), 16, AccessFlags::LOCAL_WRITE).unwrap();
+        s.qp_mut().post_recv(&[RecvWr::new(&rmr, 0..16).wr_id(1)]).unwrap();
+        let mut smr = MemoryRegion::new(c.qp().pd(), 16, AccessFlags::LOCAL_WRITE).unwrap();
+        smr.as_mut_slice().unwrap()[..4].copy_from_slice(b"ping");
+        c.qp_mut().post_send(&[SendWr::send(&smr, 0..4).wr_id(2)]).unwrap();
+        c.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+        assert_eq!(s.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 4);
+    }
+    drop((sv, server_pds, stale));
+    for c in cl {
+        c.disconnect(T).unwrap();
+    }
+    drop(listener);
     t.finish();
 }
