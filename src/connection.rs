@@ -798,7 +798,16 @@ pub struct Bound {
 }
 
 impl Bound {
-    /// Starts listening with `backlog` pending requests.
+    /// Starts listening (`rdma_listen`), with room for `backlog` connection requests that have
+    /// not been read from the channel yet.
+    ///
+    /// The kernel's `rdma_ucm` counts, per listener, the `CONNECT_REQUEST` events queued on its
+    /// channel and not yet read (by any reader: requests the crate has read and keeps for a
+    /// targeted wait no longer count). A `backlog` of 0 or less, or one at or above the
+    /// `net.rdma_ucm.max_backlog` sysctl (1024 by default), means that sysctl's value: `listen(0)`
+    /// is "as many as the system allows", not "none". A request that arrives while the backlog
+    /// is full is dropped without a reject (the kernel's CM leaves it for the client's CM to
+    /// send again), so a client sees a slow connect, or a timeout, rather than `REJECTED`.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_listen` fails (`EADDRINUSE`: the port is taken).
@@ -1233,8 +1242,11 @@ impl Connection {
         Ok(ev)
     }
 
-    /// Feeds an event of this connection's id, read from a shared channel by an event loop,
-    /// so that a `DISCONNECTED` flushes the QP.
+    /// Feeds an event of this connection's id, read from a shared channel by an event loop.
+    /// A `DISCONNECTED` (the peer left) is answered here: `rdma_disconnect` sends the CM's
+    /// reply the peer's disconnect waits for, and moves the QP to the error state, which
+    /// flushes its posted work (see "Disconnects" in the crate docs). Events of other ids are
+    /// ignored.
     pub fn handle_event(&mut self, ev: &CmEvent) {
         if ev.id() == self.id.handle() && is_peer_gone(ev) {
             self.qp.peer_gone();
@@ -1247,8 +1259,13 @@ impl Connection {
     }
 
     /// Starts a disconnect without waiting (`rdma_disconnect`; the QP goes to the error state):
-    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent
-    /// (not when the peer had left already, or it was sent before).
+    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent.
+    ///
+    /// `Ok(false)` means there was nothing to send: either the peer left first (its
+    /// `DISCONNECTED` was seen, [`Connection::is_disconnected`] is true, and the connection
+    /// answered it then, so no `DISCONNECTED` is to come), or this side disconnected before
+    /// (the `DISCONNECTED` that answers it is still to come unless seen already). The QP is
+    /// in the error state either way.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails.
