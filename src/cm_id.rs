@@ -182,6 +182,38 @@ impl CmId {
         check_rdma(ret, what)
     }
 
+    /// Tells the connection manager of an asynchronous event of the id's QP (`rdma_notify`):
+    /// [`AsyncEventKind::CommEstablished`](crate::AsyncEventKind::CommEstablished), when a
+    /// message arrived on the QP before the CM's handshake completed (on InfiniBand the CM then
+    /// moves the connection to established and reports `ESTABLISHED` at once, instead of
+    /// after its RTU arrives or a retry), or
+    /// [`AsyncEventKind::PathMigrated`](crate::AsyncEventKind::PathMigrated).
+    ///
+    /// The crate calls this itself for `COMM_EST` on a QP made through the connection
+    /// typestates (or a [`UserQp`](crate::UserQp) attached to them), whenever the context's
+    /// events are read (see [`crate::async_event`]); call it directly for a QP it does not
+    /// know. rxe never reports `COMM_EST`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for any other kind, before any call; [`Error::Call`] when
+    /// `rdma_notify` fails: `EISCONN` once the connection is established (nothing to do),
+    /// `EINVAL` when the id has no connection (or its transport, iWARP, takes no notice).
+    pub fn notify(&self, event: crate::AsyncEventKind) -> Result<()> {
+        use crate::AsyncEventKind as K;
+        let raw = match event {
+            K::CommEstablished => ffi::ibv_event_type::IBV_EVENT_COMM_EST,
+            K::PathMigrated => ffi::ibv_event_type::IBV_EVENT_PATH_MIG,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "rdma_notify takes COMM_EST or PATH_MIG, not {other} (the CM acts on no other event)"
+                )))
+            }
+        };
+        // SAFETY: the id is valid for the call; rdma_notify writes one command to the id's
+        // channel and touches nothing else of the id.
+        check_rdma(unsafe { ffi::rdma_notify(self.as_raw(), raw) }, "rdma_notify")
+    }
+
     pub(crate) fn verbs(&self) -> Option<NonNull<ffi::ibv_context>> {
         // SAFETY: the id is valid; verbs is set by librdmacm once the id is bound to a device.
         NonNull::new(unsafe { (*self.raw.as_ptr()).verbs })

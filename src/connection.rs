@@ -283,6 +283,12 @@ impl Link for CmLink {
     fn peer_addr(&self) -> Option<SocketAddr> {
         self.0.peer_addr()
     }
+
+    fn comm_established(&self) {
+        // EISCONN (the CM saw the handshake complete first) and EINVAL (a transport whose CM
+        // takes no notification) both leave nothing to do.
+        let _ = self.0.notify(crate::AsyncEventKind::CommEstablished);
+    }
 }
 
 pub(crate) fn is_peer_gone(ev: &CmEvent) -> bool {
@@ -325,8 +331,24 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
 
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
 pub(crate) fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
+    expect_watching(id, expected, op, timeout, None)
+}
+
+/// [`expect`], reading the device events of `ctx` meanwhile (see
+/// `EventChannel::get_event_for_watching`).
+pub(crate) fn expect_watching(
+    id: &CmId,
+    expected: CmEventType,
+    op: &'static str,
+    timeout: Duration,
+    ctx: Option<&VerbsContext>,
+) -> Result<CmEvent> {
     let peer = id.peer_addr();
-    let ev = id.channel().get_event_for(id.handle(), timeout).map_err(|e| match e {
+    let got = match ctx {
+        Some(ctx) => id.channel().get_event_for_watching(id.handle(), timeout, ctx),
+        None => id.channel().get_event_for(id.handle(), timeout),
+    };
+    let ev = got.map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
         e => e,
     })?;
@@ -1088,7 +1110,10 @@ impl ServerQp {
         let id = Arc::clone(&self.id);
         let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
-        let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
+        // The device's events are read meanwhile: a COMM_EST of the QP (the client's first
+        // message came before the CM's RTU) is answered, so ESTABLISHED is not held up.
+        let ctx = acc.qp.pd().context().clone();
+        let ev = expect_watching(&acc.id, CmEventType::Established, "rdma_accept", timeout, Some(&ctx))?;
         Ok(acc.complete(&ev)?)
     }
 

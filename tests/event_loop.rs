@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{DeviceTest, T};
+use common::{DeviceTest, PairSpec, T};
 use rdma_cm::{
-    Accepting, AccessFlags, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connecting,
-    Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, RecvWr, ResolvingAddr,
-    ResolvingRoute, SendWr, Server, StepError, VerbsContext, WorkQueue,
+    Accepting, AccessFlags, AsyncEventKind, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest,
+    Connecting, Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, RecvWr,
+    ResolvingAddr, ResolvingRoute, SendWr, Server, StepError, VerbsContext, WorkQueue,
 };
 
 /// The kernel's `rdma res show cm_id` lines.
@@ -354,5 +354,41 @@ fn event_loop_steps_hand_their_state_back() {
         c.disconnect(T).unwrap();
     }
     drop(listener);
+    t.finish();
+}
+
+/// `CmId::notify`: kinds the CM takes no notice of are refused before any call; on an
+/// established id `rdma_notify(COMM_EST)` fails with the errno the kernel's CM gives
+/// (`EISCONN`: nothing to do). The client sends right after `ESTABLISHED`; rxe raises no
+/// `COMM_EST` for it (its responder raises no such event), so on rxe the server's QP reports
+/// none; elsewhere, one it reports was answered and the connection works.
+#[test]
+fn rdma_notify_on_an_established_id() {
+    let t = DeviceTest::start();
+    let server_spec = PairSpec { pre_recv: vec![(1, 64)], ..PairSpec::default() };
+    let (mut client, mut server) = common::pair(t.addr, PairSpec::default(), server_spec);
+    // The client's first message, right after its ESTABLISHED.
+    client.mrs[0].as_mut_slice().unwrap()[..5].copy_from_slice(b"early");
+    client.conn.qp_mut().post_send(&[SendWr::send(&client.mrs[0], 0..5).wr_id(9)]).unwrap();
+    let e = client.conn.id().notify(AsyncEventKind::QpFatal).expect_err("QP_FATAL is no notice");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    for (side, conn) in [("client", &client.conn), ("server", &server.conn)] {
+        let e = conn.id().notify(AsyncEventKind::CommEstablished).expect_err("the connection is established");
+        assert!(matches!(e, Error::Call { op: "rdma_notify", .. }), "{side}: {e}");
+        assert_eq!(e.errno(), Some(libc::EISCONN), "{side}: {e}");
+    }
+    let wc = server.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("the client's first message");
+    assert_eq!(wc.byte_len(), 5);
+    client.conn.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
+    let seen = server.conn.qp().last_async_event().unwrap();
+    if server.conn.qp().pd().context().device_name().starts_with("rxe") {
+        assert_eq!(seen, None, "rxe raised an async event for the server's QP");
+    } else if seen == Some(AsyncEventKind::CommEstablished) {
+        eprintln!("the device raised COMM_EST; it was answered");
+    }
+    drop(server);
+    let common::Side { conn, pd, mrs } = client;
+    conn.disconnect(T).unwrap();
+    drop((mrs, pd));
     t.finish();
 }
