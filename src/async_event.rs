@@ -56,7 +56,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use rdma_sys as ffi;
@@ -65,6 +65,7 @@ pub use crate::async_kind::AsyncEventKind;
 use crate::async_kind::Subject;
 use crate::device::VerbsContext;
 use crate::error::{errno, Error, Result};
+use crate::qp::Link;
 use crate::wait::{poll_readable, pollfd, Deadline};
 
 /// Events a context keeps for its sources (the most recent ones; older ones are counted as
@@ -163,7 +164,7 @@ struct RawAsyncEvent {
 }
 
 /// What one object has been told: kept by the object, filled by whoever reads the events.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct ObjectEvents {
     /// Raw kind + 1 of the last event (0: none).
     last: AtomicU32,
@@ -171,6 +172,21 @@ pub(crate) struct ObjectEvents {
     fatal: AtomicU32,
     /// An SRQ limit event arrived since the limit was last armed.
     limit: AtomicBool,
+    /// For a QP a connection manager drives: who answers its `COMM_EST` (`rdma_notify`).
+    answer: OnceLock<Weak<dyn Link>>,
+    /// How many `COMM_EST` events were answered.
+    answered: AtomicU32,
+}
+
+impl fmt::Debug for ObjectEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ObjectEvents")
+            .field("last", &self.last())
+            .field("fatal", &self.fatal())
+            .field("limit", &self.limit())
+            .field("answered", &self.answered.load(Ordering::Relaxed))
+            .finish()
+    }
 }
 
 impl ObjectEvents {
@@ -183,6 +199,26 @@ impl ObjectEvents {
         if kind == AsyncEventKind::SrqLimitReached {
             self.limit.store(true, Ordering::Release);
         }
+        if kind == AsyncEventKind::CommEstablished {
+            // The QP is registered (this runs under the registry's lock, for a registered
+            // object), and it holds its link until after it leaves the registry, so the link is
+            // alive and this handle of it is never the last one.
+            if let Some(link) = self.answer.get().and_then(Weak::upgrade) {
+                link.comm_established();
+                self.answered.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Makes `link` the one that answers this QP's `COMM_EST` (once; later calls change nothing).
+    pub(crate) fn answer_with(&self, link: Weak<dyn Link>) {
+        let _ = self.answer.set(link);
+    }
+
+    /// How many `COMM_EST` events were answered through the link.
+    #[cfg(test)]
+    pub(crate) fn answered(&self) -> u32 {
+        self.answered.load(Ordering::Acquire)
     }
 
     fn decode(v: u32) -> Option<AsyncEventKind> {
@@ -236,6 +272,13 @@ impl HubState {
             next: 0,
             sources: Vec::new(),
             next_source: 0,
+        }
+    }
+
+    /// Delivers `ev` to the registered object it names, if any (answering a QP's `COMM_EST`).
+    fn dispatch(&self, ev: &AsyncEvent) {
+        if let Some(obj) = ev.key().and_then(|k| self.objects.get(&k)) {
+            obj.deliver(ev.kind);
         }
     }
 
@@ -333,9 +376,7 @@ impl Hub {
                 return Err(Error::call("ibv_get_async_event", e, None));
             }
             let ev = AsyncEvent::from_raw(&raw);
-            if let Some(obj) = ev.key().and_then(|k| st.objects.get(&k)) {
-                obj.deliver(ev.kind);
-            }
+            st.dispatch(&ev);
             if ev.kind == AsyncEventKind::DeviceFatal {
                 self.device_fatal.store(true, Ordering::Release);
             }
@@ -669,6 +710,74 @@ mod tests {
             got += 1;
         }
         assert_eq!((got, lost_b), (LOG_LEN, 5));
+    }
+
+    /// A link that counts the `COMM_EST` notices it is asked to send.
+    #[derive(Default)]
+    struct Counting(AtomicU32);
+
+    impl Link for Counting {
+        fn destroy(&self, _qp: *mut ffi::ibv_qp) -> i32 {
+            0
+        }
+        fn watch_fd(&self) -> Option<RawFd> {
+            None
+        }
+        #[cfg(feature = "tokio")]
+        fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
+            None
+        }
+        fn peer_left(&self) -> Result<bool> {
+            Ok(false)
+        }
+        fn disconnect(&self) -> Result<()> {
+            Ok(())
+        }
+        fn peer_addr(&self) -> Option<std::net::SocketAddr> {
+            None
+        }
+        fn comm_established(&self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The routing that answers `COMM_EST` (rxe never raises it, so the device suite cannot):
+    /// the event of a registered QP with a link is answered once per event, through that QP's
+    /// link only; other kinds, other QPs, a CQ at the same address and a QP whose link is
+    /// gone are not.
+    #[test]
+    fn comm_est_of_a_cm_qp_is_answered_through_its_link() {
+        let mut st = HubState::new();
+        let link = Arc::new(Counting::default());
+        let other = Arc::new(Counting::default());
+        let qp = Arc::new(ObjectEvents::default());
+        let as_link = Arc::clone(&link) as Arc<dyn Link>;
+        qp.answer_with(Arc::downgrade(&as_link));
+        qp.answer_with(Arc::downgrade(&(Arc::clone(&other) as Arc<dyn Link>))); // set once only
+        st.objects.insert((Subject::Qp, 0x1000), Arc::clone(&qp));
+        let plain = Arc::new(ObjectEvents::default()); // a QP no CM drives
+        st.objects.insert((Subject::Qp, 0x3000), Arc::clone(&plain));
+        let ev = |kind, element| AsyncEvent { kind, element };
+        st.dispatch(&ev(AsyncEventKind::CommEstablished, AsyncElement::Qp(0x1000)));
+        assert_eq!((link.0.load(Ordering::Relaxed), qp.answered()), (1, 1));
+        assert_eq!(qp.last(), Some(AsyncEventKind::CommEstablished));
+        for e in [
+            ev(AsyncEventKind::CommEstablished, AsyncElement::Qp(0x2000)), // not registered
+            ev(AsyncEventKind::CommEstablished, AsyncElement::Qp(0x3000)), // no link
+            ev(AsyncEventKind::CqError, AsyncElement::Cq(0x1000)),
+            ev(AsyncEventKind::SqDrained, AsyncElement::Qp(0x1000)),
+            ev(AsyncEventKind::PathMigrated, AsyncElement::Qp(0x1000)),
+        ] {
+            st.dispatch(&e);
+        }
+        assert_eq!((link.0.load(Ordering::Relaxed), qp.answered(), other.0.load(Ordering::Relaxed)), (1, 1, 0));
+        assert_eq!(plain.last(), Some(AsyncEventKind::CommEstablished));
+        st.dispatch(&ev(AsyncEventKind::CommEstablished, AsyncElement::Qp(0x1000)));
+        assert_eq!(link.0.load(Ordering::Relaxed), 2, "each COMM_EST is answered");
+        // The link gone (its QP dropped): nothing is called, nothing panics.
+        drop((as_link, link));
+        st.dispatch(&ev(AsyncEventKind::CommEstablished, AsyncElement::Qp(0x1000)));
+        assert_eq!(qp.answered(), 2);
     }
 
     #[test]

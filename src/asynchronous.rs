@@ -40,7 +40,8 @@ impl EventChannel {
 
 async fn expect_async(id: &CmId, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
     let ev = id.channel().get_event_for_async(id.handle()).await?;
-    check_event(id, ev, expected, op)
+    check_event(id, &ev, expected, op)?;
+    Ok(ev)
 }
 
 impl Client {
@@ -111,7 +112,7 @@ impl ServerQp {
         let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
         let ev = expect_async(&acc.id, CmEventType::Established, "rdma_accept").await?;
-        acc.complete(ev)
+        Ok(acc.complete(&ev)?)
     }
 }
 

@@ -182,6 +182,38 @@ impl CmId {
         check_rdma(ret, what)
     }
 
+    /// Tells the connection manager of an asynchronous event of the id's QP (`rdma_notify`):
+    /// [`AsyncEventKind::CommEstablished`](crate::AsyncEventKind::CommEstablished), when a
+    /// message arrived on the QP before the CM's handshake completed (on InfiniBand the CM then
+    /// moves the connection to established and reports `ESTABLISHED` at once, instead of
+    /// after its RTU arrives or a retry), or
+    /// [`AsyncEventKind::PathMigrated`](crate::AsyncEventKind::PathMigrated).
+    ///
+    /// The crate calls this itself for `COMM_EST` on a QP made through the connection
+    /// typestates (or a [`UserQp`](crate::UserQp) attached to them), whenever the context's
+    /// events are read (see [`crate::async_event`]); call it directly for a QP it does not
+    /// know. rxe never reports `COMM_EST`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for any other kind, before any call; [`Error::Call`] when
+    /// `rdma_notify` fails: `EISCONN` once the connection is established (nothing to do),
+    /// `EINVAL` when the id has no connection (or its transport, iWARP, takes no notice).
+    pub fn notify(&self, event: crate::AsyncEventKind) -> Result<()> {
+        use crate::AsyncEventKind as K;
+        let raw = match event {
+            K::CommEstablished => ffi::ibv_event_type::IBV_EVENT_COMM_EST,
+            K::PathMigrated => ffi::ibv_event_type::IBV_EVENT_PATH_MIG,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "rdma_notify takes COMM_EST or PATH_MIG, not {other} (the CM acts on no other event)"
+                )))
+            }
+        };
+        // SAFETY: the id is valid for the call; rdma_notify writes one command to the id's
+        // channel and touches nothing else of the id.
+        check_rdma(unsafe { ffi::rdma_notify(self.as_raw(), raw) }, "rdma_notify")
+    }
+
     pub(crate) fn verbs(&self) -> Option<NonNull<ffi::ibv_context>> {
         // SAFETY: the id is valid; verbs is set by librdmacm once the id is bound to a device.
         NonNull::new(unsafe { (*self.raw.as_ptr()).verbs })
@@ -234,9 +266,27 @@ impl CmId {
 
     /// The verbs context librdmacm opened for this id's device, or `None` before the id is
     /// bound to a device (a listener on `0.0.0.0` never is).
+    ///
+    /// The context holds no id: it is kept open by librdmacm's device list, so PDs and CQs
+    /// made on it may outlive this id and serve other connections on the device (see
+    /// [`crate::cm_device`]). Only where librdmacm no longer lists the device (it was removed
+    /// while this id used it) does the context hold this id instead (as every context from an id used to).
     pub fn context(self: &Arc<Self>) -> Option<VerbsContext> {
-        // librdmacm keeps the context open while this id is bound to it: the handle holds the id.
-        self.verbs().map(|raw| VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>))
+        let raw = self.verbs()?;
+        match crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip())) {
+            Ok(Some(ctx)) => Some(ctx),
+            // librdmacm keeps the context open while this id is bound to it: the handle holds
+            // the id.
+            _ => Some(VerbsContext::kept_by(raw, Arc::clone(self) as Arc<dyn std::any::Any + Send + Sync>)),
+        }
+    }
+
+    /// The id-free context of this id's device (see [`CmId::context`]), for an id that is not
+    /// in an `Arc` (a listener's).
+    pub(crate) fn device_context(&self) -> Result<VerbsContext> {
+        let raw = self.verbs().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: self.local_addr() })?;
+        crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip()))?
+            .ok_or(Error::NoDevice { op: "rdma_get_devices", addr: self.local_addr() })
     }
 }
 
@@ -277,8 +327,10 @@ impl fmt::Debug for CmId {
 }
 
 impl VerbsContext {
-    /// The connection-manager id whose device context this is, when librdmacm opened it (a
-    /// context from [`VerbsContext::open`] has none).
+    /// The connection-manager id that keeps this context open, if one does: only a context
+    /// of a device librdmacm no longer lists ([`CmId::context`]). Contexts of librdmacm's
+    /// devices are kept by its device list and have none, as have contexts from
+    /// [`VerbsContext::open`].
     pub fn cm_id(&self) -> Option<Arc<CmId>> {
         Arc::clone(self.keeper()).downcast::<CmId>().ok()
     }

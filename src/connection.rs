@@ -67,6 +67,7 @@
 //! serves many connections on one channel uses [`EventChannel::get_event`],
 //! [`ConnectRequest::from_event`], [`ServerQp::start_accept`] and [`Accepting::complete`].
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -80,6 +81,7 @@ use crate::error::{check_rdma, Error, Result};
 use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::pd::ProtectionDomain;
 use crate::qp::{Link, QpInit, QueuePair};
+use crate::step::StepError;
 use crate::user_qp::{self, UserQp};
 
 /// Most private data `rdma_connect` carries on RC.
@@ -91,6 +93,16 @@ pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
 
 /// Connection parameters for connect and accept. Defaults follow the seed program:
 /// responder_resources and initiator_depth 1, retry and RNR retry counts 7, no private data.
+/// [`ConnParam::from_request`] takes the RDMA READ depths from the request instead, as
+/// `rdma_accept(id, NULL)` does.
+///
+/// # Flow control
+///
+/// The crate always sends `flow_control = 1`, as the seed program did; there is no setter.
+/// The field says whether this side's hardware does end-to-end flow control: the CM passes it
+/// to the peer (it arrives in the peer's `CONNECT_REQUEST` or `ESTABLISHED`) and configures no
+/// QP with it (`rdma_connect(3)`, `rdma_accept(3)`). rxe sends unlimited credits in every ACK
+/// whatever the field says. `rdma_accept(id, NULL)` sends 0.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnParam {
     responder_resources: u8,
@@ -119,12 +131,44 @@ impl ConnParam {
     pub fn new() -> ConnParam {
         ConnParam::default()
     }
-    /// Outstanding RDMA READs the peer may send us.
+    /// librdmacm's "choose for me" value of [`ConnParam::responder_resources`] and
+    /// [`ConnParam::initiator_depth`] (`RDMA_MAX_RESP_RES`, `RDMA_MAX_INIT_DEPTH`): on
+    /// connect, the device's limit; on accept, the request's value, clamped to the device's
+    /// limit.
+    pub const FROM_DEVICE: u8 = 0xFF;
+
+    /// The parameters to accept `req` with as `rdma_accept(id, NULL)` would choose them: the
+    /// responder resources and initiator depth the request asks for (its
+    /// [`ConnectRequest::responder_resources`] and [`ConnectRequest::initiator_depth`], as seen
+    /// from this side), each clamped to this device's limit (`max_qp_rd_atom`,
+    /// `max_qp_init_rd_atom`) by librdmacm, which is what an explicit value over the limit
+    /// would fail with (`EINVAL`). The other fields are the defaults (retries 7, no private
+    /// data; add it with [`ConnParam::private_data`]); unlike `rdma_accept(id, NULL)`, the
+    /// crate's `flow_control` (1) is sent.
+    ///
+    /// The clamping happens in `rdma_accept` against the values librdmacm stored for the
+    /// accepted id, so the parameters follow whichever request they accept; `req` names the
+    /// intent.
+    ///
+    /// ```no_run
+    /// # fn f(req: rdma_cm::ConnectRequest, pd: &std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {
+    /// let param = rdma_cm::ConnParam::from_request(&req).private_data(b"welcome")?;
+    /// let conn = req.create_qp(pd, rdma_cm::QpInit::new())?.accept(&param, std::time::Duration::from_secs(5))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_request(req: &ConnectRequest) -> ConnParam {
+        let _ = req;
+        ConnParam::new().responder_resources(ConnParam::FROM_DEVICE).initiator_depth(ConnParam::FROM_DEVICE)
+    }
+
+    /// Outstanding RDMA READs (and atomics) the peer may send us; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
     pub fn responder_resources(mut self, n: u8) -> Self {
         self.responder_resources = n;
         self
     }
-    /// Outstanding RDMA READs we may send the peer.
+    /// Outstanding RDMA READs (and atomics) we may send the peer; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
     pub fn initiator_depth(mut self, n: u8) -> Self {
         self.initiator_depth = n;
         self
@@ -239,6 +283,12 @@ impl Link for CmLink {
     fn peer_addr(&self) -> Option<SocketAddr> {
         self.0.peer_addr()
     }
+
+    fn comm_established(&self) {
+        // EISCONN (the CM saw the handshake complete first) and EINVAL (a transport whose CM
+        // takes no notification) both leave nothing to do.
+        let _ = self.0.notify(crate::AsyncEventKind::CommEstablished);
+    }
 }
 
 pub(crate) fn is_peer_gone(ev: &CmEvent) -> bool {
@@ -281,19 +331,36 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
 
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.
 pub(crate) fn expect(id: &CmId, expected: CmEventType, op: &'static str, timeout: Duration) -> Result<CmEvent> {
+    expect_watching(id, expected, op, timeout, None)
+}
+
+/// [`expect`], reading the device events of `ctx` meanwhile (see
+/// `EventChannel::get_event_for_watching`).
+pub(crate) fn expect_watching(
+    id: &CmId,
+    expected: CmEventType,
+    op: &'static str,
+    timeout: Duration,
+    ctx: Option<&VerbsContext>,
+) -> Result<CmEvent> {
     let peer = id.peer_addr();
-    let ev = id.channel().get_event_for(id.handle(), timeout).map_err(|e| match e {
+    let got = match ctx {
+        Some(ctx) => id.channel().get_event_for_watching(id.handle(), timeout, ctx),
+        None => id.channel().get_event_for(id.handle(), timeout),
+    };
+    let ev = got.map_err(|e| match e {
         Error::Timeout { timeout, .. } => Error::Timeout { op, timeout, addr: peer, hint: expected_hint(expected) },
         e => e,
     })?;
-    check_event(id, ev, expected, op)
+    check_event(id, &ev, expected, op)?;
+    Ok(ev)
 }
 
 /// Accepts `ev` if it is `expected` for `id`; turns anything else into a clear error.
-pub(crate) fn check_event(id: &CmId, ev: CmEvent, expected: CmEventType, op: &'static str) -> Result<CmEvent> {
+pub(crate) fn check_event(id: &CmId, ev: &CmEvent, expected: CmEventType, op: &'static str) -> Result<()> {
     let peer = id.peer_addr();
     if ev.event_type() == expected && ev.id() == id.handle() {
-        return Ok(ev);
+        return Ok(());
     }
     // Resolution errors carry a negative errno: report them as the call that failed.
     if matches!(ev.event_type(), CmEventType::AddrError | CmEventType::RouteError) && ev.status() < 0 {
@@ -433,14 +500,19 @@ impl ResolvingAddr {
         self.id.resolve_addr(src, dst, timeout)
     }
 
-    /// Completes the step with the id's `ADDR_RESOLVED` event.
+    /// Completes the step with the id's `ADDR_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after an
+    /// `ADDR_ERROR`, [`ResolvingAddr::retry`] it and feed it the next event.
     ///
     /// # Errors
     /// [`Error::Call`] for an `ADDR_ERROR` (with the errno and hint);
-    /// [`Error::UnexpectedEvent`] for any other event or another id's.
-    pub fn complete(self, ev: CmEvent) -> Result<AddrResolved> {
-        check_event(&self.id, ev, CmEventType::AddrResolved, "rdma_resolve_addr")?;
-        Ok(AddrResolved { id: self.id })
+    /// [`Error::UnexpectedEvent`] for any other event or another id's; either way with this
+    /// state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<AddrResolved, StepError<ResolvingAddr>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::AddrResolved, "rdma_resolve_addr") {
+            Ok(()) => Ok(AddrResolved { id: self.id }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
     }
 }
 
@@ -465,13 +537,17 @@ impl ResolvingRoute {
         self.id.resolve_route(timeout)
     }
 
-    /// Completes the step with the id's `ROUTE_RESOLVED` event.
+    /// Completes the step with the id's `ROUTE_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after a
+    /// `ROUTE_ERROR`, [`ResolvingRoute::retry`] it.
     ///
     /// # Errors
-    /// As for [`ResolvingAddr::complete`].
-    pub fn complete(self, ev: CmEvent) -> Result<RouteResolved> {
-        check_event(&self.id, ev, CmEventType::RouteResolved, "rdma_resolve_route")?;
-        Ok(RouteResolved { id: Arc::new(self.id) })
+    /// As for [`ResolvingAddr::complete`] (`ROUTE_ERROR` names `rdma_resolve_route`).
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<RouteResolved, StepError<ResolvingRoute>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::RouteResolved, "rdma_resolve_route") {
+            Ok(()) => Ok(RouteResolved { id: Arc::new(self.id) }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
     }
 }
 
@@ -509,15 +585,26 @@ impl Connecting {
     }
 
     /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for a
-    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`).
+    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`), given by
+    /// reference or by value. Any other event gives this state back in the [`StepError`].
     ///
     /// # Errors
     /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
-    /// hint, or another id's event; for a [`UserQp`], [`Error::Call`] naming the
-    /// `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish` call that failed.
-    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
-        let ev = check_event(&self.id, ev, connected_event(self.user), "rdma_connect")?;
-        finish_connect(self.id, self.qp, self.user, &ev)
+    /// hint, or another id's event (the state can take the right event later; after
+    /// `REJECTED` or `UNREACHABLE` the connect is over: drop it); for a [`UserQp`],
+    /// [`Error::Call`] naming the `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish`
+    /// call that failed. Each with this state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Connecting>> {
+        let ev = ev.borrow();
+        if let Err(e) = check_event(&self.id, ev, connected_event(self.user), "rdma_connect") {
+            return Err(StepError::new(self, e));
+        }
+        if self.user {
+            if let Err(e) = user_qp::establish(&self.id, &self.qp) {
+                return Err(StepError::new(self, e));
+            }
+        }
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))
     }
 }
 
@@ -567,10 +654,13 @@ pub struct RouteResolved {
 }
 
 impl RouteResolved {
-    /// The device context the route runs over.
+    /// The device context the route runs over: librdmacm's context of the device, which holds
+    /// no id, so PDs and CQs made on it may serve other connections and outlive this one (see
+    /// [`crate::cm_device`]).
     ///
     /// # Errors
-    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution).
+    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution), or
+    /// [`Error::Call`] when `rdma_get_devices` fails.
     pub fn context(&self) -> Result<VerbsContext> {
         context_of(&self.id)
     }
@@ -730,7 +820,16 @@ pub struct Bound {
 }
 
 impl Bound {
-    /// Starts listening with `backlog` pending requests.
+    /// Starts listening (`rdma_listen`), with room for `backlog` connection requests that have
+    /// not been read from the channel yet.
+    ///
+    /// The kernel's `rdma_ucm` counts, per listener, the `CONNECT_REQUEST` events queued on its
+    /// channel and not yet read (by any reader: requests the crate has read and keeps for a
+    /// targeted wait no longer count). A `backlog` of 0 or less, or one at or above the
+    /// `net.rdma_ucm.max_backlog` sysctl (1024 by default), means that sysctl's value: `listen(0)`
+    /// is "as many as the system allows", not "none". A request that arrives while the backlog
+    /// is full is dropped without a reject (the kernel's CM leaves it for the client's CM to
+    /// send again), so a client sees a slow connect, or a timeout, rather than `REJECTED`.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_listen` fails (`EADDRINUSE`: the port is taken).
@@ -770,6 +869,20 @@ impl Listener {
     /// The bound address (with the chosen port when bound to port 0).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.id.local_addr()
+    }
+
+    /// librdmacm's context of the device this listener is bound to, which holds no id (see
+    /// [`crate::cm_device`]): make the PD, CQs and SRQ that the accepted connections will
+    /// share on it before the first request arrives. [`ConnectRequest::context`] returns the
+    /// same context for requests on that device.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] when the listener is bound to a wildcard address (`0.0.0.0`, `[::]`),
+    /// which is on no device (bind to the device's address, or use
+    /// [`VerbsContext::cm_for_addr`] / [`VerbsContext::cm_open`]); [`Error::Call`] when
+    /// `rdma_get_devices` fails.
+    pub fn context(&self) -> Result<VerbsContext> {
+        self.id.device_context()
     }
 
     /// The listener's id token (a `CONNECT_REQUEST`'s [`CmEvent::listen_id`]).
@@ -821,9 +934,17 @@ impl ConnectRequest {
     /// it, and [`ServerQp::accept`] works too (it takes only this id's events).
     ///
     /// # Errors
-    /// [`Error::UnexpectedEvent`] for any other event.
-    pub fn from_event(ev: CmEvent) -> Result<ConnectRequest> {
-        Self::build(ev, false)
+    /// [`Error::UnexpectedEvent`] for any other event, which the [`StepError`] gives back
+    /// (for its owner).
+    pub fn from_event(mut ev: CmEvent) -> std::result::Result<ConnectRequest, StepError<CmEvent>> {
+        let id = if ev.event_type() == CmEventType::ConnectRequest { ev.take_id() } else { None };
+        match id {
+            Some(id) => Ok(Self::from_parts(&ev, id)),
+            None => {
+                let e = ev.unexpected("taking a connection request", CmEventType::ConnectRequest);
+                Err(StepError::new(ev, e))
+            }
+        }
     }
 
     /// `own_channel`: move the new id onto a fresh channel of its own first.
@@ -839,12 +960,16 @@ impl ConnectRequest {
             id.migrate(&ch)?;
             id.set_channel(ch);
         }
-        Ok(ConnectRequest {
+        Ok(Self::from_parts(&ev, id))
+    }
+
+    fn from_parts(ev: &CmEvent, id: CmId) -> ConnectRequest {
+        ConnectRequest {
             id: Arc::new(id),
             private_data: *ev.private_data(),
             responder_resources: ev.responder_resources(),
             initiator_depth: ev.initiator_depth(),
-        })
+        }
     }
 
     /// The peer's address.
@@ -913,11 +1038,14 @@ impl ConnectRequest {
         ProtectionDomain::new(&self.context()?)
     }
 
-    /// The device context of the request. Holding it keeps the request's id alive; PDs and CQs
-    /// made from it may serve this and later connections on the same device.
+    /// The device context of the request: librdmacm's context of the device, which holds no
+    /// id (see [`crate::cm_device`]). PDs, CQs and SRQs made from it may serve this and later
+    /// connections on the same device, and outlive this request's connection: dropping the
+    /// connection destroys its id even while they live.
     ///
     /// # Errors
-    /// [`Error::NoDevice`] if the request has no device (cannot happen for a request).
+    /// [`Error::NoDevice`] if the request has no device (cannot happen for a request), or
+    /// [`Error::Call`] when `rdma_get_devices` fails.
     pub fn context(&self) -> Result<VerbsContext> {
         context_of(&self.id)
     }
@@ -982,8 +1110,11 @@ impl ServerQp {
         let id = Arc::clone(&self.id);
         let _expecting = id.channel().expecting(id.handle());
         let acc = self.start_accept(param)?;
-        let ev = expect(&acc.id, CmEventType::Established, "rdma_accept", timeout)?;
-        acc.complete(ev)
+        // The device's events are read meanwhile: a COMM_EST of the QP (the client's first
+        // message came before the CM's RTU) is answered, so ESTABLISHED is not held up.
+        let ctx = acc.qp.pd().context().clone();
+        let ev = expect_watching(&acc.id, CmEventType::Established, "rdma_accept", timeout, Some(&ctx))?;
+        Ok(acc.complete(&ev)?)
     }
 
     /// Accepts without waiting; feed the id's next event to [`Accepting::complete`].
@@ -1036,13 +1167,19 @@ impl Accepting {
         &self.qp
     }
 
-    /// Completes the handshake with the id's `ESTABLISHED` event.
+    /// Completes the handshake with the id's `ESTABLISHED` event, given by reference or by
+    /// value. Any other event gives this state back in the [`StepError`], so an event loop
+    /// loses nothing when it feeds it the wrong one.
     ///
     /// # Errors
-    /// [`Error::UnexpectedEvent`] for any other event or an event of another id.
-    pub fn complete(self, ev: CmEvent) -> Result<Connection> {
+    /// [`Error::UnexpectedEvent`] for any other event or an event of another id, with this
+    /// state, unchanged (after `CONNECT_ERROR`, `UNREACHABLE` or `DISCONNECTED` the connection
+    /// is over: drop it, which destroys the id).
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Accepting>> {
+        let ev = ev.borrow();
         if ev.event_type() != CmEventType::Established || ev.id() != self.id.handle() {
-            return Err(with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr()));
+            let e = with_opt_addr(ev.unexpected("rdma_accept", CmEventType::Established), self.id.peer_addr());
+            return Err(StepError::new(self, e));
         }
         Ok(Connection::new(self.id, self.qp, self.private_data, self.user))
     }
@@ -1130,8 +1267,11 @@ impl Connection {
         Ok(ev)
     }
 
-    /// Feeds an event of this connection's id, read from a shared channel by an event loop,
-    /// so that a `DISCONNECTED` flushes the QP.
+    /// Feeds an event of this connection's id, read from a shared channel by an event loop.
+    /// A `DISCONNECTED` (the peer left) is answered here: `rdma_disconnect` sends the CM's
+    /// reply the peer's disconnect waits for, and moves the QP to the error state, which
+    /// flushes its posted work (see "Disconnects" in the crate docs). Events of other ids are
+    /// ignored.
     pub fn handle_event(&mut self, ev: &CmEvent) {
         if ev.id() == self.id.handle() && is_peer_gone(ev) {
             self.qp.peer_gone();
@@ -1144,8 +1284,13 @@ impl Connection {
     }
 
     /// Starts a disconnect without waiting (`rdma_disconnect`; the QP goes to the error state):
-    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent
-    /// (not when the peer had left already, or it was sent before).
+    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent.
+    ///
+    /// `Ok(false)` means there was nothing to send: either the peer left first (its
+    /// `DISCONNECTED` was seen, [`Connection::is_disconnected`] is true, and the connection
+    /// answered it then, so no `DISCONNECTED` is to come), or this side disconnected before
+    /// (the `DISCONNECTED` that answers it is still to come unless seen already). The QP is
+    /// in the error state either way.
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails.

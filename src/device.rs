@@ -5,15 +5,18 @@
 //! This is the bottom of the verbs layer: protection domains, memory regions, completion
 //! queues, shared receive queues and queue pairs are built on a context and know nothing of
 //! connection management. A context comes from [`VerbsContext::open`] (by device name, from
-//! `ibv_get_device_list`), or from a connection-manager id whose device librdmacm opened
-//! ([`crate::RouteResolved::context`], [`crate::ConnectRequest::context`]): objects of a QP
-//! that librdmacm drives must come from the id's context.
+//! `ibv_get_device_list`: a context of its own), or is the one librdmacm opened for a device
+//! ([`VerbsContext::cm_open`] by name, [`VerbsContext::cm_for_addr`] by local address,
+//! [`crate::RouteResolved::context`], [`crate::ConnectRequest::context`],
+//! [`crate::Listener::context`]): objects of a QP that librdmacm drives must come from
+//! librdmacm's context of the id's device.
 //!
 //! # What keeps a context open
 //!
 //! A context opened here is closed (`ibv_close_device`) when its last handle goes; one that
-//! librdmacm opened is kept open by librdmacm while a bound id exists, so that handle holds the
-//! id. Either way every PD and CQ holds a `VerbsContext`, so the context outlives them.
+//! librdmacm opened is kept open by a librdmacm device list (`rdma_get_devices`) that its
+//! handles share, not by any id (see [`crate::cm_device`]). Either way every PD and CQ holds a
+//! `VerbsContext`, so the context outlives them.
 
 use std::any::Any;
 use std::ffi::CStr;
@@ -57,7 +60,7 @@ pub fn devices() -> Result<Vec<Device>> {
     })
 }
 
-fn device_name(d: *mut ffi::ibv_device) -> String {
+pub(crate) fn device_name(d: *mut ffi::ibv_device) -> String {
     // SAFETY: `d` is a valid device; the name is a NUL-terminated string owned by it.
     let name = unsafe { ffi::ibv_get_device_name(d) };
     if name.is_null() {
@@ -111,7 +114,8 @@ impl Drop for Opened {
 #[derive(Clone)]
 pub struct VerbsContext {
     raw: NonNull<ffi::ibv_context>,
-    /// What keeps `raw` open: an `Opened`, or the connection-manager id librdmacm opened it for.
+    /// What keeps `raw` open: an `Opened`, librdmacm's device list, or (for a device librdmacm no
+    /// longer lists) the connection-manager id it was opened for.
     keep: Arc<dyn Any + Send + Sync>,
     /// Its objects' registry and its asynchronous events (shared by every handle of `raw`).
     hub: Arc<Hub>,
@@ -170,7 +174,7 @@ impl VerbsContext {
         })
     }
 
-    /// A context kept open by `keep` (e.g. the id librdmacm opened it for).
+    /// A context kept open by `keep` (e.g. librdmacm's device list).
     pub(crate) fn kept_by(raw: NonNull<ffi::ibv_context>, keep: Arc<dyn Any + Send + Sync>) -> VerbsContext {
         VerbsContext { raw, keep, hub: crate::async_event::hub_for(raw.as_ptr()) }
     }

@@ -333,6 +333,10 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
             "no local interface has this address: see `ip -br addr`, and `rdma link` for the netdev behind each RDMA device"
         }
         ("rdma_listen", EADDRINUSE) => "the port is already in use: choose another one with -p",
+        ("rdma_notify", EISCONN) => "the connection is established already: the CM needs no notice",
+        ("rdma_notify", EINVAL) => {
+            "the id is not connecting or connected, or its transport's CM takes no notice (iWARP)"
+        }
         ("rdma_create_event_channel" | "rdma_create_id", ENOENT | ENXIO | EACCES | EPERM) => {
             "/dev/infiniband/rdma_cm is missing or not accessible: load rdma_ucm (`modprobe rdma_ucm`) and check permissions"
         }

@@ -45,6 +45,7 @@ use rdma_sys as ffi;
 
 use crate::ah::UdParam;
 use crate::cm_id::{CmId, IdHandle};
+use crate::device::VerbsContext;
 use crate::error::{check_ptr, errno, Error, Result};
 use crate::wait::{poll_readable, pollfd, Deadline};
 
@@ -320,7 +321,7 @@ impl EventChannel {
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; [`Error::Call`] when the channel fails.
     pub fn get_event(&self, timeout: Duration) -> Result<CmEvent> {
-        self.wait(Want::Any, timeout)
+        self.wait(Want::Any, timeout, None)
     }
 
     /// Waits up to `timeout` for the next event of the id `id` (for a `CONNECT_REQUEST`, the
@@ -331,10 +332,22 @@ impl EventChannel {
     /// # Errors
     /// As for [`EventChannel::get_event`].
     pub fn get_event_for(&self, id: IdHandle, timeout: Duration) -> Result<CmEvent> {
-        self.wait(Want::For(id), timeout)
+        self.wait(Want::For(id), timeout, None)
     }
 
-    fn wait(&self, want: Want, timeout: Duration) -> Result<CmEvent> {
+    /// [`EventChannel::get_event_for`] that also reads the device events of `ctx` while it
+    /// polls the channel, so that they reach their objects meanwhile (a QP's `COMM_EST` is
+    /// answered with `rdma_notify`, which the `ESTABLISHED` being waited for may depend on).
+    pub(crate) fn get_event_for_watching(
+        &self,
+        id: IdHandle,
+        timeout: Duration,
+        ctx: &VerbsContext,
+    ) -> Result<CmEvent> {
+        self.wait(Want::For(id), timeout, Some(ctx))
+    }
+
+    fn wait(&self, want: Want, timeout: Duration, mut watch: Option<&VerbsContext>) -> Result<CmEvent> {
         let mut deadline = Deadline::new(timeout);
         let mut d = self.lock();
         if let Want::For(h) = want {
@@ -357,7 +370,15 @@ impl EventChannel {
             }
             d.polling = true;
             drop(d);
-            let polled = poll_readable(&mut [pollfd(self.as_raw_fd())], left);
+            let mut fds = [pollfd(self.as_raw_fd()), pollfd(watch.map_or(-1, |c| c.as_raw_fd()))];
+            let polled = poll_readable(&mut fds, left);
+            if let (Some(ctx), true) = (watch, fds[1].revents != 0) {
+                // Without the channel's lock: delivering may call rdma_notify. A context whose
+                // events cannot be read is not watched again (it would stay readable).
+                if ctx.hub().pump(ctx).is_err() {
+                    watch = None;
+                }
+            }
             d = self.lock();
             // Read what woke us while still the poller (so no one else has read it), then
             // hand the descriptor back.

@@ -79,7 +79,7 @@
 //!
 //! ```text
 //! Connection ─► QueuePair ─► CmId ─► EventChannel
-//!                   ├──────► CompletionQueue ─► VerbsContext ─► (the CmId librdmacm opened it for,
+//!                   ├──────► CompletionQueue ─► VerbsContext ─► (librdmacm's device list,
 //!                   ├──────► SharedReceiveQueue ─► ProtectionDomain         or the opened device)
 //!                   └──────► ProtectionDomain ─► VerbsContext
 //! MemoryRegion ─► ProtectionDomain
@@ -212,6 +212,95 @@
 //! many connections on one channel: [`ConnectRequest::from_event`], [`ServerQp::start_accept`],
 //! [`Accepting::complete`] and [`Connection::handle_event`].
 //!
+//! The client side has the same shape. Each blocking step has a `start_*` that returns the
+//! state waiting for its id's next event, and that state's `complete` takes the event:
+//!
+//! ```text
+//! Client::on_channel ─start_resolve→ ResolvingAddr ─complete(ADDR_RESOLVED)→ AddrResolved
+//! AddrResolved ─start_resolve_route→ ResolvingRoute ─complete(ROUTE_RESOLVED)→ RouteResolved
+//! RouteResolved ─create_qp→ ClientQp ─start→ Connecting ─complete(ESTABLISHED)→ Connection
+//! Connection ─shutdown→ Disconnecting ─complete(DISCONNECTED)→ (drop: rdma_destroy_id)
+//! ```
+//!
+//! A `complete` given any other event (another id's, or `ADDR_ERROR`, `REJECTED`, ...) hands
+//! its state back, unchanged, in a [`StepError`] beside the error, so the loop can retry
+//! ([`ResolvingAddr::retry`], [`ResolvingRoute::retry`]) or keep it for the right event;
+//! `?` turns it into an [`Error`]. Fifty connections from one thread, one channel, one PD and
+//! one CQ (made on the device's context, which holds no connection's id; see [`cm_device`]);
+//! `examples/cmtime.rs` times the same pipeline:
+//!
+//! ```no_run
+//! use std::collections::HashMap;
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use rdma_cm::{
+//!     Client, CompletionQueue, ConnParam, Connecting, Connection, EventChannel, ProtectionDomain, QpInit,
+//!     ResolvingAddr, ResolvingRoute,
+//! };
+//!
+//! enum Step { Addr(ResolvingAddr), Route(ResolvingRoute), Connect(Connecting) }
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let (t, n) = (Duration::from_secs(5), 50);
+//! let dst = "10.77.0.1:7471".parse().unwrap();
+//! let ch = EventChannel::new()?;
+//! let mut steps = HashMap::new();
+//! for _ in 0..n {
+//!     let r = Client::on_channel(&ch)?.start_resolve(None, dst, t)?;
+//!     steps.insert(r.handle(), Step::Addr(r));
+//! }
+//! let mut shared: Option<(Arc<ProtectionDomain>, Arc<CompletionQueue>)> = None;
+//! let mut conns: HashMap<_, Connection> = HashMap::new();
+//! while conns.len() < n {
+//!     let ev = ch.get_event(t)?;
+//!     let Some(step) = steps.remove(&ev.id()) else {
+//!         // An event of an established connection (the peer left, say).
+//!         if let Some(c) = conns.get_mut(&ev.id()) { c.handle_event(&ev) }
+//!         continue;
+//!     };
+//!     let next = match step {
+//!         Step::Addr(r) => Step::Route(r.complete(&ev)?.start_resolve_route(t)?),
+//!         Step::Route(r) => {
+//!             let route = r.complete(&ev)?;
+//!             let (pd, cq) = match &shared {
+//!                 Some(s) => s.clone(),
+//!                 None => {
+//!                     let ctx = route.context()?;
+//!                     shared.insert((ProtectionDomain::new(&ctx)?, CompletionQueue::new(&ctx, 32 * n as u32)?)).clone()
+//!                 }
+//!             };
+//!             let init = QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(cq);
+//!             Step::Connect(route.create_qp(&pd, init)?.start(&ConnParam::new())?)
+//!         }
+//!         Step::Connect(c) => match c.complete(&ev) {
+//!             Ok(conn) => {
+//!                 conns.insert(conn.id().handle(), conn);
+//!                 continue;
+//!             }
+//!             // REJECTED, UNREACHABLE: the state comes back; dropping it destroys its id.
+//!             Err(e) => return Err(e.into()),
+//!         },
+//!     };
+//!     let h = match &next { Step::Addr(r) => r.handle(), Step::Route(r) => r.handle(), Step::Connect(c) => c.handle() };
+//!     steps.insert(h, next);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ### Disconnects
+//!
+//! When the peer disconnects (its `rdma_disconnect` sends the CM's disconnect request), this
+//! side's id reports `DISCONNECTED`, and the CM waits for this side's answer: the peer's own
+//! `DISCONNECTED` (and so its [`Connection::disconnect`]) comes only with that answer, or
+//! after its request times out. The connection answers as soon as it sees the event:
+//! [`Connection::handle_event`] (fed by an event loop), [`Connection::next_event`] or
+//! [`Connection::try_event`], or a wait of its QP while no other id shares its channel (the
+//! wait watches the channel). Each calls `rdma_disconnect`, which sends the answer and moves
+//! the QP to the error state, flushing its posted work. A connection whose events nobody
+//! reads answers when it is dropped (`rdma_destroy_id` sends it). After that, or after this
+//! side's own disconnect, [`Connection::start_disconnect`] returns `Ok(false)`: nothing is
+//! left to send.
+//!
 //! What the device reports on its own (a port going down or up, a QP, CQ or SRQ error, an
 //! SRQ running below its limit, the device failing) comes from an [`AsyncEvents`] source
 //! ([`VerbsContext::async_events`]), which has an `AsFd` of its own (an `epoll` descriptor, so
@@ -300,6 +389,7 @@ mod async_kind;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod closing;
+pub mod cm_device;
 pub mod cm_id;
 pub mod connection;
 pub mod cq;
@@ -318,6 +408,7 @@ pub mod ready;
 mod ring;
 pub mod srq;
 pub mod status;
+pub mod step;
 pub mod ud;
 pub mod ud_cm;
 pub mod user_qp;
@@ -348,6 +439,7 @@ pub use qp::{QpInit, QueuePair};
 pub use qp_attr::{QpAttributes, QpState};
 pub use ready::{Readiness, Ready};
 pub use srq::SharedReceiveQueue;
+pub use step::StepError;
 pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,

@@ -210,6 +210,11 @@ pub(crate) trait Link: Send + Sync {
     fn disconnect(&self) -> Result<()>;
     /// The peer's address, for errors.
     fn peer_addr(&self) -> Option<SocketAddr>;
+    /// The device reported `IBV_EVENT_COMM_EST` for the QP (a message arrived before the
+    /// CM's handshake completed): tell the QP's connection manager (`rdma_notify`). Called by
+    /// whoever reads the context's events, under the context's registry lock, while the QP is
+    /// registered (so it holds this link): it must not block, nor take that lock.
+    fn comm_established(&self) {}
 }
 
 /// Polls a blocking wait makes before it arms the CQs and sleeps.
@@ -608,6 +613,10 @@ impl QueuePair {
         };
         let async_reg =
             crate::async_event::Registration::new(ctx, crate::async_kind::Subject::Qp, raw.as_ptr() as usize);
+        if let Some(l) = &link {
+            // COMM_EST is answered through the link (see crate::async_event).
+            async_reg.events().answer_with(Arc::downgrade(l));
+        }
         Ok(QueuePair {
             raw,
             qp_num,

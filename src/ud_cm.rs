@@ -322,7 +322,8 @@ impl UdServer {
         Ok(UdServer { id: CmId::with_port_space(channel, ps.raw())? })
     }
 
-    /// Binds to `addr` and listens with `backlog` pending requests.
+    /// Binds to `addr` and listens with `backlog` pending requests (0 or less: the system's
+    /// limit, `net.rdma_ucm.max_backlog`; see [`Bound::listen`](crate::Bound::listen)).
     ///
     /// # Errors
     /// [`Error::Call`] when `rdma_bind_addr` or `rdma_listen` fails (`EADDRINUSE`: the port is

@@ -87,6 +87,13 @@ impl Link for UserLink {
     fn peer_addr(&self) -> Option<SocketAddr> {
         self.id.get().and_then(|id| id.peer_addr())
     }
+
+    fn comm_established(&self) {
+        if let Some(id) = self.id.get() {
+            // As for a QP librdmacm made: nothing to do when the CM declines.
+            let _ = id.notify(crate::AsyncEventKind::CommEstablished);
+        }
+    }
 }
 
 /// Moves `qp` to the error state.

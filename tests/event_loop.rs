@@ -1,0 +1,394 @@
+//! What a new user meets writing a ucmatose-style server and client in one event loop (issue
+//! 20): device contexts that pin no connection, accept parameters taken from the request, event
+//! loop steps that hand their state back on an unexpected event, and `rdma_notify`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{DeviceTest, PairSpec, T};
+use rdma_cm::{
+    Accepting, AccessFlags, AsyncEventKind, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest,
+    Connecting, Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, RecvWr,
+    ResolvingAddr, ResolvingRoute, SendWr, Server, StepError, VerbsContext, WorkQueue,
+};
+
+/// The kernel's `rdma res show cm_id` lines.
+fn cm_ids() -> Vec<String> {
+    let out = Command::new("rdma").args(["res", "show", "cm_id"]).output().expect("run `rdma res show cm_id`");
+    assert!(out.status.success(), "`rdma res show cm_id` failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect()
+}
+
+/// Waits (bounded) until no cm_id the kernel tracks names `addr`; panics with the list if one
+/// still does.
+fn wait_cm_id_gone(addr: SocketAddr, within: Duration) {
+    let needle = format!("{addr} ");
+    let deadline = Instant::now() + within;
+    loop {
+        let ids = cm_ids();
+        if !ids.iter().any(|l| format!("{l} ").contains(&needle)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "a cm_id with {addr} is still there after {within:?}:\n{}", ids.join("\n"));
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether the kernel lists a cm_id that names `addr`.
+fn cm_id_listed(addr: SocketAddr) -> bool {
+    let needle = format!("{addr} ");
+    cm_ids().iter().any(|l| format!("{l} ").contains(&needle))
+}
+
+/// One client connection to `dst` with a receive posted for the server's message.
+fn connect_client(dst: SocketAddr) -> (Connection, MemoryRegion, Arc<ProtectionDomain>) {
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
+    q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
+    (q.connect(&ConnParam::new(), T).expect("client: connect"), mr, pd)
+}
+
+/// The listener's device context, opened before any request (by the listener, by name and by
+/// address: one `ibv_context`, librdmacm's), serves two connections in turn with one PD and one
+/// CQ. Dropping the first connection destroys its id while the PD and CQ live on (a context that
+/// held the first request's id kept it listed in `rdma res show cm_id` until the CQ went), and
+/// the second connection still works on them.
+#[test]
+fn a_listener_context_pins_no_connection() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let ctx = listener.context().expect("the context of a listener bound to the device's address");
+    let by_name = VerbsContext::cm_open(&ctx.device_name()).unwrap();
+    let by_addr = VerbsContext::cm_for_addr(t.addr).unwrap();
+    assert!(ctx.same_as(&by_name) && ctx.same_as(&by_addr), "librdmacm has one context per device");
+    assert!(ctx.cm_id().is_none() && by_addr.cm_id().is_none(), "the contexts hold no id");
+    let own = VerbsContext::open(&ctx.device_name()).unwrap();
+    assert!(!own.same_as(&ctx), "VerbsContext::open opens a context of its own");
+    assert!(VerbsContext::cm_open("no-such-device").is_err());
+    // The wildcard listener is on no device.
+    let any = Server::new().unwrap().bind("0.0.0.0:0".parse().unwrap()).unwrap().listen(1).unwrap();
+    assert!(matches!(any.context(), Err(rdma_cm::Error::NoDevice { .. })), "{:?}", any.context());
+    drop(any);
+
+    // The shared objects, made on the context found by address, before any request.
+    let pd = ProtectionDomain::new(&by_addr).unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    mr.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
+    drop((ctx, by_name, by_addr, own));
+
+    let (pd2, cq2) = (Arc::clone(&pd), Arc::clone(&cq));
+    let server = thread::spawn(move || {
+        let mut conns = vec![];
+        for _ in 0..2 {
+            let req = listener.get_request(T).expect("server: get_request");
+            assert!(req.context().unwrap().same_as(pd2.context()), "the request's context is the listener's");
+            let init = QpInit::new().send_cq(Arc::clone(&cq2)).recv_cq(Arc::clone(&cq2));
+            let q = req.create_qp(&pd2, init).expect("server: create_qp on the shared PD and CQ");
+            conns.push(q.accept(&ConnParam::new(), T).expect("server: accept"));
+            if conns.len() == 1 {
+                // Hand the first back at once, so the test can drop it before the second.
+                return (listener, conns);
+            }
+        }
+        unreachable!()
+    });
+    let (c1, mr1, pd1) = connect_client(dst);
+    let (listener, mut first) = server.join().unwrap();
+    let s1 = first.pop().unwrap();
+    let client1 = s1.peer_addr().expect("the first client's address");
+    assert!(cm_id_listed(client1), "the first connection's ids are listed while it lives");
+    // Both ends of the first connection go; the PD and CQ stay. (The server side goes first:
+    // nothing reads its id's events, so it would answer the client's disconnect only when its
+    // id is destroyed.)
+    drop(s1);
+    c1.disconnect(T).unwrap();
+    drop((mr1, pd1));
+    wait_cm_id_gone(client1, Duration::from_secs(5));
+
+    // The second connection, on the same PD and CQ.
+    let (pd2, cq2) = (Arc::clone(&pd), Arc::clone(&cq));
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).expect("server: second get_request");
+        let init = QpInit::new().send_cq(Arc::clone(&cq2)).recv_cq(cq2);
+        req.create_qp(&pd2, init).unwrap().accept(&ConnParam::new(), T).expect("server: second accept")
+    });
+    let (mut c2, mut cmr, cpd2) = connect_client(dst);
+    let mut s2 = server.join().unwrap();
+    s2.qp_mut().post_send(&[SendWr::send(&mr, 0..5).wr_id(7)]).unwrap();
+    s2.qp_mut().wait_for(WorkQueue::Send, 7, T).expect("the send's completion on the shared CQ");
+    let wc = c2.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    assert_eq!(&cmr.as_slice().unwrap()[..wc.byte_len() as usize], b"hello");
+    drop(s2);
+    c2.disconnect(T).unwrap();
+    drop((mr, cq, pd, cmr, cpd2));
+    t.finish();
+}
+
+/// `ConnParam::from_request` accepts with the RDMA READ depths the request asks for, as
+/// `rdma_accept(id, NULL)` does: the client's initiator depth becomes the server QP's
+/// responder resources and its responder resources the server's initiator depth (not the
+/// defaults, 1 and 1). With the client asking librdmacm for its device's limits
+/// (`ConnParam::FROM_DEVICE`), the server gets them clamped to its own. (rxe rounds both up to
+/// a power of two, so the values asked for are powers of two.)
+#[test]
+fn accept_from_request_takes_the_request_depths() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let limits = listener.context().unwrap().limits().unwrap();
+    let (max_resp, max_init) = (limits.max_qp_rd_atom.min(254) as u8, limits.max_qp_init_rd_atom.min(254) as u8);
+    assert!(max_resp >= 4 && max_init >= 4, "the device allows 4 outstanding READs: {limits:?}");
+    let cases = [
+        // (client initiator_depth, client responder_resources) -> (server responder, server initiator)
+        ((4u8, 2u8), (4u8, 2u8)),
+        ((ConnParam::FROM_DEVICE, ConnParam::FROM_DEVICE), (max_resp.min(max_init), max_init.min(max_resp))),
+    ];
+    let server = thread::spawn(move || {
+        let mut seen = vec![];
+        for _ in 0..cases.len() {
+            let req = listener.get_request(T).unwrap();
+            let asked = (req.responder_resources(), req.initiator_depth());
+            let param = ConnParam::from_request(&req);
+            let pd = req.alloc_pd().unwrap();
+            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&param, T).expect("accept from the request");
+            let a = conn.qp().attributes().unwrap();
+            seen.push((asked, (a.max_dest_rd_atomic, a.max_rd_atomic)));
+            drop(conn); // answers the client's disconnect at once
+        }
+        seen
+    });
+    for ((init, resp), _) in cases {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let param = ConnParam::new().initiator_depth(init).responder_resources(resp);
+        let mut conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&param, T).expect("connect");
+        let _ = conn.next_event(T); // the server's disconnect
+        drop(conn);
+    }
+    let seen = server.join().unwrap();
+    // The first request, from this side: its responder resources are the client's initiator
+    // depth (what the client will send us), its initiator depth the client's responder
+    // resources (what we may send it).
+    assert_eq!(seen[0].0, (4, 2), "the request's depths as the server sees them");
+    for (((_, want), (_, got)), i) in cases.iter().zip(&seen).zip(0..) {
+        let rounded = (want.0.next_power_of_two(), want.1.next_power_of_two()); // rxe's rounding
+        assert!(
+            *got == *want || *got == rounded,
+            "case {i}: the server QP's (max_dest_rd_atomic, max_rd_atomic) are {got:?}, not {want:?}"
+        );
+        assert_ne!(*got, (1, 1), "case {i}: not the defaults");
+    }
+    t.finish();
+}
+
+/// One step of a connection in the event loop below.
+enum State {
+    Addr(ResolvingAddr),
+    Route(ResolvingRoute),
+    Connect(Connecting),
+    Accept(Accepting),
+}
+
+impl State {
+    fn handle(&self) -> IdHandle {
+        match self {
+            State::Addr(s) => s.handle(),
+            State::Route(s) => s.handle(),
+            State::Connect(s) => s.handle(),
+            State::Accept(s) => s.handle(),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            State::Addr(_) => "ResolvingAddr",
+            State::Route(_) => "ResolvingRoute",
+            State::Connect(_) => "Connecting",
+            State::Accept(_) => "Accepting",
+        }
+    }
+}
+
+/// What feeding an event to a state gives.
+enum Outcome {
+    Next(State),
+    Done(Connection),
+    /// The state back, with why it did not complete.
+    Back(State, Error),
+}
+
+/// Feeds `ev` to `st`.
+fn step(st: State, ev: &CmEvent) -> Outcome {
+    fn back<S>(e: StepError<S>, wrap: fn(S) -> State) -> Outcome {
+        let (s, e) = e.into_parts();
+        Outcome::Back(wrap(s), e)
+    }
+    match st {
+        State::Addr(s) => match s.complete(ev) {
+            Ok(a) => Outcome::Next(State::Route(a.start_resolve_route(T).unwrap())),
+            Err(e) => back(e, State::Addr),
+        },
+        State::Route(s) => match s.complete(ev) {
+            Ok(r) => {
+                let pd = r.alloc_pd().unwrap();
+                Outcome::Next(State::Connect(
+                    r.create_qp(&pd, QpInit::new()).unwrap().start(&ConnParam::new()).unwrap(),
+                ))
+            }
+            Err(e) => back(e, State::Route),
+        },
+        State::Connect(s) => match s.complete(ev) {
+            Ok(c) => Outcome::Done(c),
+            Err(e) => back(e, State::Connect),
+        },
+        State::Accept(s) => match s.complete(ev) {
+            Ok(c) => Outcome::Done(c),
+            Err(e) => back(e, State::Accept),
+        },
+    }
+}
+
+/// Two clients and a server on one channel, in one thread, driven by the non-blocking steps.
+/// Every event is first fed to a state it is not for (another id's, which is not waiting for
+/// it) and to `ConnectRequest::from_event` when it is no request, and each connecting client
+/// is first fed its own stale `ADDR_RESOLVED`: each time the state (or the event) comes back
+/// with `UnexpectedEvent`, is put back, and still completes with the right event. Both
+/// connections are established and carry a message.
+#[test]
+fn event_loop_steps_hand_their_state_back() {
+    let t = DeviceTest::start();
+    let ch = EventChannel::new().unwrap();
+    let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let mut states: Vec<State> = vec![];
+    for _ in 0..2 {
+        states.push(State::Addr(Client::on_channel(&ch).unwrap().start_resolve(None, dst, T).unwrap()));
+    }
+    let clients: Vec<IdHandle> = states.iter().map(State::handle).collect();
+    let mut stale: Vec<(IdHandle, CmEvent)> = vec![]; // each client's ADDR_RESOLVED, kept
+    let (mut conns, mut refused, mut server_pds) = (vec![], 0, vec![]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while conns.len() < 4 {
+        assert!(Instant::now() < deadline, "{} of 4 connections after 60 s", conns.len());
+        let ev = ch.get_event(T).expect("the next event of the loop");
+        // An event that is not a request comes back from ConnectRequest::from_event.
+        let ev = if ev.event_type() == CmEventType::ConnectRequest {
+            let req = ConnectRequest::from_event(ev).expect("a request");
+            let pd = req.alloc_pd().unwrap();
+            let acc = req.create_qp(&pd, QpInit::new()).unwrap().start_accept(&ConnParam::new()).unwrap();
+            server_pds.push(pd);
+            states.push(State::Accept(acc));
+            continue;
+        } else {
+            let kind = ev.event_type();
+            let back = ConnectRequest::from_event(ev).expect_err("not a request");
+            assert!(matches!(back.error(), Error::UnexpectedEvent { .. }), "{}", back.error());
+            let ev = back.into_state();
+            assert_eq!(ev.event_type(), kind, "the event comes back as it was");
+            refused += 1;
+            ev
+        };
+        // Fed first to a state of another id: refused, and given back.
+        if let Some(i) = states.iter().position(|s| s.handle() != ev.id()) {
+            let other = states.swap_remove(i);
+            let (h, name) = (other.handle(), other.name());
+            let Outcome::Back(other, e) = step(other, &ev) else {
+                panic!("{name} took another id's {}", ev.event_type())
+            };
+            assert!(matches!(e, Error::UnexpectedEvent { .. }), "{name} given another id's event: {e}");
+            assert_eq!((other.handle(), other.name()), (h, name), "the state comes back unchanged");
+            states.push(other);
+            refused += 1;
+        }
+        let i = states.iter().position(|s| s.handle() == ev.id()).expect("an event of a state in the loop");
+        let mut st = states.swap_remove(i);
+        // A connecting client is first fed its own stale ADDR_RESOLVED: same id, wrong kind.
+        if let State::Connect(_) = st {
+            let (_, old) = stale.iter().find(|(h, _)| *h == ev.id()).expect("the client's ADDR_RESOLVED");
+            let Outcome::Back(back, e) = step(st, old) else { panic!("Connecting took ADDR_RESOLVED") };
+            assert!(
+                matches!(
+                    e,
+                    Error::UnexpectedEvent { expected: CmEventType::Established, got: CmEventType::AddrResolved, .. }
+                ),
+                "{e}"
+            );
+            st = back;
+            refused += 1;
+        }
+        match step(st, &ev) {
+            Outcome::Next(next) => states.push(next),
+            Outcome::Done(conn) => conns.push(conn),
+            Outcome::Back(st, e) => panic!("{} refused its own {}: {e}", st.name(), ev.event_type()),
+        }
+        if ev.event_type() == CmEventType::AddrResolved {
+            stale.push((ev.id(), ev));
+        }
+    }
+    assert!(states.is_empty());
+    assert!(refused >= 8, "the wrong events were fed ({refused} times)");
+    // Both pairs work: each client sends to its server side.
+    let (mut cl, mut sv): (Vec<_>, Vec<_>) = conns.into_iter().partition(|c| clients.contains(&c.id().handle()));
+    assert_eq!((cl.len(), sv.len()), (2, 2));
+    for c in &mut cl {
+        let s = sv.iter_mut().find(|s| s.peer_addr() == c.local_addr()).expect("the client's server side");
+        let rmr = MemoryRegion::new(s.qp().pd(), 16, AccessFlags::LOCAL_WRITE).unwrap();
+        s.qp_mut().post_recv(&[RecvWr::new(&rmr, 0..16).wr_id(1)]).unwrap();
+        let mut smr = MemoryRegion::new(c.qp().pd(), 16, AccessFlags::LOCAL_WRITE).unwrap();
+        smr.as_mut_slice().unwrap()[..4].copy_from_slice(b"ping");
+        c.qp_mut().post_send(&[SendWr::send(&smr, 0..4).wr_id(2)]).unwrap();
+        c.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+        assert_eq!(s.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 4);
+    }
+    drop((sv, server_pds, stale));
+    for c in cl {
+        c.disconnect(T).unwrap();
+    }
+    drop(listener);
+    t.finish();
+}
+
+/// `CmId::notify`: kinds the CM takes no notice of are refused before any call; on an
+/// established id `rdma_notify(COMM_EST)` fails with the errno the kernel's CM gives
+/// (`EISCONN`: nothing to do). The client sends right after `ESTABLISHED`; rxe raises no
+/// `COMM_EST` for it (its responder raises no such event), so on rxe the server's QP reports
+/// none; elsewhere, one it reports was answered and the connection works.
+#[test]
+fn rdma_notify_on_an_established_id() {
+    let t = DeviceTest::start();
+    let server_spec = PairSpec { pre_recv: vec![(1, 64)], ..PairSpec::default() };
+    let (mut client, mut server) = common::pair(t.addr, PairSpec::default(), server_spec);
+    // The client's first message, right after its ESTABLISHED.
+    client.mrs[0].as_mut_slice().unwrap()[..5].copy_from_slice(b"early");
+    client.conn.qp_mut().post_send(&[SendWr::send(&client.mrs[0], 0..5).wr_id(9)]).unwrap();
+    let e = client.conn.id().notify(AsyncEventKind::QpFatal).expect_err("QP_FATAL is no notice");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    for (side, conn) in [("client", &client.conn), ("server", &server.conn)] {
+        let e = conn.id().notify(AsyncEventKind::CommEstablished).expect_err("the connection is established");
+        assert!(matches!(e, Error::Call { op: "rdma_notify", .. }), "{side}: {e}");
+        assert_eq!(e.errno(), Some(libc::EISCONN), "{side}: {e}");
+    }
+    let wc = server.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("the client's first message");
+    assert_eq!(wc.byte_len(), 5);
+    client.conn.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
+    let seen = server.conn.qp().last_async_event().unwrap();
+    if server.conn.qp().pd().context().device_name().starts_with("rxe") {
+        assert_eq!(seen, None, "rxe raised an async event for the server's QP");
+    } else if seen == Some(AsyncEventKind::CommEstablished) {
+        eprintln!("the device raised COMM_EST; it was answered");
+    }
+    drop(server);
+    let common::Side { conn, pd, mrs } = client;
+    conn.disconnect(T).unwrap();
+    drop((mrs, pd));
+    t.finish();
+}
