@@ -159,6 +159,13 @@ impl Router {
         if t.srq {
             let e = self.srqs.iter().find(|e| e.srq.id == t.owner)?;
             let id = e.srq.slots().complete(&t)?;
+            if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+                // A failed receive moves the QP that consumed it to the error state (a flush
+                // says it is there already): its posts must be refused, as for its own receives.
+                if let Some(qp) = self.qps.iter().flatten().find(|q| q.qp_num == wc.qp_num) {
+                    lock(&qp.queues).note_status(wc.status);
+                }
+            }
             return Some((WorkCompletion::from_raw(wc, id, WorkQueue::Recv), Owner::Srq(t.owner)));
         }
         let e = self.qps.get(t.owner as usize)?.as_ref()?;

@@ -538,7 +538,10 @@ impl QueuePair {
         let recv_reserved = recv_depth as u64;
         send_cq.reserve(&mut send_cq.router(), send_reserved)?;
         let undo_send = || send_cq.router().unreserve(send_reserved);
-        if let Err(e) = recv_cq.reserve(&mut recv_cq.router(), recv_reserved) {
+        // The result first, so that the routing table's lock is released before `undo_send`
+        // takes it again (the send and receive CQ may be one).
+        let reserved = recv_cq.reserve(&mut recv_cq.router(), recv_reserved);
+        if let Err(e) = reserved {
             undo_send();
             return Err(e);
         }
@@ -1158,21 +1161,17 @@ impl QueuePair {
         if self.srq.is_none() || which == Some(WorkQueue::Send) {
             return self.poll_own(which, out, kept);
         }
-        let mut n = 0;
-        if kept {
-            n += self.queues().deliver_kept(which, out);
-            if which != Some(WorkQueue::Send) {
-                if let Some(srq) = &self.srq {
-                    n += srq.deliver_kept_for(self.qp_num, &mut out[n..]);
-                }
-            }
-        }
+        // Each queue's kept completions are delivered under the lock of the CQ it completes
+        // on, before that CQ is polled: nothing can be kept for this QP meanwhile, so a later
+        // completion never overtakes an earlier one that another thread kept.
         let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        let mut n = 0;
         if which != Some(WorkQueue::Recv) || same {
-            n += self.poll_cq(&self.send_cq, which, &mut out[n..])?;
+            let deliver = kept.then_some(if same { which } else { Some(WorkQueue::Send) });
+            n += self.poll_cq(&self.send_cq, which, &mut out[n..], deliver)?;
         }
         if which != Some(WorkQueue::Send) && !same {
-            n += self.poll_cq(&self.recv_cq, which, &mut out[n..])?;
+            n += self.poll_cq(&self.recv_cq, which, &mut out[n..], kept.then_some(Some(WorkQueue::Recv)))?;
         }
         Ok(n)
     }
@@ -1184,12 +1183,13 @@ impl QueuePair {
     fn poll_own(&self, which: Option<WorkQueue>, out: &mut [WorkCompletion], kept: bool) -> Result<usize> {
         let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
         let mut n = 0;
-        let mut deliver = kept;
+        // Each queue's kept completions under the lock of the CQ it completes on (see poll_on).
         if which != Some(WorkQueue::Recv) || same {
+            let deliver = kept.then_some(if same { which } else { Some(WorkQueue::Send) });
             n += self.poll_cq_own(&self.send_cq, self.send_slot.index, which, out, deliver)?;
-            deliver = false;
         }
         if which != Some(WorkQueue::Send) && !same {
+            let deliver = kept.then_some(Some(WorkQueue::Recv));
             n += self.poll_cq_own(&self.recv_cq, self.recv_slot.index, which, &mut out[n..], deliver)?;
         }
         Ok(n)
@@ -1206,11 +1206,14 @@ impl QueuePair {
         index: u16,
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
-        deliver: bool,
+        deliver: Option<Option<WorkQueue>>,
     ) -> Result<usize> {
         let mut router = cq.router();
         let mut q = self.queues();
-        let mut filled = if deliver && q.has_kept() { q.deliver_kept(which, out) } else { 0 };
+        let mut filled = match deliver {
+            Some(d) if q.has_kept() => q.deliver_kept(d, out),
+            _ => 0,
+        };
         while filled < out.len() {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let want = (out.len() - filled).min(POLL_CHUNK);
@@ -1265,9 +1268,26 @@ impl QueuePair {
 
     /// Polls `cq`: completions of this QP (of `which` queue) go to `out`; every other one is
     /// kept for its owner.
-    fn poll_cq(&self, cq: &CompletionQueue, which: Option<WorkQueue>, out: &mut [WorkCompletion]) -> Result<usize> {
-        let mut filled = 0;
+    ///
+    /// With `deliver`, the completions kept for this QP of that queue (`None`: both) come
+    /// first, the SRQ's kept receives of this QP among them, delivered under the CQ's lock.
+    fn poll_cq(
+        &self,
+        cq: &CompletionQueue,
+        which: Option<WorkQueue>,
+        out: &mut [WorkCompletion],
+        deliver: Option<Option<WorkQueue>>,
+    ) -> Result<usize> {
         let mut router = cq.router();
+        let mut filled = 0;
+        if let Some(d) = deliver {
+            filled += self.queues().deliver_kept(d, out);
+            if d != Some(WorkQueue::Send) {
+                if let Some(srq) = &self.srq {
+                    filled += srq.deliver_kept_for(self.qp_num, &mut out[filled..]);
+                }
+            }
+        }
         while filled < out.len() {
             let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
             let want = (out.len() - filled).min(POLL_CHUNK);
