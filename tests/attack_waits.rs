@@ -5,10 +5,9 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{pair, DeviceTest, PairSpec, T};
 use rdma_cm::{
@@ -102,4 +101,173 @@ fn a_client_wait_after_start_disconnect_is_not_a_silent_error() {
     drop((c, s));
     t.finish();
     assert!(ok, "our own disconnect is not an unexplained error state: {waited}");
+}
+
+/// How a receiving thread waits in [`shared_cq_stress`].
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// `wait_for(Recv, wr_id)` (needs known wr_ids: QPs without an SRQ).
+    WaitFor,
+    /// `wait`, both queues.
+    Wait,
+    /// `wait_queue(Recv)`.
+    WaitQueue,
+    /// `wait_for` with `set_busy_poll(true)`.
+    BusyWaitFor,
+    /// `wait` with `set_busy_poll(true)`.
+    BusyWait,
+}
+
+const MSGS: u32 = 150;
+
+/// Many QPs on one CQ (that starts at depth 4 and grows as they join), each waited on by its
+/// own thread in its own way, while a server sends `MSGS` messages with immediate data to
+/// each, all connections at once. Every QP must receive every message of its own, once, in
+/// order, each within the bound: a completion lost, delivered twice or to the wrong QP, or a
+/// blind wait fails it. With `srq`, the client QPs take their receives from one SRQ that each
+/// thread refills, and the SRQ's count must come back to its depth.
+fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
+    let t = DeviceTest::start();
+    let k = modes.len();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let mut conns: Vec<_> = (0..k)
+            .map(|_| {
+                let req = listener.get_request(T).unwrap();
+                let pd = req.alloc_pd().unwrap();
+                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+                let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+                (conn, mr, pd)
+            })
+            .collect();
+        for i in 0..MSGS {
+            for (conn, mr, _) in &mut conns {
+                conn.qp_mut().post_send(&[SendWr::send(mr, 0..16).imm(i).wr_id(i as u64)]).unwrap();
+            }
+            for (j, (conn, _, _)) in conns.iter_mut().enumerate() {
+                conn.qp_mut()
+                    .wait_for(WorkQueue::Send, i as u64, T)
+                    .unwrap_or_else(|e| panic!("server: send {i} to connection {j}: {e}"));
+            }
+        }
+        (conns, listener)
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 4).unwrap();
+    cq.set_auto_grow(true);
+    let srq = srq_depth.map(|d| SharedReceiveQueue::new(&pd, d).unwrap());
+    let shared_mr = Arc::new(MemoryRegion::new(&pd, 64 * srq_depth.unwrap_or(1) as usize, AccessFlags::LOCAL_WRITE).unwrap());
+    if let (Some(srq), Some(d)) = (&srq, srq_depth) {
+        let wrs: Vec<_> = (0..d as usize).map(|j| RecvWr::new(&shared_mr, j * 64..(j + 1) * 64).wr_id(j as u64)).collect();
+        srq.post_recv(&wrs).unwrap();
+    }
+    let mut route = Some(route);
+    let mut handles = Vec::new();
+    for (n, &mode) in modes.iter().enumerate() {
+        let r = match route.take() {
+            Some(r) => r,
+            None => Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap(),
+        };
+        let mut init = QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+        if let Some(srq) = &srq {
+            init = init.srq(srq);
+        }
+        let mut q = r.create_qp(&pd, init).unwrap();
+        let mr = MemoryRegion::new(&pd, 128, AccessFlags::LOCAL_WRITE).unwrap();
+        if srq.is_none() {
+            q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0), RecvWr::new(&mr, 64..128).wr_id(1)]).unwrap();
+        }
+        let mut conn = q.connect(&ConnParam::new(), T).unwrap();
+        let (srq, shared_mr) = (srq.clone(), Arc::clone(&shared_mr));
+        handles.push(thread::spawn(move || {
+            let me = conn.qp().qp_num();
+            if matches!(mode, Mode::BusyWait | Mode::BusyWaitFor) {
+                conn.qp_mut().set_busy_poll(true);
+            }
+            let mut next = 0u32;
+            let mut seen: Vec<u32> = Vec::new();
+            let mut wcs = [WorkCompletion::default(); 8];
+            while next < MSGS {
+                let got: Vec<WorkCompletion> = match mode {
+                    Mode::WaitFor | Mode::BusyWaitFor => {
+                        let wc = conn
+                            .qp_mut()
+                            .wait_for(WorkQueue::Recv, next as u64, T)
+                            .unwrap_or_else(|e| panic!("QP {n} ({mode:?}): message {next}: {e}"));
+                        vec![wc]
+                    }
+                    Mode::Wait | Mode::BusyWait | Mode::WaitQueue => {
+                        let r = if let Mode::WaitQueue = mode {
+                            conn.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T)
+                        } else {
+                            conn.qp_mut().wait(&mut wcs, T)
+                        };
+                        let got = r.unwrap_or_else(|e| panic!("QP {n} ({mode:?}): message {next}: {e}"));
+                        assert!(got > 0, "QP {n} ({mode:?}): message {next} never came (the wait timed out)");
+                        wcs[..got].to_vec()
+                    }
+                };
+                for wc in got {
+                    assert!(wc.is_ok(), "QP {n}: {wc:?}");
+                    assert_eq!(wc.queue(), WorkQueue::Recv, "QP {n}: only receives complete here");
+                    assert_eq!(wc.qp_num(), me, "QP {n} got another QP's completion: {wc:?}");
+                    seen.push(wc.imm_data().expect("every message carries its number"));
+                    next += 1;
+                    match &srq {
+                        Some(srq) => {
+                            let j = wc.wr_id() as usize;
+                            srq.post_recv(&[RecvWr::new(&shared_mr, j * 64..(j + 1) * 64).wr_id(j as u64)]).unwrap();
+                        }
+                        None => {
+                            let id = wc.wr_id() + 2;
+                            let half = (id % 2) as usize * 64;
+                            conn.qp_mut().post_recv(&[RecvWr::new(&mr, half..half + 64).wr_id(id)]).unwrap();
+                        }
+                    }
+                }
+            }
+            assert_eq!(conn.qp().undelivered(), 0, "QP {n}: nothing left kept");
+            let mut sorted = seen.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..MSGS).collect::<Vec<_>>(), "QP {n} ({mode:?}): a message lost or delivered twice");
+            let swapped: Vec<_> = seen.windows(2).filter(|w| w[0] > w[1]).map(|w| (w[0], w[1])).collect();
+            assert!(swapped.is_empty(), "QP {n} ({mode:?}): an RC QP's receives delivered out of order: {swapped:?}");
+            (conn, mr)
+        }));
+    }
+    let mut failures = Vec::new();
+    let mut clients = Vec::new();
+    for h in handles {
+        match h.join() {
+            Ok(c) => clients.push(c),
+            Err(e) => failures.push(e.downcast_ref::<String>().cloned().unwrap_or_else(|| "panic".into())),
+        }
+    }
+    // A failed receiver stops taking messages: the server (RNR-retrying for ever) would hang, so
+    // the failure is reported before it is joined.
+    assert!(failures.is_empty(), "receivers failed: {failures:#?}");
+    let servers = server.join().unwrap();
+    if let (Some(srq), Some(d)) = (&srq, srq_depth) {
+        assert_eq!(srq.outstanding(), d as usize, "every receive reaped was posted again; none is held twice");
+    }
+    assert!(cq.depth() >= 4, "the CQ grew as QPs joined: {}", cq.depth());
+    drop((clients, servers, srq, shared_mr, cq, pd, ctx));
+    t.finish();
+}
+
+/// Review of debafe3, promise 1: five QPs on one auto-growing CQ, one thread each, waiting with
+/// wait_for, wait, wait_queue, and busy-polled wait_for and wait, all at once.
+#[test]
+fn five_qps_on_one_cq_each_waited_on_differently_lose_nothing() {
+    shared_cq_stress(&[Mode::WaitFor, Mode::Wait, Mode::WaitQueue, Mode::BusyWaitFor, Mode::BusyWait], None);
+}
+
+/// Review of debafe3, promises 1 and 3: four QPs on one CQ taking receives from one SRQ that
+/// each thread refills, waited on with wait, wait_queue and busy-polled wait.
+#[test]
+fn four_srq_qps_on_one_cq_lose_nothing_and_the_srq_count_holds() {
+    shared_cq_stress(&[Mode::Wait, Mode::WaitQueue, Mode::BusyWait, Mode::Wait], Some(16));
 }
