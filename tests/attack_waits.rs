@@ -127,6 +127,12 @@ const MSGS: u32 = 150;
 /// blind wait fails it. With `srq`, the client QPs take their receives from one SRQ that each
 /// thread refills, and the SRQ's count must come back to its depth.
 fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
+    stress(modes, srq_depth, false, false)
+}
+
+/// [`shared_cq_stress`], with `own_send_cq`: each QP sends on a CQ of its own (the receive CQ
+/// is the shared one); with `resizer`: a thread resizes the shared CQ back and forth meanwhile.
+fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, resizer: bool) {
     let t = DeviceTest::start();
     let k = modes.len();
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
@@ -171,7 +177,8 @@ fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
             Some(r) => r,
             None => Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap(),
         };
-        let mut init = QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+        let send_cq = if own_send_cq { CompletionQueue::new(&ctx, 64).unwrap() } else { Arc::clone(&cq) };
+        let mut init = QpInit::new().send_cq(send_cq).recv_cq(Arc::clone(&cq));
         if let Some(srq) = &srq {
             init = init.srq(srq);
         }
@@ -238,6 +245,25 @@ fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
             (conn, mr)
         }));
     }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let resizing = resizer.then(|| {
+        let (cq, stop) = (Arc::clone(&cq), Arc::clone(&stop));
+        thread::spawn(move || {
+            let base = cq.depth();
+            let mut resizes = 0u32;
+            let mut refused = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for d in [base * 2, base + 1, base] {
+                    match cq.resize(d) {
+                        Ok(()) => resizes += 1,
+                        Err(_) => refused += 1,
+                    }
+                }
+                thread::yield_now();
+            }
+            (resizes, refused)
+        })
+    });
     let mut failures = Vec::new();
     let mut clients = Vec::new();
     for h in handles {
@@ -248,6 +274,12 @@ fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
     }
     // A failed receiver stops taking messages: the server (RNR-retrying for ever) would hang, so
     // the failure is reported before it is joined.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(h) = resizing {
+        let (resizes, refused) = h.join().unwrap();
+        assert!(resizes > 0, "the CQ was resized under the traffic ({refused} refused)");
+        assert_eq!(refused, 0, "resizes within what the queues reserved are all accepted");
+    }
     assert!(failures.is_empty(), "receivers failed: {failures:#?}");
     let servers = server.join().unwrap();
     if let (Some(srq), Some(d)) = (&srq, srq_depth) {
@@ -270,4 +302,21 @@ fn five_qps_on_one_cq_each_waited_on_differently_lose_nothing() {
 #[test]
 fn four_srq_qps_on_one_cq_lose_nothing_and_the_srq_count_holds() {
     shared_cq_stress(&[Mode::Wait, Mode::WaitQueue, Mode::BusyWait, Mode::Wait], Some(16));
+}
+
+/// Review of debafe3, promise 1: as the five-QP test, but each QP sends on a CQ of its own and
+/// only the receive CQ is shared. `QueuePair::wait` (both queues) then delivers kept
+/// completions under the send CQ's router lock and polls the receive CQ under the other, so a
+/// receive kept for it by another thread in between could be overtaken by the next one.
+#[test]
+fn qps_with_their_own_send_cq_and_a_shared_recv_cq_keep_receive_order() {
+    stress(&[Mode::Wait, Mode::Wait, Mode::BusyWait, Mode::WaitQueue, Mode::WaitFor], None, true, false);
+}
+
+/// Review of debafe3, promise 4: five QPs on one CQ under traffic while another thread resizes
+/// it back and forth (never below what its queues reserved): every resize is accepted, and no
+/// completion is lost, duplicated or reordered.
+#[test]
+fn resizing_a_shared_cq_under_traffic_loses_nothing() {
+    stress(&[Mode::Wait, Mode::WaitFor, Mode::BusyWait, Mode::WaitQueue, Mode::BusyWaitFor], None, false, true);
 }
