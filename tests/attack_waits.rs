@@ -116,6 +116,56 @@ enum Mode {
     BusyWaitFor,
     /// `wait` with `set_busy_poll(true)`.
     BusyWait,
+    /// `wait_async` on a runtime of the thread's own.
+    AsyncWait,
+    /// `wait_for_async` on a runtime of the thread's own.
+    AsyncWaitFor,
+    /// `wait_async` cancelled every 2 ms (a `tokio::time::timeout` that runs out) until it
+    /// returns something.
+    AsyncCancelled,
+}
+
+/// Waits the async way for `mode`; None for the blocking modes.
+#[cfg(feature = "tokio")]
+fn async_wait(
+    rt: &tokio::runtime::Runtime,
+    conn: &mut Connection,
+    mode: Mode,
+    next: u32,
+    wcs: &mut [WorkCompletion],
+) -> Option<Result<Vec<WorkCompletion>, String>> {
+    let qp = conn.qp_mut();
+    Some(rt.block_on(async {
+        match mode {
+            Mode::AsyncWaitFor => match tokio::time::timeout(T, qp.wait_for_async(WorkQueue::Recv, next as u64)).await {
+                Ok(Ok(wc)) => Ok(vec![wc]),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("timed out".into()),
+            },
+            Mode::AsyncWait => match tokio::time::timeout(T, qp.wait_async(wcs)).await {
+                Ok(Ok(n)) => Ok(wcs[..n].to_vec()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("timed out".into()),
+            },
+            Mode::AsyncCancelled => {
+                let end = std::time::Instant::now() + T;
+                loop {
+                    match tokio::time::timeout(Duration::from_millis(2), qp.wait_async(wcs)).await {
+                        Ok(Ok(n)) => break Ok(wcs[..n].to_vec()),
+                        Ok(Err(e)) => break Err(e.to_string()),
+                        Err(_) if std::time::Instant::now() < end => continue,
+                        Err(_) => break Err("timed out, cancelled at every try".into()),
+                    }
+                }
+            }
+            _ => unreachable!(),
+        }
+    }))
+}
+
+#[cfg(not(feature = "tokio"))]
+fn async_wait(_: &(), _: &mut Connection, _: Mode, _: u32, _: &mut [WorkCompletion]) -> Option<Result<Vec<WorkCompletion>, String>> {
+    panic!("the async modes need the tokio feature")
 }
 
 const MSGS: u32 = 150;
@@ -197,8 +247,17 @@ fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, resizer: bo
             let mut next = 0u32;
             let mut seen: Vec<u32> = Vec::new();
             let mut wcs = [WorkCompletion::default(); 8];
+            #[cfg(feature = "tokio")]
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            #[cfg(not(feature = "tokio"))]
+            let rt = ();
             while next < MSGS {
                 let got: Vec<WorkCompletion> = match mode {
+                    Mode::AsyncWait | Mode::AsyncWaitFor | Mode::AsyncCancelled => {
+                        async_wait(&rt, &mut conn, mode, next, &mut wcs)
+                            .unwrap()
+                            .unwrap_or_else(|e| panic!("QP {n} ({mode:?}): message {next}: {e}"))
+                    }
                     Mode::WaitFor | Mode::BusyWaitFor => {
                         let wc = conn
                             .qp_mut()
@@ -319,4 +378,23 @@ fn qps_with_their_own_send_cq_and_a_shared_recv_cq_keep_receive_order() {
 #[test]
 fn resizing_a_shared_cq_under_traffic_loses_nothing() {
     stress(&[Mode::Wait, Mode::WaitFor, Mode::BusyWait, Mode::WaitQueue, Mode::BusyWaitFor], None, false, true);
+}
+
+/// Review of debafe3, promises 1 and 5: blocking and async waits on one CQ from six threads,
+/// each async one on a runtime of its own (so the CQ's channel gets a lasting registration with
+/// three runtimes at once), one of them cancelling its wait every 2 ms.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_waits_on_three_runtimes_and_blocking_waits_share_a_cq() {
+    shared_cq_stress(
+        &[Mode::AsyncWait, Mode::AsyncWaitFor, Mode::AsyncCancelled, Mode::Wait, Mode::WaitFor, Mode::BusyWait],
+        None,
+    );
+}
+
+/// Review of debafe3, promises 1, 3 and 5: the same with the receives from one SRQ.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_and_blocking_waits_of_srq_qps_share_a_cq() {
+    shared_cq_stress(&[Mode::AsyncWait, Mode::AsyncCancelled, Mode::Wait, Mode::AsyncWait], Some(16));
 }
