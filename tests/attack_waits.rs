@@ -398,3 +398,217 @@ fn async_waits_on_three_runtimes_and_blocking_waits_share_a_cq() {
 fn async_and_blocking_waits_of_srq_qps_share_a_cq() {
     shared_cq_stress(&[Mode::AsyncWait, Mode::AsyncCancelled, Mode::Wait, Mode::AsyncWait], Some(16));
 }
+
+/// Review of debafe3, promise 4: the edges of `CompletionQueue::resize`. A CQ serving one QP of
+/// depth 16/16 (32 reserved) with four receives completed in it and unpolled: a depth of 0,
+/// above `i32::MAX`, or below the 32 reserved is refused before the call; one beyond the
+/// device's `max_cqe` fails in the call and leaves the depth; shrinking to exactly 32 keeps
+/// the four completions, in order; a second QP that could overrun it is refused, and with
+/// auto-grow it is taken and the CQ grows.
+#[test]
+fn resize_refuses_what_could_overrun_and_keeps_what_the_cq_holds() {
+    let t = DeviceTest::start();
+    // A watchdog: a hang reports the last step reached instead of stalling the suite.
+    let step = Arc::new(std::sync::Mutex::new("start"));
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let watched = Arc::clone(&step);
+    let watchdog = thread::spawn(move || {
+        if done_rx.recv_timeout(Duration::from_secs(90)).is_err() {
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout(), "HUNG after step: {}", watched.lock().unwrap());
+            let _ = std::io::stdout().flush();
+            std::process::exit(101);
+        }
+    });
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+        for i in 0..4u32 {
+            conn.qp_mut().post_send(&[SendWr::send(&mr, 0..8).imm(i).wr_id(i as u64)]).unwrap();
+            conn.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap();
+        }
+        (conn, mr, pd, listener)
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 48).unwrap();
+    let mr = MemoryRegion::new(&pd, 4 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let init = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+    let mut q = route.create_qp(&pd, init()).unwrap();
+    let wrs: Vec<_> = (0..4).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64)).collect();
+    q.post_recv(&wrs).unwrap();
+    let mut a = q.connect(&ConnParam::new(), T).unwrap();
+    // Each send was acknowledged: all four receives sit completed in the CQ.
+    let srv = server.join().unwrap();
+    step.lock().unwrap().clone_from(&"joined server");
+    let max = ctx.limits().unwrap().max_cqe;
+    for bad in [0, 31, u32::MAX] {
+        assert!(matches!(cq.resize(bad), Err(rdma_cm::Error::InvalidArgument(_))), "depth {bad} refused before the call");
+        assert_eq!(cq.depth(), 48);
+    }
+    if max < i32::MAX as u32 {
+        assert!(cq.resize(max + 1).is_err(), "beyond max_cqe {max}");
+        assert_eq!(cq.depth(), 48, "a failed resize leaves the depth");
+    }
+    cq.resize(32).unwrap();
+    step.lock().unwrap().clone_from(&"resized to 32");
+    assert_eq!(cq.depth(), 32);
+    let new_route = || Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    // A second QP (32 more) could overrun it: refused, and nothing changed.
+    assert!(new_route().create_qp(&pd, init()).is_err(), "a QP that could overrun the CQ is refused");
+    step.lock().unwrap().clone_from(&"second QP refused");
+    assert_eq!(cq.depth(), 32);
+    cq.set_auto_grow(true);
+    let b = new_route().create_qp(&pd, init()).unwrap();
+    step.lock().unwrap().clone_from(&"auto-grown");
+    assert!(cq.depth() >= 64, "auto-grow made room for both: {}", cq.depth());
+    let mut wcs = [WorkCompletion::default(); 8];
+    let n = a.qp_mut().wait(&mut wcs, T).unwrap();
+    step.lock().unwrap().clone_from(&"waited");
+    let imms: Vec<_> = wcs[..n].iter().map(|w| w.imm_data()).collect();
+    assert_eq!(imms, (0..4).map(Some).collect::<Vec<_>>(), "the four completions survived the resizes, in order");
+    drop((a, b, srv, cq, mr, pd, ctx));
+    step.lock().unwrap().clone_from(&"dropped");
+    t.finish();
+    done_tx.send(()).unwrap();
+    watchdog.join().unwrap();
+}
+
+/// Review of debafe3, promise 1 (`CompletionQueue::wait` is woken like a QP's wait): QPs A and B
+/// on one CQ. One thread owns A and waits only through `CompletionQueue::wait` (with the full
+/// bound); another thread waits on B with `QueuePair::wait`, whose poll reaps A's receives and
+/// keeps them for A: each keep must wake the CQ's wait at once. The CQ's wait also gets B's
+/// completions (whoever polls the CQ gets them): it hands them to B's thread. Every message
+/// must arrive once, A's in order, and no CQ wait may sleep through a kept completion (none may
+/// take anywhere near the bound).
+#[test]
+fn a_cq_wait_is_woken_by_a_qp_wait_that_keeps_completions_for_others() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let server = thread::spawn(move || {
+        let mut conns: Vec<_> = (0..2)
+            .map(|_| {
+                let req = listener.get_request(T).unwrap();
+                let pd = req.alloc_pd().unwrap();
+                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+                let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+                (conn, mr, pd)
+            })
+            .collect();
+        for i in 0..MSGS {
+            for (conn, mr, _) in &mut conns {
+                conn.qp_mut().post_send(&[SendWr::send(mr, 0..16).imm(i).wr_id(i as u64)]).unwrap();
+            }
+            for (conn, _, _) in &mut conns {
+                conn.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap();
+            }
+        }
+        (conns, listener)
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let init = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+    let connect = |r: rdma_cm::RouteResolved| {
+        let mr = MemoryRegion::new(&pd, 128, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = r.create_qp(&pd, init()).unwrap();
+        q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0), RecvWr::new(&mr, 64..128).wr_id(1)]).unwrap();
+        (q.connect(&ConnParam::new(), T).unwrap(), mr)
+    };
+    let (mut a, amr) = connect(route);
+    let (mut b, bmr) = connect(Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap());
+    let (a_num, b_num) = (a.qp().qp_num(), b.qp().qp_num());
+    let (tx, rx) = std::sync::mpsc::channel::<WorkCompletion>();
+    let cq2 = Arc::clone(&cq);
+    let a_thread = thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut longest = Duration::ZERO;
+        let mut wcs = [WorkCompletion::default(); 8];
+        while seen.len() < MSGS as usize {
+            let started = std::time::Instant::now();
+            let n = cq2.wait(&mut wcs, T).unwrap();
+            longest = longest.max(started.elapsed());
+            assert!(n > 0, "A's message {} never came: the CQ's wait timed out", seen.len());
+            for wc in &wcs[..n] {
+                assert!(wc.is_ok(), "{wc:?}");
+                if wc.qp_num() == b_num {
+                    tx.send(*wc).unwrap();
+                    continue;
+                }
+                assert_eq!(wc.qp_num(), a_num, "a completion of neither QP: {wc:?}");
+                seen.push(wc.imm_data().unwrap());
+                let id = wc.wr_id() + 2;
+                let half = (id % 2) as usize * 64;
+                a.qp_mut().post_recv(&[RecvWr::new(&amr, half..half + 64).wr_id(id)]).unwrap();
+            }
+        }
+        (a, amr, seen, longest)
+    });
+    let mut b_seen = Vec::new();
+    let mut wcs = [WorkCompletion::default(); 8];
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while b_seen.len() < MSGS as usize {
+        assert!(std::time::Instant::now() < deadline, "B got {} of {MSGS}", b_seen.len());
+        let n = b.qp_mut().wait(&mut wcs, Duration::from_millis(50)).unwrap();
+        let forwarded: Vec<_> = rx.try_iter().collect();
+        for wc in wcs[..n].iter().chain(&forwarded) {
+            assert_eq!(wc.qp_num(), b_num, "B got another QP's completion: {wc:?}");
+            b_seen.push(wc.imm_data().unwrap());
+            let id = wc.wr_id() + 2;
+            let half = (id % 2) as usize * 64;
+            b.qp_mut().post_recv(&[RecvWr::new(&bmr, half..half + 64).wr_id(id)]).unwrap();
+        }
+    }
+    let (a, amr, a_seen, longest) = a_thread.join().expect("the CQ's waiter failed");
+    b_seen.sort_unstable();
+    assert_eq!(b_seen, (0..MSGS).collect::<Vec<_>>(), "B: every message once");
+    assert_eq!(a_seen, (0..MSGS).collect::<Vec<_>>(), "A (through the CQ's wait): every message once, in order");
+    assert!(longest < Duration::from_secs(5), "a CQ wait slept through a kept completion: {longest:?}");
+    let servers = server.join().unwrap();
+    drop((a, b, amr, bmr, servers, cq, pd, ctx));
+    t.finish();
+}
+
+/// Review of debafe3, promise 4 ("the crate refuses QPs that could overrun it"): one CQ of
+/// depth 24 for both queues of a QP of depth 16/16. The send queue's 16 fit, the receive
+/// queue's 16 more do not: the QP must be refused. It hangs for ever instead:
+/// `QueuePair::create` (src/qp.rs) runs
+/// `if let Err(e) = recv_cq.reserve(&mut recv_cq.router(), recv_reserved) { undo_send(); ... }`,
+/// where the router's guard, a temporary of the `if let` scrutinee, lives through the block,
+/// and `undo_send` locks `send_cq.router()`, the same mutex when the CQs are one: a self
+/// deadlock (std's Mutex is not reentrant), with the CQ's router locked for good, so every
+/// other poll and wait on that CQ hangs too. (Auto-grow reaches it the same way: a send queue
+/// that fits after growing and a receive queue beyond `max_cqe`.)
+#[test]
+fn a_qp_whose_receive_queue_overruns_a_shared_cq_is_refused_not_hung() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let ctx = route.context().unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 24).unwrap();
+    let init = QpInit::new().max_send_wr(16).max_recv_wr(16).send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let pd2 = Arc::clone(&pd);
+    thread::spawn(move || {
+        let r = route.create_qp(&pd2, init).map(drop).map_err(|e| e.to_string());
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(r) => {
+            assert!(r.is_err(), "a QP of 16 + 16 on a CQ of 24 must be refused");
+            drop((cq, pd, ctx, listener));
+            t.finish();
+        }
+        // The creating thread is stuck holding the CQ's router lock: nothing can be torn down.
+        Err(_) => panic!("QueuePair::create deadlocked refusing a receive queue the shared CQ has no room for"),
+    }
+}
