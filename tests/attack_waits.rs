@@ -612,3 +612,62 @@ fn a_qp_whose_receive_queue_overruns_a_shared_cq_is_refused_not_hung() {
         Err(_) => panic!("QueuePair::create deadlocked refusing a receive queue the shared CQ has no room for"),
     }
 }
+
+/// Review of debafe3, promise 3: `SharedReceiveQueue::outstanding()` across QPs on separate
+/// CQs dropped in turn: A (on CQ a) and B (on CQ b) each consume two receives of one SRQ of 8.
+/// B polls its two; A is dropped with its two unpolled (its CQ's sweep reaps them for a QP that
+/// is gone); then B goes. The count must follow exactly, and the room must be usable again.
+#[test]
+fn srq_count_follows_qps_on_separate_cqs_dropped_in_turn() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let sends = move || {
+        let (mut conn, mr, pd) = client_to(dst, QpInit::new());
+        for i in 0..2 {
+            conn.qp_mut().post_send(&[SendWr::send(&mr, 0..32).wr_id(i)]).unwrap();
+            conn.qp_mut().wait_for(WorkQueue::Send, i, T).unwrap();
+        }
+        (conn, mr, pd)
+    };
+    let c1 = thread::spawn(sends);
+    let req = listener.get_request(T).unwrap();
+    let ctx = req.context().unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let srq = SharedReceiveQueue::new(&pd, 8).unwrap();
+    let mr = MemoryRegion::new(&pd, 12 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let wrs: Vec<_> = (0..8).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64)).collect();
+    srq.post_recv(&wrs).unwrap();
+    let (cqa, cqb) = (CompletionQueue::new(&ctx, 32).unwrap(), CompletionQueue::new(&ctx, 32).unwrap());
+    let on = |cq: &Arc<CompletionQueue>| QpInit::new().send_cq(Arc::clone(cq)).recv_cq(Arc::clone(cq)).srq(&srq);
+    let a = req.create_qp(&pd, on(&cqa)).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let k1 = c1.join().unwrap();
+    let c2 = thread::spawn(sends);
+    let req = listener.get_request(T).unwrap();
+    let mut b = req.create_qp(&pd, on(&cqb)).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let k2 = c2.join().unwrap();
+    assert_eq!(srq.outstanding(), 8, "eight posted; four consumed, none polled");
+    let mut wcs = [WorkCompletion::default(); 8];
+    let mut got = 0;
+    while got < 2 {
+        let n = b.qp_mut().wait(&mut wcs[got..], T).unwrap();
+        assert!(n > 0, "B's receives");
+        got += n;
+    }
+    assert!(wcs[..2].iter().all(|w| w.is_ok() && w.qp_num() == b.qp().qp_num()));
+    assert_eq!(srq.outstanding(), 6, "B's two reaped");
+    drop(a);
+    assert_eq!(srq.outstanding(), 4, "A's two unpolled receives are released with A");
+    assert_eq!(cqa.poll(&mut wcs).unwrap(), 0, "nothing left in A's CQ");
+    drop(b);
+    assert_eq!(srq.outstanding(), 4, "B held nothing more");
+    let more: Vec<_> = (8..12).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64)).collect();
+    srq.post_recv(&more).unwrap();
+    assert_eq!(srq.outstanding(), 8);
+    assert!(matches!(
+        srq.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(99)]),
+        Err(rdma_cm::Error::QueueFull { .. })
+    ));
+    drop((k1, k2, cqa, cqb, srq, mr, pd, ctx, listener));
+    t.finish();
+}
