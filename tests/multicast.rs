@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{lines_of, pattern, DeviceTest, T};
+use common::{lines_of, pattern, require, Cap, DeviceTest, T};
 use rdma_cm::{
     AccessFlags, Datagram, Error, JoinKind, McastClient, McastEndpoint, MemoryRegion, QpInit, RecvWr, UdSendWr,
     WorkCompletion, WorkQueue, GRH_LEN, MULTICAST_QPN, RDMA_UDP_QKEY,
@@ -49,6 +49,9 @@ fn recv_one(ep: &mut McastEndpoint, wr_id: u64) -> WorkCompletion {
 #[test]
 fn two_members_exchange_datagrams_through_the_group_every_byte_checked() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.1");
     let (size, count) = (700usize, 4usize);
     let mut rx = endpoint(t.addr, g);
@@ -107,6 +110,9 @@ fn two_members_exchange_datagrams_through_the_group_every_byte_checked() {
 #[test]
 fn a_send_only_member_sends_to_the_group_but_receives_nothing_from_it() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.2");
     let mut rx = endpoint(t.addr, g);
     let mut so = endpoint(t.addr, g);
@@ -150,6 +156,9 @@ fn a_send_only_member_sends_to_the_group_but_receives_nothing_from_it() {
 #[test]
 fn dropping_the_membership_leaves_the_group_in_either_order_with_the_endpoint() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.3");
     // Membership first, then the endpoint.
     let mut ep = endpoint(t.addr, g);
@@ -175,6 +184,9 @@ fn dropping_the_membership_leaves_the_group_in_either_order_with_the_endpoint() 
 #[test]
 fn a_unicast_address_as_the_group_is_refused_naming_it() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     for bad in [t.addr, group("127.0.0.1"), group("fd77::1")] {
         let src = if bad.is_ipv4() { t.addr } else { group("fd77::1") };
         let e = McastClient::new().unwrap().resolve(Some(src), bad, T).unwrap_err();
@@ -196,6 +208,9 @@ fn a_unicast_address_as_the_group_is_refused_naming_it() {
 #[test]
 fn loopback_off_is_a_clear_error_where_the_device_cannot_block_it() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.5");
     let r = McastClient::new().unwrap().resolve(Some(t.addr), g, T).unwrap();
     let pd = r.alloc_pd().unwrap();
@@ -239,6 +254,9 @@ fn loopback_off_is_a_clear_error_where_the_device_cannot_block_it() {
 #[test]
 fn an_ipv6_group_over_roce_v2_is_refused_with_the_cause() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let Ok(src6) = std::env::var("RDMA_VM_ADDR6").map(|a| a.parse::<IpAddr>().unwrap()) else {
         panic!("this test needs the guest's IPv6 address (RDMA_VM_ADDR6): run it through harness/runner");
     };
@@ -352,6 +370,9 @@ const SENDER_LINES: [&str; 7] = [
 #[test]
 fn mckey_example_against_itself_two_receiving_ids_every_byte_checked() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let (me, a) = (mckey_example(), t.addr.to_string());
     let common = ["-m", "239.1.2.7", "-b", a.as_str(), "-C", "6", "-S", "1000"];
     let mut rx = vec![me.as_str(), "-c", "2", "--verify"];
@@ -378,6 +399,9 @@ fn mckey_example_against_itself_two_receiving_ids_every_byte_checked() {
 #[test]
 fn mckey_example_receives_from_rdma_cores_mckey_sender() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let (me, a) = (mckey_example(), t.addr.to_string());
     let common = ["-m", "239.1.2.8", "-b", a.as_str(), "-C", "5", "-S", "300"];
     let mut rx = vec![me.as_str()];
@@ -404,6 +428,9 @@ fn mckey_example_receives_from_rdma_cores_mckey_sender() {
 #[test]
 fn rdma_cores_mckey_receives_from_the_mckey_example() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let (me, a) = (mckey_example(), t.addr.to_string());
     let common = ["-m", "239.1.2.9", "-b", a.as_str(), "-C", "5", "-S", "300"];
     // mckey's stdout is a pipe here: line-buffer it so its joined line arrives as printed.
@@ -430,6 +457,9 @@ fn rdma_cores_mckey_receives_from_the_mckey_example() {
 #[test]
 fn mckey_example_and_mckey_refuse_loopback_off_alike_on_rxe() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let (me, a) = (mckey_example(), t.addr.to_string());
     let args = ["-m", "239.1.2.10", "-b", a.as_str(), "-s", "-l", "-C", "1"];
     for prog in [me.as_str(), "mckey"] {
@@ -509,6 +539,9 @@ fn poll_one(ep: &mut McastEndpoint, queue: WorkQueue, wcs: &mut [WorkCompletion;
 fn posting_to_the_group_and_polling_allocate_nothing() {
     const N: u64 = 2_000;
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.11");
     let mut rx = endpoint(t.addr, g);
     let mut tx = endpoint(t.addr, g);
@@ -541,6 +574,9 @@ fn posting_to_the_group_and_polling_allocate_nothing() {
 #[test]
 fn leaving_with_a_send_in_flight_keeps_the_groups_address_handle_until_the_completion() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.12");
     let mut tx = endpoint(t.addr, g);
     let pd = Arc::clone(tx.qp().pd());
@@ -564,6 +600,9 @@ fn leaving_with_a_send_in_flight_keeps_the_groups_address_handle_until_the_compl
 #[test]
 fn a_join_whose_qp_cannot_be_attached_is_a_multicast_error_naming_the_group() {
     let t = DeviceTest::start();
+    if !require(Cap::Multicast) {
+        return;
+    }
     let g = group("239.1.2.13");
     let mut members = vec![];
     let mut failed = None;

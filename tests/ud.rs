@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
 
-use common::{pattern, DeviceTest, T};
+use common::{pattern, require, Cap, DeviceTest, T};
 use rdma_cm::{
     AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, QpInit, RecvWr, UdClient, UdDest,
     UdEndpoint, UdSendWr, UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
@@ -56,6 +56,9 @@ fn client(addr: IpAddr, port: u16) -> UdEndpoint {
 #[test]
 fn ud_connect_send_and_echo_with_grh_and_bytes_checked() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let (port, size, count) = (7301, 512, 4);
     let (tx, rx) = mpsc::channel();
     let addr = t.addr;
@@ -95,6 +98,9 @@ fn ud_connect_send_and_echo_with_grh_and_bytes_checked() {
 #[test]
 fn a_datagram_over_the_mtu_is_refused_before_posting() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let (tx, rx) = mpsc::channel();
     let addr = t.addr;
     let server = thread::spawn(move || echo_server(addr, 7302, 16, 1, tx));
@@ -125,6 +131,9 @@ fn a_datagram_over_the_mtu_is_refused_before_posting() {
 #[test]
 fn a_receive_without_room_for_the_grh_is_refused() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let (tx, rx) = mpsc::channel();
     let addr = t.addr;
     let server = thread::spawn(move || {
@@ -163,6 +172,9 @@ fn a_receive_without_room_for_the_grh_is_refused() {
 #[test]
 fn an_address_handle_for_an_unreachable_gid() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let mut ep = client(t.addr, 7304);
     let pd = Arc::clone(ep.qp().pd());
     let port = ep.qp().port_num();
@@ -208,6 +220,9 @@ fn an_address_handle_for_an_unreachable_gid() {
 #[test]
 fn connecting_to_nobody_is_rejected_clearly() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let mut ep = client(t.addr, 7305);
     let started = std::time::Instant::now();
     let e = ep.connect(&[], T).unwrap_err();

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::ud::{ud_pair, UdPair};
-use common::{pattern, DeviceTest, T};
+use common::{pattern, require, Cap, DeviceTest, T};
 use rdma_cm::{
     AccessFlags, AddressHandle, Datagram, Error, Grh, MemoryRegion, QpInit, RecvWr, UdSendWr, WorkCompletion,
     WorkQueue, GRH_LEN,
@@ -19,6 +19,9 @@ use rdma_cm::{
 #[test]
 fn an_address_handle_dropped_while_a_send_is_posted_lives_until_the_completion() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7311, QpInit::new());
     let pd = Arc::clone(client.qp().pd());
     let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 256, AccessFlags::LOCAL_WRITE).unwrap();
@@ -47,6 +50,9 @@ fn an_address_handle_dropped_while_a_send_is_posted_lives_until_the_completion()
 #[test]
 fn unsignaled_sends_hold_their_address_handles_until_retired() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let UdPair { mut client, to_server, server, to_client } = ud_pair(t.addr, 7312, QpInit::new());
     let pd = Arc::clone(client.qp().pd());
     let mut weaks = vec![];
@@ -69,6 +75,9 @@ fn unsignaled_sends_hold_their_address_handles_until_retired() {
 #[test]
 fn dropping_or_forgetting_the_qp_with_sends_posted() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     for forget in [false, true] {
         let UdPair { mut client, to_server, server, to_client } = ud_pair(t.addr, 7313 + forget as u16, QpInit::new());
         let ah = AddressHandle::new(client.qp().pd(), to_server.ah().attr()).unwrap();
@@ -97,6 +106,9 @@ fn dropping_or_forgetting_the_qp_with_sends_posted() {
 #[test]
 fn regions_of_posted_datagrams_are_held_and_out_of_reach() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7315, QpInit::new());
     let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 512, AccessFlags::LOCAL_WRITE).unwrap();
     server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 512).wr_id(1)]).unwrap();
@@ -130,6 +142,9 @@ fn regions_of_posted_datagrams_are_held_and_out_of_reach() {
 #[test]
 fn forged_or_mismatched_completions_are_refused() {
     let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
     let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7316, QpInit::new());
     let spd = Arc::clone(server.qp().pd());
     let mut rbuf = MemoryRegion::new(&spd, GRH_LEN + 100, AccessFlags::LOCAL_WRITE).unwrap();

@@ -105,6 +105,9 @@ const CLIENT_LINES: [&str; 7] = [
 #[test]
 fn udaddy_example_against_itself_checks_every_byte() {
     let _t = serial();
+    if !common::require(common::Cap::Ud) {
+        return;
+    }
     let (s, c) = run_pair(&ours(), &ours(), &["-c", "2", "-C", "10", "-S", "100", "--verify"]);
     assert_lines(&s, &SERVER_LINES);
     assert_lines(&c, &CLIENT_LINES);
@@ -115,6 +118,9 @@ fn udaddy_example_against_itself_checks_every_byte() {
 #[test]
 fn udaddy_example_client_against_rdma_cores_udaddy_server() {
     let _t = serial();
+    if !common::require(common::Cap::Ud) {
+        return;
+    }
     let (s, c) = run_pair("udaddy", &ours(), &["-C", "10", "-S", "1000"]);
     assert_lines(&s, &SERVER_LINES);
     assert_lines(&c, &CLIENT_LINES);
@@ -123,6 +129,9 @@ fn udaddy_example_client_against_rdma_cores_udaddy_server() {
 #[test]
 fn udaddy_example_server_against_rdma_cores_udaddy_client() {
     let _t = serial();
+    if !common::require(common::Cap::Ud) {
+        return;
+    }
     let (s, c) = run_pair(&ours(), "udaddy", &["-c", "2", "-C", "5", "-S", "64"]);
     assert_lines(&s, &SERVER_LINES);
     assert_lines(&c, &CLIENT_LINES);
@@ -133,6 +142,9 @@ fn udaddy_example_server_against_rdma_cores_udaddy_client() {
 #[test]
 fn udaddy_example_refuses_a_message_over_the_mtu_as_udaddy_does() {
     let _t = serial();
+    if !common::require(common::Cap::Ud) {
+        return;
+    }
     let addr = common::device_addr().to_string();
     let mut lines = vec![];
     for server in [ours(), "udaddy".into()] {

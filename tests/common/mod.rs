@@ -13,8 +13,11 @@ use std::time::{Duration, Instant};
 
 use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr, Server};
 
+pub mod caps;
 mod device;
 pub mod ud;
+#[allow(unused_imports)] // (used by the tests that need what not every device has)
+pub use caps::{require, Cap};
 pub use device::device_addr;
 
 pub const T: Duration = Duration::from_secs(10);

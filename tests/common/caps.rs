@@ -1,0 +1,100 @@
+//! Skipping by capability: a device test that needs what not every RDMA device offers (atomics,
+//! UD, multicast, immediate data, a scattered READ, RNR retries) asks the device first, and when the device
+//! says no, prints one line saying what is missing and why, then returns.
+//!
+//! It asks the device, never its name: the same suite runs on rxe, siw and hardware (as
+//! pyverbs' `requires_*` checks do). A missing device still fails: `DeviceTest::start` panics
+//! before any of this is reached, and so does a device that cannot be opened or queried.
+//! harness/test counts the `skipped: ` lines and lists them in its summary.
+
+use std::io::Write;
+
+use rdma_cm::ffi;
+
+/// What a device test may need that not every device has.
+#[derive(Debug, Clone, Copy)]
+pub enum Cap {
+    /// Fetch-and-add and compare-and-swap (`atomic_cap` is not `ATOMIC_NONE`).
+    Atomics,
+    /// Unreliable datagram QPs (not on iWARP, whose transport is TCP).
+    Ud,
+    /// Multicast groups (UD only, so not on iWARP).
+    Multicast,
+    /// Send and RDMA WRITE with immediate data (iWARP has no immediate data).
+    ImmediateData,
+    /// An RDMA READ scattered into this many pieces (`max_sge_rd`).
+    ReadScatter(u32),
+    /// Receiver-not-ready retries: a send that finds no receive posted is retried, then fails
+    /// at the sender with RNR_RETRY_EXC_ERR (InfiniBand and RoCE; iWARP has no RNR NAK, and its
+    /// send completes once the data is handed to TCP).
+    RnrRetry,
+}
+
+/// What the device says about itself: the answers `require` needs.
+struct Answers {
+    name: String,
+    transport: ffi::ibv_transport_type::Type,
+    atomic_cap: ffi::ibv_atomic_cap::Type,
+    max_sge_rd: u32,
+}
+
+/// The device under test: `RDMA_VM_DEVICE` (the guest's) or `RDMA_CM_TEST_DEVICE` if set, else
+/// the first one listed.
+fn answers() -> Answers {
+    let name = std::env::var("RDMA_VM_DEVICE")
+        .or_else(|_| std::env::var("RDMA_CM_TEST_DEVICE"))
+        .ok()
+        .or_else(|| rdma_cm::devices().ok().and_then(|d| d.into_iter().next()).map(|d| d.name))
+        .expect("no RDMA device to ask for its capabilities (see `rdma link`)");
+    let ctx = rdma_cm::VerbsContext::open(&name).unwrap_or_else(|e| panic!("open {name}: {e}"));
+    // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
+    let mut a: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: the context is open while `ctx` lives; `a` is a valid out-pointer of its type.
+    let ret = unsafe { ffi::ibv_query_device(ctx.as_raw(), &mut a) };
+    assert_eq!(ret, 0, "ibv_query_device on {name}: errno {ret}");
+    // SAFETY: an open context's device pointer is set, and valid, for the context's life.
+    let transport = unsafe { (*(*ctx.as_raw()).device).transport_type };
+    Answers { name, transport, atomic_cap: a.atomic_cap, max_sge_rd: a.max_sge_rd.max(0) as u32 }
+}
+
+/// Why the device lacks `cap`, or `None` when it has it.
+fn lacks(cap: Cap, d: &Answers) -> Option<String> {
+    let iwarp = d.transport == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP;
+    match cap {
+        Cap::Atomics if d.atomic_cap == ffi::ibv_atomic_cap::IBV_ATOMIC_NONE => {
+            Some(format!("{} says ATOMIC_NONE", d.name))
+        }
+        Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry if iwarp => {
+            Some(format!("{} is an iWARP device, and iWARP has no {}", d.name, what(cap)))
+        }
+        Cap::ReadScatter(n) if d.max_sge_rd != 0 && d.max_sge_rd < n => {
+            Some(format!("{} says max_sge_rd {}, fewer than {n}", d.name, d.max_sge_rd))
+        }
+        _ => None,
+    }
+}
+
+fn what(cap: Cap) -> String {
+    match cap {
+        Cap::Atomics => "atomics".into(),
+        Cap::Ud => "UD".into(),
+        Cap::Multicast => "multicast".into(),
+        Cap::ImmediateData => "immediate data".into(),
+        Cap::ReadScatter(n) => format!("an RDMA READ scattered over {n} pieces"),
+        Cap::RnrRetry => "receiver-not-ready retries".into(),
+    }
+}
+
+/// Whether the device under test offers `cap`. When it does not, prints exactly one line,
+/// `skipped: WHAT (WHY) in TEST`, and returns `false`: the caller then returns at once.
+///
+/// The line goes straight to the process's stderr, past the test harness's capture, so it
+/// shows (and harness/test counts it) although the test passes.
+pub fn require(cap: Cap) -> bool {
+    let Some(why) = lacks(cap, &answers()) else { return true };
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    // One write of the whole line, so that it never interleaves with the harness's own output.
+    let line = format!("skipped: {} ({why}) in {test}\n", what(cap));
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    false
+}
