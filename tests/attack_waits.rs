@@ -137,11 +137,13 @@ fn async_wait(
     let qp = conn.qp_mut();
     Some(rt.block_on(async {
         match mode {
-            Mode::AsyncWaitFor => match tokio::time::timeout(T, qp.wait_for_async(WorkQueue::Recv, next as u64)).await {
-                Ok(Ok(wc)) => Ok(vec![wc]),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("timed out".into()),
-            },
+            Mode::AsyncWaitFor => {
+                match tokio::time::timeout(T, qp.wait_for_async(WorkQueue::Recv, next as u64)).await {
+                    Ok(Ok(wc)) => Ok(vec![wc]),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("timed out".into()),
+                }
+            }
             Mode::AsyncWait => match tokio::time::timeout(T, qp.wait_async(wcs)).await {
                 Ok(Ok(n)) => Ok(wcs[..n].to_vec()),
                 Ok(Err(e)) => Err(e.to_string()),
@@ -164,7 +166,13 @@ fn async_wait(
 }
 
 #[cfg(not(feature = "tokio"))]
-fn async_wait(_: &(), _: &mut Connection, _: Mode, _: u32, _: &mut [WorkCompletion]) -> Option<Result<Vec<WorkCompletion>, String>> {
+fn async_wait(
+    _: &(),
+    _: &mut Connection,
+    _: Mode,
+    _: u32,
+    _: &mut [WorkCompletion],
+) -> Option<Result<Vec<WorkCompletion>, String>> {
     panic!("the async modes need the tokio feature")
 }
 
@@ -215,9 +223,11 @@ fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, resizer: bo
     let cq = CompletionQueue::new(&ctx, 4).unwrap();
     cq.set_auto_grow(true);
     let srq = srq_depth.map(|d| SharedReceiveQueue::new(&pd, d).unwrap());
-    let shared_mr = Arc::new(MemoryRegion::new(&pd, 64 * srq_depth.unwrap_or(1) as usize, AccessFlags::LOCAL_WRITE).unwrap());
+    let shared_mr =
+        Arc::new(MemoryRegion::new(&pd, 64 * srq_depth.unwrap_or(1) as usize, AccessFlags::LOCAL_WRITE).unwrap());
     if let (Some(srq), Some(d)) = (&srq, srq_depth) {
-        let wrs: Vec<_> = (0..d as usize).map(|j| RecvWr::new(&shared_mr, j * 64..(j + 1) * 64).wr_id(j as u64)).collect();
+        let wrs: Vec<_> =
+            (0..d as usize).map(|j| RecvWr::new(&shared_mr, j * 64..(j + 1) * 64).wr_id(j as u64)).collect();
         srq.post_recv(&wrs).unwrap();
     }
     let mut route = Some(route);
@@ -448,7 +458,10 @@ fn resize_refuses_what_could_overrun_and_keeps_what_the_cq_holds() {
     step.lock().unwrap().clone_from(&"joined server");
     let max = ctx.limits().unwrap().max_cqe;
     for bad in [0, 31, u32::MAX] {
-        assert!(matches!(cq.resize(bad), Err(rdma_cm::Error::InvalidArgument(_))), "depth {bad} refused before the call");
+        assert!(
+            matches!(cq.resize(bad), Err(rdma_cm::Error::InvalidArgument(_))),
+            "depth {bad} refused before the call"
+        );
         assert_eq!(cq.depth(), 48);
     }
     if max < i32::MAX as u32 {
@@ -664,10 +677,7 @@ fn srq_count_follows_qps_on_separate_cqs_dropped_in_turn() {
     let more: Vec<_> = (8..12).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64)).collect();
     srq.post_recv(&more).unwrap();
     assert_eq!(srq.outstanding(), 8);
-    assert!(matches!(
-        srq.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(99)]),
-        Err(rdma_cm::Error::QueueFull { .. })
-    ));
+    assert!(matches!(srq.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(99)]), Err(rdma_cm::Error::QueueFull { .. })));
     drop((k1, k2, cqa, cqb, srq, mr, pd, ctx, listener));
     t.finish();
 }
