@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use crate::async_kind::AsyncEventKind;
 use crate::status::{CmEventType, PrivateData, WcStatus};
+use crate::verbs::async_kind::AsyncEventKind;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -193,7 +193,7 @@ pub enum Error {
     },
 
     /// The device reported the object unusable through an asynchronous event (a QP that went
-    /// fatal, a CQ that overran, a failed device): see [`crate::async_event`].
+    /// fatal, a CQ that overran, a failed device): see [`crate::verbs::async_event`].
     #[error("{op}: the device reported {event} on this {object}")]
     AsyncEvent {
         /// The step that was waiting.

@@ -382,71 +382,53 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod addrinfo;
-pub mod ah;
-pub mod async_event;
-mod async_kind;
-#[cfg(feature = "tokio")]
-mod asynchronous;
-pub mod closing;
-pub mod cm_device;
-pub mod cm_id;
-pub mod connection;
-pub mod cq;
-pub mod device;
-pub mod diagnostics;
+pub mod cm;
 pub mod error;
-pub mod event_channel;
-pub mod mr;
-pub mod multicast;
-pub mod pd;
-pub mod port;
-pub mod private_data;
-pub mod qp;
-mod qp_attr;
 pub mod ready;
-mod ring;
-pub mod srq;
 pub mod status;
-pub mod step;
-pub mod ud;
-pub mod ud_cm;
-pub mod user_qp;
+pub mod verbs;
 mod wait;
-pub mod wr;
+
+// The modules' paths before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep working.
+#[doc(hidden)]
+pub use cm::{
+    addrinfo, closing, cm_device, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp,
+};
+#[doc(hidden)]
+pub use verbs::{ah, async_event, cq, device, diagnostics, mr, pd, port, qp, srq, ud, wr};
 
 pub use rdma_sys as ffi;
 
-pub use addrinfo::{lookup, lookup_passive};
-pub use ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
-pub use async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
-pub use closing::Disconnecting;
-pub use cm_id::{CmId, IdHandle};
-pub use connection::{
+pub use cm::addrinfo::{lookup, lookup_passive};
+pub use cm::closing::Disconnecting;
+pub use cm::cm_id::{CmId, IdHandle};
+pub use cm::connection::{
     Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
     ResolvingAddr, ResolvingRoute, RouteResolved, Server, ServerQp,
 };
-pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
-pub use device::{devices, Device, DeviceLimits, VerbsContext};
-pub use error::{Error, Result};
-pub use event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
-pub use mr::{AccessFlags, MemoryRegion, RemoteRegion};
-pub use multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
-pub use pd::ProtectionDomain;
-pub use port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
-pub use private_data::QpInfo;
-pub use qp::{QpInit, QueuePair};
-pub use qp_attr::{QpAttributes, QpState};
-pub use ready::{Readiness, Ready};
-pub use srq::SharedReceiveQueue;
-pub use step::StepError;
-pub use ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
-pub use ud_cm::{
+pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
+pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
+pub use cm::private_data::QpInfo;
+pub use cm::step::StepError;
+pub use cm::ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
 };
-pub use user_qp::UserQp;
+pub use cm::user_qp::UserQp;
+pub use error::{Error, Result};
+pub use ready::{Readiness, Ready};
+pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
+pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
+pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
+pub use verbs::device::{devices, Device, DeviceLimits, VerbsContext};
+pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
+pub use verbs::pd::ProtectionDomain;
+pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
+pub use verbs::qp::{QpInit, QueuePair};
+pub use verbs::qp_attr::{QpAttributes, QpState};
+pub use verbs::srq::SharedReceiveQueue;
+pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
+pub use verbs::wr::{RecvWr, SendWr, MAX_SGE};
 pub use wait::FOREVER;
-pub use wr::{RecvWr, SendWr, MAX_SGE};
 
 /// Reports a destroy call that failed in `Drop` (which must not panic): one line on stderr.
 /// The object is leaked by the caller.

@@ -74,10 +74,10 @@ use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::Duration;
 
-use crate::async_event::AsyncEvents;
-use crate::cq::CompletionQueue;
+use crate::cm::event_channel::EventChannel;
 use crate::error::{errno, Error, Result};
-use crate::event_channel::EventChannel;
+use crate::verbs::async_event::AsyncEvents;
+use crate::verbs::cq::CompletionQueue;
 use crate::wait::Deadline;
 
 /// What `poll(2)` reports as ready besides the interest asked for: the read or write that

@@ -17,8 +17,8 @@ use std::fs;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-use crate::device::VerbsContext;
-use crate::port::{GidEntry, PortInfo, PortState};
+use crate::verbs::device::VerbsContext;
+use crate::verbs::port::{GidEntry, PortInfo, PortState};
 
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Devices and their contexts: [`devices`] lists the RDMA devices, [`VerbsContext`] is an open
 //! one (`ibv_context`). What the device reports on its own (port changes, QP and CQ errors, SRQ
-//! limits) comes from [`VerbsContext::async_events`]: see [`crate::async_event`].
+//! limits) comes from [`VerbsContext::async_events`]: see [`crate::verbs::async_event`].
 //!
 //! This is the bottom of the verbs layer: protection domains, memory regions, completion
 //! queues, shared receive queues and queue pairs are built on a context and know nothing of
@@ -15,7 +15,7 @@
 //!
 //! A context opened here is closed (`ibv_close_device`) when its last handle goes; one that
 //! librdmacm opened is kept open by a librdmacm device list (`rdma_get_devices`) that its
-//! handles share, not by any id (see [`crate::cm_device`]). Either way every PD and CQ holds a
+//! handles share, not by any id (see [`crate::cm::cm_device`]). Either way every PD and CQ holds a
 //! `VerbsContext`, so the context outlives them.
 
 use std::any::Any;
@@ -28,9 +28,9 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
-use crate::async_event::Hub;
-pub use crate::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 use crate::error::{check_ibv, errno, Error, Result};
+use crate::verbs::async_event::Hub;
+pub use crate::verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 
 /// An RDMA device found by `ibv_get_device_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,7 +176,7 @@ impl VerbsContext {
 
     /// A context kept open by `keep` (e.g. librdmacm's device list).
     pub(crate) fn kept_by(raw: NonNull<ffi::ibv_context>, keep: Arc<dyn Any + Send + Sync>) -> VerbsContext {
-        VerbsContext { raw, keep, hub: crate::async_event::hub_for(raw.as_ptr()) }
+        VerbsContext { raw, keep, hub: crate::verbs::async_event::hub_for(raw.as_ptr()) }
     }
 
     /// What keeps the context open.

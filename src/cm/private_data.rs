@@ -19,7 +19,7 @@
 //! transport maximum, so trailing zeros are normal.
 
 use crate::error::{Error, Result};
-use crate::mr::RemoteRegion;
+use crate::verbs::mr::RemoteRegion;
 
 /// What one side tells the other about its queue pair and its remotely accessible region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -43,10 +43,10 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::ah::UdParam;
-use crate::cm_id::{CmId, IdHandle};
-use crate::device::VerbsContext;
+use crate::cm::cm_id::{CmId, IdHandle};
 use crate::error::{check_ptr, errno, Error, Result};
+use crate::verbs::ah::UdParam;
+use crate::verbs::device::VerbsContext;
 use crate::wait::{poll_readable, pollfd, Deadline};
 
 pub use crate::status::{CmEventType, PrivateData, MAX_PRIVATE_DATA};

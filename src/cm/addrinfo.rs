@@ -8,7 +8,7 @@ use std::ptr;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::sockaddr_to_std;
+use crate::cm::cm_id::sockaddr_to_std;
 use crate::error::{errno, Error, Result};
 
 /// `RAI_PASSIVE` of <rdma/rdma_cma.h>: resolve for a listener (the answer's source address).

@@ -8,8 +8,8 @@ use std::mem;
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Result};
-use crate::port::mtu_bytes;
-use crate::qp::QueuePair;
+use crate::verbs::port::mtu_bytes;
+use crate::verbs::qp::QueuePair;
 
 /// A QP's state (`enum ibv_qp_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -13,10 +13,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::cm_id::CmId;
-use crate::connection::{check_event, with_opt_addr};
+use crate::cm::cm_id::CmId;
+use crate::cm::connection::{check_event, with_opt_addr};
+use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel};
 use crate::error::Result;
-use crate::event_channel::{CmEvent, CmEventType, EventChannel};
 use crate::{AddrResolved, Client, ClientQp, ConnParam, ConnectRequest, Connection, Listener, RouteResolved, ServerQp};
 
 impl EventChannel {
@@ -83,8 +83,8 @@ impl ClientQp {
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
-        let ev = expect_async(&self.id, crate::connection::connected_event(self.user), "rdma_connect").await?;
-        crate::connection::finish_connect(self.id, self.qp, self.user, &ev)
+        let ev = expect_async(&self.id, crate::cm::connection::connected_event(self.user), "rdma_connect").await?;
+        crate::cm::connection::finish_connect(self.id, self.qp, self.user, &ev)
     }
 }
 

@@ -12,7 +12,7 @@
 //! does (`rdma_disconnect` then `rdma_destroy_qp`, then it waits for `DISCONNECTED`): the
 //! flush of outstanding work is reaped first, so every region a work request held is released
 //! only once the device is done with it (the same bounded drain as dropping the QP; see
-//! [`crate::qp`]). What is left, the id, waits for `DISCONNECTED` in [`Disconnecting`].
+//! [`crate::verbs::qp`]). What is left, the id, waits for `DISCONNECTED` in [`Disconnecting`].
 //! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`]. The QP is
 //! gone from the type too:
 //!
@@ -28,10 +28,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cm_id::{CmId, IdHandle};
-use crate::connection::{expect, is_peer_gone, with_opt_addr, Connection};
+use crate::cm::cm_id::{CmId, IdHandle};
+use crate::cm::connection::{expect, is_peer_gone, with_opt_addr, Connection};
+use crate::cm::event_channel::{CmEvent, CmEventType};
 use crate::error::{Error, Result};
-use crate::event_channel::{CmEvent, CmEventType};
 
 /// A connection whose QP is gone and whose disconnect is under way: the id waits for its
 /// `DISCONNECTED` ([`Disconnecting::complete`] from an event loop, or [`Disconnecting::wait`]).

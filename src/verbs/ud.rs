@@ -46,7 +46,7 @@
 //!
 //! # Soundness
 //!
-//! As for RC (see [`crate::qp`]): every region a send or receive names is held by its slot
+//! As for RC (see [`crate::verbs::qp`]): every region a send or receive names is held by its slot
 //! until the completion retires it. A UD send also holds its [`AddressHandle`]: the send ring
 //! of a UD QP has one more table of `Option<Arc<AddressHandle>>`, one entry per slot, made when
 //! the QP is created; posting clones the `Arc` into it (no allocation) and retiring the slot
@@ -60,15 +60,15 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::ah::{AddressHandle, Grh, UdParam, GRH_LEN};
-use crate::cm_id::CmId;
-use crate::connection::create_qp_on;
-use crate::cq::{CompletionQueue, WorkCompletion, WorkQueue};
+use crate::cm::cm_id::CmId;
+use crate::cm::connection::create_qp_on;
 use crate::error::{check_ibv, Error, Result};
-use crate::mr::MemoryRegion;
-use crate::pd::ProtectionDomain;
-use crate::qp::{QpInit, QueuePair};
-use crate::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
+use crate::verbs::ah::{AddressHandle, Grh, UdParam, GRH_LEN};
+use crate::verbs::cq::{CompletionQueue, WorkCompletion, WorkQueue};
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::{QpInit, QueuePair};
+use crate::verbs::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
 
 /// The QKey librdmacm gives every UD QP of the UDP port space (`RDMA_UDP_QKEY`).
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
@@ -242,7 +242,7 @@ impl Datagram {
                  starts with: it is not a UD receive"
             )));
         }
-        crate::mr::check_range(offset, len, mr.len())?;
+        crate::verbs::mr::check_range(offset, len, mr.len())?;
         let grh = if wc.has_grh() {
             let mut b = [0u8; GRH_LEN];
             mr.read_at(offset, &mut b)?;
@@ -347,7 +347,7 @@ impl UdQp {
 
     /// Posts receives. Each must have room for the 40-byte GRH area plus the largest payload
     /// expected ([`UdQp::recv_len`] for any datagram up to the MTU); a longer message
-    /// completes with an error and moves the QP to the error state (see [`crate::ud`]).
+    /// completes with an error and moves the QP to the error state (see [`crate::verbs::ud`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a receive of fewer than [`GRH_LEN`] bytes; as for

@@ -73,14 +73,14 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use crate::cm_id::{std_to_sockaddr, CmId};
-use crate::connection::{context_of, expect};
-use crate::device::VerbsContext;
+use crate::cm::cm_id::{std_to_sockaddr, CmId};
+use crate::cm::connection::{context_of, expect};
+use crate::cm::event_channel::{CmEventType, EventChannel};
 use crate::error::{check_rdma, errno, Error, Result};
-use crate::event_channel::{CmEventType, EventChannel};
-use crate::pd::ProtectionDomain;
-use crate::qp::QpInit;
-use crate::ud::{create_ud_qp, UdDest, UdQp};
+use crate::verbs::device::VerbsContext;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::QpInit;
+use crate::verbs::ud::{create_ud_qp, UdDest, UdQp};
 use crate::PortSpace;
 
 /// The QP number that addresses a multicast group (`0xFFFFFF`).

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
-use crate::device::VerbsContext;
 use crate::error::{check_ibv, check_ptr, Result};
+use crate::verbs::device::VerbsContext;
 
 /// An owned protection domain.
 pub struct ProtectionDomain {

@@ -28,11 +28,11 @@ use std::sync::{Arc, OnceLock};
 
 use rdma_sys as ffi;
 
-use crate::cm_id::CmId;
-use crate::connection::{is_peer_gone, ConnParam};
+use crate::cm::cm_id::CmId;
+use crate::cm::connection::{is_peer_gone, ConnParam};
 use crate::error::{check_ibv, check_ptr, check_rdma, Error, Result};
-use crate::pd::ProtectionDomain;
-use crate::qp::{Link, QpInit, QueuePair};
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::{Link, QpInit, QueuePair};
 
 /// What a user-created QP asks of the connection manager: its id's events (once attached), and
 /// a disconnect that moves the QP to the error state itself, since librdmacm only does that for

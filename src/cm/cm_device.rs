@@ -49,10 +49,10 @@ use std::sync::{Arc, Mutex, Weak};
 
 use rdma_sys as ffi;
 
-use crate::cm_id::CmId;
-use crate::device::VerbsContext;
+use crate::cm::cm_id::CmId;
+use crate::cm::event_channel::EventChannel;
 use crate::error::{check_ptr, Error, Result};
-use crate::event_channel::EventChannel;
+use crate::verbs::device::VerbsContext;
 
 /// A list from `rdma_get_devices`: while it lives, librdmacm keeps every context in it open.
 /// Freed (`rdma_free_devices`) when the last context made from it goes.
@@ -140,7 +140,7 @@ pub(crate) fn context_of_raw(raw: NonNull<ffi::ibv_context>, addr: Option<IpAddr
 impl VerbsContext {
     /// librdmacm's context of the RDMA device named `name` (`rdma_get_devices`): the one it
     /// gives every connection-manager id on that device, so PDs, CQs and SRQs made on it serve
-    /// the QPs of any connection there. It holds no id (see [`crate::cm_device`]).
+    /// the QPs of any connection there. It holds no id (see [`crate::cm::cm_device`]).
     /// [`VerbsContext::open`] opens a context of its own instead, which `rdma_create_qp`
     /// refuses.
     ///
@@ -151,13 +151,13 @@ impl VerbsContext {
     pub fn cm_open(name: &str) -> Result<VerbsContext> {
         let named = |c: *mut ffi::ibv_context| {
             // SAFETY: `c` is an open context of a live list; its device is set for its life.
-            crate::device::device_name(unsafe { (*c).device }) == name
+            crate::verbs::device::device_name(unsafe { (*c).device }) == name
         };
         let list = CmDevices::holding(named)?;
         let Some(&raw) = list.contexts().iter().find(|&&c| named(c)) else {
             let names: Vec<String> =
                 // SAFETY: as in `named`.
-                list.contexts().iter().map(|&c| crate::device::device_name(unsafe { (*c).device })).collect();
+                list.contexts().iter().map(|&c| crate::verbs::device::device_name(unsafe { (*c).device })).collect();
             return Err(Error::InvalidArgument(format!(
                 "librdmacm has no RDMA device named {name:?}; it has {}",
                 if names.is_empty() { "none (see `rdma link`)".into() } else { names.join(", ") }

@@ -13,8 +13,8 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use rdma_sys as ffi;
 
-use crate::device::VerbsContext;
 use crate::error::{check_ibv, Error, Result};
+use crate::verbs::device::VerbsContext;
 
 /// A port's logical state (`enum ibv_port_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

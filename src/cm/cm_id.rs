@@ -2,7 +2,7 @@
 //!
 //! A `CmId` holds a clone of its [`EventChannel`], so the channel cannot be destroyed under it.
 //! Dropping a `CmId` calls `rdma_destroy_id`, which waits for the acks of the events reported
-//! for the id; this crate acks every event before handing it out (see [`crate::event_channel`]),
+//! for the id; this crate acks every event before handing it out (see [`crate::cm::event_channel`]),
 //! so that wait is always short.
 //!
 //! # Why PDs and CQs hold the id
@@ -22,9 +22,9 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::device::VerbsContext;
+use crate::cm::event_channel::EventChannel;
 use crate::error::{check_rdma, Error, Result};
-use crate::event_channel::EventChannel;
+use crate::verbs::device::VerbsContext;
 
 /// An owned `rdma_cm_id`: on the RC port space (`RDMA_PS_TCP`), or for UD
 /// ([`UdClient`](crate::UdClient), [`UdServer`](crate::UdServer)) on `RDMA_PS_UDP`/`RDMA_PS_IPOIB`.
@@ -191,7 +191,7 @@ impl CmId {
     ///
     /// The crate calls this itself for `COMM_EST` on a QP made through the connection
     /// typestates (or a [`UserQp`](crate::UserQp) attached to them), whenever the context's
-    /// events are read (see [`crate::async_event`]); call it directly for a QP it does not
+    /// events are read (see [`crate::verbs::async_event`]); call it directly for a QP it does not
     /// know. rxe never reports `COMM_EST`.
     ///
     /// # Errors
@@ -269,11 +269,11 @@ impl CmId {
     ///
     /// The context holds no id: it is kept open by librdmacm's device list, so PDs and CQs
     /// made on it may outlive this id and serve other connections on the device (see
-    /// [`crate::cm_device`]). Only where librdmacm no longer lists the device (it was removed
+    /// [`crate::cm::cm_device`]). Only where librdmacm no longer lists the device (it was removed
     /// while this id used it) does the context hold this id instead (as every context from an id used to).
     pub fn context(self: &Arc<Self>) -> Option<VerbsContext> {
         let raw = self.verbs()?;
-        match crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip())) {
+        match crate::cm::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip())) {
             Ok(Some(ctx)) => Some(ctx),
             // librdmacm keeps the context open while this id is bound to it: the handle holds
             // the id.
@@ -285,7 +285,7 @@ impl CmId {
     /// in an `Arc` (a listener's).
     pub(crate) fn device_context(&self) -> Result<VerbsContext> {
         let raw = self.verbs().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: self.local_addr() })?;
-        crate::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip()))?
+        crate::cm::cm_device::context_of_raw(raw, self.local_addr().map(|a| a.ip()))?
             .ok_or(Error::NoDevice { op: "rdma_get_devices", addr: self.local_addr() })
     }
 }

@@ -7,8 +7,8 @@
 //! client: Client ─resolve_addr→ AddrResolved ─resolve_route→ RouteResolved ─create_qp→ ClientQp ─connect→ Connection
 //! server: Server ─bind→ Bound ─listen→ Listener ─get_request→ ConnectRequest ─create_qp→ ServerQp ─accept→ Connection
 //!                                                                      └─reject                └─reject
-//! a QP the user made: RouteResolved / ConnectRequest ─attach_qp(UserQp)→ ClientQp / ServerQp (see crate::user_qp)
-//! closing:            Connection ─shutdown→ Disconnecting (see crate::closing)
+//! a QP the user made: RouteResolved / ConnectRequest ─attach_qp(UserQp)→ ClientQp / ServerQp (see crate::cm::user_qp)
+//! closing:            Connection ─shutdown→ Disconnecting (see crate::cm::closing)
 //! ```
 //!
 //! ```compile_fail
@@ -75,14 +75,14 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::{CmId, IdHandle};
-use crate::device::VerbsContext;
+use crate::cm::cm_id::{CmId, IdHandle};
+use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
+use crate::cm::step::StepError;
+use crate::cm::user_qp::{self, UserQp};
 use crate::error::{check_rdma, Error, Result};
-use crate::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
-use crate::pd::ProtectionDomain;
-use crate::qp::{Link, QpInit, QueuePair};
-use crate::step::StepError;
-use crate::user_qp::{self, UserQp};
+use crate::verbs::device::VerbsContext;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::{Link, QpInit, QueuePair};
 
 /// Most private data `rdma_connect` carries on RC.
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
@@ -313,7 +313,7 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
             // The channel's lock: no event processing reads id->qp while it is being set.
             let _lock = id.channel().lock();
             if block_self_mcast_lb {
-                crate::multicast::create_qp_blocking_loopback(id, pd, attr)?;
+                crate::cm::multicast::create_qp_blocking_loopback(id, pd, attr)?;
             } else {
                 // SAFETY: id, PD and CQs are valid and on one device context (checked above and
                 // in QueuePair::create; librdmacm checks the PD's context against the id's
@@ -656,7 +656,7 @@ pub struct RouteResolved {
 impl RouteResolved {
     /// The device context the route runs over: librdmacm's context of the device, which holds
     /// no id, so PDs and CQs made on it may serve other connections and outlive this one (see
-    /// [`crate::cm_device`]).
+    /// [`crate::cm::cm_device`]).
     ///
     /// # Errors
     /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution), or
@@ -872,7 +872,7 @@ impl Listener {
     }
 
     /// librdmacm's context of the device this listener is bound to, which holds no id (see
-    /// [`crate::cm_device`]): make the PD, CQs and SRQ that the accepted connections will
+    /// [`crate::cm::cm_device`]): make the PD, CQs and SRQ that the accepted connections will
     /// share on it before the first request arrives. [`ConnectRequest::context`] returns the
     /// same context for requests on that device.
     ///
@@ -1039,7 +1039,7 @@ impl ConnectRequest {
     }
 
     /// The device context of the request: librdmacm's context of the device, which holds no
-    /// id (see [`crate::cm_device`]). PDs, CQs and SRQs made from it may serve this and later
+    /// id (see [`crate::cm::cm_device`]). PDs, CQs and SRQs made from it may serve this and later
     /// connections on the same device, and outlive this request's connection: dropping the
     /// connection destroys its id even while they live.
     ///

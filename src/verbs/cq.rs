@@ -28,10 +28,10 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::device::VerbsContext;
 use crate::error::{check_ibv, check_ptr, errno, Error, Result};
-use crate::ring::{tag, Notify, Queues};
-use crate::srq::SrqShared;
+use crate::verbs::device::VerbsContext;
+use crate::verbs::ring::{tag, Notify, Queues};
+use crate::verbs::srq::SrqShared;
 use crate::wait::{poll_readable, pollfd, Deadline};
 
 pub use crate::status::{WcOpcode, WcStatus, WorkQueue};
@@ -267,7 +267,7 @@ pub struct CompletionQueue {
     nonblocking: AtomicBool,
     unacked: AtomicU32,
     /// Its place in the context's registry of async events (left before the CQ is destroyed).
-    async_reg: crate::async_event::Registration,
+    async_reg: crate::verbs::async_event::Registration,
     /// The channel's lasting registration with tokio's reactor, made at the first async wait.
     #[cfg(feature = "tokio")]
     reactor: crate::wait::Reactor,
@@ -311,9 +311,9 @@ impl CompletionQueue {
             router: Mutex::new(Router::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
-            async_reg: crate::async_event::Registration::new(
+            async_reg: crate::verbs::async_event::Registration::new(
                 ctx,
-                crate::async_kind::Subject::Cq,
+                crate::verbs::async_kind::Subject::Cq,
                 raw.as_ptr() as usize,
             ),
             #[cfg(feature = "tokio")]
@@ -531,7 +531,7 @@ impl CompletionQueue {
     /// Whether the device reported this CQ in error (`IBV_EVENT_CQ_ERR`: it overran, so
     /// completions were lost), or itself failed, after reading what is pending. Once it did,
     /// [`CompletionQueue::wait`] fails with [`Error::AsyncEvent`] when it finds nothing to
-    /// reap. See [`crate::async_event`].
+    /// reap. See [`crate::verbs::async_event`].
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
@@ -678,7 +678,7 @@ impl AsRawFd for CompletionQueue {
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
         self.ack_pending();
-        // Out of the registry before the destroy (see crate::async_event).
+        // Out of the registry before the destroy (see crate::verbs::async_event).
         self.async_reg.leave();
         // Out of tokio's reactor before the channel's descriptor closes.
         #[cfg(feature = "tokio")]

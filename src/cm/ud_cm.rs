@@ -1,6 +1,6 @@
 //! The UD steps of the connection manager: [`UdClient`] → [`UdAddrResolved`] → [`UdRoute`] →
 //! [`UdEndpoint`] on the client, [`UdServer`] → [`UdListener`] → [`UdRequest`] →
-//! [`UdServerQp`] → [`UdEndpoint`] on the server. See [`crate::ud`] for the picture and the
+//! [`UdServerQp`] → [`UdEndpoint`] on the server. See [`crate::verbs::ud`] for the picture and the
 //! data path.
 
 use std::net::SocketAddr;
@@ -9,15 +9,15 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::cm_id::CmId;
-use crate::connection::{context_of, expect, expect_any_request, with_opt_addr};
-use crate::device::VerbsContext;
+use crate::cm::cm_id::CmId;
+use crate::cm::connection::{context_of, expect, expect_any_request, with_opt_addr};
+use crate::cm::event_channel::{CmEventType, EventChannel, PrivateData};
 use crate::error::{check_rdma, Error, Result};
-use crate::event_channel::{CmEventType, EventChannel, PrivateData};
-use crate::pd::ProtectionDomain;
-use crate::qp::QpInit;
-use crate::ud::{create_ud_qp, UdDest, UdQp, MAX_UD_PRIVATE_DATA};
-use crate::wr::RecvWr;
+use crate::verbs::device::VerbsContext;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::QpInit;
+use crate::verbs::ud::{create_ud_qp, UdDest, UdQp, MAX_UD_PRIVATE_DATA};
+use crate::verbs::wr::RecvWr;
 
 /// The port space of a UD id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -7,9 +7,9 @@ use std::mem;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::ah::AddressHandle;
-use crate::cq::WorkCompletion;
-use crate::mr::MrInner;
+use crate::verbs::ah::AddressHandle;
+use crate::verbs::cq::WorkCompletion;
+use crate::verbs::mr::MrInner;
 
 /// A region held by a posted work request. Dropping it releases the region (and, for work
 /// the device writes, the region's writer count).
@@ -440,11 +440,11 @@ impl Queues {
     /// Keeps a completion for a later poll or wait of this QP.
     pub(crate) fn keep(&mut self, wc: WorkCompletion) {
         match wc.queue() {
-            crate::cq::WorkQueue::Send => {
+            crate::verbs::cq::WorkQueue::Send => {
                 self.send.kept();
                 self.send_kept.push(wc);
             }
-            crate::cq::WorkQueue::Recv => {
+            crate::verbs::cq::WorkQueue::Recv => {
                 self.recv.kept();
                 self.recv_kept.push(wc);
             }
@@ -458,8 +458,12 @@ impl Queues {
     }
 
     /// Moves kept completions (of `which` queue, or both) into `out`.
-    pub(crate) fn deliver_kept(&mut self, which: Option<crate::cq::WorkQueue>, out: &mut [WorkCompletion]) -> usize {
-        use crate::cq::WorkQueue;
+    pub(crate) fn deliver_kept(
+        &mut self,
+        which: Option<crate::verbs::cq::WorkQueue>,
+        out: &mut [WorkCompletion],
+    ) -> usize {
+        use crate::verbs::cq::WorkQueue;
         if !self.has_kept() {
             return 0;
         }
@@ -480,12 +484,12 @@ impl Queues {
     /// Takes the first kept completion of `queue` that `pick` accepts.
     pub(crate) fn take_kept(
         &mut self,
-        queue: crate::cq::WorkQueue,
+        queue: crate::verbs::cq::WorkQueue,
         pick: impl FnMut(&WorkCompletion) -> bool,
     ) -> Option<WorkCompletion> {
         let (kept, ring) = match queue {
-            crate::cq::WorkQueue::Send => (&mut self.send_kept, &mut self.send),
-            crate::cq::WorkQueue::Recv => (&mut self.recv_kept, &mut self.recv),
+            crate::verbs::cq::WorkQueue::Send => (&mut self.send_kept, &mut self.send),
+            crate::verbs::cq::WorkQueue::Recv => (&mut self.recv_kept, &mut self.recv),
         };
         let wc = kept.take_first(pick)?;
         ring.delivered(1);

@@ -61,11 +61,11 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-pub use crate::async_kind::AsyncEventKind;
-use crate::async_kind::Subject;
-use crate::device::VerbsContext;
 use crate::error::{errno, Error, Result};
-use crate::qp::Link;
+pub use crate::verbs::async_kind::AsyncEventKind;
+use crate::verbs::async_kind::Subject;
+use crate::verbs::device::VerbsContext;
+use crate::verbs::qp::Link;
 use crate::wait::{poll_readable, pollfd, Deadline};
 
 /// Events a context keeps for its sources (the most recent ones; older ones are counted as

@@ -36,13 +36,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdma_sys as ffi;
 
-use crate::async_kind::Subject;
-use crate::cq::{WorkCompletion, WorkQueue};
-use crate::device::AsyncEvent;
 use crate::error::{check_ibv, errno, Error, Result};
-use crate::pd::ProtectionDomain;
-use crate::ring::{tag, Extra, Hold, Pending};
-use crate::wr::RecvWr;
+use crate::verbs::async_kind::Subject;
+use crate::verbs::cq::{WorkCompletion, WorkQueue};
+use crate::verbs::device::AsyncEvent;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::ring::{tag, Extra, Hold, Pending};
+use crate::verbs::wr::RecvWr;
 
 /// One slot of an SRQ.
 #[derive(Default)]
@@ -87,8 +87,8 @@ impl Slots {
     fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u16)> {
         let i = self.free.pop()?;
         let mut extra = 0;
-        if crate::wr::needs_rest_holds(Some(w.mr.inner()), w.rest) {
-            extra = self.extra.store(i as usize, crate::wr::hold_rest(Some(w.mr.inner()), w.rest, true));
+        if crate::verbs::wr::needs_rest_holds(Some(w.mr.inner()), w.rest) {
+            extra = self.extra.store(i as usize, crate::verbs::wr::hold_rest(Some(w.mr.inner()), w.rest, true));
         }
         let s = &mut self.slots[i as usize];
         let generation = s.generation.wrapping_add(1);
@@ -156,7 +156,7 @@ pub(crate) struct SrqShared {
     max_sge: u32,
     slots: Mutex<Slots>,
     /// Its place in the context's registry of async events (left before the SRQ is destroyed).
-    async_reg: crate::async_event::Registration,
+    async_reg: crate::verbs::async_event::Registration,
     // Dropped after the SRQ is destroyed (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
 }
@@ -181,7 +181,7 @@ impl SrqShared {
 
 impl Drop for SrqShared {
     fn drop(&mut self) {
-        // Out of the registry before the destroy (see crate::async_event).
+        // Out of the registry before the destroy (see crate::verbs::async_event).
         self.async_reg.leave();
         // SAFETY: every QP attached holds this value, so none exists; destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_srq(self.raw.as_ptr()) };
@@ -226,11 +226,11 @@ impl SharedReceiveQueue {
         if depth == 0 || depth > u16::MAX as u32 + 1 {
             return Err(Error::InvalidArgument(format!("SRQ depth {depth} must be between 1 and 65536")));
         }
-        crate::qp::check_sge_request(max_sge, "SharedReceiveQueue::with_sge")?;
+        crate::verbs::qp::check_sge_request(max_sge, "SharedReceiveQueue::with_sge")?;
         if max_sge > 1 {
             let ctx = pd.context();
             let max = ctx.limits()?.max_srq_sge;
-            crate::qp::check_sge_device(
+            crate::verbs::qp::check_sge_device(
                 max_sge,
                 "SharedReceiveQueue::with_sge",
                 max,
@@ -250,7 +250,7 @@ impl SharedReceiveQueue {
         static NEXT: AtomicU16 = AtomicU16::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let slots = Mutex::new(Slots::new(depth, max_sge));
-        let async_reg = crate::async_event::Registration::new(pd.context(), Subject::Srq, raw.as_ptr() as usize);
+        let async_reg = crate::verbs::async_event::Registration::new(pd.context(), Subject::Srq, raw.as_ptr() as usize);
         let pd = Arc::clone(pd);
         Ok(SharedReceiveQueue { inner: Arc::new(SrqShared { raw, id, depth, max_sge, slots, async_reg, pd }) })
     }
@@ -294,15 +294,15 @@ impl SharedReceiveQueue {
     /// released; when it does not say what it took, everything stays held until the SRQ goes).
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         for w in wrs {
-            crate::qp::check_recv(&self.inner.pd, w, self.inner.max_sge, "SRQ", "SharedReceiveQueue::with_sge")?;
+            crate::verbs::qp::check_recv(&self.inner.pd, w, self.inner.max_sge, "SRQ", "SharedReceiveQueue::with_sge")?;
         }
         let mut slots = self.inner.slots();
         if wrs.len() > slots.room() {
             return Err(Error::QueueFull { queue: "shared receive", depth: self.inner.depth });
         }
-        for chunk in wrs.chunks(crate::qp::CHUNK) {
+        for chunk in wrs.chunks(crate::verbs::qp::CHUNK) {
             // Which slot each work request took.
-            let mut taken = [None; crate::qp::CHUNK];
+            let mut taken = [None; crate::verbs::qp::CHUNK];
             let stage = |k: usize, w: &RecvWr<'_>| {
                 let Some((i, generation)) = slots.stage(w) else {
                     // Unreachable: the room was checked above. Were it reached, the receive
@@ -324,9 +324,9 @@ impl SharedReceiveQueue {
                 // SAFETY: the SRQ is valid; the list is well formed over live stack arrays; every
                 // region it names is held (above).
                 let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
-                (ret, crate::qp::rejected_from(bad, first.cast_const(), n), n)
+                (ret, crate::verbs::qp::rejected_from(bad, first.cast_const(), n), n)
             };
-            let (ret, rejected, n) = crate::qp::with_recv_list(chunk, stage, post);
+            let (ret, rejected, n) = crate::verbs::qp::with_recv_list(chunk, stage, post);
             if ret == 0 {
                 continue;
             }
@@ -395,7 +395,7 @@ impl SharedReceiveQueue {
 
     /// Whether `ev` is this SRQ's limit event.
     pub fn is_limit_event(&self, ev: &AsyncEvent) -> bool {
-        ev.is_srq_limit() && ev.element == crate::device::AsyncElement::Srq(self.as_raw() as usize)
+        ev.is_srq_limit() && ev.element == crate::verbs::device::AsyncElement::Srq(self.as_raw() as usize)
     }
 
     /// Takes kept completions of QP `qp_num` into `out` (those another QP's poll reaped).

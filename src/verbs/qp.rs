@@ -11,7 +11,7 @@
 //! memory can never be freed under the device. Posting clones an `Arc` (an atomic increment):
 //! no heap allocation.
 //!
-//! A work request of several pieces ([scatter/gather](crate::wr#scattergather)) holds every
+//! A work request of several pieces ([scatter/gather](crate::verbs::wr#scattergather)) holds every
 //! piece's region the same way: the first piece's handle in its slot, the others' in a side
 //! table of the ring (slots × (pieces − 1) entries, allocated with the ring, and only for a
 //! queue created for more than one piece: [`QpInit::max_send_sge`], [`QpInit::max_recv_sge`]).
@@ -77,15 +77,15 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
-use crate::cq::{lock, CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
 use crate::error::{check_ibv, Error, Result};
-use crate::mr::{check_range, AccessFlags, MemoryRegion};
-use crate::pd::ProtectionDomain;
-use crate::ring::{tag, Failure, Hold, Queues};
-use crate::srq::SharedReceiveQueue;
-use crate::ud::UdDest;
+use crate::verbs::cq::{lock, CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
+use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion};
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::ring::{tag, Failure, Hold, Queues};
+use crate::verbs::srq::SharedReceiveQueue;
+use crate::verbs::ud::UdDest;
+use crate::verbs::wr::{hold_rest, needs_rest_holds, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 use crate::wait::{poll_readable, pollfd, Deadline};
-use crate::wr::{hold_rest, needs_rest_holds, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
@@ -290,7 +290,7 @@ pub struct QueuePair {
     inline_teardown: bool,
     queues: Arc<Mutex<Queues>>,
     /// Its place in the context's registry of async events (left before the QP is destroyed).
-    async_reg: crate::async_event::Registration,
+    async_reg: crate::verbs::async_event::Registration,
     // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
     // QP, which Drop::drop destroys first.
     link: Option<Arc<dyn Link>>,
@@ -614,10 +614,13 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
             }
         };
-        let async_reg =
-            crate::async_event::Registration::new(ctx, crate::async_kind::Subject::Qp, raw.as_ptr() as usize);
+        let async_reg = crate::verbs::async_event::Registration::new(
+            ctx,
+            crate::verbs::async_kind::Subject::Qp,
+            raw.as_ptr() as usize,
+        );
         if let Some(l) = &link {
-            // COMM_EST is answered through the link (see crate::async_event).
+            // COMM_EST is answered through the link (see crate::verbs::async_event).
             async_reg.events().answer_with(Arc::downgrade(l));
         }
         Ok(QueuePair {
@@ -1790,7 +1793,7 @@ impl QueuePair {
     }
 
     /// What ends a wait once the device reported this QP, one of its CQs, or itself unusable
-    /// (delivered by whoever read the event; see [`crate::async_event`]).
+    /// (delivered by whoever read the event; see [`crate::verbs::async_event`]).
     fn async_error(&self) -> Option<Error> {
         const OP: &str = "waiting for a completion";
         self.async_reg.error(OP).or_else(|| self.send_cq.async_error(OP)).or_else(|| self.recv_cq.async_error(OP))
@@ -1798,7 +1801,7 @@ impl QueuePair {
 
     /// The last asynchronous event the device reported about this QP (e.g.
     /// [`AsyncEventKind::QpFatal`](crate::AsyncEventKind::QpFatal)), after reading what is
-    /// pending. See [`crate::async_event`].
+    /// pending. See [`crate::verbs::async_event`].
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
@@ -2004,7 +2007,7 @@ impl Drop for QueuePair {
             return;
         }
         self.drain(DRAIN_TIMEOUT);
-        // Out of the registry before the destroy (see crate::async_event).
+        // Out of the registry before the destroy (see crate::verbs::async_event).
         self.async_reg.leave();
         let ret = match &self.link {
             Some(l) => l.destroy(self.raw.as_ptr()),

@@ -6,7 +6,7 @@
 //! shared inner value. When a work request that uses the region is posted, the queue pair
 //! stores a clone of that handle in its slot table until the work request's completion is
 //! reaped: one clone per work request that names the region, however many of its pieces
-//! ([scatter/gather](crate::wr#scattergather)) do. Local access to the bytes requires `&mut self` **and** that the handle be unique
+//! ([scatter/gather](crate::verbs::wr#scattergather)) do. Local access to the bytes requires `&mut self` **and** that the handle be unique
 //! (`Arc::get_mut`), so:
 //!
 //! - while the device may *write* the region for a local work request (a receive, or the
@@ -50,7 +50,7 @@ use bitflags::bitflags;
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
-use crate::pd::ProtectionDomain;
+use crate::verbs::pd::ProtectionDomain;
 
 bitflags! {
     /// Access rights of a memory region (`enum ibv_access_flags`). Remote rights are opt-in.

@@ -40,9 +40,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::mr::{MemoryRegion, MrInner, RemoteRegion};
-use crate::ring::Hold;
-use crate::ud::UdDest;
+use crate::verbs::mr::{MemoryRegion, MrInner, RemoteRegion};
+use crate::verbs::ring::Hold;
+use crate::verbs::ud::UdDest;
 
 /// The most pieces (scatter/gather entries) one work request may name. A queue takes at most
 /// what it was created for, up to this ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),

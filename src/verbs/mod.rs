@@ -1,0 +1,19 @@
+//! The verbs wing: devices, protection domains, memory regions, completion queues, shared
+//! receive queues, queue pairs, address handles and work requests (libibverbs). Nothing here
+//! imports the connection manager ([`crate::cm`]), which stands on top of it.
+
+pub mod ah;
+pub mod async_event;
+pub(crate) mod async_kind;
+pub mod cq;
+pub mod device;
+pub mod diagnostics;
+pub mod mr;
+pub mod pd;
+pub mod port;
+pub mod qp;
+pub(crate) mod qp_attr;
+pub(crate) mod ring;
+pub mod srq;
+pub mod ud;
+pub mod wr;
