@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::time::Duration;
 
+use crate::status::AsyncEventKind;
 use crate::status::{CmEventType, PrivateData, WcStatus};
-use crate::verbs::async_kind::AsyncEventKind;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -466,5 +466,59 @@ mod tests {
         assert_eq!(errno_name(libc::ETIMEDOUT), "ETIMEDOUT");
         assert_eq!(errno_name(libc::ECONNREFUSED), "ECONNREFUSED");
         assert_eq!(errno_name(9999), "errno");
+    }
+}
+
+/// Reports a destroy call that failed in `Drop` (which must not panic): one line on stderr.
+/// The object is leaked by the caller.
+/// Never panics: `eprintln!` would when stderr is a closed pipe, so the line is written and
+/// any failure to write it ignored.
+pub(crate) fn report_leak(op: &str, errno: i32) {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "rdma-cm: {op} failed in drop: {} ({}); the object is leaked",
+        errno_name(errno.saturating_abs()),
+        std::io::Error::from_raw_os_error(errno.saturating_abs())
+    );
+}
+
+#[cfg(test)]
+mod leak_tests {
+    /// `report_leak` runs in Drop, which must not panic: not even when stderr is a closed pipe
+    /// (where `eprintln!` panics).
+    #[test]
+    fn reporting_a_leak_to_a_closed_stderr_does_not_panic() {
+        // The test harness captures output written through `eprintln!`, which would hide the
+        // panic this test looks for: run the check again in a child process, uncaptured.
+        if std::env::var_os("RDMA_CM_LEAK_REPORT_CHILD").is_none() {
+            let st = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "error::leak_tests::reporting_a_leak_to_a_closed_stderr_does_not_panic",
+                    "--nocapture",
+                ])
+                .args(["--test-threads=1"])
+                .env("RDMA_CM_LEAK_REPORT_CHILD", "1")
+                .status()
+                .unwrap();
+            assert!(st.success(), "the uncaptured run failed: {st}");
+            return;
+        }
+        let mut p = [0; 2];
+        // SAFETY: `p` has room for the two descriptors; dup/dup2/close act on descriptors this
+        // test owns (and restores fd 2 before returning).
+        unsafe {
+            assert_eq!(libc::pipe(p.as_mut_ptr()), 0);
+            let saved = libc::dup(2);
+            assert!(saved >= 0);
+            libc::close(p[0]); // no reader: writes fail with EPIPE
+            libc::dup2(p[1], 2);
+            let r = std::panic::catch_unwind(|| super::report_leak("ibv_destroy_qp", libc::EBUSY));
+            libc::dup2(saved, 2);
+            libc::close(saved);
+            libc::close(p[1]);
+            assert!(r.is_ok(), "report_leak panicked with stderr closed");
+        }
     }
 }

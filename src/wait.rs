@@ -289,6 +289,12 @@ pub(crate) async fn readable_any(
     .await
 }
 
+/// Locks `m`. Every critical section leaves its data consistent at each step, so a poisoned
+/// lock (a panic elsewhere while holding it) is used as it is.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

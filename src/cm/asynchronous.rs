@@ -33,7 +33,7 @@ impl EventChannel {
     ///
     /// # Errors
     /// As for [`EventChannel::get_event_async`].
-    pub async fn get_event_for_async(&self, id: crate::IdHandle) -> Result<CmEvent> {
+    pub async fn get_event_for_async(&self, id: crate::cm::cm_id::IdHandle) -> Result<CmEvent> {
         self.wait_async(Some(id)).await
     }
 }

@@ -198,8 +198,8 @@ impl CmId {
     /// [`Error::InvalidArgument`] for any other kind, before any call; [`Error::Call`] when
     /// `rdma_notify` fails: `EISCONN` once the connection is established (nothing to do),
     /// `EINVAL` when the id has no connection (or its transport, iWARP, takes no notice).
-    pub fn notify(&self, event: crate::AsyncEventKind) -> Result<()> {
-        use crate::AsyncEventKind as K;
+    pub fn notify(&self, event: crate::status::AsyncEventKind) -> Result<()> {
+        use crate::status::AsyncEventKind as K;
         let raw = match event {
             K::CommEstablished => ffi::ibv_event_type::IBV_EVENT_COMM_EST,
             K::PathMigrated => ffi::ibv_event_type::IBV_EVENT_PATH_MIG,
@@ -306,7 +306,7 @@ impl Drop for CmId {
         // was acked when it was read, so rdma_destroy_id cannot deadlock waiting for acks.
         let ret = unsafe { ffi::rdma_destroy_id(self.raw.as_ptr()) };
         if ret != 0 {
-            crate::report_leak("rdma_destroy_id", crate::error::errno());
+            crate::error::report_leak("rdma_destroy_id", crate::error::errno());
             return;
         }
         // No event of the id can be read any more (reads and queueing happen under the

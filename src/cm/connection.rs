@@ -81,8 +81,9 @@ use crate::cm::step::StepError;
 use crate::cm::user_qp::{self, UserQp};
 use crate::error::{check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
+use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::qp::{Link, QpInit, QueuePair};
+use crate::verbs::qp::{QpInit, QueuePair};
 
 /// Most private data `rdma_connect` carries on RC.
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
@@ -287,7 +288,7 @@ impl Link for CmLink {
     fn comm_established(&self) {
         // EISCONN (the CM saw the handshake complete first) and EINVAL (a transport whose CM
         // takes no notification) both leave nothing to do.
-        let _ = self.0.notify(crate::AsyncEventKind::CommEstablished);
+        let _ = self.0.notify(crate::status::AsyncEventKind::CommEstablished);
     }
 }
 
@@ -729,7 +730,7 @@ impl ClientQp {
     ///
     /// # Errors
     /// As for [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[crate::RecvWr<'_>]) -> Result<()> {
+    pub fn post_recv(&mut self, wrs: &[crate::verbs::wr::RecvWr<'_>]) -> Result<()> {
         self.qp.post_recv(wrs)
     }
 
@@ -1087,7 +1088,7 @@ impl ServerQp {
     ///
     /// # Errors
     /// As for [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[crate::RecvWr<'_>]) -> Result<()> {
+    pub fn post_recv(&mut self, wrs: &[crate::verbs::wr::RecvWr<'_>]) -> Result<()> {
         self.qp.post_recv(wrs)
     }
 

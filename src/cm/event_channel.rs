@@ -375,7 +375,7 @@ impl EventChannel {
             if let (Some(ctx), true) = (watch, fds[1].revents != 0) {
                 // Without the channel's lock: delivering may call rdma_notify. A context whose
                 // events cannot be read is not watched again (it would stay readable).
-                if ctx.hub().pump(ctx).is_err() {
+                if ctx.hub().pump().is_err() {
                     watch = None;
                 }
             }

@@ -373,7 +373,7 @@ impl Drop for McastEndpoint {
             // lives through the call, which reads it.
             let ret = unsafe { ffi::ibv_detach_mcast(self.qp.as_raw(), &gid, a.mlid) };
             if ret != 0 {
-                crate::report_leak("ibv_detach_mcast", ret);
+                crate::error::report_leak("ibv_detach_mcast", ret);
             }
         }
     }
@@ -564,7 +564,7 @@ impl Multicast {
 
     /// The group's GID, from the `MULTICAST_JOIN` event (`::ffff:239.1.1.1` for the IPv4
     /// group 239.1.1.1 on RoCE v2).
-    pub fn mgid(&self) -> crate::Gid {
+    pub fn mgid(&self) -> crate::verbs::port::Gid {
         self.dest.ah().attr().dgid()
     }
 
@@ -632,7 +632,7 @@ impl Membership {
 impl Drop for Membership {
     fn drop(&mut self) {
         if let Err(e) = self.leave() {
-            crate::report_leak("rdma_leave_multicast", e.errno().unwrap_or(libc::EIO));
+            crate::error::report_leak("rdma_leave_multicast", e.errno().unwrap_or(libc::EIO));
         }
     }
 }

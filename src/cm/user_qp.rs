@@ -31,8 +31,9 @@ use rdma_sys as ffi;
 use crate::cm::cm_id::CmId;
 use crate::cm::connection::{is_peer_gone, ConnParam};
 use crate::error::{check_ibv, check_ptr, check_rdma, Error, Result};
+use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::qp::{Link, QpInit, QueuePair};
+use crate::verbs::qp::{QpInit, QueuePair};
 
 /// What a user-created QP asks of the connection manager: its id's events (once attached), and
 /// a disconnect that moves the QP to the error state itself, since librdmacm only does that for
@@ -91,7 +92,7 @@ impl Link for UserLink {
     fn comm_established(&self) {
         if let Some(id) = self.id.get() {
             // As for a QP librdmacm made: nothing to do when the CM declines.
-            let _ = id.notify(crate::AsyncEventKind::CommEstablished);
+            let _ = id.notify(crate::status::AsyncEventKind::CommEstablished);
         }
     }
 }

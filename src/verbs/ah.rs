@@ -217,7 +217,7 @@ impl AddressHandle {
         wc: &WorkCompletion,
         grh: &Grh,
     ) -> Result<Arc<AddressHandle>> {
-        if !wc.is_ok() || wc.queue() != crate::WorkQueue::Recv {
+        if !wc.is_ok() || wc.queue() != crate::status::WorkQueue::Recv {
             return Err(Error::InvalidArgument(format!(
                 "an address handle answers a successful receive; this completion is a {:?} one with status {}",
                 wc.queue(),
@@ -265,7 +265,7 @@ impl Drop for AddressHandle {
         // send uses it any more: each holds an Arc of it until its slot is retired.
         let ret = unsafe { ffi::ibv_destroy_ah(self.raw.as_ptr()) };
         if ret != 0 {
-            crate::report_leak("ibv_destroy_ah", ret);
+            crate::error::report_leak("ibv_destroy_ah", ret);
         }
     }
 }

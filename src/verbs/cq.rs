@@ -32,7 +32,7 @@ use crate::error::{check_ibv, check_ptr, errno, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::ring::{tag, Notify, Queues};
 use crate::verbs::srq::SrqShared;
-use crate::wait::{poll_readable, pollfd, Deadline};
+use crate::wait::{lock, poll_readable, pollfd, Deadline};
 
 pub use crate::status::{WcOpcode, WcStatus, WorkQueue};
 
@@ -75,12 +75,6 @@ pub(crate) struct Router {
     /// Wakes a [`CompletionQueue::wait`] asleep while a QP's poll keeps a completion (which
     /// took the CQ's entry, and perhaps its event, from under the sleeper).
     notify: Notify,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the data consistent at each step, so a poisoned lock (a
-    // panic elsewhere while holding it) is used as it is.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Router {
@@ -267,7 +261,7 @@ pub struct CompletionQueue {
     nonblocking: AtomicBool,
     unacked: AtomicU32,
     /// Its place in the context's registry of async events (left before the CQ is destroyed).
-    async_reg: crate::verbs::async_event::Registration,
+    async_reg: crate::verbs::hub::Registration,
     /// The channel's lasting registration with tokio's reactor, made at the first async wait.
     #[cfg(feature = "tokio")]
     reactor: crate::wait::Reactor,
@@ -311,9 +305,9 @@ impl CompletionQueue {
             router: Mutex::new(Router::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
-            async_reg: crate::verbs::async_event::Registration::new(
-                ctx,
-                crate::verbs::async_kind::Subject::Cq,
+            async_reg: crate::verbs::hub::Registration::new(
+                ctx.hub(),
+                crate::status::Subject::Cq,
                 raw.as_ptr() as usize,
             ),
             #[cfg(feature = "tokio")]
@@ -522,7 +516,7 @@ impl CompletionQueue {
                 crate::wait::eventfd_clear(notify_fd);
             }
             if fds[1].revents != 0 {
-                self.async_reg.refresh(&self.ctx)?;
+                self.async_reg.refresh()?;
             }
             self.drain_events()?;
         }
@@ -536,7 +530,7 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
     pub fn has_error(&self) -> Result<bool> {
-        self.async_reg.refresh(&self.ctx)?;
+        self.async_reg.refresh()?;
         Ok(self.async_reg.fatal().is_some())
     }
 
@@ -551,8 +545,8 @@ impl CompletionQueue {
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
-    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
-        self.async_reg.refresh(&self.ctx)?;
+    pub fn last_async_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.async_reg.refresh()?;
         Ok(self.async_reg.events().last())
     }
 
@@ -690,13 +684,13 @@ impl Drop for CompletionQueue {
             // Whatever the routing table still holds stays held: the CQ, and so the QPs on
             // it, may still exist.
             std::mem::forget(std::mem::take(self.router.get_mut().unwrap_or_else(|e| e.into_inner())));
-            crate::report_leak("ibv_destroy_cq", ret);
+            crate::error::report_leak("ibv_destroy_cq", ret);
             return; // the channel is still in use by the leaked CQ
         }
         // SAFETY: no CQ is attached to the channel any more.
         let ret = unsafe { ffi::ibv_destroy_comp_channel(self.channel.as_ptr()) };
         if ret != 0 {
-            crate::report_leak("ibv_destroy_comp_channel", ret);
+            crate::error::report_leak("ibv_destroy_comp_channel", ret);
         }
     }
 }

@@ -29,8 +29,9 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, errno, Error, Result};
-use crate::verbs::async_event::Hub;
-pub use crate::verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
+pub use crate::status::AsyncEventKind;
+use crate::verbs::hub::Hub;
+pub use crate::verbs::hub::{AsyncElement, AsyncEvent};
 
 /// An RDMA device found by `ibv_get_device_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,7 +106,7 @@ impl Drop for Opened {
         // holds a VerbsContext, which holds this value, so none is alive.
         let ret = unsafe { ffi::ibv_close_device(self.0.as_ptr()) };
         if ret != 0 {
-            crate::report_leak("ibv_close_device", errno());
+            crate::error::report_leak("ibv_close_device", errno());
         }
     }
 }
@@ -176,7 +177,8 @@ impl VerbsContext {
 
     /// A context kept open by `keep` (e.g. librdmacm's device list).
     pub(crate) fn kept_by(raw: NonNull<ffi::ibv_context>, keep: Arc<dyn Any + Send + Sync>) -> VerbsContext {
-        VerbsContext { raw, keep, hub: crate::verbs::async_event::hub_for(raw.as_ptr()) }
+        let hub = crate::verbs::hub::hub_for(raw, &keep);
+        VerbsContext { raw, keep, hub }
     }
 
     /// What keeps the context open.

@@ -4,10 +4,11 @@
 
 pub mod ah;
 pub mod async_event;
-pub(crate) mod async_kind;
 pub mod cq;
 pub mod device;
 pub mod diagnostics;
+pub(crate) mod hub;
+pub(crate) mod link;
 pub mod mr;
 pub mod pd;
 pub mod port;

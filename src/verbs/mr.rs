@@ -145,7 +145,7 @@ impl Drop for Registration {
         let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
         if ret != 0 {
             // The device may still map the pages: leak them rather than free them.
-            crate::report_leak("ibv_dereg_mr", ret);
+            crate::error::report_leak("ibv_dereg_mr", ret);
             return;
         }
         // SAFETY: deregistered just now, so the device can no longer reach the buffer; this is

@@ -68,7 +68,7 @@ impl Drop for ProtectionDomain {
         // is freed exactly once.
         let ret = unsafe { ffi::ibv_dealloc_pd(self.raw.as_ptr()) };
         if ret != 0 {
-            crate::report_leak("ibv_dealloc_pd", ret);
+            crate::error::report_leak("ibv_dealloc_pd", ret);
         }
     }
 }

@@ -78,14 +78,15 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Error, Result};
-use crate::verbs::cq::{lock, CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
+use crate::verbs::cq::{CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
+use crate::verbs::link::Link;
 use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::ring::{tag, Failure, Hold, Queues};
 use crate::verbs::srq::SharedReceiveQueue;
 use crate::verbs::ud::UdDest;
 use crate::verbs::wr::{hold_rest, needs_rest_holds, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
-use crate::wait::{poll_readable, pollfd, Deadline};
+use crate::wait::{lock, poll_readable, pollfd, Deadline};
 
 /// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
 pub(crate) const CHUNK: usize = 16;
@@ -194,29 +195,6 @@ impl QpInit {
     }
 }
 
-/// What a QP asks of whoever created it: the connection manager, for QPs made through
-/// `rdma_create_qp` (it owns the id's `qp` field and the events that say the peer left).
-pub(crate) trait Link: Send + Sync {
-    /// Destroys the QP as its creator requires.
-    fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
-    /// The descriptor on which the peer leaving shows, when waits may watch it now.
-    fn watch_fd(&self) -> Option<RawFd>;
-    /// That descriptor's registration with tokio's reactor (kept by its channel).
-    #[cfg(feature = "tokio")]
-    fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
-    /// Reads what arrived on that descriptor; true when the peer left.
-    fn peer_left(&self) -> Result<bool>;
-    /// Disconnects (which also moves the QP to the error state).
-    fn disconnect(&self) -> Result<()>;
-    /// The peer's address, for errors.
-    fn peer_addr(&self) -> Option<SocketAddr>;
-    /// The device reported `IBV_EVENT_COMM_EST` for the QP (a message arrived before the
-    /// CM's handshake completed): tell the QP's connection manager (`rdma_notify`). Called by
-    /// whoever reads the context's events, under the context's registry lock, while the QP is
-    /// registered (so it holds this link): it must not block, nor take that lock.
-    fn comm_established(&self) {}
-}
-
 /// Polls a blocking wait makes before it arms the CQs and sleeps.
 const SYNC_SPINS: u32 = 64;
 /// Polls an async wait makes before it arms the CQs and sleeps on tokio's reactor.
@@ -290,7 +268,7 @@ pub struct QueuePair {
     inline_teardown: bool,
     queues: Arc<Mutex<Queues>>,
     /// Its place in the context's registry of async events (left before the QP is destroyed).
-    async_reg: crate::verbs::async_event::Registration,
+    async_reg: crate::verbs::hub::Registration,
     // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
     // QP, which Drop::drop destroys first.
     link: Option<Arc<dyn Link>>,
@@ -614,11 +592,8 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
             }
         };
-        let async_reg = crate::verbs::async_event::Registration::new(
-            ctx,
-            crate::verbs::async_kind::Subject::Qp,
-            raw.as_ptr() as usize,
-        );
+        let async_reg =
+            crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
         if let Some(l) = &link {
             // COMM_EST is answered through the link (see crate::verbs::async_event).
             async_reg.events().answer_with(Arc::downgrade(l));
@@ -1508,7 +1483,7 @@ impl QueuePair {
                 crate::wait::eventfd_clear(notify_fd);
             }
             if fds[3].revents != 0 {
-                self.async_reg.refresh(self.pd.context())?;
+                self.async_reg.refresh()?;
             }
             self.after_wake(which, fds[2].revents != 0)?;
         }
@@ -1553,7 +1528,7 @@ impl QueuePair {
             if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
                 self.check_link()?;
             }
-            self.async_reg.refresh(self.pd.context())?;
+            self.async_reg.refresh()?;
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
@@ -1571,7 +1546,7 @@ impl QueuePair {
         if !self.connected || self.peer_left || self.errored || self.closing {
             return Ok(());
         }
-        if self.state()? != crate::QpState::Error {
+        if self.state()? != crate::verbs::qp_attr::QpState::Error {
             return Ok(());
         }
         let f = *self.queues().failed.get_or_insert(Failure::FoundInError);
@@ -1587,7 +1562,7 @@ impl QueuePair {
         }
         let cause = match f {
             Failure::Completion(status) => {
-                let st = crate::WcStatus::from_raw(status);
+                let st = crate::status::WcStatus::from_raw(status);
                 let hint = st.hint().map(|h| format!(" ({h})")).unwrap_or_default();
                 format!("a completion failed with {st}{hint}")
             }
@@ -1805,8 +1780,8 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
-    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
-        self.async_reg.refresh(self.pd.context())?;
+    pub fn last_async_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.async_reg.refresh()?;
         Ok(self.async_reg.events().last())
     }
 
@@ -1817,8 +1792,8 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
-    pub fn fatal_event(&self) -> Result<Option<crate::AsyncEventKind>> {
-        self.async_reg.refresh(self.pd.context())?;
+    pub fn fatal_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.async_reg.refresh()?;
         Ok(self.async_reg.fatal())
     }
 
@@ -2019,7 +1994,7 @@ impl Drop for QueuePair {
             // before anything else can fail or panic. The routing tables keep their entries
             // (and so their handles of the slots) too.
             mem::forget(Arc::clone(&self.queues));
-            crate::report_leak("ibv_destroy_qp", ret);
+            crate::error::report_leak("ibv_destroy_qp", ret);
             return;
         }
         // The QP is gone: its entries leave the routing tables, so completions of it still in

@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, errno, Error, Result};
-use crate::verbs::async_kind::Subject;
+use crate::status::Subject;
 use crate::verbs::cq::{WorkCompletion, WorkQueue};
 use crate::verbs::device::AsyncEvent;
 use crate::verbs::pd::ProtectionDomain;
@@ -156,7 +156,7 @@ pub(crate) struct SrqShared {
     max_sge: u32,
     slots: Mutex<Slots>,
     /// Its place in the context's registry of async events (left before the SRQ is destroyed).
-    async_reg: crate::verbs::async_event::Registration,
+    async_reg: crate::verbs::hub::Registration,
     // Dropped after the SRQ is destroyed (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
 }
@@ -191,7 +191,7 @@ impl Drop for SrqShared {
             let slots = self.slots.get_mut().unwrap_or_else(|e| e.into_inner());
             mem::forget(mem::take(&mut slots.slots));
             mem::forget(mem::replace(&mut slots.extra, Extra::<Hold>::new(0, 1)));
-            crate::report_leak("ibv_destroy_srq", ret);
+            crate::error::report_leak("ibv_destroy_srq", ret);
         }
         // Destroyed: the slots (and regions) drop with the struct.
     }
@@ -250,7 +250,7 @@ impl SharedReceiveQueue {
         static NEXT: AtomicU16 = AtomicU16::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let slots = Mutex::new(Slots::new(depth, max_sge));
-        let async_reg = crate::verbs::async_event::Registration::new(pd.context(), Subject::Srq, raw.as_ptr() as usize);
+        let async_reg = crate::verbs::hub::Registration::new(pd.context().hub(), Subject::Srq, raw.as_ptr() as usize);
         let pd = Arc::clone(pd);
         Ok(SharedReceiveQueue { inner: Arc::new(SrqShared { raw, id, depth, max_sge, slots, async_reg, pd }) })
     }
@@ -358,7 +358,7 @@ impl SharedReceiveQueue {
     /// [`Error::Call`] when `ibv_modify_srq` fails (`EINVAL` when `limit` exceeds the depth).
     pub fn arm_limit(&self, limit: u32) -> Result<()> {
         // Read what is pending first, so that an old limit event does not count for this arming.
-        self.inner.async_reg.refresh(self.inner.pd.context())?;
+        self.inner.async_reg.refresh()?;
         self.inner.async_reg.events().clear_limit();
         // SAFETY: ibv_srq_attr is plain old data.
         let mut attr: ffi::ibv_srq_attr = unsafe { mem::zeroed() };
@@ -377,7 +377,7 @@ impl SharedReceiveQueue {
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
     pub fn limit_reached(&self) -> Result<bool> {
-        self.inner.async_reg.refresh(self.inner.pd.context())?;
+        self.inner.async_reg.refresh()?;
         Ok(self.inner.async_reg.events().limit())
     }
 
@@ -388,8 +388,8 @@ impl SharedReceiveQueue {
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.
-    pub fn last_async_event(&self) -> Result<Option<crate::AsyncEventKind>> {
-        self.inner.async_reg.refresh(self.inner.pd.context())?;
+    pub fn last_async_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.inner.async_reg.refresh()?;
         Ok(self.inner.async_reg.events().last())
     }
 

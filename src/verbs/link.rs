@@ -1,0 +1,33 @@
+//! [`Link`]: what a QP asks of whoever created it and drives it (the connection manager, for
+//! QPs made through `rdma_create_qp` or adopted by an id). The verbs wing names only this
+//! trait; the CM wing implements it.
+
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+
+use rdma_sys as ffi;
+
+use crate::error::Result;
+
+/// What a QP asks of whoever created it: the connection manager, for QPs made through
+/// `rdma_create_qp` (it owns the id's `qp` field and the events that say the peer left).
+pub(crate) trait Link: Send + Sync {
+    /// Destroys the QP as its creator requires.
+    fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
+    /// The descriptor on which the peer leaving shows, when waits may watch it now.
+    fn watch_fd(&self) -> Option<RawFd>;
+    /// That descriptor's registration with tokio's reactor (kept by its channel).
+    #[cfg(feature = "tokio")]
+    fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
+    /// Reads what arrived on that descriptor; true when the peer left.
+    fn peer_left(&self) -> Result<bool>;
+    /// Disconnects (which also moves the QP to the error state).
+    fn disconnect(&self) -> Result<()>;
+    /// The peer's address, for errors.
+    fn peer_addr(&self) -> Option<SocketAddr>;
+    /// The device reported `IBV_EVENT_COMM_EST` for the QP (a message arrived before the
+    /// CM's handshake completed): tell the QP's connection manager (`rdma_notify`). Called by
+    /// whoever reads the context's events, under the context's registry lock, while the QP is
+    /// registered (so it holds this link): it must not block, nor take that lock.
+    fn comm_established(&self) {}
+}
