@@ -21,9 +21,9 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
-use crate::verbs::cq::WorkCompletion;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::port::Gid;
+use crate::verbs::wc::WorkCompletion;
 
 /// Bytes the device writes in front of every UD receive: the Global Routing Header (or, on
 /// RoCE v2 over IPv4, 20 unused bytes and the IPv4 header). Every UD receive buffer needs this

@@ -15,6 +15,8 @@ pub mod port;
 pub mod qp;
 pub(crate) mod qp_attr;
 pub(crate) mod ring;
+pub(crate) mod router;
 pub mod srq;
 pub mod ud;
+pub mod wc;
 pub mod wr;

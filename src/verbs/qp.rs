@@ -78,13 +78,15 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Error, Result};
-use crate::verbs::cq::{CompletionQueue, WorkCompletion, WorkQueue, POLL_CHUNK};
+use crate::status::WorkQueue;
+use crate::verbs::cq::{CompletionQueue, POLL_CHUNK};
 use crate::verbs::link::Link;
 use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::ring::{tag, Failure, Hold, Queues};
 use crate::verbs::srq::SharedReceiveQueue;
 use crate::verbs::ud::UdDest;
+use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{hold_rest, needs_rest_holds, AsSendWr, RecvWr, SendOp, SendWr, MAX_SGE};
 use crate::wait::{lock, poll_readable, pollfd, Deadline};
 

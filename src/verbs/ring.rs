@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::verbs::ah::AddressHandle;
-use crate::verbs::cq::WorkCompletion;
 use crate::verbs::mr::MrInner;
+use crate::verbs::wc::WorkCompletion;
 
 /// A region held by a posted work request. Dropping it releases the region (and, for work
 /// the device writes, the region's writer count).
@@ -440,11 +440,11 @@ impl Queues {
     /// Keeps a completion for a later poll or wait of this QP.
     pub(crate) fn keep(&mut self, wc: WorkCompletion) {
         match wc.queue() {
-            crate::verbs::cq::WorkQueue::Send => {
+            crate::status::WorkQueue::Send => {
                 self.send.kept();
                 self.send_kept.push(wc);
             }
-            crate::verbs::cq::WorkQueue::Recv => {
+            crate::status::WorkQueue::Recv => {
                 self.recv.kept();
                 self.recv_kept.push(wc);
             }
@@ -460,10 +460,10 @@ impl Queues {
     /// Moves kept completions (of `which` queue, or both) into `out`.
     pub(crate) fn deliver_kept(
         &mut self,
-        which: Option<crate::verbs::cq::WorkQueue>,
+        which: Option<crate::status::WorkQueue>,
         out: &mut [WorkCompletion],
     ) -> usize {
-        use crate::verbs::cq::WorkQueue;
+        use crate::status::WorkQueue;
         if !self.has_kept() {
             return 0;
         }
@@ -484,12 +484,12 @@ impl Queues {
     /// Takes the first kept completion of `queue` that `pick` accepts.
     pub(crate) fn take_kept(
         &mut self,
-        queue: crate::verbs::cq::WorkQueue,
+        queue: crate::status::WorkQueue,
         pick: impl FnMut(&WorkCompletion) -> bool,
     ) -> Option<WorkCompletion> {
         let (kept, ring) = match queue {
-            crate::verbs::cq::WorkQueue::Send => (&mut self.send_kept, &mut self.send),
-            crate::verbs::cq::WorkQueue::Recv => (&mut self.recv_kept, &mut self.recv),
+            crate::status::WorkQueue::Send => (&mut self.send_kept, &mut self.send),
+            crate::status::WorkQueue::Recv => (&mut self.recv_kept, &mut self.recv),
         };
         let wc = kept.take_first(pick)?;
         ring.delivered(1);

@@ -38,10 +38,11 @@ use rdma_sys as ffi;
 
 use crate::error::{check_ibv, errno, Error, Result};
 use crate::status::Subject;
-use crate::verbs::cq::{WorkCompletion, WorkQueue};
+use crate::status::WorkQueue;
 use crate::verbs::device::AsyncEvent;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::ring::{tag, Extra, Hold, Pending};
+use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::RecvWr;
 
 /// One slot of an SRQ.

@@ -63,11 +63,13 @@ use rdma_sys as ffi;
 use crate::cm::cm_id::CmId;
 use crate::cm::connection::create_qp_on;
 use crate::error::{check_ibv, Error, Result};
+use crate::status::WorkQueue;
 use crate::verbs::ah::{AddressHandle, Grh, UdParam, GRH_LEN};
-use crate::verbs::cq::{CompletionQueue, WorkCompletion, WorkQueue};
+use crate::verbs::cq::CompletionQueue;
 use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::{QpInit, QueuePair};
+use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
 
 /// The QKey librdmacm gives every UD QP of the UDP port space (`RDMA_UDP_QKEY`).
