@@ -278,6 +278,60 @@ impl fmt::Debug for PrivateData {
     }
 }
 
+/// A QP's state (`enum ibv_qp_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum QpState {
+    /// Created, not yet initialised.
+    Reset,
+    /// Initialised: receives may be posted, nothing is sent.
+    Init,
+    /// Ready to receive.
+    ReadyToReceive,
+    /// Ready to send: connected.
+    ReadyToSend,
+    /// Send queue drain in progress.
+    SendQueueDrain,
+    /// Send queue error: sends failed, receives still work.
+    SendQueueError,
+    /// Error: every outstanding work request is flushed.
+    Error,
+    /// A value this crate does not know.
+    Other(u32),
+}
+
+impl QpState {
+    pub(crate) fn from_raw(s: ffi::ibv_qp_state::Type) -> QpState {
+        use ffi::ibv_qp_state as s_;
+        match s {
+            s_::IBV_QPS_RESET => QpState::Reset,
+            s_::IBV_QPS_INIT => QpState::Init,
+            s_::IBV_QPS_RTR => QpState::ReadyToReceive,
+            s_::IBV_QPS_RTS => QpState::ReadyToSend,
+            s_::IBV_QPS_SQD => QpState::SendQueueDrain,
+            s_::IBV_QPS_SQE => QpState::SendQueueError,
+            s_::IBV_QPS_ERR => QpState::Error,
+            other => QpState::Other(other),
+        }
+    }
+}
+
+impl fmt::Display for QpState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            QpState::Reset => "RESET",
+            QpState::Init => "INIT",
+            QpState::ReadyToReceive => "RTR",
+            QpState::ReadyToSend => "RTS",
+            QpState::SendQueueDrain => "SQD",
+            QpState::SendQueueError => "SQE",
+            QpState::Error => "ERR",
+            QpState::Other(n) => return write!(f, "state {n}"),
+        };
+        f.write_str(s)
+    }
+}
+
 /// What an asynchronous device event reports (`enum ibv_event_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

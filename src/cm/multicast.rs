@@ -76,11 +76,12 @@ use rdma_sys as ffi;
 use crate::cm::cm_id::{std_to_sockaddr, CmId};
 use crate::cm::connection::{context_of, expect};
 use crate::cm::event_channel::{CmEventType, EventChannel};
+use crate::cm::ud_cm::create_ud_qp;
 use crate::error::{check_rdma, errno, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::QpInit;
-use crate::verbs::ud::{create_ud_qp, UdDest, UdQp};
+use crate::verbs::ud::{UdDest, UdQp};
 use crate::PortSpace;
 
 /// The QP number that addresses a multicast group (`0xFFFFFF`).

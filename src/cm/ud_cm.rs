@@ -10,13 +10,14 @@ use std::time::Duration;
 use rdma_sys as ffi;
 
 use crate::cm::cm_id::CmId;
+use crate::cm::connection::create_qp_on;
 use crate::cm::connection::{context_of, expect, expect_any_request, with_opt_addr};
 use crate::cm::event_channel::{CmEventType, EventChannel, PrivateData};
 use crate::error::{check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::QpInit;
-use crate::verbs::ud::{create_ud_qp, UdDest, UdQp, MAX_UD_PRIVATE_DATA};
+use crate::verbs::ud::{UdDest, UdQp, MAX_UD_PRIVATE_DATA};
 use crate::verbs::wr::RecvWr;
 
 /// The port space of a UD id.
@@ -485,4 +486,12 @@ impl UdServerQp {
         // SAFETY: the id is a pending request; no private data.
         check_rdma(unsafe { ffi::rdma_reject(self.id.as_raw(), std::ptr::null(), 0) }, "rdma_reject")
     }
+}
+
+/// Creates the UD QP of `id` on `pd` through `rdma_create_qp` (which takes it to RTS with the
+/// port space's QKey).
+pub(crate) fn create_ud_qp(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, mut init: QpInit) -> Result<UdQp> {
+    init.datagrams = true;
+    let qp = create_qp_on(id, pd, init)?;
+    UdQp::from_qp(qp, id.port_num())
 }

@@ -120,7 +120,7 @@ impl fmt::Debug for AhAttr {
 /// The `ud` parameters of a connection-manager event on a UD id (`struct rdma_ud_param`): the
 /// address of the peer (or of the multicast group), its QP number and QKey. A UD `ESTABLISHED`
 /// event carries them ([`UdEndpoint::connect`](crate::UdEndpoint::connect) returns them as a
-/// [`UdDest`](crate::UdDest)), and so does a multicast `JOIN` event.
+/// [`UdDest`]), and so does a multicast `JOIN` event.
 #[derive(Clone, Copy, Debug)]
 pub struct UdParam {
     pub(crate) ah_attr: AhAttr,
@@ -364,6 +364,46 @@ impl fmt::Debug for Grh {
             .field("sgid", &self.sgid())
             .field("dgid", &self.dgid())
             .finish()
+    }
+}
+
+/// Where a datagram goes: an address handle, the remote QP number and its QKey. Cheap to
+/// clone (the handle is shared).
+#[derive(Clone, Debug)]
+pub struct UdDest {
+    ah: Arc<AddressHandle>,
+    qpn: u32,
+    qkey: u32,
+}
+
+impl UdDest {
+    /// A destination from its parts.
+    pub fn new(ah: Arc<AddressHandle>, qpn: u32, qkey: u32) -> UdDest {
+        UdDest { ah, qpn: qpn & 0x00ff_ffff, qkey }
+    }
+
+    /// The destination an event's `ud` parameters name (a UD `ESTABLISHED` event, or a
+    /// multicast `JOIN`): makes the address handle on `pd` (`ibv_create_ah`).
+    ///
+    /// # Errors
+    /// As for [`AddressHandle::new`].
+    pub fn from_ud_param(pd: &Arc<ProtectionDomain>, ud: &UdParam) -> Result<UdDest> {
+        Ok(UdDest::new(AddressHandle::new(pd, ud.ah_attr())?, ud.qp_num(), ud.qkey()))
+    }
+
+    /// The address handle.
+    pub fn ah(&self) -> &Arc<AddressHandle> {
+        &self.ah
+    }
+
+    /// The remote QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The remote QKey.
+    pub fn qkey(&self) -> u32 {
+        self.qkey
     }
 }
 

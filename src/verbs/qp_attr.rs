@@ -2,68 +2,14 @@
 //! it runs with, to check what was negotiated or set (the ACK timeout, the retry counts, the
 //! path MTU) rather than trust it.
 
-use std::fmt;
 use std::mem;
 
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Result};
+pub use crate::status::QpState;
 use crate::verbs::port::mtu_bytes;
 use crate::verbs::qp::QueuePair;
-
-/// A QP's state (`enum ibv_qp_state`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum QpState {
-    /// Created, not yet initialised.
-    Reset,
-    /// Initialised: receives may be posted, nothing is sent.
-    Init,
-    /// Ready to receive.
-    ReadyToReceive,
-    /// Ready to send: connected.
-    ReadyToSend,
-    /// Send queue drain in progress.
-    SendQueueDrain,
-    /// Send queue error: sends failed, receives still work.
-    SendQueueError,
-    /// Error: every outstanding work request is flushed.
-    Error,
-    /// A value this crate does not know.
-    Other(u32),
-}
-
-impl QpState {
-    fn from_raw(s: ffi::ibv_qp_state::Type) -> QpState {
-        use ffi::ibv_qp_state as s_;
-        match s {
-            s_::IBV_QPS_RESET => QpState::Reset,
-            s_::IBV_QPS_INIT => QpState::Init,
-            s_::IBV_QPS_RTR => QpState::ReadyToReceive,
-            s_::IBV_QPS_RTS => QpState::ReadyToSend,
-            s_::IBV_QPS_SQD => QpState::SendQueueDrain,
-            s_::IBV_QPS_SQE => QpState::SendQueueError,
-            s_::IBV_QPS_ERR => QpState::Error,
-            other => QpState::Other(other),
-        }
-    }
-}
-
-impl fmt::Display for QpState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self {
-            QpState::Reset => "RESET",
-            QpState::Init => "INIT",
-            QpState::ReadyToReceive => "RTR",
-            QpState::ReadyToSend => "RTS",
-            QpState::SendQueueDrain => "SQD",
-            QpState::SendQueueError => "SQE",
-            QpState::Error => "ERR",
-            QpState::Other(n) => return write!(f, "state {n}"),
-        };
-        f.write_str(s)
-    }
-}
 
 /// A QP's attributes as the device reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -227,11 +227,11 @@ impl SharedReceiveQueue {
         if depth == 0 || depth > u16::MAX as u32 + 1 {
             return Err(Error::InvalidArgument(format!("SRQ depth {depth} must be between 1 and 65536")));
         }
-        crate::verbs::qp::check_sge_request(max_sge, "SharedReceiveQueue::with_sge")?;
+        crate::verbs::wr::check_sge_request(max_sge, "SharedReceiveQueue::with_sge")?;
         if max_sge > 1 {
             let ctx = pd.context();
             let max = ctx.limits()?.max_srq_sge;
-            crate::verbs::qp::check_sge_device(
+            crate::verbs::wr::check_sge_device(
                 max_sge,
                 "SharedReceiveQueue::with_sge",
                 max,
@@ -295,15 +295,15 @@ impl SharedReceiveQueue {
     /// released; when it does not say what it took, everything stays held until the SRQ goes).
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         for w in wrs {
-            crate::verbs::qp::check_recv(&self.inner.pd, w, self.inner.max_sge, "SRQ", "SharedReceiveQueue::with_sge")?;
+            crate::verbs::wr::check_recv(&self.inner.pd, w, self.inner.max_sge, "SRQ", "SharedReceiveQueue::with_sge")?;
         }
         let mut slots = self.inner.slots();
         if wrs.len() > slots.room() {
             return Err(Error::QueueFull { queue: "shared receive", depth: self.inner.depth });
         }
-        for chunk in wrs.chunks(crate::verbs::qp::CHUNK) {
+        for chunk in wrs.chunks(crate::verbs::wr::CHUNK) {
             // Which slot each work request took.
-            let mut taken = [None; crate::verbs::qp::CHUNK];
+            let mut taken = [None; crate::verbs::wr::CHUNK];
             let stage = |k: usize, w: &RecvWr<'_>| {
                 let Some((i, generation)) = slots.stage(w) else {
                     // Unreachable: the room was checked above. Were it reached, the receive
@@ -325,9 +325,9 @@ impl SharedReceiveQueue {
                 // SAFETY: the SRQ is valid; the list is well formed over live stack arrays; every
                 // region it names is held (above).
                 let ret = unsafe { ffi::ibv_post_srq_recv(self.inner.as_raw(), first, &mut bad) };
-                (ret, crate::verbs::qp::rejected_from(bad, first.cast_const(), n), n)
+                (ret, crate::verbs::wr::rejected_from(bad, first.cast_const(), n), n)
             };
-            let (ret, rejected, n) = crate::verbs::qp::with_recv_list(chunk, stage, post);
+            let (ret, rejected, n) = crate::verbs::wr::with_recv_list(chunk, stage, post);
             if ret == 0 {
                 continue;
             }

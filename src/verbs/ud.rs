@@ -17,7 +17,7 @@
 //!
 //! A UD "connect" is one request and one reply (IB SIDR): the client learns the server's QP
 //! number and QKey and an address for it from the `ESTABLISHED` event's `ud` parameters
-//! ([`UdParam`]); nothing is connected, and the server learns a client from the datagrams it
+//! ([`UdParam`](crate::UdParam)); nothing is connected, and the server learns a client from the datagrams it
 //! receives ([`AddressHandle::reply_to`], [`WorkCompletion::src_qp`]).
 //!
 //! # What a UD QP refuses, and why
@@ -60,15 +60,14 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
-use crate::cm::cm_id::CmId;
-use crate::cm::connection::create_qp_on;
 use crate::error::{check_ibv, Error, Result};
 use crate::status::WorkQueue;
-use crate::verbs::ah::{AddressHandle, Grh, UdParam, GRH_LEN};
+pub use crate::verbs::ah::UdDest;
+use crate::verbs::ah::{AddressHandle, Grh, GRH_LEN};
 use crate::verbs::cq::CompletionQueue;
 use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::qp::{QpInit, QueuePair};
+use crate::verbs::qp::QueuePair;
 use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
 
@@ -78,61 +77,6 @@ pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
 /// Private data a UD connect request carries at most (the SIDR REQ's 216 bytes less the
 /// rdma_cm header's 20).
 pub const MAX_UD_PRIVATE_DATA: usize = 196;
-
-/// Where a datagram goes: an address handle, the remote QP number and its QKey. Cheap to
-/// clone (the handle is shared).
-#[derive(Clone, Debug)]
-pub struct UdDest {
-    ah: Arc<AddressHandle>,
-    qpn: u32,
-    qkey: u32,
-}
-
-impl UdDest {
-    /// A destination from its parts.
-    pub fn new(ah: Arc<AddressHandle>, qpn: u32, qkey: u32) -> UdDest {
-        UdDest { ah, qpn: qpn & 0x00ff_ffff, qkey }
-    }
-
-    /// The destination an event's `ud` parameters name (a UD `ESTABLISHED` event, or a
-    /// multicast `JOIN`): makes the address handle on `pd` (`ibv_create_ah`).
-    ///
-    /// # Errors
-    /// As for [`AddressHandle::new`].
-    pub fn from_ud_param(pd: &Arc<ProtectionDomain>, ud: &UdParam) -> Result<UdDest> {
-        Ok(UdDest::new(AddressHandle::new(pd, ud.ah_attr())?, ud.qp_num(), ud.qkey()))
-    }
-
-    /// The destination that answers a received datagram: an address handle from its
-    /// completion and GRH ([`AddressHandle::reply_to`]), the sender's QP number, and `qkey`
-    /// (the sender's QKey; rdma_cm gives every UDP-space QP [`RDMA_UDP_QKEY`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] when the datagram carried no GRH (RoCE always has one);
-    /// as for [`AddressHandle::reply_to`].
-    pub fn reply_to(qp: &UdQp, d: &Datagram, qkey: u32) -> Result<UdDest> {
-        let grh = d.grh().ok_or_else(|| {
-            Error::InvalidArgument("the datagram carried no GRH: its sender's address is not known".into())
-        })?;
-        let ah = AddressHandle::reply_to(qp.pd(), qp.port_num(), &d.wc, grh)?;
-        Ok(UdDest::new(ah, d.src_qp(), qkey))
-    }
-
-    /// The address handle.
-    pub fn ah(&self) -> &Arc<AddressHandle> {
-        &self.ah
-    }
-
-    /// The remote QP number.
-    pub fn qpn(&self) -> u32 {
-        self.qpn
-    }
-
-    /// The remote QKey.
-    pub fn qkey(&self) -> u32 {
-        self.qkey
-    }
-}
 
 /// A UD send: a [`SendWr`] send addressed to a [`UdDest`]. Only sends exist on UD: there is no
 /// constructor for an RDMA WRITE, READ or atomic.
@@ -296,6 +240,23 @@ impl Datagram {
     }
 }
 
+impl UdDest {
+    /// The destination that answers a received datagram: an address handle from its
+    /// completion and GRH ([`AddressHandle::reply_to`]), the sender's QP number, and `qkey`
+    /// (the sender's QKey; rdma_cm gives every UDP-space QP [`RDMA_UDP_QKEY`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the datagram carried no GRH (RoCE always has one);
+    /// as for [`AddressHandle::reply_to`].
+    pub fn reply_to(qp: &UdQp, d: &Datagram, qkey: u32) -> Result<UdDest> {
+        let grh = d.grh().ok_or_else(|| {
+            Error::InvalidArgument("the datagram carried no GRH: its sender's address is not known".into())
+        })?;
+        let ah = AddressHandle::reply_to(qp.pd(), qp.port_num(), &d.wc, grh)?;
+        Ok(UdDest::new(ah, d.src_qp(), qkey))
+    }
+}
+
 /// A UD queue pair: addressed sends ([`UdSendWr`]), receives with room for the GRH, and the
 /// polls and waits of [`QueuePair`].
 #[derive(Debug)]
@@ -307,9 +268,8 @@ pub struct UdQp {
 }
 
 impl UdQp {
-    /// Wraps a UD QP made on `id`, reading its port's MTU and its QKey.
-    fn new(id: &CmId, qp: QueuePair) -> Result<UdQp> {
-        let port_num = id.port_num();
+    /// Wraps a UD QP in RTS on port `port_num`, reading the port's MTU and the QP's QKey.
+    pub(crate) fn from_qp(qp: QueuePair, port_num: u8) -> Result<UdQp> {
         let mtu = qp.pd().context().port(port_num)?.active_mtu;
         // SAFETY: ibv_qp_attr and ibv_qp_init_attr are plain old data; zero is valid.
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -481,12 +441,4 @@ impl UdQp {
     pub fn set_error(&mut self) -> Result<()> {
         self.qp.set_error()
     }
-}
-
-/// Creates the UD QP of `id` on `pd` through `rdma_create_qp` (which takes it to RTS with the
-/// port space's QKey).
-pub(crate) fn create_ud_qp(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, mut init: QpInit) -> Result<UdQp> {
-    init.datagrams = true;
-    let qp = create_qp_on(id, pd, init)?;
-    UdQp::new(id, qp)
 }

@@ -36,13 +36,17 @@
 //! # Ok(()) }
 //! ```
 
+use std::mem::{self, MaybeUninit};
 use std::ops::Range;
 use std::sync::Arc;
 
+use rdma_sys as ffi;
+
 use crate::error::{Error, Result};
-use crate::verbs::mr::{MemoryRegion, MrInner, RemoteRegion};
+use crate::verbs::ah::UdDest;
+use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion, MrInner, RemoteRegion};
+use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::ring::Hold;
-use crate::verbs::ud::UdDest;
 
 /// The most pieces (scatter/gather entries) one work request may name. A queue takes at most
 /// what it was created for, up to this ([`QpInit::max_send_sge`](crate::QpInit::max_send_sge),
@@ -406,4 +410,176 @@ impl<'a> RecvWr<'a> {
         self.wr_id = id;
         self
     }
+}
+
+/// Work requests linked into one `ibv_post_*` call (the stack arrays' size).
+pub(crate) const CHUNK: usize = 16;
+/// Scatter/gather entries of one `ibv_post_*` call: every piece of a chunk of work requests.
+pub(crate) const CHUNK_SGE: usize = CHUNK * MAX_SGE;
+
+/// Checks a local range of a work request against its region.
+#[inline(always)]
+pub(crate) fn check_local(
+    pd: &Arc<ProtectionDomain>,
+    mr: &MemoryRegion,
+    range: &Range<usize>,
+    needs_write: bool,
+) -> Result<()> {
+    if !mr.inner().on_pd(pd) {
+        return Err(Error::InvalidArgument("memory region is registered on another protection domain".into()));
+    }
+    if range.start > range.end {
+        return Err(Error::InvalidArgument(format!("range {range:?} is reversed")));
+    }
+    check_range(range.start, range.len(), mr.len())?;
+    if range.len() > u32::MAX as usize {
+        return Err(Error::InvalidArgument("a work request moves at most 4 GiB".into()));
+    }
+    if needs_write && !mr.access().contains(AccessFlags::LOCAL_WRITE) {
+        return Err(Error::InvalidArgument(
+            "the device writes this region (receive, RDMA READ target or atomic result): register it with LOCAL_WRITE"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the pieces after the first of a work request, and the whole list: every piece as
+/// [`check_local`] does, and at most 4 GiB in all. `first_len` is the first piece's length.
+pub(crate) fn check_rest(
+    pd: &Arc<ProtectionDomain>,
+    first_len: usize,
+    rest: &[(&MemoryRegion, Range<usize>)],
+    needs_write: bool,
+) -> Result<()> {
+    let mut total = first_len as u64;
+    for (mr, r) in rest {
+        check_local(pd, mr, r, needs_write)?;
+        total += r.len() as u64;
+    }
+    if total > u32::MAX as u64 {
+        return Err(Error::InvalidArgument(format!(
+            "a work request moves at most 4 GiB; its {} pieces add up to {total} bytes",
+            rest.len() + 1
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a receive before posting: every piece against its region (PD, bounds, LOCAL_WRITE),
+/// and their count against the queue's limit `max` (`queue` and `setter` name them).
+pub(crate) fn check_recv(
+    pd: &Arc<ProtectionDomain>,
+    w: &RecvWr<'_>,
+    max: u32,
+    queue: &str,
+    setter: &str,
+) -> Result<()> {
+    check_local(pd, w.mr, &w.range, true)?;
+    if !w.rest.is_empty() {
+        check_pieces(w.num_pieces(), max, queue, setter)?;
+        check_rest(pd, w.range.len(), w.rest, true)?;
+    }
+    Ok(())
+}
+
+/// Refuses a work request of more pieces than its queue takes.
+pub(crate) fn check_pieces(pieces: usize, max: u32, queue: &str, setter: &str) -> Result<()> {
+    if pieces > max as usize {
+        return Err(Error::InvalidArgument(format!(
+            "a work request of {pieces} pieces exceeds the {queue}'s limit of {max}: create it with {setter}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a requested number of pieces per work request against the crate's limit; `what`
+/// names the setter.
+pub(crate) fn check_sge_request(n: u32, what: &str) -> Result<()> {
+    if n == 0 || n as usize > MAX_SGE {
+        return Err(Error::InvalidArgument(format!(
+            "{what}({n}): a work request names 1 to {MAX_SGE} pieces (rdma_cm::MAX_SGE)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a requested number of pieces against the device's limit `max` (`field` names it).
+pub(crate) fn check_sge_device(n: u32, what: &str, max: u32, field: &str, device: &str) -> Result<()> {
+    if n > max {
+        return Err(Error::InvalidArgument(format!(
+            "{what}({n}) exceeds device {device}'s {field} of {max} (see `ibv_devinfo -v`)"
+        )));
+    }
+    Ok(())
+}
+
+/// Where a failed post stopped, when the provider said so: the index of `bad` in the list of
+/// `n` starting at `first`. Compared as addresses, so nothing is assumed about a pointer we did
+/// not give it. `None`: unknown extent.
+pub(crate) fn rejected_from<T>(bad: *mut T, first: *const T, n: usize) -> Option<usize> {
+    let size = mem::size_of::<T>().max(1);
+    let (b, f) = (bad as usize, first as usize);
+    (!bad.is_null() && b >= f && b < f + n * size && (b - f) % size == 0).then(|| (b - f) / size)
+}
+
+/// Builds the receive list for `chunk` (at most [`CHUNK`] work requests) on the stack and
+/// hands its head and length to `post`; `wr_id(k, w)` stages entry `k` (holding every piece of
+/// it) and returns the `wr_id` to post. The list lives until `post` returns.
+pub(crate) fn with_recv_list<R>(
+    chunk: &[RecvWr<'_>],
+    mut wr_id: impl FnMut(usize, &RecvWr<'_>) -> u64,
+    post: impl FnOnce(*mut ffi::ibv_recv_wr, usize) -> R,
+) -> R {
+    // Only the entries used are initialised (zeroing whole arrays costs on every post).
+    let mut wrs: [MaybeUninit<ffi::ibv_recv_wr>; CHUNK] = [const { MaybeUninit::uninit() }; CHUNK];
+    let mut sge: [MaybeUninit<ffi::ibv_sge>; CHUNK_SGE] = [const { MaybeUninit::uninit() }; CHUNK_SGE];
+    // Both arrays are written only through these pointers from here on, so the pointers the
+    // list holds into them stay valid.
+    let base: *mut ffi::ibv_recv_wr = wrs.as_mut_ptr().cast();
+    let sge_base: *mut ffi::ibv_sge = sge.as_mut_ptr().cast();
+    let n = chunk.len().min(CHUNK);
+    let mut used = 0;
+    for (k, w) in chunk[..n].iter().enumerate() {
+        let first = used;
+        let pieces = std::iter::once((w.mr, &w.range)).chain(w.rest.iter().map(|(m, r)| (*m, r)));
+        for (mr, r) in pieces.take(MAX_SGE) {
+            // SAFETY: at most MAX_SGE entries per work request and CHUNK work requests, so
+            // `used` < CHUNK_SGE: within `sge`.
+            unsafe { sge_base.add(used).write(mr.sge(r)) };
+            used += 1;
+        }
+        // A zero-length receive has no scatter entry: some providers read a byte count of 0 as
+        // 2 GiB. (A list of several pieces has no empty piece: RecvWr::sg refuses them.)
+        let num_sge = if w.rest.is_empty() { !w.range.is_empty() as i32 } else { (used - first) as i32 };
+        let entry = ffi::ibv_recv_wr {
+            wr_id: wr_id(k, w),
+            // SAFETY: k + 1 < n <= CHUNK, so the pointer stays within `wrs`.
+            next: if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() },
+            // SAFETY: first < CHUNK_SGE (see above).
+            sg_list: unsafe { sge_base.add(first) },
+            num_sge,
+        };
+        // SAFETY: k < n <= CHUNK: within `wrs`.
+        unsafe { base.add(k).write(entry) };
+    }
+    post(base, n)
+}
+
+/// The first scatter entry of a send-queue work request: its inline data, its (first) piece,
+/// or nothing.
+#[inline(always)]
+pub(crate) fn first_sge(w: &SendWr<'_>) -> ffi::ibv_sge {
+    match (w.inline, &w.local) {
+        (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
+        (None, Some((m, range))) => m.sge(range),
+        (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+    }
+}
+
+/// Whether a send-queue work request moves any bytes (a zero-length one gets no scatter entry:
+/// some providers read a byte count of 0 as 2 GiB).
+#[inline(always)]
+pub(crate) fn has_data(w: &SendWr<'_>) -> bool {
+    w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty())
 }
