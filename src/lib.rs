@@ -226,7 +226,7 @@
 //! its state back, unchanged, in a [`StepError`] beside the error, so the loop can retry
 //! ([`ResolvingAddr::retry`], [`ResolvingRoute::retry`]) or keep it for the right event;
 //! `?` turns it into an [`Error`]. Fifty connections from one thread, one channel, one PD and
-//! one CQ (made on the device's context, which holds no connection's id; see [`cm_device`]);
+//! one CQ (made on the device's context, which holds no connection's id; see [`cm::cm_id`]);
 //! `examples/cmtime.rs` times the same pipeline:
 //!
 //! ```no_run
@@ -392,7 +392,7 @@ mod wait;
 // The modules' paths before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep working.
 #[doc(hidden)]
 pub use cm::{
-    addrinfo, closing, cm_device, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp,
+    addrinfo, closing, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp,
 };
 #[doc(hidden)]
 pub use verbs::{ah, async_event, cq, device, diagnostics, mr, pd, port, qp, srq, ud, wr};

@@ -657,7 +657,7 @@ pub struct RouteResolved {
 impl RouteResolved {
     /// The device context the route runs over: librdmacm's context of the device, which holds
     /// no id, so PDs and CQs made on it may serve other connections and outlive this one (see
-    /// [`crate::cm::cm_device`]).
+    /// [`crate::cm::cm_id`]).
     ///
     /// # Errors
     /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution), or
@@ -873,7 +873,7 @@ impl Listener {
     }
 
     /// librdmacm's context of the device this listener is bound to, which holds no id (see
-    /// [`crate::cm::cm_device`]): make the PD, CQs and SRQ that the accepted connections will
+    /// [`crate::cm::cm_id`]): make the PD, CQs and SRQ that the accepted connections will
     /// share on it before the first request arrives. [`ConnectRequest::context`] returns the
     /// same context for requests on that device.
     ///
@@ -1040,7 +1040,7 @@ impl ConnectRequest {
     }
 
     /// The device context of the request: librdmacm's context of the device, which holds no
-    /// id (see [`crate::cm::cm_device`]). PDs, CQs and SRQs made from it may serve this and later
+    /// id (see [`crate::cm::cm_id`]). PDs, CQs and SRQs made from it may serve this and later
     /// connections on the same device, and outlive this request's connection: dropping the
     /// connection destroys its id even while they live.
     ///

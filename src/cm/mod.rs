@@ -6,7 +6,6 @@ pub mod addrinfo;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 pub mod closing;
-pub mod cm_device;
 pub mod cm_id;
 pub mod connection;
 pub mod event_channel;

@@ -15,7 +15,7 @@
 //!
 //! A context opened here is closed (`ibv_close_device`) when its last handle goes; one that
 //! librdmacm opened is kept open by a librdmacm device list (`rdma_get_devices`) that its
-//! handles share, not by any id (see [`crate::cm::cm_device`]). Either way every PD and CQ holds a
+//! handles share, not by any id (see [`crate::cm::cm_id`]). Either way every PD and CQ holds a
 //! `VerbsContext`, so the context outlives them.
 
 use std::any::Any;
