@@ -391,24 +391,21 @@ mod wait;
 
 // The modules' paths before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep working.
 #[doc(hidden)]
-pub use cm::{
-    addrinfo, closing, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp,
-};
+pub use cm::{addrinfo, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp};
 #[doc(hidden)]
 pub use verbs::{ah, async_event, cq, device, diagnostics, mr, pd, port, qp, srq, ud, wr};
 
 pub use rdma_sys as ffi;
 
 pub use cm::addrinfo::{lookup, lookup_passive};
-pub use cm::closing::Disconnecting;
+pub use cm::client::{AddrResolved, Client, ClientQp, Connecting, ResolvingAddr, ResolvingRoute, RouteResolved};
 pub use cm::cm_id::{CmId, IdHandle};
-pub use cm::connection::{
-    Accepting, AddrResolved, Bound, Client, ClientQp, ConnParam, ConnectRequest, Connecting, Connection, Listener,
-    ResolvingAddr, ResolvingRoute, RouteResolved, Server, ServerQp,
-};
+pub use cm::conn_param::ConnParam;
+pub use cm::connection::{Connection, Disconnecting};
 pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use cm::private_data::QpInfo;
+pub use cm::server::{Accepting, Bound, ConnectRequest, Listener, Server, ServerQp};
 pub use cm::step::StepError;
 pub use cm::ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,

@@ -633,6 +633,26 @@ impl CmEvent {
     }
 }
 
+#[cfg(feature = "tokio")]
+impl EventChannel {
+    /// Waits for the next event without blocking the runtime.
+    ///
+    /// # Errors
+    /// [`crate::Error::Call`] when the channel or the reactor fails.
+    pub async fn get_event_async(&self) -> Result<CmEvent> {
+        self.wait_async(None).await
+    }
+
+    /// [`EventChannel::get_event_for`] without blocking the runtime: the next event of the id
+    /// `id`; other ids' events read meanwhile are kept for their owners.
+    ///
+    /// # Errors
+    /// As for [`EventChannel::get_event_async`].
+    pub async fn get_event_for_async(&self, id: crate::cm::cm_id::IdHandle) -> Result<CmEvent> {
+        self.wait_async(Some(id)).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,14 +3,16 @@
 //! the verbs wing ([`crate::verbs`]).
 
 pub mod addrinfo;
-#[cfg(feature = "tokio")]
-mod asynchronous;
-pub mod closing;
+pub mod client;
 pub mod cm_id;
+pub(crate) mod cm_qp;
+pub mod conn_param;
 pub mod connection;
 pub mod event_channel;
+pub(crate) mod expect;
 pub mod multicast;
 pub mod private_data;
+pub mod server;
 pub mod step;
 pub mod ud_cm;
 pub mod user_qp;

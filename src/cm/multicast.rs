@@ -74,8 +74,8 @@ use std::time::{Duration, Instant};
 use rdma_sys as ffi;
 
 use crate::cm::cm_id::{std_to_sockaddr, CmId};
-use crate::cm::connection::{context_of, expect};
 use crate::cm::event_channel::{CmEventType, EventChannel};
+use crate::cm::expect::{context_of, expect};
 use crate::cm::ud_cm::create_ud_qp;
 use crate::error::{check_rdma, errno, Error, Result};
 use crate::verbs::device::VerbsContext;
@@ -282,52 +282,6 @@ impl McastResolved {
     pub fn id(&self) -> &CmId {
         &self.id
     }
-}
-
-/// Creates the id's QP through `rdma_create_qp_ex` with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`.
-/// Called by the connection layer's QP creation with the id's channel lock held.
-pub(crate) fn create_qp_blocking_loopback(
-    id: &CmId,
-    pd: &ProtectionDomain,
-    attr: &mut ffi::ibv_qp_init_attr,
-) -> Result<()> {
-    // SAFETY: ibv_qp_init_attr_ex is plain old data (integers, pointers, a hash config); zero
-    // is valid and means "not given" for every field not set below.
-    let mut ex: ffi::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
-    ex.qp_context = attr.qp_context;
-    ex.send_cq = attr.send_cq;
-    ex.recv_cq = attr.recv_cq;
-    ex.srq = attr.srq;
-    ex.cap = attr.cap;
-    ex.qp_type = attr.qp_type;
-    ex.sq_sig_all = attr.sq_sig_all;
-    ex.comp_mask =
-        (ffi::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD | ffi::ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_CREATE_FLAGS).0;
-    ex.pd = pd.as_raw();
-    ex.create_flags = ffi::ibv_qp_create_flags::IBV_QP_CREATE_BLOCK_SELF_MCAST_LB.0;
-    // SAFETY: the id, PD and CQs are valid and on one device context (the caller checked);
-    // `ex` is fully initialised and only read during the call; the caller holds the id's
-    // channel lock, so no event processing reads id->qp meanwhile.
-    let ret = unsafe { ffi::rdma_create_qp_ex(id.as_raw(), &mut ex) };
-    if ret != 0 {
-        let e = errno();
-        let hint = match e {
-            libc::EOPNOTSUPP | libc::EINVAL => Some(
-                "this device cannot block multicast loopback (rxe cannot; neither can `mckey -l` there): keep loopback \
-                 on and skip your own datagrams by their source QP (Datagram::src_qp == your QP number)",
-            ),
-            _ => None,
-        };
-        return Err(Error::Call {
-            op: "rdma_create_qp_ex(IBV_QP_CREATE_BLOCK_SELF_MCAST_LB)",
-            addr: None,
-            hint,
-            source: std::io::Error::from_raw_os_error(e),
-        });
-    }
-    // librdmacm's rdma_create_qp_ex copied the capabilities it got back into `ex`.
-    attr.cap = ex.cap;
-    Ok(())
 }
 
 /// A UD endpoint for multicast: its QP and its id, bound to a device. Join groups with

@@ -10,9 +10,9 @@ use std::time::Duration;
 use rdma_sys as ffi;
 
 use crate::cm::cm_id::CmId;
-use crate::cm::connection::create_qp_on;
-use crate::cm::connection::{context_of, expect, expect_any_request, with_opt_addr};
+use crate::cm::cm_qp::create_qp_on;
 use crate::cm::event_channel::{CmEventType, EventChannel, PrivateData};
+use crate::cm::expect::{context_of, expect, expect_any_request, with_opt_addr};
 use crate::error::{check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;

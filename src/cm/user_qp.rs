@@ -29,7 +29,8 @@ use std::sync::{Arc, OnceLock};
 use rdma_sys as ffi;
 
 use crate::cm::cm_id::CmId;
-use crate::cm::connection::{is_peer_gone, ConnParam};
+use crate::cm::conn_param::ConnParam;
+use crate::cm::expect::is_peer_gone;
 use crate::error::{check_ibv, check_ptr, check_rdma, Error, Result};
 use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;

@@ -1,0 +1,435 @@
+//! The client's typestates: [`Client`] → [`AddrResolved`] → [`RouteResolved`] → [`ClientQp`]
+//! → [`Connection`], the event-loop steps between them ([`ResolvingAddr`], [`ResolvingRoute`],
+//! [`Connecting`]), and their async twins (feature `tokio`). See [`crate::cm::connection`] for
+//! the whole state machine.
+
+use std::borrow::Borrow;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys as ffi;
+
+use crate::cm::cm_id::{CmId, IdHandle};
+use crate::cm::cm_qp::create_qp_on;
+use crate::cm::conn_param::{ConnParam, MAX_CONNECT_PRIVATE_DATA};
+use crate::cm::connection::Connection;
+use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel};
+#[cfg(feature = "tokio")]
+use crate::cm::expect::expect_async;
+use crate::cm::expect::{check_event, context_of, expect, with_opt_addr};
+use crate::cm::step::StepError;
+use crate::cm::user_qp::{self, UserQp};
+use crate::error::{check_rdma, Error, Result};
+use crate::verbs::device::VerbsContext;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::{QpInit, QueuePair};
+
+/// A fresh client id, not yet resolved.
+#[derive(Debug)]
+pub struct Client {
+    pub(crate) id: CmId,
+}
+
+impl Client {
+    /// Creates a client id on its own event channel.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] without RDMA support; [`Error::Call`] otherwise.
+    pub fn new() -> Result<Client> {
+        Client::on_channel(&EventChannel::new()?)
+    }
+
+    /// Creates a client id on `channel`, which other ids may share: each blocking step takes
+    /// only this id's events and keeps the others' for their owners.
+    ///
+    /// # Errors
+    /// As for [`Client::new`].
+    pub fn on_channel(channel: &EventChannel) -> Result<Client> {
+        Ok(Client { id: CmId::new(channel)? })
+    }
+
+    /// Resolves `dst` (and binds to `src` if given) within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `ETIMEDOUT`/`EADDRNOTAVAIL` and a troubleshooting hint when no RDMA
+    /// device answers for the address; [`Error::Timeout`].
+    pub fn resolve_addr(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<AddrResolved> {
+        // Registered before the call, so no other reader of a shared channel takes the event.
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.start_resolve_addr(src, dst, timeout)?;
+        // librdmacm reports ADDR_ERROR itself when its own timeout passes; allow for that.
+        let wait = timeout.saturating_add(Duration::from_secs(1));
+        expect(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr", wait).map_err(|e| e.with_addr(dst))?;
+        Ok(AddrResolved { id: self.id })
+    }
+
+    /// Binds the id to a local address first (`rdma_bind_addr`), which picks the device.
+    ///
+    /// # Errors
+    /// [`Error::Call`] with `EADDRINUSE`/`EADDRNOTAVAIL` and a hint.
+    pub fn bind(self, src: SocketAddr) -> Result<Client> {
+        self.id.bind(src)?;
+        Ok(self)
+    }
+
+    /// Starts resolving `dst` without waiting; the id's `ADDR_RESOLVED` event, read by an
+    /// event loop, completes it ([`ResolvingAddr::complete`]). This is how many connections
+    /// are set up at once on one channel (see `examples/cmtime.rs`).
+    ///
+    /// # Errors
+    /// As for [`Client::resolve_addr`], without the waiting.
+    pub fn start_resolve(self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<ResolvingAddr> {
+        self.start_resolve_addr(src, dst, timeout)?;
+        Ok(ResolvingAddr { id: self.id })
+    }
+
+    pub(crate) fn start_resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        if dst.port() == 0 {
+            return Err(Error::InvalidArgument(format!("destination {dst} has port 0")));
+        }
+        self.id.resolve_addr(src, dst, timeout)
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+/// A client id whose address is resolved.
+#[derive(Debug)]
+pub struct AddrResolved {
+    pub(crate) id: CmId,
+}
+
+impl AddrResolved {
+    /// Starts resolving the route without waiting ([`ResolvingRoute::complete`] finishes it).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::resolve_route`], without the waiting.
+    pub fn start_resolve_route(self, timeout: Duration) -> Result<ResolvingRoute> {
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        Ok(ResolvingRoute { id: self.id })
+    }
+
+    /// Resolves the route within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Call`] or [`Error::UnexpectedEvent`] (`ROUTE_ERROR`), [`Error::Timeout`].
+    pub fn resolve_route(self, timeout: Duration) -> Result<RouteResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        let wait = timeout.saturating_add(Duration::from_secs(1));
+        expect(&self.id, CmEventType::RouteResolved, "rdma_resolve_route", wait)?;
+        Ok(RouteResolved { id: Arc::new(self.id) })
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+/// A client whose address resolution is under way: feed its next event to
+/// [`ResolvingAddr::complete`].
+#[derive(Debug)]
+pub struct ResolvingAddr {
+    id: CmId,
+}
+
+impl ResolvingAddr {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after an `ADDR_ERROR`, say), as `rdma_resolve_addr`'s
+    /// callers retry.
+    ///
+    /// # Errors
+    /// As for [`Client::start_resolve`].
+    pub fn retry(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        self.id.resolve_addr(src, dst, timeout)
+    }
+
+    /// Completes the step with the id's `ADDR_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after an
+    /// `ADDR_ERROR`, [`ResolvingAddr::retry`] it and feed it the next event.
+    ///
+    /// # Errors
+    /// [`Error::Call`] for an `ADDR_ERROR` (with the errno and hint);
+    /// [`Error::UnexpectedEvent`] for any other event or another id's; either way with this
+    /// state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<AddrResolved, StepError<ResolvingAddr>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::AddrResolved, "rdma_resolve_addr") {
+            Ok(()) => Ok(AddrResolved { id: self.id }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
+    }
+}
+
+/// A client whose route resolution is under way: feed its next event to
+/// [`ResolvingRoute::complete`].
+#[derive(Debug)]
+pub struct ResolvingRoute {
+    id: CmId,
+}
+
+impl ResolvingRoute {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Starts the resolution again (after a `ROUTE_ERROR`, say).
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::start_resolve_route`].
+    pub fn retry(&self, timeout: Duration) -> Result<()> {
+        self.id.resolve_route(timeout)
+    }
+
+    /// Completes the step with the id's `ROUTE_RESOLVED` event (given by reference or by
+    /// value). Any other event gives this state back in the [`StepError`]: after a
+    /// `ROUTE_ERROR`, [`ResolvingRoute::retry`] it.
+    ///
+    /// # Errors
+    /// As for [`ResolvingAddr::complete`] (`ROUTE_ERROR` names `rdma_resolve_route`).
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<RouteResolved, StepError<ResolvingRoute>> {
+        match check_event(&self.id, ev.borrow(), CmEventType::RouteResolved, "rdma_resolve_route") {
+            Ok(()) => Ok(RouteResolved { id: Arc::new(self.id) }),
+            Err(e) => Err(StepError::new(self, e)),
+        }
+    }
+}
+
+/// A client id with a route: allocate the PD, register memory, then create the QP.
+#[derive(Debug)]
+pub struct RouteResolved {
+    pub(crate) id: Arc<CmId>,
+}
+
+impl RouteResolved {
+    /// The device context the route runs over: librdmacm's context of the device, which holds
+    /// no id, so PDs and CQs made on it may serve other connections and outlive this one (see
+    /// [`crate::cm::cm_id`]).
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] if the id has no device (cannot happen after route resolution), or
+    /// [`Error::Call`] when `rdma_get_devices` fails.
+    pub fn context(&self) -> Result<VerbsContext> {
+        context_of(&self.id)
+    }
+
+    /// Allocates a PD on the route's device.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_alloc_pd` fails.
+    pub fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>> {
+        ProtectionDomain::new(&self.context()?)
+    }
+
+    /// Creates the RC QP (and its CQs unless `init` supplies them). An id has at most one QP:
+    /// this consumes the route, and [`ClientQp::destroy_qp`] gives it back.
+    ///
+    /// # Errors
+    /// [`Error::Call`] (`rdma_create_qp`, with the device-limits hint),
+    /// [`Error::InvalidArgument`] when `pd` or a CQ belongs to another device.
+    pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ClientQp> {
+        let qp = create_qp_on(&self.id, pd, init)?;
+        Ok(ClientQp { id: self.id, qp, user: false })
+    }
+
+    /// Takes a QP the user created ([`UserQp`], as `rping -q` does) instead of creating one,
+    /// and moves it to INIT with the route's attributes (`rdma_init_qp_attr`,
+    /// `ibv_modify_qp`). The connect then sends its number and moves it to RTR and RTS when the
+    /// peer answers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the QP is not on the route's device context;
+    /// [`Error::Call`] when `rdma_init_qp_attr` or `ibv_modify_qp` fails.
+    pub fn attach_qp(self, qp: UserQp) -> Result<ClientQp> {
+        let qp = qp.attach(&self.id)?;
+        Ok(ClientQp { id: self.id, qp, user: true })
+    }
+
+    /// The id.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+}
+
+/// A client with its QP: post receives now, then connect.
+#[derive(Debug)]
+pub struct ClientQp {
+    pub(crate) id: Arc<CmId>,
+    pub(crate) qp: QueuePair,
+    /// The QP is a [`UserQp`]: this crate, not librdmacm, moves it through its states.
+    pub(crate) user: bool,
+}
+
+impl ClientQp {
+    /// The id, for its options: [`CmId::set_ack_timeout`] takes effect when set before
+    /// connecting.
+    pub fn id(&self) -> &CmId {
+        &self.id
+    }
+
+    /// The QP, to read its number and capabilities. Before the connection exists it takes
+    /// receives only ([`ClientQp::post_recv`]).
+    pub fn qp(&self) -> &QueuePair {
+        &self.qp
+    }
+
+    /// Posts receives before connecting, so the peer's first message has somewhere to land.
+    ///
+    /// # Errors
+    /// As for [`QueuePair::post_recv`].
+    pub fn post_recv(&mut self, wrs: &[crate::verbs::wr::RecvWr<'_>]) -> Result<()> {
+        self.qp.post_recv(wrs)
+    }
+
+    /// Destroys the QP (flushing any posted receives) and returns the route, e.g. to create
+    /// a QP with other capabilities.
+    pub fn destroy_qp(self) -> RouteResolved {
+        drop(self.qp);
+        RouteResolved { id: self.id }
+    }
+
+    /// Connects (`rdma_connect`) and waits for `ESTABLISHED`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
+    /// naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a hint; [`Error::Timeout`].
+    pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.start_connect(param)?;
+        let ev = expect(&self.id, connected_event(self.user), "rdma_connect", timeout)?;
+        finish_connect(self.id, self.qp, self.user, &ev)
+    }
+
+    /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
+    ///
+    /// # Errors
+    /// As for [`ClientQp::connect`], without the waiting.
+    pub fn start(self, param: &ConnParam) -> Result<Connecting> {
+        self.start_connect(param)?;
+        Ok(Connecting { id: self.id, qp: self.qp, user: self.user })
+    }
+
+    pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
+        let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+        raw.qp_num = user_qp::qp_num_for(param, &self.qp)?;
+        raw.srq = u8::from(self.qp.srq().is_some());
+        let peer = self.id.peer_addr();
+        // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
+        // `param`) outlive the call, which copies them.
+        check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
+            .map_err(|e| with_opt_addr(e, peer))
+    }
+}
+
+/// The event that answers a connect: librdmacm turns the CM's `CONNECT_RESPONSE` into
+/// `ESTABLISHED` only for a QP it made.
+pub(crate) fn connected_event(user: bool) -> CmEventType {
+    if user {
+        CmEventType::ConnectResponse
+    } else {
+        CmEventType::Established
+    }
+}
+
+/// Turns the answer to a connect into the connection; a [`UserQp`] is made ready to send and
+/// the handshake completed (`rdma_establish`) first.
+pub(crate) fn finish_connect(id: Arc<CmId>, qp: QueuePair, user: bool, ev: &CmEvent) -> Result<Connection> {
+    if user {
+        user_qp::establish(&id, &qp)?;
+    }
+    Ok(Connection::new(id, qp, *ev.private_data(), user))
+}
+
+/// A client whose connect is under way: feed its next event to [`Connecting::complete`].
+#[derive(Debug)]
+pub struct Connecting {
+    id: Arc<CmId>,
+    qp: QueuePair,
+    user: bool,
+}
+
+impl Connecting {
+    /// The id's token, to match events.
+    pub fn handle(&self) -> IdHandle {
+        self.id.handle()
+    }
+
+    /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for a
+    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`), given by
+    /// reference or by value. Any other event gives this state back in the [`StepError`].
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
+    /// hint, or another id's event (the state can take the right event later; after
+    /// `REJECTED` or `UNREACHABLE` the connect is over: drop it); for a [`UserQp`],
+    /// [`Error::Call`] naming the `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish`
+    /// call that failed. Each with this state, unchanged.
+    pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Connecting>> {
+        let ev = ev.borrow();
+        if let Err(e) = check_event(&self.id, ev, connected_event(self.user), "rdma_connect") {
+            return Err(StepError::new(self, e));
+        }
+        if self.user {
+            if let Err(e) = user_qp::establish(&self.id, &self.qp) {
+                return Err(StepError::new(self, e));
+            }
+        }
+        Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl Client {
+    /// [`Client::resolve_addr`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`Client::resolve_addr`].
+    pub async fn resolve_addr_async(
+        self,
+        src: Option<SocketAddr>,
+        dst: SocketAddr,
+        timeout: Duration,
+    ) -> Result<AddrResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.start_resolve_addr(src, dst, timeout)?;
+        expect_async(&self.id, CmEventType::AddrResolved, "rdma_resolve_addr").await.map_err(|e| e.with_addr(dst))?;
+        Ok(AddrResolved { id: self.id })
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl AddrResolved {
+    /// [`AddrResolved::resolve_route`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`AddrResolved::resolve_route`].
+    pub async fn resolve_route_async(self, timeout: Duration) -> Result<RouteResolved> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.id.resolve_route(timeout).map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        expect_async(&self.id, CmEventType::RouteResolved, "rdma_resolve_route").await?;
+        Ok(RouteResolved { id: std::sync::Arc::new(self.id) })
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl ClientQp {
+    /// [`ClientQp::connect`] without blocking the runtime.
+    ///
+    /// # Errors
+    /// As for [`ClientQp::connect`].
+    pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
+        let _expecting = self.id.channel().expecting(self.id.handle());
+        self.start_connect(param)?;
+        let ev = expect_async(&self.id, connected_event(self.user), "rdma_connect").await?;
+        finish_connect(self.id, self.qp, self.user, &ev)
+    }
+}

@@ -1,0 +1,137 @@
+//! [`ConnParam`]: the parameters of `rdma_connect` and `rdma_accept` (depths, retries, private
+//! data), and the private-data limits of RC.
+
+use rdma_sys as ffi;
+
+use crate::cm::event_channel::PrivateData;
+use crate::error::{Error, Result};
+
+/// Most private data `rdma_connect` carries on RC.
+pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
+
+/// Most private data `rdma_accept` carries on RC.
+pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
+
+/// Most private data `rdma_reject` carries on IB/RoCE.
+pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
+
+/// Connection parameters for connect and accept. Defaults follow the seed program:
+/// responder_resources and initiator_depth 1, retry and RNR retry counts 7, no private data.
+/// [`ConnParam::from_request`] takes the RDMA READ depths from the request instead, as
+/// `rdma_accept(id, NULL)` does.
+///
+/// # Flow control
+///
+/// The crate always sends `flow_control = 1`, as the seed program did; there is no setter.
+/// The field says whether this side's hardware does end-to-end flow control: the CM passes it
+/// to the peer (it arrives in the peer's `CONNECT_REQUEST` or `ESTABLISHED`) and configures no
+/// QP with it (`rdma_connect(3)`, `rdma_accept(3)`). rxe sends unlimited credits in every ACK
+/// whatever the field says. `rdma_accept(id, NULL)` sends 0.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnParam {
+    responder_resources: u8,
+    initiator_depth: u8,
+    retry_count: u8,
+    rnr_retry_count: u8,
+    private_data: PrivateData,
+    qp_num: u32,
+}
+
+impl Default for ConnParam {
+    fn default() -> Self {
+        ConnParam {
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            private_data: PrivateData::EMPTY,
+            qp_num: 0,
+        }
+    }
+}
+
+impl ConnParam {
+    /// The defaults.
+    pub fn new() -> ConnParam {
+        ConnParam::default()
+    }
+    /// librdmacm's "choose for me" value of [`ConnParam::responder_resources`] and
+    /// [`ConnParam::initiator_depth`] (`RDMA_MAX_RESP_RES`, `RDMA_MAX_INIT_DEPTH`): on
+    /// connect, the device's limit; on accept, the request's value, clamped to the device's
+    /// limit.
+    pub const FROM_DEVICE: u8 = 0xFF;
+
+    /// Outstanding RDMA READs (and atomics) the peer may send us; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
+    pub fn responder_resources(mut self, n: u8) -> Self {
+        self.responder_resources = n;
+        self
+    }
+    /// Outstanding RDMA READs (and atomics) we may send the peer; [`ConnParam::FROM_DEVICE`]
+    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
+    pub fn initiator_depth(mut self, n: u8) -> Self {
+        self.initiator_depth = n;
+        self
+    }
+    /// Transport retries (0..=7). Meaningful in connect; the CM negotiates it for both sides.
+    pub fn retry_count(mut self, n: u8) -> Self {
+        self.retry_count = n.min(7);
+        self
+    }
+    /// Receiver-not-ready retries (0..=7; 7 means retry forever) of the *peer's* sends: the
+    /// value given to connect applies to the server's QP, the one given to accept to the
+    /// client's.
+    pub fn rnr_retry_count(mut self, n: u8) -> Self {
+        self.rnr_retry_count = n.min(7);
+        self
+    }
+    /// Private data for the peer. Its length is checked when it is used: at most 56 bytes for
+    /// connect, 196 for accept.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] beyond 196 bytes.
+    pub fn private_data(mut self, data: &[u8]) -> Result<Self> {
+        if data.len() > MAX_ACCEPT_PRIVATE_DATA {
+            return Err(too_long("private data", data.len(), MAX_ACCEPT_PRIVATE_DATA));
+        }
+        self.private_data = PrivateData::from_slice(data);
+        Ok(self)
+    }
+
+    /// The QP number to send (`rdma_conn_param.qp_num`). Optional: the connection sends its
+    /// QP's own number, for a QP librdmacm made and for a [`UserQp`](crate::UserQp) alike; a number set here
+    /// must be that one, or connect and accept refuse it.
+    pub fn qp_num(mut self, n: u32) -> Self {
+        self.qp_num = n;
+        self
+    }
+
+    pub(crate) fn qp_num_value(&self) -> u32 {
+        self.qp_num
+    }
+
+    pub(crate) fn raw(&self, limit: usize, what: &str) -> Result<ffi::rdma_conn_param> {
+        if self.private_data.len() > limit {
+            return Err(too_long(what, self.private_data.len(), limit));
+        }
+        Ok(ffi::rdma_conn_param {
+            private_data: if self.private_data.is_empty() {
+                std::ptr::null()
+            } else {
+                self.private_data.as_ptr().cast()
+            },
+            private_data_len: self.private_data.len() as u8,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: 1,
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            srq: 0,
+            qp_num: self.qp_num,
+        })
+    }
+}
+
+pub(crate) fn too_long(what: &str, len: usize, max: usize) -> Error {
+    Error::InvalidArgument(format!("{what} is {len} bytes; at most {max} fit on RC"))
+}
