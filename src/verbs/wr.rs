@@ -583,3 +583,19 @@ pub(crate) fn first_sge(w: &SendWr<'_>) -> ffi::ibv_sge {
 pub(crate) fn has_data(w: &SendWr<'_>) -> bool {
     w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejected_from_accepts_only_pointers_into_the_list() {
+        let list = [0u64; 4];
+        let first = list.as_ptr();
+        assert_eq!(rejected_from(first.wrapping_add(2).cast_mut(), first, 4), Some(2));
+        assert_eq!(rejected_from(std::ptr::null_mut(), first, 4), None);
+        assert_eq!(rejected_from(first.wrapping_add(4).cast_mut(), first, 4), None, "one past the end");
+        let odd = (first as usize + 3) as *mut u64;
+        assert_eq!(rejected_from(odd, first, 4), None, "not at an entry");
+    }
+}

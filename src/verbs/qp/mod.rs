@@ -1,0 +1,776 @@
+//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::UdQp), UD) queue pair and its sound,
+//! allocation-free data path.
+//!
+//! # Ownership of in-flight memory
+//!
+//! Every work request names its local memory as a range of a [`MemoryRegion`](crate::MemoryRegion). Posting stores
+//! a clone of the region's handle in the QP's slot table (a fixed ring per work queue, sized by
+//! the queue depth and allocated once, when the QP is created). Reaping the completion drops
+//! that clone. The region's byte accessors refuse while the device may write it (and writes
+//! while it may read it), so Rust code never holds a reference the device may change, and the
+//! memory can never be freed under the device. Posting clones an `Arc` (an atomic increment):
+//! no heap allocation.
+//!
+//! A work request of several pieces ([scatter/gather](crate::verbs::wr#scattergather)) holds every
+//! piece's region the same way: the first piece's handle in its slot, the others' in a side
+//! table of the ring (slots × (pieces − 1) entries, allocated with the ring, and only for a
+//! queue created for more than one piece: [`QpInit::max_send_sge`], [`QpInit::max_recv_sge`]).
+//! Whatever retires the slot (its completion, a later signaled completion, the provider
+//! refusing the work request, the flush, dropping the QP) releases all of them together.
+//!
+//! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
+//! completion names. That is also how unsignaled sends are retired: by the next signaled
+//! completion on the same queue; the work request that takes the send queue's last free slot
+//! is signaled whatever it asked, so a queue full of unsignaled work can always drain. The
+//! rings never admit more work requests than the queue holds, so a full queue is a clear
+//! [`Error::QueueFull`] rather than a provider error, and the CQs (which count what their
+//! queues may have outstanding) cannot overrun.
+//!
+//! # Shared CQs and SRQs
+//!
+//! A QP's CQs may serve other QPs too, and its receives may come from a
+//! [`SharedReceiveQueue`]. Every completion carries its owner in its `wr_id`, so whoever polls
+//! a CQ retires the right slot: the QP's [`QueuePair::poll`] and waits keep the completions of
+//! other QPs they meet for those QPs, and [`CompletionQueue::poll`] returns everyone's.
+//! Dropping a QP reaps only its own work; completions of it still in a shared CQ afterwards
+//! retire nothing.
+//!
+//! # Failed posts
+//!
+//! When `ibv_post_send`/`ibv_post_recv` fails and names the first work request it did not
+//! take (`bad_wr` inside the list), the ones before it are tracked as posted and the rest are
+//! released. When it fails *without* saying how far it got (`bad_wr` NULL or outside the list:
+//! rxe, for one, keeps a send posted before the QP is ready and runs it later), nothing is
+//! released: every staged work request counts as posted, the QP is moved to the error state,
+//! and the flush retires them. Sequence numbers are never reused, so a late completion can
+//! never retire a newer work request.
+//!
+//! # Completions nobody asked for yet
+//!
+//! [`QueuePair::wait_for`] waits for one `wr_id`; successful completions of other work requests
+//! that it meets first are kept, in order, and returned by the next [`QueuePair::poll`],
+//! [`QueuePair::wait`] or `wait_for`. They hold their place in the queue until then (the
+//! queue's room is what bounds them), so nothing is lost and nothing allocates.
+//!
+//! # Raw posts
+//!
+//! Every `wr_id` this crate posts carries a tag (bit 62 set; see the crate's `ring::tag`). A
+//! completion without that tag is not the crate's: it retires nothing and is discarded by the
+//! polls here. Work posted through [`QueuePair::as_raw`] must therefore use `wr_id`s with bit
+//! 62 clear, and be reaped by the caller from a CQ the crate does not poll.
+//!
+//! # Leaks, panics and drop
+//!
+//! `mem::forget` on a QP leaks its slots, so the regions they hold are never freed: safe.
+//! Dropping a QP (also during unwinding) moves it to the error state, reaps the flushed
+//! completions for a bounded time, destroys the QP, and only then releases the slots. If the
+//! destroy fails, the slots are leaked rather than released.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use std::{fmt, mem};
+
+use rdma_sys as ffi;
+
+use crate::error::{check_ibv, Error, Result};
+use crate::verbs::cq::{CompletionQueue, POLL_CHUNK};
+use crate::verbs::link::Link;
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::ring::{tag, Queues};
+use crate::verbs::srq::SharedReceiveQueue;
+use crate::verbs::wc::WorkCompletion;
+use crate::verbs::wr::{check_sge_device, check_sge_request};
+use crate::wait::lock;
+
+mod post;
+mod wait;
+
+/// How long Drop waits for flushed completions before destroying the QP anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A QP's nonce: tells it from an earlier QP at the same index of a CQ's routing table.
+fn next_nonce() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & tag::NONCE_MASK as u16
+}
+
+/// Queue-pair capabilities. Defaults follow the seed program: 16 send and 16 receive work
+/// requests, one scatter/gather entry each, and 64 bytes of inline data.
+#[derive(Debug, Clone)]
+pub struct QpInit {
+    pub(crate) max_send_wr: u32,
+    pub(crate) max_recv_wr: u32,
+    pub(crate) max_send_sge: u32,
+    pub(crate) max_recv_sge: u32,
+    pub(crate) max_inline_data: u32,
+    pub(crate) send_cq: Option<Arc<CompletionQueue>>,
+    pub(crate) recv_cq: Option<Arc<CompletionQueue>>,
+    pub(crate) srq: Option<SharedReceiveQueue>,
+    /// A UD QP (set by the UD layer only): `IBV_QPT_UD`, and a send ring that holds address
+    /// handles.
+    pub(crate) datagrams: bool,
+    /// Create the QP with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB` (set by the multicast layer
+    /// only): it does not receive the multicast datagrams it sends itself.
+    pub(crate) block_self_mcast_lb: bool,
+}
+
+impl Default for QpInit {
+    fn default() -> Self {
+        QpInit {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+            send_cq: None,
+            recv_cq: None,
+            srq: None,
+            datagrams: false,
+            block_self_mcast_lb: false,
+        }
+    }
+}
+
+impl QpInit {
+    /// Defaults (16/16 work requests, 64 bytes inline).
+    pub fn new() -> QpInit {
+        QpInit::default()
+    }
+    /// Send queue depth.
+    pub fn max_send_wr(mut self, n: u32) -> Self {
+        self.max_send_wr = n;
+        self
+    }
+    /// Receive queue depth (ignored with an SRQ).
+    pub fn max_recv_wr(mut self, n: u32) -> Self {
+        self.max_recv_wr = n;
+        self
+    }
+    /// The most pieces a send-queue work request may name
+    /// ([`SendWr::send_sg`](crate::SendWr::send_sg), [`SendWr::write_sg`](crate::SendWr::write_sg), [`SendWr::read_sg`](crate::SendWr::read_sg)): 1 (the default) to
+    /// [`MAX_SGE`](crate::MAX_SGE), and at most the device's `max_sge`
+    /// ([`DeviceLimits`](crate::DeviceLimits)); checked when the QP is created. A queue of
+    /// more than one piece gets a side table for the extra holds (slots × (n − 1) entries).
+    pub fn max_send_sge(mut self, n: u32) -> Self {
+        self.max_send_sge = n;
+        self
+    }
+    /// The most pieces a receive may name ([`RecvWr::sg`](crate::RecvWr::sg)): as for
+    /// [`QpInit::max_send_sge`]. Ignored with an SRQ (see
+    /// [`SharedReceiveQueue::with_sge`]).
+    pub fn max_recv_sge(mut self, n: u32) -> Self {
+        self.max_recv_sge = n;
+        self
+    }
+    /// Largest inline send, in bytes.
+    pub fn max_inline_data(mut self, n: u32) -> Self {
+        self.max_inline_data = n;
+        self
+    }
+    /// Uses `cq` for send completions instead of creating one. It may be the receive CQ, and
+    /// it may serve other QPs too, as long as it is deep enough for all their queues; it must
+    /// be on the QP's device.
+    pub fn send_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
+        self.send_cq = Some(cq);
+        self
+    }
+    /// Uses `cq` for receive completions instead of creating one (same conditions as
+    /// [`QpInit::send_cq`]).
+    pub fn recv_cq(mut self, cq: Arc<CompletionQueue>) -> Self {
+        self.recv_cq = Some(cq);
+        self
+    }
+    /// Takes receives from `srq` instead of a receive queue of its own. The SRQ must be on
+    /// the QP's protection domain.
+    pub fn srq(mut self, srq: &SharedReceiveQueue) -> Self {
+        self.srq = Some(srq.clone());
+        self
+    }
+}
+
+/// Where this QP sits in a CQ's routing table.
+#[derive(Clone, Copy)]
+struct Slot {
+    index: u16,
+}
+
+/// An owned RC queue pair.
+///
+/// Only the connection typestates create one, each consuming the state that owns the id, so an
+/// id has at most one QP; there is no constructor that takes a shared id:
+///
+/// ```compile_fail
+/// # fn f(id: &std::sync::Arc<rdma_cm::CmId>, pd: &std::sync::Arc<rdma_cm::ProtectionDomain>) {
+/// let qp = rdma_cm::QueuePair::new(id, pd, rdma_cm::QpInit::new());
+/// # }
+/// ```
+pub struct QueuePair {
+    raw: NonNull<ffi::ibv_qp>,
+    qp_num: u32,
+    max_inline: u32,
+    /// The most pieces a send, a receive and an RDMA READ may name (what the rings were sized
+    /// for; 0 receive pieces on an SRQ).
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_read_sge: u32,
+    nonce: u16,
+    /// Our index in the send CQ's and the receive CQ's routing tables.
+    send_slot: Slot,
+    recv_slot: Slot,
+    /// Reserved capacity on each CQ (released on drop).
+    send_reserved: u64,
+    recv_reserved: u64,
+    /// The connection is established: sends may be posted, and waits may watch the link.
+    connected: bool,
+    /// A UD QP: its sends are datagrams, each naming an address handle.
+    datagrams: bool,
+    /// The peer left (or the device went away); the QP was moved to error.
+    peer_left: bool,
+    /// The caller moved the QP to the error state ([`QueuePair::set_error`]): nothing posted
+    /// from then on can run, and rxe never flushes a receive posted then (it would stay held,
+    /// and its wait time out), so posts are refused.
+    errored: bool,
+    /// This side disconnected (`rdma_disconnect` moved the QP to the error state): not an error
+    /// a wait that runs out should report.
+    closing: bool,
+    /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
+    busy_poll: bool,
+    /// Its teardown was handed to another value (see Drop): this one destroys nothing.
+    #[cfg(feature = "tokio")]
+    detached: bool,
+    /// This value is that other one: it tears down where it is dropped (the blocking pool is
+    /// inside the runtime too, so it must not hand the work on again).
+    #[cfg(feature = "tokio")]
+    inline_teardown: bool,
+    queues: Arc<Mutex<Queues>>,
+    /// Its place in the context's registry of async events (left before the QP is destroyed).
+    async_reg: crate::verbs::hub::Registration,
+    // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
+    // QP, which Drop::drop destroys first.
+    link: Option<Arc<dyn Link>>,
+    send_cq: Arc<CompletionQueue>,
+    recv_cq: Arc<CompletionQueue>,
+    srq: Option<SharedReceiveQueue>,
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: the QP is owned uniquely; posting and polling take &mut self; its queues are behind a
+// mutex shared only with its CQs' routing tables. The regions in the rings are Send + Sync
+// handles. Verbs on a QP may be called from any thread.
+unsafe impl Send for QueuePair {}
+
+impl QueuePair {
+    /// Creates an RC QP on `pd` with `init`'s capabilities. `create` makes the QP from the
+    /// prepared attributes (the connection manager's `rdma_create_qp`, under its lock), and
+    /// `link` is what the QP asks of its creator afterwards.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for empty queues, CQs or an SRQ of another device or PD, or
+    /// CQs too shallow for what they would serve; what `create` returns.
+    pub(crate) fn create(
+        pd: &Arc<ProtectionDomain>,
+        init: QpInit,
+        create: impl FnOnce(&mut ffi::ibv_qp_init_attr) -> Result<NonNull<ffi::ibv_qp>>,
+        link: Option<Arc<dyn Link>>,
+    ) -> Result<QueuePair> {
+        let on_srq = init.srq.is_some();
+        let recv_depth = if on_srq { 0 } else { init.max_recv_wr };
+        if init.max_send_wr == 0 || (!on_srq && init.max_recv_wr == 0) {
+            return Err(Error::InvalidArgument("QP needs at least one send and one receive work request".into()));
+        }
+        let ctx = pd.context();
+        let max_recv_sge = if on_srq { 0 } else { init.max_recv_sge };
+        check_sge_request(init.max_send_sge, "QpInit::max_send_sge")?;
+        if !on_srq {
+            check_sge_request(max_recv_sge, "QpInit::max_recv_sge")?;
+        }
+        // The device is asked only when a queue takes more than one piece. An RDMA READ may be
+        // limited to fewer pieces than other sends (`max_sge_rd`).
+        let mut max_read_sge = init.max_send_sge;
+        if init.max_send_sge > 1 || max_recv_sge > 1 {
+            let limits = ctx.limits()?;
+            let device = ctx.device_name();
+            check_sge_device(init.max_send_sge, "QpInit::max_send_sge", limits.max_sge, "max_sge", &device)?;
+            check_sge_device(max_recv_sge, "QpInit::max_recv_sge", limits.max_sge, "max_sge", &device)?;
+            if limits.max_sge_rd > 0 {
+                max_read_sge = max_read_sge.min(limits.max_sge_rd);
+            }
+        }
+        for cq in [&init.send_cq, &init.recv_cq].into_iter().flatten() {
+            if !cq.context().same_as(ctx) {
+                return Err(Error::InvalidArgument(format!(
+                    "the completion queue is on device {}, but the QP is on {}: a QP and its CQs must share a device context",
+                    cq.context().device_name(),
+                    ctx.device_name()
+                )));
+            }
+        }
+        if let Some(srq) = &init.srq {
+            if !Arc::ptr_eq(srq.pd(), pd) {
+                return Err(Error::InvalidArgument("the SRQ is on another protection domain than the QP".into()));
+            }
+        }
+        let send_cq = match init.send_cq {
+            Some(cq) => cq,
+            None => CompletionQueue::new(ctx, init.max_send_wr)?,
+        };
+        let recv_cq = match init.recv_cq {
+            Some(cq) => cq,
+            None => {
+                CompletionQueue::new(ctx, if on_srq { init.srq.as_ref().map_or(1, |s| s.depth()) } else { recv_depth })?
+            }
+        };
+        // Reserve room on the CQs (and register the SRQ) before creating anything.
+        let send_reserved = init.max_send_wr as u64;
+        let recv_reserved = recv_depth as u64;
+        send_cq.reserve(&mut send_cq.router(), send_reserved)?;
+        let undo_send = || send_cq.router().unreserve(send_reserved);
+        // The result first, so that the routing table's lock is released before `undo_send`
+        // takes it again (the send and receive CQ may be one).
+        let reserved = recv_cq.reserve(&mut recv_cq.router(), recv_reserved);
+        if let Err(e) = reserved {
+            undo_send();
+            return Err(e);
+        }
+        let undo = || {
+            undo_send();
+            recv_cq.router().unreserve(recv_reserved);
+        };
+        if let Some(srq) = &init.srq {
+            if let Err(e) = recv_cq.attach_srq(srq.shared()) {
+                undo();
+                return Err(e);
+            }
+        }
+        let undo = || {
+            undo();
+            if let Some(srq) = &init.srq {
+                recv_cq.detach_srq(srq.shared());
+            }
+        };
+        // SAFETY: ibv_qp_init_attr is plain old data; zero is a valid start.
+        let mut attr: ffi::ibv_qp_init_attr = unsafe { mem::zeroed() };
+        attr.send_cq = send_cq.as_raw();
+        attr.recv_cq = recv_cq.as_raw();
+        attr.srq = init.srq.as_ref().map_or(std::ptr::null_mut(), |s| s.as_raw());
+        attr.qp_type = if init.datagrams { ffi::ibv_qp_type::IBV_QPT_UD } else { ffi::ibv_qp_type::IBV_QPT_RC };
+        attr.sq_sig_all = 0;
+        attr.cap.max_send_wr = init.max_send_wr;
+        attr.cap.max_recv_wr = recv_depth;
+        attr.cap.max_send_sge = init.max_send_sge;
+        attr.cap.max_recv_sge = max_recv_sge;
+        attr.cap.max_inline_data = init.max_inline_data;
+        let raw = match create(&mut attr) {
+            Ok(raw) => raw,
+            Err(e) => {
+                undo();
+                return Err(e);
+            }
+        };
+        // SAFETY: raw is a valid QP; qp_num is immutable.
+        let qp_num = unsafe { (*raw.as_ptr()).qp_num };
+        let nonce = next_nonce();
+        // The QP takes what was asked, or less if the provider says so (it may allow more: the
+        // rings are sized for what was asked).
+        let max_send_sge = attr.cap.max_send_sge.clamp(1, init.max_send_sge);
+        let max_recv_sge = if on_srq { 0 } else { attr.cap.max_recv_sge.clamp(1, max_recv_sge) };
+        let max_read_sge = max_read_sge.min(max_send_sge);
+        let queues =
+            Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth, max_send_sge, max_recv_sge, init.datagrams)));
+        let send_index = send_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues));
+        let recv_index = if Arc::ptr_eq(&send_cq, &recv_cq) {
+            send_index.as_ref().map(|i| *i).map_err(|_| Error::InvalidArgument(String::new()))
+        } else {
+            recv_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues))
+        };
+        let (send_index, recv_index) = match (send_index, recv_index) {
+            (Ok(s), Ok(r)) => (s, r),
+            (s, _) => {
+                // The table is full: take the QP down again.
+                if let Ok(i) = s {
+                    send_cq.router().detach_qp(i);
+                }
+                let ret = match &link {
+                    Some(l) => l.destroy(raw.as_ptr()),
+                    // SAFETY: the QP was just created and nothing refers to it.
+                    None => unsafe { ffi::ibv_destroy_qp(raw.as_ptr()) },
+                };
+                if ret == 0 {
+                    undo();
+                }
+                return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
+            }
+        };
+        let async_reg =
+            crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
+        if let Some(l) = &link {
+            // COMM_EST is answered through the link (see crate::verbs::async_event).
+            async_reg.events().answer_with(Arc::downgrade(l));
+        }
+        Ok(QueuePair {
+            raw,
+            qp_num,
+            max_inline: attr.cap.max_inline_data,
+            max_send_sge,
+            max_recv_sge,
+            max_read_sge,
+            nonce,
+            send_slot: Slot { index: send_index },
+            recv_slot: Slot { index: recv_index },
+            send_reserved,
+            recv_reserved,
+            // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
+            connected: init.datagrams,
+            datagrams: init.datagrams,
+            peer_left: false,
+            errored: false,
+            closing: false,
+            busy_poll: false,
+            #[cfg(feature = "tokio")]
+            detached: false,
+            #[cfg(feature = "tokio")]
+            inline_teardown: false,
+            queues,
+            async_reg,
+            link,
+            send_cq,
+            recv_cq,
+            srq: init.srq,
+            pd: Arc::clone(pd),
+        })
+    }
+
+    /// The raw QP. It stays owned by `self`. Posting to it directly bypasses the slot table:
+    /// such work requests must use `wr_id`s with bit 62 clear (the crate's tag), which the
+    /// polls here recognise as foreign and discard, and the memory they name is the caller's
+    /// to keep alive (see the module docs).
+    pub fn as_raw(&self) -> *mut ffi::ibv_qp {
+        self.raw.as_ptr()
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    /// The PD.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    /// The send CQ.
+    pub fn send_cq(&self) -> &Arc<CompletionQueue> {
+        &self.send_cq
+    }
+
+    /// The receive CQ.
+    pub fn recv_cq(&self) -> &Arc<CompletionQueue> {
+        &self.recv_cq
+    }
+
+    /// The shared receive queue it takes receives from, if any.
+    pub fn srq(&self) -> Option<&SharedReceiveQueue> {
+        self.srq.as_ref()
+    }
+
+    /// The largest inline send the QP accepts.
+    pub fn max_inline_data(&self) -> u32 {
+        self.max_inline
+    }
+
+    /// The most pieces a send-queue work request may name ([`QpInit::max_send_sge`]).
+    pub fn max_send_sge(&self) -> u32 {
+        self.max_send_sge
+    }
+
+    /// The most pieces an RDMA READ may name: [`QueuePair::max_send_sge`], or less where the
+    /// device limits READs further (`max_sge_rd`).
+    pub fn max_read_sge(&self) -> u32 {
+        self.max_read_sge
+    }
+
+    /// The most pieces a receive may name ([`QpInit::max_recv_sge`]; 0 on an SRQ, whose own
+    /// limit applies).
+    pub fn max_recv_sge(&self) -> u32 {
+        self.max_recv_sge
+    }
+
+    fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
+        lock(&self.queues)
+    }
+
+    /// Send-queue work requests posted and not yet retired (including ones the provider refused
+    /// in a partly failed post, until the head passes them).
+    pub fn outstanding_sends(&self) -> usize {
+        self.queues().send.outstanding() as usize
+    }
+
+    /// Receive-queue work requests posted and not yet completed (0 on an SRQ: see
+    /// [`SharedReceiveQueue::outstanding`]).
+    pub fn outstanding_recvs(&self) -> usize {
+        self.queues().recv.outstanding() as usize
+    }
+
+    /// Completions reaped (by a wait that met them first, here or on another QP of a shared
+    /// CQ) and not yet returned; the next poll or wait returns them before anything new.
+    pub fn undelivered(&self) -> usize {
+        let q = self.queues();
+        q.send_kept.len() + q.recv_kept.len()
+    }
+
+    /// Lets the QP react to the peer leaving (or the device going away): move it to the error
+    /// state so every posted work request flushes instead of waiting forever. librdmacm does
+    /// not do this on the passive side of a disconnect.
+    pub(crate) fn peer_gone(&mut self) {
+        if self.peer_left {
+            return;
+        }
+        self.peer_left = true;
+        // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
+        // the fallback when the id is past that state.
+        let disconnected = self.link.as_ref().is_some_and(|l| l.disconnect().is_ok());
+        if !disconnected {
+            let _ = self.set_error_state();
+        }
+    }
+
+    /// This side disconnected: the QP is in the error state by the caller's wish.
+    pub(crate) fn set_closing(&mut self) {
+        self.closing = true;
+    }
+
+    pub(crate) fn set_connected(&mut self) {
+        self.connected = true;
+    }
+
+    /// Whether the peer disconnected (seen while waiting, or through the connection's events).
+    pub fn peer_left(&self) -> bool {
+        self.peer_left
+    }
+
+    /// What ends a wait once the device reported this QP, one of its CQs, or itself unusable
+    /// (delivered by whoever read the event; see [`crate::verbs::async_event`]).
+    fn async_error(&self) -> Option<Error> {
+        const OP: &str = "waiting for a completion";
+        self.async_reg.error(OP).or_else(|| self.send_cq.async_error(OP)).or_else(|| self.recv_cq.async_error(OP))
+    }
+
+    /// The last asynchronous event the device reported about this QP (e.g.
+    /// [`AsyncEventKind::QpFatal`](crate::AsyncEventKind::QpFatal)), after reading what is
+    /// pending. See [`crate::verbs::async_event`].
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn last_async_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.async_reg.refresh()?;
+        Ok(self.async_reg.events().last())
+    }
+
+    /// The event that made this QP unusable (a fatal QP event, or the device failing), after
+    /// reading what is pending. Once there is one, waits that find nothing to reap fail with
+    /// [`Error::AsyncEvent`] instead of sleeping; so they do when one of its CQs overran
+    /// ([`CompletionQueue::has_error`]).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_get_async_event` fails.
+    pub fn fatal_event(&self) -> Result<Option<crate::status::AsyncEventKind>> {
+        self.async_reg.refresh()?;
+        Ok(self.async_reg.fatal())
+    }
+
+    /// Moves the QP to the error state, which flushes every outstanding work request. From
+    /// then on posts are refused: nothing posted to a QP in the error state can run, and rxe
+    /// never flushes a receive posted then (it would stay held until the QP is dropped).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_modify_qp` fails.
+    pub fn set_error(&mut self) -> Result<()> {
+        self.set_error_state()?;
+        self.errored = true;
+        Ok(())
+    }
+
+    fn set_error_state(&self) -> Result<()> {
+        // SAFETY: ibv_qp_attr is plain old data; zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: QP valid; only the state is modified, as the mask says.
+        check_ibv(
+            unsafe { ffi::ibv_modify_qp(self.as_raw(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) },
+            "ibv_modify_qp(ERR)",
+        )
+    }
+
+    fn outstanding(&self) -> (u64, u64) {
+        let q = self.queues();
+        (q.send.outstanding(), q.recv.outstanding())
+    }
+
+    /// Flushes and reaps outstanding work for up to `timeout`; true when nothing is left.
+    fn drain(&mut self, timeout: Duration) -> bool {
+        let (s, r) = self.outstanding();
+        if s + r == 0 {
+            return true;
+        }
+        self.connected = false; // no link reads from here on: its events are not ours to take
+        if self.set_error_state().is_err() {
+            return false;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut wcs = [WorkCompletion::default(); POLL_CHUNK];
+        loop {
+            let (s, r) = self.outstanding();
+            if s + r == 0 {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            // Unsignaled sends that succeeded before the flush produce no completion; the
+            // flushed ones after them do. What remains is retired by the destroy below.
+            match self.wait(&mut wcs, left.min(Duration::from_millis(50))) {
+                Ok(0) if s > 0 && r == 0 => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+/// The refusal of a post to a QP the caller moved to the error state.
+fn in_error_state(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the QP is in the error state (QueuePair::set_error): nothing posted now can run, and a receive \
+         posted now is never flushed on rxe; create a new QP"
+    ))
+}
+
+/// The refusal of a post to a UD QP that a failed completion moved to the error state.
+fn failed_datagram(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the UD QP is in the error state after a completion failed (a datagram longer than the receive \
+         buffer does this: one peer can stop the QP): nothing posted now can run; create a new QP, and post \
+         receives of UdQp::recv_len() bytes, which any datagram fits"
+    ))
+}
+
+impl QueuePair {
+    /// On a tokio runtime thread, a QP with work in flight would block the runtime for up to
+    /// `DRAIN_TIMEOUT` while the flush is reaped: hand the whole teardown to the runtime's
+    /// blocking pool instead. Returns whether it did (then `self` destroys nothing).
+    #[cfg(feature = "tokio")]
+    fn detach_to_blocking_pool(&mut self) -> bool {
+        let (s, r) = self.outstanding();
+        if self.detached || self.inline_teardown || s + r == 0 {
+            return false;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return false };
+        let guts = QueuePair {
+            raw: self.raw,
+            qp_num: self.qp_num,
+            max_inline: self.max_inline,
+            max_send_sge: self.max_send_sge,
+            max_recv_sge: self.max_recv_sge,
+            max_read_sge: self.max_read_sge,
+            nonce: self.nonce,
+            send_slot: self.send_slot,
+            recv_slot: self.recv_slot,
+            send_reserved: self.send_reserved,
+            recv_reserved: self.recv_reserved,
+            connected: self.connected,
+            datagrams: self.datagrams,
+            peer_left: self.peer_left,
+            errored: self.errored,
+            closing: self.closing,
+            busy_poll: self.busy_poll,
+            detached: false,
+            inline_teardown: true,
+            queues: Arc::clone(&self.queues),
+            async_reg: self.async_reg.clone(),
+            link: self.link.clone(),
+            send_cq: Arc::clone(&self.send_cq),
+            recv_cq: Arc::clone(&self.recv_cq),
+            srq: self.srq.clone(),
+            pd: Arc::clone(&self.pd),
+        };
+        self.detached = true;
+        // If the runtime is shutting down and never runs the task, the closure (and the QP in
+        // it) is dropped wherever tokio drops it: the teardown then runs there. Either way the
+        // regions stay held until the QP is destroyed.
+        drop(rt.spawn_blocking(move || drop(guts)));
+        true
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        #[cfg(feature = "tokio")]
+        if self.detached || self.detach_to_blocking_pool() {
+            return;
+        }
+        self.drain(DRAIN_TIMEOUT);
+        // Out of the registry before the destroy (see crate::verbs::async_event).
+        self.async_reg.leave();
+        let ret = match &self.link {
+            Some(l) => l.destroy(self.raw.as_ptr()),
+            // SAFETY: the QP is destroyed exactly once, here; nothing else refers to it.
+            None => unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) },
+        };
+        if ret != 0 {
+            // The device may still access the slots' memory: leak it instead of freeing it,
+            // before anything else can fail or panic. The routing tables keep their entries
+            // (and so their handles of the slots) too.
+            mem::forget(Arc::clone(&self.queues));
+            crate::error::report_leak("ibv_destroy_qp", ret);
+            return;
+        }
+        // The QP is gone: its entries leave the routing tables, so completions of it still in
+        // a shared CQ retire nothing; its reservations are returned.
+        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
+        {
+            let mut r = self.send_cq.router();
+            r.detach_qp(self.send_slot.index);
+            r.unreserve(self.send_reserved);
+        }
+        {
+            let mut r = self.recv_cq.router();
+            if !same {
+                r.detach_qp(self.recv_slot.index);
+            }
+            r.unreserve(self.recv_reserved);
+        }
+        if let Some(srq) = &self.srq {
+            self.recv_cq.detach_srq(srq.shared());
+            // Receives this QP consumed and nobody polled, kept in the SRQ, can reach nobody
+            // now: they would hold the SRQ's room for good. (From here on the routing tables
+            // keep none for it: it is in none of them.)
+            srq.shared().slots().discard_for(self.qp_num);
+        }
+        // The rings (and the regions they hold) drop with the last handle of the queues.
+    }
+}
+
+impl fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (s, r) = self.outstanding();
+        f.debug_struct("QueuePair")
+            .field("qp_num", &self.qp_num)
+            .field("outstanding_sends", &s)
+            .field("outstanding_recvs", &r)
+            .field("srq", &self.srq.is_some())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_seed() {
+        let q = QpInit::default();
+        assert_eq!((q.max_send_wr, q.max_recv_wr), (16, 16));
+    }
+}
