@@ -566,22 +566,99 @@ pub(crate) fn with_recv_list<R>(
     post(base, n)
 }
 
-/// The first scatter entry of a send-queue work request: its inline data, its (first) piece,
-/// or nothing.
-#[inline(always)]
-pub(crate) fn first_sge(w: &SendWr<'_>) -> ffi::ibv_sge {
-    match (w.inline, &w.local) {
-        (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
-        (None, Some((m, range))) => m.sge(range),
-        (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+impl SendWr<'_> {
+    /// The scatter entries [`SendWr::lower`] writes: one for the first piece (or the inline
+    /// data, or nothing), one for each later piece.
+    #[inline(always)]
+    pub(crate) fn sge_entries(&self) -> usize {
+        1 + self.rest.len().min(MAX_SGE - 1)
     }
-}
 
-/// Whether a send-queue work request moves any bytes (a zero-length one gets no scatter entry:
-/// some providers read a byte count of 0 as 2 GiB).
-#[inline(always)]
-pub(crate) fn has_data(w: &SendWr<'_>) -> bool {
-    w.inline.is_some() || w.local.as_ref().is_some_and(|(_, r)| !r.is_empty())
+    /// Lowers this work request (checked, and staged in its slot as `wr_id`) to its raw form:
+    /// the one place that builds an `ibv_send_wr` (opcode, flags, remote address or datagram
+    /// destination, immediate data) and its scatter list. Writes the scatter entries at `sge`
+    /// and points the work request at them; `next` is NULL (the caller links lists).
+    ///
+    /// A zero-length work request gets no scatter entry (some providers read a byte count of 0
+    /// as 2 GiB); a list of several pieces has no empty piece (its constructors refuse them).
+    ///
+    /// # Safety
+    /// `sge` must be valid for writes of [`SendWr::sge_entries`] entries (at most
+    /// [`MAX_SGE`]), and stay so for as long as the returned work request is used.
+    #[inline(always)]
+    pub(crate) unsafe fn lower(
+        &self,
+        wr_id: u64,
+        signaled: bool,
+        ud: Option<&UdDest>,
+        sge: *mut ffi::ibv_sge,
+    ) -> ffi::ibv_send_wr {
+        let first = match (self.inline, &self.local) {
+            (Some(data), _) => ffi::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey: 0 },
+            (None, Some((m, range))) => m.sge(range),
+            (None, None) => ffi::ibv_sge { addr: 0, length: 0, lkey: 0 },
+        };
+        // SAFETY: the caller gives room for sge_entries() >= 1 entries.
+        unsafe { sge.write(first) };
+        let mut num_sge = 1;
+        for (m, r) in self.rest.iter().take(MAX_SGE - 1) {
+            // SAFETY: one entry per later piece, within the sge_entries() the caller gave room
+            // for.
+            unsafe { sge.add(num_sge).write(m.sge(r)) };
+            num_sge += 1;
+        }
+        if self.rest.is_empty() && self.inline.is_none() && self.local.as_ref().is_none_or(|(_, r)| r.is_empty()) {
+            num_sge = 0;
+        }
+        // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those); all-zero
+        // is a valid value.
+        let mut r: ffi::ibv_send_wr = unsafe { mem::zeroed() };
+        r.wr_id = wr_id;
+        r.sg_list = sge;
+        r.num_sge = num_sge as i32;
+        use ffi::ibv_wr_opcode::*;
+        r.opcode = match (self.op, self.imm.is_some()) {
+            (SendOp::Send, false) => IBV_WR_SEND,
+            (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
+            (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
+            (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
+            (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
+            (SendOp::FetchAdd { .. }, _) => IBV_WR_ATOMIC_FETCH_AND_ADD,
+            (SendOp::CompareSwap { .. }, _) => IBV_WR_ATOMIC_CMP_AND_SWP,
+        };
+        if let Some(imm) = self.imm {
+            r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        match self.op {
+            SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } => {
+                r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
+            }
+            SendOp::FetchAdd { addr, rkey, add } => {
+                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: add, swap: 0, rkey };
+            }
+            SendOp::CompareSwap { addr, rkey, compare, swap } => {
+                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
+            }
+            SendOp::Send => {
+                if let Some(d) = ud {
+                    r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };
+                }
+            }
+        }
+        use ffi::ibv_send_flags as f;
+        let mut flags = 0;
+        if signaled {
+            flags |= f::IBV_SEND_SIGNALED.0;
+        }
+        if self.solicited {
+            flags |= f::IBV_SEND_SOLICITED.0;
+        }
+        if self.inline.is_some() {
+            flags |= f::IBV_SEND_INLINE.0;
+        }
+        r.send_flags = flags;
+        r
+    }
 }
 
 #[cfg(test)]

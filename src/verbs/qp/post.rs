@@ -1,16 +1,14 @@
 //! Posting: a send or receive is checked, staged in its slot, lowered to `ibv_*_wr` and posted.
 
-use std::mem;
 use std::mem::MaybeUninit;
 
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Error, Result};
-use crate::verbs::ah::UdDest;
 use crate::verbs::ring::{tag, Hold, Queues};
 use crate::verbs::wr::{
-    check_local, check_pieces, check_recv, check_rest, first_sge, has_data, hold_rest, needs_rest_holds, rejected_from,
-    with_recv_list, AsSendWr, RecvWr, SendOp, SendWr, CHUNK, CHUNK_SGE, MAX_SGE,
+    check_local, check_pieces, check_recv, check_rest, hold_rest, needs_rest_holds, rejected_from, with_recv_list,
+    AsSendWr, RecvWr, SendOp, SendWr, CHUNK, CHUNK_SGE, MAX_SGE,
 };
 use crate::wait::lock;
 
@@ -86,8 +84,7 @@ impl QueuePair {
             return Err(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 });
         }
         if let [w] = wrs {
-            let w = w.send_wr();
-            return if w.rest.is_empty() { self.post_send_one(&mut q, w) } else { self.post_send_gather(&mut q, w) };
+            return self.post_send_single(&mut q, w.send_wr());
         }
         for chunk in wrs.chunks(CHUNK) {
             self.post_send_chunk(&mut q, chunk)?;
@@ -95,33 +92,12 @@ impl QueuePair {
         Ok(())
     }
 
-    /// `post_send_chunk` for one work request of at most one piece (the common
-    /// case): the same work request, built on the stack without the list's arrays and loops.
+    /// `post_send_chunk` for one work request (the common case): staged, lowered and posted
+    /// on the stack without the list's arrays and loops; the ring's side table is touched only
+    /// when a later piece names another region.
     #[inline]
-    fn post_send_one(&self, q: &mut Queues, w: &SendWr<'_>) -> Result<()> {
+    fn post_send_single(&self, q: &mut Queues, w: &SendWr<'_>) -> Result<()> {
         // Taking the last free slot makes it signaled (see post_send_chunk).
-        let signaled = w.signaled || q.send.free() == 1;
-        let hold = w.local.as_ref().map(|(m, _)| Hold::new(m.inner(), w.op.writes_local()));
-        let seq = q.send.stage(0, w.wr_id, hold);
-        // A datagram's address handle is held like the region (see post_send_chunk).
-        let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
-        let mut sge = first_sge(w);
-        let mut wr = self.send_wr(w, seq, signaled, ud);
-        wr.sg_list = &mut sge;
-        wr.num_sge = has_data(w) as i32;
-        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // The piece was checked against a region on this PD, whose handle the slot staged above
-        // now holds until the completion is reaped; inline data is copied in the call.
-        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge`, both alive for
-        // the call; the region it names is held (above).
-        let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
-        self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
-    }
-
-    /// `post_send_chunk` for one work request of several pieces: its scatter list on the stack
-    /// (at most [`MAX_SGE`] entries, the count checked above), without the list's arrays and
-    /// loops, and the side table touched only when a later piece names another region.
-    fn post_send_gather(&self, q: &mut Queues, w: &SendWr<'_>) -> Result<()> {
         let signaled = w.signaled || q.send.free() == 1;
         let writes = w.op.writes_local();
         let first = w.local.as_ref().map(|(m, _)| m.inner());
@@ -129,77 +105,21 @@ impl QueuePair {
         if needs_rest_holds(first, w.rest) {
             q.send.stage_rest(seq, hold_rest(first, w.rest, writes));
         }
+        // A datagram's address handle is held like the region (see post_send_chunk).
         let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
-        let mut sge = [first_sge(w); MAX_SGE];
-        let mut n = 1;
-        for (m, r) in w.rest.iter().take(MAX_SGE - 1) {
-            sge[n] = m.sge(r);
-            n += 1;
-        }
-        let mut wr = self.send_wr(w, seq, signaled, ud);
-        // A list of several pieces has no empty piece (the constructors refuse them).
-        wr.sg_list = sge.as_mut_ptr();
-        wr.num_sge = n as i32;
+        let mut sge = [const { MaybeUninit::<ffi::ibv_sge>::uninit() }; MAX_SGE];
+        let tag = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+        // SAFETY: `sge` has room for MAX_SGE entries, the most a checked work request has, and
+        // lives until the post below returns.
+        let mut wr = unsafe { w.lower(tag, signaled, ud, sge.as_mut_ptr().cast()) };
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // Every piece was checked against a region on this PD (check_send_pieces), and the slot
-        // staged above (with its side table) holds each region named until the completion.
-        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge[..n]`, both alive
-        // for the call; every region it names is held (above), and so is a datagram's address
-        // handle.
+        // Every piece was checked against a region on this PD (post_sends), and the slot staged
+        // above (with its side table) holds each region named until the completion is reaped;
+        // inline data is copied in the call; a datagram's address handle is held likewise.
+        // SAFETY: QP valid; `wr` is one NULL-terminated work request over `sge`, both alive for
+        // the call; every region and address handle it names is held (above).
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
         self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
-    }
-
-    /// A send-queue work request's fields for `w` staged as `seq`, but its scatter list
-    /// (`sg_list`, `num_sge`) and `next`, which the caller sets.
-    #[inline(always)]
-    fn send_wr(&self, w: &SendWr<'_>, seq: u64, signaled: bool, ud: Option<&UdDest>) -> ffi::ibv_send_wr {
-        // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions of those); all-zero
-        // is a valid value.
-        let mut r: ffi::ibv_send_wr = unsafe { mem::zeroed() };
-        r.wr_id = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
-        use ffi::ibv_wr_opcode::*;
-        r.opcode = match (w.op, w.imm.is_some()) {
-            (SendOp::Send, false) => IBV_WR_SEND,
-            (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
-            (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
-            (SendOp::Write { .. }, true) => IBV_WR_RDMA_WRITE_WITH_IMM,
-            (SendOp::Read { .. }, _) => IBV_WR_RDMA_READ,
-            (SendOp::FetchAdd { .. }, _) => IBV_WR_ATOMIC_FETCH_AND_ADD,
-            (SendOp::CompareSwap { .. }, _) => IBV_WR_ATOMIC_CMP_AND_SWP,
-        };
-        if let Some(imm) = w.imm {
-            r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-        }
-        match w.op {
-            SendOp::Write { addr, rkey } | SendOp::Read { addr, rkey } => {
-                r.wr.rdma = ffi::rdma_t { remote_addr: addr, rkey };
-            }
-            SendOp::FetchAdd { addr, rkey, add } => {
-                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: add, swap: 0, rkey };
-            }
-            SendOp::CompareSwap { addr, rkey, compare, swap } => {
-                r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
-            }
-            SendOp::Send => {
-                if let Some(d) = ud {
-                    r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };
-                }
-            }
-        }
-        use ffi::ibv_send_flags as f;
-        let mut flags = 0;
-        if signaled {
-            flags |= f::IBV_SEND_SIGNALED.0;
-        }
-        if w.solicited {
-            flags |= f::IBV_SEND_SOLICITED.0;
-        }
-        if w.inline.is_some() {
-            flags |= f::IBV_SEND_INLINE.0;
-        }
-        r.send_flags = flags;
-        r
     }
 
     /// Checks a send-queue work request of several pieces: their count against the QP's
@@ -241,27 +161,15 @@ impl QueuePair {
             // A datagram's address handle is held in the ring's table until the slot retires
             // (the check above made sure this is a UD QP, whose send ring has the table).
             let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
-            let first = first_sge(w);
-            let start = used;
-            // SAFETY: at most MAX_SGE entries per work request (the first, and at most
-            // MAX_SGE - 1 more below) and at most CHUNK work requests: `used` < CHUNK_SGE.
-            unsafe { sge_base.add(used).write(first) };
-            used += 1;
-            for (m, r) in w.rest.iter().take(MAX_SGE - 1) {
-                // SAFETY: as above.
-                unsafe { sge_base.add(used).write(m.sge(r)) };
-                used += 1;
-            }
-            // SAFETY: k < n <= CHUNK: within `raw`. The entry is initialised in place, and
-            // reached only through `base`.
+            let tag = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+            // SAFETY: k < n <= CHUNK: within `raw`. At most MAX_SGE entries per work request
+            // and CHUNK work requests, so `used` + sge_entries() <= CHUNK_SGE: within `sge`. Both
+            // are initialised in place, and reached only through `base` and `sge_base`.
             let r = unsafe {
-                base.add(k).write(self.send_wr(w, seq, w.signaled || free == k as u64 + 1, ud));
+                base.add(k).write(w.lower(tag, w.signaled || free == k as u64 + 1, ud, sge_base.add(used)));
                 &mut *base.add(k)
             };
-            // A list of several pieces has no empty piece (the constructors refuse them).
-            r.num_sge = if w.rest.is_empty() { has_data(w) as i32 } else { (used - start) as i32 };
-            // SAFETY: start < CHUNK_SGE (see above).
-            r.sg_list = unsafe { sge_base.add(start) };
+            used += w.sge_entries();
             // SAFETY: k + 1 < n <= CHUNK, so the pointer stays within `raw`.
             r.next = if k + 1 < n { unsafe { base.add(k + 1) } } else { std::ptr::null_mut() };
         }
