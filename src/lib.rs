@@ -73,6 +73,34 @@
 //! for the peer's answer to the disconnect, as rdma-core's `cmtime` does;
 //! [`Connection::disconnect`] is `shutdown` and [`Disconnecting::wait`].
 //!
+//! ## Architecture: two wings
+//!
+//! The crate is two wings on a small common floor, and every import points down:
+//!
+//! ```text
+//!  lib.rs   ready.rs (Readiness: one poll over both wings)
+//!  ─────────────────────────────────────────────────────────────────────────────────────────
+//!  cm/      librdmacm, on top of the verbs:
+//!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
+//!           ud_cm, multicast      user_qp   conn_param   expect   step   private_data
+//!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
+//!  ─────────────────────────────────────────────────────────────────────────────────────────
+//!  verbs/   libibverbs alone (imports nothing from cm/):
+//!           ud ──► qp/ (mod: create, state, drop; post; wait) ──► srq, cq ──► router ──► ring
+//!           qp_attr   wr (checks, the one lowering of a work request) ──► ah (UdDest), mr
+//!           async_event ──► device ──► hub (event registry and log) ──► link (what drives a QP)
+//!           pd, port, diagnostics, wc (WorkCompletion)
+//!  ─────────────────────────────────────────────────────────────────────────────────────────
+//!  error.rs (Error, report_leak)   wait.rs (bounded fd waits, tokio reactor, lock)
+//!  status.rs (leaf values: WcStatus, WcOpcode, WorkQueue, QpState, CmEventType, AsyncEventKind)
+//! ```
+//!
+//! The one circle is `cm_id ↔ event_channel`. The verbs wing is usable without the connection
+//! manager: a [`QueuePair`] is made and driven on it, and the CM's wing drives one through the
+//! `Link` trait (`verbs/link.rs`) it implements. Every type is re-exported at the crate root, which is
+//! the path to use; the modules' paths from before the wings (`rdma_cm::qp`,
+//! `rdma_cm::connection`, …) still work.
+//!
 //! ## Ownership and cleanup
 //!
 //! Children hold an `Arc` of what they depend on:
@@ -389,11 +417,32 @@ pub mod status;
 pub mod verbs;
 mod wait;
 
-// The modules' paths before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep working.
+// The modules' paths from before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep
+// working; the crate-root re-exports below are the paths to use.
 #[doc(hidden)]
-pub use cm::{addrinfo, cm_id, connection, event_channel, multicast, private_data, step, ud_cm, user_qp};
+pub use cm::{addrinfo, cm_id, event_channel, multicast, private_data, step, ud_cm, user_qp};
 #[doc(hidden)]
-pub use verbs::{ah, async_event, cq, device, diagnostics, mr, pd, port, qp, srq, ud, wr};
+pub use verbs::{ah, async_event, cq, diagnostics, mr, pd, port, qp, srq, ud, wr};
+/// `rdma_cm::connection` from before the two wings: the typestates, `ConnParam` and the
+/// connection (now `cm::client`, `cm::server`, `cm::conn_param`, `cm::connection`).
+#[doc(hidden)]
+pub mod connection {
+    pub use crate::cm::client::*;
+    pub use crate::cm::conn_param::*;
+    pub use crate::cm::connection::*;
+    pub use crate::cm::server::*;
+}
+/// `rdma_cm::closing` from before the two wings (now in `cm::connection`).
+#[doc(hidden)]
+pub mod closing {
+    pub use crate::cm::connection::Disconnecting;
+}
+/// `rdma_cm::device` from before the two wings, with the `AsyncEvents` it re-exported.
+#[doc(hidden)]
+pub mod device {
+    pub use crate::verbs::async_event::AsyncEvents;
+    pub use crate::verbs::device::*;
+}
 
 pub use rdma_sys as ffi;
 
@@ -426,6 +475,28 @@ pub use verbs::srq::SharedReceiveQueue;
 pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use verbs::wr::{RecvWr, SendWr, MAX_SGE};
 pub use wait::FOREVER;
+
+#[cfg(test)]
+mod tests {
+    use std::any::TypeId;
+
+    /// The modules' paths from before the two wings name the same items as the crate root.
+    #[test]
+    fn module_paths_from_before_the_wings_still_work() {
+        assert_eq!(TypeId::of::<crate::connection::Client>(), TypeId::of::<crate::Client>());
+        assert_eq!(TypeId::of::<crate::connection::ServerQp>(), TypeId::of::<crate::ServerQp>());
+        assert_eq!(TypeId::of::<crate::connection::ConnParam>(), TypeId::of::<crate::ConnParam>());
+        assert_eq!(TypeId::of::<crate::connection::Connection>(), TypeId::of::<crate::Connection>());
+        assert_eq!(TypeId::of::<crate::closing::Disconnecting>(), TypeId::of::<crate::Disconnecting>());
+        assert_eq!(TypeId::of::<crate::device::AsyncEvents>(), TypeId::of::<crate::AsyncEvents>());
+        assert_eq!(TypeId::of::<crate::device::VerbsContext>(), TypeId::of::<crate::VerbsContext>());
+        assert_eq!(TypeId::of::<crate::qp::QueuePair>(), TypeId::of::<crate::QueuePair>());
+        assert_eq!(TypeId::of::<crate::cq::WorkCompletion>(), TypeId::of::<crate::WorkCompletion>());
+        assert_eq!(TypeId::of::<crate::ud::UdDest>(), TypeId::of::<crate::UdDest>());
+        assert_eq!(crate::connection::MAX_CONNECT_PRIVATE_DATA, 56);
+        assert_eq!(crate::connection::MAX_ACCEPT_PRIVATE_DATA, 196);
+    }
+}
 
 /// Compiles the README's Rust example as a doctest, so the front page cannot rot.
 #[cfg(doctest)]
