@@ -3,7 +3,7 @@
 //! ```text
 //! cargo install cargo-fuzz && cargo +nightly fuzz run qp_info     # from the crate's root
 //! ```
-//! The normal test suite runs a bounded version of this (src/private_data.rs).
+//! The normal test suite runs a bounded version of this (src/cm/private_data.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

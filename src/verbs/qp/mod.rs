@@ -198,12 +198,13 @@ struct Slot {
 /// An owned RC queue pair.
 ///
 /// Only the connection typestates create one, each consuming the state that owns the id, so an
-/// id has at most one QP; there is no constructor that takes a shared id:
+/// id has at most one QP (pinned to its error, E0382, by `tests/ui/two_qps_on_one_id.rs`):
 ///
-/// ```compile_fail
-/// # fn f(id: &std::sync::Arc<rdma_cm::CmId>, pd: &std::sync::Arc<rdma_cm::ProtectionDomain>) {
-/// let qp = rdma_cm::QueuePair::new(id, pd, rdma_cm::QpInit::new());
-/// # }
+/// ```compile_fail,E0382
+/// # fn f(route: rdma_cm::RouteResolved, pd: std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {
+/// let a = route.create_qp(&pd, rdma_cm::QpInit::new())?;
+/// let b = route.create_qp(&pd, rdma_cm::QpInit::new())?; // `route` was moved
+/// # Ok(()) }
 /// ```
 pub struct QueuePair {
     raw: NonNull<ffi::ibv_qp>,
