@@ -1,40 +1,20 @@
-//! Round-4 review: an outside-style attack, in safe code only, on the data path that came with
-//! UD (`ud`, `ud_cm`, `ah`), multicast and asynchronous events. Each attempt is a device test
-//! that asserts the safe outcome: a clear error with nothing held, or a region that stays out
-//! of reach until its completion is reaped, or an object that is not told about another's
-//! event.
+//! Unreliable datagrams: address handles and regions held until the completion, datagrams parsed and refused safely.
 
-mod common;
-
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use common::ud::{ud_pair, UdPair};
-use common::{pattern, DeviceTest, T};
+use crate::common::ud::{ud_pair, UdPair};
+use crate::common::{pattern, require, Cap, DeviceTest, T};
 use rdma_cm::{
-    AccessFlags, AddressHandle, AsyncElement, AsyncEvent, AsyncEvents, Datagram, Error, Grh, JoinKind, McastClient,
-    McastEndpoint, MemoryRegion, ProtectionDomain, QpInit, RecvWr, SharedReceiveQueue, UdClient, UdDest, UdSendWr,
-    UdServer, VerbsContext, WorkCompletion, WorkQueue, GRH_LEN,
+    AccessFlags, AddressHandle, Datagram, Error, Grh, MemoryRegion, ProtectionDomain, QpInit, RecvWr, UdDest, UdSendWr,
+    VerbsContext, WorkCompletion, WorkQueue, GRH_LEN,
 };
+use std::sync::Arc;
 
-/// Reads `events` (bounded by `within`) until one satisfies `want`.
-fn wait_event(events: &mut AsyncEvents, within: Duration, want: impl Fn(&AsyncEvent) -> bool) -> AsyncEvent {
-    let deadline = Instant::now() + within;
-    let mut others = vec![];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match events.next(left) {
-            Ok(ev) if want(&ev) => return ev,
-            Ok(ev) => others.push(ev),
-            Err(e) => panic!("the expected event did not come within {within:?} ({e}); others seen: {others:?}"),
-        }
-    }
-}
+use crate::support::LW;
 
 /// A second receive still posted on the same region keeps `Datagram::parse` (and the region's
 /// bytes) out of reach even once the first receive's completion is reaped: the device may
 /// still write the other range.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn parse_refuses_a_region_another_posted_receive_still_uses() {
     let t = DeviceTest::start();
@@ -68,6 +48,8 @@ fn parse_refuses_a_region_another_posted_receive_still_uses() {
 /// A peer's datagram larger than the receive buffer: the completion is an error (or the
 /// message is cut to the buffer), `Datagram::parse` never names bytes past the buffer, and the
 /// neighbouring chunk of the same registration is untouched.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
     let t = DeviceTest::start();
@@ -110,6 +92,8 @@ fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
 /// A datagram over the MTU, a receive without room for the GRH, and a batch whose second send
 /// names an address handle of another PD: each refused before posting, with nothing held
 /// (regions and handles back to one owner, no outstanding work).
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn refused_ud_posts_hold_nothing() {
     let t = DeviceTest::start();
@@ -147,6 +131,8 @@ fn refused_ud_posts_hold_nothing() {
 
 /// An address handle made on a PD of a context the caller opened itself (not librdmacm's):
 /// refused by the UD QP, never handed to the provider.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn an_address_handle_of_another_context_is_refused() {
     let t = DeviceTest::start();
@@ -166,6 +152,8 @@ fn an_address_handle_of_another_context_is_refused() {
 /// Sends to a QP number nobody has, and with a QKey the receiver does not accept: UD loses them
 /// (no hang, no error), and each send's address handle is released once its completion is
 /// reaped. A zero-byte datagram is all GRH: its payload is empty and in bounds.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn sends_to_nowhere_complete_and_release_their_handles_and_an_empty_datagram_parses() {
     let t = DeviceTest::start();
@@ -204,6 +192,8 @@ fn sends_to_nowhere_complete_and_release_their_handles_and_an_empty_datagram_par
 /// hands it up) fed to the reply helpers: random bytes, IPv4 headers naming the unspecified,
 /// broadcast, multicast and loopback addresses as the sender. Never a panic; either a clear
 /// error naming the verb, or a handle for exactly the address the header claims.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn forged_grh_gives_an_error_or_the_claimed_address_never_a_panic() {
     let t = DeviceTest::start();
@@ -245,263 +235,6 @@ fn forged_grh_gives_an_error_or_the_claimed_address_never_a_panic() {
     t.finish();
 }
 
-/// A panic right after posting (the endpoint unwinds with a receive and a send posted): the
-/// QP's drop reaps or outlives them, and afterwards both regions are back with one owner and
-/// readable; nothing is leaked on the device.
-#[test]
-fn a_panic_with_work_posted_leaves_the_regions_whole() {
-    let t = DeviceTest::start();
-    let UdPair { client, to_server, server, to_client } = ud_pair(t.addr, 7407, QpInit::new());
-    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut sbuf = MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();
-    sbuf.as_mut_slice().unwrap().fill(3);
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let (mut client, mut server) = (client, server);
-        server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64).wr_id(1)]).unwrap();
-        client.qp_mut().post_send(&[UdSendWr::send(&to_server, &sbuf, 0..64).wr_id(2)]).unwrap();
-        assert_eq!(rbuf.outstanding(), 1);
-        panic!("a caller's bug, mid-flight");
-    }));
-    assert!(r.is_err());
-    assert_eq!(rbuf.outstanding(), 0, "the receive's slot went with the QP");
-    assert_eq!(sbuf.outstanding(), 0);
-    assert!(rbuf.as_slice().is_ok() && rbuf.as_mut_slice().is_ok());
-    assert!(sbuf.as_slice().unwrap().iter().all(|&b| b == 3));
-    drop((to_server, to_client, rbuf, sbuf));
-    t.finish();
-}
-
-/// Posting on a UD QP the caller moved to the error state. Measured on rxe before the fix: a
-/// send posted then is flushed, but a receive posted then is never flushed: it stayed held
-/// (region unreadable), its wait ran to the timeout, and the QP's drop waited out its drain
-/// bound. Now both are refused with nothing held; work posted before `set_error` still flushes
-/// and is released when reaped.
-#[test]
-fn posts_after_set_error_are_refused_with_nothing_held() {
-    let t = DeviceTest::start();
-    let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7408, QpInit::new());
-    let mut before = MemoryRegion::new(server.qp().pd(), GRH_LEN + 8, AccessFlags::LOCAL_WRITE).unwrap();
-    server.qp_mut().post_recv(&[RecvWr::new(&before, 0..GRH_LEN + 8).wr_id(1)]).unwrap();
-    client.qp_mut().set_error().unwrap();
-    server.qp_mut().set_error().unwrap();
-    let flushed = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap_err();
-    assert!(matches!(flushed, Error::WorkCompletion { wr_id: 1, .. }), "{flushed}");
-    assert!(before.as_slice().is_ok(), "the flushed receive's region is back");
-    let ah = AddressHandle::new(client.qp().pd(), to_server.ah().attr()).unwrap();
-    let weak = Arc::downgrade(&ah);
-    let dest = UdDest::new(ah, to_server.qpn(), to_server.qkey());
-    let sbuf = MemoryRegion::new(client.qp().pd(), 32, AccessFlags::LOCAL_WRITE).unwrap();
-    let e = client.qp_mut().post_send(&[UdSendWr::send(&dest, &sbuf, 0..32).wr_id(2)]).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("error state"), "{e}");
-    assert!(sbuf.outstanding() == 0 && client.qp().outstanding_sends() == 0);
-    drop(dest);
-    assert!(weak.upgrade().is_none());
-    let rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 8, AccessFlags::LOCAL_WRITE).unwrap();
-    let e = server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 8).wr_id(3)]).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("ibv_post_recv"), "{e}");
-    assert!(rbuf.outstanding() == 0 && server.qp().outstanding_recvs() == 0);
-    drop((client, server, to_server, to_client, sbuf, rbuf, before));
-    t.finish();
-}
-
-/// A UD server QP that takes its receives from an SRQ, and the regions posted there.
-struct SrqServer {
-    ep: rdma_cm::UdEndpoint,
-    srq: SharedReceiveQueue,
-    chunks: Vec<MemoryRegion>,
-    ctx: VerbsContext,
-}
-
-/// A UD client connected to a UD server whose QP draws on an SRQ of `n` receives of `slot`
-/// bytes each (all posted, and the limit armed when given, before the accept).
-fn ud_srq_pair(
-    addr: std::net::IpAddr,
-    port: u16,
-    n: usize,
-    slot: usize,
-    limit: Option<u32>,
-) -> (rdma_cm::UdEndpoint, UdDest, SrqServer) {
-    let l = UdServer::new().unwrap().listen(SocketAddr::new(addr, port), 4).unwrap();
-    let client = std::thread::spawn(move || {
-        let route = UdClient::new()
-            .unwrap()
-            .resolve_addr(None, SocketAddr::new(addr, port), T)
-            .unwrap()
-            .resolve_route(T)
-            .unwrap();
-        let pd = route.alloc_pd().unwrap();
-        let mut ep = route.create_qp(&pd, QpInit::new()).unwrap();
-        let dest = ep.connect(&[], T).unwrap();
-        (ep, dest)
-    });
-    let req = l.get_request(T).unwrap();
-    let ctx = req.context().unwrap();
-    let pd = req.alloc_pd().unwrap();
-    let chunks = MemoryRegion::new(&pd, n * slot, AccessFlags::LOCAL_WRITE).unwrap().split(slot).unwrap();
-    let srq = SharedReceiveQueue::new(&pd, n as u32).unwrap();
-    let recvs: Vec<RecvWr> =
-        chunks.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..slot).wr_id(100 + i as u64)).collect();
-    srq.post_recv(&recvs).unwrap();
-    drop(recvs);
-    if let Some(k) = limit {
-        srq.arm_limit(k).unwrap();
-    }
-    let sq = req.create_qp(&pd, QpInit::new().srq(&srq)).unwrap();
-    let ep = sq.accept(&[]).unwrap();
-    let (cep, dest) = client.join().unwrap();
-    drop(l);
-    (cep, dest, SrqServer { ep, srq, chunks, ctx })
-}
-
-/// A UD QP on an SRQ: posting receives to the QP itself is refused; a datagram lands in an SRQ
-/// chunk, which `Datagram::parse` reads only once its completion is reaped, while the chunks
-/// still posted stay unreadable; the SRQ's limit event reaches the SRQ and every source (two
-/// of them, each its own copy); and an SRQ made after the first is gone (possibly at the same
-/// address) is not told about the old one's event.
-#[test]
-fn ud_on_an_srq_two_sources_and_a_reused_address() {
-    let t = DeviceTest::start();
-    let slot = GRH_LEN + 64;
-    let (mut client, to_server, mut s) = ud_srq_pair(t.addr, 7409, 4, slot, Some(2));
-    let mut a = s.ctx.async_events().unwrap();
-    let mut b = s.ctx.async_events().unwrap();
-    let spare = MemoryRegion::new(client.qp().pd(), slot, AccessFlags::LOCAL_WRITE).unwrap();
-    drop(spare);
-    let r = MemoryRegion::new(s.srq.pd(), slot, AccessFlags::LOCAL_WRITE).unwrap();
-    let e = s.ep.qp_mut().post_recv(&[RecvWr::new(&r, 0..slot)]).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
-    assert_eq!(r.outstanding(), 0);
-    for i in 0..3u8 {
-        client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &[i; 64]).wr_id(i as u64)]).unwrap();
-        client.qp_mut().wait_for(WorkQueue::Send, i as u64, T).unwrap();
-    }
-    let mut got = vec![];
-    while got.len() < 3 {
-        let mut wcs = [WorkCompletion::default(); 4];
-        let n = s.ep.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T).unwrap();
-        assert!(n > 0, "only {} of 3 datagrams arrived", got.len());
-        got.extend_from_slice(&wcs[..n]);
-    }
-    let mut seen = [false; 4];
-    for wc in &got {
-        let k = (wc.wr_id() - 100) as usize;
-        seen[k] = true;
-        let d = Datagram::parse(wc, &mut s.chunks[k], 0).unwrap();
-        let v = s.chunks[k].as_slice().unwrap()[d.payload()].to_vec();
-        assert!(v.len() == 64 && v.iter().all(|&x| x == v[0]) && v[0] < 3, "{v:?}");
-    }
-    let posted = seen.iter().position(|&x| !x).unwrap();
-    assert!(matches!(Datagram::parse(&got[0], &mut s.chunks[posted], 0), Err(Error::InFlight { .. })));
-    assert!(matches!(s.chunks[posted].as_slice(), Err(Error::InFlight { .. })));
-    // The limit event: both sources get it; the SRQ is marked.
-    let old_raw = s.srq.as_raw() as usize;
-    let ea = wait_event(&mut a, T, |e| e.is_srq_limit());
-    let eb = wait_event(&mut b, T, |e| e.is_srq_limit());
-    assert_eq!(ea, eb);
-    assert_eq!(ea.element, AsyncElement::Srq(old_raw));
-    assert!(s.srq.limit_reached().unwrap());
-    // Tear the server down, then make a fresh SRQ on a fresh PD of the same context.
-    let SrqServer { ep, srq, chunks, ctx } = s;
-    drop(ep);
-    drop(srq);
-    assert!(chunks.iter().all(|c| c.outstanding() == 0), "the SRQ's receives went with it");
-    drop(chunks);
-    let pd2 = ProtectionDomain::new(&ctx).unwrap();
-    let fresh: Vec<SharedReceiveQueue> = (0..4).map(|_| SharedReceiveQueue::new(&pd2, 4).unwrap()).collect();
-    let reused = fresh.iter().any(|q| q.as_raw() as usize == old_raw);
-    eprintln!("measured: a fresh SRQ reused the old one's address: {reused}");
-    for q in &fresh {
-        assert!(!q.limit_reached().unwrap(), "a new SRQ was told about the old one's limit event");
-        assert_eq!(q.last_async_event().unwrap(), None);
-    }
-    drop((fresh, pd2, a, b, ctx, client, to_server, r));
-    t.finish();
-}
-
-/// A multicast endpoint bound to the device, loopback on.
-fn mcast_endpoint(src: std::net::IpAddr, g: std::net::IpAddr) -> McastEndpoint {
-    let r = McastClient::new().unwrap().resolve(Some(src), g, T).unwrap();
-    let pd = r.alloc_pd().unwrap();
-    r.create_qp(&pd, QpInit::new().max_send_wr(8).max_recv_wr(8)).unwrap()
-}
-
-/// A send to the group after leaving it, through a clone of the membership's destination: the
-/// handle lives in the send's slot until its completion, the send completes, and nothing is
-/// left behind. The clone is refused by another endpoint (another PD).
-#[test]
-fn a_multicast_send_after_leave_and_on_another_endpoint() {
-    let t = DeviceTest::start();
-    let g: std::net::IpAddr = "239.1.4.1".parse().unwrap();
-    let mut ep = mcast_endpoint(t.addr, g);
-    let mut other = mcast_endpoint(t.addr, g);
-    let m = ep.join(JoinKind::FullMember, T).unwrap();
-    let dest = m.dest().clone();
-    m.leave().unwrap();
-    let weak = Arc::downgrade(dest.ah());
-    ep.qp_mut().post_send(&[UdSendWr::send_inline(&dest, b"after leave").wr_id(1)]).unwrap();
-    let e = other.qp_mut().post_send(&[UdSendWr::send_inline(&dest, b"x").wr_id(2)]).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
-    assert_eq!(other.qp().outstanding_sends(), 0);
-    drop(dest);
-    assert!(weak.upgrade().is_some(), "the posted send holds the group's handle");
-    assert!(ep.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap().is_ok());
-    assert!(weak.upgrade().is_none());
-    drop((ep, other));
-    t.finish();
-}
-
-/// Every drop order of endpoint and membership, a membership forgotten (its leave never runs),
-/// and the same group joined twice on one endpoint: the QP is always destroyed when the
-/// endpoint goes (the kernel refuses while it is attached: that would leak it), nothing hangs,
-/// and a fresh member receives through the group afterwards.
-#[test]
-fn memberships_and_endpoints_dropped_in_any_order_or_forgotten() {
-    let t = DeviceTest::start();
-    let g: std::net::IpAddr = "239.1.4.2".parse().unwrap();
-    let qps = || common::resources().into_iter().find(|(k, _)| *k == "qp").unwrap().1;
-    let base = qps();
-    // Endpoint first, membership after.
-    let mut ep = mcast_endpoint(t.addr, g);
-    let m = ep.join(JoinKind::FullMember, T).unwrap();
-    drop(ep);
-    assert_eq!(qps(), base, "the endpoint's QP is destroyed while its membership lives");
-    drop(m);
-    // Membership forgotten (ManuallyDrop, undone at the end).
-    let mut ep = mcast_endpoint(t.addr, g);
-    let kept = std::mem::ManuallyDrop::new(ep.join(JoinKind::FullMember, T).unwrap());
-    drop(ep);
-    assert_eq!(qps(), base, "a forgotten membership does not keep the QP attached");
-    // Joined twice on one endpoint.
-    let mut ep = mcast_endpoint(t.addr, g);
-    let m1 = ep.join(JoinKind::FullMember, T).unwrap();
-    let second = ep.join(JoinKind::FullMember, T);
-    // A second join on one id would share the first's attachment, and one leave would end both
-    // (librdmacm leaves the first it finds): refused, naming the group.
-    let err = second.as_ref().expect_err("a second join of a group on one endpoint is refused").to_string();
-    assert!(err.contains("239.1.4.2") && err.contains("already holds a membership"), "{err}");
-    drop(m1);
-    // Once the first membership has left, the group can be joined again.
-    let again = ep.join(JoinKind::FullMember, T).expect("the group is joined again after the leave");
-    drop(again);
-    drop(ep);
-    assert_eq!(qps(), base, "the twice-joined endpoint's QP is destroyed");
-    drop(second);
-    drop(std::mem::ManuallyDrop::into_inner(kept));
-    // A fresh member still receives through the group.
-    let mut rx = mcast_endpoint(t.addr, g);
-    let mut rbuf = MemoryRegion::new(rx.qp().pd(), GRH_LEN + 16, AccessFlags::LOCAL_WRITE).unwrap();
-    rx.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 16).wr_id(1)]).unwrap();
-    let m = rx.join(JoinKind::FullMember, T).unwrap();
-    let dest = m.dest().clone();
-    rx.qp_mut().post_send(&[UdSendWr::send_inline(&dest, b"still works").wr_id(2)]).unwrap();
-    rx.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
-    let wc = rx.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
-    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
-    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], b"still works");
-    drop((dest, m, rx, rbuf));
-    t.finish();
-}
-
 /// A peer's datagram longer than the posted receive. Measured on rxe: the receive fails
 /// (`LOC_QP_OP_ERR`) and the UD QP goes to the error state, so one hostile datagram stops it
 /// receiving; before the fix, the next receive was accepted and never completed (its wait
@@ -509,6 +242,8 @@ fn memberships_and_endpoints_dropped_in_any_order_or_forgotten() {
 /// and `UdQp::recv_len`, and holds nothing. Then, on the healthy QP: gathered sends naming a
 /// region of another PD, and a batch of receives whose second has no room for the GRH, are
 /// refused whole.
+///
+/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
     let t = DeviceTest::start();
@@ -548,5 +283,189 @@ fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
     client.qp_mut().post_send(&[UdSendWr::send_sg(&to_server, &pieces[..1]).unwrap().wr_id(7)]).unwrap();
     assert!(client.qp_mut().wait_for(WorkQueue::Send, 7, T).unwrap().is_ok());
     drop((client, server, to_server, to_client, small, ok, a, b, c, other, spd));
+    t.finish();
+}
+
+/// A datagram gathered from three pieces of two regions (the first region named twice) on a
+/// UD QP, to a destination whose caller drops it at once: the address handle and both regions
+/// are held until the send's completion (one hold each), the sources stay readable and not
+/// writable meanwhile, and the peer receives the pieces' bytes in order after the GRH.
+///
+/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
+#[test]
+fn a_gathered_datagram_holds_its_regions_once_and_its_address_handle_until_the_completion() {
+    use rdma_cm::{Datagram, UdDest, UdSendWr, GRH_LEN};
+    let t = DeviceTest::start();
+    let crate::common::ud::UdPair { mut client, to_server, mut server, to_client } =
+        crate::common::ud::ud_pair(t.addr, 7461, QpInit::new().max_send_sge(3));
+    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, LW).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64).wr_id(3)]).unwrap();
+    let mut a = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
+    let mut b = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
+    a.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 5));
+    b.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 6));
+    let ah = std::sync::Arc::clone(to_server.ah());
+    let handles = std::sync::Arc::strong_count(&ah);
+    {
+        let dest = UdDest::new(std::sync::Arc::clone(&ah), to_server.qpn(), to_server.qkey());
+        let pieces = [(&a, 0..16), (&b, 16..32), (&a, 48..64)];
+        client.qp_mut().post_send(&[UdSendWr::send_sg(&dest, &pieces).unwrap().wr_id(9)]).unwrap();
+        // `dest` goes here, with the caller's handle of it.
+    }
+    assert_eq!(std::sync::Arc::strong_count(&ah), handles + 1, "the posted datagram holds its address handle");
+    assert_eq!((a.outstanding(), b.outstanding()), (1, 1), "one hold per region");
+    for (m, what) in [(&mut a, "region a, two pieces"), (&mut b, "region b")] {
+        assert!(m.as_slice().is_ok(), "{what}: a send's source may be read");
+        assert!(matches!(m.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: but not written");
+    }
+    let wc = client.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
+    assert!(wc.is_ok(), "{wc:?}");
+    assert_eq!(std::sync::Arc::strong_count(&ah), handles, "released with the completion");
+    assert_eq!((a.outstanding(), b.outstanding()), (0, 0));
+    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap();
+    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+    let (sa, sb) = (a.as_slice().unwrap().to_vec(), b.as_slice().unwrap().to_vec());
+    let want: Vec<u8> = [&sa[..16], &sb[16..32], &sa[48..]].concat();
+    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], &want[..], "the three pieces, in order");
+    assert!(a.as_mut_slice().is_ok() && b.as_mut_slice().is_ok());
+    drop((client, server, to_server, to_client, ah, a, b, rbuf));
+    t.finish();
+}
+
+/// Dropping every handle the caller has of an address handle while a send uses it: the QP's
+/// send slot keeps it alive until the completion is reaped, then it goes.
+///
+/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
+#[test]
+fn an_address_handle_dropped_while_a_send_is_posted_lives_until_the_completion() {
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
+    let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7311, QpInit::new());
+    let pd = Arc::clone(client.qp().pd());
+    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 256, AccessFlags::LOCAL_WRITE).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 256).wr_id(1)]).unwrap();
+    let mut sbuf = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
+    let msg = pattern(256, 9);
+    sbuf.as_mut_slice().unwrap().copy_from_slice(&msg);
+    // A fresh AH of our own for the server, so the pair's does not keep it alive.
+    let ah = AddressHandle::new(&pd, to_server.ah().attr()).unwrap();
+    let weak = Arc::downgrade(&ah);
+    let dest = rdma_cm::UdDest::new(ah, to_server.qpn(), to_server.qkey());
+    client.qp_mut().post_send(&[UdSendWr::send(&dest, &sbuf, 0..256).wr_id(2)]).unwrap();
+    drop(dest);
+    assert!(weak.upgrade().is_some(), "the posted send must hold the address handle");
+    client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    assert!(weak.upgrade().is_none(), "reaping the completion releases it");
+    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], &msg[..]);
+    drop((client, server, to_server, to_client, sbuf, rbuf, pd));
+    t.finish();
+}
+
+/// Unsignaled sends hold their address handles too, until a later signaled completion retires
+/// them.
+///
+/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
+#[test]
+fn unsignaled_sends_hold_their_address_handles_until_retired() {
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
+    let UdPair { mut client, to_server, server, to_client } = ud_pair(t.addr, 7312, QpInit::new());
+    let pd = Arc::clone(client.qp().pd());
+    let mut weaks = vec![];
+    for k in 0..3 {
+        let ah = AddressHandle::new(&pd, to_server.ah().attr()).unwrap();
+        weaks.push(Arc::downgrade(&ah));
+        let dest = rdma_cm::UdDest::new(ah, to_server.qpn(), to_server.qkey());
+        let wr = UdSendWr::send_inline(&dest, b"x").wr_id(k);
+        client.qp_mut().post_send(&[if k < 2 { wr.unsignaled() } else { wr }]).unwrap();
+    }
+    assert!(weaks.iter().all(|w| w.upgrade().is_some()), "every posted send holds its AH");
+    client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    assert!(weaks.iter().all(|w| w.upgrade().is_none()), "the signaled completion retires all three");
+    drop((client, server, to_server, to_client, pd));
+    t.finish();
+}
+
+/// A region dropped while a send from it is posted stays registered until the completion, and
+/// the receiver gets its bytes; a posted receive's region is out of reach until reaped.
+///
+/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
+#[test]
+fn regions_of_posted_datagrams_are_held_and_out_of_reach() {
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
+    let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7315, QpInit::new());
+    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 512, AccessFlags::LOCAL_WRITE).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 512).wr_id(1)]).unwrap();
+    assert!(matches!(rbuf.as_slice(), Err(Error::InFlight { .. })), "a posted receive's buffer is unreadable");
+    assert!(matches!(Datagram::parse(&WorkCompletion::default(), &mut rbuf, 0), Err(Error::InvalidArgument(_))));
+    let msg = pattern(512, 3);
+    let before = crate::common::mr_count();
+    {
+        let mut sbuf = MemoryRegion::new(client.qp().pd(), 512, AccessFlags::LOCAL_WRITE).unwrap();
+        sbuf.as_mut_slice().unwrap().copy_from_slice(&msg);
+        client.qp_mut().post_send(&[UdSendWr::send(&to_server, &sbuf, 0..512).wr_id(2)]).unwrap();
+    } // the caller's handle is gone
+    if let (Some(b), Some(now)) = (before, crate::common::mr_count()) {
+        assert_eq!(now, b + 1, "the dropped region stays registered while the send is posted");
+    }
+    client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    if let (Some(b), Some(now)) = (before, crate::common::mr_count()) {
+        assert_eq!(now, b, "reaping the completion deregisters it");
+    }
+    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], &msg[..]);
+    drop((client, server, to_server, to_client, rbuf));
+    t.finish();
+}
+
+/// Completions that are not what the helpers need: a send's, a receive read against a
+/// region too small for it or at an offset past it, and an address handle asked to answer a
+/// send's completion or a datagram without a usable GRH. Each is a clear error, never a
+/// panic or an out-of-bounds read.
+///
+/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
+#[test]
+fn forged_or_mismatched_completions_are_refused() {
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
+    let UdPair { mut client, to_server, mut server, to_client } = ud_pair(t.addr, 7316, QpInit::new());
+    let spd = Arc::clone(server.qp().pd());
+    let mut rbuf = MemoryRegion::new(&spd, GRH_LEN + 100, AccessFlags::LOCAL_WRITE).unwrap();
+    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 100).wr_id(1)]).unwrap();
+    client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &[7; 60]).wr_id(2)]).unwrap();
+    let send_wc = client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
+    assert_eq!(wc.byte_len() as usize, GRH_LEN + 60, "byte_len counts the GRH area");
+    // A send's completion is no datagram.
+    assert!(matches!(Datagram::parse(&send_wc, &mut rbuf, 0), Err(Error::InvalidArgument(_))));
+    // The receive against a region that cannot hold it, or past its end.
+    let mut small = MemoryRegion::new(&spd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    assert!(matches!(Datagram::parse(&wc, &mut small, 0), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(Datagram::parse(&wc, &mut rbuf, usize::MAX - 10), Err(Error::OutOfBounds { .. })));
+    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+    assert_eq!(d.len(), 60);
+    // An address handle answers receives only; a zeroed GRH names no sender.
+    let grh = *d.grh().unwrap();
+    assert!(matches!(
+        AddressHandle::reply_to(&spd, server.qp().port_num(), &send_wc, &grh),
+        Err(Error::InvalidArgument(_))
+    ));
+    let r = AddressHandle::reply_to(&spd, server.qp().port_num(), &wc, &Grh::from_bytes([0; GRH_LEN]));
+    assert!(r.is_err(), "an all-zero GRH gives no address: {r:?}");
+    // A port that does not exist.
+    assert!(AddressHandle::reply_to(&spd, 9, &wc, &grh).is_err());
+    drop((client, server, to_server, to_client, rbuf, small, spd));
     t.finish();
 }

@@ -1,24 +1,70 @@
-//! Round-6 review: an outside-style attack, in safe code only, on holding a region once per
-//! work request (a scatter/gather list that names one region in several pieces takes one hold
-//! of it, not one per piece). Each attempt is a device test that asserts the safe outcome: every
-//! region a posted work request names stays out of reach (or read-only, for a send's source)
-//! and allocated until that work request's completion is reaped, however often the list names
-//! it and whatever the caller drops meanwhile; then the bytes are the ones asked for.
+//! Regions in flight: every region a work request names (each piece of a scatter/gather list, chunks of one registration) stays registered and out of Rust's reach until its completion.
 
-mod common;
+use crate::common::{mr_count, out_of_reach, pair, pattern, DeviceTest, PairSpec, T};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, QpInit, RecvWr, SendWr, WcOpcode, WorkCompletion, WorkQueue};
 
-use common::{mr_count, out_of_reach, pair, pattern, DeviceTest, PairSpec, T};
-use rdma_cm::{
-    AccessFlags, ConnParam, Error, MemoryRegion, QpInit, RecvWr, SendWr, Server, SharedReceiveQueue, WorkQueue,
-};
+use crate::support::LW;
 
-const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
+/// Many rounds of seven unsignaled RDMA READs (each posted alone, each into its own chunk)
+/// closed by one signaled send, on a send queue of 8: the ring's indices wrap many times, and
+/// each signaled completion retires every READ before it (outstanding 0, nothing kept), after
+/// which every chunk holds what the peer had at the time.
+///
+/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
+#[test]
+fn unsignaled_reads_into_chunks_retire_with_the_next_signaled_send_across_wraps() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![7 * 64, 64], init: QpInit::new().max_send_wr(8), ..PairSpec::default() };
+    let sspec = PairSpec {
+        mr_sizes: vec![7 * 64, 64],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let remote = s.mrs[0].remote();
+    let mut targets = c.mrs.remove(0).split(64).unwrap();
+    for round in 0..24u64 {
+        let src = pattern(7 * 64, round as u8);
+        s.mrs[0].as_mut_slice().unwrap().copy_from_slice(&src);
+        s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[1], 0..64).wr_id(round)]).unwrap();
+        for (k, tgt) in targets.iter().enumerate() {
+            let w = SendWr::read(tgt, 0..64, &remote, (k * 64) as u64).unwrap().wr_id(5000 + k as u64).unsignaled();
+            c.conn.qp_mut().post_send(&[w]).unwrap();
+        }
+        for tgt in targets.iter_mut() {
+            out_of_reach(tgt, "an unsignaled READ target");
+        }
+        let sig = 1000 + round;
+        c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(sig)]).unwrap();
+        assert_eq!(c.conn.qp().outstanding_sends(), 8);
+        let e = c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(1)]).unwrap_err();
+        assert!(matches!(e, Error::QueueFull { queue: "send", .. }), "{e:?}");
+        let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, sig, T).unwrap();
+        assert_eq!(wc.opcode(), Some(WcOpcode::Send));
+        assert_eq!(
+            (c.conn.qp().outstanding_sends(), c.conn.qp().undelivered()),
+            (0, 0),
+            "round {round}: the signaled completion retires every READ before it, and none comes back"
+        );
+        for (k, tgt) in targets.iter_mut().enumerate() {
+            assert_eq!(tgt.as_slice().unwrap(), &src[k * 64..(k + 1) * 64], "round {round}, chunk {k}");
+            assert!(tgt.as_mut_slice().is_ok());
+        }
+        s.conn.qp_mut().wait_for(WorkQueue::Recv, round, T).unwrap();
+    }
+    let mut wcs = [WorkCompletion::default(); 8];
+    assert_eq!(c.conn.qp_mut().poll(&mut wcs).unwrap(), 0, "no unsignaled READ ever completes on its own");
+    drop((c, s, targets));
+    t.finish();
+}
 
 /// A READ scattered into four pieces of one region (and a second READ into pieces of two
 /// regions, alternating A B A B) whose caller drops every handle of the regions before the
 /// completion: the regions stay registered (the kernel's MR count does not move) until the
 /// completions are reaped, and are deregistered then. While they are alive and in flight,
 /// nothing of them is reachable.
+///
+/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn regions_named_by_several_pieces_stay_registered_until_the_completion_when_dropped() {
     let t = DeviceTest::start();
@@ -59,6 +105,8 @@ fn regions_named_by_several_pieces_stay_registered_until_the_completion_when_dro
 /// The same region named in every piece of work requests posted in a batch, unsignaled, on a
 /// send queue of 4 that wraps many times: after each round's signaled completion, every region
 /// is free again and holds what was read; before it, none is reachable.
+///
+/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn repeated_pieces_of_unsignaled_reads_retire_with_the_signaled_one_across_wraps() {
     let t = DeviceTest::start();
@@ -111,6 +159,8 @@ fn repeated_pieces_of_unsignaled_reads_retire_with_the_signaled_one_across_wraps
 /// Chunks of one registration are regions of their own: a receive scattered into chunk 0,
 /// chunk 1 and chunk 0 again holds each named chunk (once) and leaves chunk 2 free; the message
 /// lands piece by piece, in order, and nothing outside the pieces changes.
+///
+/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn chunks_of_one_registration_named_twice_in_a_receive_are_each_held() {
     let t = DeviceTest::start();
@@ -146,64 +196,12 @@ fn chunks_of_one_registration_named_twice_in_a_receive_are_each_held() {
     t.finish();
 }
 
-/// An SRQ receive naming one region in three pieces (and a second region once), whose caller
-/// drops the region's handle: it stays registered and unreachable while the receive is posted,
-/// and the message lands in it; the hold goes with the completion (or with the SRQ).
-#[test]
-fn an_srq_receive_naming_one_region_thrice_holds_it_until_delivered() {
-    let t = DeviceTest::start();
-    let listener = Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(1).unwrap();
-    let dst = listener.local_addr().unwrap();
-    let msg = pattern(96, 17);
-    let sent = msg.clone();
-    let client = std::thread::spawn(move || {
-        let (mut c, _) = {
-            let route = rdma_cm::Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-            let pd = route.alloc_pd().unwrap();
-            let mut mr = MemoryRegion::new(&pd, 96, LW).unwrap();
-            mr.as_mut_slice().unwrap().copy_from_slice(&sent);
-            let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
-            ((conn, mr), pd)
-        };
-        c.0.qp_mut().post_send(&[SendWr::send(&c.1, 0..96).wr_id(1)]).unwrap();
-        c.0.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
-        c
-    });
-    let req = listener.get_request(T).unwrap();
-    let pd = req.alloc_pd().unwrap();
-    let srq = SharedReceiveQueue::with_sge(&pd, 4, 4).unwrap();
-    let mut x = MemoryRegion::new(&pd, 128, LW).unwrap();
-    let mut y = MemoryRegion::new(&pd, 64, LW).unwrap();
-    {
-        let pieces = [(&x, 0..32), (&y, 0..32), (&x, 64..96), (&x, 96..128)];
-        srq.post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(9)]).unwrap();
-    }
-    assert_eq!((srq.outstanding(), x.outstanding(), y.outstanding()), (1, 1, 1));
-    out_of_reach(&mut x, "a region named by three pieces of an SRQ receive");
-    out_of_reach(&mut y, "the other region of that receive");
-    // The second region's handle goes now: the receive keeps it registered.
-    let before = mr_count();
-    drop(y);
-    assert_eq!(mr_count(), before, "the posted receive keeps the dropped region registered");
-    let mut conn = req.create_qp(&pd, QpInit::new().srq(&srq)).unwrap().accept(&ConnParam::new(), T).unwrap();
-    let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 9, T).unwrap();
-    assert_eq!(wc.byte_len(), 96);
-    assert_eq!((srq.outstanding(), x.outstanding()), (0, 0));
-    assert_eq!(mr_count(), before.map(|n| n - 1), "the dropped region deregistered with the completion");
-    let got = x.as_slice().unwrap();
-    // 96 bytes: x's first piece, y's (dropped, not checkable), x's second; x's third gets none.
-    assert_eq!((&got[..32], &got[64..96]), (&msg[..32], &msg[64..96]));
-    assert!(got[32..64].iter().chain(&got[96..]).all(|&b| b == 0), "outside what landed in x: untouched");
-    assert!(x.as_mut_slice().is_ok());
-    let peer = client.join().unwrap();
-    drop((peer, conn, srq, x, pd, listener));
-    t.finish();
-}
-
 /// A gathered WRITE from one region named in every piece: the region may be read while the
 /// WRITE is in flight (the device only reads it) but not changed, also not through a second
 /// handle made from the region's chunks (it cannot be split while held); after the completion
 /// the peer holds the four pieces, in order.
+///
+/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
     let t = DeviceTest::start();
@@ -236,49 +234,5 @@ fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
     assert_eq!(&got[..8], &src[..8]);
     assert!(c.mrs[0].as_mut_slice().is_ok());
     drop((c, s));
-    t.finish();
-}
-
-/// A datagram gathered from three pieces of two regions (the first region named twice) on a
-/// UD QP, to a destination whose caller drops it at once: the address handle and both regions
-/// are held until the send's completion (one hold each), the sources stay readable and not
-/// writable meanwhile, and the peer receives the pieces' bytes in order after the GRH.
-#[test]
-fn a_gathered_datagram_holds_its_regions_once_and_its_address_handle_until_the_completion() {
-    use rdma_cm::{Datagram, UdDest, UdSendWr, GRH_LEN};
-    let t = DeviceTest::start();
-    let common::ud::UdPair { mut client, to_server, mut server, to_client } =
-        common::ud::ud_pair(t.addr, 7461, QpInit::new().max_send_sge(3));
-    let mut rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, LW).unwrap();
-    server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64).wr_id(3)]).unwrap();
-    let mut a = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
-    let mut b = MemoryRegion::new(client.qp().pd(), 64, LW).unwrap();
-    a.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 5));
-    b.as_mut_slice().unwrap().copy_from_slice(&pattern(64, 6));
-    let ah = std::sync::Arc::clone(to_server.ah());
-    let handles = std::sync::Arc::strong_count(&ah);
-    {
-        let dest = UdDest::new(std::sync::Arc::clone(&ah), to_server.qpn(), to_server.qkey());
-        let pieces = [(&a, 0..16), (&b, 16..32), (&a, 48..64)];
-        client.qp_mut().post_send(&[UdSendWr::send_sg(&dest, &pieces).unwrap().wr_id(9)]).unwrap();
-        // `dest` goes here, with the caller's handle of it.
-    }
-    assert_eq!(std::sync::Arc::strong_count(&ah), handles + 1, "the posted datagram holds its address handle");
-    assert_eq!((a.outstanding(), b.outstanding()), (1, 1), "one hold per region");
-    for (m, what) in [(&mut a, "region a, two pieces"), (&mut b, "region b")] {
-        assert!(m.as_slice().is_ok(), "{what}: a send's source may be read");
-        assert!(matches!(m.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: but not written");
-    }
-    let wc = client.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
-    assert!(wc.is_ok(), "{wc:?}");
-    assert_eq!(std::sync::Arc::strong_count(&ah), handles, "released with the completion");
-    assert_eq!((a.outstanding(), b.outstanding()), (0, 0));
-    let wc = server.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap();
-    let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
-    let (sa, sb) = (a.as_slice().unwrap().to_vec(), b.as_slice().unwrap().to_vec());
-    let want: Vec<u8> = [&sa[..16], &sb[16..32], &sa[48..]].concat();
-    assert_eq!(&rbuf.as_slice().unwrap()[d.payload()], &want[..], "the three pieces, in order");
-    assert!(a.as_mut_slice().is_ok() && b.as_mut_slice().is_ok());
-    drop((client, server, to_server, to_client, ah, a, b, rbuf));
     t.finish();
 }
