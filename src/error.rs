@@ -177,6 +177,15 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The device lacks a capability the operation needs (e.g. memory windows on Soft-iWARP).
+    #[error("{what} not supported: {why}")]
+    Unsupported {
+        /// The capability.
+        what: &'static str,
+        /// What the device said, and where it is available.
+        why: String,
+    },
+
     /// The peer's private data could not be decoded (untrusted input).
     #[error("bad private data from peer: {0}")]
     PrivateData(&'static str),

@@ -467,6 +467,7 @@ pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEven
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, VerbsContext};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
+pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;
 pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
 pub use verbs::qp::{QpInit, QueuePair};

@@ -90,6 +90,10 @@ pub enum WcOpcode {
     Recv,
     /// A receive consumed by an RDMA WRITE with immediate data.
     RecvRdmaWithImm,
+    /// A memory window bind (`IBV_WC_BIND_MW`).
+    BindMw,
+    /// A local invalidation (`IBV_WC_LOCAL_INV`).
+    LocalInv,
     /// A value this crate does not map.
     Other(u32),
 }
@@ -106,6 +110,8 @@ impl WcOpcode {
             IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
             IBV_WC_RECV => WcOpcode::Recv,
             IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
+            IBV_WC_BIND_MW => WcOpcode::BindMw,
+            IBV_WC_LOCAL_INV => WcOpcode::LocalInv,
             v => WcOpcode::Other(v),
         }
     }

@@ -10,6 +10,7 @@ pub mod diagnostics;
 pub(crate) mod hub;
 pub(crate) mod link;
 pub mod mr;
+pub mod mw;
 pub mod pd;
 pub mod port;
 pub mod qp;

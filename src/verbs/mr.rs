@@ -217,6 +217,15 @@ impl MrInner {
     pub(crate) fn on_pd(&self, pd: &Arc<ProtectionDomain>) -> bool {
         self.pd == Arc::as_ptr(pd) as usize
     }
+    /// Whether this is a whole registration, not a chunk of a split one.
+    pub(crate) fn is_whole(&self) -> bool {
+        matches!(self.part, Part::Whole(_))
+    }
+
+    /// The registration's `ibv_mr` (a chunk's is its registration's).
+    pub(crate) fn raw_mr(&self) -> *mut ffi::ibv_mr {
+        self.reg().mr.as_ptr()
+    }
     fn ptr(&self) -> *mut u8 {
         // SAFETY: offset + len lies within the registration (checked when the chunk was made).
         unsafe { self.reg().buf.as_ptr().add(self.offset()) }

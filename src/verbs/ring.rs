@@ -27,6 +27,11 @@ impl Hold {
         }
         Hold { region: Arc::clone(region), writes }
     }
+
+    /// The region held.
+    pub(crate) fn region(&self) -> &Arc<MrInner> {
+        &self.region
+    }
 }
 
 impl Drop for Hold {

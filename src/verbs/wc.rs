@@ -175,6 +175,17 @@ impl WorkCompletion {
             .then(|| u32::from_be(self.imm))
     }
 
+    /// The completion's flags as the provider wrote them (`ibv_wc_flags`: `IBV_WC_GRH`,
+    /// `IBV_WC_WITH_IMM`, `IBV_WC_WITH_INV`, …).
+    pub fn wc_flags(&self) -> u32 {
+        self.wc_flags
+    }
+
+    /// The rkey the peer's send with invalidate invalidated (`IBV_WC_WITH_INV`, on a receive).
+    pub fn invalidated_rkey(&self) -> Option<u32> {
+        (self.queue == WorkQueue::Recv && self.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_INV.0 != 0).then_some(self.imm)
+    }
+
     /// The local QP number.
     pub fn qp_num(&self) -> u32 {
         self.qp_num

@@ -124,10 +124,43 @@ fn total_len(first: &Range<usize>, rest: &[Piece<'_>]) -> u64 {
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SendOp {
     Send,
-    Write { addr: u64, rkey: u32 },
-    Read { addr: u64, rkey: u32 },
-    FetchAdd { addr: u64, rkey: u32, add: u64 },
-    CompareSwap { addr: u64, rkey: u32, compare: u64, swap: u64 },
+    Write {
+        addr: u64,
+        rkey: u32,
+    },
+    Read {
+        addr: u64,
+        rkey: u32,
+    },
+    FetchAdd {
+        addr: u64,
+        rkey: u32,
+        add: u64,
+    },
+    CompareSwap {
+        addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    /// A send that also invalidates the peer's memory window `rkey`.
+    SendInv {
+        rkey: u32,
+    },
+    /// Binds a type 2 window to a region's range (the window, the new rkey, the bind info).
+    /// (The window and the region as addresses, so that work requests stay `Send`.)
+    BindMw {
+        mw: usize,
+        rkey: u32,
+        mr: usize,
+        addr: u64,
+        len: u64,
+        access: u32,
+    },
+    /// Invalidates one of this side's rkeys (a type 2 window).
+    LocalInv {
+        rkey: u32,
+    },
 }
 
 impl SendOp {
@@ -194,6 +227,16 @@ impl<'a> SendWr<'a> {
     #[inline]
     pub fn send(mr: &'a MemoryRegion, range: Range<usize>) -> Self {
         Self::new(SendOp::Send, Some((mr, range)))
+    }
+
+    /// Sends `mr[range]` and invalidates the peer's memory window `rkey`
+    /// (`IBV_WR_SEND_WITH_INV`): the peer's receive completion says so
+    /// ([`WorkCompletion::invalidated_rkey`](crate::WorkCompletion::invalidated_rkey),
+    /// [`BoundWindow::invalidated_by`](crate::BoundWindow::invalidated_by)). Carries no
+    /// immediate data (they share a field).
+    #[inline]
+    pub fn send_with_invalidate(mr: &'a MemoryRegion, range: Range<usize>, rkey: u32) -> Self {
+        Self::new(SendOp::SendInv { rkey }, Some((mr, range)))
     }
 
     /// Sends `data` inline: the provider copies it during the post, so it needs no memory
@@ -618,6 +661,27 @@ impl SendWr<'_> {
         r.num_sge = num_sge as i32;
         use ffi::ibv_wr_opcode::*;
         r.opcode = match (self.op, self.imm.is_some()) {
+            (SendOp::SendInv { rkey }, _) => {
+                r.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+                IBV_WR_SEND_WITH_INV
+            }
+            (SendOp::BindMw { mw, rkey, mr, addr, len, access }, _) => {
+                r.bind_mw_tso_union.bind_mw = ffi::bind_mw_t {
+                    mw: mw as *mut ffi::ibv_mw,
+                    rkey,
+                    bind_info: ffi::ibv_mw_bind_info {
+                        mr: mr as *mut ffi::ibv_mr,
+                        addr,
+                        length: len,
+                        mw_access_flags: access,
+                    },
+                };
+                IBV_WR_BIND_MW
+            }
+            (SendOp::LocalInv { rkey }, _) => {
+                r.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+                IBV_WR_LOCAL_INV
+            }
             (SendOp::Send, false) => IBV_WR_SEND,
             (SendOp::Send, true) => IBV_WR_SEND_WITH_IMM,
             (SendOp::Write { .. }, false) => IBV_WR_RDMA_WRITE,
@@ -639,6 +703,7 @@ impl SendWr<'_> {
             SendOp::CompareSwap { addr, rkey, compare, swap } => {
                 r.wr.atomic = ffi::atomic_t { remote_addr: addr, compare_add: compare, swap, rkey };
             }
+            SendOp::SendInv { .. } | SendOp::BindMw { .. } | SendOp::LocalInv { .. } => {}
             SendOp::Send => {
                 if let Some(d) = ud {
                     r.wr.ud = ffi::ud_t { ah: d.ah().as_raw(), remote_qpn: d.qpn(), remote_qkey: d.qkey() };

@@ -92,9 +92,15 @@ fn what(cap: Cap) -> String {
 /// shows (and harness/test counts it) although the test passes.
 pub fn require(cap: Cap) -> bool {
     let Some(why) = lacks(cap, &answers()) else { return true };
+    skipped(&what(cap), &why);
+    false
+}
+
+/// Prints the one `skipped: WHAT (WHY) in TEST` line, for a test that learnt from the attempt
+/// itself (an `Error::Unsupported`, the provider's `EOPNOTSUPP`) that the device lacks `what`.
+pub fn skipped(what: &str, why: &str) {
     let test = std::thread::current().name().unwrap_or("?").to_string();
     // One write of the whole line, so that it never interleaves with the harness's own output.
-    let line = format!("skipped: {} ({why}) in {test}\n", what(cap));
+    let line = format!("skipped: {what} ({why}) in {test}\n");
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
-    false
 }

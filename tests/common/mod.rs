@@ -17,7 +17,7 @@ pub mod caps;
 mod device;
 pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
-pub use caps::{require, Cap};
+pub use caps::{require, skipped, Cap};
 pub use device::device_addr;
 
 pub const T: Duration = Duration::from_secs(10);

@@ -85,6 +85,7 @@ use crate::wait::lock;
 
 mod post;
 mod wait;
+mod window;
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);

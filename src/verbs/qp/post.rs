@@ -30,16 +30,7 @@ impl QueuePair {
     /// [`QueuePair::post_send`] for any list of work requests that are sends underneath (a
     /// UD QP's [`UdSendWr`](crate::UdSendWr)s).
     pub(crate) fn post_sends<W: AsSendWr>(&mut self, wrs: &[W]) -> Result<()> {
-        if !self.connected {
-            // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
-            return Err(Error::InvalidArgument("sends need an established connection".into()));
-        }
-        if self.peer_left {
-            return Err(Error::Disconnected { op: "ibv_post_send", addr: self.peer_addr() });
-        }
-        if self.errored {
-            return Err(in_error_state("ibv_post_send"));
-        }
+        self.check_send_queue_open("ibv_post_send")?;
         for w in wrs {
             let w = w.send_wr();
             if w.ud.is_some() != self.datagrams {
@@ -71,8 +62,10 @@ impl QueuePair {
                 };
                 self.check_send_pieces(w, first.len())?;
             }
-            if w.op.is_atomic() && w.imm.is_some() {
-                return Err(Error::InvalidArgument("an atomic carries no immediate data".into()));
+            if w.imm.is_some() && (w.op.is_atomic() || matches!(w.op, SendOp::SendInv { .. })) {
+                return Err(Error::InvalidArgument(
+                    "an atomic, or a send with invalidate, carries no immediate data".into(),
+                ));
             }
         }
         let mut q = lock(&self.queues);
@@ -120,6 +113,23 @@ impl QueuePair {
         // the call; every region and address handle it names is held (above).
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
         self.commit_posted(q, ret, bad, &wr, 1, true, "ibv_post_send")
+    }
+
+    /// Refuses send-queue work before the connection exists, after the peer left, or once the
+    /// QP is in the error state (`op` names the call for the error).
+    #[inline]
+    pub(super) fn check_send_queue_open(&self, op: &'static str) -> Result<()> {
+        if !self.connected {
+            // Only reachable through a ClientQp/ServerQp, whose API does not offer sends.
+            return Err(Error::InvalidArgument("sends need an established connection".into()));
+        }
+        if self.peer_left {
+            return Err(Error::Disconnected { op, addr: self.peer_addr() });
+        }
+        if self.errored {
+            return Err(in_error_state(op));
+        }
+        Ok(())
     }
 
     /// Checks a send-queue work request of several pieces: their count against the QP's
@@ -187,7 +197,7 @@ impl QueuePair {
     /// module docs).
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    fn commit_posted<T>(
+    pub(super) fn commit_posted<T>(
         &self,
         q: &mut Queues,
         ret: i32,
