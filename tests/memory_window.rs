@@ -321,3 +321,37 @@ fn memory_window_of_another_pd_or_on_a_region_without_mw_bind_is_refused() {
     drop((c, s, plain, foreign_mr, other_pd));
     t.finish();
 }
+
+/// `examples/memory_window`, as a process, with either type of window: the peer's write lands
+/// in the window, the revocation refuses its next one, and no other byte changed.
+#[test]
+fn memory_window_example_revokes_the_peers_write() {
+    let t = DeviceTest::start();
+    if MemoryWindow::new(
+        &rdma_cm::ProtectionDomain::new(&rdma_cm::VerbsContext::cm_for_addr(t.addr).unwrap()).unwrap(),
+        WindowType::One,
+    )
+    .is_err()
+    {
+        common::skipped("memory windows", "ibv_alloc_mw refused");
+        return t.finish();
+    }
+    let examples = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
+    for kind in ["1", "2"] {
+        let out = std::process::Command::new(examples.join("memory_window"))
+            .args(["-a", &t.addr.to_string(), "-p", "7479", "-t", kind])
+            .output()
+            .expect("examples/memory_window (built by cargo test)");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "type {kind}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+        for line in [
+            "[CLIENT] wrote 4096 bytes through the window",
+            "[SERVER] window revoked",
+            "[CLIENT] write after revocation refused: REM_ACCESS_ERR",
+            "[SERVER] region: 4096 bytes written, all inside the window: true",
+        ] {
+            assert!(text.contains(line), "type {kind}: no {line:?} in:\n{text}");
+        }
+    }
+    t.finish();
+}
