@@ -371,6 +371,39 @@ impl CompletionQueue {
         check_ibv(unsafe { ffi::ibv_req_notify_cq(self.as_raw(), solicited_only as i32) }, "ibv_req_notify_cq")
     }
 
+    /// Moderates the CQ's events (`ibv_modify_cq`, `IBV_CQ_ATTR_MODERATE`): the device raises
+    /// an event once `count` completions have gathered or `period_us` microseconds have passed
+    /// since the first, whichever comes first, instead of one per armed completion. Polling is
+    /// unaffected. `(0, 0)` turns moderation off where the device takes that.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] where the device cannot moderate (Soft-RoCE and Soft-iWARP
+    /// cannot: `EOPNOTSUPP`); [`Error::Call`] naming `ibv_modify_cq` otherwise (`EINVAL` beyond
+    /// the device's `max_cq_moderation_count`/`_period`, see `ibv_devinfo -v`).
+    pub fn set_moderation(&self, count: u16, period_us: u16) -> Result<()> {
+        let mut attr = ffi::ibv_modify_cq_attr {
+            attr_mask: ffi::ibv_cq_attr_mask::IBV_CQ_ATTR_MODERATE.0,
+            moderate: ffi::ibv_moderate_cq { cq_count: count, cq_period: period_us },
+        };
+        // Under the router's lock, so that it never runs during a resize.
+        let _router = self.router();
+        // SAFETY: the CQ is valid while `self` lives; `attr` is fully initialised and lives for
+        // the call.
+        let ret = unsafe { ffi::ibv_modify_cq(self.as_raw(), &mut attr) };
+        match ret {
+            0 => Ok(()),
+            libc::EOPNOTSUPP | libc::ENOSYS => Err(Error::Unsupported {
+                what: "CQ moderation",
+                why: format!(
+                    "device {} cannot moderate its CQ events (ibv_modify_cq: {})",
+                    self.ctx.device_name(),
+                    crate::error::errno_name(ret)
+                ),
+            }),
+            e => Err(Error::call("ibv_modify_cq", e, None)),
+        }
+    }
+
     /// Reads every pending event from the non-blocking channel and returns how many there were.
     /// Acks are batched. Call after the descriptor became readable (edge-triggered safe).
     ///
