@@ -342,6 +342,12 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
             "no local interface has this address: see `ip -br addr`, and `rdma link` for the netdev behind each RDMA device"
         }
         ("rdma_listen", EADDRINUSE) => "the port is already in use: choose another one with -p",
+        ("ibv_fork_init", EINVAL) => {
+            "memory was registered already: call it first, before any registration (or set RDMAV_FORK_SAFE=1 in the environment)"
+        }
+        ("bind memory window" | "invalidate memory window", _) => {
+            "the provider refused it: check that the QP is connected (RC) and the device's memory-window support (`ibv_devinfo -v`)"
+        }
         ("rdma_notify", EISCONN) => "the connection is established already: the CM needs no notice",
         ("rdma_notify", EINVAL) => {
             "the id is not connecting or connected, or its transport's CM takes no notice (iWARP)"
