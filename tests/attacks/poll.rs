@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::support::{reap_until, shared_cq_stress, stress, writable_pair, Mode, MSGS};
+use crate::support::{accept_senders, reap_until, shared_cq_stress, stress, writable_pair, Mode, MSGS};
 
 /// Immediate data round-trips through the raw field: 0 is `Some(0)` (not `None`), a plain send
 /// is `None`, an RDMA WRITE with immediate consumes an empty single receive and reports its
@@ -298,15 +298,7 @@ fn a_cq_wait_is_woken_by_a_qp_wait_that_keeps_completions_for_others() {
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
     let dst = listener.local_addr().unwrap();
     let server = thread::spawn(move || {
-        let mut conns: Vec<_> = (0..2)
-            .map(|_| {
-                let req = listener.get_request(T).unwrap();
-                let pd = req.alloc_pd().unwrap();
-                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-                let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
-                (conn, mr, pd)
-            })
-            .collect();
+        let mut conns = accept_senders(&listener, 2);
         for i in 0..MSGS {
             for (conn, mr, _) in &mut conns {
                 conn.qp_mut().post_send(&[SendWr::send(mr, 0..16).imm(i).wr_id(i as u64)]).unwrap();
@@ -474,15 +466,7 @@ fn a_wait_for_one_wr_id_notices_what_another_threads_poll_kept_for_it() {
     let dst = listener.local_addr().unwrap();
     // The server: two connections, N messages to each, interleaved.
     let server = thread::spawn(move || {
-        let mut conns: Vec<_> = (0..2)
-            .map(|_| {
-                let req = listener.get_request(T).unwrap();
-                let pd = req.alloc_pd().unwrap();
-                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-                let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
-                (conn, mr, pd)
-            })
-            .collect();
+        let mut conns = accept_senders(&listener, 2);
         for i in 0..N {
             for (conn, mr, _) in &mut conns {
                 // RNR retries (7: for ever) wait for the client's next receive.

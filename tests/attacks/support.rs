@@ -3,8 +3,8 @@
 
 use crate::common::{pair, resources, DeviceTest, PairSpec, T};
 use rdma_cm::{
-    AccessFlags, Client, CompletionQueue, ConnParam, Connection, MemoryRegion, QpInit, QueuePair, RecvWr, SendWr,
-    Server, SharedReceiveQueue, WorkCompletion, WorkQueue,
+    AccessFlags, Client, CompletionQueue, ConnParam, Connection, Listener, MemoryRegion, ProtectionDomain, QpInit,
+    QueuePair, RecvWr, SendWr, Server, SharedReceiveQueue, WorkCompletion, WorkQueue,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -137,15 +137,7 @@ pub(crate) fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, 
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
     let dst = listener.local_addr().unwrap();
     let server = thread::spawn(move || {
-        let mut conns: Vec<_> = (0..k)
-            .map(|_| {
-                let req = listener.get_request(T).unwrap();
-                let pd = req.alloc_pd().unwrap();
-                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-                let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
-                (conn, mr, pd)
-            })
-            .collect();
+        let mut conns = accept_senders(&listener, k);
         for i in 0..MSGS {
             for (conn, mr, _) in &mut conns {
                 conn.qp_mut().post_send(&[SendWr::send(mr, 0..16).imm(i).wr_id(i as u64)]).unwrap();
@@ -317,4 +309,18 @@ pub(crate) fn wait_count(kind: &str, want: usize, when: &str) {
 pub(crate) fn writable_pair(addr: std::net::IpAddr) -> (crate::common::Side, crate::common::Side) {
     let spec = PairSpec { access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, ..PairSpec::default() };
     pair(addr, spec.clone(), spec)
+}
+
+/// The server side of the shared-CQ attacks: `k` connections accepted on `listener`, each with
+/// its own PD and a 64-byte region to send from.
+pub(crate) fn accept_senders(listener: &Listener, k: usize) -> Vec<(Connection, MemoryRegion, Arc<ProtectionDomain>)> {
+    (0..k)
+        .map(|_| {
+            let req = listener.get_request(T).unwrap();
+            let pd = req.alloc_pd().unwrap();
+            let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+            (conn, mr, pd)
+        })
+        .collect()
 }
