@@ -161,6 +161,10 @@
 //! entry per slot, made with the QP) until its slot is retired, so the handle outlives every
 //! send that names it, however the caller drops it (see [`ud`]).
 //!
+//! A bound [`MemoryWindow`] ([`BoundWindow`]) holds its whole region the same way, as a writer
+//! when it grants remote writes, until it is unbound or dropped; an invalidation holds the
+//! region until its completion (see [`verbs::mw`]).
+//!
 //! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
 //! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
 //! Post and poll make no heap allocation.
