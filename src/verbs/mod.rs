@@ -11,6 +11,7 @@ pub(crate) mod hub;
 pub(crate) mod link;
 pub mod mr;
 pub mod pd;
+pub mod peer;
 pub mod port;
 pub mod qp;
 pub(crate) mod qp_attr;

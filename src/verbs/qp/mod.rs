@@ -83,8 +83,11 @@ use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
 use crate::wait::lock;
 
+pub mod connect;
 mod post;
 mod wait;
+
+pub use connect::{RcParams, UnconnectedQp};
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
