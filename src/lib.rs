@@ -199,7 +199,7 @@
 //! | [`AsyncEvents`] | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
 //! | [`AddressHandle`] | yes | yes | immutable once made; shared by the sends that use it |
 //! | [`UdQp`], [`UdEndpoint`] | yes | no | as [`QueuePair`] |
-//! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
+//! | [`QueuePair`], [`UnconnectedQp`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
 //! together. A QP's poll keeps the completions of other QPs it meets for them, and wakes the

@@ -200,8 +200,10 @@ struct Slot {
 
 /// An owned RC queue pair.
 ///
-/// Only the connection typestates create one, each consuming the state that owns the id, so an
-/// id has at most one QP (pinned to its error, E0382, by `tests/ui/two_qps_on_one_id.rs`):
+/// One that can send exists only once the QP is connected: the connection typestates create
+/// one, each consuming the state that owns the id, and so does [`UnconnectedQp::connect`]
+/// without the connection manager (consuming the QP in INIT). An id has at most one QP (pinned
+/// to its error, E0382, by `tests/ui/two_qps_on_one_id.rs`):
 ///
 /// ```compile_fail,E0382
 /// # fn f(route: rdma_cm::RouteResolved, pd: std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {
