@@ -359,6 +359,18 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
         ("ibv_create_qp" | "rdma_create_qp", EINVAL) => {
             "the QP capabilities exceed the device limits (see `ibv_devinfo -v`: max_qp_wr, max_sge, max_inline)"
         }
+        ("ibv_modify_qp(RTR) with the peer's info", EINVAL) => {
+            "the peer's info does not fit this port: usually the GID index (-g: an empty or wrong-type entry), a path MTU over the port's (-m), or the peer's LID/GID (a GID is needed on RoCE)"
+        }
+        ("ibv_modify_qp(RTR) with the peer's info" | "ibv_modify_qp(INIT) of a verbs-only QP", ETIMEDOUT | ENODATA | EHOSTUNREACH | ENETUNREACH) => {
+            "the peer's GID does not resolve to a neighbour of this netdev: is the peer's address reachable (`ip route get`, `ip neigh`)?"
+        }
+        ("ibv_modify_qp(INIT) of a verbs-only QP", EINVAL) => {
+            "the port or the access rights are not the device's (see `ibv_devinfo`)"
+        }
+        ("ibv_modify_qp(RTS) of a verbs-only QP", EINVAL) => {
+            "the RTS attributes are out of range: timeout, retry counts (0..=7) or rd_atomic over the device's max_qp_init_rd_atom"
+        }
         ("ibv_create_cq", EINVAL) => "the CQ depth exceeds the device's max_cqe (see `ibv_devinfo -v`)",
         ("ibv_post_send" | "ibv_post_recv", ENOMEM) => "the work queue is full: poll completions first",
         ("ibv_post_send" | "ibv_post_recv", EINVAL) => {

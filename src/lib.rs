@@ -86,10 +86,10 @@
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  verbs/   libibverbs alone (imports nothing from cm/):
-//!           ud ──► qp/ (mod: create, state, drop; post; wait) ──► srq, cq ──► router ──► ring
+//!           ud ──► qp/ (mod: create, state, drop; post; wait; connect) ──► srq, cq ──► router ──► ring
 //!           qp_attr   wr (checks, the one lowering of a work request) ──► ah (UdDest), mr
 //!           async_event ──► device ──► hub (event registry and log) ──► link (what drives a QP)
-//!           pd, port, diagnostics, wc (WorkCompletion)
+//!           pd, port, peer (PeerInfo), diagnostics, wc (WorkCompletion)
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  error.rs (Error, report_leak)   wait.rs (bounded fd waits, tokio reactor, lock)
 //!  status.rs (leaf values: WcStatus, WcOpcode, WorkQueue, QpState, CmEventType, AsyncEventKind)
@@ -100,6 +100,30 @@
 //! `Link` trait (`verbs/link.rs`) it implements. Every type is re-exported at the crate root, which is
 //! the path to use; the modules' paths from before the wings (`rdma_cm::qp`,
 //! `rdma_cm::connection`, …) still work.
+//!
+//! ## Verbs without the connection manager
+//!
+//! An RC QP can be made on a protection domain alone and connected from the peer's
+//! [`PeerInfo`] (QP number, PSN, LID or GID), exchanged by any means: [`UnconnectedQp`] is in
+//! INIT and offers receives only; [`UnconnectedQp::connect`] moves it to RTR and RTS and hands
+//! back the [`QueuePair`] that sends, so no send can come before RTS, as on the CM path. A UD
+//! QP comes from a port and a Q_Key ([`UdQp::new`]). [`PeerInfo`] speaks rdma-core's pingpong
+//! wire form; `examples/rc_pingpong`, `ud_pingpong` and `srq_pingpong` interoperate with
+//! `ibv_rc_pingpong`, `ibv_ud_pingpong` and `ibv_srq_pingpong`. See [`qp::connect`].
+//!
+//! ```no_run
+//! use rdma_cm::{devices, ProtectionDomain, QpInit, RcParams, UnconnectedQp, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! # let peer_info = |_: rdma_cm::PeerInfo| -> rdma_cm::PeerInfo { unimplemented!() };
+//! let ctx = VerbsContext::open(&devices()?[0].name)?;
+//! let pd = ProtectionDomain::new(&ctx)?;
+//! let qp = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(1))?;
+//! let theirs = peer_info(qp.local()); // send ours, receive theirs: TCP, a file, anything
+//! let mut qp = qp.connect(&theirs)?;  // RTR, RTS: now it can send
+//! # let _ = &mut qp;
+//! # Ok(()) }
+//! ```
 //!
 //! ## Ownership and cleanup
 //!
@@ -179,7 +203,7 @@
 //! | [`AsyncEvents`] | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
 //! | [`AddressHandle`] | yes | yes | immutable once made; shared by the sends that use it |
 //! | [`UdQp`], [`UdEndpoint`] | yes | no | as [`QueuePair`] |
-//! | [`QueuePair`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
+//! | [`QueuePair`], [`UnconnectedQp`], [`Connection`] | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
 //!
 //! QPs that share a CQ may live on different threads: each one's posts and polls are safe
 //! together. A QP's poll keeps the completions of other QPs it meets for them, and wakes the
@@ -474,8 +498,9 @@ pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;
+pub use verbs::peer::PeerInfo;
 pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
-pub use verbs::qp::{QpInit, QueuePair};
+pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp};
 pub use verbs::qp_attr::{QpAttributes, QpState};
 pub use verbs::srq::SharedReceiveQueue;
 pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};

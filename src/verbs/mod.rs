@@ -13,6 +13,7 @@ pub(crate) mod link;
 pub mod mr;
 pub mod mw;
 pub mod pd;
+pub mod peer;
 pub mod port;
 pub mod qp;
 pub(crate) mod qp_attr;

@@ -276,36 +276,47 @@ impl VerbsContext {
         let info = self.port(port)?;
         let mut out = Vec::new();
         for index in 0..info.gid_table_len {
-            // SAFETY: ibv_gid_entry is plain old data; all-zero is a valid value.
-            let mut e: ffi::ibv_gid_entry = unsafe { mem::zeroed() };
-            // SAFETY: context open, port in range; `e` is a valid out-pointer and its size is
-            // passed, so the library writes no more than that.
-            let ret = unsafe {
-                ffi::_ibv_query_gid_ex(self.as_raw(), u32::from(port), index, &mut e, 0, mem::size_of_val(&e))
-            };
-            match ret {
-                0 => {}
-                libc::ENODATA | libc::EINVAL => continue,
-                e => return Err(Error::call("ibv_query_gid_ex", e, None)),
+            if let Some(e) = self.gid_entry(port, index)? {
+                out.push(e);
             }
-            // SAFETY: `raw` is the 16-byte view of union ibv_gid; every bit pattern is valid.
-            let gid = Gid(unsafe { e.gid.raw });
-            if gid.is_zero() {
-                continue;
-            }
-            out.push(GidEntry {
-                port,
-                index,
-                gid,
-                gid_type: match e.gid_type {
-                    ffi::IBV_GID_TYPE_IB => GidType::Ib,
-                    ffi::IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
-                    ffi::IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
-                    other => GidType::Other(other),
-                },
-                netdev: netdev_name(e.ndev_ifindex),
-            });
         }
         Ok(out)
+    }
+
+    /// Entry `index` of port `port`'s GID table, or `None` when it is empty (or past the
+    /// table's end).
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_query_gid_ex` fails with anything but "no entry here"
+    /// (`ENODATA`, `EINVAL`).
+    pub fn gid_entry(&self, port: u8, index: u32) -> Result<Option<GidEntry>> {
+        // SAFETY: ibv_gid_entry is plain old data; all-zero is a valid value.
+        let mut e: ffi::ibv_gid_entry = unsafe { mem::zeroed() };
+        // SAFETY: the context is open; `e` is a valid out-pointer and its size is passed, so
+        // the library writes no more than that (a port or index out of range is an error).
+        let ret =
+            unsafe { ffi::_ibv_query_gid_ex(self.as_raw(), u32::from(port), index, &mut e, 0, mem::size_of_val(&e)) };
+        match ret {
+            0 => {}
+            libc::ENODATA | libc::EINVAL => return Ok(None),
+            e => return Err(Error::call("ibv_query_gid_ex", e, None)),
+        }
+        // SAFETY: `raw` is the 16-byte view of union ibv_gid; every bit pattern is valid.
+        let gid = Gid(unsafe { e.gid.raw });
+        if gid.is_zero() {
+            return Ok(None);
+        }
+        Ok(Some(GidEntry {
+            port,
+            index,
+            gid,
+            gid_type: match e.gid_type {
+                ffi::IBV_GID_TYPE_IB => GidType::Ib,
+                ffi::IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
+                ffi::IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
+                other => GidType::Other(other),
+            },
+            netdev: netdev_name(e.ndev_ifindex),
+        }))
     }
 }

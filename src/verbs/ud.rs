@@ -67,7 +67,8 @@ use crate::verbs::ah::{AddressHandle, Grh, GRH_LEN};
 use crate::verbs::cq::CompletionQueue;
 use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::qp::QueuePair;
+use crate::verbs::peer::PeerInfo;
+use crate::verbs::qp::{QpInit, QueuePair};
 use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
 
@@ -265,6 +266,8 @@ pub struct UdQp {
     port_num: u8,
     mtu: u32,
     qkey: u32,
+    /// The send queue's PSN (what a verbs-only peer is told; nothing checks it on UD).
+    psn: u32,
 }
 
 impl UdQp {
@@ -275,12 +278,90 @@ impl UdQp {
         let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_QKEY.0 | ffi::ibv_qp_attr_mask::IBV_QP_SQ_PSN.0;
         // SAFETY: the QP is valid; both out-pointers are live for the call.
-        let ret = unsafe {
-            ffi::ibv_query_qp(qp.as_raw(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_QKEY.0 as i32, &mut init)
-        };
+        let ret = unsafe { ffi::ibv_query_qp(qp.as_raw(), &mut attr, mask as i32, &mut init) };
         check_ibv(ret, "ibv_query_qp(QKEY)")?;
-        Ok(UdQp { qp, port_num, mtu, qkey: attr.qkey })
+        Ok(UdQp { qp, port_num, mtu, qkey: attr.qkey, psn: attr.sq_psn })
+    }
+
+    /// Creates a UD QP without the connection manager (`ibv_create_qp` on `pd`, its CQs made
+    /// on the PD's context unless `init` names them) on port `port` with Q_Key `qkey`, and
+    /// moves it through INIT and RTR to RTS: it can send and receive at once. Its peers learn
+    /// its address by any means ([`UdQp::local`]) and it reaches them through
+    /// [`UdQp::dest_to`]. This is `ibv_ud_pingpong`'s QP (which uses Q_Key `0x11111111`).
+    ///
+    /// # Errors
+    /// As for [`VerbsContext::port`](crate::VerbsContext::port) (a port the device lacks); as
+    /// for [`UserQp::new`](crate::UserQp::new); [`Error::Call`] when `ibv_modify_qp` refuses a
+    /// state (EOPNOTSUPP or EINVAL on a device without UD).
+    pub fn new(pd: &Arc<ProtectionDomain>, init: QpInit, port: u8, qkey: u32) -> Result<UdQp> {
+        pd.context().port(port)?;
+        let mut init = init;
+        init.datagrams = true;
+        let qp = QueuePair::create(
+            pd,
+            init,
+            |attr| {
+                // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
+                // QueuePair::create); attr is fully initialised, for a UD QP.
+                crate::error::check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")
+            },
+            None,
+        )?;
+        use ffi::ibv_qp_attr_mask as m;
+        let steps: [(ffi::ibv_qp_state::Type, u32, &'static str); 3] = [
+            (
+                ffi::ibv_qp_state::IBV_QPS_INIT,
+                m::IBV_QP_STATE.0 | m::IBV_QP_PKEY_INDEX.0 | m::IBV_QP_PORT.0 | m::IBV_QP_QKEY.0,
+                "ibv_modify_qp(INIT) of a UD QP",
+            ),
+            (ffi::ibv_qp_state::IBV_QPS_RTR, m::IBV_QP_STATE.0, "ibv_modify_qp(RTR) of a UD QP"),
+            (ffi::ibv_qp_state::IBV_QPS_RTS, m::IBV_QP_STATE.0 | m::IBV_QP_SQ_PSN.0, "ibv_modify_qp(RTS) of a UD QP"),
+        ];
+        // SAFETY: ibv_qp_attr is plain old data; all-zero is a valid value.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.pkey_index = 0;
+        attr.port_num = port;
+        attr.qkey = qkey;
+        attr.sq_psn = crate::verbs::qp::connect::random_psn();
+        for (state, mask, op) in steps {
+            attr.qp_state = state;
+            // SAFETY: the QP is alive (owned here); `attr` holds every field `mask` names.
+            check_ibv(unsafe { ffi::ibv_modify_qp(qp.as_raw(), &mut attr, mask as i32) }, op)?;
+        }
+        UdQp::from_qp(qp, port)
+    }
+
+    /// This QP's address for a peer without the connection manager: the port's LID, the GID
+    /// of entry `gid_index` (needed on RoCE), its QP number and send PSN.
+    ///
+    /// # Errors
+    /// As for [`VerbsContext::port`](crate::VerbsContext::port); [`Error::InvalidArgument`]
+    /// for a GID index with no entry (listing the ones there are).
+    pub fn local(&self, gid_index: Option<u8>) -> Result<PeerInfo> {
+        let (lid, gid) = PeerInfo::local_address(self.pd().context(), self.port_num, gid_index)?;
+        Ok(PeerInfo { lid, qp_num: self.qp_num(), psn: self.psn, gid })
+    }
+
+    /// The destination of a peer's UD QP known by its [`PeerInfo`] (exchanged by any means):
+    /// an address handle on this QP's PD that reaches its GID from local entry `gid_index`
+    /// (or its LID, without a GID) at service level `sl`, its QP number, and its Q_Key `qkey`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for info no QP can have ([`PeerInfo::check`]), or a peer
+    /// with a GID while no `gid_index` is given; as for [`AddressHandle::new`] (rxe fails it
+    /// when the GID does not resolve to a neighbour).
+    pub fn dest_to(&self, peer: &PeerInfo, gid_index: Option<u8>, sl: u8, qkey: u32) -> Result<UdDest> {
+        peer.check()?;
+        if peer.has_gid() && gid_index.is_none() {
+            return Err(Error::InvalidArgument(
+                "the peer gave a GID, but no local GID index was given to send from (-g)".into(),
+            ));
+        }
+        let attr = crate::verbs::ah::AhAttr::from_raw(peer.ah_attr(self.port_num, gid_index, sl));
+        let ah = AddressHandle::new(self.pd(), &attr)?;
+        Ok(UdDest::new(ah, peer.qp_num, qkey))
     }
 
     /// Posts UD sends, each to its own destination. Nothing is posted unless all pass the

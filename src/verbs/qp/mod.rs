@@ -83,9 +83,12 @@ use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
 use crate::wait::lock;
 
+pub mod connect;
 mod post;
 mod wait;
 mod window;
+
+pub use connect::{RcParams, UnconnectedQp};
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -198,8 +201,10 @@ struct Slot {
 
 /// An owned RC queue pair.
 ///
-/// Only the connection typestates create one, each consuming the state that owns the id, so an
-/// id has at most one QP (pinned to its error, E0382, by `tests/ui/two_qps_on_one_id.rs`):
+/// One that can send exists only once the QP is connected: the connection typestates create
+/// one, each consuming the state that owns the id, and so does [`UnconnectedQp::connect`]
+/// without the connection manager (consuming the QP in INIT). An id has at most one QP (pinned
+/// to its error, E0382, by `tests/ui/two_qps_on_one_id.rs`):
 ///
 /// ```compile_fail,E0382
 /// # fn f(route: rdma_cm::RouteResolved, pd: std::sync::Arc<rdma_cm::ProtectionDomain>) -> rdma_cm::Result<()> {

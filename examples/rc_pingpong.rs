@@ -1,0 +1,159 @@
+//! RC ping-pong over verbs alone, without the connection manager: rdma-core's
+//! `ibv_rc_pingpong` (rdma-core 44), with its flags, its TCP exchange of `LLLL:QQQQQQ:PPPPPP:GID`
+//! messages and its output, written with this crate's [`UnconnectedQp`]. It interoperates with
+//! `ibv_rc_pingpong` both ways.
+//!
+//! ```text
+//! cargo run --example rc_pingpong -- -g 1                      # server (no host), TCP port 18515
+//! cargo run --example rc_pingpong -- -g 1 10.77.0.1            # client
+//! ibv_rc_pingpong -g 1 -n 100                                  # rdma-core's server ...
+//! cargo run --example rc_pingpong -- -g 1 -n 100 10.77.0.1     # ... and this client
+//! ```
+//!
+//! Flags, as `ibv_rc_pingpong`'s: `-p port` (18515), `-d device` (the first), `-i ib_port`
+//! (1), `-s size` (4096), `-m mtu` (1024), `-r rx_depth` (500), `-n iters` (1000), `-l sl`
+//! (0), `-e` (accepted; waits always sleep on the CQ's channel), `-g gid_index` (needed on
+//! RoCE: on rxe the IPv4-mapped GID, usually 1; see `ibv_devinfo -v`), `-c` (the first byte of
+//! every page sent is 0, from both sides, since rdma-core's server sends back the buffer it
+//! received into; the server checks what it received last and prints `invalid data in page N`
+//! for each page whose first byte is not). Both sides need the same `-s`, `-m` and `-n`.
+//!
+//! What happens, as in `ibv_rc_pingpong`: each side creates an RC QP, moves it to INIT, posts
+//! `rx_depth` receives and sends its address (LID, QP number, a random PSN, the GID of `-g`);
+//! the server connects its QP (RTR, RTS) with the client's before it answers, the client once
+//! it has the answer, and sends first. Each side then sends one message per message received
+//! until it has sent and received `iters`, and prints the rate. Unlike `ibv_rc_pingpong`, every
+//! wait is bounded (60 s for the exchange, 20 s without a completion), and the peer's message
+//! is checked before any of it is used.
+
+mod pingpong;
+
+use std::time::Instant;
+
+use clap::Parser;
+use pingpong::{die, Args, IDLE_WAIT};
+use rdma_cm::{
+    AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QueuePair, RcParams, RecvWr, SendWr, UnconnectedQp,
+    WorkCompletion,
+};
+
+const RECV_WRID: u64 = 1;
+const SEND_WRID: u64 = 2;
+
+fn main() {
+    let args = Args::parse();
+    let size = args.size.unwrap_or(4096);
+    if size < 1 || args.rx_depth < 2 || args.iters < 1 {
+        die("size, rx-depth (at least 2) and iters must be positive");
+    }
+    let listener = match args.host {
+        None => Some(pingpong::listen(args.port).unwrap_or_else(|e| die(e))),
+        Some(_) => None,
+    };
+    let ctx = pingpong::open_device(args.ib_dev.as_deref());
+    let pd = ProtectionDomain::new(&ctx).unwrap_or_else(|e| die(format!("Couldn't allocate PD: {e}")));
+    let mut rmr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
+        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    let mut smr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
+        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    {
+        let s = smr.as_mut_slice().unwrap_or_else(|e| die(e));
+        s.fill(0x7b);
+        // -c: the first byte of every page is 0 in what the client sends and in what the server
+        // sends back (rdma-core's server sends back the buffer it received into), and the server
+        // checks what it received.
+        if args.chk {
+            for i in (0..s.len()).step_by(pingpong::page_size()) {
+                s[i] = 0;
+            }
+        }
+    }
+    let mut params = RcParams::new().port(args.ib_port).mtu(args.mtu).sl(args.sl);
+    if let Some(g) = args.gid_idx {
+        params = params.gid_index(g);
+    }
+    let init = QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth);
+    let mut qp = UnconnectedQp::new(&pd, init, params).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
+    let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..size as usize).wr_id(RECV_WRID)).collect();
+    qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
+    let mut routs = args.rx_depth;
+    let me = qp.local();
+    pingpong::print_local(&me);
+
+    // The QP can send only once `connect` has moved it to RTS: the server connects inside the
+    // exchange, before it answers; the client after.
+    let mut slot = Some(qp);
+    let mut connected: Option<QueuePair> = None;
+    let mut connect = |peer: &PeerInfo| -> Result<(), String> {
+        let q = slot.take().ok_or("connected twice")?;
+        connected = Some(q.connect(peer).map_err(|e| format!("Couldn't connect to remote QP: {e}"))?);
+        Ok(())
+    };
+    let peer = match (&args.host, listener) {
+        (Some(host), _) => {
+            let peer = pingpong::client_exchange(host, args.port, &[me]).unwrap_or_else(|e| die(e))[0];
+            connect(&peer).unwrap_or_else(|e| die(e));
+            peer
+        }
+        (None, Some(l)) => pingpong::server_exchange(l, 1, |theirs| connect(&theirs[0]).map(|()| vec![me]))
+            .unwrap_or_else(|e| die(e))[0],
+        (None, None) => unreachable!("a server always has its listener"),
+    };
+    pingpong::print_remote(&peer);
+    let mut qp = connected.unwrap_or_else(|| die("not connected"));
+
+    let send = [SendWr::send(&smr, 0..size as usize).wr_id(SEND_WRID)];
+    let mut pending = RECV_WRID;
+    if args.host.is_some() {
+        qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+        pending |= SEND_WRID;
+    }
+    let start = Instant::now();
+    let (mut rcnt, mut scnt) = (0u32, 0u32);
+    let mut wcs = [WorkCompletion::default(); 16];
+    while rcnt < args.iters || scnt < args.iters {
+        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
+        if n == 0 {
+            die(format!(
+                "no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: is the peer still running?"
+            ));
+        }
+        for wc in &wcs[..n] {
+            if !wc.is_ok() {
+                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
+            }
+            match wc.wr_id() {
+                SEND_WRID => scnt += 1,
+                RECV_WRID => {
+                    routs -= 1;
+                    if routs <= 1 {
+                        let more = (args.rx_depth - routs) as usize;
+                        qp.post_recv(&recvs[..more])
+                            .unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
+                        routs += more as u32;
+                    }
+                    rcnt += 1;
+                }
+                other => die(format!("Completion for unknown wr_id {other}")),
+            }
+            pending &= !wc.wr_id();
+            if scnt < args.iters && pending == 0 {
+                qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+                pending = RECV_WRID | SEND_WRID;
+            }
+        }
+    }
+    let elapsed = start.elapsed();
+    pingpong::print_figures(size, args.iters, elapsed);
+    // Dropping the QP flushes the receives still posted and releases the regions.
+    drop(qp);
+    drop(recvs);
+    if args.chk && args.host.is_none() {
+        let r = rmr.as_slice().unwrap_or_else(|e| die(e));
+        for (page, i) in (0..r.len()).step_by(pingpong::page_size()).enumerate() {
+            if r[i] != 0 {
+                println!("invalid data in page {page}");
+            }
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! UD ping-pong over verbs alone, without the connection manager: rdma-core's
+//! `ibv_ud_pingpong` (rdma-core 44), with its flags, its TCP exchange of
+//! `LLLL:QQQQQQ:PPPPPP:GID` messages and its output, written with this crate's
+//! [`UdQp::new`](rdma_cm::UdQp::new) (a UD QP from a port and a Q_Key). It interoperates with
+//! `ibv_ud_pingpong` both ways.
+//!
+//! ```text
+//! cargo run --example ud_pingpong -- -g 1                      # server (no host), TCP port 18515
+//! cargo run --example ud_pingpong -- -g 1 10.77.0.1            # client
+//! ibv_ud_pingpong -g 1 -n 100                                  # rdma-core's server ...
+//! cargo run --example ud_pingpong -- -g 1 -n 100 10.77.0.1     # ... and this client
+//! ```
+//!
+//! Flags, as `ibv_ud_pingpong`'s: `-p port` (18515), `-d device` (the first), `-i ib_port`
+//! (1), `-s size` (2048; at most the port's active MTU: a datagram is one packet), `-r
+//! rx_depth` (500), `-n iters` (1000), `-l sl` (0), `-e` (accepted; waits always sleep on the
+//! CQ's channel), `-g gid_index` (needed on RoCE: on rxe usually 1), `-c` (the first byte of
+//! every page sent is 0, from both sides; the server checks what it received last). Both sides need the same
+//! `-s` and `-n`.
+//!
+//! What happens, as in `ibv_ud_pingpong`: each side creates a UD QP with Q_Key `0x11111111`
+//! (INIT, RTR, RTS at once), posts `rx_depth` receives of `size` + 40 bytes (the GRH) and
+//! sends its address; the server makes its address handle for the client before it answers,
+//! the client once it has the answer, and sends first. Each side sends one datagram per
+//! datagram received until it has sent and received `iters`. Every wait is bounded (60 s for
+//! the exchange, 20 s without a completion: a lost datagram ends the run with that error,
+//! where `ibv_ud_pingpong` would spin forever).
+
+mod pingpong;
+
+use std::time::Instant;
+
+use clap::Parser;
+use pingpong::{die, Args, IDLE_WAIT};
+use rdma_cm::{
+    AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RecvWr, UdDest, UdQp, UdSendWr, WorkCompletion,
+    GRH_LEN,
+};
+
+const RECV_WRID: u64 = 1;
+const SEND_WRID: u64 = 2;
+/// `ibv_ud_pingpong`'s Q_Key.
+const QKEY: u32 = 0x1111_1111;
+
+fn main() {
+    let args = Args::parse();
+    let size = args.size.unwrap_or(2048);
+    if size < 1 || args.rx_depth < 2 || args.iters < 1 {
+        die("size, rx-depth (at least 2) and iters must be positive");
+    }
+    let listener = match args.host {
+        None => Some(pingpong::listen(args.port).unwrap_or_else(|e| die(e))),
+        Some(_) => None,
+    };
+    let ctx = pingpong::open_device(args.ib_dev.as_deref());
+    let pd = ProtectionDomain::new(&ctx).unwrap_or_else(|e| die(format!("Couldn't allocate PD: {e}")));
+    let init = QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth);
+    let mut qp = UdQp::new(&pd, init, args.ib_port, QKEY).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
+    if size > qp.mtu() {
+        die(format!("Requested size larger than port MTU ({})", qp.mtu()));
+    }
+    let rlen = GRH_LEN + size as usize;
+    let mut rmr = MemoryRegion::new(&pd, rlen, AccessFlags::LOCAL_WRITE)
+        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    let mut smr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
+        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    {
+        let s = smr.as_mut_slice().unwrap_or_else(|e| die(e));
+        s.fill(0x7b);
+        // -c: the first byte of every page is 0 in what the client sends and in what the server
+        // sends back (rdma-core's server sends back the buffer it received into), and the server
+        // checks what it received.
+        if args.chk {
+            for i in (0..s.len()).step_by(pingpong::page_size()) {
+                s[i] = 0;
+            }
+        }
+    }
+    let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..rlen).wr_id(RECV_WRID)).collect();
+    qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
+    let mut routs = args.rx_depth;
+    let me = qp.local(args.gid_idx).unwrap_or_else(|e| die(format!("Couldn't get port info: {e}")));
+    pingpong::print_local(&me);
+
+    let dest_of = |peer: &PeerInfo| -> Result<UdDest, String> {
+        qp.dest_to(peer, args.gid_idx, args.sl, QKEY).map_err(|e| format!("Failed to create AH: {e}"))
+    };
+    let mut dest = None;
+    let peer = match (&args.host, listener) {
+        (Some(host), _) => {
+            let peer = pingpong::client_exchange(host, args.port, &[me]).unwrap_or_else(|e| die(e))[0];
+            dest = Some(dest_of(&peer).unwrap_or_else(|e| die(e)));
+            peer
+        }
+        (None, Some(l)) => pingpong::server_exchange(l, 1, |theirs| {
+            dest = Some(dest_of(&theirs[0])?);
+            Ok(vec![me])
+        })
+        .unwrap_or_else(|e| die(e))[0],
+        (None, None) => unreachable!("a server always has its listener"),
+    };
+    pingpong::print_remote(&peer);
+    let dest = dest.unwrap_or_else(|| die("no address handle"));
+
+    let send = [UdSendWr::send(&dest, &smr, 0..size as usize).wr_id(SEND_WRID)];
+    let mut pending = RECV_WRID;
+    if args.host.is_some() {
+        qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+        pending |= SEND_WRID;
+    }
+    let start = Instant::now();
+    let (mut rcnt, mut scnt) = (0u32, 0u32);
+    let mut wcs = [WorkCompletion::default(); 16];
+    while rcnt < args.iters || scnt < args.iters {
+        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
+        if n == 0 {
+            die(format!(
+                "no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: a datagram was lost, or the \
+                 peer is gone"
+            ));
+        }
+        for wc in &wcs[..n] {
+            if !wc.is_ok() {
+                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
+            }
+            match wc.wr_id() {
+                SEND_WRID => scnt += 1,
+                RECV_WRID => {
+                    routs -= 1;
+                    if routs <= 1 {
+                        let more = (args.rx_depth - routs) as usize;
+                        qp.post_recv(&recvs[..more])
+                            .unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
+                        routs += more as u32;
+                    }
+                    rcnt += 1;
+                }
+                other => die(format!("Completion for unknown wr_id {other}")),
+            }
+            pending &= !wc.wr_id();
+            if scnt < args.iters && pending == 0 {
+                qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+                pending = RECV_WRID | SEND_WRID;
+            }
+        }
+    }
+    pingpong::print_figures(size, args.iters, start.elapsed());
+    drop(qp);
+    drop(recvs);
+    if args.chk && args.host.is_none() {
+        let r = rmr.as_slice().unwrap_or_else(|e| die(e));
+        for (page, i) in (0..size as usize).step_by(pingpong::page_size()).enumerate() {
+            if r[GRH_LEN + i] != 0 {
+                println!("invalid data in page {page}");
+            }
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Verbs without the connection manager (issue 23, part 2): RC QPs made on a protection domain
+//! alone and connected from each other's `PeerInfo` exchanged in-process, UD QPs made from a
+//! port and a Q_Key, and what bad peer info gives: a clear error, not a hang. Each attempt to
+//! break the API with safe code stays here as a test.
+
+mod common;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{DeviceTest, T};
+use rdma_cm::{
+    devices, AccessFlags, Datagram, Error, Gid, GidType, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QpState,
+    RcParams, RecvWr, SendWr, UdQp, UdSendWr, UnconnectedQp, VerbsContext, WcStatus, WorkQueue, GRH_LEN,
+};
+
+/// The device's context and the index of the RoCE v2 GID of its IPv4 address (what
+/// `ibv_rc_pingpong -g` is given).
+fn open(addr: IpAddr) -> (VerbsContext, u8) {
+    let name =
+        devices().expect("ibv_get_device_list").into_iter().next().expect("a device (this is a device test)").name;
+    let ctx = VerbsContext::open(&name).expect("ibv_open_device");
+    let entry = ctx
+        .gid_table(1)
+        .expect("gid table")
+        .into_iter()
+        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == GidType::RoceV2)
+        .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr} on port 1"));
+    (ctx, u8::try_from(entry.index).expect("a GID index under 256"))
+}
+
+fn pair(pd: &Arc<ProtectionDomain>, params: RcParams) -> (UnconnectedQp, UnconnectedQp) {
+    let a = UnconnectedQp::new(pd, QpInit::new(), params.clone()).expect("create QP a");
+    let b = UnconnectedQp::new(pd, QpInit::new(), params).expect("create QP b");
+    (a, b)
+}
+
+/// Two verbs-only QPs connected to each other by their infos alone: a send arrives byte for
+/// byte, and an RDMA WRITE lands byte for byte in the peer's region; both QPs are in RTS.
+#[test]
+fn rc_pair_connected_by_exchanged_info_sends_and_writes_byte_exact() {
+    let t = DeviceTest::start();
+    {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let (mut a, mut b) = pair(&pd, RcParams::new().gid_index(gidx));
+        assert_eq!(a.qp().state().unwrap(), QpState::Init);
+        let (ia, ib) = (a.local(), b.local());
+        assert_eq!(ia.qp_num, a.qp_num());
+        assert!(ia.has_gid() && ia.psn <= 0xff_ffff);
+        // Through the pingpong wire form, as two processes would exchange them.
+        let ib = PeerInfo::from_wire(&ib.to_wire().unwrap()).unwrap();
+        let ia = PeerInfo::from_wire(&ia.to_wire().unwrap()).unwrap();
+
+        let mut rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        b.post_recv(&[RecvWr::new(&rbuf, 0..64).wr_id(7)]).unwrap();
+        // An extra receive on a, so a's drop flushes something.
+        let abuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        a.post_recv(&[RecvWr::new(&abuf, 0..64).wr_id(8)]).unwrap();
+
+        let mut qa = a.connect(&ib).expect("connect a");
+        let mut qb = b.connect(&ia).expect("connect b");
+        assert_eq!(qa.state().unwrap(), QpState::ReadyToSend);
+        let at = qa.attributes().unwrap();
+        assert_eq!((at.dest_qp_num, at.path_mtu), (ib.qp_num, 1024));
+
+        let msg = b"verbs without the CM";
+        let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        sbuf.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(msg);
+        qa.post_send(&[SendWr::send(&sbuf, 0..msg.len()).wr_id(1)]).unwrap();
+        qa.wait_for(WorkQueue::Send, 1, T).unwrap().ok().unwrap();
+        let wc = qb.wait_for(WorkQueue::Recv, 7, T).unwrap().ok().unwrap();
+        assert_eq!(wc.byte_len() as usize, msg.len());
+        assert_eq!(&rbuf.as_slice().unwrap()[..msg.len()], msg);
+
+        // RDMA WRITE into b's remotely writable region.
+        let mut target = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+        target.write_at(0, &[0u8; 4096]).unwrap();
+        let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut src = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        src.as_mut_slice().unwrap().copy_from_slice(&pattern);
+        let remote = target.remote();
+        qa.post_send(&[SendWr::write(&src, 0..4096, &remote, 0).unwrap().wr_id(2)]).unwrap();
+        qa.wait_for(WorkQueue::Send, 2, T).unwrap().ok().unwrap();
+        let mut got = vec![0u8; 4096];
+        target.read_at(0, &mut got).unwrap();
+        assert_eq!(got, pattern, "the RDMA WRITE's bytes");
+        drop((qa, qb));
+        assert_eq!(abuf.outstanding(), 0, "a's receive was released when a was dropped");
+    }
+    t.finish();
+}
+
+/// A UD QP without an id, from a port and a Q_Key: in RTS at once; a datagram to a second one,
+/// addressed by its `PeerInfo`, arrives with its bytes and its sender's QP number.
+#[test]
+fn ud_qps_without_an_id_exchange_datagrams() {
+    let t = DeviceTest::start();
+    if common::require(common::Cap::Ud) {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let qkey = 0x1111_1111;
+        let mut a = UdQp::new(&pd, QpInit::new(), 1, qkey).expect("UD QP a");
+        let mut b = UdQp::new(&pd, QpInit::new(), 1, qkey).expect("UD QP b");
+        assert_eq!(a.qp().state().unwrap(), QpState::ReadyToSend);
+        assert_eq!(a.qkey(), qkey);
+        let ib = b.local(Some(gidx)).unwrap();
+        assert_eq!(ib.qp_num, b.qp_num());
+
+        let mut rbuf = MemoryRegion::new(&pd, b.recv_len(), AccessFlags::LOCAL_WRITE).unwrap();
+        b.post_recv(&[RecvWr::new(&rbuf, 0..b.recv_len()).wr_id(3)]).unwrap();
+        let dest = a.dest_to(&ib, Some(gidx), 0, qkey).unwrap();
+        a.post_send(&[UdSendWr::send_inline(&dest, b"datagram, no id").wr_id(4)]).unwrap();
+        a.wait_for(WorkQueue::Send, 4, T).unwrap().ok().unwrap();
+        let wc = b.wait_for(WorkQueue::Recv, 3, T).unwrap();
+        let d = Datagram::parse(&wc, &mut rbuf, 0).unwrap();
+        assert_eq!(d.src_qp(), a.qp_num());
+        let mut got = vec![0u8; d.len()];
+        rbuf.read_at(d.payload().start, &mut got).unwrap();
+        assert_eq!(got, b"datagram, no id");
+        assert!(d.payload().start == GRH_LEN);
+
+        // A Q_Key that is not b's: the datagram is dropped by b (no completion), the send
+        // still completes.
+        let wrong = a.dest_to(&ib, Some(gidx), 0, 0x2222_2222).unwrap();
+        b.post_recv(&[RecvWr::new(&rbuf, 0..b.recv_len()).wr_id(5)]).unwrap();
+        a.post_send(&[UdSendWr::send_inline(&wrong, b"x").wr_id(6)]).unwrap();
+        a.wait_for(WorkQueue::Send, 6, T).unwrap().ok().unwrap();
+        let e = b.wait_for(WorkQueue::Recv, 5, Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    }
+    t.finish();
+}
+
+/// Bad peer info: what can be checked is refused before any call, naming the field; a QP
+/// number that names no QP is accepted by RTR/RTS (nothing can check it) and the first send
+/// fails with RETRY_EXC_ERR within the retry budget: a clear error, never a hang.
+#[test]
+fn bad_peer_info_gives_a_clear_error_not_a_hang() {
+    let t = DeviceTest::start();
+    {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let params = RcParams::new().gid_index(gidx).timeout(12).retry_count(2);
+        let good = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap().local();
+
+        let cases: [(PeerInfo, &str); 4] = [
+            (PeerInfo { qp_num: 0, ..good }, "QP number"),
+            (PeerInfo { qp_num: 1 << 24, ..good }, "QP number"),
+            (PeerInfo { psn: 1 << 24, ..good }, "PSN"),
+            (PeerInfo { gid: Gid::default(), lid: 5, ..good }, "GID"),
+        ];
+        for (peer, what) in cases {
+            let q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
+            let e = q.connect(&peer).expect_err("bad info must be refused");
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+            assert!(e.to_string().contains(what), "{what}: {e}");
+        }
+        // A zero message (what ibv_srq_pingpong sends for its unused QPs) parses and is refused.
+        let zero = PeerInfo::from_wire(&PeerInfo::default().to_wire().unwrap()).unwrap();
+        let q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
+        assert!(q.connect(&zero).is_err());
+
+        // A QP number that names nothing: connect succeeds, the send fails in bounded time.
+        let mut q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
+        let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        q.post_recv(&[RecvWr::new(&rbuf, 0..64).wr_id(1)]).unwrap();
+        let ghost = PeerInfo { qp_num: (good.qp_num + 1000) & 0xff_ffff, ..good };
+        let mut qp = q.connect(&ghost).expect("RTR/RTS cannot check the peer's QP number");
+        let started = Instant::now();
+        qp.post_send(&[SendWr::send_inline(b"anyone?").wr_id(2)]).unwrap();
+        let e = qp.wait_for(WorkQueue::Send, 2, T).expect_err("a send to no QP fails");
+        assert!(started.elapsed() < T, "bounded: {:?}", started.elapsed());
+        match &e {
+            Error::WorkCompletion { status, .. } => assert_eq!(*status, WcStatus::RetryExcErr, "{e}"),
+            other => panic!("expected RETRY_EXC_ERR, got {other}"),
+        }
+        assert!(e.to_string().contains("did not acknowledge"), "the hint: {e}");
+        drop(qp);
+        assert_eq!(rbuf.outstanding(), 0, "the flushed receive released its region");
+    }
+    t.finish();
+}
+
+/// Local parameters no QP can use are refused before any QP exists, each naming the cause: an
+/// empty GID index (the valid ones listed), no GID index on RoCE, a path MTU that is no MTU or
+/// over the port's, a port the device lacks.
+#[test]
+fn bad_local_parameters_are_named() {
+    let t = DeviceTest::start();
+    {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let cases: [(RcParams, &str); 5] = [
+            (RcParams::new().gid_index(250), "GID index 250 is empty"),
+            (RcParams::new(), "RoCE"),
+            (RcParams::new().gid_index(gidx).mtu(3000), "not one of"),
+            (RcParams::new().gid_index(gidx).mtu(8192), "not one of"),
+            (RcParams::new().gid_index(gidx).port(9), "no port 9"),
+        ];
+        for (params, what) in cases {
+            let e = UnconnectedQp::new(&pd, QpInit::new(), params).expect_err(what);
+            assert!(e.to_string().contains(what), "{what}: {e}");
+        }
+        let e = UdQp::new(&pd, QpInit::new(), 7, 1).expect_err("UD on a port the device lacks");
+        assert!(e.to_string().contains("no port 7"), "{e}");
+    }
+    t.finish();
+}
+
+/// Safe-code attempts on the unconnected QP: receives posted and the QP dropped (they are
+/// flushed and their regions released; the kernel's counts are back), and its region
+/// unreachable while the receive is posted.
+#[test]
+fn unconnected_qp_dropped_with_receives_posted_releases_them() {
+    let t = DeviceTest::start();
+    {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut q = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(gidx)).unwrap();
+        let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
+        let wrs: Vec<RecvWr> = (0..4).map(|i| RecvWr::new(&mr, i * 64..(i + 1) * 64).wr_id(i as u64)).collect();
+        q.post_recv(&wrs).unwrap();
+        drop(wrs);
+        assert_eq!(q.qp().outstanding_recvs(), 4);
+        assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "the device may write it");
+        drop(q);
+        assert_eq!(mr.outstanding(), 0);
+        mr.as_mut_slice().unwrap().fill(1);
+    }
+    t.finish();
+}
