@@ -333,6 +333,10 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
             "no local interface has this address: see `ip -br addr`, and `rdma link` for the netdev behind each RDMA device"
         }
         ("rdma_listen", EADDRINUSE) => "the port is already in use: choose another one with -p",
+        // iWARP makes the TCP connection inside rdma_connect (InfiniBand and RoCE get REJECTED).
+        ("rdma_connect", ECONNREFUSED) => {
+            "nobody listens on that address and port (the iWARP connection's TCP connect was refused): is the server running, and is the port right?"
+        }
         ("rdma_notify", EISCONN) => "the connection is established already: the CM needs no notice",
         ("rdma_notify", EINVAL) => {
             "the id is not connecting or connected, or its transport's CM takes no notice (iWARP)"
@@ -431,6 +435,13 @@ mod tests {
         let e = check_ibv(-libc::ENOMEM, "ibv_post_send").unwrap_err();
         assert_eq!(e.errno(), Some(libc::ENOMEM));
         assert!(e.to_string().contains("poll completions"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_iwarp_connect_says_nobody_listens() {
+        let e = Error::call("rdma_connect", libc::ECONNREFUSED, None);
+        assert!(e.to_string().starts_with("rdma_connect failed: ECONNREFUSED"), "{e}");
+        assert!(e.to_string().contains("nobody listens"), "{e}");
     }
 
     #[test]
