@@ -359,7 +359,7 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
         ("ibv_create_cq", EINVAL) => "the CQ depth exceeds the device's max_cqe (see `ibv_devinfo -v`)",
         ("ibv_post_send" | "ibv_post_recv", ENOMEM) => "the work queue is full: poll completions first",
         ("ibv_post_send" | "ibv_post_recv", EINVAL) => {
-            "the work request exceeds the QP's capabilities (max_sge, max_inline_data) or the QP is in the wrong state"
+            "the work request exceeds the QP's capabilities (max_sge, max_inline_data), uses what the device lacks (iWARP: immediate data; atomics where `ibv_devinfo -v` says ATOMIC_NONE), or the QP is in the wrong state"
         }
         (_, ETIMEDOUT) => "the peer did not answer in time: is it running, and is the link up (`rdma link`)?",
         (_, 0) => {
@@ -447,6 +447,8 @@ mod tests {
         let e = check_ibv(-libc::ENOMEM, "ibv_post_send").unwrap_err();
         assert_eq!(e.errno(), Some(libc::ENOMEM));
         assert!(e.to_string().contains("poll completions"), "{e}");
+        let e = check_ibv(libc::EINVAL, "ibv_post_send").unwrap_err();
+        assert!(e.to_string().contains("immediate data"), "{e}");
     }
 
     #[test]
