@@ -258,6 +258,14 @@ pub(crate) fn errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
 }
 
+/// Sets the current thread's errno to 0, before a call whose provider may fail without
+/// setting it (rdma-core 44's libsiw returns NULL from `ibv_create_cq` and `ibv_create_qp` so
+/// when it runs out of queue mappings): its error then says "no errno", not a stale one.
+pub(crate) fn clear_errno() {
+    // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's life.
+    unsafe { *libc::__errno_location() = 0 };
+}
+
 /// `rdma_*` convention: 0 on success, -1 with `errno` set on failure.
 pub(crate) fn check_rdma(ret: libc::c_int, op: &'static str) -> Result<()> {
     if ret == 0 {
@@ -348,6 +356,10 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
         ("bind memory window" | "invalidate memory window", _) => {
             "the provider refused it: check that the QP is connected (RC) and the device's memory-window support (`ibv_devinfo -v`)"
         }
+        // iWARP makes the TCP connection inside rdma_connect (InfiniBand and RoCE get REJECTED).
+        ("rdma_connect", ECONNREFUSED) => {
+            "nobody listens on that address and port (the iWARP connection's TCP connect was refused): is the server running, and is the port right?"
+        }
         ("rdma_notify", EISCONN) => "the connection is established already: the CM needs no notice",
         ("rdma_notify", EINVAL) => {
             "the id is not connecting or connected, or its transport's CM takes no notice (iWARP)"
@@ -374,9 +386,12 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
         ("ibv_create_cq", EINVAL) => "the CQ depth exceeds the device's max_cqe (see `ibv_devinfo -v`)",
         ("ibv_post_send" | "ibv_post_recv", ENOMEM) => "the work queue is full: poll completions first",
         ("ibv_post_send" | "ibv_post_recv", EINVAL) => {
-            "the work request exceeds the QP's capabilities (max_sge, max_inline_data) or the QP is in the wrong state"
+            "the work request exceeds the QP's capabilities (max_sge, max_inline_data), uses what the device lacks (iWARP: immediate data; atomics where `ibv_devinfo -v` says ATOMIC_NONE), or the QP is in the wrong state"
         }
         (_, ETIMEDOUT) => "the peer did not answer in time: is it running, and is the link up (`rdma link`)?",
+        (_, 0) => {
+            "the provider failed without saying why; it may have run out of a resource of its own: rdma-core 44's Soft-iWARP library (libsiw) maps only about 150 pages of queues per process"
+        }
         _ => return None,
     })
 }
@@ -386,6 +401,7 @@ struct Errno<'a>(&'a io::Error);
 impl fmt::Display for Errno<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0.raw_os_error() {
+            Some(0) => f.write_str("no errno"),
             Some(e) => write!(f, "{} ({})", errno_name(e), self.0),
             None => write!(f, "{}", self.0),
         }
@@ -458,6 +474,26 @@ mod tests {
         let e = check_ibv(-libc::ENOMEM, "ibv_post_send").unwrap_err();
         assert_eq!(e.errno(), Some(libc::ENOMEM));
         assert!(e.to_string().contains("poll completions"), "{e}");
+        let e = check_ibv(libc::EINVAL, "ibv_post_send").unwrap_err();
+        assert!(e.to_string().contains("immediate data"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_iwarp_connect_says_nobody_listens() {
+        let e = Error::call("rdma_connect", libc::ECONNREFUSED, None);
+        assert!(e.to_string().starts_with("rdma_connect failed: ECONNREFUSED"), "{e}");
+        assert!(e.to_string().contains("nobody listens"), "{e}");
+    }
+
+    #[test]
+    fn a_constructor_that_sets_no_errno_says_so() {
+        clear_errno();
+        let e = check_ptr(std::ptr::null_mut::<u8>(), "ibv_create_cq").unwrap_err();
+        assert_eq!(e.errno(), Some(0));
+        assert!(
+            e.to_string().starts_with("ibv_create_cq failed: no errno: the provider failed without saying why"),
+            "{e}"
+        );
     }
 
     #[test]

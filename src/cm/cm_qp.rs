@@ -89,6 +89,7 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
             if block_self_mcast_lb {
                 create_qp_blocking_loopback(id, pd, attr)?;
             } else {
+                crate::error::clear_errno();
                 // SAFETY: id, PD and CQs are valid and on one device context (checked above and
                 // in QueuePair::create; librdmacm checks the PD's context against the id's
                 // too); attr is fully initialised.

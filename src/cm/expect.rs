@@ -85,11 +85,14 @@ fn expected_hint(expected: CmEventType) -> Option<&'static str> {
     })
 }
 
-/// IB CM reject reasons that matter (IBTA table 112).
+/// IB CM reject reasons that matter (IBTA table 112); the iWARP CM reports a negated errno.
 fn reject_hint(status: i32) -> &'static str {
     match status {
         8 => "nobody listens on that address and port (invalid service ID): is the server running, and is the port right?",
         28 => "the server refused the connection (consumer reject); its private data may say why",
+        s if s == -libc::ECONNRESET || s == -libc::ECONNREFUSED => {
+            "the server refused the connection (iWARP: an MPA reject, or the connection was closed during the handshake); its private data may say why"
+        }
         _ => "the peer rejected the connection: is the server running on that port?",
     }
 }

@@ -85,6 +85,7 @@ impl CompletionQueue {
         }
         // SAFETY: the context is open while `ctx` lives; NULL is checked.
         let channel = check_ptr(unsafe { ffi::ibv_create_comp_channel(ctx.as_raw()) }, "ibv_create_comp_channel")?;
+        crate::error::clear_errno();
         // SAFETY: context and channel valid; cq_context unused (NULL).
         let raw = unsafe { ffi::ibv_create_cq(ctx.as_raw(), depth as i32, std::ptr::null_mut(), channel.as_ptr(), 0) };
         let raw = match check_ptr(raw, "ibv_create_cq") {

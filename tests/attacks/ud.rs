@@ -46,8 +46,13 @@ fn parse_refuses_a_region_another_posted_receive_still_uses() {
 }
 
 /// A peer's datagram larger than the receive buffer: the completion is an error (or the
-/// message is cut to the buffer), `Datagram::parse` never names bytes past the buffer, and the
-/// neighbouring chunk of the same registration is untouched.
+/// message is cut to the buffer), or the datagram is dropped, `Datagram::parse` never names
+/// bytes past the buffer, and the neighbouring chunk of the same registration is untouched.
+///
+/// Both outcomes are real: Debian 12's rxe (6.1) completes the receive with an error, and
+/// Debian 13's (6.12) drops the datagram silently, as hardware does (IBA C9-92's length check,
+/// rxe's `check_length`). A datagram that fits, sent right after, tells them apart without
+/// waiting for nothing: a drop leaves the receive to it.
 ///
 /// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
@@ -69,17 +74,24 @@ fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
         client.qp_mut().post_send(&[UdSendWr::send(&to_server, &s, 0..512).wr_id(2)]).unwrap();
     }
     client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
+    let fits = pattern(8, 6);
+    client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &fits).wr_id(3)]).unwrap();
+    client.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap();
     let mut wcs = [WorkCompletion::default(); 1];
     let n = server.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T).unwrap();
-    assert_eq!(n, 1, "the too-long datagram completes the receive (with an error) rather than vanishing");
+    assert_eq!(n, 1, "the receive completes: with the too-long datagram, or with the one that fits after it");
     let wc = wcs[0];
     eprintln!(
-        "measured: a 200/512-byte datagram into a {chunk}-byte receive: {} byte_len {}",
+        "measured: a 200/512-byte datagram into a {chunk}-byte receive, then an 8-byte one: {} byte_len {}",
         wc.status(),
         wc.byte_len()
     );
     match Datagram::parse(&wc, &mut chunks[0], 0) {
         Err(Error::WorkCompletion { .. }) => {}
+        // Dropped: the receive holds the datagram that fits, whole.
+        Ok(d) if wc.byte_len() as usize == GRH_LEN + fits.len() => {
+            assert_eq!(&chunks[0].as_slice().unwrap()[d.payload()], &fits[..], "the datagram after the dropped one")
+        }
         Ok(d) => assert!(d.payload().end <= chunk, "payload {:?} past the {chunk}-byte buffer", d.payload()),
         Err(e) => panic!("unexpected error: {e}"),
     }
@@ -235,13 +247,15 @@ fn forged_grh_gives_an_error_or_the_claimed_address_never_a_panic() {
     t.finish();
 }
 
-/// A peer's datagram longer than the posted receive. Measured on rxe: the receive fails
+/// A peer's datagram longer than the posted receive. Measured on rxe (6.1): the receive fails
 /// (`LOC_QP_OP_ERR`) and the UD QP goes to the error state, so one hostile datagram stops it
 /// receiving; before the fix, the next receive was accepted and never completed (its wait
 /// timed out blaming the peer). Now the QP refuses posts with an error that names the cause
-/// and `UdQp::recv_len`, and holds nothing. Then, on the healthy QP: gathered sends naming a
-/// region of another PD, and a batch of receives whose second has no room for the GRH, are
-/// refused whole.
+/// and `UdQp::recv_len`, and holds nothing. On rxe 6.12 (as on hardware) the datagram is
+/// dropped instead and the QP lives on: a datagram that fits, sent after it, then completes
+/// the receive, and the QP still takes receives. Then, on the healthy QP: gathered sends
+/// naming a region of another PD, and a batch of receives whose second has no room for the
+/// GRH, are refused whole.
 ///
 /// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
@@ -254,15 +268,30 @@ fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
     server.qp_mut().post_recv(&[RecvWr::new(&small, 0..GRH_LEN + 8).wr_id(1)]).unwrap();
     client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &[1; 64]).wr_id(2)]).unwrap();
     client.qp_mut().wait_for(WorkQueue::Send, 2, T).unwrap();
-    let e = server.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap_err();
-    assert!(matches!(e, Error::WorkCompletion { wr_id: 1, .. }), "{e}");
-    let state = server.qp().qp().attributes().unwrap().state;
-    eprintln!("measured: the UD QP after a too-long datagram: {state:?}");
-    assert_eq!(state, rdma_cm::QpState::Error, "if the QP survives, the refusal below is too strict");
-    let e = server.qp_mut().post_recv(&[RecvWr::new(&ok, 0..GRH_LEN + 64).wr_id(3)]).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("recv_len"), "{e}");
-    assert!(ok.outstanding() == 0 && server.qp().outstanding_recvs() == 0);
-    assert!(ok.as_mut_slice().is_ok());
+    client.qp_mut().post_send(&[UdSendWr::send_inline(&to_server, &[2; 8]).wr_id(4)]).unwrap();
+    client.qp_mut().wait_for(WorkQueue::Send, 4, T).unwrap();
+    match server.qp_mut().wait_for(WorkQueue::Recv, 1, T) {
+        Err(e) => {
+            assert!(matches!(e, Error::WorkCompletion { wr_id: 1, .. }), "{e}");
+            let state = server.qp().qp().attributes().unwrap().state;
+            eprintln!("measured: the UD QP after a too-long datagram: {state:?}");
+            assert_eq!(state, rdma_cm::QpState::Error, "if the QP survives, the refusal below is too strict");
+            let e = server.qp_mut().post_recv(&[RecvWr::new(&ok, 0..GRH_LEN + 64).wr_id(3)]).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("recv_len"), "{e}");
+            assert!(ok.outstanding() == 0 && server.qp().outstanding_recvs() == 0);
+            assert!(ok.as_mut_slice().is_ok());
+        }
+        Ok(wc) => {
+            // Dropped: the receive took the datagram that fits, and the QP lives on.
+            assert_eq!(wc.byte_len() as usize, GRH_LEN + 8, "the datagram after the dropped one");
+            let state = server.qp().qp().attributes().unwrap().state;
+            eprintln!("measured: the too-long datagram was dropped; the UD QP is {state:?}");
+            assert_eq!(state, rdma_cm::QpState::ReadyToSend);
+            server.qp_mut().post_recv(&[RecvWr::new(&ok, 0..GRH_LEN + 64).wr_id(3)]).unwrap();
+            assert_eq!((ok.outstanding(), server.qp().outstanding_recvs()), (1, 1));
+            // The receive is reaped by the QP's drop below (its flush); the region goes with it.
+        }
+    }
     // Gathered sends naming a region of another PD are refused before posting.
     let other = ProtectionDomain::new(client.qp().pd().context()).unwrap();
     let a = MemoryRegion::new(client.qp().pd(), 8, AccessFlags::LOCAL_WRITE).unwrap();

@@ -1,5 +1,6 @@
 //! Skipping by capability: a device test that needs what not every RDMA device offers (atomics,
-//! UD, multicast, immediate data, a scattered READ, RNR retries) asks the device first, and when the device
+//! UD, multicast, immediate data, a scattered READ, RNR retries, InfiniBand transport QP attributes,
+//! many CQs in one process) asks the device first, and when the device
 //! says no, prints one line saying what is missing and why, then returns.
 //!
 //! It asks the device, never its name: the same suite runs on rxe, siw and hardware (as
@@ -28,6 +29,15 @@ pub enum Cap {
     /// at the sender with RNR_RETRY_EXC_ERR (InfiniBand and RoCE; iWARP has no RNR NAK, and its
     /// send completes once the data is handed to TCP).
     RnrRetry,
+    /// The InfiniBand transport's QP attributes, as `ibv_query_qp` reports them on a connected
+    /// QP: ACK timeout, retry count, traffic class, the peer's QP number (InfiniBand and RoCE;
+    /// iWARP's transport is TCP, which has none of them).
+    IbQpAttributes,
+    /// This many completion queues (of one entry) held at once in one device context, as a
+    /// process's connections share librdmacm's: a lower bound of what a test of that many
+    /// connections holds. No device attribute says it (`max_cq` is the kernel's limit, not the
+    /// provider library's): it is found by making them, and they are all destroyed again.
+    CompletionQueues(usize),
 }
 
 /// What the device says about itself: the answers `require` needs.
@@ -64,11 +74,32 @@ fn lacks(cap: Cap, d: &Answers) -> Option<String> {
         Cap::Atomics if d.atomic_cap == ffi::ibv_atomic_cap::IBV_ATOMIC_NONE => {
             Some(format!("{} says ATOMIC_NONE", d.name))
         }
+        Cap::IbQpAttributes if iwarp => Some(format!(
+            "{} is an iWARP device: its QPs run over TCP, which has no ACK timeout, retry count or traffic class",
+            d.name
+        )),
         Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry if iwarp => {
             Some(format!("{} is an iWARP device, and iWARP has no {}", d.name, what(cap)))
         }
         Cap::ReadScatter(n) if d.max_sge_rd != 0 && d.max_sge_rd < n => {
             Some(format!("{} says max_sge_rd {}, fewer than {n}", d.name, d.max_sge_rd))
+        }
+        Cap::CompletionQueues(n) => {
+            let ctx = rdma_cm::VerbsContext::open(&d.name).unwrap_or_else(|e| panic!("open {}: {e}", d.name));
+            let mut held = Vec::with_capacity(n);
+            for _ in 0..n {
+                match rdma_cm::CompletionQueue::new(&ctx, 1) {
+                    Ok(cq) => held.push(cq),
+                    Err(e) => {
+                        return Some(format!(
+                            "{} holds {} one-entry CQs in one context, then refuses: {e}",
+                            d.name,
+                            held.len()
+                        ))
+                    }
+                }
+            }
+            None
         }
         _ => None,
     }
@@ -82,7 +113,22 @@ fn what(cap: Cap) -> String {
         Cap::ImmediateData => "immediate data".into(),
         Cap::ReadScatter(n) => format!("an RDMA READ scattered over {n} pieces"),
         Cap::RnrRetry => "receiver-not-ready retries".into(),
+        Cap::IbQpAttributes => "InfiniBand transport QP attributes".into(),
+        Cap::CompletionQueues(n) => format!("{n} completion queues in one process"),
     }
+}
+
+/// Whether the device under test is an iWARP device (`transport_type` of its verbs device):
+/// for the tests whose expected outcome is the transport's own, and differs on iWARP (its
+/// connections are TCP's), rather than missing there.
+pub fn iwarp() -> bool {
+    answers().transport == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
+}
+
+/// Whether `ctx` is a context of an iWARP device.
+pub fn iwarp_context(ctx: &rdma_cm::VerbsContext) -> bool {
+    // SAFETY: an open context's device pointer is set, and valid, for the context's life.
+    unsafe { (*(*ctx.as_raw()).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP }
 }
 
 /// Whether the device under test offers `cap`. When it does not, prints exactly one line,

@@ -19,6 +19,8 @@ pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
 pub use caps::{require, skipped, Cap};
 pub use device::device_addr;
+#[allow(unused_imports)] // (used by the tests that look at the netdev: device.rs)
+pub use device::{ipv4_of, ipv6_of, netdev_of};
 
 pub const T: Duration = Duration::from_secs(10);
 
