@@ -663,9 +663,7 @@ impl CompletionQueue {
     /// Polls up to `out.len()` raw completions (`ibv_poll_cq`).
     pub(crate) fn poll_raw(&self, out: &mut [std::mem::MaybeUninit<ffi::ibv_wc>]) -> Result<usize> {
         if self.exclusive {
-            return Err(Error::InvalidArgument(
-                "this CQ belongs to a Lane, which is its only reader: poll it through the lane (Lane::poll)".into(),
-            ));
+            return Err(lane_owned());
         }
         let n = out.len().min(i32::MAX as usize) as i32;
         // SAFETY: the CQ is valid; `out` has room for `n` entries that the provider writes.
@@ -676,6 +674,14 @@ impl CompletionQueue {
         }
         Ok(ret as usize)
     }
+}
+
+/// The refusal of a poll of a [`Lane`](crate::lane::Lane)'s CQ by anyone but the lane.
+#[cold]
+fn lane_owned() -> Error {
+    Error::InvalidArgument(
+        "this CQ belongs to a Lane, which is its only reader: poll it through the lane (Lane::poll)".into(),
+    )
 }
 
 /// The descriptor is offered as `AsRawFd` only: safe code cannot borrow it into a `File` to

@@ -175,8 +175,9 @@ pub struct DestKey {
     index: u32,
 }
 
-/// A refused post: the error, and the work request given back when the provider did not take
-/// it (`None` when it may have: the lane keeps its region until the flush retires it).
+/// A refused post: the error, and what is given back (the work request's region, for a post
+/// the provider did not take; `None` when it may have: the lane then keeps the region until the
+/// flush retires it).
 pub struct Rejected<T> {
     // Boxed: a post that succeeds then returns one word, and only a refusal allocates.
     inner: Box<(Error, Option<T>)>,
@@ -195,11 +196,11 @@ impl<T> Rejected<T> {
     pub fn error(&self) -> &Error {
         &self.inner.0
     }
-    /// The work request, with its region, when it was not posted.
+    /// What was given back (the region, when the work request was not posted).
     pub fn into_inner(self) -> Option<T> {
         self.inner.1
     }
-    /// The error and the work request.
+    /// The error and what was given back.
     pub fn into_parts(self) -> (Error, Option<T>) {
         let (e, t) = *self.inner;
         (e, t)
@@ -227,6 +228,45 @@ impl<T> fmt::Display for Rejected<T> {
 impl<T> std::error::Error for Rejected<T> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.inner.0)
+    }
+}
+
+/// A refused [`Lane::post_send_iter`]: the error, and the regions (with their `wr_id`s) of
+/// the work requests it took from the iterator and did not post, in order. Regions the
+/// provider may have taken are not among them: the lane keeps those until the flush retires
+/// them.
+#[derive(Debug)]
+pub struct RejectedList {
+    error: Error,
+    returned: Vec<(u64, MemoryRegion)>,
+}
+
+impl RejectedList {
+    /// The error.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+    /// The error and the regions given back, as (`wr_id`, region).
+    pub fn into_parts(self) -> (Error, Vec<(u64, MemoryRegion)>) {
+        (self.error, self.returned)
+    }
+}
+
+impl From<RejectedList> for Error {
+    fn from(r: RejectedList) -> Error {
+        r.error
+    }
+}
+
+impl fmt::Display for RejectedList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl std::error::Error for RejectedList {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
     }
 }
 
@@ -260,7 +300,10 @@ fn piece(r: &Range<usize>) -> std::result::Result<Piece, &'static str> {
 pub struct SendWr {
     mr: MemoryRegion,
     kind: Kind,
-    pieces: [Piece; MAX_SGE],
+    /// The first piece, and the others (`n - 1` of them): kept apart so that a single-piece
+    /// request never touches the array.
+    first: Piece,
+    rest: [Piece; MAX_SGE - 1],
     n: u8,
     /// Why the request cannot be posted (found by a constructor; reported by the post).
     bad: Option<&'static str>,
@@ -275,7 +318,8 @@ impl fmt::Debug for SendWr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SendWr")
             .field("kind", &self.kind)
-            .field("pieces", &&self.pieces[..self.n as usize])
+            .field("first", &self.first)
+            .field("rest", &&self.rest[..(self.n as usize).saturating_sub(1)])
             .field("wr_id", &self.wr_id)
             .field("signaled", &self.signaled)
             .finish()
@@ -283,34 +327,46 @@ impl fmt::Debug for SendWr {
 }
 
 impl SendWr {
+    /// A request of one piece.
     #[inline(always)]
-    fn new(mr: MemoryRegion, kind: Kind, ranges: &[Range<usize>]) -> SendWr {
-        let mut w = SendWr {
+    fn one(mr: MemoryRegion, kind: Kind, range: Range<usize>) -> SendWr {
+        let (first, bad) = match piece(&range) {
+            Ok(p) => (p, None),
+            Err(why) => ((0, 0), Some(why)),
+        };
+        SendWr {
             mr,
             kind,
-            pieces: [(0, 0); MAX_SGE],
-            n: 0,
-            bad: None,
+            first,
+            rest: [(0, 0); MAX_SGE - 1],
+            n: 1,
+            bad,
             wr_id: 0,
             imm: None,
             signaled: true,
             solicited: false,
             dest: None,
-        };
-        if ranges.is_empty() || ranges.len() > MAX_SGE {
+        }
+    }
+
+    /// A request of the pieces `ranges`.
+    fn new(mr: MemoryRegion, kind: Kind, ranges: &[Range<usize>]) -> SendWr {
+        let Some((head, tail)) = ranges.split_first().filter(|_| ranges.len() <= MAX_SGE) else {
+            let mut w = Self::one(mr, kind, 0..0);
             w.bad = Some("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)");
             return w;
-        }
-        for r in ranges {
+        };
+        let mut w = Self::one(mr, kind, head.clone());
+        for r in tail {
             match piece(r) {
                 Ok(p) => {
-                    w.pieces[w.n as usize] = p;
+                    w.rest[w.n as usize - 1] = p;
                     w.n += 1;
                 }
                 Err(why) => w.bad = Some(why),
             }
         }
-        if w.n > 1 && w.pieces[..w.n as usize].iter().any(|p| p.1 == 0) {
+        if w.n > 1 && (w.first.1 == 0 || w.rest[..w.n as usize - 1].iter().any(|p| p.1 == 0)) {
             w.bad = Some("a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)");
         }
         w
@@ -319,7 +375,7 @@ impl SendWr {
     /// Sends `mr[range]`.
     #[inline(always)]
     pub fn send(mr: MemoryRegion, range: Range<usize>) -> SendWr {
-        Self::new(mr, Kind::Send, &[range])
+        Self::one(mr, Kind::Send, range)
     }
 
     /// Sends the concatenation of `ranges` of `mr`, in order (at most [`MAX_SGE`], and at most
@@ -331,7 +387,7 @@ impl SendWr {
     /// Writes `mr[range]` to `remote` at `offset` (RDMA WRITE).
     #[inline(always)]
     pub fn write(mr: MemoryRegion, range: Range<usize>, remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::new(mr, Kind::Write { remote: *remote, offset }, &[range])
+        Self::one(mr, Kind::Write { remote: *remote, offset }, range)
     }
 
     /// Writes the concatenation of `ranges` of `mr` to `remote` at `offset` (a gathered RDMA
@@ -344,7 +400,7 @@ impl SendWr {
     /// Reads `remote` at `offset` into `mr[range]` (RDMA READ). The region needs
     /// [`AccessFlags::LOCAL_WRITE`].
     pub fn read(mr: MemoryRegion, range: Range<usize>, remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::new(mr, Kind::Read { remote: *remote, offset }, &[range])
+        Self::one(mr, Kind::Read { remote: *remote, offset }, range)
     }
 
     /// Reads `remote` at `offset` into `ranges` of `mr`, in order (a scattered RDMA READ).
@@ -357,8 +413,7 @@ impl SendWr {
     /// [`AccessFlags::LOCAL_WRITE`]; the target must be 8-byte aligned.
     #[inline(always)]
     pub fn fetch_add(mr: MemoryRegion, at: usize, remote: &RemoteRegion, offset: u64, add: u64) -> SendWr {
-        let target = at..at.saturating_add(8);
-        Self::new(mr, Kind::FetchAdd { remote: *remote, offset, add }, std::slice::from_ref(&target))
+        Self::one(mr, Kind::FetchAdd { remote: *remote, offset, add }, at..at.saturating_add(8))
     }
 
     /// Atomically replaces the 8-byte integer at `offset` of `remote` with `swap` if it equals
@@ -371,8 +426,7 @@ impl SendWr {
         compare: u64,
         swap: u64,
     ) -> SendWr {
-        let target = at..at.saturating_add(8);
-        Self::new(mr, Kind::CompareSwap { remote: *remote, offset, compare, swap }, std::slice::from_ref(&target))
+        Self::one(mr, Kind::CompareSwap { remote: *remote, offset, compare, swap }, at..at.saturating_add(8))
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -459,21 +513,69 @@ impl RecvWr {
     }
 }
 
+/// The fields of an `ibv_wc` after its `wr_id`, as the provider wrote them: a completion is
+/// copied in one piece and decoded only when asked.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Fields {
+    status: u32,
+    opcode: u32,
+    vendor_err: u32,
+    byte_len: u32,
+    imm: u32,
+    qp_num: u32,
+    src_qp: u32,
+    wc_flags: u32,
+    pkey_index: u16,
+    slid: u16,
+    sl: u8,
+    dlid_path_bits: u8,
+}
+
+// `Fields` is `ibv_wc` from `status` on, field for field.
+const _: () = {
+    use std::mem::offset_of;
+    assert!(offset_of!(ffi::ibv_wc, status) == 8);
+    assert!(offset_of!(ffi::ibv_wc, qp_num) == 8 + offset_of!(Fields, qp_num));
+    assert!(offset_of!(ffi::ibv_wc, wc_flags) == 8 + offset_of!(Fields, wc_flags));
+    assert!(offset_of!(ffi::ibv_wc, pkey_index) == 8 + offset_of!(Fields, pkey_index));
+    assert!(offset_of!(ffi::ibv_wc, dlid_path_bits) == 8 + offset_of!(Fields, dlid_path_bits));
+    assert!(mem::size_of::<ffi::ibv_wc>() >= 8 + mem::size_of::<Fields>());
+};
+
+impl Fields {
+    /// The fields of `wc`.
+    #[inline(always)]
+    fn of(wc: &ffi::ibv_wc) -> Fields {
+        // SAFETY: `Fields` is laid out as `ibv_wc` from offset 8 on (checked above), every field
+        // an integer, and `wc` is initialised; offset 8 of an 8-aligned `ibv_wc` is aligned for
+        // `Fields`. Its padding may read the C struct's padding, which it never looks at.
+        unsafe { std::ptr::read((wc as *const ffi::ibv_wc).cast::<u8>().add(8).cast::<Fields>()) }
+    }
+}
+
+/// Flags of a [`Completion`].
+const RECV: u8 = 1;
+const SIGNALED: u8 = 2;
+const LANE: u8 = 4;
+
 /// A completion reaped by [`Lane::poll`]: the work request's region, handed back, and the
 /// completion's fields as the provider wrote them (decoded by the accessors).
 pub struct Completion {
-    wc: WorkCompletion,
     mr: Option<MemoryRegion>,
-    qp: Option<LaneQp>,
-    signaled: bool,
+    wr_id: u64,
+    f: Fields,
+    place: u16,
+    gen: u16,
+    flags: u8,
 }
 
 impl fmt::Debug for Completion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Completion")
-            .field("qp", &self.qp)
-            .field("wc", &self.wc)
-            .field("signaled", &self.signaled)
+            .field("qp", &self.qp())
+            .field("wc", &self.work_completion())
+            .field("signaled", &self.is_signaled())
             .field("region", &self.mr.is_some())
             .finish()
     }
@@ -490,46 +592,50 @@ impl Completion {
     /// The `wr_id` the work request was given.
     #[inline(always)]
     pub fn wr_id(&self) -> u64 {
-        self.wc.wr_id()
+        self.wr_id
     }
 
     /// The QP it belongs to (`None` for a completion of the convenient path of a QP that is
     /// not attached: see [`Completion::qp_num`]).
     pub fn qp(&self) -> Option<LaneQp> {
-        self.qp
+        self.is_lane().then_some(LaneQp { place: self.place, gen: self.gen })
     }
 
     /// The QP number.
     pub fn qp_num(&self) -> u32 {
-        self.wc.qp_num()
+        self.f.qp_num
     }
 
     /// Whether it came from a work request posted through the lane (false: through the
     /// convenient path of a QP made with [`Lane::qp_init`]; it carries no region).
     pub fn is_lane(&self) -> bool {
-        self.qp.is_some()
+        self.flags & LANE != 0
     }
 
     /// False for an unsignaled work request retired by a later signaled completion of its
     /// queue (it succeeded: its fields other than the status, `wr_id` and queue say nothing).
     pub fn is_signaled(&self) -> bool {
-        self.signaled
+        self.flags & SIGNALED != 0
     }
 
     /// The queue it completed on.
     pub fn queue(&self) -> WorkQueue {
-        self.wc.queue()
+        if self.flags & RECV != 0 {
+            WorkQueue::Recv
+        } else {
+            WorkQueue::Send
+        }
     }
 
     /// Whether it succeeded.
     #[inline(always)]
     pub fn is_ok(&self) -> bool {
-        self.wc.is_ok()
+        self.f.status == ffi::ibv_wc_status::IBV_WC_SUCCESS
     }
 
     /// The status.
     pub fn status(&self) -> WcStatus {
-        self.wc.status()
+        WcStatus::from_raw(self.f.status)
     }
 
     /// `Ok(self)` on success.
@@ -542,42 +648,50 @@ impl Completion {
         if self.is_ok() {
             Ok(self)
         } else {
-            Err(Error::WorkCompletion {
-                wr_id: self.wc.wr_id(),
-                status: self.wc.status(),
-                vendor_err: self.wc.vendor_err(),
-            })
+            Err(Error::WorkCompletion { wr_id: self.wr_id, status: self.status(), vendor_err: self.f.vendor_err })
         }
     }
 
     /// The operation, for successful signaled completions.
     pub fn opcode(&self) -> Option<WcOpcode> {
-        if self.signaled {
-            self.wc.opcode()
-        } else {
-            None
-        }
+        (self.is_signaled() && self.is_ok()).then(|| WcOpcode::from_raw(self.f.opcode))
     }
 
     /// Bytes received (receives) or transferred (RDMA READ).
     pub fn byte_len(&self) -> u32 {
-        self.wc.byte_len()
+        self.f.byte_len
     }
 
     /// Immediate data of a receive, in host order, when the peer sent any.
     pub fn imm_data(&self) -> Option<u32> {
-        self.wc.imm_data()
+        self.work_completion().imm_data()
     }
 
     /// The sender's QP number (UD receives).
     pub fn src_qp(&self) -> u32 {
-        self.wc.src_qp()
+        self.f.src_qp
     }
 
     /// The completion as the convenient path reports it (for
     /// [`Datagram::parse`](crate::Datagram::parse), say).
-    pub fn work_completion(&self) -> &WorkCompletion {
-        &self.wc
+    pub fn work_completion(&self) -> WorkCompletion {
+        let f = &self.f;
+        WorkCompletion {
+            wr_id: self.wr_id,
+            status: f.status,
+            opcode: f.opcode,
+            vendor_err: f.vendor_err,
+            byte_len: f.byte_len,
+            imm: f.imm,
+            qp_num: f.qp_num,
+            src_qp: f.src_qp,
+            wc_flags: f.wc_flags,
+            pkey_index: f.pkey_index,
+            slid: f.slid,
+            sl: f.sl,
+            dlid_path_bits: f.dlid_path_bits,
+            queue: self.queue(),
+        }
     }
 }
 
@@ -976,7 +1090,7 @@ impl Lane {
     /// that retires it hands it back.
     ///
     /// # Errors
-    /// The work request comes back with the error when it was not posted:
+    /// The region comes back with the error when it was not posted:
     /// [`Error::QueueFull`]; [`Error::OutOfBounds`] for a range outside the region or the
     /// remote region; [`Error::InvalidArgument`] for a region of another protection domain,
     /// one without `LOCAL_WRITE` that the device would write (READ target, atomic result), an
@@ -986,15 +1100,15 @@ impl Lane {
     /// completion of the QP failed; [`Error::Call`] when `ibv_post_send` refuses it (without
     /// the work request when the provider did not say whether it took it: it stays held until
     /// the flush retires it, and the QP is moved to the error state).
-    #[inline]
-    pub fn post_send(&mut self, qp: LaneQp, wr: SendWr) -> std::result::Result<(), Rejected<SendWr>> {
+    #[inline(always)]
+    pub fn post_send(&mut self, qp: LaneQp, wr: SendWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
         let m = match self.member(qp) {
             Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr)),
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
         let free = m.send.free();
         if free == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal(m, "ibv_post_send"), wr));
+            return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
         }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
@@ -1003,7 +1117,7 @@ impl Lane {
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
         let id = tag::encode(qp.place, qp.gen, seq, false);
         if let Err(e) = lower_send(&wr, m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
-            return Err(Rejected::new(e, wr));
+            return Err(Rejected::new(e, wr.mr));
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`); `raw` is one NULL-terminated work
@@ -1016,7 +1130,73 @@ impl Lane {
             m.send.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        post_failed_one(m, ret, std::ptr::eq(bad, &raw), wr, true)
+        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), true)
+    }
+
+    /// Posts the work requests `wrs` yields (at most [`MAX_LIST`], and at most the queue's free
+    /// slots) in one `ibv_post_send` (one doorbell), building each one where it is lowered: the
+    /// way to post a batch without an array of work requests. Returns how many were posted.
+    ///
+    /// # Errors
+    /// As for [`Lane::post_send`], for the first work request that fails its checks, or when
+    /// `wrs` yields more than fits; nothing is posted then, and every region taken from `wrs`
+    /// comes back in the error (the rest of `wrs` is not consumed). When the provider refuses
+    /// part of the list, the ones before the one it names are posted and the others come back.
+    #[inline(always)]
+    pub fn post_send_iter<I: IntoIterator<Item = SendWr>>(
+        &mut self,
+        qp: LaneQp,
+        wrs: I,
+    ) -> std::result::Result<usize, RejectedList> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(RejectedList { error: e, returned: Vec::new() }),
+        };
+        if m.failed.is_some() {
+            return Err(RejectedList { error: refusal(m, "ibv_post_send"), returned: Vec::new() });
+        }
+        let free = m.send.free();
+        let seq = m.send.tail;
+        let mut raw: [MaybeUninit<ffi::ibv_send_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
+        let mut sge: [[MaybeUninit<ffi::ibv_sge>; MAX_SGE]; MAX_LIST] =
+            [const { [const { MaybeUninit::uninit() }; MAX_SGE] }; MAX_LIST];
+        let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
+        let mut k = 0u32;
+        for w in wrs {
+            if k as usize == MAX_LIST || k == free {
+                return Err(unstage(m, k, (w.wr_id, w.mr), list_too_long(k, free)));
+            }
+            // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
+            let r = unsafe {
+                base.add(k as usize).write(mem::zeroed());
+                &mut *base.add(k as usize)
+            };
+            let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
+            // The one that takes the last free slot is signaled, so a full queue drains.
+            if let Err(e) = lower_send(&w, m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+                return Err(unstage(m, k, (w.wr_id, w.mr), e));
+            }
+            if k > 0 {
+                // SAFETY: k - 1 < k < MAX_LIST: an entry written above, within `raw`.
+                unsafe { (*base.add(k as usize - 1)).next = r };
+            }
+            // Staged: the slot holds it from here on; committed below once the provider took it.
+            m.send.put(k, w.mr, w.wr_id);
+            k += 1;
+        }
+        if k == 0 {
+            return Ok(0);
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; raw[..k] is an initialised NULL-terminated list (the last
+        // entry's `next` is still zero) over `sge`, alive for the call; every piece was checked
+        // by `lower_send`, and every region sits in a slot until a completion retires it.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), base, &mut bad) };
+        if ret == 0 {
+            m.send.tail = seq.wrapping_add(k);
+            return Ok(k as usize);
+        }
+        Err(list_refused(m, ret, rejected_from(bad, base, k as usize), k))
     }
 
     /// Posts up to [`MAX_LIST`] send-queue work requests in one `ibv_post_send` (one
@@ -1090,18 +1270,18 @@ impl Lane {
     /// Posts one receive. Its region moves into the lane until its completion hands it back.
     ///
     /// # Errors
-    /// The receive comes back with the error when it was not posted: [`Error::QueueFull`];
+    /// The region comes back with the error when it was not posted: [`Error::QueueFull`];
     /// [`Error::OutOfBounds`]; [`Error::InvalidArgument`] for a region of another protection
     /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
     /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
-    #[inline]
-    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<RecvWr>> {
+    #[inline(always)]
+    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
         let m = match self.member(qp) {
             Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr)),
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
         if m.recv.free() == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal_recv(m), wr));
+            return Err(Rejected::new(refusal_recv(m), wr.mr));
         }
         let seq = m.recv.tail;
         let mut sge = MaybeUninit::<ffi::ibv_sge>::uninit();
@@ -1113,7 +1293,7 @@ impl Lane {
         };
         match lower_recv(&wr, m, &mut sge) {
             Ok(n) => raw.num_sge = n,
-            Err(e) => return Err(Rejected::new(e, wr)),
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
         }
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
@@ -1125,7 +1305,7 @@ impl Lane {
             m.recv.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        post_failed_one(m, ret, std::ptr::eq(bad, &raw), wr, false)
+        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), false)
     }
 
     /// Posts up to [`MAX_LIST`] receives in one `ibv_post_recv`, as
@@ -1195,46 +1375,69 @@ impl Lane {
     /// Hands out the next completion without waiting: a region comes back with each
     /// ([`Completion::take_region`]). A signaled completion that retires earlier unsignaled work
     /// requests hands those out first, one per call, oldest first, then itself. `None` when the
-    /// CQ holds nothing now.
+    /// CQ holds nothing now. [`Lane::poll_with`] does the same without moving each completion
+    /// out of the lane's frame.
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
-    #[inline]
+    #[inline(always)]
     pub fn poll(&mut self) -> Result<Option<Completion>> {
-        loop {
-            if let Some(r) = self.retiring {
-                return Ok(Some(self.retire_next(r)));
-            }
-            if self.at < self.n {
-                let i = self.at;
-                self.at += 1;
-                if let Some(c) = self.start(i) {
-                    return Ok(Some(c));
-                }
-                continue;
-            }
-            if !self.deferred.is_empty() {
-                self.refill_from_deferred();
-                continue;
-            }
-            // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH entries,
-            // which the provider writes.
-            let got =
-                unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
-            if got <= 0 {
-                return if got == 0 { Ok(None) } else { Err(poll_failed(got)) };
-            }
-            self.n = got as u8;
-            self.at = 0;
-        }
+        let mut out = None;
+        self.poll_with(1, |c| out = Some(c))?;
+        Ok(out)
     }
 
-    /// Starts on the completion at `wcs[i]`: hands out the first slot it retires, or `None`
-    /// when it retires nothing (stale), or routes a completion of the convenient path.
+    /// Hands up to `max` completions to `f`, oldest first, without waiting; returns how many.
+    /// The fast way to reap: each [`Completion`] is built where `f` (inlined) reads it, so what
+    /// `f` does not look at is never decoded. The lane is consistent whenever `f` runs: if `f`
+    /// panics, the completion it was given is dropped (its region with it: the device is done
+    /// with it) and every other one stays for the next poll.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
+    #[inline(always)]
+    pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Completion)) -> Result<usize> {
+        let mut done = 0;
+        while done < max {
+            if let Some(r) = self.retiring {
+                done += self.retire(r, max - done, &mut f);
+                continue;
+            }
+            if self.at >= self.n {
+                if !self.deferred.is_empty() {
+                    self.refill_from_deferred();
+                    continue;
+                }
+                // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH
+                // entries, which the provider writes.
+                let got =
+                    unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
+                if got <= 0 {
+                    if got < 0 {
+                        return Err(poll_failed(got));
+                    }
+                    break;
+                }
+                self.n = got as u8;
+                self.at = 0;
+            }
+            let i = self.at;
+            self.at += 1;
+            if let Some(c) = self.start(i) {
+                f(c);
+                done += 1;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Starts on the completion at `wcs[i]`: the completion of the one slot it retires; or
+    /// `None` when it retires several (then `retiring` says which, for `retire`) or nothing
+    /// (stale); or a completion of the convenient path, routed.
     #[inline(always)]
     fn start(&mut self, i: u8) -> Option<Completion> {
         // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
-        let wc = unsafe { self.wcs[i as usize].assume_init_ref() };
+        let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
         if wc.wr_id & tag::CRATE != 0 {
             return self.convenient(i);
         }
@@ -1243,80 +1446,71 @@ impl Lane {
             Some(Some(m)) if m.gen == gen && m.qp_num == wc.qp_num => m,
             _ => return None,
         };
-        let slots = if recv { &mut m.recv } else { &mut m.send };
-        if !slots.holds(seq) {
-            return None;
-        }
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             // Any error but a flush puts the QP in the error state (a flush says it is there).
             m.failed.get_or_insert(wc.status);
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };
+        if !slots.holds(seq) {
+            return None;
+        }
         if slots.head == seq {
-            // The common case: it retires one slot, handed out now.
+            // The common case: it retires one slot.
             let (mr, wr_id) = slots.pop();
-            let queue = if recv { WorkQueue::Recv } else { WorkQueue::Send };
-            return Some(Completion {
-                wc: WorkCompletion::from_raw(wc, wr_id, queue),
-                mr,
-                qp: Some(LaneQp { place, gen }),
-                signaled: true,
-            });
+            let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
+            return Some(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
         }
-        let r = Retiring { place, recv, upto: seq, wc: i };
-        self.retiring = Some(r);
-        Some(self.retire_next(r))
+        self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+        None
     }
 
-    /// Hands out the oldest slot of a completion that retires several.
+    /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
+    /// unsignaled ones, then the one it names); returns how many.
     #[inline(always)]
-    fn retire_next(&mut self, r: Retiring) -> Completion {
+    fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
         let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
+            // Never: a QP stays in place while its completion is handed out.
             self.retiring = None;
-            return self.orphan();
+            return 0;
         };
+        let (gen, recv) = (m.gen, if r.recv { RECV } else { 0 });
         let slots = if r.recv { &mut m.recv } else { &mut m.send };
-        if slots.head == r.upto {
+        let mut k = 0;
+        while k < room && slots.head != r.upto {
+            // An unsignaled work request that ran before the one the completion names.
+            let (mr, wr_id) = slots.pop();
+            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, flags: recv | LANE });
+            k += 1;
+        }
+        if k < room {
+            let (mr, wr_id) = slots.pop();
             self.retiring = None;
-            return self.finish(r);
+            // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
+            let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            f(Completion {
+                mr,
+                wr_id,
+                f: fields.unwrap_or_default(),
+                place: r.place,
+                gen,
+                flags: recv | SIGNALED | LANE,
+            });
+            k += 1;
         }
-        let (mr, wr_id) = slots.pop();
-        let queue = if r.recv { WorkQueue::Recv } else { WorkQueue::Send };
-        let wc = WorkCompletion { wr_id, qp_num: m.qp_num, queue, ..WorkCompletion::default() };
-        Completion { wc, mr, qp: Some(LaneQp { place: r.place, gen: m.gen }), signaled: false }
-    }
-
-    /// Hands out the slot a completion names (the oldest of its queue by now).
-    #[inline(always)]
-    fn finish(&mut self, r: Retiring) -> Completion {
-        let Some(Some(m)) = self.members.get_mut(r.place as usize) else { return self.orphan() };
-        let slots = if r.recv { &mut m.recv } else { &mut m.send };
-        let (mr, wr_id) = slots.pop();
-        let queue = if r.recv { WorkQueue::Recv } else { WorkQueue::Send };
-        // SAFETY: `r.wc < n`, initialised (see `start`).
-        let raw = unsafe { self.wcs[r.wc as usize].assume_init_ref() };
-        Completion {
-            wc: WorkCompletion::from_raw(raw, wr_id, queue),
-            mr,
-            qp: Some(LaneQp { place: r.place, gen: m.gen }),
-            signaled: true,
-        }
-    }
-
-    /// Never reached: a retiring completion's QP stays in place until it is handed out.
-    #[cold]
-    fn orphan(&self) -> Completion {
-        Completion { wc: WorkCompletion::default(), mr: None, qp: None, signaled: false }
+        k
     }
 
     /// A completion of work posted through the convenient path of a QP on this CQ: routed as
     /// the CQ's own poll routes it (its slot retired, its region released).
     #[cold]
+    #[inline(never)]
     fn convenient(&mut self, i: u8) -> Option<Completion> {
         // SAFETY: as in `start`.
-        let wc = unsafe { self.wcs[i as usize].assume_init_ref() };
+        let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
         let (done, _) = self.cq.router().route(wc)?;
-        Some(Completion { wc: done, mr: None, qp: None, signaled: true })
+        let raw = done.to_raw();
+        let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
+        Some(Completion { mr: None, wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, flags })
     }
 
     #[cold]
@@ -1476,6 +1670,50 @@ impl Drop for Lane {
     }
 }
 
+/// Gives back the `k` staged (uncommitted) work requests of a list that is not posted, and
+/// `w`, with `error`.
+#[cold]
+#[inline(never)]
+fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Error) -> RejectedList {
+    let mut returned = take_staged(&mut m.send, 0, k);
+    returned.push(w);
+    RejectedList { error, returned }
+}
+
+/// Takes the staged slots `tail + from .. tail + to` back out.
+fn take_staged(slots: &mut Slots, from: u32, to: u32) -> Vec<(u64, MemoryRegion)> {
+    let mut out = Vec::new();
+    for j in from..to {
+        let i = (slots.tail.wrapping_add(j) & slots.mask) as usize;
+        if let Some(s) = slots.slots.get_mut(i) {
+            if let Some(mr) = s.mr.take() {
+                out.push((s.wr_id, mr));
+            }
+        }
+    }
+    out
+}
+
+/// A list of `k` staged work requests the provider refused from `named` on (`None`: it did not
+/// say, so all are kept as posted and the QP goes to the error state).
+#[cold]
+#[inline(never)]
+fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
+    let posted = named.map_or(k, |p| p as u32);
+    let returned = take_staged(&mut m.send, posted, k);
+    m.send.tail = m.send.tail.wrapping_add(posted);
+    RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
+}
+
+#[cold]
+fn list_too_long(k: u32, free: u32) -> Error {
+    if k == free {
+        Error::QueueFull { queue: "send", depth: free }
+    } else {
+        Error::InvalidArgument(format!("post_send_iter: more than {MAX_LIST} work requests in one list"))
+    }
+}
+
 /// Lowers a send-queue work request into `out` (a zeroed `ibv_send_wr`) and `sge`, checking it
 /// against the QP `m`: the one place where a lane's work request becomes the verbs' form.
 #[inline(always)]
@@ -1488,7 +1726,7 @@ fn lower_send(
     sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
 ) -> Result<()> {
     if let Some(why) = w.bad {
-        return Err(Error::InvalidArgument(format!("post_send: {why}")));
+        return Err(bad_request("post_send", why));
     }
     let inner = w.mr.inner();
     if !inner.on_pd(&m.pd) {
@@ -1499,24 +1737,31 @@ fn lower_send(
         return Err(too_many_pieces(n, m.max_send_sge));
     }
     let (base, size, lkey) = (inner.addr(), inner.len() as u64, inner.lkey());
-    let mut total = 0u64;
-    for (k, &(start, len)) in w.pieces[..n.min(MAX_SGE)].iter().enumerate() {
-        if start + len as u64 > size {
-            return Err(Error::OutOfBounds { what: "memory region", offset: start, len: len as u64, size });
+    let (start, len) = w.first;
+    if start + len as u64 > size {
+        return Err(out_of_region(start, len, size));
+    }
+    sge[0].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
+    let mut total = len as u64;
+    if n > 1 {
+        for (k, &(start, len)) in w.rest[..(n - 1).min(MAX_SGE - 1)].iter().enumerate() {
+            if start + len as u64 > size {
+                return Err(out_of_region(start, len, size));
+            }
+            sge[k + 1].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
+            total += len as u64;
         }
-        sge[k].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
-        total += len as u64;
     }
     use ffi::ibv_wr_opcode::*;
     let (opcode, writes) = match (w.kind, w.imm.is_some()) {
         (Kind::Send, false) => (IBV_WR_SEND, false),
         (Kind::Send, true) => (IBV_WR_SEND_WITH_IMM, false),
         (Kind::Write { remote, offset }, imm) => {
-            out.wr.rdma = ffi::rdma_t { remote_addr: remote.at(offset, total)?, rkey: remote.rkey };
+            out.wr.rdma = ffi::rdma_t { remote_addr: remote_at(&remote, offset, total)?, rkey: remote.rkey };
             (if imm { IBV_WR_RDMA_WRITE_WITH_IMM } else { IBV_WR_RDMA_WRITE }, false)
         }
         (Kind::Read { remote, offset }, false) => {
-            out.wr.rdma = ffi::rdma_t { remote_addr: remote.at(offset, total)?, rkey: remote.rkey };
+            out.wr.rdma = ffi::rdma_t { remote_addr: remote_at(&remote, offset, total)?, rkey: remote.rkey };
             (IBV_WR_RDMA_READ, true)
         }
         (Kind::FetchAdd { remote, offset, add }, false) => {
@@ -1548,14 +1793,14 @@ fn lower_send(
             return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
         };
         if total > m.mtu as u64 {
-            return Err(Error::MessageTooLong { len: total, mtu: m.mtu });
+            return Err(too_long(total, m.mtu));
         }
         out.wr.ud = ffi::ud_t { ah: dest.ah, remote_qpn: dest.qpn, remote_qkey: dest.qkey };
     } else if w.dest.is_some() {
         return Err(ud_needs_dest(false));
     }
     if total > u32::MAX as u64 {
-        return Err(Error::InvalidArgument("post_send: a work request moves at most 4 GiB".into()));
+        return Err(bad_request("post_send", "a work request moves at most 4 GiB"));
     }
     out.wr_id = wr_id;
     out.sg_list = sge.as_mut_ptr().cast();
@@ -1574,25 +1819,50 @@ fn lower_send(
 /// Lowers a receive into `sge`, checking it against `m`; returns its scatter count.
 #[inline(always)]
 fn lower_recv(w: &RecvWr, m: &Member, sge: &mut MaybeUninit<ffi::ibv_sge>) -> Result<i32> {
-    let (start, len) = w.piece.map_err(|why| Error::InvalidArgument(format!("post_recv: {why}")))?;
+    let (start, len) = match w.piece {
+        Ok(p) => p,
+        Err(why) => return Err(bad_request("post_recv", why)),
+    };
     let inner = w.mr.inner();
     if !inner.on_pd(&m.pd) {
         return Err(other_pd());
     }
     let size = inner.len() as u64;
     if start + len as u64 > size {
-        return Err(Error::OutOfBounds { what: "memory region", offset: start, len: len as u64, size });
+        return Err(out_of_region(start, len, size));
     }
     if !w.mr.access().contains(AccessFlags::LOCAL_WRITE) {
         return Err(needs_local_write());
     }
     if m.is_ud() && (len as usize) < GRH_LEN {
-        return Err(Error::InvalidArgument(format!(
-            "post_recv: a UD receive of {len} bytes has no room for the {GRH_LEN}-byte GRH the device writes first"
-        )));
+        return Err(no_room_for_grh(len));
     }
     sge.write(ffi::ibv_sge { addr: inner.addr() + start, length: len, lkey: inner.lkey() });
     Ok((len != 0) as i32)
+}
+
+/// The remote address of `offset..offset + len` of `remote`, checked against its length.
+#[inline(always)]
+fn remote_at(remote: &RemoteRegion, offset: u64, len: u64) -> Result<u64> {
+    match offset.checked_add(len) {
+        Some(end) if end <= remote.len => Ok(remote.addr.wrapping_add(offset)),
+        _ => Err(out_of_remote(offset, len, remote.len)),
+    }
+}
+
+#[cold]
+fn out_of_remote(offset: u64, len: u64, size: u64) -> Error {
+    Error::OutOfBounds { what: "remote region", offset, len, size }
+}
+
+#[cold]
+fn out_of_region(offset: u64, len: u32, size: u64) -> Error {
+    Error::OutOfBounds { what: "memory region", offset, len: len as u64, size }
+}
+
+#[cold]
+fn bad_request(op: &str, why: &str) -> Error {
+    Error::InvalidArgument(format!("{op}: {why}"))
 }
 
 #[cold]
@@ -1604,6 +1874,18 @@ fn atomic_target(remote: &RemoteRegion, offset: u64) -> Result<u64> {
         )));
     }
     Ok(addr)
+}
+
+#[cold]
+fn no_room_for_grh(len: u32) -> Error {
+    Error::InvalidArgument(format!(
+        "post_recv: a UD receive of {len} bytes has no room for the {GRH_LEN}-byte GRH the device writes first"
+    ))
+}
+
+#[cold]
+fn too_long(len: u64, mtu: u32) -> Error {
+    Error::MessageTooLong { len, mtu }
 }
 
 #[cold]
@@ -1674,18 +1956,18 @@ fn poll_failed(ret: i32) -> Error {
 /// What is left to do when the provider refused a single work request: give it back when the
 /// provider named it (`named`), or keep it (it may run) and move the QP to the error state.
 #[cold]
-fn post_failed_one<W: Posted>(
+#[inline(never)]
+fn post_failed_one(
     m: &mut Member,
     ret: i32,
     named: bool,
-    w: W,
+    (wr_id, mr): (u64, MemoryRegion),
     send: bool,
-) -> std::result::Result<(), Rejected<W>> {
+) -> std::result::Result<(), Rejected<MemoryRegion>> {
     let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
     if named {
-        return Err(Rejected::new(Error::call(op, ret, None), w));
+        return Err(Rejected::new(Error::call(op, ret, None), mr));
     }
-    let (mr, wr_id) = w.into_parts();
     let slots = if send { &mut m.send } else { &mut m.recv };
     slots.put(0, mr, wr_id);
     slots.tail = slots.tail.wrapping_add(1);
@@ -1710,23 +1992,6 @@ fn post_list_failed(m: &mut Member, ret: i32, known: bool, op: &'static str) -> 
             "the provider failed the post without saying which work requests it took, and the QP could not be moved to the error state: its regions stay held until the QP is destroyed"
         }),
         source: std::io::Error::from_raw_os_error(ret.saturating_abs()),
-    }
-}
-
-/// A work request's region and `wr_id`, as a slot keeps them.
-trait Posted {
-    fn into_parts(self) -> (MemoryRegion, u64);
-}
-
-impl Posted for SendWr {
-    fn into_parts(self) -> (MemoryRegion, u64) {
-        (self.mr, self.wr_id)
-    }
-}
-
-impl Posted for RecvWr {
-    fn into_parts(self) -> (MemoryRegion, u64) {
-        (self.mr, self.wr_id)
     }
 }
 
