@@ -1078,6 +1078,16 @@ impl Lane {
         Ok((m.send.outstanding() as usize, m.recv.outstanding() as usize))
     }
 
+    /// The raw QP of `qp`, for what the lane does not wrap (queries, attributes). It stays owned
+    /// by the lane. Posting on it directly (an `unsafe` call) is outside what the lane tracks:
+    /// such work completes on the lane's CQ, where its `wr_id` would be read as a lane's tag.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`.
+    pub fn qp_as_raw(&mut self, qp: LaneQp) -> Result<*mut ffi::ibv_qp> {
+        Ok(self.member(qp)?.raw.as_ptr())
+    }
+
     /// The QP number of `qp`.
     ///
     /// # Errors
