@@ -44,8 +44,8 @@
 //! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
 //! lane.post_send(qp, SendWr::send(msg, 0..64).wr_id(2))?;
 //! loop {
-//!     let Some(mut c) = lane.poll()? else { continue };
-//!     let c = c.ok()?;                       // a failed completion is an error
+//!     let Some(c) = lane.poll()? else { continue };
+//!     let mut c = c.ok()?;                   // a failed completion is an error
 //!     let region = c.take_region();          // the buffer, back in our hands
 //!     if c.wr_id() == 1 { break }
 //! #   drop(region);
@@ -61,6 +61,14 @@
 //!   [`MemoryRegion`] is not `Clone`, and the convenient path's holds give no access to the
 //!   bytes; the region's own accessors keep refusing while such a hold lets the device write
 //!   it.) The slot gives the region back only with the completion that retires it.
+//!   Using a region after posting it does not compile: it moved into the lane.
+//!
+//!   ```compile_fail,E0382
+//!   # fn f(lane: &mut rdma_cm::lane::Lane, qp: rdma_cm::lane::LaneQp, mut mr: rdma_cm::MemoryRegion) {
+//!   lane.post_recv(qp, rdma_cm::lane::RecvWr::new(mr)).unwrap();
+//!   let bytes = mr.as_slice(); // the device may be writing it: error[E0382], use of moved value
+//!   # }
+//!   ```
 //! - **No memory is freed under the device.** A region leaves a slot only (a) with its
 //!   completion, (b) when a later signaled completion of the same RC or UD queue retires it
 //!   (queues complete in order), (c) when the provider said it did not take the work request
@@ -1671,7 +1679,8 @@ impl Lane {
 
 impl Drop for Lane {
     /// Moves every QP to the error state, reaps their flushes within the bound, then destroys
-    /// them (see [`Member`]'s Drop for what is still held then), and only then the CQ.
+    /// them (regions still held then are released with the QP, see the module docs), and only
+    /// then the CQ.
     fn drop(&mut self) {
         if self.members.iter().any(Option::is_some) {
             self.drain(None);
