@@ -1441,28 +1441,31 @@ impl Lane {
             }
             let i = self.at;
             self.at += 1;
-            if let Some(c) = self.start(i) {
-                f(c);
-                done += 1;
-            }
+            done += self.start(i, &mut f) as usize;
         }
         Ok(done)
     }
 
-    /// Starts on the completion at `wcs[i]`: the completion of the one slot it retires; or
-    /// `None` when it retires several (then `retiring` says which, for `retire`) or nothing
-    /// (stale); or a completion of the convenient path, routed.
+    /// Starts on the completion at `wcs[i]`: hands `f` the completion of the one slot it
+    /// retires, or of the convenient path (routed), and returns true; returns false when it
+    /// retires several (then `retiring` says which, for `retire`) or nothing (stale).
     #[inline(always)]
-    fn start(&mut self, i: u8) -> Option<Completion> {
+    fn start(&mut self, i: u8, f: &mut impl FnMut(Completion)) -> bool {
         // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
-        let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
+        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
         if wc.wr_id & tag::CRATE != 0 {
-            return self.convenient(i);
+            return match self.convenient(i) {
+                Some(c) => {
+                    f(c);
+                    true
+                }
+                None => false,
+            };
         }
         let (recv, gen, place, seq) = tag::decode(wc.wr_id);
         let m = match self.members.get_mut(place as usize) {
             Some(Some(m)) if m.gen == gen && m.qp_num == wc.qp_num => m,
-            _ => return None,
+            _ => return false,
         };
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             // Any error but a flush puts the QP in the error state (a flush says it is there).
@@ -1470,16 +1473,17 @@ impl Lane {
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };
         if !slots.holds(seq) {
-            return None;
+            return false;
         }
         if slots.head == seq {
             // The common case: it retires one slot.
             let (mr, wr_id) = slots.pop();
             let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
-            return Some(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
+            f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
+            return true;
         }
         self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
-        None
+        false
     }
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
