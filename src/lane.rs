@@ -308,10 +308,7 @@ fn piece(r: &Range<usize>) -> std::result::Result<Piece, &'static str> {
 pub struct SendWr {
     mr: MemoryRegion,
     kind: Kind,
-    /// The first piece, and the others (`n - 1` of them): kept apart so that a single-piece
-    /// request never touches the array.
-    first: Piece,
-    rest: [Piece; MAX_SGE - 1],
+    pieces: [Piece; MAX_SGE],
     n: u8,
     /// Why the request cannot be posted (found by a constructor; reported by the post).
     bad: Option<&'static str>,
@@ -326,8 +323,7 @@ impl fmt::Debug for SendWr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SendWr")
             .field("kind", &self.kind)
-            .field("first", &self.first)
-            .field("rest", &&self.rest[..(self.n as usize).saturating_sub(1)])
+            .field("pieces", &&self.pieces[..self.n as usize])
             .field("wr_id", &self.wr_id)
             .field("signaled", &self.signaled)
             .finish()
@@ -345,8 +341,7 @@ impl SendWr {
         SendWr {
             mr,
             kind,
-            first,
-            rest: [(0, 0); MAX_SGE - 1],
+            pieces: [first, (0, 0), (0, 0), (0, 0)],
             n: 1,
             bad,
             wr_id: 0,
@@ -358,6 +353,7 @@ impl SendWr {
     }
 
     /// A request of the pieces `ranges`.
+    #[inline(always)]
     fn new(mr: MemoryRegion, kind: Kind, ranges: &[Range<usize>]) -> SendWr {
         let Some((head, tail)) = ranges.split_first().filter(|_| ranges.len() <= MAX_SGE) else {
             let mut w = Self::one(mr, kind, 0..0);
@@ -368,13 +364,13 @@ impl SendWr {
         for r in tail {
             match piece(r) {
                 Ok(p) => {
-                    w.rest[w.n as usize - 1] = p;
+                    w.pieces[w.n as usize] = p;
                     w.n += 1;
                 }
                 Err(why) => w.bad = Some(why),
             }
         }
-        if w.n > 1 && (w.first.1 == 0 || w.rest[..w.n as usize - 1].iter().any(|p| p.1 == 0)) {
+        if w.n > 1 && w.pieces[..w.n as usize].iter().any(|p| p.1 == 0) {
             w.bad = Some("a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)");
         }
         w
@@ -388,6 +384,7 @@ impl SendWr {
 
     /// Sends the concatenation of `ranges` of `mr`, in order (at most [`MAX_SGE`], and at most
     /// the QP's [`QpInit::max_send_sge`]).
+    #[inline]
     pub fn send_sg(mr: MemoryRegion, ranges: &[Range<usize>]) -> SendWr {
         Self::new(mr, Kind::Send, ranges)
     }
@@ -407,11 +404,13 @@ impl SendWr {
 
     /// Reads `remote` at `offset` into `mr[range]` (RDMA READ). The region needs
     /// [`AccessFlags::LOCAL_WRITE`].
+    #[inline]
     pub fn read(mr: MemoryRegion, range: Range<usize>, remote: &RemoteRegion, offset: u64) -> SendWr {
         Self::one(mr, Kind::Read { remote: *remote, offset }, range)
     }
 
     /// Reads `remote` at `offset` into `ranges` of `mr`, in order (a scattered RDMA READ).
+    #[inline]
     pub fn read_sg(mr: MemoryRegion, ranges: &[Range<usize>], remote: &RemoteRegion, offset: u64) -> SendWr {
         Self::new(mr, Kind::Read { remote: *remote, offset }, ranges)
     }
@@ -426,6 +425,7 @@ impl SendWr {
 
     /// Atomically replaces the 8-byte integer at `offset` of `remote` with `swap` if it equals
     /// `compare`; its original value lands in `mr[at..at + 8]` (RDMA compare-and-swap).
+    #[inline]
     pub fn compare_swap(
         mr: MemoryRegion,
         at: usize,
@@ -504,6 +504,7 @@ impl RecvWr {
     }
 
     /// A receive into `mr[range]`.
+    #[inline(always)]
     pub fn range(mr: MemoryRegion, range: Range<usize>) -> RecvWr {
         RecvWr { piece: piece(&range), mr, wr_id: 0 }
     }
@@ -1760,20 +1761,13 @@ fn lower_send(
         return Err(too_many_pieces(n, m.max_send_sge));
     }
     let (base, size, lkey) = (inner.addr(), inner.len() as u64, inner.lkey());
-    let (start, len) = w.first;
-    if start + len as u64 > size {
-        return Err(out_of_region(start, len, size));
-    }
-    sge[0].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
-    let mut total = len as u64;
-    if n > 1 {
-        for (k, &(start, len)) in w.rest[..(n - 1).min(MAX_SGE - 1)].iter().enumerate() {
-            if start + len as u64 > size {
-                return Err(out_of_region(start, len, size));
-            }
-            sge[k + 1].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
-            total += len as u64;
+    let mut total = 0u64;
+    for (k, &(start, len)) in w.pieces[..n.min(MAX_SGE)].iter().enumerate() {
+        if start + len as u64 > size {
+            return Err(out_of_region(start, len, size));
         }
+        sge[k].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
+        total += len as u64;
     }
     use ffi::ibv_wr_opcode::*;
     let (opcode, writes) = match (w.kind, w.imm.is_some()) {
