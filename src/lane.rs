@@ -843,9 +843,13 @@ impl Drop for Member {
         let qp = self.owner.qp();
         let mut q = qp.queues();
         let park = |ring: &mut crate::ring::Ring, regions: Vec<MemoryRegion>| {
+            // Staging overwrites a slot: only an empty ring may take them (attach checked that
+            // nothing was outstanding, and the convenient path is out of reach since).
+            let empty = ring.outstanding() == 0;
             for (k, mr) in regions.into_iter().enumerate() {
-                if k >= ring.slots.len() {
-                    // More than the ring has slots (never: both are sized by the queue depth).
+                if !empty || k >= ring.slots.len() {
+                    // Never (see above; both are sized by the queue depth). Were it reached, the
+                    // region is leaked rather than released while the device may use it.
                     mem::forget(mr);
                     continue;
                 }
