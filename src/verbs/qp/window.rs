@@ -56,23 +56,17 @@ impl QueuePair {
         // completion; the bound window takes a hold of its own for as long as it is bound.
         let seq = q.send.stage(0, wr_id, Some(Hold::new(mr.inner(), writes)));
         let tagged = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
-        let old = mw.current_rkey();
         let access = rights.bits();
         let (ret, rkey) = match mw.kind() {
             WindowType::One => {
-                let mut bind = ffi::ibv_mw_bind {
-                    wr_id: tagged,
-                    send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-                    bind_info: ffi::ibv_mw_bind_info { mr: mr.as_raw(), addr, length: len, mw_access_flags: access },
-                };
-                // SAFETY: QP, window and region are valid and on one PD (check_bind); `bind`
-                // lives for the call; the region is held by the slot staged above.
-                let ret = unsafe { ffi::ibv_bind_mw(self.raw.as_ptr(), mw.as_raw(), &mut bind) };
-                ((type1_outcome(ret, old, mw.current_rkey()), false), mw.current_rkey())
+                let info = ffi::ibv_mw_bind_info { mr: mr.as_raw(), addr, length: len, mw_access_flags: access };
+                // SAFETY: window and region are valid and on the QP's PD (check_bind); the region
+                // is held by the slot staged above.
+                (unsafe { self.bind_type1(&mw, tagged, info) }, mw.current_rkey())
             }
             WindowType::Two => {
                 // SAFETY: ibv_inc_rkey only computes on the integer.
-                let rkey = unsafe { ffi::ibv_inc_rkey(old) };
+                let rkey = unsafe { ffi::ibv_inc_rkey(mw.current_rkey()) };
                 let op = SendOp::BindMw { mw: mw.as_raw() as usize, rkey, mr: mr.as_raw() as usize, addr, len, access };
                 (self.post_lowered(&SendWr::new(op, None), tagged), rkey)
             }
@@ -123,22 +117,12 @@ impl QueuePair {
         let ret = match window.kind() {
             WindowType::Two => self.post_lowered(&SendWr::new(SendOp::LocalInv { rkey }, None), tagged),
             WindowType::One => {
-                let mw = window.window();
-                let old = mw.current_rkey();
-                let mut bind = ffi::ibv_mw_bind {
-                    wr_id: tagged,
-                    send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
-                    bind_info: ffi::ibv_mw_bind_info {
-                        mr: region.raw_mr(),
-                        addr: region.addr(),
-                        length: 0,
-                        mw_access_flags: 0,
-                    },
-                };
-                // SAFETY: QP, window and region are valid (the bound window holds the region);
-                // `bind` lives for the call; a zero-length bind unbinds a type 1 window.
-                let ret = unsafe { ffi::ibv_bind_mw(self.raw.as_ptr(), mw.as_raw(), &mut bind) };
-                (type1_outcome(ret, old, mw.current_rkey()), false)
+                // A zero-length bind unbinds a type 1 window.
+                let info =
+                    ffi::ibv_mw_bind_info { mr: region.raw_mr(), addr: region.addr(), length: 0, mw_access_flags: 0 };
+                // SAFETY: the window is valid, and the region it is bound in is held by the bound
+                // window and by the slot staged above.
+                unsafe { self.bind_type1(window.window(), tagged, info) }
             }
         };
         match self.commit_one(&mut q, ret, "invalidate memory window") {
@@ -164,6 +148,25 @@ impl QueuePair {
         self.commit_posted(q, ret, bad, first, 1, true, op)
     }
 
+    /// Binds (or, with a zero length, unbinds) the type 1 window `mw` as `info` says, posted
+    /// signaled as `tagged` (`ibv_bind_mw`); returns the outcome as `post_lowered` does, never
+    /// naming the request as refused (`ibv_bind_mw` has no `bad_wr`). rxe returns 0 even when
+    /// its post failed (rdma-core's `rxe_bind_mw` sets `errno` and returns 0): a bind that took
+    /// always gives the window a new rkey, so an unchanged one reads as `EINVAL`.
+    ///
+    /// # Safety
+    /// `mw` and `info.mr` must be on this QP's protection domain, and the region must stay
+    /// registered until the request's slot retires (the caller's staged hold).
+    unsafe fn bind_type1(&self, mw: &MemoryWindow, tagged: u64, info: ffi::ibv_mw_bind_info) -> (i32, bool) {
+        let old = mw.current_rkey();
+        let mut bind =
+            ffi::ibv_mw_bind { wr_id: tagged, send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0, bind_info: info };
+        // SAFETY: the QP and the window are valid while `self` and `mw` live; `bind` lives for
+        // the call; the region is the caller's to keep valid (# Safety).
+        let ret = unsafe { ffi::ibv_bind_mw(self.raw.as_ptr(), mw.as_raw(), &mut bind) };
+        (if ret == 0 && mw.current_rkey() == old { libc::EINVAL } else { ret }, false)
+    }
+
     /// Posts one send-queue work request that names no memory (a bind or an invalidation),
     /// staged as `tagged`, signaled; returns `ibv_post_send`'s value, and whether the provider
     /// named this request as the one it refused.
@@ -177,16 +180,5 @@ impl QueuePair {
         // names are valid and held by the caller's staged slot and window.
         let ret = unsafe { ffi::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
         (ret, std::ptr::eq(bad, &wr))
-    }
-}
-
-/// `ibv_bind_mw`'s outcome: its return value, except that rxe returns 0 even when its post
-/// failed (rdma-core's `rxe_bind_mw` sets `errno` and returns 0), which shows as a window whose
-/// rkey did not change (a bind that took always gives it a new one).
-fn type1_outcome(ret: i32, old_rkey: u32, new_rkey: u32) -> i32 {
-    if ret == 0 && new_rkey == old_rkey {
-        libc::EINVAL
-    } else {
-        ret
     }
 }
