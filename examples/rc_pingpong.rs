@@ -28,17 +28,12 @@
 
 mod pingpong;
 
-use std::time::Instant;
-
 use clap::Parser;
-use pingpong::{die, Args, IDLE_WAIT};
+use pingpong::{die, Args, RECV_WRID, SEND_WRID};
 use rdma_cm::{
     AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QueuePair, RcParams, RecvWr, SendWr, UnconnectedQp,
     WorkCompletion,
 };
-
-const RECV_WRID: u64 = 1;
-const SEND_WRID: u64 = 2;
 
 fn main() {
     let args = Args::parse();
@@ -76,7 +71,7 @@ fn main() {
     let mut qp = UnconnectedQp::new(&pd, init, params).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
     let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..size as usize).wr_id(RECV_WRID)).collect();
     qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
-    let mut routs = args.rx_depth;
+    let routs = args.rx_depth;
     let me = qp.local();
     pingpong::print_local(&me);
 
@@ -100,53 +95,15 @@ fn main() {
         (None, None) => unreachable!("a server always has its listener"),
     };
     pingpong::print_remote(&peer);
-    let mut qp = connected.unwrap_or_else(|| die("not connected"));
+    let qp = connected.unwrap_or_else(|| die("not connected"));
 
     let send = [SendWr::send(&smr, 0..size as usize).wr_id(SEND_WRID)];
-    let mut pending = RECV_WRID;
-    if args.host.is_some() {
-        qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
-        pending |= SEND_WRID;
-    }
-    let start = Instant::now();
-    let (mut rcnt, mut scnt) = (0u32, 0u32);
-    let mut wcs = [WorkCompletion::default(); 16];
-    while rcnt < args.iters || scnt < args.iters {
-        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
-        if n == 0 {
-            die(format!(
-                "no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: is the peer still running?"
-            ));
-        }
-        for wc in &wcs[..n] {
-            if !wc.is_ok() {
-                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
-            }
-            match wc.wr_id() {
-                SEND_WRID => scnt += 1,
-                RECV_WRID => {
-                    routs -= 1;
-                    if routs <= 1 {
-                        let more = (args.rx_depth - routs) as usize;
-                        qp.post_recv(&recvs[..more])
-                            .unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
-                        routs += more as u32;
-                    }
-                    rcnt += 1;
-                }
-                other => die(format!("Completion for unknown wr_id {other}")),
-            }
-            pending &= !wc.wr_id();
-            if scnt < args.iters && pending == 0 {
-                qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
-                pending = RECV_WRID | SEND_WRID;
-            }
-        }
-    }
-    let elapsed = start.elapsed();
+    let mut one = One { qp, recvs: &recvs, send };
+    let elapsed =
+        pingpong::run(&mut one, args.iters, args.rx_depth, routs, args.host.is_some(), "is the peer still running?");
     pingpong::print_figures(size, args.iters, elapsed);
     // Dropping the QP flushes the receives still posted and releases the regions.
-    drop(qp);
+    drop(one);
     drop(recvs);
     if args.chk && args.host.is_none() {
         let r = rmr.as_slice().unwrap_or_else(|e| die(e));
@@ -155,5 +112,24 @@ fn main() {
                 println!("invalid data in page {page}");
             }
         }
+    }
+}
+
+/// The QP, its receives and its send, for the shared loop ([`pingpong::run`]).
+struct One<'a> {
+    qp: QueuePair,
+    recvs: &'a [RecvWr<'a>],
+    send: [SendWr<'a>; 1],
+}
+
+impl pingpong::OneQp for One<'_> {
+    fn wait(&mut self, out: &mut [WorkCompletion], timeout: std::time::Duration) -> rdma_cm::Result<usize> {
+        self.qp.wait(out, timeout)
+    }
+    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()> {
+        self.qp.post_recv(&self.recvs[..n])
+    }
+    fn post_send(&mut self) -> rdma_cm::Result<()> {
+        self.qp.post_send(&self.send)
     }
 }

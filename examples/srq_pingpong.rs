@@ -30,14 +30,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use pingpong::{die, Args, IDLE_WAIT};
+use pingpong::{die, Args, IDLE_WAIT, RECV_WRID, SEND_WRID};
 use rdma_cm::{
     AccessFlags, CompletionQueue, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QueuePair, RcParams, RecvWr,
     SendWr, SharedReceiveQueue, UnconnectedQp, WorkCompletion,
 };
 
-const RECV_WRID: u64 = 1;
-const SEND_WRID: u64 = 2;
 /// Messages each side sends, whatever `-q` is (`ibv_srq_pingpong`'s `MAX_QP`).
 const MAX_QP: usize = 256;
 

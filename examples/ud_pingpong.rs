@@ -28,17 +28,13 @@
 
 mod pingpong;
 
-use std::time::Instant;
-
 use clap::Parser;
-use pingpong::{die, Args, IDLE_WAIT};
+use pingpong::{die, Args, RECV_WRID, SEND_WRID};
 use rdma_cm::{
     AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RecvWr, UdDest, UdQp, UdSendWr, WorkCompletion,
     GRH_LEN,
 };
 
-const RECV_WRID: u64 = 1;
-const SEND_WRID: u64 = 2;
 /// `ibv_ud_pingpong`'s Q_Key.
 const QKEY: u32 = 0x1111_1111;
 
@@ -78,7 +74,7 @@ fn main() {
     }
     let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..rlen).wr_id(RECV_WRID)).collect();
     qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
-    let mut routs = args.rx_depth;
+    let routs = args.rx_depth;
     let me = qp.local(args.gid_idx).unwrap_or_else(|e| die(format!("Couldn't get port info: {e}")));
     pingpong::print_local(&me);
 
@@ -103,49 +99,18 @@ fn main() {
     let dest = dest.unwrap_or_else(|| die("no address handle"));
 
     let send = [UdSendWr::send(&dest, &smr, 0..size as usize).wr_id(SEND_WRID)];
-    let mut pending = RECV_WRID;
-    if args.host.is_some() {
-        qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
-        pending |= SEND_WRID;
-    }
-    let start = Instant::now();
-    let (mut rcnt, mut scnt) = (0u32, 0u32);
-    let mut wcs = [WorkCompletion::default(); 16];
-    while rcnt < args.iters || scnt < args.iters {
-        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
-        if n == 0 {
-            die(format!(
-                "no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: a datagram was lost, or the \
-                 peer is gone"
-            ));
-        }
-        for wc in &wcs[..n] {
-            if !wc.is_ok() {
-                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
-            }
-            match wc.wr_id() {
-                SEND_WRID => scnt += 1,
-                RECV_WRID => {
-                    routs -= 1;
-                    if routs <= 1 {
-                        let more = (args.rx_depth - routs) as usize;
-                        qp.post_recv(&recvs[..more])
-                            .unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
-                        routs += more as u32;
-                    }
-                    rcnt += 1;
-                }
-                other => die(format!("Completion for unknown wr_id {other}")),
-            }
-            pending &= !wc.wr_id();
-            if scnt < args.iters && pending == 0 {
-                qp.post_send(&send).unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
-                pending = RECV_WRID | SEND_WRID;
-            }
-        }
-    }
-    pingpong::print_figures(size, args.iters, start.elapsed());
-    drop(qp);
+    let mut one = One { qp, recvs: &recvs, send };
+    let elapsed = pingpong::run(
+        &mut one,
+        args.iters,
+        args.rx_depth,
+        routs,
+        args.host.is_some(),
+        "a datagram was lost, or the peer is gone",
+    );
+    pingpong::print_figures(size, args.iters, elapsed);
+    // Dropping the QP flushes the receives still posted and releases the regions.
+    drop(one);
     drop(recvs);
     if args.chk && args.host.is_none() {
         let r = rmr.as_slice().unwrap_or_else(|e| die(e));
@@ -154,5 +119,24 @@ fn main() {
                 println!("invalid data in page {page}");
             }
         }
+    }
+}
+
+/// The QP, its receives and its send, for the shared loop ([`pingpong::run`]).
+struct One<'a> {
+    qp: UdQp,
+    recvs: &'a [RecvWr<'a>],
+    send: [UdSendWr<'a>; 1],
+}
+
+impl pingpong::OneQp for One<'_> {
+    fn wait(&mut self, out: &mut [WorkCompletion], timeout: std::time::Duration) -> rdma_cm::Result<usize> {
+        self.qp.wait(out, timeout)
+    }
+    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()> {
+        self.qp.post_recv(&self.recvs[..n])
+    }
+    fn post_send(&mut self) -> rdma_cm::Result<()> {
+        self.qp.post_send(&self.send)
     }
 }

@@ -24,7 +24,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use rdma_cm::{devices, PeerInfo, VerbsContext};
+use rdma_cm::{devices, PeerInfo, VerbsContext, WorkCompletion};
 
 /// How long the server waits for a client, and each side for the other's messages.
 pub const EXCHANGE_WAIT: Duration = Duration::from_secs(60);
@@ -222,4 +222,65 @@ pub fn page_size() -> usize {
     } else {
         4096
     }
+}
+
+/// The `wr_id` of every receive and of the send, as rdma-core's pingpongs number them.
+pub const RECV_WRID: u64 = 1;
+/// See [`RECV_WRID`].
+pub const SEND_WRID: u64 = 2;
+
+/// The one QP an rc or ud ping-pong drives: its wait, its receives (re-posted `n` at a time) and
+/// its one send.
+pub trait OneQp {
+    /// Waits for completions, at most `timeout`.
+    fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> rdma_cm::Result<usize>;
+    /// Posts `n` more receives.
+    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()>;
+    /// Posts the send.
+    fn post_send(&mut self) -> rdma_cm::Result<()>;
+}
+
+/// rdma-core's rc/ud ping-pong loop: the client sends first; each side sends again once its
+/// last send and a receive have completed, re-posting receives when one or none is left of the
+/// `rx_depth` (`routs` posted now), until `iters` of each. Returns the time from the first
+/// send. `idle` ends the message printed when no completion comes for [`IDLE_WAIT`].
+pub fn run(qp: &mut impl OneQp, iters: u32, rx_depth: u32, mut routs: u32, client: bool, idle: &str) -> Duration {
+    let mut pending = RECV_WRID;
+    if client {
+        qp.post_send().unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+        pending |= SEND_WRID;
+    }
+    let start = Instant::now();
+    let (mut rcnt, mut scnt) = (0u32, 0u32);
+    let mut wcs = [WorkCompletion::default(); 16];
+    while rcnt < iters || scnt < iters {
+        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
+        if n == 0 {
+            die(format!("no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: {idle}"));
+        }
+        for wc in &wcs[..n] {
+            if !wc.is_ok() {
+                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
+            }
+            match wc.wr_id() {
+                SEND_WRID => scnt += 1,
+                RECV_WRID => {
+                    routs -= 1;
+                    if routs <= 1 {
+                        let more = (rx_depth - routs) as usize;
+                        qp.post_recvs(more).unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
+                        routs += more as u32;
+                    }
+                    rcnt += 1;
+                }
+                other => die(format!("Completion for unknown wr_id {other}")),
+            }
+            pending &= !wc.wr_id();
+            if scnt < iters && pending == 0 {
+                qp.post_send().unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+                pending = RECV_WRID | SEND_WRID;
+            }
+        }
+    }
+    start.elapsed()
 }
