@@ -8,8 +8,12 @@
 //! room for the GRH, on a UD pair through rdma_cm. Both ends of the connection are driven from one thread, so each figure is the full cost of
 //! the operation through the device, with no thread hand-off.
 //!
+//! The `lane` group is the fast path (`rdma_cm::lane`): send/recv, WRITE and a WRITE batch of
+//! 16 under one doorbell, beside the same raw calls.
+//!
 //! ```text
 //! cargo bench --bench datapath
+//! cargo bench --bench datapath -- lane/     # the fast path only
 //! ```
 
 mod common;
@@ -311,10 +315,114 @@ fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
     assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
 }
 
+/// The fast path (`rdma_cm::lane`): post plus poll of one send/recv and of one RDMA WRITE, and
+/// a batch of 16 WRITEs under one doorbell (the last one signaled, one poll reaping them), each
+/// beside the raw calls on the same lane's QPs and CQs.
+fn lane_post_poll(c: &mut Criterion) {
+    use common::lane::lane_pair;
+    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::MemoryRegion;
+    const BATCH: usize = 16;
+    let spec = PairSpec {
+        mr_sizes: vec![8192, 8192],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        ..PairSpec::default()
+    };
+    let (mut a, mut b) = lane_pair(common::device_addr(), spec.clone(), spec, 64);
+    let remote = b.mrs[0].remote();
+    // Busy-polls a lane until `n` completions came back, each region into its place.
+    fn reap(lane: &mut Lane, mrs: &mut [Option<MemoryRegion>], n: usize) {
+        let mut got = 0;
+        while got < n {
+            got += lane
+                .poll_with(n - got, |mut c| {
+                    assert!(c.is_ok(), "{c:?}");
+                    let k = c.wr_id() as usize;
+                    mrs[k] = c.take_region();
+                })
+                .unwrap();
+        }
+    }
+    // Raw calls on the lane's QPs: the raw QP and CQ handles are the lane's.
+    let (qa, qb) = (a.lane.qp_num(a.qp).unwrap(), b.lane.qp_num(b.qp).unwrap());
+    assert_ne!(qa, qb);
+    let mut sa: Vec<Option<MemoryRegion>> =
+        a.mrs.remove(1).split(8192 / BATCH).unwrap().into_iter().map(Some).collect();
+    let mut rb: Vec<Option<MemoryRegion>> = vec![Some(b.mrs.remove(1))];
+    let mut g = c.benchmark_group("lane");
+    g.bench_function("send/lane", |bn| {
+        bn.iter(|| {
+            b.lane.post_recv(b.qp, LRecv::range(rb[0].take().unwrap(), 0..64)).unwrap();
+            a.lane.post_send(a.qp, LSend::send(sa[0].take().unwrap(), 0..64)).unwrap();
+            reap(&mut a.lane, &mut sa, 1);
+            reap(&mut b.lane, &mut rb, 1);
+        })
+    });
+    g.bench_function("write/lane", |bn| {
+        bn.iter(|| {
+            a.lane.post_send(a.qp, LSend::write(sa[0].take().unwrap(), 0..64, &remote, 0)).unwrap();
+            reap(&mut a.lane, &mut sa, 1);
+        })
+    });
+    g.bench_function("write_batch16/lane", |bn| {
+        bn.iter(|| {
+            let wrs = sa.iter_mut().enumerate().filter_map(|(k, m)| {
+                let w = LSend::write(m.take()?, 0..64, &remote, 0).wr_id(k as u64);
+                Some(if k + 1 < BATCH { w.unsignaled() } else { w })
+            });
+            assert_eq!(a.lane.post_send_iter(a.qp, wrs).unwrap(), BATCH);
+            reap(&mut a.lane, &mut sa, BATCH);
+        })
+    });
+    g.finish();
+    // The raw twins run on QPs of the convenient path (a lane's CQ is polled by the lane only).
+    let (ra, rb2) = connected();
+    let remote2 = rb2.mrs[0].remote();
+    let mut g = c.benchmark_group("lane");
+    g.bench_function("write/raw", |bn| {
+        bn.iter(|| {
+            raw_send(ra.conn.qp(), &ra.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, Some(remote2));
+            raw_poll1(ra.conn.qp().send_cq().as_raw());
+        })
+    });
+    g.bench_function("write_batch16/raw", |bn| {
+        bn.iter(|| {
+            let mr = &ra.mrs[0];
+            let mut sge = ffi::ibv_sge { addr: mr.addr(), length: 64, lkey: mr.lkey() };
+            // SAFETY: ibv_send_wr is plain old data.
+            let mut wrs: [ffi::ibv_send_wr; BATCH] = unsafe { zeroed() };
+            let base = wrs.as_mut_ptr();
+            for (k, wr) in wrs.iter_mut().enumerate() {
+                wr.wr_id = k as u64;
+                wr.sg_list = &mut sge;
+                wr.num_sge = 1;
+                wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                wr.send_flags = if k + 1 == BATCH { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+                wr.wr.rdma = ffi::rdma_t { remote_addr: remote2.addr, rkey: remote2.rkey };
+                wr.next = if k + 1 < BATCH { base.wrapping_add(k + 1) } else { std::ptr::null_mut() };
+            }
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: QP alive (16 deep); the list and sge live for the call; the region
+            // outlives the completions, reaped below.
+            assert_eq!(unsafe { ffi::ibv_post_send(ra.conn.qp().as_raw(), base, &mut bad) }, 0);
+            raw_poll1(ra.conn.qp().send_cq().as_raw());
+        })
+    });
+    g.bench_function("send/raw", |bn| {
+        bn.iter(|| {
+            raw_recv(rb2.conn.qp(), &rb2.mrs[0], 64);
+            raw_send(ra.conn.qp(), &ra.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
+            raw_poll1(ra.conn.qp().send_cq().as_raw());
+            raw_poll1(rb2.conn.qp().recv_cq().as_raw());
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     // The data path's ratios are a few percent: sample longer than the setup groups.
     config = criterion().measurement_time(std::time::Duration::from_secs(6)).sample_size(40);
-    targets = post_poll, post_poll_sg_atomic, ud_post_poll, pingpong, shared_cq
+    targets = post_poll, post_poll_sg_atomic, ud_post_poll, pingpong, shared_cq, lane_post_poll
 }
 criterion_main!(benches);

@@ -23,6 +23,15 @@
 //!
 //! After a warm-up (which also resolves the lazy symbol bindings), the counters are zeroed with
 //! callgrind's `ZERO_STATS` client request, so only the N measured iterations count.
+//!
+//! The fast path, [`rdma_cm::lane`], has a `-lane` variant of each (`send-lane`, `write-lane`,
+//! `write4-lane`): the same operations through a lane per side, whose CQ serves both queues of
+//! its QP. Three more operations come as `raw`, `crate` and `lane`: `fadd-*` (an atomic
+//! fetch-and-add into the peer's first 8 bytes, the original value into 8 bytes of the local
+//! region), `ud-*` (a 64-byte datagram to the peer's UD QP, into a receive with room for the
+//! GRH: post receive, post send, poll both) and `batch-*` (16 RDMA WRITEs of 64 bytes in one
+//! post under one doorbell, the last one signaled, then one poll that reaps them; counted per
+//! WRITE by the harness).
 
 mod common;
 
@@ -37,7 +46,9 @@ use rdma_cm::{
 };
 
 /// Every variant, as `main` takes them.
-const VARIANTS: &str = "send-raw, send-crate, write-raw, write-crate, write4-raw, write4-crate";
+const VARIANTS: &str =
+    "send-raw, send-crate, send-lane, write-raw, write-crate, write-lane, write4-raw, write4-crate, \
+     write4-lane, fadd-raw, fadd-crate, fadd-lane, ud-raw, ud-crate, ud-lane, batch-raw, batch-crate, batch-lane";
 
 /// How long the loop lets the device work before it polls (not counted).
 const SETTLE: Duration = Duration::from_micros(300);
@@ -233,6 +244,10 @@ fn main() {
         return;
     };
     let n: u64 = args.get(1).map(|s| s.parse().expect("N: a number")).unwrap_or(2000);
+    if let Some(run) = lane_bench::runner(variant) {
+        run(n);
+        return;
+    }
     // Only the gathered variants get a QP of 4 send pieces, so the others measure the QP
     // they always did.
     let sge = if variant.starts_with("write4") { 4 } else { 1 };
@@ -254,4 +269,459 @@ fn main() {
         iteration(variant, &mut a, &mut b, &remote, &mut empties);
     }
     println!("instr: variant {variant} iterations {n} empty_polls {empties}");
+}
+
+/// The fast path (`rdma_cm::lane`) beside raw `rdma-sys`, and the operations added with it
+/// (fetch-and-add, UD send, a WRITE batch of 16) through every path.
+mod lane_bench {
+    use super::{callgrind_zero_stats, settle_and_poll, PIECES};
+    use crate::common::{self, lane, pair, zeroed, PairSpec};
+    use rdma_cm::ffi;
+    use rdma_cm::lane::{Lane, LaneQp, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::{
+        AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
+        GRH_LEN,
+    };
+
+    /// Bytes each operation moves.
+    const LEN: usize = 64;
+    /// Work requests in a batch.
+    const BATCH: usize = 16;
+
+    type Run = fn(u64);
+
+    /// The runner of `variant`, when it is one of this module's.
+    pub fn runner(variant: &str) -> Option<Run> {
+        Some(match variant {
+            "send-lane" => send_lane,
+            "write-lane" => write_lane,
+            "write4-lane" => write4_lane,
+            "fadd-raw" => |n| fadd(n, Path::Raw),
+            "fadd-crate" => |n| fadd(n, Path::Crate),
+            "fadd-lane" => fadd_lane,
+            "ud-raw" => |n| ud(n, Path::Raw),
+            "ud-crate" => |n| ud(n, Path::Crate),
+            "ud-lane" => ud_lane,
+            "batch-raw" => |n| batch(n, Path::Raw),
+            "batch-crate" => |n| batch(n, Path::Crate),
+            "batch-lane" => batch_lane,
+            _ => return None,
+        })
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Path {
+        Raw,
+        Crate,
+    }
+
+    /// Runs `iteration` 200 times to warm up, zeroes the counters, runs it `n` times.
+    fn measure(variant: &str, n: u64, mut iteration: impl FnMut(&mut u64)) {
+        let mut warm = 0;
+        for _ in 0..200 {
+            iteration(&mut warm);
+        }
+        let mut empties = 0;
+        callgrind_zero_stats();
+        for _ in 0..n {
+            iteration(&mut empties);
+        }
+        println!("instr: variant {variant} iterations {n} empty_polls {empties}");
+    }
+
+    fn spec(access: AccessFlags, init: QpInit) -> PairSpec {
+        PairSpec { mr_sizes: vec![8192], access, init, ..PairSpec::default() }
+    }
+
+    // --- measured: the lane -------------------------------------------------------------------
+
+    /// The lane: posts one send of `mr[0..LEN]`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_send(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion) {
+        lane.post_send(qp, LSend::send(mr, 0..LEN)).unwrap();
+    }
+
+    /// The lane: posts one receive into `mr[0..LEN]` (`len` bytes).
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_recv(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, len: usize) {
+        lane.post_recv(qp, LRecv::range(mr, 0..len)).unwrap();
+    }
+
+    /// The lane: posts one RDMA WRITE of `mr[0..LEN]` to the start of `remote`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_write(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, remote: &RemoteRegion) {
+        lane.post_send(qp, LSend::write(mr, 0..LEN, remote, 0)).unwrap();
+    }
+
+    /// The lane: posts one RDMA WRITE gathered from `PIECES` of `mr` to the start of `remote`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_write4(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, remote: &RemoteRegion) {
+        lane.post_send(qp, LSend::write_sg(mr, &PIECES, remote, 0)).unwrap();
+    }
+
+    /// The lane: posts one fetch-and-add of 1 on `counter`, the original value into `mr[4096..]`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_fadd(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, counter: &RemoteRegion) {
+        lane.post_send(qp, LSend::fetch_add(mr, 4096, counter, 0, 1)).unwrap();
+    }
+
+    /// The lane: posts one datagram of `mr[0..LEN]` to `dest`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_ud(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, dest: rdma_cm::lane::DestKey) {
+        lane.post_send(qp, LSend::send(mr, 0..LEN).to(dest)).unwrap();
+    }
+
+    /// The lane: one poll; a completion found hands its region back into `back`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_poll(lane: &mut Lane, back: &mut Option<MemoryRegion>) -> bool {
+        let n = lane
+            .poll_with(1, |mut c| {
+                if !c.is_ok() {
+                    failed(&c);
+                }
+                *back = c.take_region();
+            })
+            .unwrap();
+        n == 1
+    }
+
+    /// A failed completion in a measured loop (out of line: never reached).
+    #[cold]
+    #[inline(never)]
+    fn failed(c: &rdma_cm::lane::Completion) -> ! {
+        panic!("completion failed: {c:?}")
+    }
+
+    /// The lane: posts `BATCH` RDMA WRITEs of `mrs[k][0..LEN]` in one list (one doorbell), the
+    /// last one signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_post_batch(
+        lane: &mut Lane,
+        qp: LaneQp,
+        mrs: &mut [Option<MemoryRegion>; BATCH],
+        remote: &RemoteRegion,
+    ) {
+        let wrs = mrs.iter_mut().enumerate().filter_map(|(k, m)| {
+            let w = LSend::write(m.take()?, 0..LEN, remote, 0).wr_id(k as u64);
+            Some(if k + 1 < BATCH { w.unsignaled() } else { w })
+        });
+        assert_eq!(lane.post_send_iter(qp, wrs).unwrap(), BATCH);
+    }
+
+    /// The lane: polls until it finds nothing or has handed out what is left of the batch; each
+    /// region goes back to its place. Returns how many it handed out.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_lane_poll_batch(lane: &mut Lane, mrs: &mut [Option<MemoryRegion>; BATCH], want: usize) -> usize {
+        lane.poll_with(want, |mut c| {
+            if !c.is_ok() {
+                failed(&c);
+            }
+            mrs[c.wr_id() as usize % BATCH] = c.take_region();
+        })
+        .unwrap()
+    }
+
+    // --- measured: raw and crate for the added operations -----------------------------------------
+
+    /// Raw: posts one signaled fetch-and-add of 1 on `counter`, the original value into
+    /// `mr[4096..4104]`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_fadd(qp: &QueuePair, mr: &MemoryRegion, counter: &RemoteRegion) {
+        let mut sge = ffi::ibv_sge { addr: mr.addr() + 4096, length: 8, lkey: mr.lkey() };
+        // SAFETY: ibv_send_wr is plain old data.
+        let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.atomic = ffi::atomic_t { remote_addr: counter.addr, compare_add: 1, swap: 0, rkey: counter.rkey };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: QP alive; wr and sge live for the call; the 8 result bytes outlive the
+        // completion, which the loop reaps before the next post.
+        assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
+    }
+
+    /// The crate: posts one fetch-and-add of 1 on `counter`, the original value into
+    /// `mr[4096..4104]`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_post_fadd(qp: &mut QueuePair, mr: &MemoryRegion, counter: &RemoteRegion) {
+        qp.post_send(&[SendWr::fetch_add(mr, 4096..4104, counter, 0, 1).unwrap()]).unwrap();
+    }
+
+    /// Raw: posts one receive of `len` bytes of `mr` on `qp`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_recv_ud(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, len: u32) {
+        let mut sge = ffi::ibv_sge { addr: mr.addr(), length: len, lkey: mr.lkey() };
+        // SAFETY: ibv_recv_wr is plain old data.
+        let mut wr: ffi::ibv_recv_wr = unsafe { zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is alive; wr and sge live for the call; the region outlives the
+        // completion, which the loop reaps.
+        assert_eq!(unsafe { ffi::ibv_post_recv(qp, &mut wr, &mut bad) }, 0);
+    }
+
+    /// Raw: posts one signaled datagram of `mr[0..LEN]` to `dest` on `qp`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_ud(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+        let mut sge = ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() };
+        // SAFETY: ibv_send_wr is plain old data.
+        let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.ud = ffi::ud_t { ah: dest.ah().as_raw(), remote_qpn: dest.qpn(), remote_qkey: dest.qkey() };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is alive; wr and sge live for the call; the region and the address
+        // handle (held by `dest`) outlive the completion, which the loop reaps.
+        assert_eq!(unsafe { ffi::ibv_post_send(qp, &mut wr, &mut bad) }, 0);
+    }
+
+    /// The crate: posts one datagram of `mr[0..LEN]` to `dest`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_post_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+        qp.post_send(&[rdma_cm::UdSendWr::send(dest, mr, 0..LEN)]).unwrap();
+    }
+
+    /// The crate: posts one receive of `len` bytes of `mr` on a UD QP.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_post_recv_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, len: usize) {
+        qp.post_recv(&[rdma_cm::RecvWr::new(mr, 0..len)]).unwrap();
+    }
+
+    /// The crate: one poll of a UD QP's `queue` for one entry; whether it found one.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_poll_ud(qp: &mut rdma_cm::UdQp, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
+        let n = qp.poll_queue(queue, wcs).unwrap();
+        if n == 1 {
+            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
+        }
+        n == 1
+    }
+
+    /// Raw: posts `BATCH` RDMA WRITEs of `mr[0..LEN]` in one list, the last one signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_batch(qp: &QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+        let mut sge = ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() };
+        // SAFETY: ibv_send_wr is plain old data.
+        let mut wrs: [ffi::ibv_send_wr; BATCH] = unsafe { zeroed() };
+        let base = wrs.as_mut_ptr();
+        for (k, wr) in wrs.iter_mut().enumerate() {
+            wr.wr_id = k as u64;
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.send_flags = if k + 1 == BATCH { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+            // The list's links (the last one stays NULL).
+            wr.next = if k + 1 < BATCH { base.wrapping_add(k + 1) } else { std::ptr::null_mut() };
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is alive (send queue 16 deep); the list and the one sge live for the
+        // call; the region outlives the completions, which the loop reaps before the next post.
+        assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), base, &mut bad) }, 0);
+    }
+
+    /// Raw: one `ibv_poll_cq` for up to `BATCH` entries; how many it found.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_poll_batch(cq: &CompletionQueue) -> usize {
+        let mut wc = [const { std::mem::MaybeUninit::<ffi::ibv_wc>::uninit() }; BATCH];
+        // SAFETY: the CQ is alive (held by the QP); `wc` has room for BATCH entries.
+        let n = unsafe { ffi::ibv_poll_cq(cq.as_raw(), BATCH as i32, wc.as_mut_ptr().cast()) };
+        assert!(n >= 0, "ibv_poll_cq failed");
+        for w in &wc[..n as usize] {
+            // SAFETY: ibv_poll_cq filled the first n entries.
+            assert_eq!(unsafe { w.assume_init_ref() }.status, ffi::ibv_wc_status::IBV_WC_SUCCESS);
+        }
+        n as usize
+    }
+
+    /// The crate: posts `BATCH` RDMA WRITEs of `mr[0..LEN]` in one call, the last one signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_post_batch(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+        let wrs: [SendWr<'_>; BATCH] = std::array::from_fn(|k| {
+            let w = SendWr::write(mr, 0..LEN, remote, 0).unwrap().wr_id(k as u64);
+            if k + 1 < BATCH {
+                w.unsignaled()
+            } else {
+                w
+            }
+        });
+        qp.post_send(&wrs).unwrap();
+    }
+
+    /// The crate: one poll of the send queue for up to `BATCH` entries; how many it found.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_crate_poll_batch(qp: &mut QueuePair, wcs: &mut [WorkCompletion; BATCH]) -> usize {
+        let n = qp.poll_queue(WorkQueue::Send, wcs).unwrap();
+        assert!(wcs[..n].iter().all(|w| w.is_ok()));
+        n
+    }
+
+    // --- the loops (not measured) -----------------------------------------------------------------
+
+    fn rc_lanes(sge: u32, access: AccessFlags) -> (lane::LaneSide, lane::LaneSide) {
+        let s = spec(access, QpInit::new().max_send_sge(sge));
+        lane::lane_pair(common::device_addr(), s.clone(), s, 64)
+    }
+
+    fn poll_lane(empties: &mut u64, lane: &mut Lane, back: &mut Option<MemoryRegion>) {
+        settle_and_poll(empties, || instr_lane_poll(lane, back));
+    }
+
+    fn send_lane(n: u64) {
+        let (mut a, mut b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let (mut sbuf, mut rbuf) = (Some(a.mrs.remove(0)), Some(b.mrs.remove(0)));
+        measure("send-lane", n, |empties| {
+            instr_lane_post_recv(&mut b.lane, b.qp, rbuf.take().unwrap(), LEN);
+            instr_lane_post_send(&mut a.lane, a.qp, sbuf.take().unwrap());
+            poll_lane(empties, &mut a.lane, &mut sbuf);
+            poll_lane(empties, &mut b.lane, &mut rbuf);
+        });
+    }
+
+    fn write_lane(n: u64) {
+        let (mut a, b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let remote = b.mrs[0].remote();
+        let mut buf = Some(a.mrs.remove(0));
+        measure("write-lane", n, |empties| {
+            instr_lane_post_write(&mut a.lane, a.qp, buf.take().unwrap(), &remote);
+            poll_lane(empties, &mut a.lane, &mut buf);
+        });
+    }
+
+    fn write4_lane(n: u64) {
+        let (mut a, b) = rc_lanes(4, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let remote = b.mrs[0].remote();
+        let mut buf = Some(a.mrs.remove(0));
+        measure("write4-lane", n, |empties| {
+            instr_lane_post_write4(&mut a.lane, a.qp, buf.take().unwrap(), &remote);
+            poll_lane(empties, &mut a.lane, &mut buf);
+        });
+    }
+
+    const ATOMIC: AccessFlags =
+        AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_WRITE).union(AccessFlags::REMOTE_ATOMIC);
+
+    fn fadd(n: u64, path: Path) {
+        let s = spec(ATOMIC, QpInit::new());
+        let (mut a, b) = pair(common::device_addr(), s.clone(), s);
+        let counter = RemoteRegion { len: 8, ..b.mrs[0].remote() };
+        let mut wcs = [WorkCompletion::default(); 1];
+        let name = if path == Path::Raw { "fadd-raw" } else { "fadd-crate" };
+        measure(name, n, |empties| {
+            if path == Path::Raw {
+                instr_raw_post_fadd(a.conn.qp(), &a.mrs[0], &counter);
+                let scq = a.conn.qp().send_cq();
+                settle_and_poll(empties, || super::instr_raw_poll(scq));
+            } else {
+                instr_crate_post_fadd(a.conn.qp_mut(), &a.mrs[0], &counter);
+                settle_and_poll(empties, || super::instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+            }
+        });
+    }
+
+    fn fadd_lane(n: u64) {
+        let (mut a, b) = rc_lanes(1, ATOMIC);
+        let counter = RemoteRegion { len: 8, ..b.mrs[0].remote() };
+        let mut buf = Some(a.mrs.remove(0));
+        measure("fadd-lane", n, |empties| {
+            instr_lane_post_fadd(&mut a.lane, a.qp, buf.take().unwrap(), &counter);
+            poll_lane(empties, &mut a.lane, &mut buf);
+        });
+    }
+
+    fn ud(n: u64, path: Path) {
+        let common::ud::UdPair { mut client, to_server, mut server, to_client: _to_client } =
+            common::ud::ud_pair(common::device_addr(), 7492, QpInit::new());
+        let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut wcs = [WorkCompletion::default(); 1];
+        let name = if path == Path::Raw { "ud-raw" } else { "ud-crate" };
+        measure(name, n, |empties| {
+            if path == Path::Raw {
+                instr_raw_post_recv_ud(server.qp().as_raw(), &rbuf, (GRH_LEN + LEN) as u32);
+                instr_raw_post_ud(client.qp().as_raw(), &sbuf, &to_server);
+                let (scq, rcq) = (client.qp().send_cq(), server.qp().recv_cq());
+                settle_and_poll(empties, || super::instr_raw_poll(scq));
+                settle_and_poll(empties, || super::instr_raw_poll(rcq));
+            } else {
+                instr_crate_post_recv_ud(server.qp_mut(), &rbuf, GRH_LEN + LEN);
+                instr_crate_post_ud(client.qp_mut(), &sbuf, &to_server);
+                settle_and_poll(empties, || instr_crate_poll_ud(client.qp_mut(), WorkQueue::Send, &mut wcs));
+                settle_and_poll(empties, || instr_crate_poll_ud(server.qp_mut(), WorkQueue::Recv, &mut wcs));
+            }
+        });
+    }
+
+    fn ud_lane(n: u64) {
+        let lane::LaneUdPair { mut client, to_server, server_dest: _d, mut server } =
+            lane::lane_ud_pair(common::device_addr(), 7493, QpInit::new(), 64);
+        let mut sbuf = Some(MemoryRegion::new(&client.pd, LEN, AccessFlags::LOCAL_WRITE).unwrap());
+        let mut rbuf = Some(MemoryRegion::new(&server.pd, GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap());
+        measure("ud-lane", n, |empties| {
+            instr_lane_post_recv(&mut server.lane, server.qp, rbuf.take().unwrap(), GRH_LEN + LEN);
+            instr_lane_post_ud(&mut client.lane, client.qp, sbuf.take().unwrap(), to_server);
+            poll_lane(empties, &mut client.lane, &mut sbuf);
+            poll_lane(empties, &mut server.lane, &mut rbuf);
+        });
+    }
+
+    fn batch(n: u64, path: Path) {
+        let s = spec(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, QpInit::new());
+        let (mut a, b) = pair(common::device_addr(), s.clone(), s);
+        let remote = b.mrs[0].remote();
+        let mut wcs = [WorkCompletion::default(); BATCH];
+        let name = if path == Path::Raw { "batch-raw" } else { "batch-crate" };
+        measure(name, n, |empties| {
+            if path == Path::Raw {
+                instr_raw_post_batch(a.conn.qp(), &a.mrs[0], &remote);
+                let scq = a.conn.qp().send_cq();
+                settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
+            } else {
+                instr_crate_post_batch(a.conn.qp_mut(), &a.mrs[0], &remote);
+                settle_and_poll(empties, || instr_crate_poll_batch(a.conn.qp_mut(), &mut wcs) == 1);
+            }
+        });
+    }
+
+    fn batch_lane(n: u64) {
+        let (mut a, b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let remote = b.mrs[0].remote();
+        let chunks = a.mrs.remove(0).split(8192 / BATCH).unwrap();
+        let mut mrs: [Option<MemoryRegion>; BATCH] = [const { None }; BATCH];
+        for (k, c) in chunks.into_iter().enumerate() {
+            mrs[k] = Some(c);
+        }
+        measure("batch-lane", n, |empties| {
+            instr_lane_post_batch(&mut a.lane, a.qp, &mut mrs, &remote);
+            let mut got = 0;
+            settle_and_poll(empties, || {
+                got += instr_lane_poll_batch(&mut a.lane, &mut mrs, BATCH - got);
+                got == BATCH
+            });
+        });
+    }
 }

@@ -450,7 +450,7 @@ mod wait;
 #[doc(hidden)]
 pub use cm::{addrinfo, cm_id, event_channel, multicast, private_data, step, ud_cm, user_qp};
 #[doc(hidden)]
-pub use verbs::{ah, async_event, cq, diagnostics, mr, pd, port, qp, srq, ud, wr};
+pub use verbs::{ah, async_event, cq, diagnostics, lane, mr, pd, port, qp, srq, ud, wr};
 /// `rdma_cm::connection` from before the two wings: the typestates, `ConnParam` and the
 /// connection (now `cm::client`, `cm::server`, `cm::conn_param`, `cm::connection`).
 #[doc(hidden)]
@@ -495,6 +495,7 @@ pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEven
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, VerbsContext};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
+pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;

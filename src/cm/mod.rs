@@ -10,6 +10,7 @@ pub mod conn_param;
 pub mod connection;
 pub mod event_channel;
 pub(crate) mod expect;
+mod lane_cm;
 pub mod multicast;
 pub mod private_data;
 pub mod server;

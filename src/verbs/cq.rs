@@ -63,6 +63,9 @@ pub struct CompletionQueue {
     /// The channel's lasting registration with tokio's reactor, made at the first async wait.
     #[cfg(feature = "tokio")]
     reactor: crate::wait::Reactor,
+    /// The CQ of a [`Lane`](crate::verbs::lane::Lane), which is its only reader: the crate's
+    /// other polls refuse it (`poll_raw`), so no completion of the lane can be taken elsewhere.
+    exclusive: bool,
     // Dropped after the CQ and channel are destroyed (Drop::drop runs first).
     ctx: VerbsContext,
 }
@@ -111,9 +114,20 @@ impl CompletionQueue {
             ),
             #[cfg(feature = "tokio")]
             reactor: crate::wait::Reactor::default(),
+            exclusive: false,
             ctx: ctx.clone(),
         };
         Ok(Arc::new(cq))
+    }
+
+    /// A CQ for a [`Lane`](crate::verbs::lane::Lane): as [`CompletionQueue::new`], and every
+    /// poll of the crate's other paths refuses it.
+    pub(crate) fn new_exclusive(ctx: &VerbsContext, depth: u32) -> Result<Arc<CompletionQueue>> {
+        let mut cq = Self::new(ctx, depth)?;
+        if let Some(c) = Arc::get_mut(&mut cq) {
+            c.exclusive = true;
+        }
+        Ok(cq)
     }
 
     /// Makes the channel's descriptor non-blocking, once. Everything that reads the channel
@@ -474,6 +488,9 @@ impl CompletionQueue {
 
     /// Polls up to `out.len()` raw completions (`ibv_poll_cq`).
     pub(crate) fn poll_raw(&self, out: &mut [std::mem::MaybeUninit<ffi::ibv_wc>]) -> Result<usize> {
+        if self.exclusive {
+            return Err(lane_owned());
+        }
         let n = out.len().min(i32::MAX as usize) as i32;
         // SAFETY: the CQ is valid; `out` has room for `n` entries that the provider writes.
         let ret = unsafe { ffi::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
@@ -483,6 +500,14 @@ impl CompletionQueue {
         }
         Ok(ret as usize)
     }
+}
+
+/// The refusal of a poll of a [`Lane`](crate::verbs::lane::Lane)'s CQ by anyone but the lane.
+#[cold]
+fn lane_owned() -> Error {
+    Error::InvalidArgument(
+        "this CQ belongs to a Lane, which is its only reader: poll it through the lane (Lane::poll)".into(),
+    )
 }
 
 /// The descriptor is offered as `AsRawFd` only: safe code cannot borrow it into a `File` to

@@ -9,6 +9,7 @@ pub mod device;
 pub mod diagnostics;
 pub mod fork;
 pub(crate) mod hub;
+pub mod lane;
 pub(crate) mod link;
 pub mod mr;
 pub mod mw;

@@ -15,6 +15,7 @@ use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, Protecti
 
 pub mod caps;
 mod device;
+pub mod lane;
 pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
 pub use caps::{require, skipped, Cap};

@@ -503,7 +503,7 @@ impl QueuePair {
         self.max_recv_sge
     }
 
-    fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
+    pub(crate) fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
         lock(&self.queues)
     }
 

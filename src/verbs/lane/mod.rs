@@ -1,0 +1,749 @@
+//! [`Lane`]: the fast data path. One completion queue and the queue pairs that complete on it,
+//! driven by one thread, with owned buffers instead of locks and reference counts.
+//!
+//! # What it is for
+//!
+//! The convenient path ([`QueuePair::post_send`](crate::QueuePair::post_send) and its polls)
+//! lets any thread post and poll any QP of a shared CQ, and lets work requests borrow their
+//! regions. Both cost: a mutex on the QP's queues and on the CQ's routing table, and a
+//! reference-count change per region per work request. A lane drops both:
+//!
+//! - **Ownership instead of locks.** A lane owns its CQ and the QPs attached to it
+//!   ([`Lane::attach`] takes what owns the QP: a [`Connection`](crate::Connection) or
+//!   [`UdEndpoint`](crate::UdEndpoint) from the CM, a [`QueuePair`] or [`UdQp`](crate::UdQp) without it).
+//!   It is `Send`, not `Sync`, and posting and polling take `&mut self`: no mutex, no atomic
+//!   read-modify-write on the way. One lane per thread is how RDMA servers are built anyway.
+//! - **Owned buffers instead of reference counts.** A work request *moves* its
+//!   [`MemoryRegion`] into the lane's slot table (sized by the queue depth, allocated once,
+//!   when the QP is attached); the [`Completion`] that retires the slot hands it back
+//!   ([`Completion::take_region`]). A post moves one pointer and touches no atomic.
+//! - **Checks that cost compares.** A post checks the region's protection domain, the range,
+//!   the access rights and the remote range with a few compares, lowers the work request in
+//!   one place ([`SendWr`] → `ibv_send_wr`) and calls the provider. A poll decodes the
+//!   completion's tag (which QP, which slot) and hands the raw fields over as they are; the
+//!   typed accessors decode them when asked.
+//! - **Selective signaling and post lists.** [`SendWr::unsignaled`] work requests complete
+//!   with the next signaled one of their queue: that completion retires every earlier slot of
+//!   the queue, in order, and each comes back as its own [`Completion`]
+//!   ([`Completion::is_signaled`] false). [`Lane::post_send_list`] posts up to
+//!   [`MAX_LIST`] work requests under one doorbell (one `ibv_post_send` of a chained list).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::lane::{Lane, RecvWr, SendWr};
+//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let route = Client::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?.resolve_route(t)?;
+//! let pd = route.alloc_pd()?;
+//! let mut lane = Lane::new(&route.context()?, 64)?;
+//! let conn = route.create_qp(&pd, lane.qp_init())?.connect(&ConnParam::new(), t)?;
+//! let qp = lane.attach(conn)?;
+//! let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//! let msg = MemoryRegion::new(&pd, 64, AccessFlags::empty())?;
+//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
+//! lane.post_send(qp, SendWr::send(msg, 0..64).wr_id(2))?;
+//! loop {
+//!     let Some(c) = lane.poll()? else { continue };
+//!     let mut c = c.ok()?;                   // a failed completion is an error
+//!     let region = c.take_region();          // the buffer, back in our hands
+//!     if c.wr_id() == 1 { break }
+//! #   drop(region);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Why it is sound
+//!
+//! - **The device never writes memory Rust code can reach.** While a work request is posted,
+//!   its region sits in the lane's slot table, and the lane offers no way to reach it: the
+//!   caller gave up its only handle when it moved the region in. (A region's handle is unique:
+//!   [`MemoryRegion`] is not `Clone`, and the convenient path's holds give no access to the
+//!   bytes; the region's own accessors keep refusing while such a hold lets the device write
+//!   it.) The slot gives the region back only with the completion that retires it.
+//!   Using a region after posting it does not compile: it moved into the lane.
+//!
+//!   ```compile_fail,E0382
+//!   # fn f(lane: &mut rdma_cm::lane::Lane, qp: rdma_cm::lane::LaneQp, mut mr: rdma_cm::MemoryRegion) {
+//!   lane.post_recv(qp, rdma_cm::lane::RecvWr::new(mr)).unwrap();
+//!   let bytes = mr.as_slice(); // the device may be writing it: error[E0382], use of moved value
+//!   # }
+//!   ```
+//! - **No memory is freed under the device.** A region leaves a slot only (a) with its
+//!   completion, (b) when a later signaled completion of the same RC or UD queue retires it
+//!   (queues complete in order), (c) when the provider said it did not take the work request
+//!   (`bad_wr` pointing into the list), or (d) when its QP was destroyed successfully. A post
+//!   that fails without saying how far it got keeps every region and moves the QP to the error
+//!   state, so the flush retires them.
+//! - **`mem::forget` is safe.** Forgetting the lane, a [`Completion`] or a work request leaks
+//!   regions, and leaking is safe. The slots, not the caller, own what the device may touch.
+//! - **Dropping** a lane (or [`Lane::remove`] of one QP) moves each QP to the error state,
+//!   reaps the flushed completions for up to 2 s, and then destroys the QP. Regions still in
+//!   slots after that (work requests whose completion never came: unsignaled ones that ran
+//!   before the error, or receives rxe never flushes) are handed to the QP's own slot rings
+//!   just before it is destroyed, so they are released only when `ibv_destroy_qp` succeeds,
+//!   and leaked with the rings when it fails.
+//! - **No completion is lost.** The lane is the only reader of its CQ: the crate's other
+//!   polls refuse a lane's CQ ([`Error::InvalidArgument`]), so a QP made with
+//!   [`Lane::qp_init`] and never attached (or the CQ reached through it) cannot take the
+//!   lane's completions. Completions of work posted through such a QP's convenient path are
+//!   routed as usual and returned by [`Lane::poll`] ([`Completion::is_lane`] false). A poll
+//!   holds what it took from the CQ in the lane until it has been handed out, so a panic in
+//!   the caller between two polls loses nothing. Completions that another QP's teardown reaps
+//!   are kept, in order, for the next poll.
+//! - **Stale completions retire nothing.** Each `wr_id` the lane posts names the QP's place
+//!   in the lane, that place's generation, and the slot's sequence number; a completion of a
+//!   QP removed from the lane (or of an earlier QP at the same place) matches no slot.
+//!
+//! # Limits of this version
+//!
+//! No shared receive queue, no inline sends, and a scatter/gather list names pieces of one
+//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A QP is attached
+//! with nothing outstanding on its convenient path; receives posted before the connection is
+//! established go through the lane once it is attached (set [`ConnParam`](crate::ConnParam)'s
+//! RNR retry so the peer waits for them). The lane polls without sleeping.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::mem::{self, MaybeUninit};
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_sys as ffi;
+
+use crate::error::{Error, Result};
+use crate::status::{WcOpcode, WcStatus, WorkQueue};
+use crate::verbs::ah::{UdDest, GRH_LEN};
+use crate::verbs::cq::CompletionQueue;
+use crate::verbs::device::VerbsContext;
+use crate::verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
+use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::{QpInit, QueuePair};
+use crate::verbs::ring::Hold;
+use crate::verbs::wc::WorkCompletion;
+use crate::verbs::wr::{rejected_from, MAX_SGE};
+
+mod completion;
+mod owner;
+mod poll;
+mod post;
+mod wr;
+
+pub use completion::Completion;
+use completion::{Fields, LANE, RECV, SIGNALED};
+pub use owner::LaneOwner;
+pub(crate) use owner::Sealed;
+use wr::*;
+pub use wr::{RecvWr, Rejected, RejectedList, SendWr};
+
+/// The most work requests one [`Lane::post_send_list`] or [`Lane::post_recv_list`] posts: one
+/// `ibv_post_*` call, one doorbell.
+pub const MAX_LIST: usize = 16;
+
+/// Completions taken from the CQ per `ibv_poll_cq`.
+const POLL_BATCH: usize = 16;
+
+/// How long teardown waits for flushed completions before destroying a QP anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The tag in every `wr_id` a lane posts:
+///
+/// ```text
+/// bit 63   62      61..48             47..32          31..0
+///     RECV  0      generation (14)    place (16)      sequence number
+/// ```
+///
+/// Bit 62 is the convenient path's tag bit (`ring::tag::OURS`); it is clear here, so a
+/// completion of the convenient path on a lane's CQ is told apart and routed the usual way.
+mod tag {
+    pub(super) const RECV: u64 = 1 << 63;
+    pub(super) const CRATE: u64 = crate::verbs::ring::tag::OURS;
+    const GEN_SHIFT: u32 = 48;
+    pub(super) const GEN_MASK: u16 = (1 << 14) - 1;
+    const PLACE_SHIFT: u32 = 32;
+
+    #[inline(always)]
+    pub(super) fn encode(place: u16, gen: u16, seq: u32, recv: bool) -> u64 {
+        (if recv { RECV } else { 0 })
+            | ((gen & GEN_MASK) as u64) << GEN_SHIFT
+            | (place as u64) << PLACE_SHIFT
+            | seq as u64
+    }
+
+    /// (recv, generation, place, sequence number).
+    #[inline(always)]
+    pub(super) fn decode(wr_id: u64) -> (bool, u16, u16, u32) {
+        (wr_id & RECV != 0, (wr_id >> GEN_SHIFT) as u16 & GEN_MASK, (wr_id >> PLACE_SHIFT) as u16, wr_id as u32)
+    }
+}
+
+/// A QP attached to a lane: its place there. Cheap to copy; meaningful only to the lane that
+/// gave it (another lane, or this one after [`Lane::remove`], refuses it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LaneQp {
+    place: u16,
+    gen: u16,
+}
+
+/// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DestKey {
+    qp: LaneQp,
+    index: u32,
+}
+
+/// One work queue's slots: the regions of posted work requests, in posting order.
+struct Slots {
+    slots: Box<[Slot]>,
+    mask: u32,
+    depth: u32,
+    /// Sequence number of the oldest outstanding work request.
+    head: u32,
+    /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
+    tail: u32,
+}
+
+struct Slot {
+    mr: Option<MemoryRegion>,
+    wr_id: u64,
+}
+
+impl Slots {
+    fn new(depth: u32) -> Slots {
+        let len = depth.max(1).next_power_of_two();
+        Slots { slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(), mask: len - 1, depth, head: 0, tail: 0 }
+    }
+    #[inline(always)]
+    fn outstanding(&self) -> u32 {
+        self.tail.wrapping_sub(self.head)
+    }
+    #[inline(always)]
+    fn free(&self) -> u32 {
+        self.depth - self.outstanding()
+    }
+    /// Stores a posted work request at `tail + k` (committed by `commit`).
+    #[inline(always)]
+    fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
+        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+        if let Some(s) = self.slots.get_mut(i) {
+            // The slot is free: at most `depth` are outstanding, and retiring empties a slot.
+            s.mr = Some(mr);
+            s.wr_id = wr_id;
+        }
+    }
+    /// Whether `seq` is outstanding.
+    #[inline(always)]
+    fn holds(&self, seq: u32) -> bool {
+        seq.wrapping_sub(self.head) < self.outstanding()
+    }
+    /// Retires the oldest work request: its region and `wr_id`.
+    #[inline(always)]
+    fn pop(&mut self) -> (Option<MemoryRegion>, u64) {
+        let i = (self.head & self.mask) as usize;
+        self.head = self.head.wrapping_add(1);
+        match self.slots.get_mut(i) {
+            Some(s) => (s.mr.take(), s.wr_id),
+            None => (None, 0),
+        }
+    }
+    /// Takes every region still held (for a QP being destroyed).
+    fn drain(&mut self) -> impl Iterator<Item = MemoryRegion> + '_ {
+        let n = self.outstanding();
+        let start = self.head;
+        self.head = self.tail;
+        (0..n).filter_map(move |k| self.slots[(start.wrapping_add(k) & self.mask) as usize].mr.take())
+    }
+}
+
+/// A UD destination as a post needs it, and the handle that keeps its address handle alive.
+struct Dest {
+    ah: *mut ffi::ibv_ah,
+    qpn: u32,
+    qkey: u32,
+    keep: UdDest,
+}
+
+/// A QP attached to a lane.
+struct Member {
+    // Field order is drop order after Drop::drop: the owner (and so the QP) goes first; the
+    // slots are empty by then (Drop::drop hands what they hold to the QP's own rings).
+    owner: Box<dyn LaneOwner>,
+    raw: NonNull<ffi::ibv_qp>,
+    qp_num: u32,
+    gen: u16,
+    pd: Arc<ProtectionDomain>,
+    max_send_sge: u32,
+    /// A UD QP's MTU (the largest datagram), 0 for RC.
+    mtu: u32,
+    /// A completion of it failed (not a flush), or the lane moved it to the error state:
+    /// nothing posted now can run (and rxe never flushes a receive posted then).
+    failed: Option<u32>,
+    send: Slots,
+    recv: Slots,
+    dests: Vec<Dest>,
+}
+
+impl Member {
+    fn is_ud(&self) -> bool {
+        self.mtu != 0
+    }
+
+    /// Moves the QP to the error state, flushing everything posted.
+    fn set_error(&mut self) -> Result<()> {
+        // SAFETY: ibv_qp_attr is plain old data; zero is valid.
+        let mut attr: ffi::ibv_qp_attr = unsafe { mem::zeroed() };
+        attr.qp_state = ffi::ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: the QP is alive while its owner is (a field of `self`); only the state changes,
+        // as the mask says.
+        let ret =
+            unsafe { ffi::ibv_modify_qp(self.raw.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
+        crate::error::check_ibv(ret, "ibv_modify_qp(ERR)")?;
+        self.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+        Ok(())
+    }
+}
+
+impl Drop for Member {
+    /// Hands every region still in a slot to the QP's own slot rings, staged but not
+    /// committed (so the QP's teardown does not wait for them): the rings are released after
+    /// `ibv_destroy_qp` succeeds and leaked when it fails (`QueuePair`'s Drop), which is
+    /// exactly when the device can no longer reach the memory. A UD QP's address handles are
+    /// handed over the same way, or leaked if the rings have no room for them.
+    fn drop(&mut self) {
+        let has_sends = self.send.outstanding() > 0;
+        let sends: Vec<MemoryRegion> = self.send.drain().collect();
+        let recvs: Vec<MemoryRegion> = self.recv.drain().collect();
+        let qp = self.owner.lane_qp();
+        let mut q = qp.queues();
+        let park = |ring: &mut crate::verbs::ring::Ring, regions: Vec<MemoryRegion>| {
+            // Staging overwrites a slot: only an empty ring may take them (attach checked that
+            // nothing was outstanding, and the convenient path is out of reach since).
+            let empty = ring.outstanding() == 0;
+            for (k, mr) in regions.into_iter().enumerate() {
+                if !empty || k >= ring.slots.len() {
+                    // Never (see above; both are sized by the queue depth). Were it reached, the
+                    // region is leaked rather than released while the device may use it.
+                    mem::forget(mr);
+                    continue;
+                }
+                ring.stage(k as u64, 0, Some(Hold::new(mr.inner(), false)));
+            }
+        };
+        park(&mut q.send, sends);
+        park(&mut q.recv, recvs);
+        if has_sends && self.is_ud() {
+            let dests = mem::take(&mut self.dests);
+            let room = q.send.slots.len();
+            let mut parked = 0;
+            for d in dests {
+                if parked < room && q.send.stage_ah(parked as u64, d.keep.ah()) {
+                    parked += 1;
+                } else {
+                    mem::forget(d);
+                }
+            }
+        }
+    }
+}
+
+/// Where the poll stands in a completion that retires several slots.
+#[derive(Clone, Copy)]
+struct Retiring {
+    place: u16,
+    recv: bool,
+    /// The sequence number the completion names (the last slot it retires).
+    upto: u32,
+    /// Its index in the poll buffer.
+    wc: u8,
+}
+
+/// One thread's data path: a completion queue and the QPs that complete on it. See the
+/// [module docs](self).
+pub struct Lane {
+    cq_raw: NonNull<ffi::ibv_cq>,
+    members: Vec<Option<Member>>,
+    /// Each place's generation (kept across removals, so a new QP at a place is told apart).
+    gens: Vec<u16>,
+    /// Completions taken from the CQ and not yet handed out: `wcs[at..n]`.
+    wcs: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH],
+    n: u8,
+    at: u8,
+    retiring: Option<Retiring>,
+    /// Completions reaped while another QP was torn down, in order: handed out first.
+    deferred: VecDeque<ffi::ibv_wc>,
+    // Dropped after the members (whose QPs use it), in declaration order after Drop::drop.
+    cq: Arc<CompletionQueue>,
+}
+
+// SAFETY: the lane owns its CQ and QPs (their handles are `Send`); the raw pointers it caches
+// point into them and are used only through `&mut self`. It is not `Sync`: nothing is shared.
+unsafe impl Send for Lane {}
+
+impl fmt::Debug for Lane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lane")
+            .field("qps", &self.members.iter().flatten().count())
+            .field("cq_depth", &self.cq.depth())
+            .finish()
+    }
+}
+
+/// The refusal of a [`LaneQp`] the lane does not hold.
+#[cold]
+fn unknown_qp() -> Error {
+    Error::InvalidArgument("this LaneQp is not attached to this lane (removed, or another lane's)".into())
+}
+
+impl Lane {
+    /// A lane with a new CQ of `depth` completions on `ctx` (the device of the QPs it will
+    /// serve: [`RouteResolved::context`](crate::RouteResolved::context), say). The CQ must
+    /// hold what every attached QP may have outstanding: the sum of their queue depths.
+    ///
+    /// # Errors
+    /// As for [`CompletionQueue::new`].
+    pub fn new(ctx: &VerbsContext, depth: u32) -> Result<Lane> {
+        let cq = CompletionQueue::new_exclusive(ctx, depth)?;
+        let cq_raw = NonNull::new(cq.as_raw()).ok_or_else(|| Error::InvalidArgument("CQ without a handle".into()))?;
+        Ok(Lane {
+            cq_raw,
+            members: Vec::new(),
+            gens: Vec::new(),
+            wcs: [const { MaybeUninit::uninit() }; POLL_BATCH],
+            n: 0,
+            at: 0,
+            retiring: None,
+            deferred: VecDeque::with_capacity(depth as usize),
+            cq,
+        })
+    }
+
+    /// QP capabilities with the lane's CQ as both CQs: create the QP with them
+    /// ([`RouteResolved::create_qp`](crate::RouteResolved::create_qp),
+    /// [`ConnectRequest::create_qp`](crate::ConnectRequest::create_qp), the UD twins), then
+    /// [`Lane::attach`] it.
+    pub fn qp_init(&self) -> QpInit {
+        self.qp_init_from(QpInit::new())
+    }
+
+    /// `init` with the lane's CQ as both CQs.
+    pub fn qp_init_from(&self, init: QpInit) -> QpInit {
+        init.send_cq(Arc::clone(&self.cq)).recv_cq(Arc::clone(&self.cq))
+    }
+
+    /// The CQ's depth.
+    pub fn cq_depth(&self) -> u32 {
+        self.cq.depth()
+    }
+
+    /// Attaches a QP whose CQs are the lane's ([`Lane::qp_init`]) with what owns it: an RC
+    /// [`Connection`](crate::Connection) or a [`QueuePair`] brought to RTS without the CM
+    /// ([`UnconnectedQp::connect`](crate::UnconnectedQp::connect)), a UD
+    /// [`UdEndpoint`](crate::UdEndpoint) or [`UdQp`](crate::UdQp). From now on its work goes
+    /// through the lane, and the lane owns it (until [`Lane::remove`] or the lane's drop).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (the owner given back) when its QP completes on another CQ,
+    /// takes receives from an SRQ, or has work outstanding on its convenient path.
+    pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
+        match self.check_attach(owner.lane_qp()) {
+            Ok(()) => {}
+            Err(e) => return Err(Rejected::new(e, owner)),
+        }
+        let mtu = owner.lane_ud_mtu().map_or(0, |m| m.max(1));
+        self.attach_checked(Box::new(owner), mtu).map_err(|(e, o)| {
+            let back = o.into_any().downcast::<T>().ok().map(|b| *b);
+            Rejected::with(e, back)
+        })
+    }
+
+    /// What `attach` refuses, checked on the QP before the owner is boxed.
+    fn check_attach(&self, qp: &QueuePair) -> Result<()> {
+        if !Arc::ptr_eq(qp.send_cq(), &self.cq) || !Arc::ptr_eq(qp.recv_cq(), &self.cq) {
+            return Err(Error::InvalidArgument(
+                "attach: the QP completes on another CQ than the lane's: create it with Lane::qp_init".into(),
+            ));
+        }
+        if qp.srq().is_some() {
+            return Err(Error::InvalidArgument("attach: a lane does not serve QPs on a shared receive queue".into()));
+        }
+        let q = qp.queues();
+        if q.send.outstanding() + q.recv.outstanding() > 0 || q.send_kept.len() + q.recv_kept.len() > 0 {
+            return Err(Error::InvalidArgument(
+                "attach: the QP has work outstanding on its convenient path: reap it first (or post through the lane)"
+                    .into(),
+            ));
+        }
+        if qp.as_raw().is_null() {
+            return Err(Error::InvalidArgument("attach: QP without a handle".into()));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn attach_checked(
+        &mut self,
+        owner: Box<dyn LaneOwner>,
+        mtu: u32,
+    ) -> std::result::Result<LaneQp, (Error, Box<dyn LaneOwner>)> {
+        let qp = owner.lane_qp();
+        let (send_depth, recv_depth) = {
+            let q = qp.queues();
+            (q.send.cap() as u32, q.recv.cap() as u32)
+        };
+        let Some(raw) = NonNull::new(qp.as_raw()) else {
+            return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
+        };
+        let place = match self.members.iter().position(Option::is_none) {
+            Some(p) => p,
+            None if self.members.len() <= u16::MAX as usize => {
+                self.members.push(None);
+                self.gens.push(0);
+                self.members.len() - 1
+            }
+            None => return Err((Error::InvalidArgument("attach: a lane serves at most 65536 QPs".into()), owner)),
+        };
+        let gen = self.gens[place];
+        let m = Member {
+            raw,
+            qp_num: qp.qp_num(),
+            gen,
+            pd: Arc::clone(qp.pd()),
+            max_send_sge: qp.max_send_sge(),
+            mtu,
+            failed: None,
+            send: Slots::new(send_depth),
+            recv: Slots::new(recv_depth),
+            dests: Vec::new(),
+            owner,
+        };
+        self.members[place] = Some(m);
+        Ok(LaneQp { place: place as u16, gen })
+    }
+
+    #[inline(always)]
+    fn member(&mut self, qp: LaneQp) -> Result<&mut Member> {
+        match self.members.get_mut(qp.place as usize) {
+            Some(Some(m)) if m.gen == qp.gen => Ok(m),
+            _ => Err(unknown_qp()),
+        }
+    }
+
+    /// Registers a UD destination for `qp`'s sends ([`SendWr::to`]). The lane keeps it (and
+    /// its address handle) for as long as the QP is attached.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an RC QP, an unknown `qp`, or a destination whose
+    /// address handle is on another protection domain.
+    pub fn add_dest(&mut self, qp: LaneQp, dest: &UdDest) -> Result<DestKey> {
+        let m = self.member(qp)?;
+        if !m.is_ud() {
+            return Err(Error::InvalidArgument("add_dest: the QP is RC; destinations are for UD QPs".into()));
+        }
+        if !Arc::ptr_eq(dest.ah().pd(), &m.pd) {
+            return Err(Error::InvalidArgument(
+                "add_dest: the destination's address handle is on another protection domain than the QP".into(),
+            ));
+        }
+        let index = m.dests.len() as u32;
+        m.dests.push(Dest { ah: dest.ah().as_raw(), qpn: dest.qpn(), qkey: dest.qkey(), keep: dest.clone() });
+        Ok(DestKey { qp, index })
+    }
+
+    /// Work requests of `qp` posted and not yet retired: (send queue, receive queue).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`.
+    pub fn outstanding(&mut self, qp: LaneQp) -> Result<(usize, usize)> {
+        let m = self.member(qp)?;
+        Ok((m.send.outstanding() as usize, m.recv.outstanding() as usize))
+    }
+
+    /// The raw QP of `qp`, for what the lane does not wrap (queries, attributes). It stays owned
+    /// by the lane. Posting on it directly (an `unsafe` call) is outside what the lane tracks:
+    /// such work completes on the lane's CQ, where its `wr_id` would be read as a lane's tag.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`.
+    pub fn qp_as_raw(&mut self, qp: LaneQp) -> Result<*mut ffi::ibv_qp> {
+        Ok(self.member(qp)?.raw.as_ptr())
+    }
+
+    /// The QP number of `qp`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`.
+    pub fn qp_num(&mut self, qp: LaneQp) -> Result<u32> {
+        Ok(self.member(qp)?.qp_num)
+    }
+}
+
+impl Lane {
+    /// Moves `qp` to the error state: everything it has posted completes (flushed), and posts
+    /// are refused from then on.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_modify_qp` fails; [`Error::InvalidArgument`] for an unknown `qp`.
+    pub fn set_error(&mut self, qp: LaneQp) -> Result<()> {
+        self.member(qp)?.set_error()
+    }
+
+    /// Hands `qp`'s owner to `f` (the CM side's event handling); when `f` says the QP can run
+    /// nothing more (its connection is gone), later posts are refused as after a failure.
+    pub(crate) fn with_owner(&mut self, qp: LaneQp, f: impl FnOnce(&mut dyn std::any::Any) -> bool) -> Result<()> {
+        let m = self.member(qp)?;
+        if f(m.owner.as_any_mut()) {
+            m.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+        }
+        Ok(())
+    }
+
+    /// Detaches `qp` and destroys it: moves it to the error state, reaps its flushed work for
+    /// up to 2 s (their regions are released: poll until [`Lane::outstanding`] is zero first
+    /// to get them back), then destroys the QP. Completions of other QPs met on the way are
+    /// kept for [`Lane::poll`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`. Teardown itself does not fail: what it
+    /// cannot release safely it leaks.
+    pub fn remove(&mut self, qp: LaneQp) -> Result<()> {
+        self.member(qp)?;
+        self.drain(Some(qp.place));
+        let place = qp.place as usize;
+        self.gens[place] = (self.gens[place] + 1) & tag::GEN_MASK;
+        drop(self.members[place].take());
+        Ok(())
+    }
+
+    /// Moves `only` (or every QP) to the error state and reaps their flushed work within the
+    /// bound; completions of other QPs are kept, in order, for later polls.
+    fn drain(&mut self, only: Option<u16>) {
+        self.defer_buffer();
+        let mine = |p: u16| only.is_none_or(|o| o == p);
+        for (p, m) in self.members.iter_mut().enumerate() {
+            if let Some(m) = m {
+                if mine(p as u16) && m.send.outstanding() + m.recv.outstanding() > 0 {
+                    // A QP that cannot be moved there keeps its regions until it is destroyed.
+                    let _ = m.set_error();
+                }
+            }
+        }
+        // The kept completions first (they are older): those of the QPs torn down retire now,
+        // the others stay, in order.
+        let mut others = VecDeque::with_capacity(self.deferred.capacity());
+        for wc in mem::take(&mut self.deferred) {
+            if !self.retire_for_teardown(&wc, &mine) {
+                others.push_back(wc);
+            }
+        }
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        loop {
+            let mut left = 0;
+            for (p, m) in self.members.iter().enumerate() {
+                if let Some(m) = m.as_ref().filter(|_| mine(p as u16)) {
+                    left += m.send.outstanding() + m.recv.outstanding();
+                }
+            }
+            if left == 0 || Instant::now() >= deadline {
+                break;
+            }
+            let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
+            // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries.
+            let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, buf.as_mut_ptr().cast()) };
+            if got < 0 {
+                break;
+            }
+            if got == 0 {
+                std::thread::yield_now();
+            }
+            for slot in &buf[..got as usize] {
+                // SAFETY: the provider initialised the first `got` entries; each is read once.
+                let wc = unsafe { slot.assume_init_read() };
+                if !self.retire_for_teardown(&wc, &mine) {
+                    others.push_back(wc);
+                }
+            }
+        }
+        self.deferred = others;
+    }
+
+    /// Retires what `wc` names when it is a completion of a QP being torn down (the regions are
+    /// dropped: the device is done with them); false for any other completion.
+    fn retire_for_teardown(&mut self, wc: &ffi::ibv_wc, mine: &impl Fn(u16) -> bool) -> bool {
+        if wc.wr_id & tag::CRATE != 0 {
+            return false;
+        }
+        let (recv, gen, place, seq) = tag::decode(wc.wr_id);
+        if !mine(place) {
+            return false;
+        }
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
+        if m.gen != gen || m.qp_num != wc.qp_num {
+            return true; // stale: retires nothing
+        }
+        let slots = if recv { &mut m.recv } else { &mut m.send };
+        if slots.holds(seq) {
+            while slots.head != seq.wrapping_add(1) {
+                drop(slots.pop());
+            }
+        }
+        true
+    }
+}
+
+impl Drop for Lane {
+    /// Moves every QP to the error state, reaps their flushes within the bound, then destroys
+    /// them (regions still held then are released with the QP, see the module docs), and only
+    /// then the CQ.
+    fn drop(&mut self) {
+        if self.members.iter().any(Option::is_some) {
+            self.drain(None);
+        }
+        self.members.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip_and_never_carry_the_convenient_bit() {
+        for (place, gen, seq, recv) in [(0, 0, 0, false), (65535, tag::GEN_MASK, u32::MAX, true), (7, 3, 12345, false)]
+        {
+            let w = tag::encode(place, gen, seq, recv);
+            assert_eq!(w & tag::CRATE, 0, "{w:#x}");
+            assert_eq!(tag::decode(w), (recv, gen, place, seq));
+        }
+    }
+
+    #[test]
+    fn pieces_refuse_reversed_and_huge_ranges() {
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = 5..4;
+        assert!(piece(&reversed).is_err());
+        assert_eq!(piece(&(4..10)), Ok((4, 6)));
+        assert!(piece(&(0..(u32::MAX as usize + 1))).is_err());
+    }
+
+    #[test]
+    fn slots_wrap_and_refuse_sequence_numbers_outside_the_window() {
+        let mut s = Slots::new(3);
+        assert_eq!((s.slots.len(), s.free()), (4, 3));
+        // Start near the wrap of the 32-bit sequence numbers.
+        s.head = u32::MAX - 1;
+        s.tail = u32::MAX - 1;
+        for k in 0..3 {
+            assert!(!s.holds(s.tail.wrapping_add(k)));
+        }
+        s.tail = s.tail.wrapping_add(3);
+        assert_eq!(s.free(), 0);
+        assert!(s.holds(u32::MAX - 1) && s.holds(u32::MAX) && s.holds(0));
+        assert!(!s.holds(1) && !s.holds(u32::MAX - 2));
+        let _ = s.pop();
+        assert!(!s.holds(u32::MAX - 1), "a retired one is stale");
+        assert_eq!(s.free(), 1);
+    }
+}

@@ -1,0 +1,175 @@
+use super::*;
+
+impl Lane {
+    /// Hands out the next completion without waiting: a region comes back with each
+    /// ([`Completion::take_region`]). A signaled completion that retires earlier unsignaled work
+    /// requests hands those out first, one per call, oldest first, then itself. `None` when the
+    /// CQ holds nothing now. [`Lane::poll_with`] does the same without moving each completion
+    /// out of the lane's frame.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    #[inline(always)]
+    pub fn poll(&mut self) -> Result<Option<Completion>> {
+        let mut out = None;
+        self.poll_with(1, |c| out = Some(c))?;
+        Ok(out)
+    }
+
+    /// Hands up to `max` completions to `f`, oldest first, without waiting; returns how many.
+    /// The fast way to reap: each [`Completion`] is built where `f` (inlined) reads it, so what
+    /// `f` does not look at is never decoded. The lane is consistent whenever `f` runs: if `f`
+    /// panics, the completion it was given is dropped (its region with it: the device is done
+    /// with it) and every other one stays for the next poll.
+    ///
+    /// # Errors
+    /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
+    #[inline(always)]
+    pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Completion)) -> Result<usize> {
+        let mut done = 0;
+        while done < max {
+            if let Some(r) = self.retiring {
+                done += self.retire(r, max - done, &mut f);
+                continue;
+            }
+            if self.at >= self.n {
+                if !self.deferred.is_empty() {
+                    self.refill_from_deferred();
+                    continue;
+                }
+                // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH
+                // entries, which the provider writes.
+                let got =
+                    unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
+                if got <= 0 {
+                    if got < 0 {
+                        return Err(poll_failed(got));
+                    }
+                    break;
+                }
+                self.n = got as u8;
+                self.at = 0;
+            }
+            let i = self.at;
+            self.at += 1;
+            done += self.start(i, &mut f) as usize;
+        }
+        Ok(done)
+    }
+
+    /// Starts on the completion at `wcs[i]`: hands `f` the completion of the one slot it
+    /// retires, or of the convenient path (routed), and returns true; returns false when it
+    /// retires several (then `retiring` says which, for `retire`) or nothing (stale).
+    #[inline(always)]
+    fn start(&mut self, i: u8, f: &mut impl FnMut(Completion)) -> bool {
+        // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
+        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
+        if wc.wr_id & tag::CRATE != 0 {
+            return match self.convenient(i) {
+                Some(c) => {
+                    f(c);
+                    true
+                }
+                None => false,
+            };
+        }
+        let (recv, gen, place, seq) = tag::decode(wc.wr_id);
+        let m = match self.members.get_mut(place as usize) {
+            Some(Some(m)) if m.gen == gen && m.qp_num == wc.qp_num => m,
+            _ => return false,
+        };
+        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+            // Any error but a flush puts the QP in the error state (a flush says it is there).
+            m.failed.get_or_insert(wc.status);
+        }
+        let slots = if recv { &mut m.recv } else { &mut m.send };
+        if !slots.holds(seq) {
+            return false;
+        }
+        if slots.head == seq {
+            // The common case: it retires one slot.
+            let (mr, wr_id) = slots.pop();
+            let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
+            f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
+            return true;
+        }
+        self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+        false
+    }
+
+    /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
+    /// unsignaled ones, then the one it names); returns how many.
+    #[inline(always)]
+    fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
+        let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
+            // Never: a QP stays in place while its completion is handed out.
+            self.retiring = None;
+            return 0;
+        };
+        let (gen, recv) = (m.gen, if r.recv { RECV } else { 0 });
+        let slots = if r.recv { &mut m.recv } else { &mut m.send };
+        let mut k = 0;
+        while k < room && slots.head != r.upto {
+            // An unsignaled work request that ran before the one the completion names.
+            let (mr, wr_id) = slots.pop();
+            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, flags: recv | LANE });
+            k += 1;
+        }
+        if k < room {
+            let (mr, wr_id) = slots.pop();
+            self.retiring = None;
+            // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
+            let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            f(Completion {
+                mr,
+                wr_id,
+                f: fields.unwrap_or_default(),
+                place: r.place,
+                gen,
+                flags: recv | SIGNALED | LANE,
+            });
+            k += 1;
+        }
+        k
+    }
+
+    /// A completion of work posted through the convenient path of a QP on this CQ: routed as
+    /// the CQ's own poll routes it (its slot retired, its region released).
+    #[cold]
+    #[inline(never)]
+    fn convenient(&mut self, i: u8) -> Option<Completion> {
+        // SAFETY: as in `start`.
+        let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
+        let (done, _) = self.cq.router().route(wc)?;
+        let raw = done.to_raw();
+        let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
+        Some(Completion { mr: None, wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, flags })
+    }
+
+    #[cold]
+    fn refill_from_deferred(&mut self) {
+        let mut k = 0;
+        while k < POLL_BATCH {
+            let Some(wc) = self.deferred.pop_front() else { break };
+            self.wcs[k].write(wc);
+            k += 1;
+        }
+        self.n = k as u8;
+        self.at = 0;
+    }
+
+    /// Moves what the poll buffer still holds (a completion being handed out included) to the
+    /// front of the deferred queue, so a teardown can poll the CQ itself.
+    pub(super) fn defer_buffer(&mut self) {
+        let first = match self.retiring.take() {
+            Some(r) => r.wc,
+            None => self.at,
+        };
+        for i in (first..self.n).rev() {
+            // SAFETY: i < n: initialised; read once, since the buffer is emptied below.
+            self.deferred.push_front(unsafe { self.wcs[i as usize].assume_init_read() });
+        }
+        self.n = 0;
+        self.at = 0;
+    }
+}

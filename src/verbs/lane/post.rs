@@ -1,0 +1,289 @@
+use super::*;
+
+impl Lane {
+    /// Posts one send-queue work request. Its region moves into the lane until the completion
+    /// that retires it hands it back.
+    ///
+    /// # Errors
+    /// The region comes back with the error when it was not posted:
+    /// [`Error::QueueFull`]; [`Error::OutOfBounds`] for a range outside the region or the
+    /// remote region; [`Error::InvalidArgument`] for a region of another protection domain,
+    /// one without `LOCAL_WRITE` that the device would write (READ target, atomic result), an
+    /// unaligned or wrongly sized atomic, more pieces than the QP takes, an operation or
+    /// destination the QP's type does not have, or an unknown `qp`;
+    /// [`Error::MessageTooLong`] for a datagram over the MTU; [`Error::QpInError`] once a
+    /// completion of the QP failed; [`Error::Call`] when `ibv_post_send` refuses it (without
+    /// the work request when the provider did not say whether it took it: it stays held until
+    /// the flush retires it, and the QP is moved to the error state).
+    #[inline(always)]
+    pub fn post_send(&mut self, qp: LaneQp, wr: SendWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
+        let free = m.send.free();
+        if free == 0 || m.failed.is_some() {
+            return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
+        }
+        let seq = m.send.tail;
+        let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
+        // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
+        // is a valid value.
+        let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
+        let id = tag::encode(qp.place, qp.gen, seq, false);
+        if let Err(e) = lower_send(&wr, m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
+            return Err(Rejected::new(e, wr.mr));
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive (its owner is in `m`); `raw` is one NULL-terminated work
+        // request over `sge`, both alive for the call; `lower_send` checked every piece against
+        // the region (bounds, PD, access), and the region moves into the slot below, so it stays
+        // allocated and out of Rust's reach until a completion retires the slot.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut raw, &mut bad) };
+        if ret == 0 {
+            m.send.put(0, wr.mr, wr.wr_id);
+            m.send.tail = seq.wrapping_add(1);
+            return Ok(());
+        }
+        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), true)
+    }
+
+    /// Posts the work requests `wrs` yields (at most [`MAX_LIST`], and at most the queue's free
+    /// slots) in one `ibv_post_send` (one doorbell), building each one where it is lowered: the
+    /// way to post a batch without an array of work requests. Returns how many were posted.
+    ///
+    /// # Errors
+    /// As for [`Lane::post_send`], for the first work request that fails its checks, or when
+    /// `wrs` yields more than fits; nothing is posted then, and every region taken from `wrs`
+    /// comes back in the error (the rest of `wrs` is not consumed). When the provider refuses
+    /// part of the list, the ones before the one it names are posted and the others come back.
+    #[inline(always)]
+    pub fn post_send_iter<I: IntoIterator<Item = SendWr>>(
+        &mut self,
+        qp: LaneQp,
+        wrs: I,
+    ) -> std::result::Result<usize, RejectedList> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(RejectedList { error: e, returned: Vec::new() }),
+        };
+        if m.failed.is_some() {
+            return Err(RejectedList { error: refusal(m, "ibv_post_send"), returned: Vec::new() });
+        }
+        let free = m.send.free();
+        let seq = m.send.tail;
+        let mut raw: [MaybeUninit<ffi::ibv_send_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
+        let mut sge: [[MaybeUninit<ffi::ibv_sge>; MAX_SGE]; MAX_LIST] =
+            [const { [const { MaybeUninit::uninit() }; MAX_SGE] }; MAX_LIST];
+        let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
+        let mut k = 0u32;
+        for w in wrs {
+            if k as usize == MAX_LIST || k == free {
+                return Err(unstage(m, k, (w.wr_id, w.mr), list_too_long(k, free)));
+            }
+            // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
+            let r = unsafe {
+                base.add(k as usize).write(mem::zeroed());
+                &mut *base.add(k as usize)
+            };
+            let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
+            // The one that takes the last free slot is signaled, so a full queue drains.
+            if let Err(e) = lower_send(&w, m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+                return Err(unstage(m, k, (w.wr_id, w.mr), e));
+            }
+            if k > 0 {
+                // SAFETY: k - 1 < k < MAX_LIST: an entry written above, within `raw`.
+                unsafe { (*base.add(k as usize - 1)).next = r };
+            }
+            // Staged: the slot holds it from here on; committed below once the provider took it.
+            m.send.put(k, w.mr, w.wr_id);
+            k += 1;
+        }
+        if k == 0 {
+            return Ok(0);
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; raw[..k] is an initialised NULL-terminated list (the last
+        // entry's `next` is still zero) over `sge`, alive for the call; every piece was checked
+        // by `lower_send`, and every region sits in a slot until a completion retires it.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), base, &mut bad) };
+        if ret == 0 {
+            m.send.tail = seq.wrapping_add(k);
+            return Ok(k as usize);
+        }
+        Err(list_refused(m, ret, rejected_from(bad, base, k as usize), k))
+    }
+
+    /// Posts up to [`MAX_LIST`] send-queue work requests in one `ibv_post_send` (one
+    /// doorbell): every `Some` entry of `wrs`, in order. Posted entries become `None` (their
+    /// regions are in the lane); entries not posted stay where they were. Returns how many were
+    /// posted.
+    ///
+    /// # Errors
+    /// As for [`Lane::post_send`], checked for every entry before anything is posted, and
+    /// [`Error::InvalidArgument`] for more than [`MAX_LIST`] entries. When the provider refuses
+    /// part of the list, the entries before the one it names are posted (and `None`).
+    pub fn post_send_list(&mut self, qp: LaneQp, wrs: &mut [Option<SendWr>]) -> Result<usize> {
+        if wrs.len() > MAX_LIST {
+            return Err(Error::InvalidArgument(format!(
+                "post_send_list of {} work requests: at most {MAX_LIST}",
+                wrs.len()
+            )));
+        }
+        let m = self.member(qp)?;
+        let count = wrs.iter().filter(|w| w.is_some()).count() as u32;
+        if count == 0 {
+            return Ok(0);
+        }
+        let free = m.send.free();
+        if count > free || m.failed.is_some() {
+            return Err(refusal(m, "ibv_post_send"));
+        }
+        let mut raw: [MaybeUninit<ffi::ibv_send_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
+        let mut sge: [[MaybeUninit<ffi::ibv_sge>; MAX_SGE]; MAX_LIST] =
+            [const { [const { MaybeUninit::uninit() }; MAX_SGE] }; MAX_LIST];
+        let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
+        for (k, w) in wrs.iter().flatten().enumerate() {
+            let k = k as u32;
+            // SAFETY: k < count <= MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
+            let r = unsafe {
+                base.add(k as usize).write(mem::zeroed());
+                &mut *base.add(k as usize)
+            };
+            let id = tag::encode(qp.place, qp.gen, m.send.tail.wrapping_add(k), false);
+            // The one that takes the last free slot is signaled, so a full queue drains.
+            lower_send(w, m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize])?;
+            if k + 1 < count {
+                // SAFETY: k + 1 < count <= MAX_LIST: within `raw`.
+                r.next = unsafe { base.add(k as usize + 1) };
+            }
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; raw[..count] is an initialised NULL-terminated list over
+        // `sge`, alive for the call; every piece was checked by `lower_send`, and every region
+        // moves into a slot below before anything can reach it.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), base, &mut bad) };
+        let posted =
+            if ret == 0 { count } else { rejected_from(bad, base, count as usize).map_or(count, |p| p as u32) };
+        let mut k = 0;
+        for w in wrs.iter_mut() {
+            if k == posted {
+                break;
+            }
+            if let Some(w) = w.take() {
+                m.send.put(k, w.mr, w.wr_id);
+                k += 1;
+            }
+        }
+        m.send.tail = m.send.tail.wrapping_add(posted);
+        if ret == 0 {
+            return Ok(posted as usize);
+        }
+        Err(post_list_failed(m, ret, posted < count, "ibv_post_send"))
+    }
+
+    /// Posts one receive. Its region moves into the lane until its completion hands it back.
+    ///
+    /// # Errors
+    /// The region comes back with the error when it was not posted: [`Error::QueueFull`];
+    /// [`Error::OutOfBounds`]; [`Error::InvalidArgument`] for a region of another protection
+    /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
+    /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
+    #[inline(always)]
+    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
+        if m.recv.free() == 0 || m.failed.is_some() {
+            return Err(Rejected::new(refusal_recv(m), wr.mr));
+        }
+        let seq = m.recv.tail;
+        let mut sge = MaybeUninit::<ffi::ibv_sge>::uninit();
+        let mut raw = ffi::ibv_recv_wr {
+            wr_id: tag::encode(qp.place, qp.gen, seq, true),
+            next: std::ptr::null_mut(),
+            sg_list: sge.as_mut_ptr(),
+            num_sge: 0,
+        };
+        match lower_recv(&wr, m, &mut sge) {
+            Ok(n) => raw.num_sge = n,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        }
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
+        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region moves into
+        // the slot below, out of Rust's reach until its completion.
+        let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), &mut raw, &mut bad) };
+        if ret == 0 {
+            m.recv.put(0, wr.mr, wr.wr_id);
+            m.recv.tail = seq.wrapping_add(1);
+            return Ok(());
+        }
+        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), false)
+    }
+
+    /// Posts up to [`MAX_LIST`] receives in one `ibv_post_recv`, as
+    /// [`Lane::post_send_list`] posts sends.
+    ///
+    /// # Errors
+    /// As for [`Lane::post_recv`] and [`Lane::post_send_list`].
+    pub fn post_recv_list(&mut self, qp: LaneQp, wrs: &mut [Option<RecvWr>]) -> Result<usize> {
+        if wrs.len() > MAX_LIST {
+            return Err(Error::InvalidArgument(format!(
+                "post_recv_list of {} receives: at most {MAX_LIST}",
+                wrs.len()
+            )));
+        }
+        let m = self.member(qp)?;
+        let count = wrs.iter().filter(|w| w.is_some()).count() as u32;
+        if count == 0 {
+            return Ok(0);
+        }
+        if count > m.recv.free() || m.failed.is_some() {
+            return Err(refusal_recv(m));
+        }
+        let mut raw: [MaybeUninit<ffi::ibv_recv_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
+        let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
+        let base: *mut ffi::ibv_recv_wr = raw.as_mut_ptr().cast();
+        for (k, w) in wrs.iter().flatten().enumerate() {
+            let k = k as u32;
+            let num_sge = lower_recv(w, m, &mut sge[k as usize])?;
+            let next = if k + 1 < count {
+                // SAFETY: k + 1 < count <= MAX_LIST: within `raw`.
+                unsafe { base.add(k as usize + 1) }
+            } else {
+                std::ptr::null_mut()
+            };
+            let entry = ffi::ibv_recv_wr {
+                wr_id: tag::encode(qp.place, qp.gen, m.recv.tail.wrapping_add(k), true),
+                next,
+                sg_list: sge[k as usize].as_mut_ptr(),
+                num_sge,
+            };
+            // SAFETY: k < count <= MAX_LIST: within `raw`.
+            unsafe { base.add(k as usize).write(entry) };
+        }
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: as in post_send_list: a well-formed list over live arrays, every piece
+        // checked, every region moved into a slot below.
+        let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), base, &mut bad) };
+        let posted =
+            if ret == 0 { count } else { rejected_from(bad, base, count as usize).map_or(count, |p| p as u32) };
+        let mut k = 0;
+        for w in wrs.iter_mut() {
+            if k == posted {
+                break;
+            }
+            if let Some(w) = w.take() {
+                m.recv.put(k, w.mr, w.wr_id);
+                k += 1;
+            }
+        }
+        m.recv.tail = m.recv.tail.wrapping_add(posted);
+        if ret == 0 {
+            return Ok(posted as usize);
+        }
+        Err(post_list_failed(m, ret, posted < count, "ibv_post_recv"))
+    }
+}

@@ -1,0 +1,95 @@
+//! Pairs whose QPs are attached to lanes (`rdma_cm::lane`), one lane per side: a connected RC
+//! pair through `pair`, and a UD pair through the UD connection manager.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{mpsc, Arc};
+use std::thread;
+
+use rdma_cm::lane::{Lane, LaneQp};
+use rdma_cm::{MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer, VerbsContext};
+
+use super::{pair, PairSpec, Side, T};
+
+/// One side of a lane pair: its lane, its QP's place there, its PD and regions.
+pub struct LaneSide {
+    pub lane: Lane,
+    pub qp: LaneQp,
+    pub pd: Arc<ProtectionDomain>,
+    pub mrs: Vec<MemoryRegion>,
+}
+
+/// A lane on the device at `addr`, its CQ `depth` deep.
+pub fn lane_on(addr: IpAddr, depth: u32) -> Lane {
+    let ctx = VerbsContext::cm_for_addr(addr).expect("the device's context");
+    Lane::new(&ctx, depth).expect("Lane::new")
+}
+
+/// A connected RC pair (client, server), each QP attached to a lane of its own whose CQ is
+/// `depth` deep. `spec.init` gives the capabilities; the lanes' CQs are put in.
+pub fn lane_pair(addr: IpAddr, client: PairSpec, server: PairSpec, depth: u32) -> (LaneSide, LaneSide) {
+    let (mut la, mut lb) = (lane_on(addr, depth), lane_on(addr, depth));
+    let client = PairSpec { init: la.qp_init_from(client.init.clone()), ..client };
+    let server = PairSpec { init: lb.qp_init_from(server.init.clone()), ..server };
+    let (a, b) = pair(addr, client, server);
+    let attach = |lane: &mut Lane, s: Side| {
+        let Side { conn, pd, mrs } = s;
+        let qp = lane.attach(conn).map_err(|r| r.into_parts().0).expect("attach");
+        (qp, pd, mrs)
+    };
+    let (qa, pa, ma) = attach(&mut la, a);
+    let (qb, pb, mb) = attach(&mut lb, b);
+    (LaneSide { lane: la, qp: qa, pd: pa, mrs: ma }, LaneSide { lane: lb, qp: qb, pd: pb, mrs: mb })
+}
+
+/// A UD pair on lanes: the client (with the server as a registered destination) and the
+/// server. Nothing is posted through the convenient path (a lane's CQ refuses its polls).
+pub struct LaneUdPair {
+    pub client: LaneSide,
+    pub to_server: rdma_cm::lane::DestKey,
+    /// The server's destination as the UD connect gave it.
+    pub server_dest: UdDest,
+    pub server: LaneSide,
+}
+
+/// Sets up a UD pair on `port`, each endpoint attached to a lane of its own.
+pub fn lane_ud_pair(addr: IpAddr, port: u16, init: QpInit, depth: u32) -> LaneUdPair {
+    let (mut lc, ls) = (lane_on(addr, depth), lane_on(addr, depth));
+    let (tx, rx) = mpsc::channel();
+    let sinit = ls.qp_init_from(init.clone());
+    let server = thread::spawn(move || {
+        let mut ls = ls;
+        let l = UdServer::new().unwrap().listen(SocketAddr::new(addr, port), 8).unwrap();
+        tx.send(()).unwrap();
+        let req = l.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let ep = req.create_qp(&pd, sinit).unwrap().accept(&[]).unwrap();
+        let qp = ls.attach(ep).map_err(|r| r.into_parts().0).expect("attach_ud (server)");
+        LaneSide { lane: ls, qp, pd, mrs: vec![] }
+    });
+    rx.recv_timeout(T).unwrap();
+    let route =
+        UdClient::new().unwrap().resolve_addr(None, SocketAddr::new(addr, port), T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mut ep = route.create_qp(&pd, lc.qp_init_from(init)).unwrap();
+    let server_dest = ep.connect(&[], T).unwrap();
+    let qp = lc.attach(ep).map_err(|r| r.into_parts().0).expect("attach_ud (client)");
+    let to_server = lc.add_dest(qp, &server_dest).expect("add_dest");
+    let server = server.join().unwrap();
+    LaneUdPair { client: LaneSide { lane: lc, qp, pd, mrs: vec![] }, to_server, server_dest, server }
+}
+
+/// Polls `lane` until `n` completions are handed out (bounded by `T`); returns them in order.
+pub fn reap(lane: &mut Lane, n: usize) -> Vec<rdma_cm::lane::Completion> {
+    let deadline = std::time::Instant::now() + T;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        match lane.poll().expect("Lane::poll") {
+            Some(c) => out.push(c),
+            None => {
+                assert!(std::time::Instant::now() < deadline, "only {} of {n} completions within {T:?}", out.len());
+                std::hint::spin_loop();
+            }
+        }
+    }
+    out
+}

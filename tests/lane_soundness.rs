@@ -1,0 +1,298 @@
+//! Attempts to break the fast path's promises (`rdma_cm::lane`) with the API a user has, on the
+//! device, as an outside reviewer would: dropping or forgetting a lane or a QP with work in
+//! flight, a post the provider half-takes, posting past the queue depth, a region of another
+//! protection domain, a stale QP handle after removal, a panic in the middle of handing out a
+//! batch, and completions of other QPs met while one is torn down. Reusing a region while it is
+//! posted does not compile (the region moved into the lane; see the `compile_fail` example in
+//! the `lane` module's docs). Where an attempt needs the raw escape hatch, the unsafe block
+//! says so.
+
+mod common;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use common::lane::{lane_on, lane_pair, reap, LaneSide};
+use common::{mr_count, pair, DeviceTest, PairSpec, T};
+use rdma_cm::lane::{RecvWr, SendWr};
+use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, WcStatus};
+
+fn spec() -> PairSpec {
+    PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        ..PairSpec::default()
+    }
+}
+
+fn region(side: &LaneSide) -> MemoryRegion {
+    MemoryRegion::new(&side.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap()
+}
+
+/// Dropping a lane whose QPs have receives (never matched) and WRITEs posted: the drop moves the
+/// QPs to the error state, reaps the flush within its bound, destroys them and only then frees
+/// the regions; nothing leaks.
+#[test]
+fn dropping_a_lane_with_work_in_flight_frees_everything_after_the_qps() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        for k in 0..8 {
+            a.lane.post_recv(a.qp, RecvWr::new(region(&a)).wr_id(k)).unwrap();
+        }
+        let pd = a.pd.clone();
+        let wrs = (0..8).map(|k| {
+            let mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+            SendWr::write(mr, 0..4096, &remote, 0).wr_id(k).unsignaled()
+        });
+        assert_eq!(a.lane.post_send_iter(a.qp, wrs).unwrap(), 8);
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (8, 8));
+        let started = Instant::now();
+        drop(a);
+        assert!(started.elapsed() < Duration::from_secs(5), "teardown is bounded: {:?}", started.elapsed());
+        drop((b, pd));
+    }
+    t.finish();
+}
+
+/// Forgetting a lane with a receive posted leaks the region (and the QP) instead of freeing
+/// memory the device may still write. Run in a child process, whose exit releases what the
+/// leak kept (the kernel tears down its RDMA objects).
+#[test]
+fn forgetting_a_lane_with_a_receive_posted_leaks_the_region() {
+    const CHILD: &str = "RDMA_CM_LANE_FORGET_CHILD";
+    let t = DeviceTest::start();
+    if std::env::var_os(CHILD).is_some() {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let before = mr_count();
+        a.lane.post_recv(a.qp, RecvWr::new(region(&a)).wr_id(1)).unwrap();
+        std::mem::forget(a);
+        // The region is still registered, and the peer may still write it: the memory was not
+        // freed, so its write lands in leaked memory, not in anything Rust reuses.
+        if let Some(n) = before {
+            assert_eq!(mr_count(), Some(n + 1), "the posted region stays registered");
+        }
+        let msg = b.mrs.remove(0);
+        b.lane.post_send(b.qp, SendWr::send(msg, 0..64)).unwrap();
+        let c = reap(&mut b.lane, 1).pop().unwrap();
+        assert!(c.is_ok(), "{c:?}");
+        std::mem::forget(b);
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    let st = std::process::Command::new(me)
+        .args(["--exact", "forgetting_a_lane_with_a_receive_posted_leaks_the_region", "--test-threads=1"])
+        .env(CHILD, "1")
+        .status()
+        .unwrap();
+    assert!(st.success(), "the child failed: {st}");
+    t.finish();
+}
+
+/// A post the provider refuses without saying how far it got (rxe: a send while the QP is not
+/// ready returns EINVAL with `bad_wr` NULL, yet keeps the WQE): the lane keeps the region, moves
+/// the QP to the error state, and the flush hands the region back.
+#[test]
+fn a_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let qp = a.lane.qp_as_raw(a.qp).unwrap();
+        // Back to INIT, as a QP is before connect (the raw handle stands in for a provider).
+        for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
+            // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the lane holds it) and only
+            // the attributes named in the mask are read.
+            unsafe {
+                let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
+                attr.qp_state = state;
+                let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
+                if extra {
+                    attr.port_num = 1;
+                    mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+                        | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
+                        | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+                }
+                assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
+            }
+        }
+        let r = a.lane.post_send(a.qp, SendWr::send(region(&a), 0..64).wr_id(5)).unwrap_err();
+        assert!(r.to_string().contains("without saying"), "{r}");
+        assert!(r.into_inner().is_none(), "the region is not given back: the provider may have it");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0));
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert_eq!((c.wr_id(), c.status()), (5, WcStatus::WrFlushErr), "{c:?}");
+        assert!(c.take_region().is_some(), "the flush hands it back");
+        // Posts are refused from then on (nothing posted to a QP in error can run).
+        let r = a.lane.post_recv(a.qp, RecvWr::new(region(&a))).unwrap_err();
+        assert!(matches!(r.error(), Error::QpInError { .. }), "{r}");
+        drop((a, b, r));
+    }
+    t.finish();
+}
+
+/// Sixteen unsignaled single sends fill the send queue: the one that takes the last slot is
+/// signaled whatever it asked, so the queue drains; the seventeenth is refused with its region.
+#[test]
+fn posting_past_the_queue_depth_is_refused_and_a_full_unsignaled_queue_drains() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        for k in 0..16 {
+            a.lane.post_send(a.qp, SendWr::write(region(&a), 0..8, &remote, 0).wr_id(k).unsignaled()).unwrap();
+        }
+        let r = a.lane.post_send(a.qp, SendWr::write(region(&a), 0..8, &remote, 0).unsignaled()).unwrap_err();
+        assert!(matches!(r.error(), Error::QueueFull { queue: "send", .. }), "{r}");
+        assert!(r.into_inner().is_some());
+        let done = reap(&mut a.lane, 16);
+        assert_eq!(done.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), (0..16).collect::<Vec<_>>());
+        assert!(done[15].is_signaled(), "the last slot's work request was signaled");
+        assert!(done.into_iter().all(|mut c| c.take_region().is_some()));
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b));
+    }
+    t.finish();
+}
+
+/// A region of another protection domain (the peer's) is refused before posting, and given
+/// back.
+#[test]
+fn a_region_of_another_protection_domain_is_refused() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let theirs = region(&b);
+        let r = a.lane.post_recv(a.qp, RecvWr::new(theirs)).unwrap_err();
+        assert!(r.to_string().contains("another protection domain"), "{r}");
+        let theirs = r.into_inner().unwrap();
+        let r = a.lane.post_send(a.qp, SendWr::send(theirs, 0..8)).unwrap_err();
+        assert!(r.to_string().contains("another protection domain"), "{r}");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, r));
+    }
+    t.finish();
+}
+
+/// After `remove`, the old handle is refused everywhere, and a QP attached at the same place
+/// gets another handle (the place's generation moved on), so nothing addressed to the old one
+/// (a post, or a late completion carrying its tag) reaches the new one.
+#[test]
+fn a_removed_qps_handle_and_completions_reach_nothing() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 128);
+        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
+        let (a1, b1) = pair(t.addr, client(&lane), spec());
+        let pd1 = a1.pd.clone();
+        let old = lane.attach(a1.conn).unwrap();
+        for k in 0..4 {
+            lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
+                .unwrap();
+        }
+        lane.remove(old).unwrap();
+        assert!(lane.outstanding(old).is_err());
+        let r = lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()));
+        assert!(r.unwrap_err().to_string().contains("not attached"));
+        let (a2, b2) = pair(t.addr, client(&lane), spec());
+        let pd2 = a2.pd.clone();
+        let new = lane.attach(a2.conn).unwrap();
+        assert_ne!(old, new, "a new handle for the same place");
+        assert!(lane.outstanding(old).is_err(), "the old one stays refused");
+        // The new QP works, and the lane hands out nothing of the old one's.
+        let remote = b2.mrs[0].remote();
+        let mr = MemoryRegion::new(&pd2, 64, AccessFlags::empty()).unwrap();
+        lane.post_send(new, SendWr::write(mr, 0..64, &remote, 0).wr_id(9)).unwrap();
+        let c = reap(&mut lane, 1).pop().unwrap();
+        assert_eq!((c.wr_id(), c.qp()), (9, Some(new)), "{c:?}");
+        assert!(lane.poll().unwrap().is_none());
+        drop((lane, b1, b2, pd1, pd2, c));
+    }
+    t.finish();
+}
+
+/// Tearing one QP down while another's completions are in the CQ: those completions are kept
+/// and handed out afterwards, in order, each with its region.
+#[test]
+fn removing_one_qp_keeps_the_other_qps_completions() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 128);
+        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
+        let (a1, b1) = pair(t.addr, client(&lane), spec());
+        let (a2, b2) = pair(t.addr, client(&lane), spec());
+        let (pd1, pd2) = (a1.pd.clone(), a2.pd.clone());
+        let q1 = lane.attach(a1.conn).unwrap();
+        let q2 = lane.attach(a2.conn).unwrap();
+        let remote = b2.mrs[0].remote();
+        for k in 0..8 {
+            lane.post_recv(q1, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
+                .unwrap();
+        }
+        let wrs = (0..8).map(|k| {
+            SendWr::write(MemoryRegion::new(&pd2, 64, AccessFlags::empty()).unwrap(), 0..64, &remote, 0).wr_id(k)
+        });
+        assert_eq!(lane.post_send_iter(q2, wrs).unwrap(), 8);
+        // The removal reaps the CQ until q1's flush is in; q2's WRITEs completing meanwhile are
+        // kept (however many that is: the property holds either way).
+        lane.remove(q1).unwrap();
+        let done = reap(&mut lane, 8);
+        assert_eq!(done.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert!(done.iter().all(|c| c.qp() == Some(q2) && c.is_ok()));
+        assert!(done.into_iter().all(|mut c| c.take_region().is_some()));
+        assert_eq!(lane.outstanding(q2).unwrap(), (0, 0));
+        drop((lane, b1, b2, pd1, pd2));
+    }
+    t.finish();
+}
+
+/// A panic in the closure that takes the completions, in the middle of a batch: the completion
+/// it held is dropped (the device is done with its region), and every other one is still handed
+/// out by the next poll, in order.
+#[test]
+fn a_panic_while_handing_out_a_batch_loses_no_completion() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let pd = a.pd.clone();
+        let wrs = (0..16).map(|k| {
+            let w =
+                SendWr::write(MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap(), 0..64, &remote, 0).wr_id(k);
+            if k < 15 {
+                w.unsignaled()
+            } else {
+                w
+            }
+        });
+        assert_eq!(a.lane.post_send_iter(a.qp, wrs).unwrap(), 16);
+        // Wait for the batch's one completion without taking anything: spin until the lane
+        // has something (the first hand-out panics).
+        let deadline = Instant::now() + T;
+        let mut seen = Vec::new();
+        loop {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                a.lane
+                    .poll_with(16, |c| {
+                        if c.wr_id() == 3 {
+                            panic!("the caller fails while taking completion 3");
+                        }
+                        seen.push(c.wr_id());
+                    })
+                    .unwrap()
+            }));
+            match r {
+                Err(_) => break,
+                Ok(0) => assert!(Instant::now() < deadline, "no completion within {T:?}"),
+                Ok(_) => {}
+            }
+        }
+        assert_eq!(seen, vec![0, 1, 2]);
+        let rest = reap(&mut a.lane, 12);
+        assert_eq!(rest.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), (4..16).collect::<Vec<_>>());
+        assert!(rest.into_iter().all(|mut c| c.take_region().is_some()));
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, pd));
+    }
+    t.finish();
+}
