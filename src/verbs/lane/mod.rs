@@ -228,11 +228,17 @@ impl Slots {
     #[inline(always)]
     fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
         let i = (self.tail.wrapping_add(k) & self.mask) as usize;
-        if let Some(s) = self.slots.get_mut(i) {
-            // The slot is free: at most `depth` are outstanding, and retiring empties a slot.
-            s.mr = Some(mr);
-            s.wr_id = wr_id;
-        }
+        debug_assert!(i < self.slots.len());
+        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
+        // is in bounds.
+        let s = unsafe { self.slots.get_unchecked_mut(i) };
+        // The slot is free: at most `depth` are outstanding, and retiring empties a slot.
+        // Written without dropping the `None` it holds (nothing to drop: no check needed).
+        debug_assert!(s.mr.is_none());
+        // SAFETY: `&mut s.mr` is valid for a write. The value overwritten is `None` (see
+        // above); were it ever a region, not dropping it would leak it, which is safe.
+        unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
+        s.wr_id = wr_id;
     }
     /// Whether `seq` is outstanding.
     #[inline(always)]
@@ -244,10 +250,11 @@ impl Slots {
     fn pop(&mut self) -> (Option<MemoryRegion>, u64) {
         let i = (self.head & self.mask) as usize;
         self.head = self.head.wrapping_add(1);
-        match self.slots.get_mut(i) {
-            Some(s) => (s.mr.take(), s.wr_id),
-            None => (None, 0),
-        }
+        debug_assert!(i < self.slots.len());
+        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
+        // is in bounds.
+        let s = unsafe { self.slots.get_unchecked_mut(i) };
+        (s.mr.take(), s.wr_id)
     }
     /// Takes every region still held (for a QP being destroyed).
     fn drain(&mut self) -> impl Iterator<Item = MemoryRegion> + '_ {

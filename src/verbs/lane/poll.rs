@@ -83,17 +83,17 @@ impl Lane {
             m.failed.get_or_insert(wc.status);
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };
-        if !slots.holds(seq) {
-            return false;
-        }
-        if slots.head == seq {
-            // The common case: it retires one slot.
+        if slots.head == seq && slots.tail != seq {
+            // The common case: it retires one slot, the oldest.
             let (mr, wr_id) = slots.pop();
             let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
             f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
             return true;
         }
-        self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+        if slots.holds(seq) {
+            // It retires earlier unsignaled ones too.
+            self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+        }
         false
     }
 

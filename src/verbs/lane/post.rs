@@ -31,21 +31,23 @@ impl Lane {
         // is a valid value.
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
         let id = tag::encode(qp.place, qp.gen, seq, false);
-        if let Err(e) = lower_send(&wr, m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
+        if let Err(e) = wr.lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
             return Err(Rejected::new(e, wr.mr));
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`); `raw` is one NULL-terminated work
-        // request over `sge`, both alive for the call; `lower_send` checked every piece against
-        // the region (bounds, PD, access), and the region moves into the slot below, so it stays
-        // allocated and out of Rust's reach until a completion retires the slot.
+        // request over `sge`, both alive for the call; the constructors and `lower` checked
+        // every piece against the region (bounds, access, PD), and the region moves into the
+        // slot below, so it stays allocated and out of Rust's reach until a completion retires
+        // the slot.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut raw, &mut bad) };
         if ret == 0 {
             m.send.put(0, wr.mr, wr.wr_id);
             m.send.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), true)
+        let named = std::ptr::eq(bad, &raw);
+        post_failed_one(m, ret, named, (wr.wr_id, wr.mr), true)
     }
 
     /// Posts the work requests `wrs` yields (at most [`MAX_LIST`], and at most the queue's free
@@ -88,12 +90,13 @@ impl Lane {
             };
             let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
-            if let Err(e) = lower_send(&w, m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+            if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
                 return Err(unstage(m, k, (w.wr_id, w.mr), e));
             }
+            let i = k as usize;
             if k > 0 {
                 // SAFETY: k - 1 < k < MAX_LIST: an entry written above, within `raw`.
-                unsafe { (*base.add(k as usize - 1)).next = r };
+                unsafe { (*base.add(i - 1)).next = r };
             }
             // Staged: the slot holds it from here on; committed below once the provider took it.
             m.send.put(k, w.mr, w.wr_id);
@@ -152,7 +155,7 @@ impl Lane {
             };
             let id = tag::encode(qp.place, qp.gen, m.send.tail.wrapping_add(k), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
-            lower_send(w, m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize])?;
+            w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize])?;
             if k + 1 < count {
                 // SAFETY: k + 1 < count <= MAX_LIST: within `raw`.
                 r.next = unsafe { base.add(k as usize + 1) };
@@ -190,7 +193,7 @@ impl Lane {
     /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
     /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
     #[inline(always)]
-    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+    pub fn post_recv(&mut self, qp: LaneQp, mut wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
         let m = match self.member(qp) {
             Ok(m) => m,
             Err(e) => return Err(Rejected::new(e, wr.mr)),
@@ -199,17 +202,16 @@ impl Lane {
             return Err(Rejected::new(refusal_recv(m), wr.mr));
         }
         let seq = m.recv.tail;
-        let mut sge = MaybeUninit::<ffi::ibv_sge>::uninit();
+        let num_sge = match wr.lower(m) {
+            Ok(n) => n,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
         let mut raw = ffi::ibv_recv_wr {
             wr_id: tag::encode(qp.place, qp.gen, seq, true),
             next: std::ptr::null_mut(),
-            sg_list: sge.as_mut_ptr(),
-            num_sge: 0,
+            sg_list: &mut wr.sge,
+            num_sge,
         };
-        match lower_recv(&wr, m, &mut sge) {
-            Ok(n) => raw.num_sge = n,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
-        }
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
         // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region moves into
@@ -248,7 +250,8 @@ impl Lane {
         let base: *mut ffi::ibv_recv_wr = raw.as_mut_ptr().cast();
         for (k, w) in wrs.iter().flatten().enumerate() {
             let k = k as u32;
-            let num_sge = lower_recv(w, m, &mut sge[k as usize])?;
+            let num_sge = w.lower(m)?;
+            sge[k as usize].write(w.sge);
             let next = if k + 1 < count {
                 // SAFETY: k + 1 < count <= MAX_LIST: within `raw`.
                 unsafe { base.add(k as usize + 1) }

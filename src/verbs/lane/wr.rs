@@ -99,20 +99,10 @@ impl std::error::Error for RejectedList {
     }
 }
 
-/// What a send-queue work request does.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Kind {
-    Send,
-    Write { remote: RemoteRegion, offset: u64 },
-    Read { remote: RemoteRegion, offset: u64 },
-    FetchAdd { remote: RemoteRegion, offset: u64, add: u64 },
-    CompareSwap { remote: RemoteRegion, offset: u64, compare: u64, swap: u64 },
-}
-
 /// A range of a region, as a post names it: (start, length), or why it cannot be one.
 pub(super) type Piece = (u64, u32);
 
-/// Turns a range into a piece; the bounds against the region are checked at post.
+/// Turns a range into a piece; the bounds against the region are checked where it is built.
 #[inline(always)]
 pub(super) fn piece(r: &Range<usize>) -> std::result::Result<Piece, &'static str> {
     if r.start > r.end {
@@ -124,116 +114,226 @@ pub(super) fn piece(r: &Range<usize>) -> std::result::Result<Piece, &'static str
     }
 }
 
+/// Why a work request cannot be posted, found where it was built and reported by the post
+/// (so that building one stays infallible and chainable).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Defect {
+    Bad(&'static str),
+    OutOfRegion { offset: u64, len: u32, size: u64 },
+    OutOfRemote { offset: u64, len: u64, size: u64 },
+    NeedsLocalWrite,
+    Unaligned(u64),
+}
+
+impl Defect {
+    #[cold]
+    #[inline(never)]
+    pub(super) fn error(self, op: &str) -> Error {
+        match self {
+            Defect::Bad(why) => bad_request(op, why),
+            Defect::OutOfRegion { offset, len, size } => out_of_region(offset, len, size),
+            Defect::OutOfRemote { offset, len, size } => out_of_remote(offset, len, size),
+            Defect::NeedsLocalWrite => needs_local_write(),
+            Defect::Unaligned(addr) => unaligned_atomic(addr),
+        }
+    }
+}
+
 /// A send-queue work request of a lane: a send, an RDMA WRITE or READ, or an atomic, whose
 /// local memory is pieces of one [`MemoryRegion`], moved into the lane when it is posted.
+///
+/// It is built already lowered: the constructors check the pieces against the region and the
+/// remote range against the remote region, and write the provider's work request and scatter
+/// list as a raw program would; a post adds only what depends on the QP (its protection
+/// domain, its piece limit, a UD destination) and on the lane (the `wr_id` tag, the signaled
+/// bit).
 pub struct SendWr {
     pub(super) mr: MemoryRegion,
-    pub(super) kind: Kind,
-    pub(super) pieces: [Piece; MAX_SGE],
+    pub(super) opcode: u32,
+    /// `IBV_SEND_SOLICITED` or nothing (the signaled bit is decided at post).
+    pub(super) flags: u32,
+    /// Immediate data, in network order.
+    pub(super) imm: u32,
+    /// The remote address (RDMA and atomics) and key.
+    pub(super) remote_addr: u64,
+    pub(super) rkey: u32,
+    /// An atomic's operands.
+    pub(super) compare_add: u64,
+    pub(super) swap: u64,
+    pub(super) sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
     pub(super) n: u8,
-    /// Why the request cannot be posted (found by a constructor; reported by the post).
-    pub(super) bad: Option<&'static str>,
+    pub(super) total: u64,
+    pub(super) defect: Option<Defect>,
     pub(super) wr_id: u64,
-    pub(super) imm: Option<u32>,
     pub(super) signaled: bool,
-    pub(super) solicited: bool,
     pub(super) dest: Option<DestKey>,
 }
 
 impl fmt::Debug for SendWr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SendWr")
-            .field("kind", &self.kind)
-            .field("pieces", &&self.pieces[..self.n as usize])
+            .field("opcode", &self.opcode)
+            .field("pieces", &self.n)
+            .field("len", &self.total)
             .field("wr_id", &self.wr_id)
             .field("signaled", &self.signaled)
+            .field("defect", &self.defect)
             .finish()
     }
 }
 
+use ffi::ibv_wr_opcode::*;
+
 impl SendWr {
-    /// A request of one piece.
+    /// A request of no piece yet.
     #[inline(always)]
-    pub(super) fn one(mr: MemoryRegion, kind: Kind, range: Range<usize>) -> SendWr {
-        let (first, bad) = match piece(&range) {
-            Ok(p) => (p, None),
-            Err(why) => ((0, 0), Some(why)),
-        };
+    fn start(mr: MemoryRegion, opcode: u32, writes: bool) -> SendWr {
+        let defect = (writes && !mr.access().contains(AccessFlags::LOCAL_WRITE)).then_some(Defect::NeedsLocalWrite);
         SendWr {
             mr,
-            kind,
-            pieces: [first, (0, 0), (0, 0), (0, 0)],
-            n: 1,
-            bad,
+            opcode,
+            flags: 0,
+            imm: 0,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            sge: [const { MaybeUninit::uninit() }; MAX_SGE],
+            n: 0,
+            total: 0,
+            defect,
             wr_id: 0,
-            imm: None,
             signaled: true,
-            solicited: false,
             dest: None,
         }
     }
 
+    /// Adds `range` of the region as the next piece, checked against the region.
+    #[inline(always)]
+    fn push(&mut self, range: &Range<usize>) {
+        let (start, len) = match piece(range) {
+            Ok(p) => p,
+            Err(why) => {
+                self.defect = Some(Defect::Bad(why));
+                return;
+            }
+        };
+        let size = self.mr.len() as u64;
+        if start + len as u64 > size {
+            self.defect = Some(Defect::OutOfRegion { offset: start, len, size });
+            return;
+        }
+        let k = self.n as usize;
+        if k >= MAX_SGE {
+            self.defect = Some(Defect::Bad("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)"));
+            return;
+        }
+        self.sge[k].write(ffi::ibv_sge { addr: self.mr.addr() + start, length: len, lkey: self.mr.lkey() });
+        self.n += 1;
+        self.total += len as u64;
+    }
+
+    /// A request of one piece.
+    #[inline(always)]
+    fn one(mr: MemoryRegion, opcode: u32, writes: bool, range: Range<usize>) -> SendWr {
+        let mut w = Self::start(mr, opcode, writes);
+        w.push(&range);
+        w
+    }
+
     /// A request of the pieces `ranges`.
     #[inline(always)]
-    pub(super) fn new(mr: MemoryRegion, kind: Kind, ranges: &[Range<usize>]) -> SendWr {
-        let Some((head, tail)) = ranges.split_first().filter(|_| ranges.len() <= MAX_SGE) else {
-            let mut w = Self::one(mr, kind, 0..0);
-            w.bad = Some("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)");
+    fn gather(mr: MemoryRegion, opcode: u32, writes: bool, ranges: &[Range<usize>]) -> SendWr {
+        let mut w = Self::start(mr, opcode, writes);
+        if ranges.is_empty() || ranges.len() > MAX_SGE {
+            w.defect = Some(Defect::Bad("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)"));
             return w;
-        };
-        let mut w = Self::one(mr, kind, head.clone());
-        for r in tail {
-            match piece(r) {
-                Ok(p) => {
-                    w.pieces[w.n as usize] = p;
-                    w.n += 1;
-                }
-                Err(why) => w.bad = Some(why),
-            }
         }
-        if w.n > 1 && w.pieces[..w.n as usize].iter().any(|p| p.1 == 0) {
-            w.bad = Some("a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)");
+        for r in ranges {
+            w.push(r);
+        }
+        if w.n > 1
+            && w.sge[..w.n as usize].iter().any(|p| {
+                // SAFETY: the first `n` entries were written by `push`.
+                unsafe { p.assume_init_ref() }.length == 0
+            })
+        {
+            w.defect = Some(Defect::Bad(
+                "a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)",
+            ));
+        }
+        if w.total > u32::MAX as u64 {
+            w.defect = Some(Defect::Bad("a work request moves at most 4 GiB"));
         }
         w
+    }
+
+    /// Aims an RDMA WRITE or READ of the pieces at `remote` + `offset`, checked against it.
+    #[inline(always)]
+    fn at(mut self, remote: &RemoteRegion, offset: u64) -> SendWr {
+        match offset.checked_add(self.total) {
+            Some(end) if end <= remote.len => {
+                self.remote_addr = remote.addr.wrapping_add(offset);
+                self.rkey = remote.rkey;
+            }
+            _ => self.defect = Some(Defect::OutOfRemote { offset, len: self.total, size: remote.len }),
+        }
+        self
+    }
+
+    /// Aims an atomic at the 8 bytes at `remote` + `offset`, checked (bounds, alignment).
+    #[inline(always)]
+    fn atomic_at(mut self, remote: &RemoteRegion, offset: u64, compare_add: u64, swap: u64) -> SendWr {
+        match offset.checked_add(8) {
+            Some(end) if end <= remote.len => {
+                let addr = remote.addr.wrapping_add(offset);
+                if addr % 8 != 0 {
+                    self.defect = Some(Defect::Unaligned(addr));
+                }
+                (self.remote_addr, self.rkey, self.compare_add, self.swap) = (addr, remote.rkey, compare_add, swap);
+            }
+            _ => self.defect = Some(Defect::OutOfRemote { offset, len: 8, size: remote.len }),
+        }
+        self
     }
 
     /// Sends `mr[range]`.
     #[inline(always)]
     pub fn send(mr: MemoryRegion, range: Range<usize>) -> SendWr {
-        Self::one(mr, Kind::Send, range)
+        Self::one(mr, IBV_WR_SEND, false, range)
     }
 
     /// Sends the concatenation of `ranges` of `mr`, in order (at most [`MAX_SGE`], and at most
     /// the QP's [`QpInit::max_send_sge`]).
     #[inline]
     pub fn send_sg(mr: MemoryRegion, ranges: &[Range<usize>]) -> SendWr {
-        Self::new(mr, Kind::Send, ranges)
+        Self::gather(mr, IBV_WR_SEND, false, ranges)
     }
 
     /// Writes `mr[range]` to `remote` at `offset` (RDMA WRITE).
     #[inline(always)]
     pub fn write(mr: MemoryRegion, range: Range<usize>, remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::one(mr, Kind::Write { remote: *remote, offset }, range)
+        Self::one(mr, IBV_WR_RDMA_WRITE, false, range).at(remote, offset)
     }
 
     /// Writes the concatenation of `ranges` of `mr` to `remote` at `offset` (a gathered RDMA
     /// WRITE).
     #[inline(always)]
     pub fn write_sg(mr: MemoryRegion, ranges: &[Range<usize>], remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::new(mr, Kind::Write { remote: *remote, offset }, ranges)
+        Self::gather(mr, IBV_WR_RDMA_WRITE, false, ranges).at(remote, offset)
     }
 
     /// Reads `remote` at `offset` into `mr[range]` (RDMA READ). The region needs
     /// [`AccessFlags::LOCAL_WRITE`].
     #[inline]
     pub fn read(mr: MemoryRegion, range: Range<usize>, remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::one(mr, Kind::Read { remote: *remote, offset }, range)
+        Self::one(mr, IBV_WR_RDMA_READ, true, range).at(remote, offset)
     }
 
     /// Reads `remote` at `offset` into `ranges` of `mr`, in order (a scattered RDMA READ).
     #[inline]
     pub fn read_sg(mr: MemoryRegion, ranges: &[Range<usize>], remote: &RemoteRegion, offset: u64) -> SendWr {
-        Self::new(mr, Kind::Read { remote: *remote, offset }, ranges)
+        Self::gather(mr, IBV_WR_RDMA_READ, true, ranges).at(remote, offset)
     }
 
     /// Atomically adds `add` to the 8-byte integer at `offset` of `remote`; its original value
@@ -241,7 +341,7 @@ impl SendWr {
     /// [`AccessFlags::LOCAL_WRITE`]; the target must be 8-byte aligned.
     #[inline(always)]
     pub fn fetch_add(mr: MemoryRegion, at: usize, remote: &RemoteRegion, offset: u64, add: u64) -> SendWr {
-        Self::one(mr, Kind::FetchAdd { remote: *remote, offset, add }, at..at.saturating_add(8))
+        Self::one(mr, IBV_WR_ATOMIC_FETCH_AND_ADD, true, at..at.saturating_add(8)).atomic_at(remote, offset, add, 0)
     }
 
     /// Atomically replaces the 8-byte integer at `offset` of `remote` with `swap` if it equals
@@ -255,7 +355,8 @@ impl SendWr {
         compare: u64,
         swap: u64,
     ) -> SendWr {
-        Self::one(mr, Kind::CompareSwap { remote: *remote, offset, compare, swap }, at..at.saturating_add(8))
+        Self::one(mr, IBV_WR_ATOMIC_CMP_AND_SWP, true, at..at.saturating_add(8))
+            .atomic_at(remote, offset, compare, swap)
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -267,7 +368,15 @@ impl SendWr {
 
     /// Adds 32 bits of immediate data (a send or WRITE with immediate).
     pub fn imm(mut self, imm: u32) -> SendWr {
-        self.imm = Some(imm);
+        match self.opcode {
+            IBV_WR_SEND | IBV_WR_SEND_WITH_IMM => self.opcode = IBV_WR_SEND_WITH_IMM,
+            IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM => self.opcode = IBV_WR_RDMA_WRITE_WITH_IMM,
+            _ => {
+                self.defect = Some(Defect::Bad("an RDMA READ or atomic carries no immediate data"));
+                return self;
+            }
+        }
+        self.imm = imm.to_be();
         self
     }
 
@@ -283,7 +392,7 @@ impl SendWr {
 
     /// Sets the solicited-event bit.
     pub fn solicited(mut self) -> SendWr {
-        self.solicited = true;
+        self.flags |= ffi::ibv_send_flags::IBV_SEND_SOLICITED.0;
         self
     }
 
@@ -299,19 +408,100 @@ impl SendWr {
     pub fn into_region(self) -> MemoryRegion {
         self.mr
     }
+
+    /// Whether it is a send (with or without immediate data): the only operation of UD.
+    #[inline(always)]
+    fn is_send(&self) -> bool {
+        matches!(self.opcode, IBV_WR_SEND | IBV_WR_SEND_WITH_IMM)
+    }
+
+    /// Lowers it for a post on `m` into `out` (zeroed) over `sge` (a copy of its scatter list
+    /// that lives as long as `out`): checks what depends on the QP (its protection domain, its
+    /// piece limit, a UD destination and MTU), then writes what raw code writes, with the tag
+    /// as `wr_id`. The one place where a lane's send-queue work request becomes the verbs' form.
+    #[inline(always)]
+    pub(super) fn lower(
+        &self,
+        m: &Member,
+        wr_id: u64,
+        signaled: bool,
+        out: &mut ffi::ibv_send_wr,
+        sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
+    ) -> Result<()> {
+        if let Some(d) = self.defect {
+            return Err(d.error("post_send"));
+        }
+        if !self.mr.inner().on_pd(&m.pd) {
+            return Err(other_pd());
+        }
+        let n = self.n as u32;
+        if n > 1 {
+            if n > m.max_send_sge {
+                return Err(too_many_pieces(n as usize, m.max_send_sge));
+            }
+            *sge = self.sge;
+        } else {
+            sge[0] = self.sge[0];
+        }
+        if m.is_ud() {
+            out.wr.ud = self.lower_ud(m)?;
+        } else if self.dest.is_some() {
+            return Err(ud_needs_dest(false));
+        }
+        match self.opcode {
+            IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM | IBV_WR_RDMA_READ => {
+                out.wr.rdma = ffi::rdma_t { remote_addr: self.remote_addr, rkey: self.rkey }
+            }
+            IBV_WR_ATOMIC_FETCH_AND_ADD | IBV_WR_ATOMIC_CMP_AND_SWP => {
+                out.wr.atomic = ffi::atomic_t {
+                    remote_addr: self.remote_addr,
+                    compare_add: self.compare_add,
+                    swap: self.swap,
+                    rkey: self.rkey,
+                }
+            }
+            _ => {}
+        }
+        out.wr_id = wr_id;
+        out.sg_list = sge.as_mut_ptr().cast();
+        // A zero-length one has no scatter entry (some providers read a count of 0 as 2 GiB).
+        out.num_sge = if self.total == 0 { 0 } else { n as i32 };
+        out.opcode = self.opcode;
+        out.imm_data_invalidated_rkey_union.imm_data = self.imm;
+        out.send_flags = self.flags | if signaled { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+        Ok(())
+    }
+
+    /// A UD send's destination, checked with its size.
+    #[inline(always)]
+    fn lower_ud(&self, m: &Member) -> Result<ffi::ud_t> {
+        let (true, Some(d)) = (self.is_send(), self.dest) else { return Err(ud_needs_dest(self.dest.is_none())) };
+        let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp.gen == m.gen) else {
+            return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
+        };
+        if self.total > m.mtu as u64 {
+            return Err(too_long(self.total, m.mtu));
+        }
+        Ok(ffi::ud_t { ah: dest.ah, remote_qpn: dest.qpn, remote_qkey: dest.qkey })
+    }
 }
 
 /// A receive of a lane: the device writes the message into its region, moved into the lane
-/// when it is posted.
+/// when it is posted. Built already lowered, as [`SendWr`] is.
 pub struct RecvWr {
     pub(super) mr: MemoryRegion,
-    pub(super) piece: std::result::Result<Piece, &'static str>,
+    pub(super) sge: ffi::ibv_sge,
+    pub(super) defect: Option<Defect>,
     pub(super) wr_id: u64,
 }
 
 impl fmt::Debug for RecvWr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RecvWr").field("piece", &self.piece).field("wr_id", &self.wr_id).finish()
+        f.debug_struct("RecvWr")
+            .field("len", &self.sge.length)
+            .field("wr_id", &self.wr_id)
+            .field("defect", &self.defect)
+            .finish()
     }
 }
 
@@ -321,13 +511,30 @@ impl RecvWr {
     #[inline(always)]
     pub fn new(mr: MemoryRegion) -> RecvWr {
         let len = mr.len();
-        RecvWr { mr, piece: piece(&(0..len)), wr_id: 0 }
+        Self::range(mr, 0..len)
     }
 
     /// A receive into `mr[range]`.
     #[inline(always)]
     pub fn range(mr: MemoryRegion, range: Range<usize>) -> RecvWr {
-        RecvWr { piece: piece(&range), mr, wr_id: 0 }
+        let mut defect = None;
+        let size = mr.len() as u64;
+        let (start, len) = match piece(&range) {
+            Ok((start, len)) if start + len as u64 <= size => (start, len),
+            Ok((start, len)) => {
+                defect = Some(Defect::OutOfRegion { offset: start, len, size });
+                (0, 0)
+            }
+            Err(why) => {
+                defect = Some(Defect::Bad(why));
+                (0, 0)
+            }
+        };
+        if !mr.access().contains(AccessFlags::LOCAL_WRITE) {
+            defect = Some(Defect::NeedsLocalWrite);
+        }
+        let sge = ffi::ibv_sge { addr: mr.addr() + start, length: len, lkey: mr.lkey() };
+        RecvWr { mr, sge, defect, wr_id: 0 }
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -340,6 +547,23 @@ impl RecvWr {
     /// The region, back (the receive is not posted).
     pub fn into_region(self) -> MemoryRegion {
         self.mr
+    }
+
+    /// Checks what depends on the QP `m` (its protection domain; a UD receive's room for the
+    /// GRH); returns the scatter count.
+    #[inline(always)]
+    pub(super) fn lower(&self, m: &Member) -> Result<i32> {
+        if let Some(d) = self.defect {
+            return Err(d.error("post_recv"));
+        }
+        if !self.mr.inner().on_pd(&m.pd) {
+            return Err(other_pd());
+        }
+        let len = self.sge.length;
+        if m.is_ud() && (len as usize) < GRH_LEN {
+            return Err(no_room_for_grh(len));
+        }
+        Ok((len != 0) as i32)
     }
 }
 
@@ -387,135 +611,6 @@ pub(super) fn list_too_long(k: u32, free: u32) -> Error {
     }
 }
 
-/// Lowers a send-queue work request into `out` (a zeroed `ibv_send_wr`) and `sge`, checking it
-/// against the QP `m`: the one place where a lane's work request becomes the verbs' form.
-#[inline(always)]
-pub(super) fn lower_send(
-    w: &SendWr,
-    m: &Member,
-    wr_id: u64,
-    signaled: bool,
-    out: &mut ffi::ibv_send_wr,
-    sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
-) -> Result<()> {
-    if let Some(why) = w.bad {
-        return Err(bad_request("post_send", why));
-    }
-    let inner = w.mr.inner();
-    if !inner.on_pd(&m.pd) {
-        return Err(other_pd());
-    }
-    let n = w.n as usize;
-    if n > 1 && n > m.max_send_sge as usize {
-        return Err(too_many_pieces(n, m.max_send_sge));
-    }
-    let (base, size, lkey) = (inner.addr(), inner.len() as u64, inner.lkey());
-    let mut total = 0u64;
-    for (k, &(start, len)) in w.pieces[..n.min(MAX_SGE)].iter().enumerate() {
-        if start + len as u64 > size {
-            return Err(out_of_region(start, len, size));
-        }
-        sge[k].write(ffi::ibv_sge { addr: base + start, length: len, lkey });
-        total += len as u64;
-    }
-    use ffi::ibv_wr_opcode::*;
-    let (opcode, writes) = match (w.kind, w.imm.is_some()) {
-        (Kind::Send, false) => (IBV_WR_SEND, false),
-        (Kind::Send, true) => (IBV_WR_SEND_WITH_IMM, false),
-        (Kind::Write { remote, offset }, imm) => {
-            out.wr.rdma = ffi::rdma_t { remote_addr: remote_at(&remote, offset, total)?, rkey: remote.rkey };
-            (if imm { IBV_WR_RDMA_WRITE_WITH_IMM } else { IBV_WR_RDMA_WRITE }, false)
-        }
-        (Kind::Read { remote, offset }, false) => {
-            out.wr.rdma = ffi::rdma_t { remote_addr: remote_at(&remote, offset, total)?, rkey: remote.rkey };
-            (IBV_WR_RDMA_READ, true)
-        }
-        (Kind::FetchAdd { remote, offset, add }, false) => {
-            out.wr.atomic = ffi::atomic_t {
-                remote_addr: atomic_target(&remote, offset)?,
-                compare_add: add,
-                swap: 0,
-                rkey: remote.rkey,
-            };
-            (IBV_WR_ATOMIC_FETCH_AND_ADD, true)
-        }
-        (Kind::CompareSwap { remote, offset, compare, swap }, false) => {
-            out.wr.atomic = ffi::atomic_t {
-                remote_addr: atomic_target(&remote, offset)?,
-                compare_add: compare,
-                swap,
-                rkey: remote.rkey,
-            };
-            (IBV_WR_ATOMIC_CMP_AND_SWP, true)
-        }
-        _ => return Err(Error::InvalidArgument("post_send: an RDMA READ or atomic carries no immediate data".into())),
-    };
-    if writes && !w.mr.access().contains(AccessFlags::LOCAL_WRITE) {
-        return Err(needs_local_write());
-    }
-    if m.is_ud() {
-        let (Kind::Send, Some(d)) = (w.kind, w.dest) else { return Err(ud_needs_dest(w.dest.is_none())) };
-        let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp.gen == m.gen) else {
-            return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
-        };
-        if total > m.mtu as u64 {
-            return Err(too_long(total, m.mtu));
-        }
-        out.wr.ud = ffi::ud_t { ah: dest.ah, remote_qpn: dest.qpn, remote_qkey: dest.qkey };
-    } else if w.dest.is_some() {
-        return Err(ud_needs_dest(false));
-    }
-    if total > u32::MAX as u64 {
-        return Err(bad_request("post_send", "a work request moves at most 4 GiB"));
-    }
-    out.wr_id = wr_id;
-    out.sg_list = sge.as_mut_ptr().cast();
-    // A zero-length one has no scatter entry (some providers read a count of 0 as 2 GiB).
-    out.num_sge = if total == 0 { 0 } else { n as i32 };
-    out.opcode = opcode;
-    if let Some(imm) = w.imm {
-        out.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-    }
-    use ffi::ibv_send_flags as f;
-    out.send_flags =
-        if signaled { f::IBV_SEND_SIGNALED.0 } else { 0 } | if w.solicited { f::IBV_SEND_SOLICITED.0 } else { 0 };
-    Ok(())
-}
-
-/// Lowers a receive into `sge`, checking it against `m`; returns its scatter count.
-#[inline(always)]
-pub(super) fn lower_recv(w: &RecvWr, m: &Member, sge: &mut MaybeUninit<ffi::ibv_sge>) -> Result<i32> {
-    let (start, len) = match w.piece {
-        Ok(p) => p,
-        Err(why) => return Err(bad_request("post_recv", why)),
-    };
-    let inner = w.mr.inner();
-    if !inner.on_pd(&m.pd) {
-        return Err(other_pd());
-    }
-    let size = inner.len() as u64;
-    if start + len as u64 > size {
-        return Err(out_of_region(start, len, size));
-    }
-    if !w.mr.access().contains(AccessFlags::LOCAL_WRITE) {
-        return Err(needs_local_write());
-    }
-    if m.is_ud() && (len as usize) < GRH_LEN {
-        return Err(no_room_for_grh(len));
-    }
-    sge.write(ffi::ibv_sge { addr: inner.addr() + start, length: len, lkey: inner.lkey() });
-    Ok((len != 0) as i32)
-}
-
-/// The remote address of `offset..offset + len` of `remote`, checked against its length.
-#[inline(always)]
-pub(super) fn remote_at(remote: &RemoteRegion, offset: u64, len: u64) -> Result<u64> {
-    match offset.checked_add(len) {
-        Some(end) if end <= remote.len => Ok(remote.addr.wrapping_add(offset)),
-        _ => Err(out_of_remote(offset, len, remote.len)),
-    }
-}
-
 #[cold]
 pub(super) fn out_of_remote(offset: u64, len: u64, size: u64) -> Error {
     Error::OutOfBounds { what: "remote region", offset, len, size }
@@ -532,14 +627,10 @@ pub(super) fn bad_request(op: &str, why: &str) -> Error {
 }
 
 #[cold]
-pub(super) fn atomic_target(remote: &RemoteRegion, offset: u64) -> Result<u64> {
-    let addr = remote.at(offset, 8)?;
-    if addr % 8 != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "post_send: an atomic's target {addr:#x} is not 8-byte aligned (the device would fail it)"
-        )));
-    }
-    Ok(addr)
+pub(super) fn unaligned_atomic(addr: u64) -> Error {
+    Error::InvalidArgument(format!(
+        "post_send: an atomic's target {addr:#x} is not 8-byte aligned (the device would fail it)"
+    ))
 }
 
 #[cold]
