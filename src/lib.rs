@@ -83,6 +83,7 @@
 //!  cm/      librdmacm, on top of the verbs:
 //!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
 //!           ud_cm, multicast      user_qp   conn_param   expect   step   private_data
+//!           lane_cm (connections and UD endpoints as a lane's owners; Lane::handle_event)
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  verbs/   libibverbs alone (imports nothing from cm/):
@@ -90,6 +91,7 @@
 //!           qp_attr   wr (checks, the one lowering of a work request) ──► ah (UdDest), mr
 //!           async_event ──► device ──► hub (event registry and log) ──► link (what drives a QP)
 //!           pd, port, peer (PeerInfo), diagnostics, wc (WorkCompletion)
+//!           lane/ (the fast path: one thread's CQ and QPs, owned regions; LaneOwner) ──► cq, qp
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  error.rs (Error, report_leak)   wait.rs (bounded fd waits, tokio reactor, lock)
 //!  status.rs (leaf values: WcStatus, WcOpcode, WorkQueue, QpState, CmEventType, AsyncEventKind)

@@ -231,3 +231,85 @@ fn unconnected_qp_dropped_with_receives_posted_releases_them() {
     }
     t.finish();
 }
+
+/// A lane serves QPs made without the connection manager (issue 24 in the two wings): two
+/// `UnconnectedQp`s on the lane's CQ, connected by their infos and attached as the
+/// `QueuePair`s `connect` hands back, exchange a send byte for byte, the regions coming back
+/// with their completions; a UD `UdQp` attached the same way sends a datagram to a registered
+/// destination. A QP on another CQ is refused, and the refusal gives the QP back whole.
+#[test]
+fn a_lane_serves_qps_made_without_the_cm() {
+    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    let t = DeviceTest::start();
+    {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        // Room for every queue it serves: two RC QPs and two UD QPs of 16 + 16.
+        let mut lane = Lane::new(&ctx, 128).unwrap();
+        let params = RcParams::new().gid_index(gidx);
+        let a = UnconnectedQp::new(&pd, lane.qp_init(), params.clone()).expect("create QP a");
+        let b = UnconnectedQp::new(&pd, lane.qp_init(), params).expect("create QP b");
+        let (ia, ib) = (a.local(), b.local());
+        let qa = lane.attach(a.connect(&ib).expect("connect a")).map_err(|r| r.into_parts().0).expect("attach a");
+        let qb = lane.attach(b.connect(&ia).expect("connect b")).map_err(|r| r.into_parts().0).expect("attach b");
+        assert_eq!(lane.qp_num(qa).unwrap(), ia.qp_num);
+
+        let msg = b"a lane without the CM";
+        let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+        sbuf.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(msg);
+        lane.post_recv(qb, LRecv::new(rbuf).wr_id(1)).map_err(|r| r.into_parts().0).unwrap();
+        lane.post_send(qa, LSend::send(sbuf, 0..msg.len()).wr_id(2)).map_err(|r| r.into_parts().0).unwrap();
+        let mut got = [false; 2];
+        for mut c in common::lane::reap(&mut lane, 2) {
+            assert!(c.is_ok(), "{c:?}");
+            let mut region = c.take_region().expect("the region comes back with its completion");
+            match c.wr_id() {
+                1 => {
+                    assert_eq!((c.qp(), c.queue(), c.byte_len()), (Some(qb), WorkQueue::Recv, msg.len() as u32));
+                    assert_eq!(&region.as_slice().unwrap()[..msg.len()], msg);
+                    got[0] = true;
+                }
+                2 => {
+                    assert_eq!((c.qp(), c.queue()), (Some(qa), WorkQueue::Send));
+                    got[1] = true;
+                }
+                other => panic!("unexpected wr_id {other}"),
+            }
+        }
+        assert_eq!(got, [true, true]);
+
+        // A QP that completes on its own CQ: refused, and given back.
+        let own = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(gidx)).unwrap();
+        let peer = lane.qp_num(qb).unwrap();
+        let own = own.connect(&PeerInfo { qp_num: peer, ..ib }).expect("connect");
+        let num = own.qp_num();
+        let r = lane.attach(own).expect_err("a QP on another CQ must be refused");
+        assert!(r.error().to_string().contains("another CQ"), "{}", r.error());
+        assert_eq!(r.into_inner().expect("the QP comes back").qp_num(), num);
+
+        if common::require(common::Cap::Ud) {
+            let qkey = 0x1111_1111;
+            let ua = UdQp::new(&pd, lane.qp_init(), 1, qkey).expect("UD QP a");
+            let ub = UdQp::new(&pd, lane.qp_init(), 1, qkey).expect("UD QP b");
+            let dest = ua.dest_to(&ub.local(Some(gidx)).unwrap(), Some(gidx), 0, qkey).unwrap();
+            let recv_len = ub.recv_len();
+            let (la, lb) = (lane.attach(ua).ok().expect("attach UD a"), lane.attach(ub).ok().expect("attach UD b"));
+            let to_b = lane.add_dest(la, &dest).unwrap();
+            let rbuf = MemoryRegion::new(&pd, recv_len, AccessFlags::LOCAL_WRITE).unwrap();
+            let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+            sbuf.as_mut_slice().unwrap()[..8].copy_from_slice(b"datagram");
+            lane.post_recv(lb, LRecv::new(rbuf).wr_id(3)).map_err(|r| r.into_parts().0).unwrap();
+            lane.post_send(la, LSend::send(sbuf, 0..8).to(to_b).wr_id(4)).map_err(|r| r.into_parts().0).unwrap();
+            for mut c in common::lane::reap(&mut lane, 2) {
+                assert!(c.is_ok(), "{c:?}");
+                let mut region = c.take_region().unwrap();
+                if c.wr_id() == 3 {
+                    assert_eq!(c.byte_len() as usize, GRH_LEN + 8);
+                    assert_eq!(&region.as_slice().unwrap()[GRH_LEN..GRH_LEN + 8], b"datagram");
+                }
+            }
+        }
+    }
+    t.finish();
+}
