@@ -294,7 +294,10 @@ fn a_lane_serves_qps_made_without_the_cm() {
             let ub = UdQp::new(&pd, lane.qp_init(), 1, qkey).expect("UD QP b");
             let dest = ua.dest_to(&ub.local(Some(gidx)).unwrap(), Some(gidx), 0, qkey).unwrap();
             let recv_len = ub.recv_len();
-            let (la, lb) = (lane.attach(ua).ok().expect("attach UD a"), lane.attach(ub).ok().expect("attach UD b"));
+            let (la, lb) = (
+                lane.attach(ua).map_err(|r| r.into_parts().0).expect("attach UD a"),
+                lane.attach(ub).map_err(|r| r.into_parts().0).expect("attach UD b"),
+            );
             let to_b = lane.add_dest(la, &dest).unwrap();
             let rbuf = MemoryRegion::new(&pd, recv_len, AccessFlags::LOCAL_WRITE).unwrap();
             let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
