@@ -268,8 +268,11 @@ fn an_unconnected_qp_in_init_is_adopted_with_its_receives() {
     let pd = route.alloc_pd().unwrap();
     let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
 
-    // Made for adoption, a RESET QP is refused by the verbs-only connect.
-    let reset = UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap();
+    // Made for adoption, a RESET QP refuses receives (post them once adopted) and is refused by
+    // the verbs-only connect.
+    let mut reset = UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap();
+    let err = reset.post_recv(&[RecvWr::new(&mr, 0..8)]).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("RESET"), "{err:?}");
     let info = reset.local();
     let err = reset.connect(&info).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");

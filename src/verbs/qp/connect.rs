@@ -283,7 +283,7 @@ impl UnconnectedQp {
     /// which moves it to INIT with the CM's port, P_Key and access rights. This is `rping -q`'s
     /// way: the QP exists before the route. The PD must be on the id's device context.
     ///
-    /// A QP in RESET takes no receives (post them once adopted), and
+    /// A QP in RESET takes no receives (post them once adopted: its `post_recv` refuses), and
     /// [`UnconnectedQp::connect`] refuses it; its [`UnconnectedQp::local`] carries its number
     /// only (the CM's handshake exchanges the rest).
     ///
@@ -334,8 +334,18 @@ impl UnconnectedQp {
     /// Posts receives (allowed in INIT: post them before the peer can send).
     ///
     /// # Errors
-    /// As for [`QueuePair::post_recv`].
+    /// [`Error::InvalidArgument`] for a QP in RESET ([`UnconnectedQp::new_reset`]: a provider
+    /// may take a receive there and lose it at the move to INIT, so post once adopted, through
+    /// `ClientQp::post_recv` or `ServerQp::post_recv`); otherwise as for
+    /// [`QueuePair::post_recv`].
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        if self.reset {
+            return Err(Error::InvalidArgument(
+                "post_recv on a QP in RESET (UnconnectedQp::new_reset): post receives once a connection-manager id \
+                 has adopted it (ClientQp::post_recv, ServerQp::post_recv), or create it in INIT (UnconnectedQp::new)"
+                    .into(),
+            ));
+        }
         self.qp.post_recv(wrs)
     }
 
