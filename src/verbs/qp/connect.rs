@@ -10,6 +10,11 @@
 //!   │ connect(&peer)                      INIT → RTR (path MTU, dest QPN, rq PSN, address)
 //!   ▼                                          → RTS (sq PSN, timeout, retries)
 //! QueuePair                               sends, RDMA WRITE/READ, atomics, waits
+//!
+//! UnconnectedQp::new_reset(pd, init)       ibv_create_qp (RESET), for an id to adopt
+//!   │ RouteResolved::adopt_qp / ConnectRequest::adopt_qp (either kind of UnconnectedQp)
+//!   ▼                                     the CM's INIT, then RTR and RTS at its events
+//! ClientQp / ServerQp → Connection        (crate::cm::adopt)
 //! ```
 //!
 //! The rule of the CM's typestates holds here too: **no send before RTS**. An
@@ -357,8 +362,9 @@ impl UnconnectedQp {
     /// On failure the QP is dropped (its receives flushed and released).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a QP made by [`UnconnectedQp::new_reset`], for info no QP can have (see [`PeerInfo::check`]), a peer
-    /// without a GID on RoCE, or a peer with a GID while this QP has no GID index;
+    /// [`Error::InvalidArgument`] for a QP made by [`UnconnectedQp::new_reset`], for info no QP
+    /// can have (see [`PeerInfo::check`]), a peer without a GID on RoCE, or a peer with a GID
+    /// while this QP has no GID index;
     /// [`Error::Call`] when `ibv_modify_qp` refuses RTR or RTS (EINVAL at RTR: usually the GID
     /// index, the MTU or the peer's address).
     pub fn connect(self, peer: &PeerInfo) -> Result<QueuePair> {
