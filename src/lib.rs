@@ -54,10 +54,11 @@
 //! Two variations on the same states:
 //!
 //! ```text
-//!  a QP the user creates (rping -q)                     closing early (cmtime)
-//!  UserQp::new(pd, init)   (ibv_create_qp: RESET)       Connection
-//!   │ RouteResolved::attach_qp / ConnectRequest::attach_qp   │ shutdown: rdma_disconnect, QP flushed,
-//!   ▼   (rdma_init_qp_attr + ibv_modify_qp: INIT)        │   reaped and destroyed at once
+//!  a verbs QP the id adopts (rping -q)                  closing early (cmtime)
+//!  UnconnectedQp::new_reset(pd, init) (RESET)           Connection
+//!   │   or UnconnectedQp::new (INIT)                     │ shutdown: rdma_disconnect, QP flushed,
+//!   │ RouteResolved::adopt_qp / ConnectRequest::adopt_qp │   reaped and destroyed at once
+//!   ▼   (rdma_init_qp_attr + ibv_modify_qp: INIT)        │
 //!  ClientQp ── connect: qp_num sent → CONNECT_RESPONSE   Disconnecting
 //!              → INIT, RTR, RTS → rdma_establish          │ complete(DISCONNECTED) / wait
 //!  ServerQp ── accept: INIT, RTR, RTS → rdma_accept       ▼ drop: rdma_destroy_id
@@ -65,11 +66,13 @@
 //!  Connection ── disconnect / peer left: ERR
 //! ```
 //!
-//! A [`UserQp`] is created on the verbs layer (its PD must be on the id's device context), not
-//! through `rdma_create_qp`, so librdmacm never drives it: the connection moves it through its
-//! states with the attributes the CM gives (`rdma_init_qp_attr`) at the points librdmacm's
-//! rules put them, and to the error state when either side disconnects. It is a
-//! [`QueuePair`] in every other way. [`Connection::shutdown`] destroys the QP without waiting
+//! An adopted QP is an [`UnconnectedQp`] made by the verbs wing (its PD must be on the id's
+//! device context), not through `rdma_create_qp`, so librdmacm never drives it: the connection
+//! moves it through its states with the attributes the CM gives (`rdma_init_qp_attr`) at the
+//! points librdmacm's rules put them, and to the error state when either side disconnects. It
+//! is a [`QueuePair`] in every other way. There is one QP type, made by the verbs wing; the CM
+//! only drives it (see [`cm::adopt`]). [`UserQp`] with `attach_qp` is the deprecated spelling
+//! from before, a wrapper of an [`UnconnectedQp`] in RESET. [`Connection::shutdown`] destroys the QP without waiting
 //! for the peer's answer to the disconnect, as rdma-core's `cmtime` does;
 //! [`Connection::disconnect`] is `shutdown` and [`Disconnecting::wait`].
 //!
@@ -82,7 +85,8 @@
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  cm/      librdmacm, on top of the verbs:
 //!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
-//!           ud_cm, multicast      user_qp   conn_param   expect   step   private_data
+//!           adopt (a verbs QP driven by an id, Link) ◄── user_qp (deprecated UserQp)
+//!           ud_cm, multicast   conn_param   expect   step   private_data
 //!           lane_cm (connections and UD endpoints as a lane's owners; Lane::handle_event)
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
@@ -99,7 +103,8 @@
 //!
 //! The one circle is `cm_id ↔ event_channel`. The verbs wing is usable without the connection
 //! manager: a [`QueuePair`] is made and driven on it, and the CM's wing drives one through the
-//! `Link` trait (`verbs/link.rs`) it implements. Every type is re-exported at the crate root, which is
+//! `Link` trait (`verbs/link.rs`) it implements, both for the QPs librdmacm makes (`cm_qp`) and
+//! for a verbs-wing [`UnconnectedQp`] an id adopts (`adopt`). Every type is re-exported at the crate root, which is
 //! the path to use; the modules' paths from before the wings (`rdma_cm::qp`,
 //! `rdma_cm::connection`, …) still work.
 //!
@@ -489,6 +494,7 @@ pub use cm::step::StepError;
 pub use cm::ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
 };
+#[allow(deprecated)]
 pub use cm::user_qp::UserQp;
 pub use error::{Error, Result};
 pub use ready::{Readiness, Ready};

@@ -1,7 +1,9 @@
 //! Posting and polling on a connected QP allocate nothing: a counting global allocator watches
 //! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device, the shared CQ and SRQ
 //! shapes, work requests of several pieces (scatter/gather), and async round trips on tokio
-//! (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in between).
+//! (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in between);
+//! and a wait woken by the peer's disconnect (an attempt of the first outside reviewer's, here
+//! for this binary's allocator).
 
 mod common;
 
@@ -10,8 +12,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{pair, DeviceTest, PairSpec};
-use rdma_cm::{AccessFlags, QueuePair, RecvWr, SendWr, WorkCompletion, WorkQueue};
+use common::{pair, DeviceTest, PairSpec, T};
+use rdma_cm::{AccessFlags, QueuePair, RecvWr, SendWr, WcStatus, WorkCompletion, WorkQueue};
 
 struct Counting;
 
@@ -344,5 +346,33 @@ fn readiness_waits_allocate_nothing() {
     assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} waits");
     drop(set);
     drop((ch, cq, c, s));
+    t.finish();
+}
+
+/// Runs `f` counting the allocations this thread makes meanwhile.
+fn count_allocs<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = ALLOCS.load(Ordering::SeqCst);
+    let r = watched(f);
+    (r, ALLOCS.load(Ordering::SeqCst) - before)
+}
+
+/// HOLE 6 (minor). Polling allocates nothing, the docs say; `wait` is a poll that sleeps. When
+/// the wait watches the connection's channel and the peer's DISCONNECTED wakes it, it queues
+/// the event in the channel's `VecDeque`, whose first push allocates.
+///
+/// Origin: the first outside reviewer's pass, hole 6 (minor), formerly in `tests/adversarial.rs`.
+#[test]
+fn waiting_through_the_peers_disconnect_allocates_nothing() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec { pre_recv: vec![(1, 64)], ..PairSpec::default() };
+    let (c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    drop(c);
+    let mut wcs = [WorkCompletion::default(); 4];
+    let (n, allocs) = count_allocs(|| s.conn.qp_mut().wait(&mut wcs, T));
+    let n = n.unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(wcs[0].status(), WcStatus::WrFlushErr);
+    assert_eq!(allocs, 0, "wait() allocated {allocs} times while it saw the peer leave");
+    drop(s);
     t.finish();
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
+use crate::cm::adopt;
 use crate::cm::cm_id::{CmId, IdHandle};
 use crate::cm::cm_qp::create_qp_on;
 use crate::cm::conn_param::{ConnParam, MAX_CONNECT_PRIVATE_DATA};
@@ -19,10 +20,12 @@ use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel};
 use crate::cm::expect::expect_async;
 use crate::cm::expect::{check_event, context_of, expect, with_opt_addr};
 use crate::cm::step::StepError;
-use crate::cm::user_qp::{self, UserQp};
+#[allow(deprecated)]
+use crate::cm::user_qp::UserQp;
 use crate::error::{check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::UnconnectedQp;
 use crate::verbs::qp::{QpInit, QueuePair};
 
 /// A fresh client id, not yet resolved.
@@ -241,17 +244,33 @@ impl RouteResolved {
         Ok(ClientQp { id: self.id, qp, user: false })
     }
 
-    /// Takes a QP the user created ([`UserQp`], as `rping -q` does) instead of creating one,
-    /// and moves it to INIT with the route's attributes (`rdma_init_qp_attr`,
-    /// `ibv_modify_qp`). The connect then sends its number and moves it to RTR and RTS when the
-    /// peer answers.
+    /// Adopts a QP the verbs wing made ([`UnconnectedQp`], as `rping -q` creates its own)
+    /// instead of creating one, and moves it to INIT with the route's attributes
+    /// (`rdma_init_qp_attr`, `ibv_modify_qp`): from RESET ([`UnconnectedQp::new_reset`]), or
+    /// INIT again ([`UnconnectedQp::new`], whose posted receives stay posted). The connect then
+    /// sends its number and moves it to RTR and RTS when the peer answers; a disconnect moves
+    /// it to ERR. See [`crate::cm::adopt`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the QP is not on the route's device context;
-    /// [`Error::Call`] when `rdma_init_qp_attr` or `ibv_modify_qp` fails.
-    pub fn attach_qp(self, qp: UserQp) -> Result<ClientQp> {
-        let qp = qp.attach(&self.id)?;
+    /// [`Error::Call`] when `rdma_init_qp_attr` or `ibv_modify_qp` fails. The QP is dropped
+    /// (flushed and destroyed) either way.
+    pub fn adopt_qp(self, qp: UnconnectedQp) -> Result<ClientQp> {
+        let qp = adopt::adopt(qp, &self.id)?;
         Ok(ClientQp { id: self.id, qp, user: true })
+    }
+
+    /// [`RouteResolved::adopt_qp`] with a [`UserQp`], the spelling from before.
+    ///
+    /// # Errors
+    /// As for [`RouteResolved::adopt_qp`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "use adopt_qp with an UnconnectedQp (UnconnectedQp::new_reset for UserQp::new)"
+    )]
+    #[allow(deprecated)]
+    pub fn attach_qp(self, qp: UserQp) -> Result<ClientQp> {
+        self.adopt_qp(qp.into_unconnected())
     }
 
     /// The id.
@@ -265,7 +284,8 @@ impl RouteResolved {
 pub struct ClientQp {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
-    /// The QP is a [`UserQp`]: this crate, not librdmacm, moves it through its states.
+    /// The QP was adopted ([`RouteResolved::adopt_qp`]): this crate, not librdmacm, moves it
+    /// through its states.
     pub(crate) user: bool,
 }
 
@@ -320,7 +340,7 @@ impl ClientQp {
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
         let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
-        raw.qp_num = user_qp::qp_num_for(param, &self.qp)?;
+        raw.qp_num = adopt::qp_num_for(param, &self.qp)?;
         raw.srq = u8::from(self.qp.srq().is_some());
         let peer = self.id.peer_addr();
         // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
@@ -340,11 +360,11 @@ pub(crate) fn connected_event(user: bool) -> CmEventType {
     }
 }
 
-/// Turns the answer to a connect into the connection; a [`UserQp`] is made ready to send and
+/// Turns the answer to a connect into the connection; an adopted QP is made ready to send and
 /// the handshake completed (`rdma_establish`) first.
 pub(crate) fn finish_connect(id: Arc<CmId>, qp: QueuePair, user: bool, ev: &CmEvent) -> Result<Connection> {
     if user {
-        user_qp::establish(&id, &qp)?;
+        adopt::establish(&id, &qp)?;
     }
     Ok(Connection::new(id, qp, *ev.private_data(), user))
 }
@@ -363,14 +383,14 @@ impl Connecting {
         self.id.handle()
     }
 
-    /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for a
-    /// [`UserQp`], which this then moves to RTR and RTS before `rdma_establish`), given by
+    /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for an
+    /// adopted QP, which this then moves to RTR and RTS before `rdma_establish`), given by
     /// reference or by value. Any other event gives this state back in the [`StepError`].
     ///
     /// # Errors
     /// [`Error::UnexpectedEvent`] naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a
     /// hint, or another id's event (the state can take the right event later; after
-    /// `REJECTED` or `UNREACHABLE` the connect is over: drop it); for a [`UserQp`],
+    /// `REJECTED` or `UNREACHABLE` the connect is over: drop it); for an adopted QP,
     /// [`Error::Call`] naming the `rdma_init_qp_attr`, `ibv_modify_qp` or `rdma_establish`
     /// call that failed. Each with this state, unchanged.
     pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Connecting>> {
@@ -379,7 +399,7 @@ impl Connecting {
             return Err(StepError::new(self, e));
         }
         if self.user {
-            if let Err(e) = user_qp::establish(&self.id, &self.qp) {
+            if let Err(e) = adopt::establish(&self.id, &self.qp) {
                 return Err(StepError::new(self, e));
             }
         }

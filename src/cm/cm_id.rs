@@ -237,7 +237,7 @@ impl CmId {
     /// [`AsyncEventKind::PathMigrated`](crate::AsyncEventKind::PathMigrated).
     ///
     /// The crate calls this itself for `COMM_EST` on a QP made through the connection
-    /// typestates (or a [`UserQp`](crate::UserQp) attached to them), whenever the context's
+    /// typestates (or adopted by them: `adopt_qp`), whenever the context's
     /// events are read (see [`crate::verbs::async_event`]); call it directly for a QP it does not
     /// know. rxe never reports `COMM_EST`.
     ///

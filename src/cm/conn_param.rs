@@ -99,7 +99,7 @@ impl ConnParam {
     }
 
     /// The QP number to send (`rdma_conn_param.qp_num`). Optional: the connection sends its
-    /// QP's own number, for a QP librdmacm made and for a [`UserQp`](crate::UserQp) alike; a number set here
+    /// QP's own number, for a QP librdmacm made and for an adopted one (`adopt_qp`) alike; a number set here
     /// must be that one, or connect and accept refuse it.
     pub fn qp_num(mut self, n: u32) -> Self {
         self.qp_num = n;

@@ -7,7 +7,7 @@
 //! client: Client ─resolve_addr→ AddrResolved ─resolve_route→ RouteResolved ─create_qp→ ClientQp ─connect→ Connection
 //! server: Server ─bind→ Bound ─listen→ Listener ─get_request→ ConnectRequest ─create_qp→ ServerQp ─accept→ Connection
 //!                                                                      └─reject                └─reject
-//! a QP the user made: RouteResolved / ConnectRequest ─attach_qp(UserQp)→ ClientQp / ServerQp (see crate::cm::user_qp)
+//! a verbs QP adopted: RouteResolved / ConnectRequest ─adopt_qp(UnconnectedQp)→ ClientQp / ServerQp (see crate::cm::adopt)
 //! closing:            Connection ─shutdown→ Disconnecting (see crate::cm::closing)
 //! ```
 //!
@@ -111,10 +111,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cm::adopt;
 use crate::cm::cm_id::{CmId, IdHandle};
 use crate::cm::event_channel::{CmEvent, CmEventType, PrivateData};
 use crate::cm::expect::{expect, is_peer_gone, with_opt_addr};
-use crate::cm::user_qp;
 use crate::error::{Error, Result};
 use crate::verbs::qp::QueuePair;
 
@@ -126,7 +126,7 @@ pub struct Connection {
     peer_private_data: PrivateData,
     /// We called rdma_disconnect.
     pub(crate) disconnected: bool,
-    /// The QP is a [`UserQp`]: a disconnect moves it to ERR itself.
+    /// The QP was adopted (`adopt_qp`): a disconnect moves it to ERR itself.
     pub(crate) user_qp: bool,
 }
 
@@ -136,11 +136,11 @@ impl Connection {
         Connection { qp, id, peer_private_data, disconnected: false, user_qp }
     }
 
-    /// `rdma_disconnect`, after moving a [`UserQp`] to ERR (librdmacm does that only for its
+    /// `rdma_disconnect`, after moving an adopted QP to ERR (librdmacm does that only for its
     /// own QPs).
     pub(crate) fn send_disconnect(&self) -> Result<()> {
         if self.user_qp {
-            user_qp::to_error(&self.qp)?;
+            adopt::to_error(&self.qp)?;
         }
         self.id.disconnect()
     }

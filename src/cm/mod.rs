@@ -3,6 +3,7 @@
 //! the verbs wing ([`crate::verbs`]).
 
 pub mod addrinfo;
+pub mod adopt;
 pub mod client;
 pub mod cm_id;
 pub(crate) mod cm_qp;

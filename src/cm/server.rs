@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use rdma_sys as ffi;
 
+use crate::cm::adopt;
 use crate::cm::cm_id::{CmId, IdHandle};
 use crate::cm::cm_qp::create_qp_on;
 use crate::cm::conn_param::{too_long, ConnParam, MAX_ACCEPT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA};
@@ -18,10 +19,12 @@ use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::cm::expect::expect_async;
 use crate::cm::expect::{context_of, expect_any_request, expect_watching, with_opt_addr};
 use crate::cm::step::StepError;
-use crate::cm::user_qp::{self, UserQp};
+#[allow(deprecated)]
+use crate::cm::user_qp::UserQp;
 use crate::error::{check_rdma, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::UnconnectedQp;
 use crate::verbs::qp::{QpInit, QueuePair};
 
 /// A fresh server id, not yet bound.
@@ -253,15 +256,29 @@ impl ConnectRequest {
         Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: false })
     }
 
-    /// Takes a QP the user created ([`UserQp`]) instead of creating one, and moves it to INIT
-    /// with the request's attributes; the accept moves it to RTR and RTS before
-    /// `rdma_accept` and sends its number.
+    /// Adopts a QP the verbs wing made ([`UnconnectedQp`], in RESET or INIT) instead of
+    /// creating one, and moves it to INIT with the request's attributes; the accept moves it to
+    /// RTR and RTS before `rdma_accept` and sends its number. See
+    /// [`RouteResolved::adopt_qp`](crate::RouteResolved::adopt_qp).
     ///
     /// # Errors
-    /// As for [`RouteResolved::attach_qp`](crate::RouteResolved::attach_qp).
-    pub fn attach_qp(self, qp: UserQp) -> Result<ServerQp> {
-        let qp = qp.attach(&self.id)?;
+    /// As for [`RouteResolved::adopt_qp`](crate::RouteResolved::adopt_qp).
+    pub fn adopt_qp(self, qp: UnconnectedQp) -> Result<ServerQp> {
+        let qp = adopt::adopt(qp, &self.id)?;
         Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: true })
+    }
+
+    /// [`ConnectRequest::adopt_qp`] with a [`UserQp`], the spelling from before.
+    ///
+    /// # Errors
+    /// As for [`ConnectRequest::adopt_qp`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "use adopt_qp with an UnconnectedQp (UnconnectedQp::new_reset for UserQp::new)"
+    )]
+    #[allow(deprecated)]
+    pub fn attach_qp(self, qp: UserQp) -> Result<ServerQp> {
+        self.adopt_qp(qp.into_unconnected())
     }
 
     /// Allocates a PD on the request's device.
@@ -300,7 +317,7 @@ pub struct ServerQp {
     pub(crate) id: Arc<CmId>,
     pub(crate) qp: QueuePair,
     pub(crate) private_data: PrivateData,
-    /// The QP is a [`UserQp`].
+    /// The QP was adopted ([`ConnectRequest::adopt_qp`]).
     pub(crate) user: bool,
 }
 
@@ -357,11 +374,11 @@ impl ServerQp {
     /// As for [`ServerQp::accept`], without the waiting.
     pub fn start_accept(self, param: &ConnParam) -> Result<Accepting> {
         let mut raw = param.raw(MAX_ACCEPT_PRIVATE_DATA, "accept private data")?;
-        raw.qp_num = user_qp::qp_num_for(param, &self.qp)?;
+        raw.qp_num = adopt::qp_num_for(param, &self.qp)?;
         raw.srq = u8::from(self.qp.srq().is_some());
         if self.user {
             // librdmacm moves only its own QP to RTR and RTS inside rdma_accept.
-            user_qp::ready(&self.id, &self.qp, raw.responder_resources, raw.initiator_depth)?;
+            adopt::ready(&self.id, &self.qp, raw.responder_resources, raw.initiator_depth)?;
         }
         // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
         // the call, which copies them.

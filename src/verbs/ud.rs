@@ -293,7 +293,7 @@ impl UdQp {
     ///
     /// # Errors
     /// As for [`VerbsContext::port`](crate::VerbsContext::port) (a port the device lacks); as
-    /// for [`UserQp::new`](crate::UserQp::new); [`Error::Call`] when `ibv_modify_qp` refuses a
+    /// for [`UnconnectedQp::new_reset`](crate::UnconnectedQp::new_reset); [`Error::Call`] when `ibv_modify_qp` refuses a
     /// state (EOPNOTSUPP or EINVAL on a device without UD).
     pub fn new(pd: &Arc<ProtectionDomain>, init: QpInit, port: u8, qkey: u32) -> Result<UdQp> {
         pd.context().port(port)?;

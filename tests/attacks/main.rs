@@ -3,10 +3,18 @@
 //! stays out of reach until its completion, every completion delivered once and in order), so it
 //! fails if the promise breaks; each test's doc comment says which review found it.
 //!
-//! One binary, so one guest boot for all of them. The older attempt suites keep their own
-//! binaries: `tests/soundness.rs` (the second outside audit's findings) and
-//! `tests/adversarial.rs` (an outside reviewer's first pass, with its counting allocator and
-//! child processes). See `tests/README.md`.
+//! One binary, so one guest boot for all of them: the review rounds' suites that had binaries
+//! of their own (`attack_r4/5/6`, `ud_soundness`, the second outside audit's `soundness.rs`,
+//! the first outside reviewer's `adversarial.rs`) are filed here by subject, each test's origin
+//! in its doc comment. The one attempt that needs a counting global allocator
+//! (`waiting_through_the_peers_disconnect_allocates_nothing`) lives in `tests/alloc.rs`. Attacks
+//! whose failure is a crash, a hang or a leak run in a child process of this binary
+//! (`support::run_child`, by the child test's full name). See `tests/README.md`.
+//!
+//! The first reviewer's attacks through a borrowed descriptor (reading a CQ's completion
+//! channel into a `File`, clearing O_NONBLOCK on the event channel) cannot be written any
+//! more: the crate implements `AsRawFd` only, and turning a raw descriptor into a `File` takes
+//! `unsafe` (pinned by `tests/ui/`).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -14,6 +22,7 @@ mod common;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 mod drop;
+mod events;
 mod multicast;
 mod poll;
 mod post;

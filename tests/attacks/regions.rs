@@ -1,9 +1,9 @@
 //! Regions in flight: every region a work request names (each piece of a scatter/gather list, chunks of one registration) stays registered and out of Rust's reach until its completion.
 
 use crate::common::{mr_count, out_of_reach, pair, pattern, DeviceTest, PairSpec, T};
-use rdma_cm::{AccessFlags, Error, MemoryRegion, QpInit, RecvWr, SendWr, WcOpcode, WorkCompletion, WorkQueue};
-
-use crate::support::LW;
+use crate::support::{reap_all, LW};
+use rdma_cm::{AccessFlags, Client, Error, MemoryRegion, QpInit, RecvWr, SendWr, WcOpcode, WorkCompletion, WorkQueue};
+use std::net::SocketAddr;
 
 /// Many rounds of seven unsignaled RDMA READs (each posted alone, each into its own chunk)
 /// closed by one signaled send, on a send queue of 8: the ring's indices wrap many times, and
@@ -234,5 +234,223 @@ fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
     assert_eq!(&got[..8], &src[..8]);
     assert!(c.mrs[0].as_mut_slice().is_ok());
     drop((c, s));
+    t.finish();
+}
+
+/// Sharper edge: REMOTE_WRITE without LOCAL_WRITE registers (LOCAL_WRITE is implied).
+///
+/// Origin: the second outside audit ("Soundness and correctness, second pass"), its "sharper edges", formerly in `tests/soundness.rs`.
+#[test]
+fn remote_write_implies_local_write() {
+    let t = DeviceTest::start();
+    let route = Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, 7999), T).unwrap();
+    let route = route.resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    for access in [AccessFlags::REMOTE_WRITE, AccessFlags::REMOTE_ATOMIC | AccessFlags::REMOTE_READ] {
+        let mr = MemoryRegion::new(&pd, 4096, access).expect("remote write rights alone must register");
+        assert!(mr.access().contains(AccessFlags::LOCAL_WRITE | access));
+    }
+    drop((pd, route));
+    t.finish();
+}
+
+/// Sharper edge: a region the device only reads (an in-flight send's source) can be read, not
+/// written; one it writes (a posted receive) can be neither.
+///
+/// Origin: the second outside audit ("Soundness and correctness, second pass"), its "sharper edges", formerly in `tests/soundness.rs`.
+#[test]
+fn in_flight_sources_are_readable_and_targets_are_not() {
+    let t = DeviceTest::start();
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    c.mrs[0].as_mut_slice().unwrap()[..4].copy_from_slice(b"ping");
+    // No receive at the server yet, so the send stays in flight (RNR retries).
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..4).wr_id(1)]).unwrap();
+    assert_eq!(&c.mrs[0].as_slice().expect("a send's source may be read")[..4], b"ping");
+    let mut b = [0u8; 4];
+    c.mrs[0].read_at(0, &mut b).unwrap();
+    assert_eq!(&b, b"ping");
+    assert!(matches!(c.mrs[0].as_mut_slice(), Err(Error::InFlight { .. })), "but not written");
+    assert!(matches!(c.mrs[0].write_at(0, b"x"), Err(Error::InFlight { .. })));
+    // A posted receive: neither read nor written.
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(2)]).unwrap();
+    let _ = s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap();
+    let mut tgt = MemoryRegion::new(&s.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&tgt, 0..64).wr_id(3)]).unwrap();
+    assert!(matches!(tgt.as_slice(), Err(Error::InFlight { .. })));
+    assert!(matches!(tgt.read_at(0, &mut b), Err(Error::InFlight { .. })));
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    drop((c, s, tgt));
+    t.finish();
+}
+
+/// Scatter/gather: while a receive or an RDMA READ of several pieces is outstanding, every
+/// region of every piece (the second and third especially: they live in the ring's side table)
+/// refuses every accessor; the regions of an outstanding gathered send may be read, not
+/// written; a region named by two pieces of one work request is held once for it. Once reaped, all is reachable and right.
+///
+/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
+#[test]
+fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![], init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        init: QpInit::new().max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let lw = AccessFlags::LOCAL_WRITE;
+    // A gathered send the peer has no receive for yet: it stays in flight (RNR retries).
+    let mut g0 = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    let mut g1 = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    g0.as_mut_slice().unwrap().copy_from_slice(&[1; 64]);
+    g1.as_mut_slice().unwrap().copy_from_slice(&[2; 64]);
+    let pieces = [(&g0, 0..64), (&g1, 0..64), (&g0, 0..22)];
+    c.conn.qp_mut().post_send(&[SendWr::send_sg(&pieces).unwrap().wr_id(1)]).unwrap();
+    assert_eq!((g0.outstanding(), g1.outstanding()), (1, 1), "one hold per work request naming the region");
+    for (mr, what) in [(&mut g0, "first/third send piece"), (&mut g1, "second send piece")] {
+        assert!(mr.as_slice().is_ok(), "{what}: a send's source may be read");
+        assert!(mr.read_at(0, &mut [0u8; 4]).is_ok(), "{what}: read_at");
+        assert!(matches!(mr.as_mut_slice(), Err(Error::InFlight { .. })), "{what}: but not written");
+        assert!(matches!(mr.write_at(0, b"x"), Err(Error::InFlight { .. })), "{what}: write_at");
+    }
+    // A receive of 3 pieces: 3 regions, the second and third chunks of one registration.
+    let mut a = MemoryRegion::new(&s.pd, 64, lw).unwrap();
+    let mut bc = MemoryRegion::new(&s.pd, 128, lw).unwrap().split(64).unwrap();
+    let mut cc = bc.pop().unwrap();
+    let mut b = bc.pop().unwrap();
+    let pieces = [(&a, 0..64), (&b, 0..64), (&cc, 0..64)];
+    s.conn.qp_mut().post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(2)]).unwrap();
+    out_of_reach(&mut a, "first receive piece");
+    out_of_reach(&mut b, "second receive piece");
+    out_of_reach(&mut cc, "third receive piece");
+    // A READ scattered into 3 pieces, one region named twice.
+    let mut x = MemoryRegion::new(&c.pd, 128, lw).unwrap();
+    let mut y = MemoryRegion::new(&c.pd, 64, lw).unwrap();
+    let remote = s.mrs[0].remote();
+    s.mrs[0].as_mut_slice().unwrap()[..160].copy_from_slice(&crate::common::pattern(160, 7));
+    let pieces = [(&x, 0..32), (&y, 0..64), (&x, 64..128)];
+    c.conn.qp_mut().post_send(&[SendWr::read_sg(&pieces, &remote, 0).unwrap().wr_id(3)]).unwrap();
+    assert_eq!((x.outstanding(), y.outstanding()), (1, 1));
+    out_of_reach(&mut x, "first and third READ piece");
+    out_of_reach(&mut y, "second READ piece");
+    // Reaped: everything is reachable again, with the right bytes.
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap();
+    assert_eq!(wc.byte_len(), 160);
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap().byte_len(), 150);
+    assert_eq!(a.as_slice().unwrap(), &[1; 64]);
+    assert_eq!(b.as_slice().unwrap(), &[2; 64]);
+    assert_eq!(&cc.as_slice().unwrap()[..22], &[1; 22]);
+    let want = crate::common::pattern(160, 7);
+    assert_eq!(&x.as_slice().unwrap()[..32], &want[..32]);
+    assert_eq!(y.as_slice().unwrap(), &want[32..96]);
+    assert_eq!(&x.as_slice().unwrap()[64..], &want[96..]);
+    for mr in [&mut g0, &mut g1, &mut a, &mut b, &mut cc, &mut x, &mut y] {
+        assert_eq!(mr.outstanding(), 0);
+        assert!(mr.as_mut_slice().is_ok());
+    }
+    drop((g0, g1, a, b, cc, x, y, bc, c, s));
+    t.finish();
+}
+
+/// Scatter/gather: dropping the handles of every piece of an outstanding receive and READ
+/// keeps the memory registered (the kernel still lists it) and usable by the device (the work
+/// completes successfully, which it could not on a deregistered region) until the completions
+/// are reaped; then it goes.
+///
+/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
+#[test]
+fn dropped_pieces_stay_registered_until_their_completion() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec {
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        init: QpInit::new().max_recv_sge(3),
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, cspec, sspec);
+    let before = crate::common::mr_count();
+    let lw = AccessFlags::LOCAL_WRITE;
+    let recv: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&s.pd, 64, lw).unwrap()).collect();
+    let pieces = [(&recv[0], 0..64), (&recv[1], 0..64), (&recv[2], 0..64)];
+    s.conn.qp_mut().post_recv(&[RecvWr::sg(&pieces).unwrap().wr_id(1)]).unwrap();
+    let read: Vec<MemoryRegion> = (0..3).map(|_| MemoryRegion::new(&c.pd, 64, lw).unwrap()).collect();
+    let pieces = [(&read[0], 0..64), (&read[1], 0..64), (&read[2], 0..64)];
+    let remote = s.mrs[0].remote();
+    c.conn.qp_mut().post_send(&[SendWr::read_sg(&pieces, &remote, 0).unwrap().wr_id(2)]).unwrap();
+    drop((recv, read));
+    if let Some(n) = before {
+        assert_eq!(crate::common::mr_count(), Some(n + 6), "the dropped regions must stay registered");
+    }
+    c.mrs[0].as_mut_slice().unwrap()[..192].copy_from_slice(&crate::common::pattern(192, 3));
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..192).wr_id(3)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("the device wrote every dropped piece");
+    assert_eq!(wc.byte_len(), 192);
+    let wc = c.conn.qp_mut().wait_for(WorkQueue::Send, 2, T).expect("the READ landed in the dropped pieces");
+    assert_eq!(wc.byte_len(), 192);
+    if let Some(n) = before {
+        assert_eq!(crate::common::mr_count(), Some(n), "reaping released (and deregistered) all six");
+    }
+    drop((c, s));
+    t.finish();
+}
+
+/// An RDMA READ's target is out of reach (no slice, no copy) until its completion is reaped,
+/// also when the same region is the source of a send in the same batch; chunks of one
+/// registration lock independently; `into_buffer` and `split` refuse regions in flight.
+///
+/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
+#[test]
+fn read_targets_chunks_and_split_regions_stay_out_of_reach_while_in_flight() {
+    let t = DeviceTest::start();
+    let spec_s = PairSpec {
+        mr_sizes: vec![4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        ..PairSpec::default()
+    };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let pattern = crate::common::pattern(4096, 9);
+    s.mrs[0].as_mut_slice().unwrap().copy_from_slice(&pattern);
+    let remote = s.mrs[0].remote();
+    let whole = MemoryRegion::new(&c.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut chunks = whole.split(1024).unwrap();
+    assert_eq!(chunks.len(), 4);
+    // Chunk 1: the source of a send and the target of a READ, in one batch.
+    let mut s_recv = MemoryRegion::new(&s.pd, 1024, AccessFlags::LOCAL_WRITE).unwrap();
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s_recv, 0..1024).wr_id(2)]).unwrap();
+    let batch = [
+        SendWr::send(&chunks[1], 0..1024).wr_id(10),
+        SendWr::read(&chunks[1], 0..1024, &remote, 1024).unwrap().wr_id(11),
+    ];
+    c.conn.qp_mut().post_send(&batch).unwrap();
+    let mut b = [0u8; 8];
+    assert!(matches!(chunks[1].as_slice(), Err(Error::InFlight { .. })), "a READ target has no slice");
+    assert!(matches!(chunks[1].read_at(0, &mut b), Err(Error::InFlight { .. })), "nor a copy");
+    assert!(matches!(chunks[1].as_mut_slice(), Err(Error::InFlight { .. })));
+    // Its siblings are free.
+    chunks[0].as_mut_slice().unwrap().fill(0xaa);
+    assert!(chunks[2].as_slice().is_ok() && chunks[3].as_mut_slice().is_ok());
+    // A chunk cannot give the registration back (its siblings, one in flight, share it).
+    let c3 = chunks.pop().unwrap();
+    assert!(matches!(c3.into_buffer(), Err(Error::InvalidArgument(_))));
+    let got = reap_all(c.conn.qp_mut(), T);
+    assert_eq!(got, [(10, WorkQueue::Send, true), (11, WorkQueue::Send, true)]);
+    assert_eq!(chunks[1].as_slice().unwrap(), &pattern[1024..2048], "the READ landed in chunk 1");
+    assert_eq!(chunks[0].as_slice().unwrap(), &[0xaa; 1024][..]);
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap().byte_len(), 1024);
+    assert!(s_recv.as_slice().is_ok());
+    // A boxed region in flight: into_buffer refuses and the QP keeps the memory alive.
+    let boxed = MemoryRegion::register(&c.pd, vec![0u8; 256].into_boxed_slice(), AccessFlags::LOCAL_WRITE).unwrap();
+    c.conn.qp_mut().post_send(&[SendWr::read(&boxed, 0..256, &remote, 0).unwrap().wr_id(12)]).unwrap();
+    assert!(matches!(boxed.into_buffer(), Err(Error::InFlight { .. })));
+    // split of a chunk in flight is refused likewise.
+    c.conn.qp_mut().post_send(&[SendWr::read(&chunks[2], 0..512, &remote, 0).unwrap().wr_id(13)]).unwrap();
+    let c2 = chunks.remove(2);
+    assert!(matches!(c2.split(100), Err(Error::InFlight { .. })));
+    assert_eq!(reap_all(c.conn.qp_mut(), T), [(12, WorkQueue::Send, true), (13, WorkQueue::Send, true)]);
+    drop((c, s, chunks, s_recv));
     t.finish();
 }

@@ -1,6 +1,7 @@
 //! Shared receive queues: their room, their counts, and the QPs that share them.
 
 use crate::common::{mr_count, out_of_reach, pattern, DeviceTest, T};
+use crate::support::{shared_cq_stress, Mode, LW};
 use rdma_cm::{
     AccessFlags, AsyncElement, AsyncEvent, AsyncEvents, Client, CompletionQueue, ConnParam, Connection, Datagram,
     Error, MemoryRegion, ProtectionDomain, QpInit, QpState, RecvWr, SendWr, Server, SharedReceiveQueue, UdClient,
@@ -10,8 +11,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
-
-use crate::support::{shared_cq_stress, Mode, LW};
 
 /// A UD server QP that takes its receives from an SRQ, and the regions posted there.
 struct SrqServer {
@@ -392,5 +391,133 @@ fn an_srq_receive_of_a_dropped_qp_does_not_hold_the_srqs_room() {
     assert_eq!(srq.outstanding(), 2, "C's reaped receive is neither delivered nor held");
     assert_eq!(cq.poll(&mut wcs).unwrap(), 0, "and the CQ's own poll has nothing kept for a dead QP");
     drop((b, c1, c2, c3, m1, m2, m3, srq, cq, mr, pd, ctx, listener));
+    t.finish();
+}
+
+/// Outside review (SRQ routing): an SRQ's completions are routed by its 16-bit id and the slot's
+/// 13-bit generation only; nothing ties them to a QP that is still attached. A completion of a
+/// receive of SRQ A, left in a shared CQ when A's last QP on that CQ is dropped, stays in the
+/// CQ; once 65536 SRQs later another SRQ B gets A's id and is attached to the same CQ, that stale
+/// completion names B's slot 0 under the same generation (1: the first post of each), and
+/// polling the CQ retires B's receive while it is still posted. Its region then hands out a
+/// `&mut [u8]` that the device writes when a message arrives for B's QP.
+///
+/// Origin: the second outside audit ("Soundness and correctness, second pass"), an outside review of SRQ routing filed with it, formerly in `tests/soundness.rs`.
+#[test]
+fn a_stale_srq_completion_does_not_retire_a_later_srqs_receive() {
+    use rdma_cm::{Connection, SharedReceiveQueue};
+    use std::sync::mpsc;
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let (up_tx, up) = mpsc::channel::<()>();
+    let (down, down_rx) = mpsc::channel::<()>();
+    let client = thread::spawn(move || {
+        let connect = || {
+            let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+            let pd = route.alloc_pd().unwrap();
+            let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+            (conn, mr, pd)
+        };
+        let send = |conn: &mut Connection, mr: &mut MemoryRegion, msg: &[u8]| {
+            mr.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(msg);
+            conn.qp_mut().post_send(&[SendWr::send(mr, 0..msg.len()).wr_id(1)]).unwrap();
+            conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+        };
+        let (mut c1, mut m1, p1) = connect();
+        send(&mut c1, &mut m1, b"stale");
+        up_tx.send(()).unwrap();
+        if down_rx.recv().is_err() {
+            return;
+        }
+        let (mut c2, mut m2, p2) = connect();
+        if down_rx.recv().is_err() {
+            return;
+        }
+        send(&mut c2, &mut m2, b"OVERWRITTEN");
+        up_tx.send(()).unwrap();
+        let _ = down_rx.recv();
+        drop((c1, m1, p1, c2, m2, p2));
+    });
+    let lw = AccessFlags::LOCAL_WRITE;
+    // SRQ A, its receives completing on `cq`, which outlives A's QP.
+    let req = listener.get_request(T).unwrap();
+    let ctx = req.context().unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    // Armed, so its descriptor says when a completion is in it, without polling it out.
+    cq.req_notify(false).unwrap();
+    let srq_a = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let mr_a = MemoryRegion::new(&pd, 64, lw).unwrap();
+    srq_a.post_recv(&[RecvWr::new(&mr_a, 0..64).wr_id(100)]).unwrap();
+    let init = QpInit::new().srq(&srq_a).recv_cq(Arc::clone(&cq));
+    let conn1 = req.create_qp(&pd, init).unwrap().accept(&ConnParam::new(), T).unwrap();
+    // The client's send completed: A's receive (slot 0, generation 1) completed into `cq`.
+    up.recv_timeout(T).unwrap();
+    let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&*cq), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the call.
+    let ready = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+    assert_eq!(ready, 1, "A's receive completion should be in the CQ (its channel fired)");
+    // A's QP goes (nothing of its own outstanding, so its drop polls nothing), then A: the
+    // completion stays in `cq`, unpolled.
+    drop(conn1);
+    drop(srq_a);
+    // 65535 more SRQs: the next one gets A's 16-bit id again.
+    let t0 = Instant::now();
+    for _ in 0..u16::MAX {
+        drop(SharedReceiveQueue::new(&pd, 1).unwrap());
+    }
+    eprintln!("65535 SRQs created and destroyed in {:?}", t0.elapsed());
+    down.send(()).unwrap();
+    let req2 = listener.get_request(T).unwrap();
+    let srq_b = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let mut mr_b = MemoryRegion::new(&pd, 64, lw).unwrap();
+    srq_b.post_recv(&[RecvWr::new(&mr_b, 0..64).wr_id(200)]).unwrap();
+    let init = QpInit::new().srq(&srq_b).recv_cq(Arc::clone(&cq));
+    let conn2 = req2.create_qp(&pd, init).unwrap().accept(&ConnParam::new(), T).unwrap();
+    let qp2 = conn2.qp().qp_num();
+    // Nothing was sent to B's QP yet: polling must retire nothing of B.
+    let mut wcs = [WorkCompletion::default(); 4];
+    let stolen = cq.poll(&mut wcs).unwrap();
+    let held = mr_b.outstanding();
+    match mr_b.as_mut_slice() {
+        Ok(buf) => {
+            buf.fill(0);
+            // The receive is still posted on B: a message for B's QP lands in `buf`.
+            down.send(()).unwrap();
+            up.recv_timeout(T).unwrap();
+            thread::sleep(Duration::from_millis(200));
+            // SAFETY (of the demonstration): reads through the live slice the crate handed out.
+            let seen: Vec<u8> = (0..11).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect();
+            let w = &wcs[..stolen];
+            panic!(
+                "HOLE: cq.poll() returned {stolen} completion(s) {:?} (qp_num {:?}; B's QP is {qp2}) although nothing \
+                 reached B's QP; the region of B's still-posted receive then had {held} hold(s), as_mut_slice handed \
+                 out a &mut [u8], and the device wrote {:?} into it while it was borrowed",
+                w.iter().map(|c| c.wr_id()).collect::<Vec<_>>(),
+                w.iter().map(|c| c.qp_num()).collect::<Vec<_>>(),
+                String::from_utf8_lossy(&seen),
+            );
+        }
+        Err(Error::InFlight { .. }) => {}
+        Err(e) => panic!("unexpected {e}"),
+    }
+    assert_eq!(stolen, 0, "a stale completion of a destroyed SRQ retired something");
+    assert_eq!(held, 1);
+    down.send(()).unwrap();
+    up.recv_timeout(T).unwrap();
+    let wc = loop {
+        let n = cq.wait(&mut wcs, T).unwrap();
+        assert!(n > 0, "B's receive never completed");
+        if let Some(wc) = wcs[..n].iter().find(|w| w.wr_id() == 200) {
+            break *wc;
+        }
+    };
+    assert_eq!(wc.qp_num(), qp2);
+    assert_eq!(&mr_b.as_slice().unwrap()[..11], b"OVERWRITTEN");
+    down.send(()).unwrap();
+    client.join().unwrap();
+    drop((conn2, srq_b, mr_a, mr_b, cq, pd, ctx, listener));
     t.finish();
 }

@@ -6,7 +6,9 @@ use rdma_cm::{
     AccessFlags, Client, CompletionQueue, ConnParam, Connection, Listener, MemoryRegion, ProtectionDomain, QpInit,
     QueuePair, RecvWr, SendWr, Server, SharedReceiveQueue, WorkCompletion, WorkQueue,
 };
+use std::io::Read;
 use std::net::SocketAddr;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -323,4 +325,96 @@ pub(crate) fn accept_senders(listener: &Listener, k: usize) -> Vec<(Connection, 
             (conn, mr, pd)
         })
         .collect()
+}
+
+pub(crate) const CHILD_ENV: &str = "RDMA_CM_ATTACKS_CHILD";
+
+/// Whether this process is the child started by `run_child(name, …)`.
+pub(crate) fn is_child(name: &str) -> bool {
+    std::env::var(CHILD_ENV).as_deref() == Ok(name)
+}
+
+/// Runs the (ignored) test `name` of this binary in a child process and returns its exit
+/// status (`None` when it had to be killed after `within`) and its output. For attacks whose
+/// failure mode is a crash, a hang or a leak of device objects.
+pub(crate) fn run_child(name: &str, within: Duration) -> (Option<std::process::ExitStatus>, String) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut child = Command::new(exe)
+        .args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, name)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the child");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let text = format!("--- stdout\n{}--- stderr\n{}", out.join().unwrap(), err.join().unwrap());
+    (status, text)
+}
+
+/// Waits (bounded) until `cond` holds; returns whether it did.
+pub(crate) fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Reaps every completion of `qp` until nothing is outstanding or kept (bounded); returns
+/// (wr_id, ok) of each, in the order they came back.
+pub(crate) fn reap_all(qp: &mut rdma_cm::QueuePair, within: Duration) -> Vec<(u64, WorkQueue, bool)> {
+    let deadline = Instant::now() + within;
+    let mut got = vec![];
+    let mut wcs = [WorkCompletion::default(); 8];
+    while qp.outstanding_sends() + qp.outstanding_recvs() + qp.undelivered() > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "completions still outstanding after {within:?}: got {got:?}");
+        let n = qp.wait(&mut wcs, left).unwrap();
+        got.extend(wcs[..n].iter().map(|w| (w.wr_id(), w.queue(), w.is_ok())));
+    }
+    got
+}
+
+pub(crate) fn recvs(mr: &MemoryRegion, ids: std::ops::Range<u64>, len: usize) -> Vec<RecvWr<'_>> {
+    ids.map(|k| RecvWr::new(mr, k as usize * len..(k as usize + 1) * len).wr_id(k)).collect()
+}
+
+/// Sets up a connected pair where the client's `wait_for` has kept two completions (sends 1 and
+/// 2, met while it waited for send 3) and send 4 is in flight towards a server that has no
+/// receive for it (with rnr_retry 7 it waits for one for ever). Returns (client, server).
+pub(crate) fn two_kept_and_one_stalled(t: &DeviceTest) -> (crate::common::Side, crate::common::Side) {
+    let spec_s = PairSpec { mr_sizes: vec![4 * 64], ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    s.conn.qp_mut().post_recv(&recvs(&s.mrs[0], 0..3, 64)).unwrap();
+    let wrs: Vec<SendWr> = (1..=3).map(|k| SendWr::send(&c.mrs[0], 0..8).wr_id(k)).collect();
+    c.conn.qp_mut().post_send(&wrs).unwrap();
+    assert_eq!(c.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).unwrap().wr_id(), 3);
+    assert_eq!(c.conn.qp().undelivered(), 2, "sends 1 and 2 are kept");
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(4)]).unwrap();
+    (c, s)
 }

@@ -10,6 +10,11 @@
 //!   │ connect(&peer)                      INIT → RTR (path MTU, dest QPN, rq PSN, address)
 //!   ▼                                          → RTS (sq PSN, timeout, retries)
 //! QueuePair                               sends, RDMA WRITE/READ, atomics, waits
+//!
+//! UnconnectedQp::new_reset(pd, init)       ibv_create_qp (RESET), for an id to adopt
+//!   │ RouteResolved::adopt_qp / ConnectRequest::adopt_qp (either kind of UnconnectedQp)
+//!   ▼                                     the CM's INIT, then RTR and RTS at its events
+//! ClientQp / ServerQp → Connection        (crate::cm::adopt)
 //! ```
 //!
 //! The rule of the CM's typestates holds here too: **no send before RTS**. An
@@ -32,9 +37,12 @@
 //! (a send then fails with RETRY_EXC_ERR), and dropping it moves it to the error state, reaps the
 //! flush within a bound and destroys it, as for any [`QueuePair`].
 //!
-//! [`UserQp`](crate::UserQp) stays a type of its own: it is created in RESET for an id to move
-//! to INIT with the CM's attributes, whereas an [`UnconnectedQp`] is already in INIT with its
-//! own port and access rights.
+//! The same type is the QP a connection-manager id adopts (`RouteResolved::adopt_qp`,
+//! `ConnectRequest::adopt_qp`, as `rping -q` creates its own QP): the verbs wing makes it, the
+//! CM only drives it. [`UnconnectedQp::new_reset`] makes one in RESET, with no port or address
+//! of its own, for that (the CM gives INIT's attributes); one from [`UnconnectedQp::new`] is
+//! adopted too, INIT again with the CM's attributes. The CM drives it through a link the
+//! verbs wing knows only as a trait (`verbs/link.rs`).
 
 use std::sync::Arc;
 use std::{fmt, mem};
@@ -42,6 +50,7 @@ use std::{fmt, mem};
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, check_ptr, Error, Result};
+use crate::verbs::link::Link;
 use crate::verbs::mr::AccessFlags;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::peer::{PeerInfo, MAX_24};
@@ -186,12 +195,15 @@ fn modify(qp: &QueuePair, attr: &mut ffi::ibv_qp_attr, mask: u32, op: &'static s
 
 /// An RC queue pair made without the connection manager, in the INIT state: it takes
 /// receives, and [`UnconnectedQp::connect`] with the peer's [`PeerInfo`] turns it into a
-/// [`QueuePair`] that can send. See [`crate::verbs::qp::connect`].
+/// [`QueuePair`] that can send. See [`crate::verbs::qp::connect`]. Made in RESET
+/// ([`UnconnectedQp::new_reset`]), it is for a connection-manager id to adopt.
 pub struct UnconnectedQp {
     qp: QueuePair,
     params: RcParams,
     local: PeerInfo,
     link_layer: LinkLayer,
+    /// Made by [`UnconnectedQp::new_reset`]: in RESET, with no port of its own.
+    reset: bool,
 }
 
 impl fmt::Debug for UnconnectedQp {
@@ -208,7 +220,7 @@ impl UnconnectedQp {
     /// # Errors
     /// [`Error::InvalidArgument`] for a port the device lacks, an MTU that is not 256..4096 or
     /// over the port's, a GID index with no entry (the message lists the valid ones), or no
-    /// GID index on RoCE; as for [`UserQp::new`](crate::UserQp::new); [`Error::Call`] when
+    /// GID index on RoCE; as for [`UnconnectedQp::new_reset`]; [`Error::Call`] when
     /// `ibv_modify_qp(INIT)` fails.
     pub fn new(pd: &Arc<ProtectionDomain>, init: QpInit, params: RcParams) -> Result<UnconnectedQp> {
         let ctx = pd.context();
@@ -267,7 +279,45 @@ impl UnconnectedQp {
         modify(&qp, &mut attr, mask, "ibv_modify_qp(INIT) of a verbs-only QP")?;
         let psn = params.psn.unwrap_or_else(random_psn);
         let local = PeerInfo { lid, qp_num: qp.qp_num(), psn, gid };
-        Ok(UnconnectedQp { qp, params, local, link_layer: port.link_layer })
+        Ok(UnconnectedQp { qp, params, local, link_layer: port.link_layer, reset: false })
+    }
+
+    /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`; its CQs are made
+    /// on the PD's context unless `init` names them) and leaves it in RESET, for a
+    /// connection-manager id to adopt (`RouteResolved::adopt_qp`, `ConnectRequest::adopt_qp`),
+    /// which moves it to INIT with the CM's port, P_Key and access rights. This is `rping -q`'s
+    /// way: the QP exists before the route. The PD must be on the id's device context.
+    ///
+    /// A QP in RESET takes no receives (post them once adopted: its `post_recv` refuses), and
+    /// [`UnconnectedQp::connect`] refuses it; its [`UnconnectedQp::local`] carries its number
+    /// only (the CM's handshake exchanges the rest).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for empty queues, or CQs or an SRQ of another device or PD;
+    /// [`Error::Call`] when `ibv_create_qp` fails (with the device-limits hint).
+    pub fn new_reset(pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<UnconnectedQp> {
+        let mut init = init;
+        init.datagrams = false;
+        let qp = QueuePair::create(
+            pd,
+            init,
+            |attr| {
+                // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
+                // QueuePair::create); attr is fully initialised.
+                check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")
+            },
+            None,
+        )?;
+        let local = PeerInfo { lid: 0, qp_num: qp.qp_num(), psn: 0, gid: Default::default() };
+        Ok(UnconnectedQp { qp, params: RcParams::default(), local, link_layer: LinkLayer::Unspecified, reset: true })
+    }
+
+    /// Hands the QP to whoever drives it from now on (a connection-manager id): `link` is
+    /// what the QP asks of it (destroy, disconnect, the peer leaving). The caller moves it on.
+    pub(crate) fn into_driven(self, link: Arc<dyn Link>) -> QueuePair {
+        let mut qp = self.qp;
+        qp.set_link(link);
+        qp
     }
 
     /// What the peer needs to connect to this QP: its LID, QP number, first PSN and GID.
@@ -289,8 +339,18 @@ impl UnconnectedQp {
     /// Posts receives (allowed in INIT: post them before the peer can send).
     ///
     /// # Errors
-    /// As for [`QueuePair::post_recv`].
+    /// [`Error::InvalidArgument`] for a QP in RESET ([`UnconnectedQp::new_reset`]: a provider
+    /// may take a receive there and lose it at the move to INIT, so post once adopted, through
+    /// `ClientQp::post_recv` or `ServerQp::post_recv`); otherwise as for
+    /// [`QueuePair::post_recv`].
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        if self.reset {
+            return Err(Error::InvalidArgument(
+                "post_recv on a QP in RESET (UnconnectedQp::new_reset): post receives once a connection-manager id \
+                 has adopted it (ClientQp::post_recv, ServerQp::post_recv), or create it in INIT (UnconnectedQp::new)"
+                    .into(),
+            ));
+        }
         self.qp.post_recv(wrs)
     }
 
@@ -302,11 +362,19 @@ impl UnconnectedQp {
     /// On failure the QP is dropped (its receives flushed and released).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for info no QP can have (see [`PeerInfo::check`]), a peer
-    /// without a GID on RoCE, or a peer with a GID while this QP has no GID index;
+    /// [`Error::InvalidArgument`] for a QP made by [`UnconnectedQp::new_reset`], for info no QP
+    /// can have (see [`PeerInfo::check`]), a peer without a GID on RoCE, or a peer with a GID
+    /// while this QP has no GID index;
     /// [`Error::Call`] when `ibv_modify_qp` refuses RTR or RTS (EINVAL at RTR: usually the GID
     /// index, the MTU or the peer's address).
     pub fn connect(self, peer: &PeerInfo) -> Result<QueuePair> {
+        if self.reset {
+            return Err(Error::InvalidArgument(
+                "this QP was made in RESET for a connection-manager id to adopt (UnconnectedQp::new_reset): \
+                 to connect it from a PeerInfo, create it with UnconnectedQp::new and RcParams"
+                    .into(),
+            ));
+        }
         peer.check()?;
         let p = &self.params;
         if !peer.has_gid() && self.link_layer == LinkLayer::Ethernet {

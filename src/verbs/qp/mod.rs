@@ -547,6 +547,13 @@ impl QueuePair {
         self.closing = true;
     }
 
+    /// Makes `link` what the QP asks of its driver from now on (a QP made by the verbs wing,
+    /// which a connection-manager id adopts), and the one that answers its `COMM_EST`.
+    pub(crate) fn set_link(&mut self, link: Arc<dyn Link>) {
+        self.async_reg.events().answer_with(Arc::downgrade(&link));
+        self.link = Some(link);
+    }
+
     pub(crate) fn set_connected(&mut self) {
         self.connected = true;
     }
