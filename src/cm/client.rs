@@ -304,9 +304,6 @@ impl ClientQp {
     /// address nobody answers for). So there the call is made on a helper thread: when
     /// `timeout` passes first, this returns [`Error::Timeout`], and the thread keeps the id and
     /// the QP (with the buffers posted on it) until the kernel returns, then destroys them.
-    /// When the wait for the answer times out, the failed attempt is torn down on a thread of
-    /// its own too, so that its teardown (the QP's drain, the id's destroy in the kernel) does
-    /// not add to the bound.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
@@ -317,18 +314,8 @@ impl ClientQp {
         let this = if is_iwarp(&self.id) { self.start_connect_within(param, timeout)? } else { self.started(param)? };
         // The event's wait gets what the call left of the timeout.
         let left = timeout.saturating_sub(start.elapsed());
-        match expect(&this.id, connected_event(&this.id, this.user), "rdma_connect", left) {
-            Ok(ev) => finish_connect(this.id, this.qp, this.user, &ev),
-            Err(e @ Error::Timeout { .. }) => {
-                // The bound is spent: the teardown must not add to it. Dropping the QP waits
-                // (bounded) for its receives' flush, which rxe never delivers for a QP that
-                // did not connect, and destroying the id waits in the kernel for the CM's
-                // outstanding messages: both happen on a thread of their own.
-                drop_elsewhere(this);
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
+        let ev = expect(&this.id, connected_event(&this.id, this.user), "rdma_connect", left)?;
+        finish_connect(this.id, this.qp, this.user, &ev)
     }
 
     fn started(self, param: &ConnParam) -> Result<ClientQp> {
@@ -405,12 +392,6 @@ impl ClientQp {
         check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
             .map_err(|e| with_opt_addr(e, peer))
     }
-}
-
-/// Drops `qp` (its QP, then its id) on a thread of its own, or here if no thread can be had.
-fn drop_elsewhere(qp: ClientQp) {
-    // Where no thread can be had, spawn drops the closure, and the ClientQp in it, here.
-    let _ = std::thread::Builder::new().name("rdma-cm teardown".into()).spawn(move || drop(qp));
 }
 
 /// Whether `id`'s device speaks iWARP (whose `rdma_connect` may block, and whose kernel CM
