@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --example client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
 //! cargo run --example client -- -a 10.77.0.1 --mode write --size 65536
+//! cargo run --example client -- -a 10.77.0.1 --mode write --doorbell send   # as on iWARP, on any device
 //! cargo run --example client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
 //! cargo run --example client -- -a 10.77.0.1 --mode fetch-add --iters 1000    # atomics on the server's counter
 //! cargo run --example client -- -a 10.77.0.1 --bw --mode send --size 64 --iters 100000 --post-list 8 --cq-mod 16
@@ -14,6 +15,10 @@
 //! completion per `--cq-mod` work requests (`-Q`). The server checks a send stream (count,
 //! lengths, content) and answers with what it got; a write stream is followed by one verified
 //! round trip.
+//!
+//! Write mode rings the peer after each RDMA WRITE (a WRITE completes nothing at its target):
+//! with immediate data where the device has it, else (iWARP) with a 4-byte SEND right after the
+//! WRITE, which a reliable connection delivers after the WRITE's data; `--doorbell` chooses.
 //!
 //! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
 //! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
@@ -27,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{
-    fail, fill_pattern, micros, print_latency_table, resolve_host, Mode, Request, Stopwatch, DEFAULT_PORT, LEGACY_SIZE,
-    MAX_SIZE,
+    fail, fill_pattern, micros, print_latency_table, resolve_host, Doorbell, Mode, Request, Stopwatch, DEFAULT_PORT,
+    LEGACY_SIZE, MAX_SIZE,
 };
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, RemoteRegion, SendWr,
@@ -56,6 +61,10 @@ struct Args {
     /// How the payload travels.
     #[arg(long, value_enum, default_value_t = Mode::Send)]
     mode: Mode,
+    /// How --mode write tells the peer a WRITE landed, both ways: immediate data, or a send
+    /// after it; auto: immediate data unless the device lacks it (iWARP).
+    #[arg(long, value_enum, default_value_t = Doorbell::Auto)]
+    doorbell: Doorbell,
     /// Seconds any single wait may take (resolution, handshake, each message).
     #[arg(long, default_value_t = 10)]
     timeout: u64,
@@ -144,6 +153,11 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     say!("[EVENT] Route resolved");
     let ctx = route.context()?;
     say!("[INFO] Device {}", ctx.device_name());
+    let doorbell = args.doorbell.resolve(&ctx);
+    let send_doorbell = args.mode == Mode::Write && doorbell == Doorbell::Send;
+    if args.mode == Mode::Write {
+        say!("[INFO] Write mode rings the peer with {doorbell} (device transport {:?})", ctx.transport());
+    }
     let pd = route.alloc_pd()?;
 
     // The atomic modes work on one 8-byte counter, whatever --size says.
@@ -193,9 +207,9 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         (true, true) => 0,
     };
     let req = if send_stream {
-        Request { info: region, mode: Mode::SendStream, size: size as u32, iters: args.iters }
+        Request { info: region, mode: Mode::SendStream, size: size as u32, iters: args.iters, send_doorbell }
     } else {
-        Request { info: region, mode: args.mode, size: size as u32, iters }
+        Request { info: region, mode: args.mode, size: size as u32, iters, send_doorbell }
     };
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
@@ -253,7 +267,10 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         let start = clock.now();
         let n = match args.mode {
             Mode::Send | Mode::SendStream => round_trip_send(&mut conn, &data, &back, i, one, t)?,
-            Mode::Write => round_trip_write(&mut conn, &data, &ctl, need(server_region)?, i, iters, one, t)?,
+            Mode::Write => {
+                let server = need(server_region)?;
+                round_trip_write(&mut conn, &data, &mut ctl, server, send_doorbell, i, iters, one, t)?
+            }
             Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, iters, one, t)?,
             Mode::FetchAdd | Mode::CmpSwap => {
                 atomic_step(&mut conn, &mut back, need(server_region)?, args.mode, i, one, t)?
@@ -445,8 +462,9 @@ fn round_trip_send(
 fn round_trip_write(
     conn: &mut Connection,
     data: &MemoryRegion,
-    ctl: &MemoryRegion,
+    ctl: &mut MemoryRegion,
     server: RemoteRegion,
+    send_doorbell: bool,
     i: u32,
     iters: u32,
     log: bool,
@@ -454,14 +472,32 @@ fn round_trip_write(
 ) -> Result<usize, Error> {
     let qp = conn.qp_mut();
     let size = data.len();
-    qp.post_send(&[SendWr::write(data, 0..size, &server, 0)?.imm(i).wr_id(i as u64)])?;
+    let write = SendWr::write(data, 0..size, &server, 0)?;
+    if send_doorbell {
+        // The SEND's completion retires the unsignaled WRITE before it.
+        let ring = i.to_be_bytes();
+        qp.post_send(&[write.unsignaled(), SendWr::send_inline(&ring).wr_id(i as u64)])?;
+    } else {
+        qp.post_send(&[write.imm(i).wr_id(i as u64)])?;
+    }
     qp.wait_for(WorkQueue::Send, i as u64, t)?;
     if log {
         say!("[INFO] Sent {size} bytes (RDMA WRITE)");
     }
     let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-    if wc.imm_data() != Some(i) {
-        return Err(Error::InvalidArgument(format!("expected immediate {i}, got {:?}", wc.imm_data())));
+    let rung = if send_doorbell {
+        let mut ring = [0u8; 4];
+        ctl.read_at(0, &mut ring)?;
+        (wc.byte_len() == 4).then_some(u32::from_be_bytes(ring))
+    } else {
+        wc.imm_data()
+    };
+    if rung != Some(i) {
+        return Err(Error::InvalidArgument(format!(
+            "expected the server's doorbell for iteration {i} ({}), got {rung:?} ({} bytes)",
+            if send_doorbell { "a 4-byte send" } else { "immediate data" },
+            wc.byte_len()
+        )));
     }
     if log {
         say!("[INFO] Received {size} bytes (RDMA WRITE)");

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{fail, fill_pattern, micros, resolve_host, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
+use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, QpInfo, QpInit, QueuePair, RecvWr, SendWr,
     Server, WorkQueue,
@@ -153,14 +153,18 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
             return Err(format!("rejected: {why}"));
         }
     };
-    let (mode, size, iters) = match parsed {
-        Some(r) => (r.mode, r.size, r.iters),
+    let (mode, size, iters, send_doorbell) = match parsed {
+        Some(r) => (r.mode, r.size, r.iters, r.send_doorbell),
         None => {
             println!("[INFO] Peer sent no qp_info: rdma-core rdma_client protocol ({LEGACY_SIZE}-byte echo)");
-            (Mode::Send, LEGACY_SIZE, 1)
+            (Mode::Send, LEGACY_SIZE, 1, false)
         }
     };
     println!("[INFO] Mode {mode}, {size} bytes, {iters} iteration(s)");
+    if mode == Mode::Write {
+        let doorbell = if send_doorbell { Doorbell::Send } else { Doorbell::Imm };
+        println!("[INFO] Each RDMA WRITE is rung with {doorbell}, as the client asked");
+    }
     let err = |e: Error| e.to_string();
     let pd = req.alloc_pd().map_err(err)?;
 
@@ -175,7 +179,7 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
     ];
-    let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
+    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
     println!("[INFO] Memory registration took {:.1} us ({} bytes, {:?})", micros(t.elapsed()), size, access);
 
     let t = Instant::now();
@@ -223,7 +227,8 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
         Mode::SendStream => sink_sends(&mut conn, &mut bufs[0], size, iters, iters.min(recv_depth), timeout),
         Mode::Write => {
-            echo_write(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
+            let client = client_region.ok_or("no client region")?;
+            echo_write(&mut conn, &bufs[0], &mut ctl, client, send_doorbell, size, iters, timeout)
         }
         Mode::Read => {
             echo_read(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
@@ -330,12 +335,15 @@ fn echo_send(conn: &mut Connection, bufs: &[MemoryRegion; 2], size: u32, iters: 
     Ok(())
 }
 
-/// Write mode: the client's WRITE_WITH_IMM lands in `buf`; we write it back into its region.
+/// Write mode: the client's RDMA WRITE lands in `buf`, rung by its immediate data or by the
+/// 4-byte SEND after it (`send_doorbell`); we write it back into its region, rung the same way.
+#[allow(clippy::too_many_arguments)]
 fn echo_write(
     conn: &mut Connection,
     buf: &MemoryRegion,
-    ctl: &MemoryRegion,
+    ctl: &mut MemoryRegion,
     client: rdma_cm::RemoteRegion,
+    send_doorbell: bool,
     size: u32,
     iters: u32,
     t: Duration,
@@ -343,8 +351,18 @@ fn echo_write(
     let qp = conn.qp_mut();
     for i in 0..iters {
         let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        if wc.imm_data() != Some(i) {
-            return Err(Error::InvalidArgument(format!("expected immediate {i}, got {:?}", wc.imm_data())));
+        let rung = if send_doorbell {
+            let mut ring = [0u8; 4];
+            ctl.read_at(0, &mut ring)?;
+            (wc.byte_len() == 4).then_some(u32::from_be_bytes(ring))
+        } else {
+            wc.imm_data()
+        };
+        if rung != Some(i) {
+            return Err(Error::InvalidArgument(format!(
+                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
+                wc.byte_len()
+            )));
         }
         if iters == 1 {
             println!("[INFO] Received {size} bytes (RDMA WRITE)");
@@ -352,7 +370,14 @@ fn echo_write(
         if i + 1 < iters {
             qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
         }
-        qp.post_send(&[SendWr::write(buf, 0..size as usize, &client, 0)?.imm(i).wr_id(i as u64)])?;
+        let write = SendWr::write(buf, 0..size as usize, &client, 0)?;
+        if send_doorbell {
+            // The SEND's completion retires the unsignaled WRITE before it.
+            let ring = i.to_be_bytes();
+            qp.post_send(&[write.unsignaled(), SendWr::send_inline(&ring).wr_id(i as u64)])?;
+        } else {
+            qp.post_send(&[write.imm(i).wr_id(i as u64)])?;
+        }
         wait_answer(qp, i as u64, i + 1 == iters, t)?;
         if iters == 1 {
             println!("[INFO] Sent {size} bytes (RDMA WRITE)");

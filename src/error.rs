@@ -342,6 +342,10 @@ pub(crate) fn hint_for(op: &'static str, errno: i32) -> Option<&'static str> {
         ("rdma_resolve_addr" | "rdma_resolve_route" | "rdma_bind_addr", ENODEV) => {
             "no RDMA device serves this address (loopback 127.0.0.1 never does): use an address of an RDMA netdev; `rdma link` lists the netdevs, `ip -br addr` their addresses"
         }
+        // Soft-iWARP refuses loopback this way (`rdma_resolve_addr` to 127.0.0.1: EINVAL).
+        ("rdma_resolve_addr", EINVAL) => {
+            "no RDMA device serves this address (loopback 127.0.0.1 never does; iWARP devices refuse it with EINVAL), or the source and destination address families differ: use an address of an RDMA netdev; `rdma link` lists the netdevs, `ip -br addr` their addresses"
+        }
         ("rdma_resolve_route", _) => {
             "no route over the RDMA device: check `ip route` and that the address belongs to an RDMA netdev (`rdma link`)"
         }

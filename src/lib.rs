@@ -501,7 +501,7 @@ pub use ready::{Readiness, Ready};
 pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
-pub use verbs::device::{devices, Device, DeviceLimits, VerbsContext};
+pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};

@@ -66,9 +66,9 @@
 //! a shared channel, say). Wait again.
 //!
 //! Building a `Readiness` allocates (two vectors, one entry per source); a wait allocates
-//! nothing. It reads the clock only when `poll(2)` is interrupted by a signal and has to be
-//! repeated (as every wait of this crate, see [`FOREVER`](crate::FOREVER)): the wait then lasts
-//! at most twice the timeout.
+//! nothing. When `poll(2)` is interrupted by a signal and has to be repeated, the repeat gets
+//! what is left of the timeout (the coarse monotonic clock, read without a system call, as
+//! every wait of this crate): the wait lasts the timeout, to a clock tick.
 
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};

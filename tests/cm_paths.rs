@@ -1,8 +1,9 @@
-//! Device tests of two connection paths: closing with the QP destroyed before the peer's
-//! `DISCONNECTED` ([`Connection::shutdown`]), and a verbs-wing QP ([`UnconnectedQp`]) that an
-//! id adopts (`adopt_qp`) and the crate drives through `rdma_init_qp_attr`, `ibv_modify_qp` and
-//! `rdma_establish`, against ourselves and against rdma-core's `rping -q`; and the deprecated
-//! spelling from before (`UserQp`, `attach_qp`), which still works.
+//! Device tests of connection paths: closing with the QP destroyed before the peer's
+//! `DISCONNECTED` ([`Connection::shutdown`]); a verbs-wing QP ([`UnconnectedQp`]) that an id
+//! adopts (`adopt_qp`) and the crate drives through `rdma_init_qp_attr`, `ibv_modify_qp` and
+//! `rdma_establish`, against ourselves and against rdma-core's `rping -q`, and the deprecated
+//! spelling from before (`UserQp`, `attach_qp`), which still works; and a connect that nobody
+//! answers, which returns at its timeout, its teardown included.
 
 mod common;
 
@@ -115,6 +116,9 @@ fn disconnecting_completes_only_with_its_own_disconnected() {
 #[test]
 fn user_qps_connect_to_ours_and_carry_data() {
     let t = DeviceTest::start();
+    // Soft-iWARP's ibv_query_qp reports no QP state (it reads RESET on a working QP, MATRIX.md):
+    // the states are checked where the device reports them; the data everywhere.
+    let states = !common::caps::iwarp();
     for (client_user, server_user) in [(true, true), (true, false), (false, true)] {
         let what = format!("client user QP {client_user}, server user QP {server_user}");
         let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
@@ -125,15 +129,21 @@ fn user_qps_connect_to_ours_and_carry_data() {
             let mut mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
             let mut q = if server_user {
                 let uqp = UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap();
-                assert_eq!(uqp.qp().attributes().unwrap().state, QpState::Reset);
+                if states {
+                    assert_eq!(uqp.qp().attributes().unwrap().state, QpState::Reset);
+                }
                 req.adopt_qp(uqp).expect("server: adopt_qp")
             } else {
                 req.create_qp(&pd, QpInit::new()).unwrap()
             };
-            assert_eq!(q.qp().attributes().unwrap().state, QpState::Init);
+            if states {
+                assert_eq!(q.qp().attributes().unwrap().state, QpState::Init);
+            }
             q.post_recv(&[RecvWr::new(&mr, 0..4096).wr_id(1)]).unwrap();
             let mut conn = q.accept(&ConnParam::new(), T).expect("server: accept");
-            assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+            if states {
+                assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+            }
             let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("server: receive");
             assert_eq!(wc.byte_len(), 1000);
             let got = mr.as_slice().unwrap()[..1000].to_vec();
@@ -147,7 +157,9 @@ fn user_qps_connect_to_ours_and_carry_data() {
             assert_eq!(ev.event_type(), CmEventType::Disconnected);
             // The peer left: whoever made the QP, it is in the error state now (librdmacm moves
             // only its own there; the crate moves a user QP itself).
-            assert_eq!(conn.qp().attributes().unwrap().state, QpState::Error);
+            if states {
+                assert_eq!(conn.qp().attributes().unwrap().state, QpState::Error);
+            }
             drop(conn);
         });
         let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
@@ -163,14 +175,18 @@ fn user_qps_connect_to_ours_and_carry_data() {
         } else {
             route.create_qp(&pd, QpInit::new()).unwrap()
         };
-        assert_eq!(q.qp().attributes().unwrap().state, QpState::Init, "{what}");
+        if states {
+            assert_eq!(q.qp().attributes().unwrap().state, QpState::Init, "{what}");
+        }
         q.post_recv(&[RecvWr::new(&rx, 1024..2048).wr_id(1)]).unwrap();
         // Naming the QP's own number is allowed.
         let n = q.qp().qp_num();
         let mut conn: Connection = q.connect(&ConnParam::new().qp_num(n), T).expect(&what);
         let a = conn.qp().attributes().unwrap();
-        assert_eq!(a.state, QpState::ReadyToSend, "{what}");
-        assert_ne!(a.dest_qp_num, 0, "{what}");
+        if states {
+            assert_eq!(a.state, QpState::ReadyToSend, "{what}");
+            assert_ne!(a.dest_qp_num, 0, "{what}");
+        }
         mr.as_mut_slice().unwrap()[..1000].copy_from_slice(&pattern(1000, 3));
         conn.qp_mut().post_send(&[SendWr::send(&mr, 0..1000).wr_id(2)]).unwrap();
         conn.qp_mut().wait_for(WorkQueue::Send, 2, T).expect(&what);
@@ -187,13 +203,15 @@ fn user_qps_connect_to_ours_and_carry_data() {
 }
 
 /// The same through the event-loop steps: `Connecting::complete` takes the user QP's
-/// `CONNECT_RESPONSE` (librdmacm reports no `ESTABLISHED` for a QP it did not make), and the
-/// server's accept is started without waiting and completed with its `ESTABLISHED`. Spelled
-/// the deprecated way (`UserQp::new`, `attach_qp`), which must keep working.
+/// `CONNECT_RESPONSE` (librdmacm reports no `ESTABLISHED` for a QP it did not make; iWARP's
+/// kernel CM moves the QP to RTS itself and reports `ESTABLISHED`), and the server's accept is
+/// started without waiting and completed with its `ESTABLISHED`. Spelled the deprecated way
+/// (`UserQp::new`, `attach_qp`), which must keep working.
 #[test]
 #[allow(deprecated)]
 fn user_qp_connects_through_the_event_loop_steps() {
     let t = DeviceTest::start();
+    let iwarp = common::caps::iwarp();
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
     let dst = listener.local_addr().unwrap();
     let srv = thread::spawn(move || {
@@ -203,8 +221,11 @@ fn user_qp_connects_through_the_event_loop_steps() {
         let q = req.attach_qp(UserQp::new(&pd, QpInit::new()).unwrap()).unwrap();
         let ch = q.id().channel().clone();
         let acc = q.start_accept(&ConnParam::new()).unwrap();
-        // Ready to send before the accept went out, as librdmacm's rules for a user QP say.
-        assert_eq!(acc.qp().attributes().unwrap().state, QpState::ReadyToSend);
+        // Ready to send before the accept went out, as librdmacm's rules for a user QP say
+        // (where the device reports QP states: not Soft-iWARP).
+        if !iwarp {
+            assert_eq!(acc.qp().attributes().unwrap().state, QpState::ReadyToSend);
+        }
         let ev = ch.get_event_for(acc.handle(), T).unwrap();
         assert_eq!(ev.event_type(), CmEventType::Established);
         let mut conn = acc.complete(ev).unwrap();
@@ -222,9 +243,12 @@ fn user_qp_connects_through_the_event_loop_steps() {
     q.post_recv(&[RecvWr::new(&mr, 0..256).wr_id(1)]).unwrap();
     let connecting = q.start(&ConnParam::new()).unwrap();
     let ev = ch.get_event(T).unwrap();
-    assert_eq!(ev.event_type(), CmEventType::ConnectResponse);
+    let answer = if iwarp { CmEventType::Established } else { CmEventType::ConnectResponse };
+    assert_eq!(ev.event_type(), answer);
     let mut conn = connecting.complete(ev).expect("RTR, RTS and rdma_establish");
-    assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+    if !iwarp {
+        assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+    }
     let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("client: receive");
     assert_eq!(wc.byte_len(), 100);
     assert_eq!(&mr.as_slice().unwrap()[..100], &pattern(100, 9)[..]);
@@ -425,6 +449,15 @@ fn wait_exit(child: std::process::Child) -> std::process::ExitStatus {
 #[test]
 fn user_qp_server_interoperates_with_rping_c_q() {
     let t = DeviceTest::start();
+    if common::caps::iwarp() {
+        // The peer cannot run here, whoever serves it: measured on siw/6.1 against rdma-core's
+        // own `rping -s`, `rping -c -q` prints "rdma_establish: Invalid argument" and hangs.
+        common::skipped(
+            "rping -c -q as the peer",
+            "rdma-core 44's rping -q client calls rdma_establish, which an iWARP id refuses (EINVAL)",
+        );
+        return;
+    }
     const SIZE: usize = 64;
     const ROUNDS: usize = 4;
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
@@ -486,4 +519,46 @@ fn user_qp_server_interoperates_with_rping_c_q() {
     drop(conn);
     drop((buf, recv, pd, listener));
     t.finish();
+}
+
+/// `ClientQp::connect` to an address nobody answers returns `Error::Timeout` at its bound plus
+/// the failed attempt's teardown (dropping the QP waits up to 2 s for the flush of its posted
+/// receive, which rxe never delivers for a QP that did not connect), and everything is
+/// released afterwards. Before, a wait that repeated could last twice its bound (measured:
+/// 4.03 s of waiting with a 2 s bound). On iWARP, where `rdma_connect` is Soft-iWARP's
+/// blocking TCP connect (about two minutes of SYN retries), the call itself is bounded
+/// (measured before: 150 s for the client example with `--timeout 2`).
+#[test]
+fn connect_nobody_answers_returns_at_its_timeout_plus_the_drain() {
+    let t = DeviceTest::start();
+    let common::IpV4(a, b, c, _) = common::IpV4::of(t.addr);
+    // The guest's netdev is a NOARP dummy: any address of its subnet resolves, and nobody
+    // answers there.
+    let ghost: SocketAddr = format!("{a}.{b}.{c}.214:7616").parse().unwrap();
+    let route = Client::new().unwrap().resolve_addr(None, ghost, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let rx = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
+    q.post_recv(&[RecvWr::new(&rx, 0..64).wr_id(1)]).unwrap();
+    let bound = std::time::Duration::from_secs(3);
+    let start = std::time::Instant::now();
+    let e = q.connect(&ConnParam::new(), bound).expect_err("nobody answers there");
+    let took = start.elapsed();
+    assert!(matches!(e, Error::Timeout { op: "rdma_connect", .. }), "{e:?}");
+    // The bound, the QP's drain (2 s at most) and 1 s of slack; a doubled wait (6 s) exceeds it.
+    assert!(took < bound + std::time::Duration::from_secs(3), "connect returned after {took:?} (bound {bound:?}): {e}");
+    eprintln!("measured: connect returned after {took:?} with a {bound:?} bound");
+    drop((rx, pd));
+    // Everything is released (the counts are waited for, bounded); on iWARP the helper thread
+    // first waits for the kernel's TCP connect to give up (Linux's SYN retries: about 127 s).
+    if common::caps::iwarp() {
+        let start = std::time::Instant::now();
+        t.finish_within(std::time::Duration::from_secs(200));
+        eprintln!(
+            "measured: the iWARP connect's objects were released {:?} after the test dropped its own",
+            start.elapsed()
+        );
+    } else {
+        t.finish();
+    }
 }

@@ -52,7 +52,9 @@ impl Srv {
             });
         }
         let mut s = Srv { child, lines: rx, seen: vec![] };
-        s.wait_line("Listening on port", Duration::from_secs(20));
+        // A bound, not a pause: in a loaded guest (the valgrind test runs alongside) a server
+        // has been measured taking over 20 s to listen.
+        s.wait_line("Listening on port", Duration::from_secs(120));
         s
     }
 
@@ -149,18 +151,43 @@ fn demo_send_prints_the_seed_trail_and_timings() {
     }
 }
 
+/// Write mode rings the peer after each RDMA WRITE with what the device has: immediate data
+/// (InfiniBand, RoCE), or a SEND after the WRITE (iWARP, which has no immediate data); the send
+/// doorbell runs on every device when asked for. Read mode needs nothing the devices differ in.
 #[test]
 fn demo_write_and_read_modes_verify_the_echo() {
-    let (c, _) = demo("7602", &["--mode", "write", "--size", "65536"]);
+    let iwarp = common::caps::iwarp();
+    let (c, s) = demo("7602", &["--mode", "write", "--size", "65536"]);
     assert!(c.contains("Echo verified: 1 x 65536 bytes match"), "{c}");
+    let auto = if iwarp { "a send after the WRITE" } else { "immediate data" };
+    assert!(c.contains(&format!("Write mode rings the peer with {auto}")), "{c}");
+    assert!(s.contains(&format!("Each RDMA WRITE is rung with {auto}, as the client asked")), "{s}");
+    let (c, s) = demo("7635", &["--mode", "write", "--size", "4096", "--iters", "50", "--doorbell", "send"]);
+    assert!(c.contains("Echo verified: 50 x 4096 bytes match"), "{c}");
+    assert!(s.contains("Each RDMA WRITE is rung with a send after the WRITE"), "{s}");
     let (c, _) = demo("7603", &["--mode", "read", "--size", "1048576"]);
     assert!(c.contains("Echo verified: 1 x 1048576 bytes match"), "{c}");
+    if iwarp {
+        // Immediate data asked for where the device has none: one line naming what is missing.
+        let addr = common::device_addr().to_string();
+        let srv = Srv::start(&["-a", &addr, "-p", "7636", "--count", "1"]);
+        let out = client(&["-a", &addr, "-p", "7636", "--mode", "write", "--doorbell", "imm"]);
+        let err = text(&out).1;
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("ibv_post_send failed: EINVAL") && err.contains("iWARP: immediate data"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        let (code, s) = srv.finish();
+        assert_eq!(code, 0, "the server survives the client's failure:\n{s}");
+    }
 }
 
 /// The atomic modes: every fetch-and-add and compare-and-swap finds the value the client
 /// expects on the server's counter, and the server finds the counter at the iteration count.
 #[test]
 fn demo_atomic_modes_move_the_servers_counter() {
+    if !common::require(common::Cap::Atomics) {
+        return;
+    }
     let (c, s) = demo("7630", &["--mode", "fetch-add", "--iters", "300"]);
     assert!(c.contains("Atomics verified: 300 x fetch-add returned the expected values"), "{c}");
     assert!(c.contains("#bytes #iterations") && s.contains("Counter is 300 after 300 fetch-add(s)"), "{c}\n{s}");
@@ -252,10 +279,9 @@ fn client_without_a_server_fails_with_one_clear_line() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     let lines: Vec<&str> = err.lines().collect();
     assert_eq!(lines.len(), 1, "one line on stderr: {err}");
-    assert!(
-        lines[0].contains("REJECTED") && lines[0].contains("nobody listens") && lines[0].contains(":7605"),
-        "{err}"
-    );
+    // InfiniBand's CM answers REJECTED; iWARP's TCP connect, inside rdma_connect, is refused.
+    let how = if common::caps::iwarp() { "rdma_connect failed: ECONNREFUSED" } else { "REJECTED" };
+    assert!(lines[0].contains(how) && lines[0].contains("nobody listens") && lines[0].contains(":7605"), "{err}");
 }
 
 #[test]
@@ -370,6 +396,7 @@ fn hostile_private_data_is_rejected_with_a_reason_and_the_server_keeps_serving()
         mode: Mode::Write,
         size: 4096,
         iters: 1,
+        send_doorbell: false,
     };
     let enc = good.encode();
     let mut cases: Vec<(Vec<u8>, &str)> = vec![];
@@ -388,12 +415,16 @@ fn hostile_private_data_is_rejected_with_a_reason_and_the_server_keeps_serving()
     let mut b = enc;
     b[16..24].copy_from_slice(&u64::MAX.to_be_bytes()); // region wrapping the address space
     cases.push((b.to_vec(), "wraps"));
-    cases.push((b"RC".to_vec(), "version")); // wrong length: the CM pads it with zeros
+    // Wrong length: InfiniBand's CM pads it with zeros (so the version byte is 0); iWARP's MPA
+    // carries the 2 bytes as they are.
+    cases.push((b"RC".to_vec(), if common::caps::iwarp() { "shorter" } else { "version" }));
     let srv = Srv::start(&["-a", &addr.to_string(), "-p", "7611", "--count", &(cases.len() + 1).to_string()]);
     let dst = std::net::SocketAddr::new(addr, 7611);
+    // The consumer's reject: IB CM reason 28; iWARP's is an MPA reject, -ECONNRESET.
+    let reject = if common::caps::iwarp() { -libc::ECONNRESET } else { 28 };
     for (bytes, reason) in &cases {
         match connect_with(dst, bytes) {
-            Error::UnexpectedEvent { got: CmEventType::Rejected, status: 28, private_data, .. } => {
+            Error::UnexpectedEvent { got: CmEventType::Rejected, status, private_data, .. } if status == reject => {
                 let why = String::from_utf8_lossy(&private_data);
                 assert!(why.contains(reason), "rejection should say {reason:?}, said {why:?}");
             }
@@ -645,8 +676,8 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
             .args(["--leak-check=full", "--show-leak-kinds=definite"])
             .arg(example("server"))
             // Its waits for the client (which starts under valgrind too) are bounded by the
-            // watch below; the server exits once it has served its one client.
-            .args(["-a", &addr, "-p", "7615", "--count", "1", "--timeout", "600"]),
+            // watch below; the server exits once it has served its two clients.
+            .args(["-a", &addr, "-p", "7615", "--count", "2", "--timeout", "600"]),
     );
     let startup = srv.wait_line(&starting, "Listening on port 7615");
     eprintln!("measured: the server under valgrind listened after {startup:?}");
@@ -655,6 +686,18 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     let client_timeout = Duration::from_secs(60) + startup;
     let client_watch = Watch { stall: client_timeout + Duration::from_secs(60), outer };
     let secs = client_timeout.as_secs().to_string();
+    // A client at full speed first, so that valgrind has translated the server's accept path
+    // before the client under valgrind connects: iWARP's handshake does not wait for a slow
+    // accept (Soft-iWARP's active side gives the MPA reply 5 s, then UNREACHABLE, ETIMEDOUT;
+    // measured with this test on siw, whose first accept under valgrind took longer).
+    // On iWARP that first client may itself meet the slow first accept; the server's accept
+    // path has run all the same.
+    let warm = client(&["-a", &addr, "-p", "7615", "--timeout", &secs]);
+    if common::caps::iwarp() {
+        eprintln!("measured: the first client (not under valgrind) exited with {}", warm.status);
+    } else {
+        assert!(warm.status.success(), "the first client, not under valgrind: {:?}", text(&warm));
+    }
     let client = example("client");
     let (ok, lost, log) = definitely_lost(
         "the client",
@@ -695,7 +738,10 @@ fn doctor_reports_the_device_healthy() {
     let (text, err) = text(&out);
     assert!(out.status.success(), "{text}{err}");
     assert!(text.contains("[ ok ] RDMA devices:") && text.contains("port 1: state 4: ACTIVE"), "{text}");
-    assert!(text.contains("RoCE v2") && text.contains(&format!("usable with -a: {addr}")), "{text}");
+    // RoCE: the address is a v2 GID's; iWARP: the GID is the netdev's MAC, and the address is
+    // the netdev's, found by that MAC.
+    let kind = if common::caps::iwarp() { "iWARP" } else { "RoCE v2" };
+    assert!(text.contains(kind) && text.contains(&format!("usable with -a: {addr}")), "{text}");
     // The port and its GIDs come from the device itself (verbs), not from sysfs.
     assert!(text.contains("physical 5: LinkUp") && text.contains("active MTU 4096 (ibv_query_port)"), "{text}");
     assert!(text.contains("[ ok ] device files") && text.trim_end().ends_with("verdict: healthy"), "{text}");

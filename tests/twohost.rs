@@ -62,6 +62,7 @@ impl ApiClient {
             mode: Mode::Send,
             size: size as u32,
             iters: 1_000_000,
+            send_doorbell: false,
         };
         let param = ConnParam::new().retry_count(retry).private_data(&req.encode()).unwrap();
         let conn = pending.connect(&param, t).unwrap();

@@ -22,7 +22,8 @@ pub const LEGACY_SIZE: u32 = 16;
 pub enum Mode {
     /// Two-sided send/recv; the server echoes each message.
     Send,
-    /// RDMA WRITE with immediate data into the peer's region; the server writes it back.
+    /// RDMA WRITE into the peer's region, rung by its immediate data (or, where the device
+    /// has none, by a SEND after it: see [`Doorbell`]); the server writes it back.
     Write,
     /// The server RDMA-READs the client's region, then the client RDMA-READs it back.
     Read,
@@ -81,6 +82,41 @@ impl fmt::Display for Mode {
     }
 }
 
+/// How write mode tells the peer that an RDMA WRITE has landed: a WRITE lands silently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Doorbell {
+    /// Immediate data where the device has it, else a send (decided by the device's transport:
+    /// iWARP has no immediate data).
+    Auto,
+    /// The WRITE carries the iteration number as immediate data, which completes a receive at
+    /// the peer (InfiniBand and RoCE).
+    Imm,
+    /// A 4-byte SEND of the iteration number right after the WRITE: on a reliable connection
+    /// it arrives after the WRITE's data, on every transport (iWARP included).
+    Send,
+}
+
+impl Doorbell {
+    /// `Imm` or `Send`: `Auto` becomes what the device of `ctx` can do.
+    pub fn resolve(self, ctx: &rdma_cm::VerbsContext) -> Doorbell {
+        match self {
+            Doorbell::Auto if ctx.transport().has_immediate_data() => Doorbell::Imm,
+            Doorbell::Auto => Doorbell::Send,
+            d => d,
+        }
+    }
+}
+
+impl fmt::Display for Doorbell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Doorbell::Auto => "auto",
+            Doorbell::Imm => "immediate data",
+            Doorbell::Send => "a send after the WRITE",
+        })
+    }
+}
+
 /// What the client asks for, after its `QpInfo` in the connect private data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
@@ -88,10 +124,15 @@ pub struct Request {
     pub mode: Mode,
     pub size: u32,
     pub iters: u32,
+    /// Write mode's doorbell, both ways: a SEND after each WRITE instead of immediate data.
+    pub send_doorbell: bool,
 }
 
 const REQ_VERSION: u8 = 1;
-pub const REQUEST_LEN: usize = QpInfo::ENCODED_LEN + 10;
+/// The request's bytes: the `QpInfo`, then version, mode, size, iterations and the doorbell
+/// byte (0: immediate data, 1: a send). A request of one byte less (this protocol before the
+/// doorbell byte) reads as immediate data, and so do the zeros the CM pads it with.
+pub const REQUEST_LEN: usize = QpInfo::ENCODED_LEN + 11;
 
 impl Request {
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
@@ -102,6 +143,7 @@ impl Request {
         r[1] = self.mode.code();
         r[2..6].copy_from_slice(&self.size.to_be_bytes());
         r[6..10].copy_from_slice(&self.iters.to_be_bytes());
+        r[10] = self.send_doorbell as u8;
         b
     }
 
@@ -121,6 +163,11 @@ impl Request {
         let mode = Mode::from_code(rest[1]).ok_or_else(|| format!("unknown mode {}", rest[1]))?;
         let size = u32::from_be_bytes([rest[2], rest[3], rest[4], rest[5]]);
         let iters = u32::from_be_bytes([rest[6], rest[7], rest[8], rest[9]]);
+        let send_doorbell = match rest.get(10).copied().unwrap_or(0) {
+            0 => false,
+            1 => true,
+            d => return Err(format!("unknown doorbell {d} (0: immediate data, 1: a send)")),
+        };
         if size == 0 || size > MAX_SIZE {
             return Err(format!("size {size} is outside 1..={MAX_SIZE}"));
         }
@@ -136,7 +183,7 @@ impl Request {
                 return Err(format!("client region of {} bytes is smaller than size {size}", region.len));
             }
         }
-        Ok(Some(Request { info, mode, size, iters }))
+        Ok(Some(Request { info, mode, size, iters, send_doorbell }))
     }
 }
 
@@ -265,7 +312,13 @@ mod tests {
     use super::*;
 
     fn req(mode: Mode) -> Request {
-        Request { info: QpInfo { qp_num: 5, psn: 1, rkey: 9, vaddr: 4096, len: 1024 }, mode, size: 1024, iters: 3 }
+        Request {
+            info: QpInfo { qp_num: 5, psn: 1, rkey: 9, vaddr: 4096, len: 1024 },
+            mode,
+            size: 1024,
+            iters: 3,
+            send_doorbell: false,
+        }
     }
 
     #[test]
@@ -275,6 +328,10 @@ mod tests {
             pd[..REQUEST_LEN].copy_from_slice(&req(m).encode());
             assert_eq!(Request::decode(&pd).unwrap(), Some(req(m)));
         }
+        let r = Request { send_doorbell: true, ..req(Mode::Write) };
+        assert_eq!(Request::decode(&r.encode()).unwrap(), Some(r));
+        // The request without its doorbell byte (the protocol before it) rings with immediate data.
+        assert_eq!(Request::decode(&r.encode()[..REQUEST_LEN - 1]).unwrap(), Some(req(Mode::Write)));
         for m in [Mode::FetchAdd, Mode::CmpSwap] {
             let r = Request { size: 8, ..req(m) };
             assert_eq!(Request::decode(&r.encode()).unwrap(), Some(r));
@@ -303,5 +360,8 @@ mod tests {
         b[30..34].copy_from_slice(&4096u32.to_be_bytes());
         assert!(Request::decode(&b).unwrap_err().contains("smaller"));
         assert!(Request::decode(&good[..30]).is_err());
+        let mut b = good;
+        b[38] = 2;
+        assert!(Request::decode(&b).unwrap_err().contains("doorbell"));
     }
 }

@@ -6,7 +6,7 @@
 use std::borrow::Borrow;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdma_sys as ffi;
 
@@ -317,19 +317,83 @@ impl ClientQp {
         RouteResolved { id: self.id }
     }
 
-    /// Connects (`rdma_connect`) and waits for `ESTABLISHED`.
+    /// Connects (`rdma_connect`) and waits for `ESTABLISHED`, all within `timeout`.
+    ///
+    /// On iWARP, `rdma_connect` itself makes the TCP connection and blocks in the kernel until
+    /// TCP gives up (Soft-iWARP: a blocking connect, about two minutes of SYN retries to an
+    /// address nobody answers for). So there the call is made on a helper thread: when
+    /// `timeout` passes first, this returns [`Error::Timeout`], and the thread keeps the id and
+    /// the QP (with the buffers posted on it) until the kernel returns, then destroys them.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for private data over 56 bytes; [`Error::UnexpectedEvent`]
     /// naming `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` with a hint; [`Error::Timeout`].
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
+        let start = Instant::now();
         let _expecting = self.id.channel().expecting(self.id.handle());
+        let this = if is_iwarp(&self.id) { self.start_connect_within(param, timeout)? } else { self.started(param)? };
+        // The event's wait gets what the call left of the timeout.
+        let left = timeout.saturating_sub(start.elapsed());
+        let ev = expect(&this.id, connected_event(&this.id, this.user), "rdma_connect", left)?;
+        finish_connect(this.id, this.qp, this.user, &ev)
+    }
+
+    fn started(self, param: &ConnParam) -> Result<ClientQp> {
         self.start_connect(param)?;
-        let ev = expect(&self.id, connected_event(self.user), "rdma_connect", timeout)?;
-        finish_connect(self.id, self.qp, self.user, &ev)
+        Ok(self)
+    }
+
+    /// `rdma_connect` on a helper thread, waited for up to `timeout` (see
+    /// [`ClientQp::connect`]). When the time passes first, `self` goes to the thread, which
+    /// drops it once `rdma_connect` has returned, so nothing the call uses is freed under it.
+    fn start_connect_within(self, param: &ConnParam, timeout: Duration) -> Result<ClientQp> {
+        use std::sync::mpsc;
+        let (done_tx, done_rx) = mpsc::sync_channel::<Result<()>>(1);
+        let (keep_tx, keep_rx) = mpsc::channel::<ClientQp>();
+        let id = Arc::clone(&self.id);
+        let mut raw_param = *param;
+        let qp_num = adopt::qp_num_for(param, &self.qp)?;
+        raw_param = raw_param.qp_num(qp_num);
+        let srq = u8::from(self.qp.srq().is_some());
+        let peer = self.id.peer_addr();
+        let call = move || {
+            let r = (|| {
+                let mut raw = raw_param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+                raw.srq = srq;
+                // SAFETY: the id is kept alive by this thread's Arc; its QP by the ClientQp,
+                // which the caller holds until this call's result arrives or hands to this
+                // thread (below) when it stops waiting, so it outlives the call either way.
+                // `raw` and its private data (in `raw_param`) are this closure's and outlive
+                // the call, which copies them.
+                check_rdma(unsafe { ffi::rdma_connect(id.as_raw(), &mut raw) }, "rdma_connect")
+                    .map_err(|e| with_opt_addr(e, peer))
+            })();
+            let _ = done_tx.send(r);
+            // The caller's ClientQp, if it gave up waiting: dropped here, after the call.
+            drop(keep_rx.recv());
+        };
+        let thread = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(call);
+        if thread.is_err() {
+            // No thread to be had: the call, unbounded, as on every other transport.
+            return self.started(param);
+        }
+        match done_rx.recv_timeout(timeout) {
+            Ok(r) => r.map(|()| self),
+            Err(_) => {
+                let _ = keep_tx.send(self);
+                Err(Error::Timeout {
+                    op: "rdma_connect",
+                    timeout,
+                    addr: peer,
+                    hint: Some("iWARP's TCP connect, made inside rdma_connect, got no answer: is the peer running and reachable over RDMA (the address of its RDMA netdev; `ip route get`)?"),
+                })
+            }
+        }
     }
 
     /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
+    /// On iWARP `rdma_connect` makes the TCP connection itself and may block until TCP gives
+    /// up (see [`ClientQp::connect`]).
     ///
     /// # Errors
     /// As for [`ClientQp::connect`], without the waiting.
@@ -350,10 +414,27 @@ impl ClientQp {
     }
 }
 
+/// Whether `id`'s device speaks iWARP (whose `rdma_connect` may block, and whose kernel CM
+/// moves a connecting QP to RTS itself).
+pub(crate) fn is_iwarp(id: &CmId) -> bool {
+    // SAFETY: the id has a resolved route, so `verbs` is set (or null, checked) and stays
+    // valid while the id lives, as does its device; both are read as plain data.
+    unsafe {
+        let verbs = (*id.as_raw()).verbs;
+        !verbs.is_null() && (*(*verbs).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
+    }
+}
+
+/// Whether the crate moves the client's QP to RTS and completes the handshake itself: a
+/// [`UserQp`] on InfiniBand's CM. On iWARP the kernel's CM does both for any QP.
+fn crate_drives(id: &CmId, user: bool) -> bool {
+    user && !is_iwarp(id)
+}
+
 /// The event that answers a connect: librdmacm turns the CM's `CONNECT_RESPONSE` into
-/// `ESTABLISHED` only for a QP it made.
-pub(crate) fn connected_event(user: bool) -> CmEventType {
-    if user {
+/// `ESTABLISHED` only for a QP it made; on iWARP the kernel reports `ESTABLISHED` for any.
+pub(crate) fn connected_event(id: &CmId, user: bool) -> CmEventType {
+    if crate_drives(id, user) {
         CmEventType::ConnectResponse
     } else {
         CmEventType::Established
@@ -361,9 +442,10 @@ pub(crate) fn connected_event(user: bool) -> CmEventType {
 }
 
 /// Turns the answer to a connect into the connection; an adopted QP is made ready to send and
-/// the handshake completed (`rdma_establish`) first.
+/// the handshake completed (`rdma_establish`) first, except on iWARP, whose kernel CM has done
+/// both.
 pub(crate) fn finish_connect(id: Arc<CmId>, qp: QueuePair, user: bool, ev: &CmEvent) -> Result<Connection> {
-    if user {
+    if crate_drives(&id, user) {
         adopt::establish(&id, &qp)?;
     }
     Ok(Connection::new(id, qp, *ev.private_data(), user))
@@ -384,7 +466,8 @@ impl Connecting {
     }
 
     /// Completes the connection with the id's `ESTABLISHED` event (`CONNECT_RESPONSE` for an
-    /// adopted QP, which this then moves to RTR and RTS before `rdma_establish`), given by
+    /// adopted QP on InfiniBand or RoCE, which this then moves to RTR and RTS before
+    /// `rdma_establish`; on iWARP the kernel's CM does that, and reports `ESTABLISHED`), given by
     /// reference or by value. Any other event gives this state back in the [`StepError`].
     ///
     /// # Errors
@@ -395,10 +478,10 @@ impl Connecting {
     /// call that failed. Each with this state, unchanged.
     pub fn complete(self, ev: impl Borrow<CmEvent>) -> std::result::Result<Connection, StepError<Connecting>> {
         let ev = ev.borrow();
-        if let Err(e) = check_event(&self.id, ev, connected_event(self.user), "rdma_connect") {
+        if let Err(e) = check_event(&self.id, ev, connected_event(&self.id, self.user), "rdma_connect") {
             return Err(StepError::new(self, e));
         }
-        if self.user {
+        if crate_drives(&self.id, self.user) {
             if let Err(e) = adopt::establish(&self.id, &self.qp) {
                 return Err(StepError::new(self, e));
             }
@@ -449,7 +532,7 @@ impl ClientQp {
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
         self.start_connect(param)?;
-        let ev = expect_async(&self.id, connected_event(self.user), "rdma_connect").await?;
+        let ev = expect_async(&self.id, connected_event(&self.id, self.user), "rdma_connect").await?;
         finish_connect(self.id, self.qp, self.user, &ev)
     }
 }

@@ -315,8 +315,8 @@ impl EventChannel {
         Expecting { ch: self.clone(), id }
     }
 
-    /// Waits up to `timeout` for the next event that no targeted wait is waiting for (twice
-    /// the timeout at most when the wait repeats, see `crate::wait`).
+    /// Waits up to `timeout` for the next event that no targeted wait is waiting for (a wait
+    /// that repeats gets what is left of the timeout, see `crate::wait`).
     ///
     /// # Errors
     /// [`Error::Timeout`] when nothing arrives in time; [`Error::Call`] when the channel fails.

@@ -153,6 +153,31 @@ pub struct DeviceLimits {
     pub max_sge_rd: u32,
 }
 
+/// The transport a device speaks (its verbs device's `transport_type`): what it can do
+/// depends on it, whatever the device is called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Transport {
+    /// InfiniBand's transport, over InfiniBand or Ethernet (RoCE: `rxe`, `mlx5`).
+    InfiniBand,
+    /// iWARP, over TCP (`siw`, `cxgb4`, `irdma` in iWARP mode): no UD, no multicast, no
+    /// immediate data, no receiver-not-ready retries; connections go through the port mapper.
+    Iwarp,
+    /// Another transport (`usNIC`, unspecified), by its `ibv_transport_type` value.
+    Other(i32),
+}
+
+impl Transport {
+    /// Whether sends and RDMA WRITEs may carry immediate data ([`SendWr::imm`]): iWARP has
+    /// none (its post is refused with `EINVAL`). Where it is missing, a SEND after the WRITE
+    /// serves as its doorbell: on a reliable connection it arrives after the WRITE's data.
+    ///
+    /// [`SendWr::imm`]: crate::SendWr::imm
+    pub fn has_immediate_data(self) -> bool {
+        self == Transport::InfiniBand
+    }
+}
+
 impl VerbsContext {
     /// Opens the device named `name` (as [`devices`] lists it).
     ///
@@ -200,6 +225,18 @@ impl VerbsContext {
     pub fn device_name(&self) -> String {
         // SAFETY: the context is open; its device is set for the context's life.
         device_name(unsafe { (*self.raw.as_ptr()).device })
+    }
+
+    /// The transport the device speaks (InfiniBand's, also over RoCE, or iWARP's).
+    pub fn transport(&self) -> Transport {
+        // SAFETY: the context is open; its device is set, and valid, for the context's life,
+        // and transport_type is plain data.
+        let t = unsafe { (*(*self.raw.as_ptr()).device).transport_type };
+        match t {
+            ffi::ibv_transport_type::IBV_TRANSPORT_IB => Transport::InfiniBand,
+            ffi::ibv_transport_type::IBV_TRANSPORT_IWARP => Transport::Iwarp,
+            other => Transport::Other(other),
+        }
     }
 
     /// Queries the device's limits.

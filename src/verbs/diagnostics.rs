@@ -17,7 +17,7 @@ use std::fs;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-use crate::verbs::device::VerbsContext;
+use crate::verbs::device::{Transport, VerbsContext};
 use crate::verbs::port::{GidEntry, PortInfo, PortState};
 
 /// How a check came out.
@@ -53,7 +53,8 @@ pub struct Ipv4Gid {
     pub port: u32,
     /// GID index (what perftest's `-x` takes).
     pub index: u32,
-    /// `RoCE v2` or `IB/RoCE v1`.
+    /// `RoCE v2` or `IB/RoCE v1`; `iWARP` for an address of an iWARP port's netdev (an
+    /// iWARP GID is the netdev's MAC, not an IP address).
     pub gid_type: String,
     /// The netdev the GID belongs to.
     pub netdev: String,
@@ -76,10 +77,10 @@ impl Report {
         self.checks.iter().all(|c| c.status != Status::Fail)
     }
 
-    /// The IPv4 addresses usable with the examples' `-a` (RoCE v2 GIDs on ACTIVE ports).
+    /// The IPv4 addresses usable with the examples' `-a` (RoCE v2 GIDs on ACTIVE ports, and
+    /// the addresses of an iWARP port's netdev).
     pub fn usable_addrs(&self) -> Vec<Ipv4Addr> {
-        let mut v: Vec<Ipv4Addr> =
-            self.ipv4_gids.iter().filter(|g| g.gid_type.contains("v2")).map(|g| g.addr).collect();
+        let mut v: Vec<Ipv4Addr> = self.ipv4_gids.iter().filter(|g| usable(g)).map(|g| g.addr).collect();
         v.sort();
         v.dedup();
         v
@@ -159,7 +160,8 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
     let devices = entries(&ib);
     let modules = read(roots.proc_.join("modules")).unwrap_or_default();
     let loaded = |m: &str| modules.lines().any(|l| l.split_whitespace().next() == Some(m));
-    let mods: Vec<&str> = ["ib_uverbs", "rdma_ucm", "rdma_cm", "rdma_rxe"].into_iter().filter(|m| loaded(m)).collect();
+    let mods: Vec<&str> =
+        ["ib_uverbs", "rdma_ucm", "rdma_cm", "rdma_rxe", "siw"].into_iter().filter(|m| loaded(m)).collect();
     if devices.is_empty() {
         checks.push(Check {
             name: "RDMA devices".into(),
@@ -189,7 +191,7 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
         // (no access to /dev/infiniband, a provider library missing) or for a fake tree.
         let from_verbs = if roots.sys == Path::new("/sys") { verbs_ports(dev) } else { None };
         match from_verbs {
-            Some(ports) => verbs_port_checks(roots, dev, &ports, &mut checks, &mut gids),
+            Some((transport, ports)) => verbs_port_checks(roots, dev, transport, &ports, &mut checks, &mut gids),
             None => sysfs_port_checks(roots, &ib, dev, &mut checks, &mut gids),
         }
     }
@@ -200,13 +202,13 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
                 format!("{} port {} index {} ({}, {}) = {}", g.device, g.port, g.index, g.gid_type, g.netdev, g.addr)
             })
             .collect();
-        let has_v2 = gids.iter().any(|g| g.gid_type.contains("v2"));
+        let has_v2 = gids.iter().any(usable);
         checks.push(Check {
             name: "GID table (IPv4)".into(),
             status: if has_v2 { Status::Ok } else { Status::Fail },
             detail: if list.is_empty() { "no IPv4 GID on an ACTIVE port".into() } else { list.join("; ") },
             fix: (!has_v2).then(|| {
-                "give the RDMA netdev an IPv4 address (`ip addr add A.B.C.D/24 dev <netdev>`): RoCE v2 GIDs follow the netdev's addresses".into()
+                "give the RDMA netdev an IPv4 address (`ip addr add A.B.C.D/24 dev <netdev>`): RoCE v2 GIDs follow the netdev's addresses, and an iWARP device is reached at them".into()
             }),
         });
     }
@@ -233,6 +235,52 @@ pub fn diagnose_in(roots: &Roots, buffer: u64) -> Report {
         }),
     });
     Report { checks, ipv4_gids: gids }
+}
+
+/// Whether `-a` can use the address: a RoCE v2 GID's, or an iWARP port's netdev's.
+fn usable(g: &Ipv4Gid) -> bool {
+    g.gid_type.contains("v2") || g.gid_type == IWARP
+}
+
+/// [`Ipv4Gid::gid_type`] of an iWARP port's netdev address.
+const IWARP: &str = "iWARP";
+
+/// The netdev whose MAC is `mac` (`/sys/class/net/*/address`), as an iWARP port's GID names it.
+fn netdev_of_mac(roots: &Roots, mac: &[u8]) -> Option<String> {
+    let want: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
+    let want = want.join(":");
+    let net = roots.sys.join("class/net");
+    entries(&net).into_iter().find(|n| read(net.join(n).join("address")).is_some_and(|a| a.trim() == want))
+}
+
+/// The IPv4 addresses of `netdev` (`getifaddrs`).
+fn ipv4_addrs_of(netdev: &str) -> Vec<Ipv4Addr> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `list` is a valid out-pointer; on success the list is freed below, once.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        // SAFETY: ifa_name is a NUL-terminated string of the same list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        // SAFETY: ifa_addr, when set, points at a sockaddr of the list; its family says which
+        // kind, and AF_INET means it is a sockaddr_in.
+        let v4 = unsafe {
+            (!ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET)
+                .then(|| (*(ifa.ifa_addr as *const libc::sockaddr_in)).sin_addr.s_addr)
+        };
+        if let (Some(a), true) = (v4, name.to_bytes() == netdev.as_bytes()) {
+            out.push(Ipv4Addr::from(u32::from_be(a)));
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list came from getifaddrs and no reference into it outlives this call.
+    unsafe { libc::freeifaddrs(list) };
+    out
 }
 
 /// The port and GID checks of `dev` from sysfs.
@@ -288,11 +336,15 @@ fn port_check(name: String, active: bool, detail: String, netdev: &str) -> Check
     }
 }
 
-/// The ports of `dev` with each one's valid GIDs, through verbs; `None` when the device cannot
+/// Each port with its valid GIDs.
+type Ports = Vec<(PortInfo, Vec<GidEntry>)>;
+
+/// The ports of `dev` with each one's valid GIDs, and its transport, through verbs; `None` when the device cannot
 /// be opened or queried.
-fn verbs_ports(dev: &str) -> Option<Vec<(PortInfo, Vec<GidEntry>)>> {
+fn verbs_ports(dev: &str) -> Option<(Transport, Ports)> {
     let ctx = VerbsContext::open(dev).ok()?;
-    ctx.ports().ok()?.into_iter().map(|p| Some((p, ctx.gid_table(p.port).ok()?))).collect()
+    let ports = ctx.ports().ok()?.into_iter().map(|p| Some((p, ctx.gid_table(p.port).ok()?))).collect::<Option<_>>()?;
+    Some((ctx.transport(), ports))
 }
 
 /// The port and GID checks of `dev` from `ibv_query_port` and `ibv_query_gid_ex`, in the same
@@ -300,6 +352,7 @@ fn verbs_ports(dev: &str) -> Option<Vec<(PortInfo, Vec<GidEntry>)>> {
 fn verbs_port_checks(
     roots: &Roots,
     dev: &str,
+    transport: Transport,
     ports: &[(PortInfo, Vec<GidEntry>)],
     checks: &mut Vec<Check>,
     gids: &mut Vec<Ipv4Gid>,
@@ -323,7 +376,11 @@ fn verbs_port_checks(
             7 => "Phy Test",
             _ => "?",
         };
-        let netdev = table.iter().find_map(|g| g.netdev.clone()).unwrap_or_default();
+        // An iWARP GID is the netdev's MAC (and its netdev is not named): find it by that.
+        let iwarp_netdev = (transport == Transport::Iwarp)
+            .then(|| table.first().and_then(|g| netdev_of_mac(roots, &g.gid.0[..6])))
+            .flatten();
+        let netdev = iwarp_netdev.clone().or_else(|| table.iter().find_map(|g| g.netdev.clone())).unwrap_or_default();
         let mtu = read(roots.sys.join("class/net").join(&netdev).join("mtu")).unwrap_or_default();
         let active = p.state == PortState::Active;
         let detail = format!(
@@ -336,6 +393,13 @@ fn verbs_port_checks(
         );
         checks.push(port_check(format!("{dev} port {}", p.port), active, detail, &netdev));
         if !active {
+            continue;
+        }
+        if let Some(nd) = &iwarp_netdev {
+            for addr in ipv4_addrs_of(nd) {
+                let (device, port) = (dev.to_string(), u32::from(p.port));
+                gids.push(Ipv4Gid { device, port, index: 0, gid_type: IWARP.into(), netdev: nd.clone(), addr });
+            }
             continue;
         }
         for g in table {
