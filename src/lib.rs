@@ -90,6 +90,7 @@
 //!           qp_attr   wr (checks, the one lowering of a work request) ──► ah (UdDest), mr
 //!           async_event ──► device ──► hub (event registry and log) ──► link (what drives a QP)
 //!           pd, port, peer (PeerInfo), diagnostics, wc (WorkCompletion)
+//!           extended (ibv_wr_* batches: qp/batch.rs; ibv_start_poll: extended/poll.rs)
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  error.rs (Error, report_leak)   wait.rs (bounded fd waits, tokio reactor, lock)
 //!  status.rs (leaf values: WcStatus, WcOpcode, WorkQueue, QpState, CmEventType, AsyncEventKind)

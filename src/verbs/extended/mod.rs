@@ -32,6 +32,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Providers
+//!
+//! Soft-RoCE has both, without completion timestamps; Soft-iWARP has neither (creating either
+//! fails with [`Error::Unsupported`]). rxe's `ibv_wr_set_sge_list`
+//! in rdma-core 44 (fixed upstream in rdma-core PR 1744) counts a work request of several
+//! pieces as the first piece's length times their number, so a gathered send or WRITE through
+//! a batch moves the wrong number of bytes there, or fails with `LOC_PROT_ERR` (never outside
+//! the pieces named, which stay held as usual); post gathered work requests with `post_send`
+//! on such a provider.
+//!
 //! # Why it is sound
 //!
 //! It is the classic path's model, unchanged:
