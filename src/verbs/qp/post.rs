@@ -55,7 +55,7 @@ impl QueuePair {
     /// extended batch alike): its kind against the QP's, inline data against the QP's limit,
     /// every piece against its region (PD, bounds, `LOCAL_WRITE` where the device writes it),
     /// and immediate data only where the operation carries it.
-    #[inline]
+    #[inline(always)]
     pub(super) fn check_send_wr(&self, w: &SendWr<'_>) -> Result<()> {
         if w.ud.is_some() != self.datagrams {
             // Unreachable through the public API: only a UdQp posts datagrams, and it
