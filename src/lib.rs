@@ -95,6 +95,7 @@
 //!           qp_attr   wr (checks, the one lowering of a work request) ──► ah (UdDest), mr
 //!           async_event ──► device ──► hub (event registry and log) ──► link (what drives a QP)
 //!           pd, port, peer (PeerInfo), diagnostics, wc (WorkCompletion)
+//!           extended (ibv_wr_* batches: qp/batch.rs; ibv_start_poll: extended/poll.rs)
 //!           lane/ (the fast path: one thread's CQ and QPs, owned regions; LaneOwner) ──► cq, qp
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  error.rs (Error, report_leak)   wait.rs (bounded fd waits, tokio reactor, lock)
@@ -502,6 +503,7 @@ pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
+pub use verbs::extended::{ExtendedCompletion, SendOps};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
@@ -509,7 +511,7 @@ pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;
 pub use verbs::peer::PeerInfo;
 pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
-pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp};
+pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp, WrBatch};
 pub use verbs::qp_attr::{QpAttributes, QpState};
 pub use verbs::srq::SharedReceiveQueue;
 pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};

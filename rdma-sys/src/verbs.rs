@@ -260,7 +260,10 @@ macro_rules! container_of {
 // Utility function to get verbs_context from ibv_context
 #[inline]
 unsafe fn verbs_get_ctx(ctx: *const ibv_context) -> Option<*mut verbs_context> {
-    if (*ctx).abi_compat as usize != u32::MAX as usize {
+    // __VERBS_ABI_IS_EXTENDED is ((void *)UINTPTR_MAX): every bit of the pointer set (the
+    // comparison with u32::MAX it replaced never matched on 64-bit hosts, so every extended
+    // verb looked missing and failed with EOPNOTSUPP).
+    if (*ctx).abi_compat as usize != usize::MAX {
         None
     } else {
         let vcp = container_of!(ctx, verbs_context, context) as *mut _;

@@ -7,6 +7,7 @@ pub mod async_event;
 pub mod cq;
 pub mod device;
 pub mod diagnostics;
+pub mod extended;
 pub mod fork;
 pub(crate) mod hub;
 pub mod lane;

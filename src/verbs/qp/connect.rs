@@ -258,10 +258,14 @@ impl UnconnectedQp {
         }
         let mut init = init;
         init.datagrams = false;
+        let ops = init.send_ops;
         let qp = QueuePair::create(
             pd,
             init,
             |attr| {
+                if !ops.is_empty() {
+                    return crate::verbs::extended::create_qp_ex(pd, attr, ops);
+                }
                 // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
                 // QueuePair::create); attr is fully initialised.
                 check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")

@@ -83,11 +83,13 @@ use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
 use crate::wait::lock;
 
+mod batch;
 pub mod connect;
 mod post;
 mod wait;
 mod window;
 
+pub use batch::WrBatch;
 pub use connect::{RcParams, UnconnectedQp};
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
@@ -117,6 +119,8 @@ pub struct QpInit {
     /// Create the QP with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB` (set by the multicast layer
     /// only): it does not receive the multicast datagrams it sends itself.
     pub(crate) block_self_mcast_lb: bool,
+    /// `ibv_create_qp_ex`'s `send_ops_flags` ([`QpInit::extended`]); empty for a classic QP.
+    pub(crate) send_ops: crate::verbs::extended::SendOps,
 }
 
 impl Default for QpInit {
@@ -132,6 +136,7 @@ impl Default for QpInit {
             srq: None,
             datagrams: false,
             block_self_mcast_lb: false,
+            send_ops: crate::verbs::extended::SendOps::empty(),
         }
     }
 }
@@ -232,6 +237,8 @@ pub struct QueuePair {
     connected: bool,
     /// A UD QP: its sends are datagrams, each naming an address handle.
     datagrams: bool,
+    /// The extended send path (`ibv_qp_ex`), when the QP was created for it.
+    ex: Option<batch::Extended>,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
     /// The caller moved the QP to the error state ([`QueuePair::set_error`]): nothing posted
@@ -375,6 +382,7 @@ impl QueuePair {
                 return Err(e);
             }
         };
+        let ex = batch::Extended::of(raw, init.send_ops);
         // SAFETY: raw is a valid QP; qp_num is immutable.
         let qp_num = unsafe { (*raw.as_ptr()).qp_num };
         let nonce = next_nonce();
@@ -430,6 +438,7 @@ impl QueuePair {
             // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
             connected: init.datagrams,
             datagrams: init.datagrams,
+            ex,
             peer_left: false,
             errored: false,
             closing: false,
@@ -695,6 +704,7 @@ impl QueuePair {
             recv_reserved: self.recv_reserved,
             connected: self.connected,
             datagrams: self.datagrams,
+            ex: self.ex,
             peer_left: self.peer_left,
             errored: self.errored,
             closing: self.closing,

@@ -32,41 +32,7 @@ impl QueuePair {
     pub(crate) fn post_sends<W: AsSendWr>(&mut self, wrs: &[W]) -> Result<()> {
         self.check_send_queue_open("ibv_post_send")?;
         for w in wrs {
-            let w = w.send_wr();
-            if w.ud.is_some() != self.datagrams {
-                // Unreachable through the public API: only a UdQp posts datagrams, and it
-                // offers nothing else.
-                return Err(Error::InvalidArgument(if self.datagrams {
-                    "a UD QP sends datagrams only, each addressed (UdSendWr)".into()
-                } else {
-                    "an addressed datagram needs a UD QP".into()
-                }));
-            }
-            if let Some(data) = w.inline {
-                if data.len() > self.max_inline as usize {
-                    return Err(Error::InvalidArgument(format!(
-                        "inline send of {} bytes exceeds the QP's max_inline_data of {}",
-                        data.len(),
-                        self.max_inline
-                    )));
-                }
-            }
-            if let Some((mr, r)) = &w.local {
-                check_local(&self.pd, mr, r, w.op.writes_local())?;
-            }
-            if !w.rest.is_empty() {
-                // Every constructor of a list sets its first piece; were one ever to leave it
-                // out, the later pieces must not reach the device unchecked.
-                let Some((_, first)) = &w.local else {
-                    return Err(Error::InvalidArgument("a scatter/gather list needs its first piece".into()));
-                };
-                self.check_send_pieces(w, first.len())?;
-            }
-            if w.imm.is_some() && (w.op.is_atomic() || matches!(w.op, SendOp::SendInv { .. })) {
-                return Err(Error::InvalidArgument(
-                    "an atomic, or a send with invalidate, carries no immediate data".into(),
-                ));
-            }
+            self.check_send_wr(w.send_wr())?;
         }
         let mut q = lock(&self.queues);
         // Read under the lock the post takes anyway (one lock per post, not two).
@@ -81,6 +47,49 @@ impl QueuePair {
         }
         for chunk in wrs.chunks(CHUNK) {
             self.post_send_chunk(&mut q, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Checks one send-queue work request as every post does (the classic list and the
+    /// extended batch alike): its kind against the QP's, inline data against the QP's limit,
+    /// every piece against its region (PD, bounds, `LOCAL_WRITE` where the device writes it),
+    /// and immediate data only where the operation carries it.
+    #[inline(always)]
+    pub(super) fn check_send_wr(&self, w: &SendWr<'_>) -> Result<()> {
+        if w.ud.is_some() != self.datagrams {
+            // Unreachable through the public API: only a UdQp posts datagrams, and it
+            // offers nothing else.
+            return Err(Error::InvalidArgument(if self.datagrams {
+                "a UD QP sends datagrams only, each addressed (UdSendWr)".into()
+            } else {
+                "an addressed datagram needs a UD QP".into()
+            }));
+        }
+        if let Some(data) = w.inline {
+            if data.len() > self.max_inline as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "inline send of {} bytes exceeds the QP's max_inline_data of {}",
+                    data.len(),
+                    self.max_inline
+                )));
+            }
+        }
+        if let Some((mr, r)) = &w.local {
+            check_local(&self.pd, mr, r, w.op.writes_local())?;
+        }
+        if !w.rest.is_empty() {
+            // Every constructor of a list sets its first piece; were one ever to leave it
+            // out, the later pieces must not reach the device unchecked.
+            let Some((_, first)) = &w.local else {
+                return Err(Error::InvalidArgument("a scatter/gather list needs its first piece".into()));
+            };
+            self.check_send_pieces(w, first.len())?;
+        }
+        if w.imm.is_some() && (w.op.is_atomic() || matches!(w.op, SendOp::SendInv { .. })) {
+            return Err(Error::InvalidArgument(
+                "an atomic, or a send with invalidate, carries no immediate data".into(),
+            ));
         }
         Ok(())
     }
@@ -128,6 +137,9 @@ impl QueuePair {
         }
         if self.errored {
             return Err(in_error_state(op));
+        }
+        if self.ex.is_some_and(|e| e.open) {
+            return Err(super::batch::leaked(op));
         }
         Ok(())
     }
