@@ -296,3 +296,53 @@ fn a_panic_while_handing_out_a_batch_loses_no_completion() {
     }
     t.finish();
 }
+
+/// A batch whose iterator panics after yielding one request leaves that request staged, never
+/// posted; the next post takes the same slot. It must neither free a region the device is using
+/// nor lose the next request's completion (the lane's outside review, finding 1: a debug
+/// assertion on the staged slot panicked after the provider had taken the request, dropping its
+/// region under the device).
+#[test]
+fn a_post_after_a_panicking_batch_iterator_loses_nothing() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let pd = a.pd.clone();
+        let first = SendWr::write(region(&a), 0..64, &remote, 0).wr_id(1);
+        let mut yielded = false;
+        let wrs = std::iter::from_fn(move || {
+            assert!(!yielded, "the iterator panics on its second call");
+            yielded = true;
+            Some(SendWr::write(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap(), 0..64, &remote, 0))
+        });
+        let r = catch_unwind(AssertUnwindSafe(|| a.lane.post_send_iter(a.qp, wrs)));
+        assert!(r.is_err(), "the iterator's panic reaches the caller");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0), "nothing was posted");
+        a.lane.post_send(a.qp, first).map_err(|r| r.into_parts().0).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 1, "{c:?}");
+        assert!(c.take_region().is_some(), "the posted region comes back with its completion");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b));
+    }
+    t.finish();
+}
+
+/// A handle of another lane names nothing here, even where its place and generation match one
+/// of this lane's QPs (the lane's outside review, finding 3).
+#[test]
+fn another_lanes_handle_is_refused() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let r = a.lane.post_recv(b.qp, RecvWr::new(region(&a)));
+        let e = r.expect_err("b's handle on a's lane");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        assert!(e.into_inner().is_some(), "the region comes back");
+        assert!(a.lane.outstanding(b.qp).is_err());
+        drop((a, b));
+    }
+    t.finish();
+}

@@ -249,6 +249,19 @@ fn a_lane_serves_qps_made_without_the_cm() {
         let params = RcParams::new().gid_index(gidx);
         let a = UnconnectedQp::new(&pd, lane.qp_init(), params.clone()).expect("create QP a");
         let b = UnconnectedQp::new(&pd, lane.qp_init(), params).expect("create QP b");
+        // The lane polls its CQ without the CQ's lock: resizing it is refused, and so is
+        // growing it for a new queue (the lane's outside review, finding 2).
+        let cq = Arc::clone(a.qp().send_cq());
+        let e = cq.resize(256).expect_err("a lane's CQ is never resized");
+        assert!(e.to_string().contains("belongs to a Lane"), "{e}");
+        cq.set_auto_grow(true);
+        let e = UnconnectedQp::new(
+            &pd,
+            QpInit::new().max_send_wr(64).max_recv_wr(64).send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq)),
+            RcParams::new().gid_index(gidx),
+        )
+        .expect_err("no room, and no growing");
+        assert!(e.to_string().contains("belongs to a Lane"), "{e}");
         let (ia, ib) = (a.local(), b.local());
         let qa = lane.attach(a.connect(&ib).expect("connect a")).map_err(|r| r.into_parts().0).expect("attach a");
         let qb = lane.attach(b.connect(&ia).expect("connect b")).map_err(|r| r.into_parts().0).expect("attach b");
@@ -299,6 +312,12 @@ fn a_lane_serves_qps_made_without_the_cm() {
                 lane.attach(ub).map_err(|r| r.into_parts().0).expect("attach UD b"),
             );
             let to_b = lane.add_dest(la, &dest).unwrap();
+            // A destination registered for one QP is not another's, though both sit at
+            // generation 0 (the lane's outside review, finding 3).
+            let b_key = lane.add_dest(lb, &dest).unwrap();
+            let stray = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+            let e = lane.post_send(la, LSend::send(stray, 0..8).to(b_key)).expect_err("another QP's destination");
+            assert!(e.to_string().contains("not this QP's"), "{e}");
             let rbuf = MemoryRegion::new(&pd, recv_len, AccessFlags::LOCAL_WRITE).unwrap();
             let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
             sbuf.as_mut_slice().unwrap()[..8].copy_from_slice(b"datagram");

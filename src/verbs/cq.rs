@@ -146,8 +146,10 @@ impl CompletionQueue {
     /// poll of the crate's other paths refuses it.
     pub(crate) fn new_exclusive(ctx: &VerbsContext, depth: u32) -> Result<Arc<CompletionQueue>> {
         let mut cq = Self::new(ctx, depth)?;
-        if let Some(c) = Arc::get_mut(&mut cq) {
-            c.exclusive = true;
+        match Arc::get_mut(&mut cq) {
+            Some(c) => c.exclusive = true,
+            // Never: the CQ was just made and is not shared yet.
+            None => return Err(Error::InvalidArgument("a lane's CQ was shared before it was marked".into())),
         }
         Ok(cq)
     }
@@ -200,9 +202,16 @@ impl CompletionQueue {
 
     /// `ibv_resize_cq` with the router's lock held (`_router`): no poll of this crate runs.
     fn resize_locked(&self, _router: &mut Router, depth: u32) -> Result<()> {
+        if self.exclusive {
+            // A lane polls its CQ through `&mut Lane`, without the router's lock: the argument
+            // below would not hold.
+            return Err(Error::InvalidArgument(
+                "this CQ belongs to a Lane, which polls it without the CQ's lock, so it is never resized: create the lane (Lane::new) with the depth its QPs need".into(),
+            ));
+        }
         // SAFETY: the CQ is valid while `self` lives, and no poll of this crate runs while the
-        // router is locked (every poll and arm path takes it), so the provider may replace its
-        // queue.
+        // router is locked (every poll and arm path takes it; a lane's CQ, polled without it,
+        // is refused above), so the provider may replace its queue.
         check_ibv(unsafe { ffi::ibv_resize_cq(self.as_raw(), depth as i32) }, "ibv_resize_cq")?;
         self.depth.store(depth, Ordering::Release);
         Ok(())

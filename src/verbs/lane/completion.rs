@@ -54,6 +54,7 @@ pub struct Completion {
     pub(super) f: Fields,
     pub(super) place: u16,
     pub(super) gen: u16,
+    pub(super) lane: u32,
     pub(super) flags: u8,
 }
 
@@ -85,7 +86,7 @@ impl Completion {
     /// The QP it belongs to (`None` for a completion of the convenient path of a QP that is
     /// not attached: see [`Completion::qp_num`]).
     pub fn qp(&self) -> Option<LaneQp> {
-        self.is_lane().then_some(LaneQp { place: self.place, gen: self.gen })
+        self.is_lane().then_some(LaneQp { place: self.place, gen: self.gen, lane: self.lane })
     }
 
     /// The QP number.

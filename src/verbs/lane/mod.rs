@@ -186,7 +186,12 @@ mod tag {
 pub struct LaneQp {
     place: u16,
     gen: u16,
+    /// The lane's own number ([`Lane::new`] draws it), so another lane's handle is refused.
+    lane: u32,
 }
+
+/// The numbers lanes are given, one each.
+static NEXT_LANE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
 
 /// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -204,6 +209,10 @@ struct Slots {
     head: u32,
     /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
     tail: u32,
+    /// Requests staged at `tail..tail + staged` by a `post_send_iter` whose iterator panicked
+    /// before the post: never posted, so their regions are released (`release_staged`) by the
+    /// next post of the queue or at teardown.
+    staged: u32,
 }
 
 struct Slot {
@@ -214,7 +223,14 @@ struct Slot {
 impl Slots {
     fn new(depth: u32) -> Slots {
         let len = depth.max(1).next_power_of_two();
-        Slots { slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(), mask: len - 1, depth, head: 0, tail: 0 }
+        Slots {
+            slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
+            mask: len - 1,
+            depth,
+            head: 0,
+            tail: 0,
+            staged: 0,
+        }
     }
     #[inline(always)]
     fn outstanding(&self) -> u32 {
@@ -232,13 +248,26 @@ impl Slots {
         // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
         // is in bounds.
         let s = unsafe { self.slots.get_unchecked_mut(i) };
-        // The slot is free: at most `depth` are outstanding, and retiring empties a slot.
-        // Written without dropping the `None` it holds (nothing to drop: no check needed).
-        debug_assert!(s.mr.is_none());
-        // SAFETY: `&mut s.mr` is valid for a write. The value overwritten is `None` (see
-        // above); were it ever a region, not dropping it would leak it, which is safe.
+        // The slot is free: at most `depth` are outstanding, and retiring empties a slot. The
+        // one exception: a region staged by a `post_send_iter` whose iterator panicked before
+        // the post, left beyond `tail`. It is overwritten without being dropped (leaked, which
+        // is safe), and nothing here may panic: this runs after the provider took the request.
+        // SAFETY: `&mut s.mr` is valid for a write; the value overwritten, `None` or a region
+        // never posted, is not dropped: at worst a leak.
         unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
         s.wr_id = wr_id;
+    }
+    /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
+    /// device never saw those regions).
+    #[cold]
+    #[inline(never)]
+    fn release_staged(&mut self) {
+        for k in 0..std::mem::take(&mut self.staged) {
+            let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+            if let Some(s) = self.slots.get_mut(i) {
+                drop(s.mr.take());
+            }
+        }
     }
     /// Whether `seq` is outstanding.
     #[inline(always)]
@@ -281,6 +310,8 @@ struct Member {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     gen: u16,
+    /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
+    key: LaneQp,
     pd: Arc<ProtectionDomain>,
     max_send_sge: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
@@ -320,6 +351,9 @@ impl Drop for Member {
     /// exactly when the device can no longer reach the memory. A UD QP's address handles are
     /// handed over the same way, or leaked if the rings have no room for them.
     fn drop(&mut self) {
+        if self.send.staged != 0 {
+            self.send.release_staged();
+        }
         let has_sends = self.send.outstanding() > 0;
         let sends: Vec<MemoryRegion> = self.send.drain().collect();
         let recvs: Vec<MemoryRegion> = self.recv.drain().collect();
@@ -370,6 +404,8 @@ struct Retiring {
 /// One thread's data path: a completion queue and the QPs that complete on it. See the
 /// [module docs](self).
 pub struct Lane {
+    /// Its number, carried by its handles ([`LaneQp`]).
+    id: u32,
     cq_raw: NonNull<ffi::ibv_cq>,
     members: Vec<Option<Member>>,
     /// Each place's generation (kept across removals, so a new QP at a place is told apart).
@@ -415,6 +451,7 @@ impl Lane {
         let cq = CompletionQueue::new_exclusive(ctx, depth)?;
         let cq_raw = NonNull::new(cq.as_raw()).ok_or_else(|| Error::InvalidArgument("CQ without a handle".into()))?;
         Ok(Lane {
+            id: NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cq_raw,
             members: Vec::new(),
             gens: Vec::new(),
@@ -513,7 +550,9 @@ impl Lane {
             None => return Err((Error::InvalidArgument("attach: a lane serves at most 65536 QPs".into()), owner)),
         };
         let gen = self.gens[place];
+        let key = LaneQp { place: place as u16, gen, lane: self.id };
         let m = Member {
+            key,
             raw,
             qp_num: qp.qp_num(),
             gen,
@@ -527,13 +566,13 @@ impl Lane {
             owner,
         };
         self.members[place] = Some(m);
-        Ok(LaneQp { place: place as u16, gen })
+        Ok(key)
     }
 
     #[inline(always)]
     fn member(&mut self, qp: LaneQp) -> Result<&mut Member> {
         match self.members.get_mut(qp.place as usize) {
-            Some(Some(m)) if m.gen == qp.gen => Ok(m),
+            Some(Some(m)) if m.key == qp => Ok(m),
             _ => Err(unknown_qp()),
         }
     }

@@ -74,6 +74,7 @@ impl Lane {
             };
         }
         let (recv, gen, place, seq) = tag::decode(wc.wr_id);
+        let lane = self.id;
         let m = match self.members.get_mut(place as usize) {
             Some(Some(m)) if m.gen == gen && m.qp_num == wc.qp_num => m,
             _ => return false,
@@ -87,7 +88,7 @@ impl Lane {
             // The common case: it retires one slot, the oldest.
             let (mr, wr_id) = slots.pop();
             let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
-            f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, flags });
+            f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, lane, flags });
             return true;
         }
         if slots.holds(seq) {
@@ -101,6 +102,7 @@ impl Lane {
     /// unsignaled ones, then the one it names); returns how many.
     #[inline(always)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
+        let lane = self.id;
         let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
             // Never: a QP stays in place while its completion is handed out.
             self.retiring = None;
@@ -112,7 +114,7 @@ impl Lane {
         while k < room && slots.head != r.upto {
             // An unsignaled work request that ran before the one the completion names.
             let (mr, wr_id) = slots.pop();
-            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, flags: recv | LANE });
+            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE });
             k += 1;
         }
         if k < room {
@@ -126,6 +128,7 @@ impl Lane {
                 f: fields.unwrap_or_default(),
                 place: r.place,
                 gen,
+                lane,
                 flags: recv | SIGNALED | LANE,
             });
             k += 1;
@@ -143,7 +146,7 @@ impl Lane {
         let (done, _) = self.cq.router().route(wc)?;
         let raw = done.to_raw();
         let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
-        Some(Completion { mr: None, wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, flags })
+        Some(Completion { mr: None, wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, lane: 0, flags })
     }
 
     #[cold]

@@ -25,6 +25,9 @@ impl Lane {
         if free == 0 || m.failed.is_some() {
             return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
         }
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
         // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
@@ -72,6 +75,9 @@ impl Lane {
         if m.failed.is_some() {
             return Err(RejectedList { error: refusal(m, "ibv_post_send"), returned: Vec::new() });
         }
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
         let free = m.send.free();
         let seq = m.send.tail;
         let mut raw: [MaybeUninit<ffi::ibv_send_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
@@ -81,6 +87,7 @@ impl Lane {
         let mut k = 0u32;
         for w in wrs {
             if k as usize == MAX_LIST || k == free {
+                m.send.staged = 0;
                 return Err(unstage(m, k, (w.wr_id, w.mr), list_too_long(k, free)));
             }
             // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
@@ -91,17 +98,22 @@ impl Lane {
             let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
             if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+                m.send.staged = 0;
                 return Err(unstage(m, k, (w.wr_id, w.mr), e));
             }
             let i = k as usize;
             if k > 0 {
-                // SAFETY: k - 1 < k < MAX_LIST: an entry written above, within `raw`.
-                unsafe { (*base.add(i - 1)).next = r };
+                // SAFETY: k - 1 < k < MAX_LIST: both entries written above, within `raw`.
+                unsafe { (*base.add(i - 1)).next = base.add(i) };
             }
             // Staged: the slot holds it from here on; committed below once the provider took it.
+            // Counted, so that a panic of the iterator's `next` leaves them to be released.
             m.send.put(k, w.mr, w.wr_id);
             k += 1;
+            m.send.staged = k;
         }
+        // The iterator is done: no user code runs from here on.
+        m.send.staged = 0;
         if k == 0 {
             return Ok(0);
         }
@@ -134,6 +146,9 @@ impl Lane {
             )));
         }
         let m = self.member(qp)?;
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
         let count = wrs.iter().filter(|w| w.is_some()).count() as u32;
         if count == 0 {
             return Ok(0);

@@ -476,7 +476,7 @@ impl SendWr {
     #[inline(always)]
     fn lower_ud(&self, m: &Member) -> Result<ffi::ud_t> {
         let (true, Some(d)) = (self.is_send(), self.dest) else { return Err(ud_needs_dest(self.dest.is_none())) };
-        let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp.gen == m.gen) else {
+        let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp == m.key) else {
             return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
         };
         if self.total > m.mtu as u64 {
