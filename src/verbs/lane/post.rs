@@ -120,7 +120,7 @@ impl Lane {
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; raw[..k] is an initialised NULL-terminated list (the last
         // entry's `next` is still zero) over `sge`, alive for the call; every piece was checked
-        // by `lower_send`, and every region sits in a slot until a completion retires it.
+        // by `SendWr::lower`, and every region sits in a slot until a completion retires it.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), base, &mut bad) };
         if ret == 0 {
             m.send.tail = seq.wrapping_add(k);
@@ -178,7 +178,7 @@ impl Lane {
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; raw[..count] is an initialised NULL-terminated list over
-        // `sge`, alive for the call; every piece was checked by `lower_send`, and every region
+        // `sge`, alive for the call; every piece was checked by `SendWr::lower`, and every region
         // moves into a slot below before anything can reach it.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), base, &mut bad) };
         let posted =
