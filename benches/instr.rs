@@ -32,6 +32,10 @@
 //! GRH: post receive, post send, poll both) and `batch-*` (16 RDMA WRITEs of 64 bytes in one
 //! post under one doorbell, the last one signaled, then one poll that reaps them; counted per
 //! WRITE by the harness).
+//!
+//! Each lane operation has a `-prep` variant too: the same work through prepared work requests
+//! ([`rdma_cm::lane::PreparedSend`]: checked and lowered once before the loop, posted with
+//! `post_prepared`, re-armed with the region each completion hands back).
 
 mod common;
 
@@ -49,7 +53,7 @@ use rdma_cm::{
 const VARIANTS: &str =
     "send-raw, send-crate, send-lane, write-raw, write-crate, write-lane, write4-raw, write4-crate, \
      write4-lane, fadd-raw, fadd-crate, fadd-lane, ud-raw, ud-crate, ud-lane, batch-raw, batch-crate, batch-lane, \
-     xwrite-raw, xwrite-crate";
+     xwrite-raw, xwrite-crate, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep";
 
 /// How long the loop lets the device work before it polls (not counted).
 const SETTLE: Duration = Duration::from_micros(300);
@@ -281,7 +285,7 @@ mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
     use rdma_cm::ffi;
-    use rdma_cm::lane::{Lane, LaneQp, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::lane::{Lane, LaneQp, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
     use rdma_cm::{
         AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
         GRH_LEN,
@@ -309,6 +313,16 @@ mod lane_bench {
             "batch-raw" => |n| batch(n, Path::Raw),
             "batch-crate" => |n| batch(n, Path::Crate),
             "batch-lane" => batch_lane,
+            "send-prep" => send_prep,
+            "write-prep" => |n| one_prep(n, "write-prep", 1, |mr, remote| LSend::write(mr, 0..LEN, remote, 0)),
+            "write4-prep" => |n| one_prep(n, "write4-prep", 4, |mr, remote| LSend::write_sg(mr, &PIECES, remote, 0)),
+            "fadd-prep" => |n| {
+                one_prep(n, "fadd-prep", 1, |mr, remote| {
+                    LSend::fetch_add(mr, 4096, &RemoteRegion { len: 8, ..*remote }, 0, 1)
+                })
+            },
+            "ud-prep" => ud_prep,
+            "batch-prep" => batch_prep,
             _ => return None,
         })
     }
@@ -430,6 +444,80 @@ mod lane_bench {
                 failed(&c);
             }
             mrs[c.wr_id() as usize % BATCH] = c.take_region();
+        })
+        .unwrap()
+    }
+
+    // --- measured: the lane's prepared work requests ---------------------------------------------
+
+    /// The lane: posts the prepared send-queue work request `p` (lowered once, before the loop).
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_post_send(lane: &mut Lane, p: &mut PreparedSend) {
+        lane.post_prepared(p).unwrap();
+    }
+
+    /// The lane: posts the prepared receive `p`.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_post_recv(lane: &mut Lane, p: &mut PreparedRecv) {
+        lane.post_prepared_recv(p).unwrap();
+    }
+
+    /// The lane: one poll; a completion found re-arms `p` with the region it hands back.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_poll_send(lane: &mut Lane, p: &mut PreparedSend) -> bool {
+        let n = lane
+            .poll_with(1, |mut c| {
+                if !c.is_ok() {
+                    failed(&c);
+                }
+                if let Some(r) = c.take_region() {
+                    p.rearm(r).unwrap();
+                }
+            })
+            .unwrap();
+        n == 1
+    }
+
+    /// The lane: as `instr_prep_poll_send`, for a prepared receive.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_poll_recv(lane: &mut Lane, p: &mut PreparedRecv) -> bool {
+        let n = lane
+            .poll_with(1, |mut c| {
+                if !c.is_ok() {
+                    failed(&c);
+                }
+                if let Some(r) = c.take_region() {
+                    p.rearm(r).unwrap();
+                }
+            })
+            .unwrap();
+        n == 1
+    }
+
+    /// The lane: posts the `BATCH` prepared RDMA WRITEs `ps` in one list (one doorbell), the last
+    /// one signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_post_batch(lane: &mut Lane, ps: &mut [PreparedSend; BATCH]) {
+        assert_eq!(lane.post_prepared_list(ps).unwrap(), BATCH);
+    }
+
+    /// The lane: polls until it finds nothing or has handed out what is left of the batch; each
+    /// region re-arms its prepared WRITE. Returns how many it handed out.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_prep_poll_batch(lane: &mut Lane, ps: &mut [PreparedSend; BATCH], want: usize) -> usize {
+        lane.poll_with(want, |mut c| {
+            if !c.is_ok() {
+                failed(&c);
+            }
+            if let Some(r) = c.take_region() {
+                ps[c.wr_id() as usize % BATCH].rearm(r).unwrap();
+            }
         })
         .unwrap()
     }
@@ -708,6 +796,62 @@ mod lane_bench {
                 instr_crate_post_batch(a.conn.qp_mut(), &a.mrs[0], &remote);
                 settle_and_poll(empties, || instr_crate_poll_batch(a.conn.qp_mut(), &mut wcs) == 1);
             }
+        });
+    }
+
+    fn send_prep(n: u64) {
+        let (mut a, mut b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let mut send = a.lane.prepare_send(a.qp, LSend::send(a.mrs.remove(0), 0..LEN)).unwrap();
+        let mut recv = b.lane.prepare_recv(b.qp, LRecv::range(b.mrs.remove(0), 0..LEN)).unwrap();
+        measure("send-prep", n, |empties| {
+            instr_prep_post_recv(&mut b.lane, &mut recv);
+            instr_prep_post_send(&mut a.lane, &mut send);
+            settle_and_poll(empties, || instr_prep_poll_send(&mut a.lane, &mut send));
+            settle_and_poll(empties, || instr_prep_poll_recv(&mut b.lane, &mut recv));
+        });
+    }
+
+    /// One prepared send-queue operation, `wr` of the region and the peer's, posted and polled.
+    fn one_prep(n: u64, name: &str, sge: u32, wr: fn(MemoryRegion, &RemoteRegion) -> LSend) {
+        let (mut a, b) = rc_lanes(sge, ATOMIC);
+        let remote = b.mrs[0].remote();
+        let mut p = a.lane.prepare_send(a.qp, wr(a.mrs.remove(0), &remote)).unwrap();
+        measure(name, n, |empties| {
+            instr_prep_post_send(&mut a.lane, &mut p);
+            settle_and_poll(empties, || instr_prep_poll_send(&mut a.lane, &mut p));
+        });
+    }
+
+    fn ud_prep(n: u64) {
+        let lane::LaneUdPair { mut client, to_server, server_dest: _d, mut server } =
+            lane::lane_ud_pair(common::device_addr(), 7494, QpInit::new(), 64);
+        let sbuf = MemoryRegion::new(&client.pd, LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let rbuf = MemoryRegion::new(&server.pd, GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut send = client.lane.prepare_send(client.qp, LSend::send(sbuf, 0..LEN).to(to_server)).unwrap();
+        let mut recv = server.lane.prepare_recv(server.qp, LRecv::range(rbuf, 0..GRH_LEN + LEN)).unwrap();
+        measure("ud-prep", n, |empties| {
+            instr_prep_post_recv(&mut server.lane, &mut recv);
+            instr_prep_post_send(&mut client.lane, &mut send);
+            settle_and_poll(empties, || instr_prep_poll_send(&mut client.lane, &mut send));
+            settle_and_poll(empties, || instr_prep_poll_recv(&mut server.lane, &mut recv));
+        });
+    }
+
+    fn batch_prep(n: u64) {
+        let (mut a, b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let remote = b.mrs[0].remote();
+        let mut chunks = a.mrs.remove(0).split(8192 / BATCH).unwrap().into_iter();
+        let mut ps: [PreparedSend; BATCH] = std::array::from_fn(|k| {
+            let w = LSend::write(chunks.next().unwrap(), 0..LEN, &remote, 0).wr_id(k as u64);
+            a.lane.prepare_send(a.qp, if k + 1 < BATCH { w.unsignaled() } else { w }).unwrap()
+        });
+        measure("batch-prep", n, |empties| {
+            instr_prep_post_batch(&mut a.lane, &mut ps);
+            let mut got = 0;
+            settle_and_poll(empties, || {
+                got += instr_prep_poll_batch(&mut a.lane, &mut ps, BATCH - got);
+                got == BATCH
+            });
         });
     }
 

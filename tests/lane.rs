@@ -290,3 +290,94 @@ fn ud_datagrams_through_lanes() {
     }
     t.finish();
 }
+
+/// Prepared work requests, checked and lowered once: a send and a receive posted 50 times each,
+/// every completion's region re-arming its request, the data checked each time; then a list of
+/// eight prepared WRITEs under one doorbell, seven unsignaled, retired by the eighth.
+#[test]
+fn prepared_requests_post_again_and_again_with_their_own_regions() {
+    let t = DeviceTest::start();
+    {
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let (mut a, mut b) = lane_pair(t.addr, spec(access), spec(access), 64);
+        let mut send = a.lane.prepare_send(a.qp, SendWr::send(a.mrs.remove(0), 0..256).wr_id(1)).unwrap();
+        let mut recv = b.lane.prepare_recv(b.qp, RecvWr::range(b.mrs.remove(0), 0..256).wr_id(2)).unwrap();
+        for k in 0..50u8 {
+            send.region_mut().unwrap().write_at(0, &pattern(256, k)).unwrap();
+            b.lane.post_prepared_recv(&mut recv).unwrap();
+            a.lane.post_prepared(&mut send).unwrap();
+            assert!(send.region().is_none() && recv.region().is_none(), "posted: the lane holds them");
+            let mut s = reap(&mut a.lane, 1).pop().unwrap();
+            assert!(s.is_ok() && s.wr_id() == 1, "{s:?}");
+            send.rearm(s.take_region().unwrap()).unwrap();
+            let mut r = reap(&mut b.lane, 1).pop().unwrap();
+            assert_eq!((r.wr_id(), r.byte_len(), r.opcode()), (2, 256, Some(WcOpcode::Recv)), "{r:?}");
+            recv.rearm(r.take_region().unwrap()).unwrap();
+            let mut got = [0u8; 256];
+            recv.region_mut().unwrap().read_at(0, &mut got).unwrap();
+            assert_eq!(&got[..], &pattern(256, k)[..], "message {k}");
+        }
+        // A list of eight prepared WRITEs of 512-byte chunks, one doorbell, only the last signaled.
+        let remote = b.mrs[0].remote();
+        let chunks = a.mrs.remove(0).split(512).unwrap();
+        let mut ws: Vec<_> = chunks
+            .into_iter()
+            .enumerate()
+            .map(|(k, mut c)| {
+                c.write_at(0, &pattern(512, k as u8)).unwrap();
+                let w = SendWr::write(c, 0..512, &remote, k as u64 * 512).wr_id(k as u64);
+                a.lane.prepare_send(a.qp, if k < 7 { w.unsignaled() } else { w }).unwrap()
+            })
+            .collect();
+        assert_eq!(a.lane.post_prepared_list(&mut ws).unwrap(), 8);
+        let done = reap(&mut a.lane, 8);
+        assert_eq!(done.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!(done.iter().filter(|c| c.is_signaled()).count(), 1, "one completion retired all eight");
+        for mut c in done {
+            assert!(c.is_ok(), "{c:?}");
+            ws[c.wr_id() as usize].rearm(c.take_region().unwrap()).unwrap();
+        }
+        let mut landed = vec![0u8; 4096];
+        b.mrs[0].read_at(0, &mut landed).unwrap();
+        for k in 0..8 {
+            assert_eq!(&landed[k * 512..(k + 1) * 512], &pattern(512, k as u8)[..], "chunk {k}");
+        }
+        drop((a, b, send, recv, ws));
+    }
+    t.finish();
+}
+
+/// A prepared datagram and receive on UD lanes: posted four times, each landing after the GRH.
+#[test]
+fn prepared_datagrams_through_lanes() {
+    let t = DeviceTest::start();
+    {
+        let mut p = lane_ud_pair(t.addr, 7612, QpInit::new(), 64);
+        let mut msg = MemoryRegion::new(&p.client.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        msg.as_mut_slice().unwrap()[..32].copy_from_slice(&pattern(32, 5));
+        let mut send = p.client.lane.prepare_send(p.client.qp, SendWr::send(msg, 0..32).to(p.to_server)).unwrap();
+        let buf = MemoryRegion::new(&p.server.pd, GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut recv = p.server.lane.prepare_recv(p.server.qp, RecvWr::new(buf)).unwrap();
+        for _ in 0..4 {
+            p.server.lane.post_prepared_recv(&mut recv).unwrap();
+            p.client.lane.post_prepared(&mut send).unwrap();
+            let mut c = reap(&mut p.client.lane, 1).pop().unwrap();
+            assert!(c.is_ok(), "{c:?}");
+            send.rearm(c.take_region().unwrap()).unwrap();
+            let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
+            assert_eq!(r.byte_len() as usize, GRH_LEN + 32, "{r:?}");
+            let wc = r.work_completion();
+            recv.rearm(r.take_region().unwrap()).unwrap();
+            let buf = recv.region_mut().unwrap();
+            let d = Datagram::parse(&wc, buf, 0).unwrap();
+            assert_eq!(&buf.as_slice().unwrap()[d.payload()], &pattern(32, 5)[..]);
+        }
+        // Checked once, at prepare: over the MTU is refused there, with the region back.
+        let big = MemoryRegion::new(&p.client.pd, 8192, AccessFlags::LOCAL_WRITE).unwrap();
+        let r = p.client.lane.prepare_send(p.client.qp, SendWr::send(big, 0..8192).to(p.to_server)).unwrap_err();
+        assert!(matches!(r.error(), Error::MessageTooLong { len: 8192, .. }), "{r}");
+        assert!(r.into_inner().is_some());
+        drop((p, send, recv));
+    }
+    t.finish();
+}

@@ -346,3 +346,121 @@ fn another_lanes_handle_is_refused() {
     }
     t.finish();
 }
+
+/// A prepared work request was checked against one region: re-arming it with another region
+/// (same PD, same size), or while it still holds its own, is refused with the region given
+/// back; and once the region it was prepared with is dropped, no new region re-arms it, even
+/// one the allocator places at the old one's address (regions are recognised by a number that
+/// is never reused). While posted it holds no region: nothing reaches the memory, and a
+/// second post of it is refused.
+#[test]
+fn a_prepared_request_takes_back_only_its_own_region() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let mut recv = b.lane.prepare_recv(b.qp, RecvWr::new(region(&b)).wr_id(3)).unwrap();
+        let other = region(&b);
+        let r = recv.rearm(other).expect_err("already armed");
+        assert!(r.to_string().contains("already holds"), "{r}");
+        let other = r.into_inner().expect("given back");
+        b.lane.post_prepared_recv(&mut recv).unwrap();
+        let r = recv.rearm(other).expect_err("a region it was not prepared with");
+        assert!(r.to_string().contains("not the region"), "{r}");
+        let other = r.into_inner().expect("given back");
+        // Nothing reaches the receive's memory while it is posted: the request is unarmed.
+        assert!(recv.region().is_none() && recv.region_mut().is_none() && recv.take_region().is_none());
+        let e = b.lane.post_prepared_recv(&mut recv).expect_err("posting it twice");
+        assert!(e.to_string().contains("holds no region"), "{e}");
+        assert_eq!(b.lane.outstanding(b.qp).unwrap(), (0, 1), "posted once");
+        a.lane.post_send(a.qp, SendWr::send(region(&a), 0..64)).unwrap();
+        reap(&mut a.lane, 1);
+        let mut c = reap(&mut b.lane, 1).pop().unwrap();
+        let own = c.take_region().unwrap();
+        // Dropped, then registered anew: whatever address the allocator hands out, the request
+        // refuses it.
+        drop(own);
+        let fresh: Vec<MemoryRegion> = (0..8).map(|_| region(&b)).collect();
+        for f in fresh {
+            let r = recv.rearm(f).expect_err("a new region, maybe at the old one's address");
+            assert!(r.to_string().contains("not the region"), "{r}");
+        }
+        drop((a, b, other, recv));
+    }
+    t.finish();
+}
+
+/// A prepared request outlives its QP: after `remove`, and after another QP is attached at
+/// the same place, its post is refused (the place's generation moved on), and another lane
+/// refuses it too; the region stays in the request.
+#[test]
+fn a_prepared_request_of_a_removed_qp_or_another_lane_is_refused() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 128);
+        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
+        let (a1, b1) = pair(t.addr, client(&lane), spec());
+        let pd1 = a1.pd.clone();
+        let old = lane.attach(a1.conn).unwrap();
+        let remote = b1.mrs[0].remote();
+        let mr = MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut p = lane.prepare_send(old, SendWr::write(mr, 0..64, &remote, 0)).unwrap();
+        lane.remove(old).unwrap();
+        let e = lane.post_prepared(&mut p).expect_err("its QP is gone");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        let (a2, b2) = pair(t.addr, client(&lane), spec());
+        let new = lane.attach(a2.conn).unwrap();
+        let place = |q: rdma_cm::lane::LaneQp| format!("{q:?}").split(',').next().unwrap().to_string();
+        assert_eq!(place(p.qp()), place(new), "the same place: {:?} {new:?}", p.qp());
+        assert_ne!(p.qp(), new);
+        let e = lane.post_prepared(&mut p).expect_err("a new QP at the same place");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        assert!(p.is_armed(), "the region stays in the request");
+        assert_eq!(lane.outstanding(new).unwrap(), (0, 0));
+        // Another lane refuses it as well.
+        let (mut c, d) = lane_pair(t.addr, spec(), spec(), 64);
+        let e = c.lane.post_prepared(&mut p).expect_err("another lane's request");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        assert_eq!(c.lane.outstanding(c.qp).unwrap(), (0, 0));
+        drop((lane, b1, b2, c, d, p, pd1));
+    }
+    t.finish();
+}
+
+/// A list of prepared requests is all or nothing before the provider: one unarmed entry, or
+/// entries for two QPs, post none of them and leave every region where it was; a list longer
+/// than the free slots is refused the same way.
+#[test]
+fn a_prepared_list_checks_every_entry_before_posting_any() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let (mut c, d) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let prep = |side: &mut LaneSide, k: u64| {
+            let mr = region(side);
+            side.lane.prepare_send(side.qp, SendWr::write(mr, 0..64, &remote, 0).wr_id(k)).unwrap()
+        };
+        let mut ps: Vec<_> = (0..4).map(|k| prep(&mut a, k)).collect();
+        let taken = ps[2].take_region().unwrap();
+        let e = a.lane.post_prepared_list(&mut ps).expect_err("one is not armed");
+        assert!(e.to_string().contains("holds no region"), "{e}");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert_eq!(ps.iter().filter(|p| p.is_armed()).count(), 3, "the others keep their regions");
+        ps[2].rearm(taken).unwrap();
+        ps.push(prep(&mut c, 9));
+        let e = a.lane.post_prepared_list(&mut ps).expect_err("two QPs in one list");
+        assert!(e.to_string().contains("one QP"), "{e}");
+        assert!(ps.iter().all(|p| p.is_armed()));
+        ps.pop();
+        let mut many: Vec<_> = (0..17).map(|k| prep(&mut a, k)).collect();
+        let e = a.lane.post_prepared_list(&mut many).expect_err("17 requests, 16 slots");
+        assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+        assert!(many.iter().all(|p| p.is_armed()));
+        assert_eq!(a.lane.post_prepared_list(&mut ps).unwrap(), 4);
+        assert!(ps.iter().all(|p| !p.is_armed()), "posted: the lane holds the regions");
+        let done = reap(&mut a.lane, 4);
+        assert!(done.iter().all(|c| c.is_ok()), "{done:?}");
+        drop((a, b, c, d, ps, many, done));
+    }
+    t.finish();
+}

@@ -169,7 +169,13 @@ pub(crate) struct MrInner {
     access: AccessFlags,
     /// The address of the PD's `Arc` allocation, compared by [`MrInner::on_pd`].
     pd: usize,
+    /// This region's number, unique in the process (never reused, unlike an address): what a
+    /// prepared work request of a lane recognises its region by.
+    serial: u64,
 }
+
+/// The numbers regions are given, one each.
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 enum Part {
     Whole(Registration),
@@ -186,7 +192,13 @@ impl MrInner {
         let lkey = unsafe { (*reg.mr.as_ptr()).lkey };
         let addr = reg.buf.as_ptr() as u64 + offset as u64;
         let (access, pd) = (reg.access, Arc::as_ptr(&reg.pd) as usize);
-        Arc::new(MrInner { part, writers: AtomicUsize::new(0), addr, len, lkey, access, pd })
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        Arc::new(MrInner { part, writers: AtomicUsize::new(0), addr, len, lkey, access, pd, serial })
+    }
+    /// This region's number, unique in the process.
+    #[inline]
+    pub(crate) fn serial(&self) -> u64 {
+        self.serial
     }
     fn reg(&self) -> &Registration {
         match &self.part {

@@ -27,6 +27,15 @@
 //!   the queue, in order, and each comes back as its own [`Completion`]
 //!   ([`Completion::is_signaled`] false). [`Lane::post_send_list`] posts up to
 //!   [`MAX_LIST`] work requests under one doorbell (one `ibv_post_send` of a chained list).
+//! - **Checks hoisted out of the loop: prepared work requests.** The same buffer posted again
+//!   and again (a ping-pong, a stream of WRITEs, a ring of receives) need not be checked and
+//!   lowered each time. [`Lane::prepare_send`] and [`Lane::prepare_recv`] check a work request
+//!   against its region and its QP once and keep the provider's work request; a post
+//!   ([`Lane::post_prepared`], [`Lane::post_prepared_recv`], [`Lane::post_prepared_list`])
+//!   only stamps the tag and the signaled bit, calls the provider and moves the region into
+//!   the slot. The completion hands the region back, and [`PreparedSend::rearm`] takes it
+//!   (that region only: the request was checked against it). This is the path for
+//!   performance-sensitive code; the examples' latency and rate modes use it.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -94,7 +103,15 @@
 //!   are kept, in order, for the next poll.
 //! - **Stale completions retire nothing.** Each `wr_id` the lane posts names the QP's place
 //!   in the lane, that place's generation, and the slot's sequence number; a completion of a
-//!   QP removed from the lane (or of an earlier QP at the same place) matches no slot.
+//!   QP removed from the lane (or of an earlier QP at the same place) matches no slot. A place
+//!   whose generations are used up (16,384 QPs attached and removed there) is never used
+//!   again, so no handle, prepared work request or stale completion of an earlier QP can be
+//!   taken for a later one's.
+//! - **A prepared work request posts only what it was checked for.** It names its QP by
+//!   handle (place, generation, lane), so it is refused once that QP is removed and by any
+//!   other lane; it takes back only the region it was checked against (recognised by the
+//!   region's number, unique in the process and never reused, unlike an address); while it is
+//!   posted it holds no region, so posting it twice, or reaching its memory, is refused.
 //!
 //! # Limits of this version
 //!
@@ -130,12 +147,16 @@ mod completion;
 mod owner;
 mod poll;
 mod post;
+mod prepared;
+mod slots;
 mod wr;
 
 pub use completion::Completion;
 use completion::{Fields, LANE, RECV, SIGNALED};
 pub use owner::LaneOwner;
 pub(crate) use owner::Sealed;
+pub use prepared::{PreparedRecv, PreparedSend};
+use slots::Slots;
 use wr::*;
 pub use wr::{RecvWr, Rejected, RejectedList, SendWr};
 
@@ -145,6 +166,9 @@ pub const MAX_LIST: usize = 16;
 
 /// Completions taken from the CQ per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
+
+/// The generation of a place that is never used again (beyond `tag::GEN_MASK`).
+const RETIRED: u16 = u16::MAX;
 
 /// How long teardown waits for flushed completions before destroying a QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -198,100 +222,6 @@ static NEXT_LANE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::n
 pub struct DestKey {
     qp: LaneQp,
     index: u32,
-}
-
-/// One work queue's slots: the regions of posted work requests, in posting order.
-struct Slots {
-    slots: Box<[Slot]>,
-    mask: u32,
-    depth: u32,
-    /// Sequence number of the oldest outstanding work request.
-    head: u32,
-    /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
-    tail: u32,
-    /// Requests staged at `tail..tail + staged` by a `post_send_iter` whose iterator panicked
-    /// before the post: never posted, so their regions are released (`release_staged`) by the
-    /// next post of the queue or at teardown.
-    staged: u32,
-}
-
-struct Slot {
-    mr: Option<MemoryRegion>,
-    wr_id: u64,
-}
-
-impl Slots {
-    fn new(depth: u32) -> Slots {
-        let len = depth.max(1).next_power_of_two();
-        Slots {
-            slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
-            mask: len - 1,
-            depth,
-            head: 0,
-            tail: 0,
-            staged: 0,
-        }
-    }
-    #[inline(always)]
-    fn outstanding(&self) -> u32 {
-        self.tail.wrapping_sub(self.head)
-    }
-    #[inline(always)]
-    fn free(&self) -> u32 {
-        self.depth - self.outstanding()
-    }
-    /// Stores a posted work request at `tail + k` (committed by `commit`).
-    #[inline(always)]
-    fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
-        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
-        debug_assert!(i < self.slots.len());
-        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
-        // is in bounds.
-        let s = unsafe { self.slots.get_unchecked_mut(i) };
-        // The slot is free: at most `depth` are outstanding, and retiring empties a slot. The
-        // one exception: a region staged by a `post_send_iter` whose iterator panicked before
-        // the post, left beyond `tail`. It is overwritten without being dropped (leaked, which
-        // is safe), and nothing here may panic: this runs after the provider took the request.
-        // SAFETY: `&mut s.mr` is valid for a write; the value overwritten, `None` or a region
-        // never posted, is not dropped: at worst a leak.
-        unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
-        s.wr_id = wr_id;
-    }
-    /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
-    /// device never saw those regions).
-    #[cold]
-    #[inline(never)]
-    fn release_staged(&mut self) {
-        for k in 0..std::mem::take(&mut self.staged) {
-            let i = (self.tail.wrapping_add(k) & self.mask) as usize;
-            if let Some(s) = self.slots.get_mut(i) {
-                drop(s.mr.take());
-            }
-        }
-    }
-    /// Whether `seq` is outstanding.
-    #[inline(always)]
-    fn holds(&self, seq: u32) -> bool {
-        seq.wrapping_sub(self.head) < self.outstanding()
-    }
-    /// Retires the oldest work request: its region and `wr_id`.
-    #[inline(always)]
-    fn pop(&mut self) -> (Option<MemoryRegion>, u64) {
-        let i = (self.head & self.mask) as usize;
-        self.head = self.head.wrapping_add(1);
-        debug_assert!(i < self.slots.len());
-        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
-        // is in bounds.
-        let s = unsafe { self.slots.get_unchecked_mut(i) };
-        (s.mr.take(), s.wr_id)
-    }
-    /// Takes every region still held (for a QP being destroyed).
-    fn drain(&mut self) -> impl Iterator<Item = MemoryRegion> + '_ {
-        let n = self.outstanding();
-        let start = self.head;
-        self.head = self.tail;
-        (0..n).filter_map(move |k| self.slots[(start.wrapping_add(k) & self.mask) as usize].mr.take())
-    }
 }
 
 /// A UD destination as a post needs it, and the handle that keeps its address handle alive.
@@ -540,7 +470,8 @@ impl Lane {
         let Some(raw) = NonNull::new(qp.as_raw()) else {
             return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
         };
-        let place = match self.members.iter().position(Option::is_none) {
+        let vacant = |(i, m): (usize, &Option<Member>)| m.is_none() && self.gens[i] != RETIRED;
+        let place = match self.members.iter().enumerate().position(vacant) {
             Some(p) => p,
             None if self.members.len() <= u16::MAX as usize => {
                 self.members.push(None);
@@ -658,7 +589,10 @@ impl Lane {
         self.member(qp)?;
         self.drain(Some(qp.place));
         let place = qp.place as usize;
-        self.gens[place] = (self.gens[place] + 1) & tag::GEN_MASK;
+        // A place whose generations are used up is never used again: a handle, a prepared
+        // work request or a stale completion of an earlier QP there can then never be taken
+        // for a later one's.
+        self.gens[place] = if self.gens[place] == tag::GEN_MASK { RETIRED } else { self.gens[place] + 1 };
         drop(self.members[place].take());
         Ok(())
     }
@@ -772,24 +706,5 @@ mod tests {
         assert!(piece(&reversed).is_err());
         assert_eq!(piece(&(4..10)), Ok((4, 6)));
         assert!(piece(&(0..(u32::MAX as usize + 1))).is_err());
-    }
-
-    #[test]
-    fn slots_wrap_and_refuse_sequence_numbers_outside_the_window() {
-        let mut s = Slots::new(3);
-        assert_eq!((s.slots.len(), s.free()), (4, 3));
-        // Start near the wrap of the 32-bit sequence numbers.
-        s.head = u32::MAX - 1;
-        s.tail = u32::MAX - 1;
-        for k in 0..3 {
-            assert!(!s.holds(s.tail.wrapping_add(k)));
-        }
-        s.tail = s.tail.wrapping_add(3);
-        assert_eq!(s.free(), 0);
-        assert!(s.holds(u32::MAX - 1) && s.holds(u32::MAX) && s.holds(0));
-        assert!(!s.holds(1) && !s.holds(u32::MAX - 2));
-        let _ = s.pop();
-        assert!(!s.holds(u32::MAX - 1), "a retired one is stale");
-        assert_eq!(s.free(), 1);
     }
 }

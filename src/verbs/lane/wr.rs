@@ -572,23 +572,9 @@ impl RecvWr {
 #[cold]
 #[inline(never)]
 pub(super) fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Error) -> RejectedList {
-    let mut returned = take_staged(&mut m.send, 0, k);
+    let mut returned = m.send.take_staged(0, k);
     returned.push(w);
     RejectedList { error, returned }
-}
-
-/// Takes the staged slots `tail + from .. tail + to` back out.
-pub(super) fn take_staged(slots: &mut Slots, from: u32, to: u32) -> Vec<(u64, MemoryRegion)> {
-    let mut out = Vec::new();
-    for j in from..to {
-        let i = (slots.tail.wrapping_add(j) & slots.mask) as usize;
-        if let Some(s) = slots.slots.get_mut(i) {
-            if let Some(mr) = s.mr.take() {
-                out.push((s.wr_id, mr));
-            }
-        }
-    }
-    out
 }
 
 /// A list of `k` staged work requests the provider refused from `named` on (`None`: it did not
@@ -597,7 +583,7 @@ pub(super) fn take_staged(slots: &mut Slots, from: u32, to: u32) -> Vec<(u64, Me
 #[inline(never)]
 pub(super) fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
     let posted = named.map_or(k, |p| p as u32);
-    let returned = take_staged(&mut m.send, posted, k);
+    let returned = m.send.take_staged(posted, k);
     m.send.tail = m.send.tail.wrapping_add(posted);
     RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
 }

@@ -1,0 +1,411 @@
+//! Work requests lowered once and posted many times: the lane's fastest path.
+//!
+//! A [`SendWr`] or [`RecvWr`] is checked where it is built and lowered at every post. A
+//! [`PreparedSend`] or [`PreparedRecv`] is checked and lowered once, for one QP of the lane
+//! ([`Lane::prepare_send`], [`Lane::prepare_recv`]); a post then only stamps the `wr_id` tag and
+//! the signaled bit into the provider's work request it already holds, and moves the region
+//! into the QP's slot. The completion hands the region back ([`Completion::take_region`]), and
+//! [`PreparedSend::rearm`] puts it back into the prepared request, which refuses any other
+//! region: the request's scatter list was checked against that one.
+//!
+//! ```text
+//! let mut send = lane.prepare_send(qp, SendWr::write(mr, 0..64, &remote, 0))?;  // checked once
+//! loop {
+//!     lane.post_prepared(&mut send)?;          // the region moves into the lane
+//!     lane.poll_with(1, |mut c| region = c.take_region())?;
+//!     send.rearm(region.take().unwrap())?;     // back, for the next post
+//! }
+//! ```
+
+use super::*;
+
+/// A send-queue work request lowered once for one QP of a lane ([`Lane::prepare_send`]), posted
+/// any number of times with [`Lane::post_prepared`].
+///
+/// It holds its region while it is *armed*; a post moves the region into the lane, and the
+/// completion that retires the work request hands it back, to [`PreparedSend::rearm`] this
+/// request with. Only that region is taken back: the request was checked against it (bounds,
+/// access, protection domain). The request stays meaningful while its QP is attached; once
+/// the QP is removed, a post is refused.
+pub struct PreparedSend {
+    raw: ffi::ibv_send_wr,
+    sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
+    mr: Option<MemoryRegion>,
+    /// The number of the region it was checked against (unique in the process, never reused).
+    of: u64,
+    key: LaneQp,
+    /// `IBV_SEND_SOLICITED` or nothing: the signaled bit is decided at each post.
+    flags: u32,
+    signaled: bool,
+    wr_id: u64,
+}
+
+// SAFETY: the raw pointers in `raw` are its scatter list (re-pointed at `sge` by each post)
+// and a UD destination's address handle, which the lane's member keeps alive; only the lane
+// that prepared it hands them to the provider, from whatever thread owns the lane (`Lane` is
+// `Send`). Nothing is shared between threads: the request is owned, and used through `&mut`.
+unsafe impl Send for PreparedSend {}
+
+/// A receive lowered once for one QP of a lane ([`Lane::prepare_recv`]), posted any number of
+/// times with [`Lane::post_prepared_recv`]; armed and re-armed as [`PreparedSend`] is.
+pub struct PreparedRecv {
+    raw: ffi::ibv_recv_wr,
+    sge: ffi::ibv_sge,
+    mr: Option<MemoryRegion>,
+    of: u64,
+    key: LaneQp,
+    wr_id: u64,
+}
+
+// SAFETY: the one raw pointer, the scatter list, is re-pointed at `sge` by each post; see
+// `PreparedSend`.
+unsafe impl Send for PreparedRecv {}
+
+impl fmt::Debug for PreparedSend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PreparedSend")
+            .field("qp", &self.key)
+            .field("opcode", &self.raw.opcode)
+            .field("pieces", &self.raw.num_sge)
+            .field("wr_id", &self.wr_id)
+            .field("signaled", &self.signaled)
+            .field("armed", &self.mr.is_some())
+            .finish()
+    }
+}
+
+impl fmt::Debug for PreparedRecv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PreparedRecv")
+            .field("qp", &self.key)
+            .field("len", &self.sge.length)
+            .field("wr_id", &self.wr_id)
+            .field("armed", &self.mr.is_some())
+            .finish()
+    }
+}
+
+/// Puts `mr` into `slot` when it is the region `of` names and the slot is empty; gives it
+/// back otherwise.
+#[inline(always)]
+fn rearm(
+    slot: &mut Option<MemoryRegion>,
+    of: u64,
+    mr: MemoryRegion,
+) -> std::result::Result<(), Rejected<MemoryRegion>> {
+    if slot.is_none() && mr.inner().serial() == of {
+        *slot = Some(mr);
+        return Ok(());
+    }
+    Err(rearm_refused(slot.is_some(), mr))
+}
+
+#[cold]
+#[inline(never)]
+fn rearm_refused(armed: bool, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+    let why = if armed {
+        "rearm: the prepared work request already holds its region"
+    } else {
+        "rearm: not the region this work request was prepared with (prepare another one for it)"
+    };
+    Rejected::new(Error::InvalidArgument(why.into()), mr)
+}
+
+macro_rules! armed_accessors {
+    ($t:ty) => {
+        impl $t {
+            /// Puts its region back after a completion handed it out, arming it for the next
+            /// post.
+            ///
+            /// # Errors
+            /// The region comes back with [`Error::InvalidArgument`] when it is not the one
+            /// this request was prepared with, or when the request already holds its region.
+            #[inline(always)]
+            pub fn rearm(&mut self, mr: MemoryRegion) -> std::result::Result<(), Rejected<MemoryRegion>> {
+                rearm(&mut self.mr, self.of, mr)
+            }
+
+            /// Whether it holds its region (and so can be posted).
+            pub fn is_armed(&self) -> bool {
+                self.mr.is_some()
+            }
+
+            /// Its region while it is armed (not posted): to fill a send, or to read what a
+            /// receive brought.
+            pub fn region(&self) -> Option<&MemoryRegion> {
+                self.mr.as_ref()
+            }
+
+            /// Its region, mutable, while it is armed.
+            pub fn region_mut(&mut self) -> Option<&mut MemoryRegion> {
+                self.mr.as_mut()
+            }
+
+            /// Its region, taken out (the request is then disarmed until [`Self::rearm`]).
+            pub fn take_region(&mut self) -> Option<MemoryRegion> {
+                self.mr.take()
+            }
+
+            /// The QP it was prepared for.
+            pub fn qp(&self) -> LaneQp {
+                self.key
+            }
+
+            /// The `wr_id` its completions carry.
+            pub fn wr_id(&self) -> u64 {
+                self.wr_id
+            }
+
+            /// Sets the `wr_id` its next completions carry.
+            #[inline(always)]
+            pub fn set_wr_id(&mut self, id: u64) {
+                self.wr_id = id;
+            }
+        }
+    };
+}
+
+armed_accessors!(PreparedSend);
+armed_accessors!(PreparedRecv);
+
+impl PreparedSend {
+    /// Asks for a completion of each post (true, the default) or for none on success (see
+    /// [`SendWr::unsignaled`]: the next signaled completion of the queue retires it).
+    #[inline(always)]
+    pub fn set_signaled(&mut self, signaled: bool) {
+        self.signaled = signaled;
+    }
+}
+
+#[cold]
+fn not_armed() -> Error {
+    Error::InvalidArgument(
+        "post_prepared: the prepared work request holds no region (its last post's completion hands the region back: rearm it)"
+            .into(),
+    )
+}
+
+/// The error of a post that the provider refused, with the region put back into `slot` when
+/// the provider named the request (it did not take it).
+#[cold]
+fn post_refused(
+    m: &mut Member,
+    ret: i32,
+    named: bool,
+    wr_id: u64,
+    mr: MemoryRegion,
+    slot: &mut Option<MemoryRegion>,
+    send: bool,
+) -> Error {
+    match post_failed_one(m, ret, named, (wr_id, mr), send) {
+        Ok(()) => Error::call(if send { "ibv_post_send" } else { "ibv_post_recv" }, ret, None),
+        Err(rejected) => {
+            let (error, back) = rejected.into_parts();
+            *slot = back;
+            error
+        }
+    }
+}
+
+impl Lane {
+    /// Checks and lowers `wr` once for `qp` (as [`Lane::post_send`] would before a post:
+    /// bounds, access, protection domain, the QP's piece limit, a UD destination and its MTU),
+    /// armed with `wr`'s region.
+    ///
+    /// # Errors
+    /// The region comes back with the error [`Lane::post_send`] would give for these checks.
+    pub fn prepare_send(
+        &mut self,
+        qp: LaneQp,
+        wr: SendWr,
+    ) -> std::result::Result<PreparedSend, Rejected<MemoryRegion>> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
+        let mut sge = [const { MaybeUninit::uninit() }; MAX_SGE];
+        // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
+        // is a valid value.
+        let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
+        if let Err(e) = wr.lower(m, 0, false, &mut raw, &mut sge) {
+            return Err(Rejected::new(e, wr.mr));
+        }
+        // `lower` pointed the list at the local `sge`; each post points it at the request's own.
+        raw.sg_list = std::ptr::null_mut();
+        let of = wr.mr.inner().serial();
+        Ok(PreparedSend {
+            raw,
+            sge,
+            of,
+            key: qp,
+            flags: wr.flags,
+            signaled: wr.signaled,
+            wr_id: wr.wr_id,
+            mr: Some(wr.mr),
+        })
+    }
+
+    /// Checks and lowers the receive `wr` once for `qp`, armed with its region.
+    ///
+    /// # Errors
+    /// The region comes back with the error [`Lane::post_recv`] would give for these checks.
+    pub fn prepare_recv(
+        &mut self,
+        qp: LaneQp,
+        wr: RecvWr,
+    ) -> std::result::Result<PreparedRecv, Rejected<MemoryRegion>> {
+        let m = match self.member(qp) {
+            Ok(m) => m,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
+        let num_sge = match wr.lower(m) {
+            Ok(n) => n,
+            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        };
+        let raw = ffi::ibv_recv_wr { wr_id: 0, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge };
+        let of = wr.mr.inner().serial();
+        Ok(PreparedRecv { raw, sge: wr.sge, of, key: qp, wr_id: wr.wr_id, mr: Some(wr.mr) })
+    }
+
+    /// Posts the prepared send-queue work request `p`: its region moves into the lane until
+    /// the completion that retires it hands it back (to [`PreparedSend::rearm`] `p` with).
+    ///
+    /// # Errors
+    /// The region stays in `p` when it was not posted: [`Error::InvalidArgument`] when `p` is
+    /// not armed or its QP is no longer attached to this lane; [`Error::QueueFull`];
+    /// [`Error::QpInError`]; [`Error::Call`] when `ibv_post_send` refuses it (as for
+    /// [`Lane::post_send`]: when the provider did not say whether it took it, the region stays
+    /// held until the flush retires it).
+    #[inline(always)]
+    pub fn post_prepared(&mut self, p: &mut PreparedSend) -> Result<()> {
+        let m = self.member(p.key)?;
+        let free = m.send.free();
+        if free == 0 || m.failed.is_some() {
+            return Err(refusal(m, "ibv_post_send"));
+        }
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
+        let Some(mr) = p.mr.take() else { return Err(not_armed()) };
+        let seq = m.send.tail;
+        p.raw.wr_id = tag::encode(p.key.place, p.key.gen, seq, false);
+        // The one that takes the last free slot is signaled, so a full queue drains.
+        p.raw.send_flags = p.flags | if p.signaled || free == 1 { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+        p.raw.sg_list = p.sge.as_mut_ptr().cast();
+        p.raw.next = std::ptr::null_mut();
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive (its owner is in `m`, which `p.key` names: the place, its
+        // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
+        // request over `p.sge`, both alive for the call, lowered by `prepare_send` for this very
+        // QP against the region `mr`, which `rearm` made sure is the one it was checked
+        // against; a UD destination's address handle is kept by `m`. The region moves into the
+        // slot below, out of Rust's reach until a completion retires the slot.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut p.raw, &mut bad) };
+        if ret == 0 {
+            m.send.put(0, mr, p.wr_id);
+            m.send.tail = seq.wrapping_add(1);
+            return Ok(());
+        }
+        let named = std::ptr::eq(bad, &p.raw);
+        Err(post_refused(m, ret, named, p.wr_id, mr, &mut p.mr, true))
+    }
+
+    /// Posts the prepared receive `p`, as [`Lane::post_prepared`] posts a send.
+    ///
+    /// # Errors
+    /// As for [`Lane::post_prepared`].
+    #[inline(always)]
+    pub fn post_prepared_recv(&mut self, p: &mut PreparedRecv) -> Result<()> {
+        let m = self.member(p.key)?;
+        if m.recv.free() == 0 || m.failed.is_some() {
+            return Err(refusal_recv(m));
+        }
+        let Some(mr) = p.mr.take() else { return Err(not_armed()) };
+        let seq = m.recv.tail;
+        p.raw.wr_id = tag::encode(p.key.place, p.key.gen, seq, true);
+        p.raw.sg_list = &mut p.sge;
+        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: as in `post_prepared`: the QP is alive; `p.raw` is one NULL-terminated
+        // receive over `p.sge`, checked by `prepare_recv` for this QP against `mr` (bounds, PD,
+        // LOCAL_WRITE), which moves into the slot below.
+        let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), &mut p.raw, &mut bad) };
+        if ret == 0 {
+            m.recv.put(0, mr, p.wr_id);
+            m.recv.tail = seq.wrapping_add(1);
+            return Ok(());
+        }
+        let named = std::ptr::eq(bad, &p.raw);
+        Err(post_refused(m, ret, named, p.wr_id, mr, &mut p.mr, false))
+    }
+
+    /// Posts the prepared send-queue work requests `ps` (all armed, all for one QP) in one
+    /// `ibv_post_send`: one doorbell. Their regions move into the lane, in order. Returns how
+    /// many were posted: all of them, or, when the provider refuses one, those before it.
+    ///
+    /// # Errors
+    /// Nothing is posted, and every region stays where it was, when one of `ps` is not armed
+    /// or is for another QP, when they do not fit in the queue's free slots, or when the QP is
+    /// in the error state. When the provider refuses part of the list, the requests it named
+    /// and those after it keep their regions.
+    pub fn post_prepared_list(&mut self, ps: &mut [PreparedSend]) -> Result<usize> {
+        let Some(first) = ps.first() else { return Ok(0) };
+        let key = first.key;
+        if ps.iter().any(|p| p.key != key) {
+            return Err(Error::InvalidArgument(
+                "post_prepared_list: every work request of a list must be prepared for one QP".into(),
+            ));
+        }
+        if ps.iter().any(|p| p.mr.is_none()) {
+            return Err(not_armed());
+        }
+        let m = self.member(key)?;
+        let count = ps.len() as u32;
+        let free = m.send.free();
+        if count > free || m.failed.is_some() {
+            return Err(refusal(m, "ibv_post_send"));
+        }
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
+        let tail = m.send.tail;
+        for (k, p) in ps.iter_mut().enumerate() {
+            let k = k as u32;
+            p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
+            p.raw.send_flags =
+                p.flags | if p.signaled || k + 1 == free { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            p.raw.sg_list = p.sge.as_mut_ptr().cast();
+            p.raw.next = std::ptr::null_mut();
+        }
+        let base = ps.as_mut_ptr();
+        for k in 1..ps.len() {
+            // SAFETY: k - 1 < k < ps.len(): both within `ps`, which outlives the call below and
+            // is not moved (borrowed mutably here); the link goes from one element's request to
+            // the next's.
+            unsafe { (*base.add(k - 1)).raw.next = &mut (*base.add(k)).raw };
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive; the list is ps[0].raw → … → ps[count-1].raw (NULL-terminated),
+        // each over its own `sge`, all alive for the call, each lowered for this QP against its
+        // own armed region (as in `post_prepared`); every posted region moves into a slot below.
+        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut (*base).raw, &mut bad) };
+        let posted = if ret == 0 {
+            count
+        } else {
+            // `bad` is NULL or one of the list's entries: only its address is compared.
+            ps.iter().position(|p| std::ptr::eq(bad, &p.raw)).map_or(count, |i| i as u32)
+        };
+        for (k, p) in ps.iter_mut().take(posted as usize).enumerate() {
+            if let Some(mr) = p.mr.take() {
+                m.send.put(k as u32, mr, p.wr_id);
+            }
+        }
+        m.send.tail = tail.wrapping_add(posted);
+        for p in ps.iter_mut() {
+            p.raw.next = std::ptr::null_mut();
+        }
+        if ret == 0 {
+            return Ok(posted as usize);
+        }
+        Err(post_list_failed(m, ret, posted < count, "ibv_post_send"))
+    }
+}

@@ -1,0 +1,135 @@
+//! One work queue's slots in a lane: the regions of posted work requests, in posting order.
+
+use super::*;
+
+/// One work queue's slots: the regions of posted work requests, in posting order.
+pub(super) struct Slots {
+    slots: Box<[Slot]>,
+    mask: u32,
+    pub(super) depth: u32,
+    /// Sequence number of the oldest outstanding work request.
+    pub(super) head: u32,
+    /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
+    pub(super) tail: u32,
+    /// Requests staged at `tail..tail + staged` by a `post_send_iter` whose iterator panicked
+    /// before the post: never posted, so their regions are released (`release_staged`) by the
+    /// next post of the queue or at teardown.
+    pub(super) staged: u32,
+}
+
+struct Slot {
+    mr: Option<MemoryRegion>,
+    wr_id: u64,
+}
+
+impl Slots {
+    pub(super) fn new(depth: u32) -> Slots {
+        let len = depth.max(1).next_power_of_two();
+        Slots {
+            slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
+            mask: len - 1,
+            depth,
+            head: 0,
+            tail: 0,
+            staged: 0,
+        }
+    }
+    #[inline(always)]
+    pub(super) fn outstanding(&self) -> u32 {
+        self.tail.wrapping_sub(self.head)
+    }
+    #[inline(always)]
+    pub(super) fn free(&self) -> u32 {
+        self.depth - self.outstanding()
+    }
+    /// Stores a posted work request at `tail + k` (committed by `commit`).
+    #[inline(always)]
+    pub(super) fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
+        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+        debug_assert!(i < self.slots.len());
+        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
+        // is in bounds.
+        let s = unsafe { self.slots.get_unchecked_mut(i) };
+        // The slot is free: at most `depth` are outstanding, and retiring empties a slot. The
+        // one exception: a region staged by a `post_send_iter` whose iterator panicked before
+        // the post, left beyond `tail`. It is overwritten without being dropped (leaked, which
+        // is safe), and nothing here may panic: this runs after the provider took the request.
+        // SAFETY: `&mut s.mr` is valid for a write; the value overwritten, `None` or a region
+        // never posted, is not dropped: at worst a leak.
+        unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
+        s.wr_id = wr_id;
+    }
+    /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
+    /// device never saw those regions).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn release_staged(&mut self) {
+        for k in 0..std::mem::take(&mut self.staged) {
+            let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+            if let Some(s) = self.slots.get_mut(i) {
+                drop(s.mr.take());
+            }
+        }
+    }
+    /// Whether `seq` is outstanding.
+    #[inline(always)]
+    pub(super) fn holds(&self, seq: u32) -> bool {
+        seq.wrapping_sub(self.head) < self.outstanding()
+    }
+    /// Retires the oldest work request: its region and `wr_id`.
+    #[inline(always)]
+    pub(super) fn pop(&mut self) -> (Option<MemoryRegion>, u64) {
+        let i = (self.head & self.mask) as usize;
+        self.head = self.head.wrapping_add(1);
+        debug_assert!(i < self.slots.len());
+        // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
+        // is in bounds.
+        let s = unsafe { self.slots.get_unchecked_mut(i) };
+        (s.mr.take(), s.wr_id)
+    }
+    /// Takes every region still held (for a QP being destroyed).
+    pub(super) fn drain(&mut self) -> impl Iterator<Item = MemoryRegion> + '_ {
+        let n = self.outstanding();
+        let start = self.head;
+        self.head = self.tail;
+        (0..n).filter_map(move |k| self.slots[(start.wrapping_add(k) & self.mask) as usize].mr.take())
+    }
+
+    /// Takes the staged slots `tail + from .. tail + to` back out.
+    pub(super) fn take_staged(&mut self, from: u32, to: u32) -> Vec<(u64, MemoryRegion)> {
+        let mut out = Vec::new();
+        for j in from..to {
+            let i = (self.tail.wrapping_add(j) & self.mask) as usize;
+            if let Some(s) = self.slots.get_mut(i) {
+                if let Some(mr) = s.mr.take() {
+                    out.push((s.wr_id, mr));
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_wrap_and_refuse_sequence_numbers_outside_the_window() {
+        let mut s = Slots::new(3);
+        assert_eq!((s.slots.len(), s.free()), (4, 3));
+        // Start near the wrap of the 32-bit sequence numbers.
+        s.head = u32::MAX - 1;
+        s.tail = u32::MAX - 1;
+        for k in 0..3 {
+            assert!(!s.holds(s.tail.wrapping_add(k)));
+        }
+        s.tail = s.tail.wrapping_add(3);
+        assert_eq!(s.free(), 0);
+        assert!(s.holds(u32::MAX - 1) && s.holds(u32::MAX) && s.holds(0));
+        assert!(!s.holds(1) && !s.holds(u32::MAX - 2));
+        let _ = s.pop();
+        assert!(!s.holds(u32::MAX - 1), "a retired one is stale");
+        assert_eq!(s.free(), 1);
+    }
+}
