@@ -40,7 +40,13 @@ fn shutdown_destroys_the_qp_before_the_peer_answers() {
     let (go, go_rx) = mpsc::channel::<()>();
     let server = thread::spawn(move || {
         let common::Side { mut conn, pd, mrs } = s;
-        go_rx.recv_timeout(T).expect("the client's go-ahead");
+        // No bound here: the go-ahead comes after the client's shutdown (the flush reaped, up
+        // to 2 s) and its `rdma res show` runs, which took over 10 s (T) in a loaded guest, and
+        // this thread's timeout then failed the test. If the client fails before giving it,
+        // `go` drops with it, and this returns.
+        if go_rx.recv().is_err() {
+            return; // the client's side failed, and says why
+        }
         let ev = conn.next_event(T).expect("server: DISCONNECTED");
         assert_eq!(ev.event_type(), CmEventType::Disconnected);
         let d = conn.shutdown().expect("server shutdown after the peer left");
@@ -266,6 +272,9 @@ fn user_qp_connects_through_the_event_loop_steps() {
 #[test]
 fn an_unconnected_qp_in_init_is_adopted_with_its_receives() {
     let t = DeviceTest::start();
+    // Soft-iWARP's ibv_query_qp reports no QP state (it reads RESET on a working QP, MATRIX.md):
+    // the states are checked where the device reports them; the adoption and the data everywhere.
+    let states = !common::caps::iwarp();
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
     let dst = listener.local_addr().unwrap();
     let srv = thread::spawn(move || {
@@ -307,20 +316,28 @@ fn an_unconnected_qp_in_init_is_adopted_with_its_receives() {
         None => RcParams::new(), // no GID at all: InfiniBand within one subnet
     };
     let mut uqp = UnconnectedQp::new(&pd, QpInit::new(), params).expect("a verbs-only QP in INIT");
-    assert_eq!(uqp.qp().attributes().unwrap().state, QpState::Init);
+    if states {
+        assert_eq!(uqp.qp().attributes().unwrap().state, QpState::Init);
+    }
     uqp.post_recv(&[RecvWr::new(&mr, 0..256).wr_id(3)]).unwrap();
     let n = uqp.qp_num();
     let q = route.adopt_qp(uqp).expect("client: adopt an INIT QP");
     assert_eq!(q.qp().qp_num(), n);
-    assert_eq!(q.qp().attributes().unwrap().state, QpState::Init);
+    if states {
+        assert_eq!(q.qp().attributes().unwrap().state, QpState::Init);
+    }
     let mut conn = q.connect(&ConnParam::new(), T).expect("client: connect");
-    assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+    if states {
+        assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+    }
     let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 3, T).expect("the receive posted before adoption");
     assert_eq!(wc.byte_len(), 200);
     assert_eq!(&mr.as_slice().unwrap()[..200], &pattern(200, 5)[..]);
     let ev = conn.next_event(T).expect("client: DISCONNECTED");
     assert_eq!(ev.event_type(), CmEventType::Disconnected);
-    assert_eq!(conn.qp().attributes().unwrap().state, QpState::Error, "the peer left: the adopted QP is in ERR");
+    if states {
+        assert_eq!(conn.qp().attributes().unwrap().state, QpState::Error, "the peer left: the adopted QP is in ERR");
+    }
     srv.join().unwrap();
     drop(conn);
     drop((mr, pd, ctx));

@@ -12,21 +12,26 @@ use std::time::{Duration, Instant};
 use common::{DeviceTest, T};
 use rdma_cm::{
     devices, AccessFlags, Datagram, Error, Gid, GidType, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QpState,
-    RcParams, RecvWr, SendWr, UdQp, UdSendWr, UnconnectedQp, VerbsContext, WcStatus, WorkQueue, GRH_LEN,
+    RcParams, RecvWr, SendWr, Transport, UdQp, UdSendWr, UnconnectedQp, VerbsContext, WcStatus, WorkQueue, GRH_LEN,
 };
 
 /// The device's context and the index of the RoCE v2 GID of its IPv4 address (what
-/// `ibv_rc_pingpong -g` is given).
+/// `ibv_rc_pingpong -g` is given). An iWARP device has no such entry (its peers are found by IP
+/// address, through the CM): its first valid entry is taken, which is all a QP made there
+/// without the CM needs (it is never connected: see `Cap::ConnectWithoutCm`).
 fn open(addr: IpAddr) -> (VerbsContext, u8) {
     let name =
         devices().expect("ibv_get_device_list").into_iter().next().expect("a device (this is a device test)").name;
     let ctx = VerbsContext::open(&name).expect("ibv_open_device");
-    let entry = ctx
-        .gid_table(1)
-        .expect("gid table")
-        .into_iter()
-        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == GidType::RoceV2)
-        .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr} on port 1"));
+    let table = ctx.gid_table(1).expect("gid table");
+    let entry = if ctx.transport() == Transport::Iwarp {
+        table.into_iter().next().unwrap_or_else(|| panic!("no valid GID on {name} port 1"))
+    } else {
+        table
+            .into_iter()
+            .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == GidType::RoceV2)
+            .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr} on port 1"))
+    };
     (ctx, u8::try_from(entry.index).expect("a GID index under 256"))
 }
 
@@ -41,7 +46,7 @@ fn pair(pd: &Arc<ProtectionDomain>, params: RcParams) -> (UnconnectedQp, Unconne
 #[test]
 fn rc_pair_connected_by_exchanged_info_sends_and_writes_byte_exact() {
     let t = DeviceTest::start();
-    {
+    if common::require(common::Cap::ConnectWithoutCm) {
         let (ctx, gidx) = open(t.addr);
         let pd = ProtectionDomain::new(&ctx).unwrap();
         let (mut a, mut b) = pair(&pd, RcParams::new().gid_index(gidx));
@@ -144,6 +149,11 @@ fn bad_peer_info_gives_a_clear_error_not_a_hang() {
         let pd = ProtectionDomain::new(&ctx).unwrap();
         let params = RcParams::new().gid_index(gidx).timeout(12).retry_count(2);
         let good = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap().local();
+        // Each case below spoils one field of otherwise good info. siw numbers its QPs from 1,
+        // which `PeerInfo::check` refuses (QP 0 and 1 are InfiniBand's special QPs, never an RC
+        // QP's; and an iWARP QP is never connected from a PeerInfo): the number is kept in the
+        // range an RC QP has everywhere, so that each case is refused for its own field.
+        let good = PeerInfo { qp_num: good.qp_num.max(2), ..good };
 
         let cases: [(PeerInfo, &str); 4] = [
             (PeerInfo { qp_num: 0, ..good }, "QP number"),
@@ -162,23 +172,26 @@ fn bad_peer_info_gives_a_clear_error_not_a_hang() {
         let q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
         assert!(q.connect(&zero).is_err());
 
-        // A QP number that names nothing: connect succeeds, the send fails in bounded time.
-        let mut q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
-        let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-        q.post_recv(&[RecvWr::new(&rbuf, 0..64).wr_id(1)]).unwrap();
-        let ghost = PeerInfo { qp_num: (good.qp_num + 1000) & 0xff_ffff, ..good };
-        let mut qp = q.connect(&ghost).expect("RTR/RTS cannot check the peer's QP number");
-        let started = Instant::now();
-        qp.post_send(&[SendWr::send_inline(b"anyone?").wr_id(2)]).unwrap();
-        let e = qp.wait_for(WorkQueue::Send, 2, T).expect_err("a send to no QP fails");
-        assert!(started.elapsed() < T, "bounded: {:?}", started.elapsed());
-        match &e {
-            Error::WorkCompletion { status, .. } => assert_eq!(*status, WcStatus::RetryExcErr, "{e}"),
-            other => panic!("expected RETRY_EXC_ERR, got {other}"),
+        // A QP number that names nothing: connect succeeds, the send fails in bounded time. Only
+        // where RTR/RTS by hand connects at all (not on iWARP).
+        if common::require(common::Cap::ConnectWithoutCm) {
+            let mut q = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
+            let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            q.post_recv(&[RecvWr::new(&rbuf, 0..64).wr_id(1)]).unwrap();
+            let ghost = PeerInfo { qp_num: (good.qp_num + 1000) & 0xff_ffff, ..good };
+            let mut qp = q.connect(&ghost).expect("RTR/RTS cannot check the peer's QP number");
+            let started = Instant::now();
+            qp.post_send(&[SendWr::send_inline(b"anyone?").wr_id(2)]).unwrap();
+            let e = qp.wait_for(WorkQueue::Send, 2, T).expect_err("a send to no QP fails");
+            assert!(started.elapsed() < T, "bounded: {:?}", started.elapsed());
+            match &e {
+                Error::WorkCompletion { status, .. } => assert_eq!(*status, WcStatus::RetryExcErr, "{e}"),
+                other => panic!("expected RETRY_EXC_ERR, got {other}"),
+            }
+            assert!(e.to_string().contains("did not acknowledge"), "the hint: {e}");
+            drop(qp);
+            assert_eq!(rbuf.outstanding(), 0, "the flushed receive released its region");
         }
-        assert!(e.to_string().contains("did not acknowledge"), "the hint: {e}");
-        drop(qp);
-        assert_eq!(rbuf.outstanding(), 0, "the flushed receive released its region");
     }
     t.finish();
 }
@@ -262,44 +275,47 @@ fn a_lane_serves_qps_made_without_the_cm() {
         )
         .expect_err("no room, and no growing");
         assert!(e.to_string().contains("belongs to a Lane"), "{e}");
-        let (ia, ib) = (a.local(), b.local());
-        let qa = lane.attach(a.connect(&ib).expect("connect a")).map_err(|r| r.into_parts().0).expect("attach a");
-        let qb = lane.attach(b.connect(&ia).expect("connect b")).map_err(|r| r.into_parts().0).expect("attach b");
-        assert_eq!(lane.qp_num(qa).unwrap(), ia.qp_num);
+        // The RC pair, connected by hand: not on iWARP (the UD part below needs UD only).
+        if common::require(common::Cap::ConnectWithoutCm) {
+            let (ia, ib) = (a.local(), b.local());
+            let qa = lane.attach(a.connect(&ib).expect("connect a")).map_err(|r| r.into_parts().0).expect("attach a");
+            let qb = lane.attach(b.connect(&ia).expect("connect b")).map_err(|r| r.into_parts().0).expect("attach b");
+            assert_eq!(lane.qp_num(qa).unwrap(), ia.qp_num);
 
-        let msg = b"a lane without the CM";
-        let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
-        sbuf.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(msg);
-        lane.post_recv(qb, LRecv::new(rbuf).wr_id(1)).map_err(|r| r.into_parts().0).unwrap();
-        lane.post_send(qa, LSend::send(sbuf, 0..msg.len()).wr_id(2)).map_err(|r| r.into_parts().0).unwrap();
-        let mut got = [false; 2];
-        for mut c in common::lane::reap(&mut lane, 2) {
-            assert!(c.is_ok(), "{c:?}");
-            let mut region = c.take_region().expect("the region comes back with its completion");
-            match c.wr_id() {
-                1 => {
-                    assert_eq!((c.qp(), c.queue(), c.byte_len()), (Some(qb), WorkQueue::Recv, msg.len() as u32));
-                    assert_eq!(&region.as_slice().unwrap()[..msg.len()], msg);
-                    got[0] = true;
+            let msg = b"a lane without the CM";
+            let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            let mut sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+            sbuf.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(msg);
+            lane.post_recv(qb, LRecv::new(rbuf).wr_id(1)).map_err(|r| r.into_parts().0).unwrap();
+            lane.post_send(qa, LSend::send(sbuf, 0..msg.len()).wr_id(2)).map_err(|r| r.into_parts().0).unwrap();
+            let mut got = [false; 2];
+            for mut c in common::lane::reap(&mut lane, 2) {
+                assert!(c.is_ok(), "{c:?}");
+                let mut region = c.take_region().expect("the region comes back with its completion");
+                match c.wr_id() {
+                    1 => {
+                        assert_eq!((c.qp(), c.queue(), c.byte_len()), (Some(qb), WorkQueue::Recv, msg.len() as u32));
+                        assert_eq!(&region.as_slice().unwrap()[..msg.len()], msg);
+                        got[0] = true;
+                    }
+                    2 => {
+                        assert_eq!((c.qp(), c.queue()), (Some(qa), WorkQueue::Send));
+                        got[1] = true;
+                    }
+                    other => panic!("unexpected wr_id {other}"),
                 }
-                2 => {
-                    assert_eq!((c.qp(), c.queue()), (Some(qa), WorkQueue::Send));
-                    got[1] = true;
-                }
-                other => panic!("unexpected wr_id {other}"),
             }
-        }
-        assert_eq!(got, [true, true]);
+            assert_eq!(got, [true, true]);
 
-        // A QP that completes on its own CQ: refused, and given back.
-        let own = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(gidx)).unwrap();
-        let peer = lane.qp_num(qb).unwrap();
-        let own = own.connect(&PeerInfo { qp_num: peer, ..ib }).expect("connect");
-        let num = own.qp_num();
-        let r = lane.attach(own).expect_err("a QP on another CQ must be refused");
-        assert!(r.error().to_string().contains("another CQ"), "{}", r.error());
-        assert_eq!(r.into_inner().expect("the QP comes back").qp_num(), num);
+            // A QP that completes on its own CQ: refused, and given back.
+            let own = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(gidx)).unwrap();
+            let peer = lane.qp_num(qb).unwrap();
+            let own = own.connect(&PeerInfo { qp_num: peer, ..ib }).expect("connect");
+            let num = own.qp_num();
+            let r = lane.attach(own).expect_err("a QP on another CQ must be refused");
+            assert!(r.error().to_string().contains("another CQ"), "{}", r.error());
+            assert_eq!(r.into_inner().expect("the QP comes back").qp_num(), num);
+        }
 
         if common::require(common::Cap::Ud) {
             let qkey = 0x1111_1111;

@@ -1,6 +1,6 @@
 //! Skipping by capability: a device test that needs what not every RDMA device offers (atomics,
 //! UD, multicast, immediate data, a scattered READ, RNR retries, InfiniBand transport QP attributes,
-//! many CQs in one process) asks the device first, and when the device
+//! many CQs in one process, an RC connection made without the CM) asks the device first, and when the device
 //! says no, prints one line saying what is missing and why, then returns.
 //!
 //! It asks the device, never its name: the same suite runs on rxe, siw and hardware (as
@@ -38,6 +38,11 @@ pub enum Cap {
     /// connections holds. No device attribute says it (`max_cq` is the kernel's limit, not the
     /// provider library's): it is found by making them, and they are all destroyed again.
     CompletionQueues(usize),
+    /// An RC QP connected without the connection manager: moved to RTR and RTS by hand from the
+    /// peer's QP number, PSN and GID (`UnconnectedQp::connect`, as `ibv_rc_pingpong` does).
+    /// InfiniBand and RoCE; an iWARP QP is connected only through the CM, which hands it the
+    /// TCP connection its stream runs on.
+    ConnectWithoutCm,
 }
 
 /// What the device says about itself: the answers `require` needs.
@@ -78,6 +83,11 @@ fn lacks(cap: Cap, d: &Answers) -> Option<String> {
             "{} is an iWARP device: its QPs run over TCP, which has no ACK timeout, retry count or traffic class",
             d.name
         )),
+        Cap::ConnectWithoutCm if iwarp => Some(format!(
+            "{} is an iWARP device: its QPs are connected only through the CM, which gives them their TCP \
+             connection, never by RTR/RTS from exchanged info",
+            d.name
+        )),
         Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry if iwarp => {
             Some(format!("{} is an iWARP device, and iWARP has no {}", d.name, what(cap)))
         }
@@ -115,6 +125,7 @@ fn what(cap: Cap) -> String {
         Cap::RnrRetry => "receiver-not-ready retries".into(),
         Cap::IbQpAttributes => "InfiniBand transport QP attributes".into(),
         Cap::CompletionQueues(n) => format!("{n} completion queues in one process"),
+        Cap::ConnectWithoutCm => "an RC connection made without the CM".into(),
     }
 }
 
