@@ -104,3 +104,262 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     p.wait_resources(&base, "after the flap");
     t.finish();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 22: does any teardown while the link is down break host B's CM, or only a teardown
+// whose DREQ is sent while the link is down? Each case flaps host B's own link, then checks
+// that host B can still connect to a fresh server on host A; where it cannot, host B's device
+// is re-created (so the next case starts from a working CM) and the cause is checked.
+
+const TRACE: &str = "/sys/kernel/tracing";
+
+/// Starts recording ib_mad's tracepoints (QP1's sends and their completions) from now on.
+fn trace_on() {
+    sh_local(&format!(
+        "[ -e {TRACE}/events/ib_mad ] || mount -t tracefs nodev {TRACE}; echo 1 > {TRACE}/events/ib_mad/enable; : > {TRACE}/trace"
+    ));
+}
+
+/// Stops recording; returns how many of QP1's sends completed, how many of those failed
+/// (status 2: LOC_QP_OP_ERR), and the trace.
+fn trace_qp1() -> (usize, usize, String) {
+    let text = sh_local(&format!("cat {TRACE}/trace; echo 0 > {TRACE}/events/ib_mad/enable"));
+    let done: Vec<&str> =
+        text.lines().filter(|l| l.contains("ib_mad_send_done_handler") && l.contains("QP1")).collect();
+    let failed = done.iter().filter(|l| l.contains("SEND WC Status 2 ")).count();
+    (done.len(), failed, text)
+}
+
+/// A shell script that waits (bounded, polling) until rxe0's port state contains `word`.
+fn port_state_script(word: &str) -> String {
+    format!(
+        "for i in $(seq 1200); do grep -q {word} /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.05; done; \
+         echo \"rxe0 port not {word}: $(cat /sys/class/infiniband/rxe0/ports/1/state)\"; exit 1"
+    )
+}
+
+/// Host B's link down, returning once its RDMA port says so.
+fn link_down() {
+    sh_local(&format!("ip link set {NETDEV} down && {}", port_state_script("DOWN")));
+}
+
+/// Host B's link up, returning once its RDMA port is ACTIVE again.
+fn link_up() {
+    sh_local(&format!("ip link set {NETDEV} up && {}", port_state_script("ACTIVE")));
+}
+
+fn send_err() -> u64 {
+    peer::counters().get("send_err").copied().unwrap_or(0)
+}
+
+/// Waits (bounded) until host A has a listening id on `port`.
+fn wait_listening(p: &peer::Peer, port: &str) {
+    let needle = format!("src-addr {}:{port} ", p.addr);
+    peer::wait_until(Duration::from_secs(60), &format!("a listener on host A's port {port}"), || {
+        p.sh("rdma res show cm_id").contains(&needle)
+    });
+}
+
+/// Waits (bounded) until process `pid` is stopped (SIGSTOP took effect).
+fn wait_stopped(pid: u32) {
+    peer::wait_until(Duration::from_secs(30), &format!("process {pid} to stop"), || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map(|s| s.lines().any(|l| l.starts_with("State:") && l.contains('T')))
+            .unwrap_or(false)
+    });
+}
+
+fn signal(pid: u32, sig: &str) {
+    sh_local(&format!("kill -s {sig} {pid}"));
+}
+
+/// rping's client here, pinging host A's rping server on `port` without end; returned once it
+/// has pinged.
+fn rping_client(p: &peer::Peer, port: &str) -> std::process::Child {
+    let a = p.addr.to_string();
+    let mut c = Command::new("rping")
+        .args(["-c", "-a", &a, "-p", port, "-v"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("rping (rdmacm-utils)");
+    let lines = common::lines_of(&mut c);
+    common::wait_for_line(&lines, "ping data", Duration::from_secs(60));
+    c
+}
+
+/// After a flap: whether host B connects to a fresh example server on host A. If it does not,
+/// asserts the known cause (a QP1 send of host B failed) and that re-creating rxe0 repairs it.
+fn connects_after_flap(p: &peer::Peer, port: &str, qp1_failed: usize, trace: &str) -> bool {
+    let a = p.addr.to_string();
+    let srv = p.start("fresh-server", &[&example("server"), "-a", &a, "-p", port, "--timeout", "5"]);
+    srv.wait_line(&format!("Listening on port {port}"), Duration::from_secs(60));
+    let client = |timeout: &str| {
+        run_local(&[&example("client"), "-a", &a, "-p", port, "--timeout", timeout], Duration::from_secs(90))
+    };
+    let after = client("10");
+    let ok = after.status.success();
+    if !ok {
+        assert!(qp1_failed > 0, "no connection after the flap, but no QP1 send of host B failed:\n{trace}");
+        sh_local(&format!(
+            "rdma link delete rxe0 && rdma link add rxe0 type rxe netdev {NETDEV} && {}",
+            port_active_script()
+        ));
+        let repaired = client("20");
+        assert!(repaired.status.success(), "after re-adding rxe0: {}", text(&repaired));
+    }
+    srv.kill("TERM");
+    srv.wait(Duration::from_secs(30));
+    ok
+}
+
+/// Case (a) of issue 22: not the crate. rping's client, mid-transfer, is killed (SIGKILL) while
+/// host B's link is down, so the kernel tears its connection down (uverbs' cleanup destroys the
+/// id, and the CM sends its DREQ) while the link is down. Does host B's CM survive?
+#[test]
+fn rping_killed_while_own_link_is_down() {
+    let t = DeviceTest::start();
+    let p = peer();
+    let base = p.resources();
+    let wire = Wire::new(&p);
+    let a = p.addr.to_string();
+    let srv = p.start("rping-server", &["rping", "-s", "-a", &a, "-p", "7820", "-v"]);
+    wait_listening(&p, "7820");
+    let mut c = rping_client(&p, "7820");
+    trace_on();
+    let err0 = send_err();
+    link_down();
+    let alive = c.try_wait().unwrap().is_none();
+    signal(c.id(), "KILL");
+    c.wait().unwrap();
+    // QP1's DREQ, if one was sent, completes (or fails) within a moment: wait for it, bounded.
+    let qp1_deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < qp1_deadline && trace_qp1_peek() == 0 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let errs = send_err() - err0;
+    link_up();
+    let (done, failed, trace) = trace_qp1();
+    srv.kill("KILL");
+    srv.wait(Duration::from_secs(30));
+    let ok = connects_after_flap(&p, "7821", failed, &trace);
+    eprintln!(
+        "measured: rping -c killed while host B's link was down (it was {}; rxe send_err +{errs}): QP1 sends \
+         completed {done}, failed {failed}; a new connection from B afterwards {}",
+        if alive { "still running" } else { "already gone" },
+        if ok { "works" } else { "times out until rxe0 is re-created (it works after)" }
+    );
+    drop(wire);
+    p.wait_resources(&base, "after the flap");
+    t.finish();
+}
+
+/// How many of QP1's sends completed so far in the trace (recording goes on).
+fn trace_qp1_peek() -> usize {
+    sh_local(&format!("grep -c 'ib_mad_send_done_handler.*QP1' {TRACE}/trace || true")).trim().parse().unwrap_or(0)
+}
+
+/// Case (b) of issue 22: the teardown deferred. rping's client is connected and idle (stopped)
+/// when host B's link goes down; only once the port is ACTIVE again is it killed, so its DREQ
+/// is sent with the link up. Does host B connect afterwards?
+#[test]
+fn idle_connection_torn_down_after_own_link_is_back() {
+    let t = DeviceTest::start();
+    let p = peer();
+    let base = p.resources();
+    let wire = Wire::new(&p);
+    let a = p.addr.to_string();
+    let srv = p.start("rping-server", &["rping", "-s", "-a", &a, "-p", "7830", "-v"]);
+    wait_listening(&p, "7830");
+    let mut c = rping_client(&p, "7830");
+    signal(c.id(), "STOP");
+    wait_stopped(c.id());
+    trace_on();
+    let err0 = send_err();
+    link_down();
+    link_up();
+    let errs = send_err() - err0;
+    signal(c.id(), "KILL");
+    c.wait().unwrap();
+    let (done, failed, trace) = trace_qp1();
+    srv.kill("KILL");
+    srv.wait(Duration::from_secs(30));
+    let ok = connects_after_flap(&p, "7831", failed, &trace);
+    eprintln!(
+        "measured: an idle connection torn down (SIGKILL) only after host B's port was ACTIVE again \
+         (rxe send_err +{errs} while down): QP1 sends completed {done}, failed {failed}; a new connection \
+         from B afterwards {}",
+        if ok { "works" } else { "times out until rxe0 is re-created (it works after)" }
+    );
+    assert!(ok, "deferring the teardown until the port is back did not keep host B able to connect");
+    drop(wire);
+    p.wait_resources(&base, "after the flap");
+    t.finish();
+}
+
+/// Case (b'), the crate's own case with the teardown deferred: the example client streams RDMA
+/// WRITEs; host A drops what it sends (its ACKs), so host B's WRITEs stay in flight; the client
+/// is stopped, host B's link goes down and rxe's retries fail on it (send_err); only once the
+/// port is ACTIVE again is the client killed. Does host B connect afterwards?
+#[test]
+fn mid_transfer_connection_torn_down_after_own_link_is_back() {
+    let t = DeviceTest::start();
+    let p = peer();
+    let base = p.resources();
+    let wire = Wire::new(&p);
+    let a = p.addr.to_string();
+    let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7840", "--timeout", "30"]);
+    srv.wait_line("Listening on port 7840", Duration::from_secs(60));
+    let (mut busy, _lines) = streaming_client(&p, "7840", "65536", "30");
+    wire.netem("a", "loss 100%");
+    signal(busy.id(), "STOP");
+    wait_stopped(busy.id());
+    trace_on();
+    let err0 = send_err();
+    link_down();
+    // rxe retries the WRITEs in flight on the down link: wait (bounded) until one failed.
+    let tried = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < tried && send_err() == err0 {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let errs = send_err() - err0;
+    link_up();
+    wire.clear();
+    signal(busy.id(), "KILL");
+    busy.wait().unwrap();
+    let (done, failed, trace) = trace_qp1();
+    srv.kill("KILL");
+    srv.wait(Duration::from_secs(30));
+    let ok = connects_after_flap(&p, "7841", failed, &trace);
+    eprintln!(
+        "measured: a mid-transfer connection (rxe send_err +{errs} while down) torn down only after host B's \
+         port was ACTIVE again: QP1 sends completed {done}, failed {failed}; a new connection from B afterwards {}",
+        if ok { "works" } else { "times out until rxe0 is re-created (it works after)" }
+    );
+    assert!(errs > 0, "no send of host B failed while its link was down: the case did not happen");
+    assert!(ok, "deferring the teardown until the port is back did not keep host B able to connect");
+    drop(wire);
+    p.wait_resources(&base, "after the flap");
+    t.finish();
+}
+
+/// Case (c) of issue 22: no connection at all while host B's link goes down and up.
+#[test]
+fn own_link_flap_without_a_connection() {
+    let t = DeviceTest::start();
+    let p = peer();
+    let wire = Wire::new(&p);
+    trace_on();
+    link_down();
+    link_up();
+    let (done, failed, trace) = trace_qp1();
+    let ok = connects_after_flap(&p, "7850", failed, &trace);
+    eprintln!(
+        "measured: host B's link down and up with no connection: QP1 sends completed {done}, failed {failed}; \
+         a new connection from B afterwards {}",
+        if ok { "works" } else { "times out until rxe0 is re-created (it works after)" }
+    );
+    assert!(ok, "a link flap with no connection left host B unable to connect");
+    drop(wire);
+    t.finish();
+}
