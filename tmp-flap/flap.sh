@@ -100,7 +100,7 @@ case_c() {
   ip link set eth0 up; wait_state ACTIVE
   after
 }
-echo "kernel $(uname -r)"
+dmesg -n 8 2>/dev/null; echo "kernel $(uname -r)"
 can_connect || echo "baseline connect failed"
 for c in "$@"; do
   echo "== case $c ($(date -u +%T))"
