@@ -189,8 +189,9 @@ fn rping_client(p: &peer::Peer, port: &str) -> std::process::Child {
 }
 
 /// After a flap: whether host B connects to a fresh example server on host A. If it does not,
-/// asserts the known cause (a QP1 send of host B failed) and that re-creating rxe0 repairs it.
-fn connects_after_flap(p: &peer::Peer, port: &str, qp1_failed: usize, trace: &str) -> bool {
+/// host B's device is re-created (so that the next case starts from a working CM), and the
+/// connection must then work.
+fn connects_after_flap(p: &peer::Peer, port: &str) -> bool {
     let a = p.addr.to_string();
     let srv = p.start("fresh-server", &[&example("server"), "-a", &a, "-p", port, "--timeout", "5"]);
     srv.wait_line(&format!("Listening on port {port}"), Duration::from_secs(60));
@@ -200,10 +201,6 @@ fn connects_after_flap(p: &peer::Peer, port: &str, qp1_failed: usize, trace: &st
     let after = client("10");
     let ok = after.status.success();
     if !ok {
-        assert!(
-            qp1_failed > 0,
-            "no connection after the flap, but no QP1 send of host B failed; its QP1 sends:\n{trace}"
-        );
         sh_local(&format!(
             "rdma link delete rxe0 && rdma link add rxe0 type rxe netdev {NETDEV} && {}",
             port_active_script()
@@ -243,9 +240,9 @@ fn rping_killed_while_own_link_is_down() {
     let errs = send_err() - err0;
     link_up();
     let (done, failed, trace) = trace_qp1();
-    srv.kill("KILL");
+    srv.end("KILL");
     srv.wait(Duration::from_secs(30));
-    let ok = connects_after_flap(&p, "7821", failed, &trace);
+    let ok = connects_after_flap(&p, "7821");
     eprintln!(
         "measured: rping -c killed while host B's link was down (it was {}; rxe send_err +{errs}): QP1 sends \
          completed {done}, failed {failed}; a new connection from B afterwards {}",
@@ -286,9 +283,9 @@ fn idle_connection_torn_down_after_own_link_is_back() {
     signal(c.id(), "KILL");
     c.wait().unwrap();
     let (done, failed, trace) = trace_qp1();
-    srv.kill("KILL");
+    srv.end("KILL");
     srv.wait(Duration::from_secs(30));
-    let ok = connects_after_flap(&p, "7831", failed, &trace);
+    let ok = connects_after_flap(&p, "7831");
     eprintln!(
         "measured: an idle connection torn down (SIGKILL) only after host B's port was ACTIVE again \
          (rxe send_err +{errs} while down): QP1 sends completed {done}, failed {failed}; a new connection \
@@ -337,9 +334,9 @@ fn mid_transfer_connection_torn_down_after_own_link_is_back() {
     signal(busy.id(), "KILL");
     busy.wait().unwrap();
     let (done, failed, trace) = trace_qp1();
-    srv.kill("KILL");
+    srv.end("KILL");
     srv.wait(Duration::from_secs(30));
-    let ok = connects_after_flap(&p, "7841", failed, &trace);
+    let ok = connects_after_flap(&p, "7841");
     eprintln!(
         "measured: a mid-transfer connection (rxe send_err +{errs} while down) torn down only after host B's \
          port was ACTIVE again: QP1 sends completed {done}, failed {failed}; a new connection from B afterwards {}",
@@ -363,7 +360,7 @@ fn own_link_flap_without_a_connection() {
     link_down();
     link_up();
     let (done, failed, trace) = trace_qp1();
-    let ok = connects_after_flap(&p, "7850", failed, &trace);
+    let ok = connects_after_flap(&p, "7850");
     eprintln!(
         "measured: host B's link down and up with no connection: QP1 sends completed {done}, failed {failed}; \
          a new connection from B afterwards {}",
