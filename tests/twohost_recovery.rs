@@ -109,7 +109,18 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
 // Issue 22: does any teardown while the link is down break host B's CM, or only a teardown
 // whose DREQ is sent while the link is down? Each case flaps host B's own link, then checks
 // that host B can still connect to a fresh server on host A; where it cannot, host B's device
-// is re-created (so the next case starts from a working CM) and the cause is checked.
+// is re-created (so the next case starts from a working CM), and the connection must then work.
+//
+// Measured (the runs' output is in tmp-flap/; tmp-flap/flap.sh is the same study as a script):
+// - rping's client SIGKILLed while B's link is down (the kernel's cleanup sends the DREQ): B is
+//   deaf afterwards on 6.1 (1 of 1 run that reached the check; QP1's send failed, status 2; in
+//   another run guest B reset itself right after the SIGKILL) and on 6.12 (2 of 2; there QP1's
+//   send is not traced as failing). Any teardown while down breaks it, not only the crate's.
+// - an idle connection, and a mid-transfer one whose QP failed while down, torn down only once
+//   the port is ACTIVE again: B connects (6.1: 2 of 2 each; 6.12: idle 2 of 2, mid-transfer 2
+//   of 3; the DREQ completes with status 0). Deferring the teardown keeps B able to connect.
+// - no connection at all: B connects (6.1: 2 of 2; 6.12: 2 of 3, the third after an unrepaired
+//   deaf case).
 
 const TRACE: &str = "/sys/kernel/tracing";
 
