@@ -66,7 +66,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
              WR_FLUSH_ERR on 6.12):\n{trace_text}"
         );
         // On 6.1 our server heard the request and answered it (B's QP1 still sends). On 6.12 it
-        // never logged it (1 run; whether B's QP1 sent it, or A's CM dropped it, is not known).
+        // never logged it (2 of 2 runs; whether B's QP1 sent it, or A's CM dropped it, is not known).
         if srv.out().matches("Received CONNECT_REQUEST").count() >= 2 {
             eprintln!("measured: host A's server heard host B's new request (B's QP1 still sends)");
         } else {
