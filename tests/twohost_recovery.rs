@@ -120,14 +120,17 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
 //
 // Measured (the runs' output is in tmp-flap/; tmp-flap/flap.sh is the same study as a script):
 // - rping's client SIGKILLed while B's link is down (the kernel's cleanup sends the DREQ): B is
-//   deaf afterwards on 6.1 (1 of 1 run that reached the check; QP1's send failed, status 2; in
-//   another run guest B reset itself right after the SIGKILL) and on 6.12 (3 of 3; QP1's send
-//   completed flushed, status 5, where traced). Any teardown while down breaks it, not only the
-//   crate's.
+//   deaf afterwards on 6.1 when the DREQ went out while down (1 run: QP1's send failed, status
+//   2; in another, rping ended on its own as the link went down, its DREQ completed with status
+//   0, and B connected; in a third guest B reset itself right after the SIGKILL) and on 6.12 (3
+//   of 3; QP1's send completed flushed, status 5, where traced). Any teardown whose DREQ is sent
+//   while the link is down breaks it, not only the crate's.
 // - an idle connection, and a mid-transfer one whose QP failed while down, torn down only once
-//   the port is ACTIVE again: B connects (6.1: 2 of 2 each; 6.12: idle 2 of 2, mid-transfer 2
-//   of 3; the DREQ completes with status 0). Deferring the teardown keeps B able to connect.
-// - no connection at all: B connects (6.1: 2 of 2; 6.12: 2 of 3, the third after an unrepaired
+//   the port is ACTIVE again: B connects (6.1: 3 of 3 each; 6.12: idle 2 of 2, mid-transfer 2
+//   of 3; the DREQ completes with status 0). Deferring the teardown kept B able to connect in
+//   every run but one on 6.12 (unexplained: its DREQ completed with status 0; it followed an
+//   idle case whose check that run skipped).
+// - no connection at all: B connects (6.1: 3 of 3; 6.12: 2 of 3, the third after an unrepaired
 //   deaf case).
 
 const TRACE: &str = "/sys/kernel/tracing";
