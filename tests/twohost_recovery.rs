@@ -66,7 +66,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
              WR_FLUSH_ERR on 6.12):\n{trace_text}"
         );
         // On 6.1 our server heard the request and answered it (B's QP1 still sends). On 6.12 it
-        // never logged it (2 of 2 runs; whether B's QP1 sent it, or A's CM dropped it, is not known).
+        // never logged it (3 of 3 runs; whether B's QP1 sent it, or A's CM dropped it, is not known).
         if srv.out().matches("Received CONNECT_REQUEST").count() >= 2 {
             eprintln!("measured: host A's server heard host B's new request (B's QP1 still sends)");
         } else {
@@ -122,15 +122,15 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
 // - rping's client SIGKILLed while B's link is down (the kernel's cleanup sends the DREQ): B is
 //   deaf afterwards on 6.1 when the DREQ went out while down (1 run: QP1's send failed, status
 //   2; in another, rping ended on its own as the link went down, its DREQ completed with status
-//   0, and B connected; in a third guest B reset itself right after the SIGKILL) and on 6.12 (3
-//   of 3; QP1's send completed flushed, status 5, where traced). Any teardown whose DREQ is sent
+//   0, and B connected; in a third guest B reset itself right after the SIGKILL) and on 6.12 (4
+//   of 4; QP1's send completed flushed, status 5, where traced). Any teardown whose DREQ is sent
 //   while the link is down breaks it, not only the crate's.
 // - an idle connection, and a mid-transfer one whose QP failed while down, torn down only once
-//   the port is ACTIVE again: B connects (6.1: 3 of 3 each; 6.12: idle 2 of 2, mid-transfer 2
-//   of 3; the DREQ completes with status 0). Deferring the teardown kept B able to connect in
+//   the port is ACTIVE again: B connects (6.1: 3 of 3 each; 6.12: idle 3 of 3, mid-transfer 3
+//   of 4; the DREQ completes with status 0). Deferring the teardown kept B able to connect in
 //   every run but one on 6.12 (unexplained: its DREQ completed with status 0; it followed an
 //   idle case whose check that run skipped).
-// - no connection at all: B connects (6.1: 3 of 3; 6.12: 2 of 3, the third after an unrepaired
+// - no connection at all: B connects (6.1: 3 of 3; 6.12: 3 of 4, the failure after an unrepaired
 //   deaf case).
 
 const TRACE: &str = "/sys/kernel/tracing";
