@@ -154,6 +154,12 @@ impl Job {
         }
         (self.rc().unwrap(), self.out())
     }
+    /// Sends `sig` unless it has ended already (a job that may end on its own: no race).
+    pub fn end(&self, sig: &str) {
+        let pid = std::fs::read_to_string(self.dir.join("pid")).unwrap();
+        let p = Peer { jobs: self.peer_jobs.clone(), addr: IpAddr::from([0, 0, 0, 0]) };
+        p.sh(&format!("kill -s {sig} {} 2>/dev/null; true", pid.trim()));
+    }
     pub fn kill(&self, sig: &str) {
         let pid = std::fs::read_to_string(self.dir.join("pid")).unwrap();
         let p = Peer { jobs: self.peer_jobs.clone(), addr: IpAddr::from([0, 0, 0, 0]) };
