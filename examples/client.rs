@@ -24,6 +24,13 @@
 //! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
 //! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
 //! perftest's format, to read next to `ib_send_lat`.
+//!
+//! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::lane`),
+//! the crate's fast path and the one for performance-sensitive code: one thread owns the CQ and
+//! the QP, posts and polls take no lock, and each work request moves its region into the lane
+//! until its completion hands it back (`common/fast.rs`; the server does the same on its side).
+//! The one-shot exchange (`--iters 1`) uses the convenient path (`QueuePair::post_send` and its
+//! waits), which is simpler to read.
 
 mod common;
 
@@ -89,7 +96,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     connections: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a whole core), as
-    /// perftest does; default: spin briefly, then sleep on the completion channel.
+    /// perftest does; default: spin briefly, then sleep on the completion channel (on the
+    /// lane, which never sleeps: yield the CPU between empty polls).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -180,8 +188,8 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
 
     // The latency table and the rate mode run on a lane, the crate's fast path: the QP is
     // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
-    // (and read and the atomics) use the convenient path, `QueuePair::post_send` and its waits.
-    let on_lane = args.bw || (args.iters > 1 && matches!(args.mode, Mode::Send | Mode::Write));
+    // uses the convenient path, `QueuePair::post_send` and its waits.
+    let on_lane = args.bw || args.iters > 1;
     let started = Instant::now();
     let send_depth = if args.bw { args.tx_depth } else { 16 };
     let lane = if on_lane { Some(Lane::new(&ctx, send_depth + 16)?) } else { None };
@@ -255,10 +263,11 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
 
     if let Some(lane) = lane {
         let mut lc = LaneConn::attach(lane, conn, args.busy_poll)?;
-        // A 4-byte region for write mode's send doorbell (a lane has no inline sends).
+        // A 4-byte region for our small sends (write mode's send doorbell, read mode's "go",
+        // the atomics' "done"): a lane has no inline sends.
         let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE)?;
         let mut regs = Regions::new(vec![data, back, ctl, ring]);
-        let target = if args.mode == Mode::Write { Some(need(server_region)?) } else { None };
+        let target = if args.mode != Mode::Send { Some(need(server_region)?) } else { None };
         run_on_lane(args, &mut lc, &mut regs, &pd, target, send_doorbell, iters, t)?;
         steps.time(|| lc.disconnect(t))?;
         say!("[INFO] Disconnected");
@@ -413,15 +422,27 @@ fn run_on_lane(
         let start = clock.now();
         let n = match (args.mode, &target) {
             (Mode::Write, Some(server)) => lane_round_trip_write(lc, regs, server, send_doorbell, i, one, t)?,
+            (Mode::Read, Some(server)) => lane_round_trip_read(lc, regs, server, i, one, t)?,
+            (Mode::FetchAdd | Mode::CmpSwap, Some(server)) => lane_atomic_step(lc, regs, server, args.mode, i, one, t)?,
             _ => lane_round_trip_send(lc, regs, one, t)?,
         };
         rtts.push(clock.since(start));
         if n != size {
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }
-        check_echo(regs.get(BACK)?, i, &mut expected, &mut got)?;
+        if !args.mode.is_atomic() {
+            check_echo(regs.get(BACK)?, i, &mut expected, &mut got)?;
+        }
     }
-    say!("[INFO] Echo verified: {iters} x {size} bytes match");
+    if args.mode.is_atomic() {
+        // "done": the server checks its counter now.
+        regs.get(RING)?.write_at(0, &iters.to_be_bytes())?;
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+        lc.wait(regs, RING, "telling the server we are done", t)?;
+        say!("[INFO] Atomics verified: {iters} x {} returned the expected values", args.mode);
+    } else {
+        say!("[INFO] Echo verified: {iters} x {size} bytes match");
+    }
     say!("[INFO] Round-trip completed.");
     if iters > 1 {
         print_latency_table(size as u32, &mut rtts);
@@ -561,6 +582,63 @@ fn lane_round_trip_send(lc: &mut LaneConn, regs: &mut Regions, log: bool, t: Dur
         say!("[INFO] Received {n} bytes");
     }
     Ok(n as usize)
+}
+
+/// Read mode on the lane: "go" (the server RDMA-READs our data region), then, on its "done",
+/// we RDMA-READ its copy back.
+fn lane_round_trip_read(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    server: &RemoteRegion,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let size = regs.get(BACK)?.len();
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+    lc.wait(regs, RING, "telling the server to read", t)?;
+    if log {
+        say!("[INFO] Sent {size} bytes (exposed to RDMA READ)");
+    }
+    lc.wait(regs, CTL, "waiting for the server's read", t)?;
+    lc.lane.post_send(lc.qp, lane::SendWr::read(regs.take(BACK)?, 0..size, server, 0).wr_id(BACK as u64))?;
+    let n = lc.wait(regs, BACK, "reading the server's copy", t)?.byte_len;
+    if log {
+        say!("[INFO] Received {n} bytes (RDMA READ)");
+    }
+    Ok(n as usize)
+}
+
+/// One atomic on the server's counter, on the lane (see [`atomic_step`]).
+fn lane_atomic_step(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    server: &RemoteRegion,
+    mode: Mode,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let i = u64::from(i);
+    let back = regs.take(BACK)?;
+    let wr = match mode {
+        Mode::CmpSwap => lane::SendWr::compare_swap(back, 0, server, 0, i, i + 1),
+        _ => lane::SendWr::fetch_add(back, 0, server, 0, 1),
+    };
+    lc.lane.post_send(lc.qp, wr.wr_id(BACK as u64))?;
+    lc.wait(regs, BACK, "waiting for the atomic", t)?;
+    let mut v = [0u8; 8];
+    regs.get(BACK)?.read_at(0, &mut v)?;
+    let found = u64::from_ne_bytes(v);
+    if found != i {
+        return Err(Error::InvalidArgument(format!("{mode} {i} found the counter at {found}, expected {i}")));
+    }
+    if log {
+        say!("[INFO] {mode}: the counter was {found}");
+    }
+    Ok(8)
 }
 
 /// One RDMA WRITE round trip on the lane: the receive for the server's doorbell, then our

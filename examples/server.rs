@@ -19,6 +19,13 @@
 //! gets a receiver that keeps 512 receives posted and reports what arrived. Clients are served
 //! concurrently, one thread each; a client's failure is logged and never stops the server.
 //! SIGINT/SIGTERM stop it cleanly.
+//!
+//! A client's latency table (send, write or read mode, more than one iteration) and its stream
+//! of sends are served on a lane (`rdma_cm::lane`), the crate's fast path and the one for
+//! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
+//! request moves its region into the lane until its completion hands it back
+//! (`common/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
+//! `--shared` use the convenient path.
 
 mod common;
 
@@ -66,7 +73,8 @@ struct Args {
     #[arg(long, default_value_t = 1024)]
     max_clients: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
-    /// as perftest does; default: spin briefly, then sleep on the completion channel.
+    /// as perftest does; default: spin briefly, then sleep on the completion channel (on the
+    /// lane, which never sleeps: yield the CPU between empty polls).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -189,8 +197,8 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
     // A client's latency table or stream is served on a lane, the crate's fast path: the QP is
     // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
-    // (and read and the atomics) use the convenient path.
-    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write));
+    // and the atomics (where the client does everything) use the convenient path.
+    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write | Mode::Read));
     let lane =
         if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
     let init = QpInit::new().max_recv_wr(recv_depth);
@@ -249,7 +257,12 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
                 let mut regs = Regions::new(vec![buf, ctl, ring]);
                 lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
             }
-            (Mode::Write, None) => return Err("no client region".into()),
+            (Mode::Read, Some(client)) => {
+                let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
+                let mut regs = Regions::new(vec![buf, ctl, ring]);
+                lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout)
+            }
+            (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
             _ => lane_echo_send(&mut lc, &mut Regions::new(vec![buf, other]), size, iters, timeout),
         };
         result.map_err(err)?;
@@ -432,6 +445,35 @@ fn lane_echo_write(
             lc.lane.post_send(lc.qp, write.imm(i))?;
         }
         lane_wait_answer(lc, regs, BUF, last, t)?;
+    }
+    Ok(())
+}
+
+/// Read mode's latency table on the lane: on the client's "go" (into region 1), RDMA READ its
+/// region into region 0, then answer "done" (from region 2).
+fn lane_echo_read(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    client: &rdma_cm::RemoteRegion,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    const BUF: usize = 0;
+    const CTL: usize = 1;
+    const RING: usize = 2;
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    for i in 0..iters {
+        lc.wait(regs, CTL, "waiting for the client's go", t)?;
+        let read = lane::SendWr::read(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
+        lc.lane.post_send(lc.qp, read)?;
+        lc.wait(regs, BUF, "reading the client's region", t)?;
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        }
+        regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+        lane_wait_answer(lc, regs, RING, i + 1 == iters, t)?;
     }
     Ok(())
 }
