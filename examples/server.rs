@@ -248,22 +248,20 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
     if let Some(lane) = lane {
         let mut lc = LaneConn::attach(lane, conn, busy_poll).map_err(err)?;
+        // A 4-byte region for our small sends (doorbell, "done"): a lane has no inline sends.
+        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
         let [buf, other] = bufs;
+        // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
+        // mode its last RDMA READ of `buf` comes after our last answer.
+        let mut regs = Regions::new(vec![buf, other, ctl, ring]);
         let result = match (mode, client_region) {
             (Mode::SendStream, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
             (Mode::Write, Some(client)) => {
-                // A 4-byte region for the send doorbell (a lane has no inline sends).
-                let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
-                let mut regs = Regions::new(vec![buf, ctl, ring]);
                 lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
             }
-            (Mode::Read, Some(client)) => {
-                let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
-                let mut regs = Regions::new(vec![buf, ctl, ring]);
-                lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout)
-            }
+            (Mode::Read, Some(client)) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
             (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
-            _ => lane_echo_send(&mut lc, &mut Regions::new(vec![buf, other]), size, iters, timeout),
+            _ => lane_echo_send(&mut lc, &mut regs, size, iters, timeout),
         };
         result.map_err(err)?;
         // The client disconnects first; wait for it, bounded.
@@ -272,6 +270,7 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
             Err(e) => return Err(e.to_string()),
         }
         println!("[INFO] Disconnected");
+        drop(regs);
         return Ok(());
     }
     conn.qp_mut().set_busy_poll(busy_poll);
@@ -305,6 +304,13 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
 /// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
 const STREAM_RX_DEPTH: u32 = 512;
+
+/// Region numbers on the lane: each work request's `wr_id` is its region's number, so its
+/// completion says where the region goes back ([`Regions`]).
+const BUF: usize = 0; // the client's message, or the target of its (and our) RDMA
+const OTHER: usize = 1; // send mode's second buffer: the next receive while BUF is echoed
+const CTL: usize = 2; // the client's doorbell or "go"
+const RING: usize = 3; // our doorbell or "done"
 
 /// Most bytes a stream's receives take: on the lane each posted receive holds a region of its
 /// own (chunks of one registration), so fewer are posted ahead for huge messages.
@@ -380,16 +386,16 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
     Ok(())
 }
 
-/// Send mode's latency table on the lane: two buffers take turns (the next receive is posted
-/// before the echo of this one); each region comes back with its completion.
+/// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
+/// posted before the echo of this one); each region comes back with its completion.
 fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
     let size = size as usize;
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(0)?, 0..size).wr_id(0))?;
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(BUF)?, 0..size).wr_id(BUF as u64))?;
     for i in 0..iters {
-        let cur = (i % 2) as usize;
+        let (cur, next) = if i % 2 == 0 { (BUF, OTHER) } else { (OTHER, BUF) };
         let n = lc.wait(regs, cur, "waiting for the client's message", t)?.byte_len as usize;
         if i + 1 < iters {
-            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(1 - cur)?, 0..size).wr_id((1 - cur) as u64))?;
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(next)?, 0..size).wr_id(next as u64))?;
         }
         lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(cur)?, 0..n).wr_id(cur as u64))?;
         lane_wait_answer(lc, regs, cur, i + 1 == iters, t)?;
@@ -398,9 +404,9 @@ fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, 
     Ok(())
 }
 
-/// Write mode's latency table on the lane: the client's WRITE lands in region 0, rung by its
-/// immediate data or by a 4-byte send into region 1; we write region 0 back into the client's
-/// region, rung the same way (the doorbell send from region 2, posted with the WRITE).
+/// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its
+/// immediate data or by a 4-byte send into `CTL`; we write `BUF` back into the client's
+/// region, rung the same way (the doorbell send from `RING`, posted with the WRITE).
 #[allow(clippy::too_many_arguments)]
 fn lane_echo_write(
     lc: &mut LaneConn,
@@ -411,9 +417,6 @@ fn lane_echo_write(
     iters: u32,
     t: Duration,
 ) -> Result<(), Error> {
-    const BUF: usize = 0;
-    const CTL: usize = 1;
-    const RING: usize = 2;
     lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
     for i in 0..iters {
         let wc = lc.wait(regs, CTL, "waiting for the client's WRITE", t)?;
@@ -449,8 +452,8 @@ fn lane_echo_write(
     Ok(())
 }
 
-/// Read mode's latency table on the lane: on the client's "go" (into region 1), RDMA READ its
-/// region into region 0, then answer "done" (from region 2).
+/// Read mode's latency table on the lane: on the client's "go" (into `CTL`), RDMA READ its
+/// region into `BUF`, then answer "done" (from `RING`).
 fn lane_echo_read(
     lc: &mut LaneConn,
     regs: &mut Regions,
@@ -459,9 +462,6 @@ fn lane_echo_read(
     iters: u32,
     t: Duration,
 ) -> Result<(), Error> {
-    const BUF: usize = 0;
-    const CTL: usize = 1;
-    const RING: usize = 2;
     lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
     for i in 0..iters {
         lc.wait(regs, CTL, "waiting for the client's go", t)?;
