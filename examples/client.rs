@@ -209,8 +209,6 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     // the lane, receives are posted once it holds the QP: the server sends nothing first.)
     match args.mode {
         _ if on_lane => {}
-        // A send stream's answer: the count the server received and its verdict.
-        Mode::Send if args.bw => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
         Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
         Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
         Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => {} // the server sends nothing
