@@ -24,6 +24,13 @@
 //! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
 //! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
 //! perftest's format, to read next to `ib_send_lat`.
+//!
+//! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::lane`),
+//! the crate's fast path and the one for performance-sensitive code: one thread owns the CQ and
+//! the QP, posts and polls take no lock, and each work request moves its region into the lane
+//! until its completion hands it back (`common/fast.rs`; the server does the same on its side).
+//! The one-shot exchange (`--iters 1`) uses the convenient path (`QueuePair::post_send` and its
+//! waits), which is simpler to read.
 
 mod common;
 
@@ -31,13 +38,15 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use common::fast::{LaneConn, Regions};
 use common::{
     fail, fill_pattern, micros, print_latency_table, resolve_host, Doorbell, Mode, Request, Stopwatch, DEFAULT_PORT,
     LEGACY_SIZE, MAX_SIZE,
 };
+use rdma_cm::lane::{self, Lane};
 use rdma_cm::{
-    AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, RemoteRegion, SendWr,
-    WorkQueue,
+    AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr,
+    RemoteRegion, SendWr, WorkQueue,
 };
 
 #[derive(Parser, Debug)]
@@ -87,7 +96,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     connections: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a whole core), as
-    /// perftest does; default: spin briefly, then sleep on the completion channel.
+    /// perftest does; default: spin briefly, then sleep on the completion channel (on the
+    /// lane, which never sleeps: yield the CPU between empty polls).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -176,19 +186,29 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
     say!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
 
+    // The latency table and the rate mode run on a lane, the crate's fast path: the QP is
+    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
+    // uses the convenient path, `QueuePair::post_send` and its waits.
+    let on_lane = args.bw || args.iters > 1;
     let started = Instant::now();
     let send_depth = if args.bw { args.tx_depth } else { 16 };
-    let mut pending = steps.time(|| route.create_qp(&pd, QpInit::new().max_send_wr(send_depth)))?;
+    let lane = if on_lane { Some(Lane::new(&ctx, send_depth + 16)?) } else { None };
+    let init = QpInit::new().max_send_wr(send_depth);
+    let init = match &lane {
+        Some(lane) => lane.qp_init_from(init),
+        None => init,
+    };
+    let mut pending = steps.time(|| route.create_qp(&pd, init))?;
     let qp_num = pending.qp().qp_num();
     say!(
         "[INFO] QP creation took {:.1} us (qp_num {qp_num}, {send_depth} send / 16 recv WRs)",
         micros(started.elapsed())
     );
 
-    // Post the first receive before connecting, so the server's first message finds it.
+    // Post the first receive before connecting, so the server's first message finds it. (On
+    // the lane, receives are posted once it holds the QP: the server sends nothing first.)
     match args.mode {
-        // A send stream's answer: the count the server received and its verdict.
-        Mode::Send if args.bw => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
+        _ if on_lane => {}
         Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
         Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
         Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => {} // the server sends nothing
@@ -214,7 +234,9 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
     let mut conn = steps.time(|| pending.connect(&param, t))?;
-    conn.qp_mut().set_busy_poll(args.busy_poll);
+    if !on_lane {
+        conn.qp_mut().set_busy_poll(args.busy_poll);
+    }
     say!("[EVENT] Connection established");
     let u = steps.current();
     say!(
@@ -237,25 +259,19 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     }
     let server_region = server.and_then(|s| s.region());
 
-    if args.bw {
-        fill_pattern(data.as_mut_slice()?, 0);
-        let target = if send_stream { None } else { Some(need(server_region)?) };
-        stream(&mut conn, &data, target, args, t)?;
-    }
-    if send_stream {
-        let qp = conn.qp_mut();
-        let wc = qp.wait_for(WorkQueue::Recv, 0, t)?;
-        let mut answer = [0u8; 5];
-        ctl.read_at(0, &mut answer)?;
-        let got = u32::from_be_bytes([answer[0], answer[1], answer[2], answer[3]]);
-        if wc.byte_len() != 5 || got != args.iters || answer[4] != 1 {
-            return Err(Error::InvalidArgument(format!(
-                "the server received {got} of {} messages (content {})",
-                args.iters,
-                if answer[4] == 1 { "matched" } else { "did not match" }
-            )));
-        }
-        say!("[INFO] Stream verified: the server received {got} x {size} bytes, content matched");
+    if let Some(lane) = lane {
+        let mut lc = LaneConn::attach(lane, conn, args.busy_poll)?;
+        // A 4-byte region for our small sends (write mode's send doorbell, read mode's "go",
+        // the atomics' "done"): a lane has no inline sends.
+        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE)?;
+        let mut regs = Regions::new(vec![data, back, ctl, ring]);
+        let target = if args.mode != Mode::Send { Some(need(server_region)?) } else { None };
+        run_on_lane(args, &mut lc, &mut regs, &pd, target, send_doorbell, iters, t)?;
+        steps.time(|| lc.disconnect(t))?;
+        say!("[INFO] Disconnected");
+        // Teardown: the lane (QP, CQ), regions, PD, then the id and its channel.
+        steps.time(|| drop((regs, pd, ctx)));
+        return Ok(());
     }
     let mut rtts = Vec::with_capacity(iters as usize);
     let clock = Stopwatch::calibrate();
@@ -281,14 +297,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }
         if server.is_some() && !args.mode.is_atomic() {
-            fill_pattern(&mut expected, i);
-            back.read_at(0, &mut got)?;
-            if let Some(pos) = got.iter().zip(&expected).position(|(a, b)| a != b) {
-                return Err(Error::InvalidArgument(format!(
-                    "echo differs at byte {pos} of iteration {i}: got {:#04x}, expected {:#04x}",
-                    got[pos], expected[pos]
-                )));
-            }
+            check_echo(&mut back, i, &mut expected, &mut got)?;
         }
     }
     if args.mode.is_atomic() {
@@ -355,23 +364,134 @@ impl Steps {
     }
 }
 
-/// Streams `--iters` messages of the whole region: sends, or RDMA WRITEs to `target`;
-/// `--tx-depth` in flight, `--post-list` per `post_send`, one signaled per `--cq-mod` (and the
-/// last of a list after which no full list fits, so a completion always comes). Prints the
-/// bandwidth as perftest does (MB/s = 2^20 bytes per second; the peak is the best of ten
-/// equal slices of the run).
+/// Region numbers on the lane: each work request's `wr_id` is its region's number, so its
+/// completion says where the region goes back ([`Regions`]).
+const DATA: usize = 0; // what we send or write
+const BACK: usize = 1; // where the echo lands
+const CTL: usize = 2; // the server's doorbell or answer
+const RING: usize = 3; // our doorbell in write mode with `--doorbell send`
+
+/// Most bytes the rate mode registers for its work requests in flight: on the lane each holds
+/// a region of its own (chunks of one registration), so `--tx-depth` is lowered for huge sizes.
+const STREAM_BYTES: usize = 64 << 20;
+
+/// The latency table (`--iters N`) and the rate mode (`--bw`), on the lane.
+#[allow(clippy::too_many_arguments)]
+fn run_on_lane(
+    args: &Args,
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    pd: &std::sync::Arc<ProtectionDomain>,
+    target: Option<RemoteRegion>,
+    send_doorbell: bool,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    let size = regs.get(DATA)?.len();
+    let send_stream = args.bw && args.mode == Mode::Send;
+    if send_stream {
+        // The server's answer to the stream (its count and verdict) lands in `ctl`.
+        lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    }
+    if args.bw {
+        stream(lc, regs, pd, size, target, args, t)?;
+    }
+    if send_stream {
+        let answer_len = lc.wait(regs, CTL, "waiting for the server's count", t)?.byte_len;
+        let mut answer = [0u8; 5];
+        regs.get(CTL)?.read_at(0, &mut answer)?;
+        let got = u32::from_be_bytes([answer[0], answer[1], answer[2], answer[3]]);
+        if answer_len != 5 || got != args.iters || answer[4] != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "the server received {got} of {} messages (content {})",
+                args.iters,
+                if answer[4] == 1 { "matched" } else { "did not match" }
+            )));
+        }
+        say!("[INFO] Stream verified: the server received {got} x {size} bytes, content matched");
+    }
+    let mut rtts = Vec::with_capacity(iters as usize);
+    let clock = Stopwatch::calibrate();
+    let mut expected = vec![0u8; size];
+    let mut got = vec![0u8; size];
+    for i in 0..iters {
+        fill_pattern(regs.get(DATA)?.as_mut_slice()?, i);
+        let one = iters == 1;
+        let start = clock.now();
+        let n = match (args.mode, &target) {
+            (Mode::Write, Some(server)) => lane_round_trip_write(lc, regs, server, send_doorbell, i, one, t)?,
+            (Mode::Read, Some(server)) => lane_round_trip_read(lc, regs, server, i, one, t)?,
+            (Mode::FetchAdd | Mode::CmpSwap, Some(server)) => lane_atomic_step(lc, regs, server, args.mode, i, one, t)?,
+            _ => lane_round_trip_send(lc, regs, one, t)?,
+        };
+        rtts.push(clock.since(start));
+        if n != size {
+            return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
+        }
+        if !args.mode.is_atomic() {
+            check_echo(regs.get(BACK)?, i, &mut expected, &mut got)?;
+        }
+    }
+    if args.mode.is_atomic() {
+        // "done": the server checks its counter now.
+        regs.get(RING)?.write_at(0, &iters.to_be_bytes())?;
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+        lc.wait(regs, RING, "telling the server we are done", t)?;
+        say!("[INFO] Atomics verified: {iters} x {} returned the expected values", args.mode);
+    } else {
+        say!("[INFO] Echo verified: {iters} x {size} bytes match");
+    }
+    say!("[INFO] Round-trip completed.");
+    if iters > 1 {
+        print_latency_table(size as u32, &mut rtts);
+    }
+    Ok(())
+}
+
+/// Checks the echo of iteration `i` in `back` (`expected` and `got` are scratch of its size).
+fn check_echo(back: &mut MemoryRegion, i: u32, expected: &mut [u8], got: &mut [u8]) -> Result<(), Error> {
+    fill_pattern(expected, i);
+    back.read_at(0, got)?;
+    match got.iter().zip(expected.iter()).position(|(a, b)| a != b) {
+        Some(pos) => Err(Error::InvalidArgument(format!(
+            "echo differs at byte {pos} of iteration {i}: got {:#04x}, expected {:#04x}",
+            got[pos], expected[pos]
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Streams `--iters` messages of `size` bytes on the lane: sends, or RDMA WRITEs to `target`;
+/// `--tx-depth` in flight, `--post-list` per post (one doorbell per [`lane::MAX_LIST`] work
+/// requests: a lane posts lists of at most 16), one signaled per `--cq-mod` (and the last of a
+/// list after which no full list fits, so a completion always comes). Each work request in
+/// flight moves a region of its own into the lane: chunks of one registration, all holding
+/// the pattern of iteration 0. Prints the bandwidth as perftest does (MB/s = 2^20 bytes per
+/// second; the peak is the best of ten equal slices of the run).
 fn stream(
-    conn: &mut Connection,
-    data: &MemoryRegion,
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    pd: &std::sync::Arc<ProtectionDomain>,
+    size: usize,
     target: Option<RemoteRegion>,
     args: &Args,
     t: Duration,
 ) -> Result<(), Error> {
-    let (n, depth, list, cq_mod) = (args.iters, args.tx_depth, args.post_list, args.cq_mod);
-    let size = data.len();
-    let qp = conn.qp_mut();
-    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
-    let mut batch: Vec<SendWr> = Vec::with_capacity(list as usize);
+    let (n, cq_mod) = (args.iters, args.cq_mod);
+    let depth = args.tx_depth.min((STREAM_BYTES / size).max(1) as u32);
+    if depth < args.tx_depth {
+        say!(
+            "[INFO] --tx-depth {} lowered to {depth}: each one in flight holds {size} bytes of its own",
+            args.tx_depth
+        );
+    }
+    let list = args.post_list.min(depth);
+    let mut whole = MemoryRegion::new(pd, size * depth as usize, AccessFlags::LOCAL_WRITE)?;
+    for chunk in whole.as_mut_slice()?.chunks_mut(size) {
+        fill_pattern(chunk, 0);
+    }
+    let mut free = whole.split(size)?;
+    const OP: &str = "streaming work requests";
     let (mut posted, mut done) = (0u32, 0u32);
     let slice = (n / 10).max(1);
     let mut peak = 0f64;
@@ -379,33 +499,51 @@ fn stream(
     let mut mark = (start, 0u32);
     while done < n {
         loop {
-            let room = depth - (posted - done);
+            let room = free.len() as u32;
             let b = list.min(n - posted).min(room);
             if b == 0 || (b < list && posted + b < n) {
                 break;
             }
             let full_after = room - b < list;
-            batch.clear();
-            for id in posted..posted + b {
-                let wr = match &target {
-                    Some(r) => SendWr::write(data, 0..size, r, 0)?,
-                    None => SendWr::send(data, 0..size),
-                }
-                .wr_id(id as u64);
-                let signaled = id % cq_mod == cq_mod - 1 || id == n - 1 || (full_after && id == posted + b - 1);
-                batch.push(if signaled { wr } else { wr.unsignaled() });
+            let last = posted + b - 1;
+            let mut id = posted;
+            while id <= last {
+                let end = (id + lane::MAX_LIST as u32 - 1).min(last);
+                let wrs = (id..=end).map_while(|k| {
+                    let mr = free.pop()?;
+                    let wr = match &target {
+                        Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
+                        None => lane::SendWr::send(mr, 0..size),
+                    }
+                    .wr_id(k as u64);
+                    let signaled = k % cq_mod == cq_mod - 1 || k == n - 1 || (full_after && k == last);
+                    Some(if signaled { wr } else { wr.unsignaled() })
+                });
+                id += lc.lane.post_send_iter(lc.qp, wrs)? as u32;
             }
-            qp.post_send(&batch)?;
-            posted += b;
+            posted = id;
         }
-        let k = qp.wait_queue(WorkQueue::Send, &mut wcs, t)?;
-        if k == 0 {
-            return Err(Error::Timeout { op: "streaming work requests", timeout: t, addr: None, hint: None });
+        // Each completion hands its region back; a signaled one first hands back the
+        // unsignaled ones it retires, one completion each.
+        let mut failed = None;
+        let reaped = lc.lane.poll_with(64, |mut c| {
+            if !c.is_ok() {
+                failed.get_or_insert(c);
+            } else if c.queue() == WorkQueue::Recv {
+                regs.put_back(c); // the server's answer to a send stream, early
+            } else if let Some(mr) = c.take_region() {
+                free.push(mr);
+                done += 1;
+            }
+        })?;
+        if let Some(c) = failed {
+            return Err(lc.failed(c, OP));
         }
-        for wc in &wcs[..k] {
-            // A signaled completion retires itself and every unsignaled one before it.
-            done = wc.ok()?.wr_id() as u32 + 1;
+        if reaped == 0 {
+            lc.idle(OP, t)?;
+            continue;
         }
+        lc.progressed();
         if done - mark.1 >= slice {
             let now = Instant::now();
             peak = peak.max((done - mark.1) as f64 / (now - mark.0).as_secs_f64());
@@ -425,6 +563,129 @@ fn stream(
     );
     println!("---------------------------------------------------------------------------------------");
     Ok(())
+}
+
+/// One send/recv round trip on the lane: the receive for the echo, then the send. Both regions
+/// come back with their completions.
+fn lane_round_trip_send(lc: &mut LaneConn, regs: &mut Regions, log: bool, t: Duration) -> Result<usize, Error> {
+    let size = regs.get(DATA)?.len();
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(BACK)?, 0..size).wr_id(BACK as u64))?;
+    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(DATA)?, 0..size).wr_id(DATA as u64))?;
+    lc.wait(regs, DATA, "sending", t)?;
+    if log {
+        say!("[INFO] Sent {size} bytes");
+    }
+    let n = lc.wait(regs, BACK, "waiting for the echo", t)?.byte_len;
+    if log {
+        say!("[INFO] Received {n} bytes");
+    }
+    Ok(n as usize)
+}
+
+/// Read mode on the lane: "go" (the server RDMA-READs our data region), then, on its "done",
+/// we RDMA-READ its copy back.
+fn lane_round_trip_read(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    server: &RemoteRegion,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let size = regs.get(BACK)?.len();
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+    lc.wait(regs, RING, "telling the server to read", t)?;
+    if log {
+        say!("[INFO] Sent {size} bytes (exposed to RDMA READ)");
+    }
+    lc.wait(regs, CTL, "waiting for the server's read", t)?;
+    lc.lane.post_send(lc.qp, lane::SendWr::read(regs.take(BACK)?, 0..size, server, 0).wr_id(BACK as u64))?;
+    let n = lc.wait(regs, BACK, "reading the server's copy", t)?.byte_len;
+    if log {
+        say!("[INFO] Received {n} bytes (RDMA READ)");
+    }
+    Ok(n as usize)
+}
+
+/// One atomic on the server's counter, on the lane (see [`atomic_step`]).
+fn lane_atomic_step(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    server: &RemoteRegion,
+    mode: Mode,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let i = u64::from(i);
+    let back = regs.take(BACK)?;
+    let wr = match mode {
+        Mode::CmpSwap => lane::SendWr::compare_swap(back, 0, server, 0, i, i + 1),
+        _ => lane::SendWr::fetch_add(back, 0, server, 0, 1),
+    };
+    lc.lane.post_send(lc.qp, wr.wr_id(BACK as u64))?;
+    lc.wait(regs, BACK, "waiting for the atomic", t)?;
+    let mut v = [0u8; 8];
+    regs.get(BACK)?.read_at(0, &mut v)?;
+    let found = u64::from_ne_bytes(v);
+    if found != i {
+        return Err(Error::InvalidArgument(format!("{mode} {i} found the counter at {found}, expected {i}")));
+    }
+    if log {
+        say!("[INFO] {mode}: the counter was {found}");
+    }
+    Ok(8)
+}
+
+/// One RDMA WRITE round trip on the lane: the receive for the server's doorbell, then our
+/// WRITE, rung with immediate data or with a 4-byte send after it (one post of both: the
+/// send's completion retires the unsignaled WRITE).
+#[allow(clippy::too_many_arguments)]
+fn lane_round_trip_write(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    server: &RemoteRegion,
+    send_doorbell: bool,
+    i: u32,
+    log: bool,
+    t: Duration,
+) -> Result<usize, Error> {
+    let size = regs.get(DATA)?.len();
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    let write = lane::SendWr::write(regs.take(DATA)?, 0..size, server, 0).wr_id(DATA as u64);
+    if send_doorbell {
+        regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+        let ring = lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64);
+        lc.lane.post_send_list(lc.qp, &mut [Some(write.unsignaled()), Some(ring)])?;
+        lc.wait(regs, RING, "ringing the server", t)?;
+    } else {
+        lc.lane.post_send(lc.qp, write.imm(i))?;
+    }
+    lc.wait(regs, DATA, "writing", t)?;
+    if log {
+        say!("[INFO] Sent {size} bytes (RDMA WRITE)");
+    }
+    let wc = lc.wait(regs, CTL, "waiting for the server's doorbell", t)?;
+    let rung = if send_doorbell {
+        let mut ring = [0u8; 4];
+        regs.get(CTL)?.read_at(0, &mut ring)?;
+        (wc.byte_len == 4).then_some(u32::from_be_bytes(ring))
+    } else {
+        wc.imm
+    };
+    if rung != Some(i) {
+        return Err(Error::InvalidArgument(format!(
+            "expected the server's doorbell for iteration {i} ({}), got {rung:?} ({} bytes)",
+            if send_doorbell { "a 4-byte send" } else { "immediate data" },
+            wc.byte_len
+        )));
+    }
+    if log {
+        say!("[INFO] Received {size} bytes (RDMA WRITE)");
+    }
+    Ok(size)
 }
 
 fn need(r: Option<RemoteRegion>) -> Result<RemoteRegion, Error> {

@@ -19,6 +19,13 @@
 //! gets a receiver that keeps 512 receives posted and reports what arrived. Clients are served
 //! concurrently, one thread each; a client's failure is logged and never stops the server.
 //! SIGINT/SIGTERM stop it cleanly.
+//!
+//! A client's latency table (send, write or read mode, more than one iteration) and its stream
+//! of sends are served on a lane (`rdma_cm::lane`), the crate's fast path and the one for
+//! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
+//! request moves its region into the lane until its completion hands it back
+//! (`common/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
+//! `--shared` use the convenient path.
 
 mod common;
 
@@ -27,10 +34,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use common::fast::{LaneConn, Regions};
 use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
+use rdma_cm::lane::{self, Lane};
 use rdma_cm::{
-    AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, QpInfo, QpInit, QueuePair, RecvWr, SendWr,
-    Server, WorkQueue,
+    AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
+    QueuePair, RecvWr, SendWr, Server, WorkQueue,
 };
 
 #[derive(Parser, Debug)]
@@ -64,7 +73,8 @@ struct Args {
     #[arg(long, default_value_t = 1024)]
     max_clients: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
-    /// as perftest does; default: spin briefly, then sleep on the completion channel.
+    /// as perftest does; default: spin briefly, then sleep on the completion channel (on the
+    /// lane, which never sleeps: yield the CPU between empty polls).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -185,7 +195,18 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     let t = Instant::now();
     // A stream of sends needs receives posted well ahead of it, as ib_send_bw's server does.
     let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
-    let mut pending = req.create_qp(&pd, QpInit::new().max_recv_wr(recv_depth)).map_err(err)?;
+    // A client's latency table or stream is served on a lane, the crate's fast path: the QP is
+    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
+    // and the atomics (where the client does everything) use the convenient path.
+    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write | Mode::Read));
+    let lane =
+        if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
+    let init = QpInit::new().max_recv_wr(recv_depth);
+    let init = match &lane {
+        Some(lane) => lane.qp_init_from(init),
+        None => init,
+    };
+    let mut pending = req.create_qp(&pd, init).map_err(err)?;
     println!(
         "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / {recv_depth} recv WRs)",
         micros(t.elapsed()),
@@ -194,6 +215,9 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
     let client_region = parsed.and_then(|r| r.info.region());
     match mode {
+        // The lane posts its receives once it holds the QP; the client's first message waits
+        // for them (the connection's RNR retry, unlimited by default).
+        _ if on_lane => {}
         Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
         Mode::SendStream => {
             // Every receive of the stream lands in the same bytes: only the count, the lengths
@@ -220,8 +244,36 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };
     let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
     let mut conn = pending.accept(&param, timeout).map_err(err)?;
-    conn.qp_mut().set_busy_poll(busy_poll);
     println!("[EVENT] Connection established");
+
+    if let Some(lane) = lane {
+        let mut lc = LaneConn::attach(lane, conn, busy_poll).map_err(err)?;
+        // A 4-byte region for our small sends (doorbell, "done"): a lane has no inline sends.
+        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
+        let [buf, other] = bufs;
+        // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
+        // mode its last RDMA READ of `buf` comes after our last answer.
+        let mut regs = Regions::new(vec![buf, other, ctl, ring]);
+        let result = match (mode, client_region) {
+            (Mode::SendStream, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
+            (Mode::Write, Some(client)) => {
+                lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
+            }
+            (Mode::Read, Some(client)) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
+            (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
+            _ => lane_echo_send(&mut lc, &mut regs, size, iters, timeout),
+        };
+        result.map_err(err)?;
+        // The client disconnects first; wait for it, bounded.
+        match lc.wait_disconnected(timeout) {
+            Ok(()) | Err(Error::Timeout { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        println!("[INFO] Disconnected");
+        drop(regs);
+        return Ok(());
+    }
+    conn.qp_mut().set_busy_poll(busy_poll);
 
     let result = match mode {
         Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
@@ -252,6 +304,188 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
 
 /// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
 const STREAM_RX_DEPTH: u32 = 512;
+
+/// Region numbers on the lane: each work request's `wr_id` is its region's number, so its
+/// completion says where the region goes back ([`Regions`]).
+const BUF: usize = 0; // the client's message, or the target of its (and our) RDMA
+const OTHER: usize = 1; // send mode's second buffer: the next receive while BUF is echoed
+const CTL: usize = 2; // the client's doorbell or "go"
+const RING: usize = 3; // our doorbell or "done"
+
+/// Most bytes a stream's receives take: on the lane each posted receive holds a region of its
+/// own (chunks of one registration), so fewer are posted ahead for huge messages.
+const STREAM_BYTES: usize = 64 << 20;
+
+/// The receiving end of `client --bw --mode send`, on the lane: keeps receives posted (each in
+/// a chunk of its own, up to 16 per doorbell) until `iters` sends have arrived, checks each
+/// length and the last message's content, and answers with the count and the verdict.
+fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+    const OP: &str = "receiving a stream of sends";
+    let size = size as usize;
+    let depth = STREAM_RX_DEPTH.min((STREAM_BYTES / size).max(1) as u32) as usize;
+    let mut free = MemoryRegion::new(pd, size * depth, AccessFlags::LOCAL_WRITE)?.split(size)?;
+    // The region of the latest message, kept out of the receives to check its content.
+    let mut latest: Option<MemoryRegion> = None;
+    let (mut posted, mut got, mut bad_len) = (0u32, 0u32, 0u32);
+    while got < iters {
+        while posted < iters && !free.is_empty() {
+            let n = ((iters - posted) as usize).min(free.len()).min(lane::MAX_LIST);
+            let mut wrs: [Option<lane::RecvWr>; lane::MAX_LIST] = std::array::from_fn(|_| None);
+            for w in &mut wrs[..n] {
+                *w = free.pop().map(|mr| lane::RecvWr::range(mr, 0..size));
+            }
+            posted += lc.lane.post_recv_list(lc.qp, &mut wrs[..n])? as u32;
+        }
+        let mut failed = None;
+        let reaped = lc.lane.poll_with(64, |mut c| {
+            if !c.is_ok() {
+                failed.get_or_insert(c);
+                return;
+            }
+            if c.byte_len() as usize != size {
+                bad_len += 1;
+            }
+            got += 1;
+            if let Some(prev) = c.take_region().and_then(|mr| latest.replace(mr)) {
+                free.push(prev);
+            }
+        })?;
+        if let Some(c) = failed {
+            return Err(lc.failed(c, OP));
+        }
+        if reaped == 0 {
+            lc.idle(OP, t)?;
+        } else {
+            lc.progressed();
+        }
+    }
+    let mut last = vec![0u8; size];
+    let mut expected = vec![0u8; size];
+    fill_pattern(&mut expected, 0);
+    let content = match &mut latest {
+        Some(mr) => mr.read_at(0, &mut last).is_ok() && last == expected,
+        None => false,
+    };
+    let ok = bad_len == 0 && content;
+    println!(
+        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
+        if ok { "lengths and content checked" } else { "MISMATCH" }
+    );
+    let mut answer = MemoryRegion::new(pd, 5, AccessFlags::LOCAL_WRITE)?;
+    answer.write_at(0, &got.to_be_bytes())?;
+    answer.write_at(4, &[ok as u8])?;
+    let mut regs = Regions::new(vec![answer]);
+    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(0)?, 0..5).wr_id(0))?;
+    lane_wait_answer(lc, &mut regs, 0, true, t)?;
+    if !ok {
+        return Err(Error::InvalidArgument(format!(
+            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
+            if content { "matches" } else { "differs" }
+        )));
+    }
+    Ok(())
+}
+
+/// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
+/// posted before the echo of this one); each region comes back with its completion.
+fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+    let size = size as usize;
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(BUF)?, 0..size).wr_id(BUF as u64))?;
+    for i in 0..iters {
+        let (cur, next) = if i % 2 == 0 { (BUF, OTHER) } else { (OTHER, BUF) };
+        let n = lc.wait(regs, cur, "waiting for the client's message", t)?.byte_len as usize;
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(next)?, 0..size).wr_id(next as u64))?;
+        }
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(cur)?, 0..n).wr_id(cur as u64))?;
+        lane_wait_answer(lc, regs, cur, i + 1 == iters, t)?;
+    }
+    println!("[INFO] Echoed {iters} messages of {size} bytes");
+    Ok(())
+}
+
+/// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its
+/// immediate data or by a 4-byte send into `CTL`; we write `BUF` back into the client's
+/// region, rung the same way (the doorbell send from `RING`, posted with the WRITE).
+#[allow(clippy::too_many_arguments)]
+fn lane_echo_write(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    client: &rdma_cm::RemoteRegion,
+    send_doorbell: bool,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    for i in 0..iters {
+        let wc = lc.wait(regs, CTL, "waiting for the client's WRITE", t)?;
+        let rung = if send_doorbell {
+            let mut ring = [0u8; 4];
+            regs.get(CTL)?.read_at(0, &mut ring)?;
+            (wc.byte_len == 4).then_some(u32::from_be_bytes(ring))
+        } else {
+            wc.imm
+        };
+        if rung != Some(i) {
+            return Err(Error::InvalidArgument(format!(
+                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
+                wc.byte_len
+            )));
+        }
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        }
+        let write = lane::SendWr::write(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
+        let last = i + 1 == iters;
+        if send_doorbell {
+            // The send's completion retires the unsignaled WRITE before it.
+            regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+            let ring = lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64);
+            lc.lane.post_send_list(lc.qp, &mut [Some(write.unsignaled()), Some(ring)])?;
+            lane_wait_answer(lc, regs, RING, last, t)?;
+        } else {
+            lc.lane.post_send(lc.qp, write.imm(i))?;
+        }
+        lane_wait_answer(lc, regs, BUF, last, t)?;
+    }
+    Ok(())
+}
+
+/// Read mode's latency table on the lane: on the client's "go" (into `CTL`), RDMA READ its
+/// region into `BUF`, then answer "done" (from `RING`).
+fn lane_echo_read(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    client: &rdma_cm::RemoteRegion,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    for i in 0..iters {
+        lc.wait(regs, CTL, "waiting for the client's go", t)?;
+        let read = lane::SendWr::read(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
+        lc.lane.post_send(lc.qp, read)?;
+        lc.wait(regs, BUF, "reading the client's region", t)?;
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        }
+        regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+        lane_wait_answer(lc, regs, RING, i + 1 == iters, t)?;
+    }
+    Ok(())
+}
+
+/// [`wait_answer`] on the lane: waits for region `i` to come back from an answer to the
+/// client; the last answer counts once posted.
+fn lane_wait_answer(lc: &mut LaneConn, regs: &mut Regions, i: usize, last: bool, t: Duration) -> Result<(), Error> {
+    match lc.wait(regs, i, "answering the client", t) {
+        Err(Error::Disconnected { .. }) if last => Ok(()),
+        r => r.map(drop),
+    }
+}
 
 /// The receiving end of `client --bw --mode send`: keeps receives posted until `iters` sends
 /// have arrived (`posted` were posted before accepting), checks each length and the last

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use rdma_cm::QpInfo;
 
+pub mod fast;
+
 /// Default port, as in rdma-core's rdma_server/rdma_client.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Largest payload the server accepts (it allocates this much for a client).

@@ -1,0 +1,200 @@
+//! The latency and rate modes' data path: a connection attached to a [`Lane`], the crate's
+//! fast path (`rdma_cm::lane`). What the examples teach about it:
+//!
+//! - the QP is created with the lane's CQ ([`Lane::qp_init_from`]) and, once connected,
+//!   handed to the lane ([`Lane::attach`] takes the [`Connection`]);
+//! - a work request *moves* its [`MemoryRegion`] into the lane, and the completion that retires
+//!   it hands it back: [`Regions`] numbers the regions, each work request carries its region's
+//!   number as `wr_id`, so every completion knows where its region goes back;
+//! - the lane polls without sleeping, and its connection's CM events (the peer's
+//!   `DISCONNECTED`) are read from the connection's id between polls ([`LaneConn::next`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_cm::lane::{Completion, Lane, LaneQp};
+use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
+
+/// Empty polls between two looks at the clock and at the CM events: reading the clock is a
+/// system call in the project's guest, and the CM's channel is one too.
+const SPINS_PER_CHECK: u32 = 1024;
+
+/// A connection whose QP a lane owns, with what the examples wait on: completions, bounded,
+/// and the peer's departure.
+pub struct LaneConn {
+    // Field order is drop order: the lane (and the connection in it) before the id.
+    pub lane: Lane,
+    pub qp: LaneQp,
+    id: Arc<CmId>,
+    peer: Option<SocketAddr>,
+    busy_poll: bool,
+    /// The peer's `DISCONNECTED` (or a device removal) was seen.
+    gone: bool,
+    /// Empty polls since the last completion, and when the first of them was counted.
+    idle: (u32, Option<Instant>),
+}
+
+impl LaneConn {
+    /// Hands `conn` (whose QP was created with `lane`'s [`Lane::qp_init_from`]) to `lane`.
+    /// `busy_poll`: spin between empty polls; otherwise yield the CPU between them.
+    pub fn attach(mut lane: Lane, conn: Connection, busy_poll: bool) -> Result<LaneConn, Error> {
+        let id = Arc::clone(conn.id());
+        let peer = conn.peer_addr();
+        let qp = lane.attach(conn).map_err(Error::from)?;
+        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false, idle: (0, None) })
+    }
+
+    /// Reads the connection's pending CM events and feeds them to the lane (a `DISCONNECTED`
+    /// moves the QP to the error state, which flushes what is posted).
+    fn events(&mut self) -> Result<(), Error> {
+        while let Some(ev) = self.id.channel().try_get_event_for(self.id.handle())? {
+            self.lane.handle_event(self.qp, &ev)?;
+            if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) {
+                self.gone = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// A completion came: the wait for the next one starts afresh.
+    pub fn progressed(&mut self) {
+        self.idle = (0, None);
+    }
+
+    /// Called after each empty poll: spins (or yields), and every [`SPINS_PER_CHECK`] polls
+    /// looks at the CM events and the clock. Errors when the peer left or when nothing came
+    /// for `t`.
+    pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
+        self.idle.0 += 1;
+        if self.idle.0 % SPINS_PER_CHECK == 0 {
+            self.events()?;
+            if self.gone {
+                return Err(Error::Disconnected { op, addr: self.peer });
+            }
+            let now = Instant::now();
+            if now >= *self.idle.1.get_or_insert(now + t) {
+                let hint = Some("the peer stopped answering: is it alive, and is its side still running?");
+                return Err(Error::Timeout { op, timeout: t, addr: self.peer, hint });
+            }
+        }
+        if self.busy_poll {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// A failed completion as the error that explains it: the peer's departure when that is
+    /// what flushed it, else the completion's status.
+    pub fn failed(&mut self, c: Completion, op: &'static str) -> Error {
+        let _ = self.events();
+        match c.ok() {
+            Err(_) if self.gone => Error::Disconnected { op, addr: self.peer },
+            Err(e) => e,
+            Ok(_) => Error::InvalidArgument(format!("{op}: a successful completion reported as failed")),
+        }
+    }
+
+    /// Waits up to `t` (without a completion) for the next completion; it succeeded.
+    pub fn next(&mut self, op: &'static str, t: Duration) -> Result<Completion, Error> {
+        loop {
+            if let Some(c) = self.lane.poll()? {
+                self.progressed();
+                return if c.is_ok() { Ok(c) } else { Err(self.failed(c, op)) };
+            }
+            self.idle(op, t)?;
+        }
+    }
+
+    /// Waits until region `i` of `regs` is back from the lane (putting back every region whose
+    /// completion comes first), and returns what its completion said.
+    pub fn wait(&mut self, regs: &mut Regions, i: usize, op: &'static str, t: Duration) -> Result<Done, Error> {
+        while !regs.is_back(i) {
+            let c = self.next(op, t)?;
+            regs.put_back(c);
+        }
+        Ok(regs.done[i])
+    }
+
+    /// Whether the peer disconnected.
+    pub fn is_disconnected(&self) -> bool {
+        self.gone
+    }
+
+    /// Disconnects: the lane flushes and destroys the QP (handing back nothing still posted)
+    /// and dropping the connection sends the CM's disconnect; then waits up to `t` for the
+    /// id's `DISCONNECTED`, unless the peer left first.
+    pub fn disconnect(mut self, t: Duration) -> Result<(), Error> {
+        self.lane.remove(self.qp)?;
+        self.wait_disconnected(t)
+    }
+
+    /// Waits up to `t` for the connection's `DISCONNECTED` (the peer's, or the answer to ours).
+    pub fn wait_disconnected(&mut self, t: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + t;
+        while !self.gone {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ev = self.id.channel().get_event_for(self.id.handle(), left)?;
+            // After `disconnect` the QP has left the lane, which then refuses the event: the
+            // connection answered the peer already, on its drop.
+            let _ = self.lane.handle_event(self.qp, &ev);
+            if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) {
+                self.gone = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a completion said about its work request: the bytes received (or read) and the
+/// immediate data of a receive.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Done {
+    pub byte_len: u32,
+    pub imm: Option<u32>,
+}
+
+/// Regions that take turns in a lane, by number: region `i` is posted with `wr_id(i)` and
+/// comes back, with its completion, to place `i`.
+pub struct Regions {
+    mrs: Vec<Option<MemoryRegion>>,
+    done: Vec<Done>,
+}
+
+impl Regions {
+    pub fn new(mrs: Vec<MemoryRegion>) -> Regions {
+        let done = vec![Done::default(); mrs.len()];
+        Regions { mrs: mrs.into_iter().map(Some).collect(), done }
+    }
+
+    /// Whether region `i` is in hand (not posted).
+    pub fn is_back(&self, i: usize) -> bool {
+        matches!(self.mrs.get(i), Some(Some(_)))
+    }
+
+    /// Takes region `i` out, to post it.
+    pub fn take(&mut self, i: usize) -> Result<MemoryRegion, Error> {
+        self.mrs.get_mut(i).and_then(Option::take).ok_or_else(|| still_posted(i))
+    }
+
+    /// Region `i`, to read or fill it.
+    pub fn get(&mut self, i: usize) -> Result<&mut MemoryRegion, Error> {
+        self.mrs.get_mut(i).and_then(Option::as_mut).ok_or_else(|| still_posted(i))
+    }
+
+    /// Puts back the region of completion `c`, at its `wr_id`.
+    pub fn put_back(&mut self, mut c: Completion) {
+        let i = c.wr_id() as usize;
+        let done = Done { byte_len: c.byte_len(), imm: c.imm_data() };
+        if let (Some(place), Some(d)) = (self.mrs.get_mut(i), self.done.get_mut(i)) {
+            *place = c.take_region();
+            *d = done;
+        }
+    }
+}
+
+fn still_posted(i: usize) -> Error {
+    Error::InvalidArgument(format!("region {i} is still posted (its completion has not come back)"))
+}
