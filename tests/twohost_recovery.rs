@@ -118,7 +118,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
 // that host B can still connect to a fresh server on host A; where it cannot, host B's device
 // is re-created (so the next case starts from a working CM), and the connection must then work.
 //
-// Measured (the runs' output is in tmp-flap/; tmp-flap/flap.sh is the same study as a script):
+// Measured (the runs' output is in docs/link-flap/; docs/link-flap/flap.sh is the same study as a script):
 // - rping's client SIGKILLed while B's link is down (the kernel's cleanup sends the DREQ): B is
 //   deaf afterwards on 6.1 when the DREQ went out while down (1 run: QP1's send failed, status
 //   2; in another, rping ended on its own as the link went down, its DREQ completed with status

@@ -1,6 +1,6 @@
 #!/bin/sh
-# tmp-flap/flap.sh CASE...: the link-flap study (issue 22), run on host B inside harness/two-host:
-#   harness/two-host --workdir /work/wt-flap -- tmp-flap/flap.sh a b c d a b c d
+# docs/link-flap/flap.sh CASE...: the link-flap study (issue 22), run on host B inside harness/two-host:
+#   harness/two-host -- docs/link-flap/flap.sh a b c d a b c d
 # a: rping -c mid-transfer, B's link down, rping SIGKILLed while down (kernel teardown), link up
 # b: rping -c connected and idle (SIGSTOPped), link down, up, port ACTIVE, then SIGKILL
 # d: the crate's streaming client mid-transfer (A drops its ACKs so WRs stay in flight), SIGSTOPped,
