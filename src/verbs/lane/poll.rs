@@ -65,13 +65,7 @@ impl Lane {
         // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
         if wc.wr_id & tag::CRATE != 0 {
-            return match self.convenient(i) {
-                Some(c) => {
-                    f(c);
-                    true
-                }
-                None => false,
-            };
+            return self.convenient_with(i, f);
         }
         let (recv, gen, place, seq) = tag::decode(wc.wr_id);
         let lane = self.id;
@@ -99,8 +93,11 @@ impl Lane {
     }
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
-    /// unsignaled ones, then the one it names); returns how many.
-    #[inline(always)]
+    /// unsignaled ones, then the one it names); returns how many. Out of line, as is
+    /// `convenient_with`: the poll's common case then calls `f` from one place, where the
+    /// compiler inlines it.
+    #[cold]
+    #[inline(never)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
         let lane = self.id;
         let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
@@ -134,6 +131,19 @@ impl Lane {
             k += 1;
         }
         k
+    }
+
+    /// Hands `f` the completion at `wcs[i]`, of the convenient path (see `convenient`).
+    #[cold]
+    #[inline(never)]
+    fn convenient_with(&mut self, i: u8, f: &mut impl FnMut(Completion)) -> bool {
+        match self.convenient(i) {
+            Some(c) => {
+                f(c);
+                true
+            }
+            None => false,
+        }
     }
 
     /// A completion of work posted through the convenient path of a QP on this CQ: routed as
