@@ -470,30 +470,26 @@ mod lane_bench {
     #[no_mangle]
     #[inline(never)]
     pub fn instr_prep_poll_send(lane: &mut Lane, p: &mut PreparedSend) -> bool {
-        let n = lane
-            .poll_with(1, |mut c| {
-                if !c.is_ok() {
-                    failed(c.status());
-                }
-                if let Some(r) = c.take_region() {
-                    p.rearm(r).unwrap();
-                }
-            })
-            .unwrap();
-        n == 1
+        poll_rearm(lane, |r| p.rearm(r).unwrap())
     }
 
     /// The lane: as `instr_prep_poll_send`, for a prepared receive.
     #[no_mangle]
     #[inline(never)]
     pub fn instr_prep_poll_recv(lane: &mut Lane, p: &mut PreparedRecv) -> bool {
+        poll_rearm(lane, |r| p.rearm(r).unwrap())
+    }
+
+    /// One poll of `lane`; a completion found hands its region to `rearm`. Whether it found one.
+    #[inline(always)]
+    fn poll_rearm(lane: &mut Lane, mut rearm: impl FnMut(MemoryRegion)) -> bool {
         let n = lane
             .poll_with(1, |mut c| {
                 if !c.is_ok() {
                     failed(c.status());
                 }
                 if let Some(r) = c.take_region() {
-                    p.rearm(r).unwrap();
+                    rearm(r);
                 }
             })
             .unwrap();

@@ -359,7 +359,8 @@ impl Lane {
             return Err(not_armed());
         }
         let m = self.member(key)?;
-        let count = ps.len() as u32;
+        // More than u32::MAX requests cannot fit a queue either: refused as too many.
+        let count = u32::try_from(ps.len()).unwrap_or(u32::MAX);
         let free = m.send.free();
         if count > free || m.failed.is_some() {
             return Err(refusal(m, "ibv_post_send"));
