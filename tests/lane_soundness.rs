@@ -690,3 +690,33 @@ fn prepared_requests_swapped_moved_and_outliving_their_lane() {
     }
     t.finish();
 }
+
+/// Outside review: a prepared UD send keeps a raw address handle. The caller's own copy of the
+/// destination dropped, the destination's QP (and lane) gone, the send still posts and
+/// completes (the lane's copy keeps the address handle); once its QP is removed, with the send
+/// still posted, the request is refused and holds its region no more.
+#[test]
+fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
+    let t = DeviceTest::start();
+    {
+        let p = common::lane::lane_ud_pair(t.addr, 7671, rdma_cm::QpInit::new(), 64);
+        let common::lane::LaneUdPair { client: mut c, to_server, server_dest, server } = p;
+        drop(server_dest);
+        let msg = MemoryRegion::new(&c.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut s = c.lane.prepare_send(c.qp, SendWr::send(msg, 0..32).to(to_server).wr_id(4)).unwrap();
+        drop(server);
+        for _ in 0..3 {
+            c.lane.post_prepared(&mut s).unwrap();
+            let mut done = reap(&mut c.lane, 1).pop().unwrap();
+            assert!(done.is_ok() && done.wr_id() == 4, "a datagram to nobody still completes: {done:?}");
+            s.rearm(done.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        c.lane.post_prepared(&mut s).unwrap();
+        c.lane.remove(c.qp).unwrap();
+        assert!(!s.is_armed(), "the region went with the QP's teardown, not back to the request");
+        let e = c.lane.post_prepared(&mut s).expect_err("its QP is gone");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        drop((c, s));
+    }
+    t.finish();
+}
