@@ -464,3 +464,259 @@ fn a_prepared_list_checks_every_entry_before_posting_any() {
     }
     t.finish();
 }
+
+/// Outside review of the prepared requests: a region derived from the one a request was
+/// prepared with is still another region. Its chunks (`split`), a sibling chunk of the same
+/// registration, and the same buffer registered again after `into_buffer` are all refused by
+/// `rearm`, each given back; the request takes its own region back.
+#[test]
+fn a_prepared_request_refuses_chunks_siblings_and_reregistrations_of_its_region() {
+    let t = DeviceTest::start();
+    {
+        let (_a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let refused = |p: &mut rdma_cm::lane::PreparedRecv, mr: MemoryRegion| {
+            let r = p.rearm(mr).expect_err("a region it was not prepared with");
+            assert!(r.to_string().contains("not the region"), "{r}");
+            r.into_inner().expect("given back")
+        };
+        // A chunk of a split registration; its sibling is refused.
+        let mut chunks = region(&b).split(1024).unwrap();
+        let sibling = chunks.pop().unwrap();
+        let mut p = b.lane.prepare_recv(b.qp, RecvWr::new(chunks.remove(0)).wr_id(1)).unwrap();
+        let own = p.take_region().unwrap();
+        let sibling = refused(&mut p, sibling);
+        // The chunk split again: same memory, new regions.
+        let pieces = own.split(256).unwrap();
+        let pieces: Vec<_> = pieces.into_iter().map(|c| refused(&mut p, c)).collect();
+        assert!(!p.is_armed());
+        drop((pieces, sibling, chunks));
+        // A buffer given back by `into_buffer` and registered again.
+        let buf = vec![0u8; 4096].into_boxed_slice();
+        let mr = MemoryRegion::register(&b.pd, buf, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = b.lane.prepare_recv(b.qp, RecvWr::new(mr).wr_id(2)).unwrap();
+        let buf = q.take_region().unwrap().into_buffer().unwrap();
+        let again = MemoryRegion::register(&b.pd, buf, AccessFlags::LOCAL_WRITE).unwrap();
+        let again = refused(&mut q, again);
+        // A request never holds a region it was not checked against: nothing was posted.
+        assert_eq!(b.lane.outstanding(b.qp).unwrap(), (0, 0));
+        drop((again, p, q));
+    }
+    t.finish();
+}
+
+/// Outside review: a prepared request's region taken out and posted through the ordinary path
+/// leaves the request unarmed (its post is refused, nothing doubly posted); the completion
+/// hands the region back, the request re-arms with it and posts again.
+#[test]
+fn a_prepared_requests_region_posted_through_the_ordinary_path_comes_back_once() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let mut p = a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(7)).unwrap();
+        let mr = p.take_region().unwrap();
+        a.lane.post_send(a.qp, SendWr::write(mr, 0..128, &remote, 0).wr_id(8)).map_err(|r| r.into_parts().0).unwrap();
+        let e = a.lane.post_prepared(&mut p).expect_err("its region is in the lane");
+        assert!(e.to_string().contains("holds no region"), "{e}");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0), "posted once");
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 8, "{c:?}");
+        p.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        a.lane.post_prepared(&mut p).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 7, "{c:?}");
+        assert!(c.take_region().is_some());
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, p));
+    }
+    t.finish();
+}
+
+/// Outside review: a `post_send_iter` whose iterator panics leaves a request staged beyond the
+/// tail; a prepared post (one, then a list) takes that slot. Nothing may be freed under the
+/// device, and every posted region comes back with its completion.
+#[test]
+fn a_prepared_post_after_a_panicking_batch_iterator_loses_nothing() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let panicking = |a: &mut LaneSide| {
+            let pd = a.pd.clone();
+            let mut yielded = false;
+            let wrs = std::iter::from_fn(move || {
+                assert!(!yielded, "the iterator panics on its second call");
+                yielded = true;
+                Some(SendWr::write(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap(), 0..64, &remote, 0))
+            });
+            assert!(catch_unwind(AssertUnwindSafe(|| a.lane.post_send_iter(a.qp, wrs))).is_err());
+            assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0), "nothing was posted");
+        };
+        let mut p = a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(1)).unwrap();
+        panicking(&mut a);
+        a.lane.post_prepared(&mut p).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 1, "{c:?}");
+        p.rearm(c.take_region().expect("the posted region comes back")).map_err(|r| r.into_parts().0).unwrap();
+        let mut ps = vec![p, a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(2)).unwrap()];
+        panicking(&mut a);
+        assert_eq!(a.lane.post_prepared_list(&mut ps).unwrap(), 2);
+        let done = reap(&mut a.lane, 2);
+        assert_eq!(done.iter().map(|c| (c.is_ok(), c.wr_id())).collect::<Vec<_>>(), [(true, 1), (true, 2)]);
+        for (p, mut c) in ps.iter_mut().zip(done) {
+            p.rearm(c.take_region().expect("back")).map_err(|r| r.into_parts().0).unwrap();
+        }
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, ps));
+    }
+    t.finish();
+}
+
+/// Outside review: a whole queue of unsignaled prepared requests, posted one by one and then
+/// as one list, still drains: the one that takes the last free slot is signaled (the
+/// `free == 1` and `k + 1 == free` edges), and every region comes back.
+#[test]
+fn a_full_queue_of_unsignaled_prepared_requests_drains() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let mut ps: Vec<_> = (0..64)
+            .map_while(|k| {
+                let mut p = a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(k)).ok()?;
+                p.set_signaled(false);
+                Some(p)
+            })
+            .collect();
+        // The queue's depth: as many as post before a refusal.
+        let mut depth = 0;
+        for p in ps.iter_mut() {
+            match a.lane.post_prepared(p) {
+                Ok(()) => depth += 1,
+                Err(e) => {
+                    assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+                    assert!(p.is_armed(), "a refused one keeps its region");
+                    break;
+                }
+            }
+        }
+        assert!(depth > 1 && depth < ps.len(), "depth {depth}");
+        let done = reap(&mut a.lane, depth);
+        assert!(done.iter().all(|c| c.is_ok()), "{done:?}");
+        assert_eq!(done.iter().filter(|c| c.is_signaled()).count(), 1, "only the last is signaled");
+        assert!(done.last().unwrap().is_signaled());
+        for (p, mut c) in ps.iter_mut().zip(done) {
+            assert_eq!(p.wr_id(), c.wr_id());
+            p.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        // Again as one list of the whole depth.
+        assert_eq!(a.lane.post_prepared_list(&mut ps[..depth]).unwrap(), depth);
+        let done = reap(&mut a.lane, depth);
+        assert!(done.iter().all(|c| c.is_ok()), "{done:?}");
+        assert_eq!(done.iter().filter(|c| c.is_signaled()).count(), 1, "only the last is signaled");
+        for (p, mut c) in ps.iter_mut().zip(done) {
+            assert_eq!(p.wr_id(), c.wr_id());
+            p.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        assert!(ps.iter().all(|p| p.is_armed()));
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, ps));
+    }
+    t.finish();
+}
+
+/// Outside review: a prepared WRITE with a remote key the peer does not have fails and moves
+/// the QP to the error state; its region still comes back with that completion, and a later
+/// post of the re-armed request is either refused (region kept) or flushed (region back):
+/// never lost, never posted twice.
+#[test]
+fn a_prepared_request_of_a_qp_in_error_keeps_or_returns_its_region() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let real = b.mrs[0].remote();
+        let bogus = rdma_cm::RemoteRegion::new(real.addr, real.rkey ^ 0x5a5a_0000, 4096);
+        let mut p = a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &bogus, 0).wr_id(5)).unwrap();
+        a.lane.post_prepared(&mut p).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(!c.is_ok(), "a bad rkey fails: {c:?}");
+        p.rearm(c.take_region().expect("a failed completion hands the region back"))
+            .map_err(|r| r.into_parts().0)
+            .unwrap();
+        match a.lane.post_prepared(&mut p) {
+            Ok(()) => {
+                let mut c = reap(&mut a.lane, 1).pop().unwrap();
+                assert!(!c.is_ok() && c.wr_id() == 5, "flushed: {c:?}");
+                p.rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
+            }
+            Err(e) => assert!(p.is_armed(), "refused ({e}): the region stays in the request"),
+        }
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, p));
+    }
+    t.finish();
+}
+
+/// Outside review: prepared requests swapped (`mem::swap`) while one is posted, moved to
+/// another thread with their lane, and the lane dropped with both posted (receives never
+/// matched): the drop reaps or destroys before freeing, and the requests, dropped after their
+/// lane, free nothing the device holds.
+#[test]
+fn prepared_requests_swapped_moved_and_outliving_their_lane() {
+    let t = DeviceTest::start();
+    {
+        let (a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let (mut b, other) = (b, a);
+        let mut x = b.lane.prepare_recv(b.qp, RecvWr::new(region(&b)).wr_id(1)).unwrap();
+        let mut y = b.lane.prepare_recv(b.qp, RecvWr::new(region(&b)).wr_id(2)).unwrap();
+        b.lane.post_prepared_recv(&mut x).unwrap();
+        std::mem::swap(&mut x, &mut y);
+        assert!(x.is_armed() && !y.is_armed() && x.wr_id() == 2);
+        let e = b.lane.post_prepared_recv(&mut y).expect_err("the posted one, swapped, is still unarmed");
+        assert!(e.to_string().contains("holds no region"), "{e}");
+        // The lane and both requests go to another thread, which posts the armed one.
+        let (mut b, x, y) = std::thread::spawn(move || {
+            let (mut b, mut x, y) = (b, x, y);
+            b.lane.post_prepared_recv(&mut x).unwrap();
+            (b, x, y)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(b.lane.outstanding(b.qp).unwrap(), (0, 2));
+        assert!(!x.is_armed() && !y.is_armed());
+        drop(b);
+        drop((x, y, other));
+    }
+    t.finish();
+}
+
+/// Outside review: a prepared UD send keeps a raw address handle. The caller's own copy of the
+/// destination dropped, the destination's QP (and lane) gone, the send still posts and
+/// completes (the lane's copy keeps the address handle); once its QP is removed, with the send
+/// still posted, the request is refused and holds its region no more.
+#[test]
+fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
+    let t = DeviceTest::start();
+    {
+        let p = common::lane::lane_ud_pair(t.addr, 7671, rdma_cm::QpInit::new(), 64);
+        let common::lane::LaneUdPair { client: mut c, to_server, server_dest, server } = p;
+        drop(server_dest);
+        let msg = MemoryRegion::new(&c.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut s = c.lane.prepare_send(c.qp, SendWr::send(msg, 0..32).to(to_server).wr_id(4)).unwrap();
+        drop(server);
+        for _ in 0..3 {
+            c.lane.post_prepared(&mut s).unwrap();
+            let mut done = reap(&mut c.lane, 1).pop().unwrap();
+            assert!(done.is_ok() && done.wr_id() == 4, "a datagram to nobody still completes: {done:?}");
+            s.rearm(done.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        c.lane.post_prepared(&mut s).unwrap();
+        c.lane.remove(c.qp).unwrap();
+        assert!(!s.is_armed(), "the region went with the QP's teardown, not back to the request");
+        let e = c.lane.post_prepared(&mut s).expect_err("its QP is gone");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        drop((c, s));
+    }
+    t.finish();
+}

@@ -376,12 +376,21 @@ impl Lane {
     /// hold what every attached QP may have outstanding: the sum of their queue depths.
     ///
     /// # Errors
-    /// As for [`CompletionQueue::new`].
+    /// As for [`CompletionQueue::new`]; [`Error::InvalidArgument`] once the process has made
+    /// 2^32 - 1 lanes (a lane's number is never reused: another lane's handles and prepared
+    /// work requests are told apart by it).
     pub fn new(ctx: &VerbsContext, depth: u32) -> Result<Lane> {
+        // Never wraps: a reused number would let a handle or a prepared work request of a
+        // dropped lane (its raw address handle included) pass for one of this lane's.
+        let id = NEXT_LANE
+            .fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |n| {
+                n.checked_add(1)
+            })
+            .map_err(|_| Error::InvalidArgument("Lane::new: the process has used up its lane numbers".into()))?;
         let cq = CompletionQueue::new_exclusive(ctx, depth)?;
         let cq_raw = NonNull::new(cq.as_raw()).ok_or_else(|| Error::InvalidArgument("CQ without a handle".into()))?;
         Ok(Lane {
-            id: NEXT_LANE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id,
             cq_raw,
             members: Vec::new(),
             gens: Vec::new(),
