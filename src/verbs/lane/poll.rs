@@ -93,8 +93,10 @@ impl Lane {
     }
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
-    /// unsignaled ones, then the one it names); returns how many. Out of line, with one call of
-    /// `f` (inlined here): the poll's common case then calls `f` from one place too.
+    /// unsignaled ones, then the one it names); returns how many. Out of line, as is
+    /// `convenient_with`: the poll's common case then calls `f` from one place, where the
+    /// compiler inlines it.
+    #[cold]
     #[inline(never)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
         let lane = self.id;
@@ -106,26 +108,27 @@ impl Lane {
         let (gen, recv) = (m.gen, if r.recv { RECV } else { 0 });
         let slots = if r.recv { &mut m.recv } else { &mut m.send };
         let mut k = 0;
-        while k < room {
-            let last = slots.head == r.upto;
+        while k < room && slots.head != r.upto {
+            // An unsignaled work request that ran before the one the completion names.
             let (mr, wr_id) = slots.pop();
-            let (fields, flags) = if last {
-                // The one the completion names: retiring ends before `f` runs, so that a panic
-                // in `f` leaves nothing half-retired.
-                self.retiring = None;
-                // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while
-                // retiring.
-                let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
-                (fields.unwrap_or_default(), recv | SIGNALED | LANE)
-            } else {
-                // An unsignaled work request that ran before the one the completion names.
-                (Fields::default(), recv | LANE)
-            };
-            f(Completion { mr, wr_id, f: fields, place: r.place, gen, lane, flags });
+            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE });
             k += 1;
-            if last {
-                break;
-            }
+        }
+        if k < room {
+            let (mr, wr_id) = slots.pop();
+            self.retiring = None;
+            // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
+            let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            f(Completion {
+                mr,
+                wr_id,
+                f: fields.unwrap_or_default(),
+                place: r.place,
+                gen,
+                lane,
+                flags: recv | SIGNALED | LANE,
+            });
+            k += 1;
         }
         k
     }
