@@ -50,6 +50,7 @@ use std::{fmt, mem};
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, check_ptr, Error, Result};
+use crate::verbs::device::Transport;
 use crate::verbs::link::Link;
 use crate::verbs::mr::AccessFlags;
 use crate::verbs::pd::ProtectionDomain;
@@ -248,8 +249,9 @@ impl UnconnectedQp {
         }
         let (lid, gid) = PeerInfo::local_address(ctx, params.port, params.gid_index)?;
         if port.link_layer == LinkLayer::Ethernet && params.gid_index.is_none() {
+            let kind = if ctx.transport() == Transport::Iwarp { "iWARP" } else { "RoCE" };
             return Err(Error::InvalidArgument(format!(
-                "{} port {} is RoCE (Ethernet link layer), where QPs are addressed by GID: give RcParams::gid_index \
+                "{} port {} is {kind} (Ethernet link layer), where QPs are addressed by GID: give RcParams::gid_index \
                  (the entry of the address to use; `ibv_devinfo -v` lists the GID table, and on rxe index 1 is \
                  usually the IPv4-mapped one)",
                 ctx.device_name(),
@@ -368,7 +370,8 @@ impl UnconnectedQp {
     /// # Errors
     /// [`Error::InvalidArgument`] for a QP made by [`UnconnectedQp::new_reset`], for info no QP
     /// can have (see [`PeerInfo::check`]), a peer without a GID on RoCE, or a peer with a GID
-    /// while this QP has no GID index;
+    /// while this QP has no GID index; [`Error::Unsupported`] on an iWARP device, whose QPs are
+    /// connected only through the connection manager (a CM id can adopt this QP instead);
     /// [`Error::Call`] when `ibv_modify_qp` refuses RTR or RTS (EINVAL at RTR: usually the GID
     /// index, the MTU or the peer's address).
     pub fn connect(self, peer: &PeerInfo) -> Result<QueuePair> {
@@ -383,7 +386,7 @@ impl UnconnectedQp {
         let p = &self.params;
         if !peer.has_gid() && self.link_layer == LinkLayer::Ethernet {
             return Err(Error::InvalidArgument(
-                "the peer gave no GID, and this port is RoCE, where QPs are addressed by GID: run the peer with a GID \
+                "the peer gave no GID, and this port is on Ethernet (RoCE), where QPs are addressed by GID: run the peer with a GID \
                  index (rdma-core's pingpong tools: -g)"
                     .into(),
             ));
@@ -394,6 +397,19 @@ impl UnconnectedQp {
                  set RcParams::gid_index"
                     .into(),
             ));
+        }
+        // The info is checked first, so that bad info is named as such on every device.
+        let ctx = self.qp.pd().context();
+        if ctx.transport() == Transport::Iwarp {
+            return Err(Error::Unsupported {
+                what: "connecting a QP without the connection manager",
+                why: format!(
+                    "{} is an iWARP device: its QPs run over TCP connections that only the connection manager \
+                     makes; let a CM id adopt this QP (RouteResolved::adopt_qp, ConnectRequest::adopt_qp) or \
+                     connect through Client/Server",
+                    ctx.device_name()
+                ),
+            });
         }
         use ffi::ibv_qp_attr_mask as m;
         // SAFETY: ibv_qp_attr is plain old data; all-zero is a valid value.
