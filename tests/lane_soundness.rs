@@ -12,7 +12,7 @@ mod common;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use common::lane::{lane_on, lane_pair, reap, LaneSide};
+use common::lane::{attached_pair, lane_on, lane_pair, reap, LaneSide};
 use common::{mr_count, pair, DeviceTest, PairSpec, T};
 use rdma_cm::lane::{RecvWr, SendWr};
 use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, WcStatus};
@@ -182,10 +182,7 @@ fn a_removed_qps_handle_and_completions_reach_nothing() {
     let t = DeviceTest::start();
     {
         let mut lane = lane_on(t.addr, 128);
-        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
-        let (a1, b1) = pair(t.addr, client(&lane), spec());
-        let pd1 = a1.pd.clone();
-        let old = lane.attach(a1.conn).unwrap();
+        let (old, pd1, b1) = attached_pair(&mut lane, t.addr, spec());
         for k in 0..4 {
             lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
                 .unwrap();
@@ -194,9 +191,7 @@ fn a_removed_qps_handle_and_completions_reach_nothing() {
         assert!(lane.outstanding(old).is_err());
         let r = lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()));
         assert!(r.unwrap_err().to_string().contains("not attached"));
-        let (a2, b2) = pair(t.addr, client(&lane), spec());
-        let pd2 = a2.pd.clone();
-        let new = lane.attach(a2.conn).unwrap();
+        let (new, pd2, b2) = attached_pair(&mut lane, t.addr, spec());
         assert_ne!(old, new, "a new handle for the same place");
         assert!(lane.outstanding(old).is_err(), "the old one stays refused");
         // The new QP works, and the lane hands out nothing of the old one's.
@@ -397,18 +392,14 @@ fn a_prepared_request_of_a_removed_qp_or_another_lane_is_refused() {
     let t = DeviceTest::start();
     {
         let mut lane = lane_on(t.addr, 128);
-        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
-        let (a1, b1) = pair(t.addr, client(&lane), spec());
-        let pd1 = a1.pd.clone();
-        let old = lane.attach(a1.conn).unwrap();
+        let (old, pd1, b1) = attached_pair(&mut lane, t.addr, spec());
         let remote = b1.mrs[0].remote();
         let mr = MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap();
         let mut p = lane.prepare_send(old, SendWr::write(mr, 0..64, &remote, 0)).unwrap();
         lane.remove(old).unwrap();
         let e = lane.post_prepared(&mut p).expect_err("its QP is gone");
         assert!(e.to_string().contains("not attached"), "{e}");
-        let (a2, b2) = pair(t.addr, client(&lane), spec());
-        let new = lane.attach(a2.conn).unwrap();
+        let (new, _pd2, b2) = attached_pair(&mut lane, t.addr, spec());
         let place = |q: rdma_cm::lane::LaneQp| format!("{q:?}").split(',').next().unwrap().to_string();
         assert_eq!(place(p.qp()), place(new), "the same place: {:?} {new:?}", p.qp());
         assert_ne!(p.qp(), new);

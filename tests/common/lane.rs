@@ -41,6 +41,16 @@ pub fn lane_pair(addr: IpAddr, client: PairSpec, server: PairSpec, depth: u32) -
     (LaneSide { lane: la, qp: qa, pd: pa, mrs: ma }, LaneSide { lane: lb, qp: qb, pd: pb, mrs: mb })
 }
 
+/// A connected RC pair whose client QP, made with `lane`'s CQ, is attached to `lane`: its
+/// handle there, its PD, and the server side.
+pub fn attached_pair(lane: &mut Lane, addr: IpAddr, spec: PairSpec) -> (LaneQp, Arc<ProtectionDomain>, Side) {
+    let client = PairSpec { init: lane.qp_init_from(spec.init.clone()), ..spec.clone() };
+    let (a, b) = pair(addr, client, spec);
+    let pd = a.pd.clone();
+    let qp = lane.attach(a.conn).map_err(|r| r.into_parts().0).expect("attach");
+    (qp, pd, b)
+}
+
 /// A UD pair on lanes: the client (with the server as a registered destination) and the
 /// server. Nothing is posted through the convenient path (a lane's CQ refuses its polls).
 pub struct LaneUdPair {
