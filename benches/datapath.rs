@@ -335,10 +335,10 @@ fn lane_post_poll(c: &mut Criterion) {
         let mut got = 0;
         while got < n {
             got += lane
-                .poll_with(n - got, |mut c| {
+                .poll_with(n - got, |c, region| {
                     assert!(c.is_ok(), "{c:?}");
                     let k = c.wr_id() as usize;
-                    mrs[k] = c.take_region();
+                    mrs[k] = region;
                 })
                 .unwrap();
         }

@@ -400,11 +400,11 @@ mod lane_bench {
     #[inline(never)]
     pub fn instr_lane_poll(lane: &mut Lane, back: &mut Option<MemoryRegion>) -> bool {
         let n = lane
-            .poll_with(1, |mut c| {
+            .poll_with(1, |c, region| {
                 if !c.is_ok() {
                     failed(c.status());
                 }
-                *back = c.take_region();
+                *back = region;
             })
             .unwrap();
         n == 1
@@ -441,11 +441,11 @@ mod lane_bench {
     #[no_mangle]
     #[inline(never)]
     pub fn instr_lane_poll_batch(lane: &mut Lane, mrs: &mut [Option<MemoryRegion>; BATCH], want: usize) -> usize {
-        lane.poll_with(want, |mut c| {
+        lane.poll_with(want, |c, region| {
             if !c.is_ok() {
                 failed(c.status());
             }
-            mrs[c.wr_id() as usize % BATCH] = c.take_region();
+            mrs[c.wr_id() as usize % BATCH] = region;
         })
         .unwrap()
     }
@@ -484,11 +484,11 @@ mod lane_bench {
     #[inline(always)]
     fn poll_rearm(lane: &mut Lane, mut rearm: impl FnMut(MemoryRegion)) -> bool {
         let n = lane
-            .poll_with(1, |mut c| {
+            .poll_with(1, |c, region| {
                 if !c.is_ok() {
                     failed(c.status());
                 }
-                if let Some(r) = c.take_region() {
+                if let Some(r) = region {
                     rearm(r);
                 }
             })
@@ -509,11 +509,11 @@ mod lane_bench {
     #[no_mangle]
     #[inline(never)]
     pub fn instr_prep_poll_batch(lane: &mut Lane, ps: &mut [PreparedSend; BATCH], want: usize) -> usize {
-        lane.poll_with(want, |mut c| {
+        lane.poll_with(want, |c, region| {
             if !c.is_ok() {
                 failed(c.status());
             }
-            if let Some(r) = c.take_region() {
+            if let Some(r) = region {
                 ps[c.wr_id() as usize % BATCH].rearm(r).unwrap();
             }
         })

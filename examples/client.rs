@@ -526,18 +526,18 @@ fn stream(
         // Each completion hands its region back; a signaled one first hands back the
         // unsignaled ones it retires, one completion each.
         let mut failed = None;
-        let reaped = lc.lane.poll_with(64, |mut c| {
+        let reaped = lc.lane.poll_with(64, |c, region| {
             if !c.is_ok() {
                 failed.get_or_insert(c);
             } else if c.queue() == WorkQueue::Recv {
-                regs.put_back(c); // the server's answer to a send stream, early
-            } else if let Some(mr) = c.take_region() {
+                regs.put_back(&c, region); // the server's answer to a send stream, early
+            } else if let Some(mr) = region {
                 free.push(mr);
                 done += 1;
             }
         })?;
         if let Some(c) = failed {
-            return Err(lc.failed(c, OP));
+            return Err(lc.failed(&c, OP));
         }
         if reaped == 0 {
             lc.idle(OP, t)?;

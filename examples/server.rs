@@ -337,7 +337,7 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
             posted += lc.lane.post_recv_list(lc.qp, &mut wrs[..n])? as u32;
         }
         let mut failed = None;
-        let reaped = lc.lane.poll_with(64, |mut c| {
+        let reaped = lc.lane.poll_with(64, |c, region| {
             if !c.is_ok() {
                 failed.get_or_insert(c);
                 return;
@@ -346,12 +346,12 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
                 bad_len += 1;
             }
             got += 1;
-            if let Some(prev) = c.take_region().and_then(|mr| latest.replace(mr)) {
+            if let Some(prev) = region.and_then(|mr| latest.replace(mr)) {
                 free.push(prev);
             }
         })?;
         if let Some(c) = failed {
-            return Err(lc.failed(c, OP));
+            return Err(lc.failed(&c, OP));
         }
         if reaped == 0 {
             lc.idle(OP, t)?;

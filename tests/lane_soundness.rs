@@ -268,7 +268,7 @@ fn a_panic_while_handing_out_a_batch_loses_no_completion() {
         loop {
             let r = catch_unwind(AssertUnwindSafe(|| {
                 a.lane
-                    .poll_with(16, |c| {
+                    .poll_with(16, |c, _region| {
                         if c.wr_id() == 3 {
                             panic!("the caller fails while taking completion 3");
                         }

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdma_cm::lane::{Completion, Lane, LaneQp};
+use rdma_cm::lane::{Completion, Lane, LaneQp, Wc};
 use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 
 /// Empty polls between two looks at the clock and at the CM events: reading the clock is a
@@ -88,12 +88,12 @@ impl LaneConn {
 
     /// A failed completion as the error that explains it: the peer's departure when that is
     /// what flushed it, else the completion's status.
-    pub fn failed(&mut self, c: Completion, op: &'static str) -> Error {
+    pub fn failed(&mut self, c: &Wc, op: &'static str) -> Error {
         let _ = self.events();
-        match c.ok() {
-            Err(_) if self.gone => Error::Disconnected { op, addr: self.peer },
-            Err(e) => e,
-            Ok(_) => Error::InvalidArgument(format!("{op}: a successful completion reported as failed")),
+        match c.error() {
+            Some(_) if self.gone => Error::Disconnected { op, addr: self.peer },
+            Some(e) => e,
+            None => Error::InvalidArgument(format!("{op}: a successful completion reported as failed")),
         }
     }
 
@@ -102,7 +102,7 @@ impl LaneConn {
         loop {
             if let Some(c) = self.lane.poll()? {
                 self.progressed();
-                return if c.is_ok() { Ok(c) } else { Err(self.failed(c, op)) };
+                return if c.is_ok() { Ok(c) } else { Err(self.failed(&c, op)) };
             }
             self.idle(op, t)?;
         }
@@ -112,8 +112,8 @@ impl LaneConn {
     /// completion comes first), and returns what its completion said.
     pub fn wait(&mut self, regs: &mut Regions, i: usize, op: &'static str, t: Duration) -> Result<Done, Error> {
         while !regs.is_back(i) {
-            let c = self.next(op, t)?;
-            regs.put_back(c);
+            let (c, region) = self.next(op, t)?.into_parts();
+            regs.put_back(&c, region);
         }
         Ok(regs.done[i])
     }
@@ -185,11 +185,11 @@ impl Regions {
     }
 
     /// Puts back the region of completion `c`, at its `wr_id`.
-    pub fn put_back(&mut self, mut c: Completion) {
+    pub fn put_back(&mut self, c: &Wc, region: Option<MemoryRegion>) {
         let i = c.wr_id() as usize;
         let done = Done { byte_len: c.byte_len(), imm: c.imm_data() };
         if let (Some(place), Some(d)) = (self.mrs.get_mut(i), self.done.get_mut(i)) {
-            *place = c.take_region();
+            *place = region;
             *d = done;
         }
     }

@@ -1,8 +1,7 @@
 use super::*;
 
-/// The fields of an `ibv_wc` after its `wr_id`, as the provider wrote them: a completion is
-/// copied in one piece and decoded only when asked.
-#[repr(C)]
+/// The fields of an `ibv_wc` after its `wr_id`, as the provider wrote them, decoded only when
+/// asked.
 #[derive(Clone, Copy, Default)]
 pub(super) struct Fields {
     pub(super) status: u32,
@@ -19,25 +18,27 @@ pub(super) struct Fields {
     pub(super) dlid_path_bits: u8,
 }
 
-// `Fields` is `ibv_wc` from `status` on, field for field.
-const _: () = {
-    use std::mem::offset_of;
-    assert!(offset_of!(ffi::ibv_wc, status) == 8);
-    assert!(offset_of!(ffi::ibv_wc, qp_num) == 8 + offset_of!(Fields, qp_num));
-    assert!(offset_of!(ffi::ibv_wc, wc_flags) == 8 + offset_of!(Fields, wc_flags));
-    assert!(offset_of!(ffi::ibv_wc, pkey_index) == 8 + offset_of!(Fields, pkey_index));
-    assert!(offset_of!(ffi::ibv_wc, dlid_path_bits) == 8 + offset_of!(Fields, dlid_path_bits));
-    assert!(mem::size_of::<ffi::ibv_wc>() >= 8 + mem::size_of::<Fields>());
-};
-
 impl Fields {
-    /// The fields of `wc`.
+    /// The fields of `wc`, read one by one: where the caller of [`Lane::poll_with`] reads only
+    /// some of them, the others are never loaded (a copy of the whole would be kept in memory).
     #[inline(always)]
     pub(super) fn of(wc: &ffi::ibv_wc) -> Fields {
-        // SAFETY: `Fields` is laid out as `ibv_wc` from offset 8 on (checked above), every field
-        // an integer, and `wc` is initialised; offset 8 of an 8-aligned `ibv_wc` is aligned for
-        // `Fields`. Its padding may read the C struct's padding, which it never looks at.
-        unsafe { std::ptr::read((wc as *const ffi::ibv_wc).cast::<u8>().add(8).cast::<Fields>()) }
+        Fields {
+            status: wc.status,
+            opcode: wc.opcode,
+            vendor_err: wc.vendor_err,
+            byte_len: wc.byte_len,
+            // SAFETY: both members of the union are a `u32` (immediate data or an invalidated
+            // rkey, as the flags say): any bits are a valid value.
+            imm: unsafe { wc.imm_data_invalidated_rkey_union.imm_data },
+            qp_num: wc.qp_num,
+            src_qp: wc.src_qp,
+            wc_flags: wc.wc_flags,
+            pkey_index: wc.pkey_index,
+            slid: wc.slid,
+            sl: wc.sl,
+            dlid_path_bits: wc.dlid_path_bits,
+        }
     }
 }
 
@@ -46,16 +47,34 @@ pub(super) const RECV: u8 = 1;
 pub(super) const SIGNALED: u8 = 2;
 pub(super) const LANE: u8 = 4;
 
-/// A completion reaped by [`Lane::poll`]: the work request's region, handed back, and the
-/// completion's fields as the provider wrote them (decoded by the accessors).
-pub struct Completion {
-    pub(super) mr: Option<MemoryRegion>,
+/// A completion as [`Lane::poll_with`] hands it out: the completion's fields as the provider
+/// wrote them (decoded by the accessors), and nothing to drop. The region of its work request
+/// comes beside it. [`Completion`] is the two together, as [`Lane::poll`] returns them.
+#[derive(Clone, Copy)]
+pub struct Wc {
     pub(super) wr_id: u64,
     pub(super) f: Fields,
     pub(super) place: u16,
     pub(super) gen: u16,
     pub(super) lane: u32,
     pub(super) flags: u8,
+}
+
+/// A completion reaped by [`Lane::poll`]: its fields ([`Wc`], whose accessors it shares) and the
+/// work request's region, handed back ([`Completion::take_region`]).
+pub struct Completion {
+    wc: Wc,
+    mr: Option<MemoryRegion>,
+}
+
+impl fmt::Debug for Wc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Wc")
+            .field("qp", &self.qp())
+            .field("wc", &self.work_completion())
+            .field("signaled", &self.is_signaled())
+            .finish()
+    }
 }
 
 impl fmt::Debug for Completion {
@@ -69,7 +88,20 @@ impl fmt::Debug for Completion {
     }
 }
 
+impl std::ops::Deref for Completion {
+    type Target = Wc;
+    #[inline(always)]
+    fn deref(&self) -> &Wc {
+        &self.wc
+    }
+}
+
 impl Completion {
+    #[inline(always)]
+    pub(super) fn new(wc: Wc, mr: Option<MemoryRegion>) -> Completion {
+        Completion { wc, mr }
+    }
+
     /// The region of the work request, handed back (once; `None` afterwards, and for
     /// completions of the convenient path).
     #[inline(always)]
@@ -77,6 +109,27 @@ impl Completion {
         self.mr.take()
     }
 
+    /// Its fields and its region, apart.
+    #[inline(always)]
+    pub fn into_parts(self) -> (Wc, Option<MemoryRegion>) {
+        (self.wc, self.mr)
+    }
+
+    /// `Ok(self)` on success.
+    ///
+    /// # Errors
+    /// [`Error::WorkCompletion`] with the status, its usual cause and the vendor error. The
+    /// region is dropped with the completion: call [`Completion::take_region`] first to keep
+    /// it.
+    pub fn ok(self) -> Result<Completion> {
+        match self.wc.error() {
+            None => Ok(self),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+impl Wc {
     /// The `wr_id` the work request was given.
     #[inline(always)]
     pub fn wr_id(&self) -> u64 {
@@ -84,29 +137,34 @@ impl Completion {
     }
 
     /// The QP it belongs to (`None` for a completion of the convenient path of a QP that is
-    /// not attached: see [`Completion::qp_num`]).
+    /// not attached: see [`Wc::qp_num`]).
+    #[inline]
     pub fn qp(&self) -> Option<LaneQp> {
         self.is_lane().then_some(LaneQp { place: self.place, gen: self.gen, lane: self.lane })
     }
 
     /// The QP number.
+    #[inline]
     pub fn qp_num(&self) -> u32 {
         self.f.qp_num
     }
 
     /// Whether it came from a work request posted through the lane (false: through the
     /// convenient path of a QP made with [`Lane::qp_init`]; it carries no region).
+    #[inline]
     pub fn is_lane(&self) -> bool {
         self.flags & LANE != 0
     }
 
     /// False for an unsignaled work request retired by a later signaled completion of its
     /// queue (it succeeded: its fields other than the status, `wr_id` and queue say nothing).
+    #[inline]
     pub fn is_signaled(&self) -> bool {
         self.flags & SIGNALED != 0
     }
 
     /// The queue it completed on.
+    #[inline]
     pub fn queue(&self) -> WorkQueue {
         if self.flags & RECV != 0 {
             WorkQueue::Recv
@@ -122,40 +180,42 @@ impl Completion {
     }
 
     /// The status.
+    #[inline]
     pub fn status(&self) -> WcStatus {
         WcStatus::from_raw(self.f.status)
     }
 
-    /// `Ok(self)` on success.
-    ///
-    /// # Errors
-    /// [`Error::WorkCompletion`] with the status, its usual cause and the vendor error. The
-    /// region is dropped with the completion: call [`Completion::take_region`] first to keep
-    /// it.
-    pub fn ok(self) -> Result<Completion> {
-        if self.is_ok() {
-            Ok(self)
-        } else {
-            Err(Error::WorkCompletion { wr_id: self.wr_id, status: self.status(), vendor_err: self.f.vendor_err })
-        }
+    /// `None` on success; otherwise [`Error::WorkCompletion`] with the status, its usual cause
+    /// and the vendor error.
+    pub fn error(&self) -> Option<Error> {
+        (!self.is_ok()).then(|| Error::WorkCompletion {
+            wr_id: self.wr_id,
+            status: self.status(),
+            vendor_err: self.f.vendor_err,
+        })
     }
 
     /// The operation, for successful signaled completions.
+    #[inline]
     pub fn opcode(&self) -> Option<WcOpcode> {
         (self.is_signaled() && self.is_ok()).then(|| WcOpcode::from_raw(self.f.opcode))
     }
 
     /// Bytes received (receives) or transferred (RDMA READ).
+    #[inline]
     pub fn byte_len(&self) -> u32 {
         self.f.byte_len
     }
 
     /// Immediate data of a receive, in host order, when the peer sent any.
+    #[inline]
     pub fn imm_data(&self) -> Option<u32> {
-        self.work_completion().imm_data()
+        (self.flags & RECV != 0 && self.f.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+            .then(|| u32::from_be(self.f.imm))
     }
 
     /// The sender's QP number (UD receives).
+    #[inline]
     pub fn src_qp(&self) -> u32 {
         self.f.src_qp
     }

@@ -15,8 +15,9 @@
 //!   read-modify-write on the way. One lane per thread is how RDMA servers are built anyway.
 //! - **Owned buffers instead of reference counts.** A work request *moves* its
 //!   [`MemoryRegion`] into the lane's slot table (sized by the queue depth, allocated once,
-//!   when the QP is attached); the [`Completion`] that retires the slot hands it back
-//!   ([`Completion::take_region`]). A post moves one pointer and touches no atomic.
+//!   when the QP is attached); the completion that retires the slot hands it back (beside
+//!   the [`Wc`] in [`Lane::poll_with`]; in the [`Completion`] of [`Lane::poll`]). A post moves
+//!   one pointer and touches no atomic.
 //! - **Checks that cost compares.** A post checks the region's protection domain, the range,
 //!   the access rights and the remote range with a few compares, lowers the work request in
 //!   one place ([`SendWr`] → `ibv_send_wr`) and calls the provider. A poll decodes the
@@ -24,8 +25,8 @@
 //!   typed accessors decode them when asked.
 //! - **Selective signaling and post lists.** [`SendWr::unsignaled`] work requests complete
 //!   with the next signaled one of their queue: that completion retires every earlier slot of
-//!   the queue, in order, and each comes back as its own [`Completion`]
-//!   ([`Completion::is_signaled`] false). [`Lane::post_send_list`] posts up to
+//!   the queue, in order, and each comes back as its own completion
+//!   ([`Wc::is_signaled`] false). [`Lane::post_send_list`] posts up to
 //!   [`MAX_LIST`] work requests under one doorbell (one `ibv_post_send` of a chained list).
 //! - **Checks hoisted out of the loop: prepared work requests.** The same buffer posted again
 //!   and again (a ping-pong, a stream of WRITEs, a ring of receives) need not be checked and
@@ -34,8 +35,9 @@
 //!   ([`Lane::post_prepared`], [`Lane::post_prepared_recv`], [`Lane::post_prepared_list`])
 //!   only stamps the tag and the signaled bit, calls the provider and moves the region into
 //!   the slot. The completion hands the region back, and [`PreparedSend::rearm`] takes it
-//!   (that region only: the request was checked against it). This is the path for
-//!   performance-sensitive code; the examples' latency and rate modes use it.
+//!   (that region only: the request was checked against it). This, with
+//!   [`Lane::poll_with`], is the path for performance-sensitive code. (The examples' latency
+//!   and rate modes use the lane with a [`SendWr`] per post.)
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -151,7 +153,7 @@ mod prepared;
 mod slots;
 mod wr;
 
-pub use completion::Completion;
+pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
 pub use owner::LaneOwner;
 pub(crate) use owner::Sealed;

@@ -1,31 +1,32 @@
 use super::*;
 
 impl Lane {
-    /// Hands out the next completion without waiting: a region comes back with each
-    /// ([`Completion::take_region`]). A signaled completion that retires earlier unsignaled work
-    /// requests hands those out first, one per call, oldest first, then itself. `None` when the
-    /// CQ holds nothing now. [`Lane::poll_with`] does the same without moving each completion
-    /// out of the lane's frame.
+    /// Hands out the next completion without waiting, with the region of its work request
+    /// ([`Completion::take_region`]). A signaled completion that retires earlier unsignaled
+    /// work requests hands those out first, one per call, oldest first, then itself. `None`
+    /// when the CQ holds nothing now. [`Lane::poll_with`] is the fast way to do the same.
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
     #[inline(always)]
     pub fn poll(&mut self) -> Result<Option<Completion>> {
         let mut out = None;
-        self.poll_with(1, |c| out = Some(c))?;
+        self.poll_with(1, |wc, mr| out = Some(Completion::new(wc, mr)))?;
         Ok(out)
     }
 
     /// Hands up to `max` completions to `f`, oldest first, without waiting; returns how many.
-    /// The fast way to reap: each [`Completion`] is built where `f` (inlined) reads it, so what
-    /// `f` does not look at is never decoded. The lane is consistent whenever `f` runs: if `f`
-    /// panics, the completion it was given is dropped (its region with it: the device is done
-    /// with it) and every other one stays for the next poll.
+    /// The fast way to reap: each completion's fields come as a [`Wc`] (plain data, decoded
+    /// only where `f` reads it) and its work request's region beside it (`None` for a
+    /// completion of the convenient path), so `f`, inlined, works on values in registers. The
+    /// lane is consistent whenever `f` runs: if `f` panics, the region it was given is dropped
+    /// with it (the device is done with it) and every other completion stays for the next
+    /// poll.
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
     #[inline(always)]
-    pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Completion)) -> Result<usize> {
+    pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         let mut done = 0;
         while done < max {
             if let Some(r) = self.retiring {
@@ -61,7 +62,7 @@ impl Lane {
     /// retires, or of the convenient path (routed), and returns true; returns false when it
     /// retires several (then `retiring` says which, for `retire`) or nothing (stale).
     #[inline(always)]
-    fn start(&mut self, i: u8, f: &mut impl FnMut(Completion)) -> bool {
+    fn start(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
         // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
         if wc.wr_id & tag::CRATE != 0 {
@@ -82,7 +83,7 @@ impl Lane {
             // The common case: it retires one slot, the oldest.
             let (mr, wr_id) = slots.pop();
             let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
-            f(Completion { mr, wr_id, f: Fields::of(wc), place, gen, lane, flags });
+            f(Wc { wr_id, f: Fields::of(wc), place, gen, lane, flags }, mr);
             return true;
         }
         if slots.holds(seq) {
@@ -98,7 +99,7 @@ impl Lane {
     /// compiler inlines it.
     #[cold]
     #[inline(never)]
-    fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Completion)) -> usize {
+    fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> usize {
         let lane = self.id;
         let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
             // Never: a QP stays in place while its completion is handed out.
@@ -111,7 +112,7 @@ impl Lane {
         while k < room && slots.head != r.upto {
             // An unsignaled work request that ran before the one the completion names.
             let (mr, wr_id) = slots.pop();
-            f(Completion { mr, wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE });
+            f(Wc { wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE }, mr);
             k += 1;
         }
         if k < room {
@@ -119,15 +120,9 @@ impl Lane {
             self.retiring = None;
             // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
             let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
-            f(Completion {
-                mr,
-                wr_id,
-                f: fields.unwrap_or_default(),
-                place: r.place,
-                gen,
-                lane,
-                flags: recv | SIGNALED | LANE,
-            });
+            let wc =
+                Wc { wr_id, f: fields.unwrap_or_default(), place: r.place, gen, lane, flags: recv | SIGNALED | LANE };
+            f(wc, mr);
             k += 1;
         }
         k
@@ -136,10 +131,10 @@ impl Lane {
     /// Hands `f` the completion at `wcs[i]`, of the convenient path (see `convenient`).
     #[cold]
     #[inline(never)]
-    fn convenient_with(&mut self, i: u8, f: &mut impl FnMut(Completion)) -> bool {
+    fn convenient_with(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
         match self.convenient(i) {
-            Some(c) => {
-                f(c);
+            Some(wc) => {
+                f(wc, None);
                 true
             }
             None => false,
@@ -150,13 +145,13 @@ impl Lane {
     /// the CQ's own poll routes it (its slot retired, its region released).
     #[cold]
     #[inline(never)]
-    fn convenient(&mut self, i: u8) -> Option<Completion> {
+    fn convenient(&mut self, i: u8) -> Option<Wc> {
         // SAFETY: as in `start`.
         let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
         let (done, _) = self.cq.router().route(wc)?;
         let raw = done.to_raw();
         let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
-        Some(Completion { mr: None, wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, lane: 0, flags })
+        Some(Wc { wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, lane: 0, flags })
     }
 
     #[cold]

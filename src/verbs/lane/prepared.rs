@@ -4,7 +4,8 @@
 //! [`PreparedSend`] or [`PreparedRecv`] is checked and lowered once, for one QP of the lane
 //! ([`Lane::prepare_send`], [`Lane::prepare_recv`]); a post then only stamps the `wr_id` tag and
 //! the signaled bit into the provider's work request it already holds, and moves the region
-//! into the QP's slot. The completion hands the region back ([`Completion::take_region`]), and
+//! into the QP's slot. The completion hands the region back (beside the [`Wc`] in
+//! [`Lane::poll_with`]), and
 //! [`PreparedSend::rearm`] puts it back into the prepared request, which refuses any other
 //! region: the request's scatter list was checked against that one.
 //!
@@ -12,7 +13,7 @@
 //! let mut send = lane.prepare_send(qp, SendWr::write(mr, 0..64, &remote, 0))?;  // checked once
 //! loop {
 //!     lane.post_prepared(&mut send)?;          // the region moves into the lane
-//!     lane.poll_with(1, |mut c| region = c.take_region())?;
+//!     lane.poll_with(1, |_wc, mr| region = mr)?;
 //!     send.rearm(region.take().unwrap())?;     // back, for the next post
 //! }
 //! ```
@@ -350,13 +351,14 @@ impl Lane {
     pub fn post_prepared_list(&mut self, ps: &mut [PreparedSend]) -> Result<usize> {
         let Some(first) = ps.first() else { return Ok(0) };
         let key = first.key;
-        if ps.iter().any(|p| p.key != key) {
-            return Err(Error::InvalidArgument(
-                "post_prepared_list: every work request of a list must be prepared for one QP".into(),
-            ));
-        }
-        if ps.iter().any(|p| p.mr.is_none()) {
-            return Err(not_armed());
+        if let Some(p) = ps.iter().find(|p| p.key != key || p.mr.is_none()) {
+            return Err(if p.key != key {
+                Error::InvalidArgument(
+                    "post_prepared_list: every work request of a list must be prepared for one QP".into(),
+                )
+            } else {
+                not_armed()
+            });
         }
         let m = self.member(key)?;
         // More than u32::MAX requests cannot fit a queue either: refused as too many.
@@ -369,20 +371,23 @@ impl Lane {
             m.send.release_staged();
         }
         let tail = m.send.tail;
-        for (k, p) in ps.iter_mut().enumerate() {
+        let (base, len) = (ps.as_mut_ptr(), ps.len());
+        for k in 0..len {
+            // SAFETY: k < len, and k + 1 < len where the link is taken: both within `ps`, which
+            // outlives the call below and is not moved (borrowed mutably here). Raw pointers,
+            // since one element's request links to the next's.
+            let (p, next) = unsafe {
+                (
+                    &mut *base.add(k),
+                    if k + 1 < len { std::ptr::addr_of_mut!((*base.add(k + 1)).raw) } else { std::ptr::null_mut() },
+                )
+            };
             let k = k as u32;
             p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
             p.raw.send_flags =
                 p.flags | if p.signaled || k + 1 == free { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
             p.raw.sg_list = p.sge.as_mut_ptr().cast();
-            p.raw.next = std::ptr::null_mut();
-        }
-        let base = ps.as_mut_ptr();
-        for k in 1..ps.len() {
-            // SAFETY: k - 1 < k < ps.len(): both within `ps`, which outlives the call below and
-            // is not moved (borrowed mutably here); the link goes from one element's request to
-            // the next's.
-            unsafe { (*base.add(k - 1)).raw.next = &mut (*base.add(k)).raw };
+            p.raw.next = next;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; the list is ps[0].raw → … → ps[count-1].raw (NULL-terminated),
@@ -401,9 +406,7 @@ impl Lane {
             }
         }
         m.send.tail = tail.wrapping_add(posted);
-        for p in ps.iter_mut() {
-            p.raw.next = std::ptr::null_mut();
-        }
+        // The requests keep their links: every post sets `next` (and `sg_list`) again.
         if ret == 0 {
             return Ok(posted as usize);
         }
