@@ -292,6 +292,48 @@ fn a_panic_while_handing_out_a_batch_loses_no_completion() {
     t.finish();
 }
 
+/// A panic in the closure on the first completion a poll finds (the poll's straight-line entry,
+/// which hands out the first completion of a fresh `ibv_poll_cq` itself): the region given to
+/// the closure is dropped with it (deregistered: the device is done with it), and the
+/// completions that poll reaped with it, or left in the CQ, come out of the next polls in order.
+#[test]
+fn a_panic_on_the_first_completion_of_a_poll_loses_no_other() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let pd = a.pd.clone();
+        let before = mr_count();
+        for k in 0..4 {
+            let mr = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+            a.lane.post_send(a.qp, SendWr::write(mr, 0..64, &remote, 0).wr_id(k)).unwrap();
+        }
+        let deadline = Instant::now() + T;
+        loop {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                a.lane.poll_with(1, |c, _region| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
+            }));
+            match r {
+                Err(_) => break,
+                Ok(n) => {
+                    assert_eq!(n, 0, "a completion was handed out without the closure");
+                    assert!(Instant::now() < deadline, "no completion within {T:?}");
+                }
+            }
+        }
+        if let Some(before) = before {
+            assert_eq!(mr_count(), Some(before + 3), "the panicking closure's region is deregistered, the others held");
+        }
+        let rest = reap(&mut a.lane, 3);
+        assert_eq!(rest.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert!(rest.into_iter().all(|mut c| c.is_ok() && c.take_region().is_some()));
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, pd));
+    }
+    t.finish();
+}
+
 /// A batch whose iterator panics after yielding one request leaves that request staged, never
 /// posted; the next post takes the same slot. It must neither free a region the device is using
 /// nor lose the next request's completion (the lane's outside review, finding 1: a debug

@@ -27,10 +27,39 @@ impl Lane {
     /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
     #[inline(always)]
     pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
-        let mut done = 0;
+        // The common case, straight-line: nothing is buffered, retiring or deferred, so the
+        // poll goes to the CQ, and its first completion is handed out here. Everything else
+        // (more completions, a completion that retires several, deferred ones) is the general
+        // loop's, out of line, so this path keeps a small frame.
+        if max == 0 || self.retiring.is_some() || self.at < self.n || !self.deferred.is_empty() {
+            return self.poll_more(max, 0, &mut f);
+        }
+        // SAFETY: as in `poll_more`.
+        let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
+        if got <= 0 {
+            return if got < 0 { Err(poll_failed(got)) } else { Ok(0) };
+        }
+        self.n = got as u8;
+        self.at = 1;
+        let done = self.start(0, &mut f) as usize;
+        if done == max {
+            return Ok(done);
+        }
+        self.poll_more(max, done, &mut f)
+    }
+
+    /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
+    /// already handed out) or until the CQ has nothing.
+    #[inline(never)]
+    fn poll_more(
+        &mut self,
+        max: usize,
+        mut done: usize,
+        f: &mut impl FnMut(Wc, Option<MemoryRegion>),
+    ) -> Result<usize> {
         while done < max {
             if let Some(r) = self.retiring {
-                done += self.retire(r, max - done, &mut f);
+                done += self.retire(r, max - done, f);
                 continue;
             }
             if self.at >= self.n {
@@ -53,7 +82,7 @@ impl Lane {
             }
             let i = self.at;
             self.at += 1;
-            done += self.start(i, &mut f) as usize;
+            done += self.start(i, f) as usize;
         }
         Ok(done)
     }
