@@ -99,7 +99,7 @@
 //!   polls refuse a lane's CQ ([`Error::InvalidArgument`]), so a QP made with
 //!   [`Lane::qp_init`] and never attached (or the CQ reached through it) cannot take the
 //!   lane's completions. Completions of work posted through such a QP's convenient path are
-//!   routed as usual and returned by [`Lane::poll`] ([`Completion::is_lane`] false). A poll
+//!   routed as usual and returned by [`Lane::poll`] ([`Wc::is_lane`] false). A poll
 //!   holds what it took from the CQ in the lane until it has been handed out, so a panic in
 //!   the caller between two polls loses nothing. Completions that another QP's teardown reaps
 //!   are kept, in order, for the next poll.

@@ -382,7 +382,7 @@ impl SendWr {
 
     /// Asks for no completion on success: the next signaled completion of the queue retires
     /// it (and hands its region back, as a [`Completion`] whose
-    /// [`is_signaled`](Completion::is_signaled) is false). The work request that takes the
+    /// [`is_signaled`](Wc::is_signaled) is false). The work request that takes the
     /// queue's last free slot is signaled whatever it asks, so a full queue always drains.
     #[inline(always)]
     pub fn unsignaled(mut self) -> SendWr {
