@@ -55,7 +55,7 @@ use crate::verbs::link::Link;
 use crate::verbs::mr::AccessFlags;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::peer::{PeerInfo, MAX_24};
-use crate::verbs::port::LinkLayer;
+use crate::verbs::port::{LinkLayer, PortInfo};
 use crate::verbs::wr::RecvWr;
 
 use super::{QpInit, QueuePair};
@@ -213,6 +213,13 @@ impl fmt::Debug for UnconnectedQp {
     }
 }
 
+/// The largest path MTU a QP on `port` may be given: the port's maximum, or its active MTU when
+/// that is larger. Soft-iWARP on kernel 6.12 reports a maximum of 256 beside an active 4096
+/// (iWARP runs over TCP and uses no path MTU at all); refusing 1024 there refused every RC QP.
+fn path_mtu_limit(port: &PortInfo) -> u32 {
+    port.max_mtu.max(port.active_mtu)
+}
+
 impl UnconnectedQp {
     /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`; its CQs are made
     /// on the PD's context unless `init` names them) and moves it to INIT on `params`' port
@@ -232,11 +239,11 @@ impl UnconnectedQp {
                 params.mtu
             )));
         }
-        if params.mtu > port.max_mtu {
+        if params.mtu > path_mtu_limit(&port) {
             return Err(Error::InvalidArgument(format!(
                 "path MTU {} is over the {} bytes {} port {} supports (active MTU {}; on RoCE the netdev's MTU sets it)",
                 params.mtu,
-                port.max_mtu,
+                path_mtu_limit(&port),
                 ctx.device_name(),
                 params.port,
                 port.active_mtu
@@ -445,5 +452,35 @@ impl UnconnectedQp {
         let mut qp = self.qp;
         qp.set_connected();
         Ok(qp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::port::PortState;
+
+    fn port(max_mtu: u32, active_mtu: u32) -> PortInfo {
+        PortInfo {
+            port: 1,
+            state: PortState::Active,
+            phys_state: 5,
+            link_layer: LinkLayer::Ethernet,
+            max_mtu,
+            active_mtu,
+            lid: 0,
+            gid_table_len: 16,
+            max_msg_size: 1 << 31,
+        }
+    }
+
+    #[test]
+    fn the_path_mtu_limit_is_the_larger_of_the_ports_maximum_and_active_mtu() {
+        // rxe, mlx5: the maximum bounds it.
+        assert_eq!(path_mtu_limit(&port(4096, 1024)), 4096);
+        // siw on 6.12: maximum 256 beside an active 4096; 1024 must not be refused.
+        assert_eq!(path_mtu_limit(&port(256, 4096)), 4096);
+        assert!(1024 <= path_mtu_limit(&port(256, 4096)));
+        assert_eq!(path_mtu_limit(&port(1024, 1024)), 1024);
     }
 }
