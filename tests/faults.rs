@@ -77,15 +77,16 @@ fn panic_with_work_in_flight_leaves_no_memory_the_device_can_write() {
     let start = Instant::now();
     let r = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T);
     if common::caps::iwarp() {
-        // iWARP (measured on siw, 6.1): the server's drop did disconnect (rdma_disconnect moves
-        // its QP to SQD, which closes the TCP stream; the client's DISCONNECTED comes within
-        // milliseconds), and the client's kernel QP went to the error state and flushed its send
-        // queue at that moment. The send, posted after that but before this side read the
-        // event, is never completed: siw flushes a user QP's send ring only on the move to
-        // the error state, and its doorbell in that state flushes nothing (nor does a second
-        // move to error, nor can the crate see the state: siw's ibv_query_qp says RESET). So
-        // the wait learns the peer left and still ends at its own bound, and the send's region
-        // is released when the connection is dropped (the drain's bound, then the destroy).
+        // iWARP (measured on siw, 6.1): the server's drop does disconnect (the client reads
+        // DISCONNECTED within milliseconds of it; the crate's drop path is not at fault), so
+        // the peer's close reaches this side's kernel before this side reads that event. A send posted then is
+        // never completed: not within the 10 s wait, in which the crate reads the DISCONNECTED
+        // and calls rdma_disconnect (which on iWARP asks for SQD, not ERR), nor 3 s after.
+        // The likely cause, from siw's source (not measured): siw flushes a user QP's send
+        // ring when the QP enters the error state (the peer's close), and a doorbell rung
+        // after that flushes nothing; siw's ibv_query_qp says RESET, so the crate cannot tell
+        // the QP is dead. So the wait learns the peer left and ends at its own bound, and the
+        // send's region is released when the connection is dropped (drain bound, then destroy).
         assert!(
             matches!(
                 r,
