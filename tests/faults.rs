@@ -74,9 +74,37 @@ fn panic_with_work_in_flight_leaves_no_memory_the_device_can_write() {
     // The peer is gone: the survivor's send fails instead of hanging.
     let mut c = c;
     c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..16).wr_id(1)]).unwrap();
-    let e = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap_err();
-    assert!(matches!(e, Error::Disconnected { .. } | Error::WorkCompletion { .. }), "{e:?}");
-    drop((c, target));
+    let start = Instant::now();
+    let r = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T);
+    if common::caps::iwarp() {
+        // iWARP (measured on siw, 6.1): the server's drop does disconnect (the client reads
+        // DISCONNECTED within milliseconds of it; the crate's drop path is not at fault), so
+        // the peer's close reaches this side's kernel before this side reads that event. A send posted then is
+        // never completed: not within the 10 s wait, in which the crate reads the DISCONNECTED
+        // and calls rdma_disconnect (which on iWARP asks for SQD, not ERR), nor 3 s after.
+        // The likely cause, from siw's source (not measured): siw flushes a user QP's send
+        // ring when the QP enters the error state (the peer's close), and a doorbell rung
+        // after that flushes nothing; siw's ibv_query_qp says RESET, so the crate cannot tell
+        // the QP is dead. So the wait learns the peer left and ends at its own bound, and the
+        // send's region is released when the connection is dropped (drain bound, then destroy).
+        assert!(
+            matches!(
+                r,
+                Err(Error::Disconnected { .. }) | Err(Error::WorkCompletion { .. }) | Err(Error::Timeout { .. })
+            ),
+            "{r:?}"
+        );
+        assert!(start.elapsed() < T + Duration::from_secs(2), "the wait took {:?}", start.elapsed());
+        assert!(c.conn.is_disconnected(), "the survivor learnt that its peer left: {r:?}");
+        eprintln!("measured (iWARP): the survivor's send after the peer's panic: {r:?} after {:?}", start.elapsed());
+    } else {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::Disconnected { .. } | Error::WorkCompletion { .. }), "{e:?}");
+    }
+    let start = Instant::now();
+    drop(c);
+    assert!(start.elapsed() < Duration::from_secs(5), "the survivor's drop took {:?}", start.elapsed());
+    drop(target);
     t.finish();
 }
 
@@ -102,11 +130,12 @@ impl LinkDown {
 impl Drop for LinkDown {
     fn drop(&mut self) {
         self.set("up");
-        // Wait for the RDMA port to come back (bounded).
+        // Wait for the port of the device under test to come back (bounded; no assertion, as
+        // this may run while a failed test unwinds).
+        let state = format!("/sys/class/infiniband/{}/ports/1/state", common::caps::device_under_test());
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            let s = std::fs::read_to_string("/sys/class/infiniband/rxe0/ports/1/state").unwrap_or_default();
-            if s.contains("ACTIVE") {
+            if std::fs::read_to_string(&state).unwrap_or_default().contains("ACTIVE") {
                 return;
             }
             thread::sleep(Duration::from_millis(50));
@@ -114,11 +143,27 @@ impl Drop for LinkDown {
     }
 }
 
+/// The RDMA netdev set down under a connected pair: the sender's work ends in bounded time and
+/// the receiver's wait at its own timeout; after the link is up again a new connection works.
+///
+/// What ends the send is the transport's. InfiniBand and RoCE: it fails (rxe fails it at once
+/// while its port is down; hardware after its retry budget). iWARP: the send is handed to TCP,
+/// which neither fails it nor gives up while the netdev is down: measured on siw, 6.1, the send
+/// neither completes nor fails within 30 s (the crate's wait times out; the receiver's QP
+/// flushes its receive), and on 6.12 it completes and the message arrives while the netdev is
+/// down (the peer is on this host). So on iWARP the assertion is that the
+/// crate's wait ends within its bound (the send completes, fails, or the wait times out), and
+/// that after the link is up the old connection delivers the message or fails cleanly
+/// (bounded), and a new one works.
 #[test]
 fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     let t = DeviceTest::start();
     let spec_s = PairSpec { pre_recv: vec![(1, 4096)], ..PairSpec::default() };
     let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    if common::caps::iwarp() {
+        link_down_on_iwarp(c, s);
+        return recovers(t);
+    }
     let down = LinkDown::new();
     let start = Instant::now();
     // The sender's work fails (retries exhausted or flushed) rather than hanging.
@@ -139,7 +184,54 @@ fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     eprintln!("measured: with the link down the send failed after {send_took:?}: {r:?}");
     assert!(send_took < Duration::from_secs(30), "send took {send_took:?}");
     drop((c, s));
-    // After the link is back, a new connection works end to end.
+    recovers(t);
+}
+
+/// The iWARP half of `guest_only_link_down_fails_in_bounded_time_and_recovers` (see there).
+fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
+    let down = LinkDown::new();
+    let start = Instant::now();
+    let r = c
+        .conn
+        .qp_mut()
+        .post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(7)])
+        .and_then(|_| c.conn.qp_mut().wait_for(WorkQueue::Send, 7, T));
+    let send_took = start.elapsed();
+    assert!(send_took < T + Duration::from_secs(2), "the send's wait took {send_took:?}");
+    assert!(
+        matches!(
+            r,
+            Ok(_) | Err(Error::Timeout { .. }) | Err(Error::WorkCompletion { .. }) | Err(Error::Disconnected { .. })
+        ),
+        "{r:?}"
+    );
+    let recv = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, Duration::from_secs(2));
+    assert!(matches!(recv, Ok(_) | Err(Error::Timeout { .. }) | Err(Error::WorkCompletion { .. })), "{recv:?}");
+    eprintln!("measured (iWARP): with the link down, after {send_took:?} the send: {r:?}; the receive: {recv:?}");
+    drop(down);
+    // The link is up: a message that did arrive is the one sent; one that did not arrives now or
+    // the connection fails cleanly, within the bound.
+    let recv = match recv {
+        // Not yet: still posted.
+        Err(Error::Timeout { .. }) => {
+            let start = Instant::now();
+            let late = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T);
+            assert!(start.elapsed() < T + Duration::from_secs(2), "the receive's wait took {:?}", start.elapsed());
+            eprintln!("measured (iWARP): after the link came up, {:?} later the receive: {late:?}", start.elapsed());
+            late
+        }
+        // Arrived, or flushed (measured on siw/6.1: the receive fails with WR_FLUSH_ERR while
+        // the netdev is down).
+        other => other,
+    };
+    if let Ok(wc) = recv {
+        assert_eq!(wc.byte_len(), 64, "the message sent while the link was down");
+    }
+    drop((c, s));
+}
+
+/// After the link is back, a new connection works end to end; nothing leaked.
+fn recovers(t: DeviceTest) {
     let spec_s = PairSpec { pre_recv: vec![(1, 4096)], ..PairSpec::default() };
     let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
     c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();

@@ -56,11 +56,7 @@ struct Answers {
 /// The device under test: `RDMA_VM_DEVICE` (the guest's) or `RDMA_CM_TEST_DEVICE` if set, else
 /// the first one listed.
 fn answers() -> Answers {
-    let name = std::env::var("RDMA_VM_DEVICE")
-        .or_else(|_| std::env::var("RDMA_CM_TEST_DEVICE"))
-        .ok()
-        .or_else(|| rdma_cm::devices().ok().and_then(|d| d.into_iter().next()).map(|d| d.name))
-        .expect("no RDMA device to ask for its capabilities (see `rdma link`)");
+    let name = device_under_test();
     let ctx = rdma_cm::VerbsContext::open(&name).unwrap_or_else(|e| panic!("open {name}: {e}"));
     // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
     let mut a: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
@@ -70,6 +66,28 @@ fn answers() -> Answers {
     // SAFETY: an open context's device pointer is set, and valid, for the context's life.
     let transport = unsafe { (*(*ctx.as_raw()).device).transport_type };
     Answers { name, transport, atomic_cap: a.atomic_cap, max_sge_rd: a.max_sge_rd.max(0) as u32 }
+}
+
+/// The name of the device under test: `RDMA_VM_DEVICE` (the guest's) or `RDMA_CM_TEST_DEVICE`
+/// if set, else the first one listed. Panics when there is none.
+pub fn device_under_test() -> String {
+    std::env::var("RDMA_VM_DEVICE")
+        .or_else(|_| std::env::var("RDMA_CM_TEST_DEVICE"))
+        .ok()
+        .or_else(|| rdma_cm::devices().ok().and_then(|d| d.into_iter().next()).map(|d| d.name))
+        .expect("no RDMA device under test (see `rdma link`)")
+}
+
+/// Waits (bounded by `within`) until port 1 of the device under test is ACTIVE again, as sysfs
+/// says; panics otherwise.
+pub fn wait_port_active(within: std::time::Duration) {
+    let dev = device_under_test();
+    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    let deadline = std::time::Instant::now() + within;
+    while !std::fs::read_to_string(&path).unwrap_or_default().contains("ACTIVE") {
+        assert!(std::time::Instant::now() < deadline, "port 1 of {dev} did not come back within {within:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// Why the device lacks `cap`, or `None` when it has it.
