@@ -239,11 +239,12 @@ impl UnconnectedQp {
                 params.mtu
             )));
         }
-        if params.mtu > path_mtu_limit(&port) {
+        let mtu_limit = path_mtu_limit(&port);
+        if params.mtu > mtu_limit {
             return Err(Error::InvalidArgument(format!(
                 "path MTU {} is over the {} bytes {} port {} supports (active MTU {}; on RoCE the netdev's MTU sets it)",
                 params.mtu,
-                path_mtu_limit(&port),
+                mtu_limit,
                 ctx.device_name(),
                 params.port,
                 port.active_mtu
