@@ -132,14 +132,7 @@ impl Drop for LinkDown {
         self.set("up");
         // Wait for the port of the device under test to come back (bounded; no assertion, as
         // this may run while a failed test unwinds).
-        let state = format!("/sys/class/infiniband/{}/ports/1/state", common::caps::device_under_test());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if std::fs::read_to_string(&state).unwrap_or_default().contains("ACTIVE") {
-                return;
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
+        common::caps::port_active_within(Duration::from_secs(10));
     }
 }
 
@@ -167,11 +160,7 @@ fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     let down = LinkDown::new();
     let start = Instant::now();
     // The sender's work fails (retries exhausted or flushed) rather than hanging.
-    let r = c
-        .conn
-        .qp_mut()
-        .post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(7)])
-        .and_then(|_| c.conn.qp_mut().wait_for(WorkQueue::Send, 7, Duration::from_secs(30)));
+    let r = send_64_and_wait(&mut c, Duration::from_secs(30));
     let send_took = start.elapsed();
     // The receiver has nothing to notice but silence: its wait ends at its own timeout.
     let recv = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, Duration::from_secs(2));
@@ -187,15 +176,17 @@ fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     recovers(t);
 }
 
+/// Posts a 64-byte send (wr_id 7) on `c` and waits for it, up to `bound`.
+fn send_64_and_wait(c: &mut common::Side, bound: Duration) -> rdma_cm::Result<rdma_cm::WorkCompletion> {
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(7)])?;
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 7, bound)
+}
+
 /// The iWARP half of `guest_only_link_down_fails_in_bounded_time_and_recovers` (see there).
 fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
     let down = LinkDown::new();
     let start = Instant::now();
-    let r = c
-        .conn
-        .qp_mut()
-        .post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(7)])
-        .and_then(|_| c.conn.qp_mut().wait_for(WorkQueue::Send, 7, T));
+    let r = send_64_and_wait(&mut c, T);
     let send_took = start.elapsed();
     assert!(send_took < T + Duration::from_secs(2), "the send's wait took {send_took:?}");
     assert!(

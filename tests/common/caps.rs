@@ -78,16 +78,24 @@ pub fn device_under_test() -> String {
         .expect("no RDMA device under test (see `rdma link`)")
 }
 
+/// Waits (bounded by `within`) until port 1 of the device under test is ACTIVE, as sysfs says;
+/// whether it is.
+pub fn port_active_within(within: std::time::Duration) -> bool {
+    let path = format!("/sys/class/infiniband/{}/ports/1/state", device_under_test());
+    let deadline = std::time::Instant::now() + within;
+    while !std::fs::read_to_string(&path).unwrap_or_default().contains("ACTIVE") {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
 /// Waits (bounded by `within`) until port 1 of the device under test is ACTIVE again, as sysfs
 /// says; panics otherwise.
 pub fn wait_port_active(within: std::time::Duration) {
-    let dev = device_under_test();
-    let path = format!("/sys/class/infiniband/{dev}/ports/1/state");
-    let deadline = std::time::Instant::now() + within;
-    while !std::fs::read_to_string(&path).unwrap_or_default().contains("ACTIVE") {
-        assert!(std::time::Instant::now() < deadline, "port 1 of {dev} did not come back within {within:?}");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    assert!(port_active_within(within), "port 1 of {} did not come back within {within:?}", device_under_test());
 }
 
 /// Why the device lacks `cap`, or `None` when it has it.

@@ -28,7 +28,6 @@ pub const T: Duration = Duration::from_secs(10);
 /// The bound on a helper's set-up steps (a UD pair's listen, resolve and connect): `T`, or
 /// `RDMA_CM_SETUP_TIMEOUT_SECS` when set. harness/bench-instr sets it: under valgrind, on a busy
 /// machine, opening the device alone can outlast `T`.
-#[allow(dead_code)] // (used by the helpers that set up UD pairs)
 pub fn setup_timeout() -> Duration {
     std::env::var("RDMA_CM_SETUP_TIMEOUT_SECS").ok().and_then(|s| s.parse().ok()).map_or(T, Duration::from_secs)
 }
