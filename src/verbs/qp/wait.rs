@@ -441,21 +441,30 @@ impl QueuePair {
         // usually finds its completion within the first round, and a clock read is a system
         // call where there is no fast vDSO clock (0.8 µs in the project's QEMU guest, whose
         // clock source is the HPET). The wait may thus last up to one round past `budget`.
+        // Completions another thread's poll kept for this QP since `seen` are looked for every
+        // KEPT_EVERY polls (one lock of this QP's queues), not once a round: each poll takes
+        // the CQ's lock, and when other threads hold it for long (a resize, a poll routing many
+        // completions), a round of polls lasts seconds. Looked for once a round, a completion
+        // kept for a busy `wait_for` on a shared CQ waited that long; the receiver, two messages
+        // behind, left its receive queue empty, and each message it missed cost the sender an
+        // RNR NAK and 0.66 s (the CM's `min_rnr_timer`): on rxe/6.1 a send's wait overran 10 s
+        // (tests/attacks, resizing_a_shared_cq_under_traffic_loses_nothing, 2026-12-03).
+        const KEPT_EVERY: u32 = 16;
         let mut start: Option<std::time::Instant> = None;
         loop {
-            for _ in 0..ROUND {
+            for i in 0..ROUND {
                 let n = self.poll_on(which, out, kept)?;
                 if n > 0 {
                     return Ok(Woke::Found(n));
                 }
-                std::hint::spin_loop();
-            }
-            if !kept {
-                let seq = self.queues().notify.seq;
-                if seq != *seen {
-                    *seen = seq;
-                    return Ok(Woke::Kept);
+                if !kept && i % KEPT_EVERY == KEPT_EVERY - 1 {
+                    let seq = self.queues().notify.seq;
+                    if seq != *seen {
+                        *seen = seq;
+                        return Ok(Woke::Kept);
+                    }
                 }
+                std::hint::spin_loop();
             }
             let link = self.watch_fd();
             if link >= 0 && poll_readable(&mut [pollfd(link)], Duration::ZERO)? {
