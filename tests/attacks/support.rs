@@ -131,6 +131,23 @@ pub(crate) fn shared_cq_stress(modes: &[Mode], srq_depth: Option<u32>) {
     stress(modes, srq_depth, false, false)
 }
 
+/// The receives each QP of [`stress`] keeps posted (without an SRQ): its whole receive queue
+/// (`QpInit`'s default 16), so that a receiving thread some messages behind the device does
+/// not leave its queue empty. With two, a thread two messages behind made the sender meet an
+/// RNR NAK, retried after the CM's `min_rnr_timer` (0: 655 ms) or more; the resize test then
+/// took 56 to 186 s on rxe/6.1 and failed whenever one message's retries overran the 10 s
+/// bound. (What kept the busy `wait_for` thread behind was a crate bug, fixed in
+/// `QueuePair::spin_on`: it looked at completions other threads kept for it only once per 4096
+/// polls. Before that fix this test failed with 16 receives too (once run, at message 16,
+/// after 66 s); after it, it passed 5 of 5 in 12 to 15 s. Measured 2026-12-03.)
+const RECVS: u64 = 16;
+
+/// The 64 bytes of a QP's region that receive `wr_id` lands in.
+fn recv_slot(wr_id: u64) -> std::ops::Range<usize> {
+    let at = (wr_id % RECVS) as usize * 64;
+    at..at + 64
+}
+
 /// [`shared_cq_stress`], with `own_send_cq`: each QP sends on a CQ of its own (the receive CQ
 /// is the shared one); with `resizer`: a thread resizes the shared CQ back and forth meanwhile.
 pub(crate) fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, resizer: bool) {
@@ -178,9 +195,10 @@ pub(crate) fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, 
             init = init.srq(srq);
         }
         let mut q = r.create_qp(&pd, init).unwrap();
-        let mr = MemoryRegion::new(&pd, 128, AccessFlags::LOCAL_WRITE).unwrap();
+        let mr = MemoryRegion::new(&pd, 64 * RECVS as usize, AccessFlags::LOCAL_WRITE).unwrap();
         if srq.is_none() {
-            q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(0), RecvWr::new(&mr, 64..128).wr_id(1)]).unwrap();
+            let wrs: Vec<_> = (0..RECVS).map(|j| RecvWr::new(&mr, recv_slot(j)).wr_id(j)).collect();
+            q.post_recv(&wrs).unwrap();
         }
         let mut conn = q.connect(&ConnParam::new(), T).unwrap();
         let (srq, shared_mr) = (srq.clone(), Arc::clone(&shared_mr));
@@ -233,9 +251,8 @@ pub(crate) fn stress(modes: &[Mode], srq_depth: Option<u32>, own_send_cq: bool, 
                             srq.post_recv(&[RecvWr::new(&shared_mr, j * 64..(j + 1) * 64).wr_id(j as u64)]).unwrap();
                         }
                         None => {
-                            let id = wc.wr_id() + 2;
-                            let half = (id % 2) as usize * 64;
-                            conn.qp_mut().post_recv(&[RecvWr::new(&mr, half..half + 64).wr_id(id)]).unwrap();
+                            let id = wc.wr_id() + RECVS;
+                            conn.qp_mut().post_recv(&[RecvWr::new(&mr, recv_slot(id)).wr_id(id)]).unwrap();
                         }
                     }
                 }
