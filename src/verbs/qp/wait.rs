@@ -26,6 +26,16 @@ const SYNC_SPINS: u32 = 64;
 #[cfg(feature = "tokio")]
 const ASYNC_SPINS: u32 = 1024;
 
+/// Polls between two looks, by a spinning wait that does not take kept completions in its
+/// polls (`wait_for`), at the completions other threads' polls kept for its QP since it last
+/// looked (one lock of the QP's queues). Each poll takes the CQ's lock, so when others hold it
+/// for long (a resize, a poll routing many completions) a long run of polls lasts seconds:
+/// looked for once per 4,096 polls, a completion kept for a busy `wait_for` on a shared CQ
+/// waited that long, the receiver fell two messages behind, and each message it then missed
+/// cost the sender an RNR NAK and 0.66 s (the CM's `min_rnr_timer`): on rxe/6.1 a send's wait
+/// overran 10 s (tests/attacks, resizing_a_shared_cq_under_traffic_loses_nothing, 2026-12-03).
+const KEPT_EVERY: u32 = 16;
+
 /// What ended a wait on the CQs.
 enum Woke {
     /// This many completions were polled into the caller's slice.
@@ -299,19 +309,25 @@ impl QueuePair {
     }
 
     /// Polls, then arms the CQs and polls again (so no completion slips between the two);
-    /// returns what was found, or 0 when the caller should sleep on the descriptors.
+    /// returns what was found, or 0 when the caller should look at its kept completions
+    /// (without `kept`, ones kept for it since `seen`, which end the busy phase unarmed) and
+    /// then sleep on the descriptors.
     fn poll_or_arm(
         &self,
         which: Option<WorkQueue>,
         out: &mut [WorkCompletion],
         kept: bool,
         spins: u32,
+        seen: u64,
     ) -> Result<usize> {
         // A short busy phase keeps latency low without burning a core while idle.
-        for _ in 0..spins {
+        for i in 0..spins {
             let n = self.poll_on(which, out, kept)?;
             if n > 0 {
                 return Ok(n);
+            }
+            if !kept && i % KEPT_EVERY == KEPT_EVERY - 1 && self.queues().notify.seq != seen {
+                return Ok(0);
             }
             std::hint::spin_loop();
         }
@@ -377,7 +393,7 @@ impl QueuePair {
             return self.spin_on(which, out, deadline, kept, seen);
         }
         loop {
-            let n = self.poll_or_arm(which, out, kept, SYNC_SPINS)?;
+            let n = self.poll_or_arm(which, out, kept, SYNC_SPINS, *seen)?;
             if n > 0 {
                 return Ok(Woke::Found(n));
             }
@@ -442,14 +458,7 @@ impl QueuePair {
         // call where there is no fast vDSO clock (0.8 µs in the project's QEMU guest, whose
         // clock source is the HPET). The wait may thus last up to one round past `budget`.
         // Completions another thread's poll kept for this QP since `seen` are looked for every
-        // KEPT_EVERY polls (one lock of this QP's queues), not once a round: each poll takes
-        // the CQ's lock, and when other threads hold it for long (a resize, a poll routing many
-        // completions), a round of polls lasts seconds. Looked for once a round, a completion
-        // kept for a busy `wait_for` on a shared CQ waited that long; the receiver, two messages
-        // behind, left its receive queue empty, and each message it missed cost the sender an
-        // RNR NAK and 0.66 s (the CM's `min_rnr_timer`): on rxe/6.1 a send's wait overran 10 s
-        // (tests/attacks, resizing_a_shared_cq_under_traffic_loses_nothing, 2026-12-03).
-        const KEPT_EVERY: u32 = 16;
+        // KEPT_EVERY polls, not once a round (see KEPT_EVERY).
         let mut start: Option<std::time::Instant> = None;
         loop {
             for i in 0..ROUND {
@@ -580,7 +589,7 @@ impl QueuePair {
         loop {
             // A longer busy phase than the blocking wait's: a sleep through the reactor costs
             // more than one in poll(2) (the runtime's park and wake-up).
-            let n = self.poll_or_arm(which, out, kept, ASYNC_SPINS)?;
+            let n = self.poll_or_arm(which, out, kept, ASYNC_SPINS, *seen)?;
             if n > 0 {
                 return Ok(Woke::Found(n));
             }
