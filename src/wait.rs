@@ -31,6 +31,10 @@ pub(crate) struct Deadline {
     start: Duration,
 }
 
+/// The longest the coarse clock lags the monotonic clock: one tick of a kernel built with
+/// HZ=100 (Debian's have 250: 4 ms).
+const COARSE_TICK: Duration = Duration::from_millis(10);
+
 /// `CLOCK_MONOTONIC_COARSE`: the monotonic clock at the kernel's last tick (1 to 10 ms old).
 fn coarse_now() -> Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -43,6 +47,14 @@ fn coarse_now() -> Duration {
 impl Deadline {
     pub(crate) fn new(timeout: Duration) -> Deadline {
         Deadline { timeout, first: true, start: coarse_now() }
+    }
+
+    /// Whether the whole timeout has passed, never early, on the coarse clock alone: that
+    /// clock runs up to one tick behind, so the timeout counts as passed once it and one tick
+    /// more (`COARSE_TICK`) have passed on it. A zero timeout has passed at once. For a
+    /// busy wait, which asks often and cannot afford a precise clock read each time.
+    pub(crate) fn passed(&self) -> bool {
+        self.timeout.is_zero() || coarse_now().saturating_sub(self.start) >= self.timeout.saturating_add(COARSE_TICK)
     }
 
     /// Time left for the next wait.

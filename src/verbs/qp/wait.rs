@@ -450,27 +450,37 @@ impl QueuePair {
         kept: bool,
         seen: &mut u64,
     ) -> Result<Woke> {
-        // Polls per round: the clock and the link are read once a round, not once a poll.
+        // Polls per round: the link and the async events are read once a round.
         const ROUND: u32 = 4096;
-        let budget = deadline.left();
-        // The clock is read once a whole round has found nothing, not on entry: a latency loop
-        // usually finds its completion within the first round, and a clock read is a system
-        // call where there is no fast vDSO clock (0.8 µs in the project's QEMU guest, whose
-        // clock source is the HPET). The wait may thus last up to one round past `budget`.
-        // Completions another thread's poll kept for this QP since `seen` are looked for every
-        // KEPT_EVERY polls, not once a round (see KEPT_EVERY).
-        let mut start: Option<std::time::Instant> = None;
+        // Every KEPT_EVERY polls that found nothing, the completions another thread's poll kept
+        // for this QP since `seen` are looked at (see KEPT_EVERY) and so is the deadline, on the
+        // coarse clock (`Deadline::passed`: the vDSO's CLOCK_MONOTONIC_COARSE, which reads no
+        // clock source, so it stays cheap where a precise clock read is a system call, as with
+        // the HPET of the project's QEMU guest, 0.8 µs; never early, up to a tick late). Once a
+        // round, as before, the deadline was read too late when polls are slow: each takes the
+        // CQ's lock, and under a contended lock a round lasts seconds.
+        // Out of time on entry (a zero timeout, or a `wait_for` back after `Woke::Kept` with its
+        // time used up): one poll and a round's checks, not a round. A stream of keeps thus
+        // cannot hold a `wait_for` past its deadline.
+        let mut out_of_time = deadline.passed();
         loop {
-            for i in 0..ROUND {
+            let polls = if out_of_time { 1 } else { ROUND };
+            for i in 0..polls {
                 let n = self.poll_on(which, out, kept)?;
                 if n > 0 {
                     return Ok(Woke::Found(n));
                 }
-                if !kept && i % KEPT_EVERY == KEPT_EVERY - 1 {
-                    let seq = self.queues().notify.seq;
-                    if seq != *seen {
-                        *seen = seq;
-                        return Ok(Woke::Kept);
+                if i % KEPT_EVERY == KEPT_EVERY - 1 {
+                    if !kept {
+                        let seq = self.queues().notify.seq;
+                        if seq != *seen {
+                            *seen = seq;
+                            return Ok(Woke::Kept);
+                        }
+                    }
+                    if deadline.passed() {
+                        out_of_time = true;
+                        break;
                     }
                 }
                 std::hint::spin_loop();
@@ -483,7 +493,7 @@ impl QueuePair {
             if let Some(e) = self.async_error() {
                 return Err(e);
             }
-            if start.get_or_insert_with(std::time::Instant::now).elapsed() >= budget {
+            if out_of_time {
                 return Ok(Woke::TimedOut);
             }
         }
@@ -715,6 +725,11 @@ impl QueuePair {
                 // Another thread's poll kept a completion for this QP: it may be the one.
                 Woke::Kept => self.pick_kept(queue, wr_id, &mut seen),
                 Woke::TimedOut => {
+                    // A completion kept for this QP at the last moment (after the wait's last
+                    // look) may be the one: it answers rather than a timeout.
+                    if let Some(r) = self.pick_kept(queue, wr_id, &mut seen) {
+                        return r;
+                    }
                     let op = if queue == WorkQueue::Recv {
                         "waiting for a receive"
                     } else {
