@@ -81,6 +81,13 @@ impl ConnParam {
     /// Receiver-not-ready retries (0..=7; 7 means retry forever) of the *peer's* sends: the
     /// value given to connect applies to the server's QP, the one given to accept to the
     /// client's.
+    ///
+    /// Each retry is costly on a connection the CM sets up: the kernel's CM gives the receiving
+    /// QP a `min_rnr_timer` of 0, the longest (655 ms), and librdmacm has no option to lower
+    /// it (an RTS-to-RTS `ibv_modify_qp` could; this crate does not make one). A send that
+    /// finds no receive posted is thus delayed 0.66 s or more, not
+    /// microseconds: keep enough receives posted that the receiver never runs out (measured on
+    /// rxe: a receiver two messages behind turned every other message into 0.66 to 7 s).
     pub fn rnr_retry_count(mut self, n: u8) -> Self {
         self.rnr_retry_count = n.min(7);
         self
