@@ -308,6 +308,13 @@ impl QueuePair {
         }
     }
 
+    /// The count of completions other threads' polls kept for this QP (`ring::Notify::seq`),
+    /// when it moved on from `seen`.
+    fn kept_since(&self, seen: u64) -> Option<u64> {
+        let seq = self.queues().notify.seq;
+        (seq != seen).then_some(seq)
+    }
+
     /// Polls, then arms the CQs and polls again (so no completion slips between the two);
     /// returns what was found, or 0 when the caller should look at its kept completions
     /// (without `kept`, ones kept for it since `seen`, which end the busy phase unarmed) and
@@ -326,7 +333,7 @@ impl QueuePair {
             if n > 0 {
                 return Ok(n);
             }
-            if !kept && i % KEPT_EVERY == KEPT_EVERY - 1 && self.queues().notify.seq != seen {
+            if !kept && i % KEPT_EVERY == KEPT_EVERY - 1 && self.kept_since(seen).is_some() {
                 return Ok(0);
             }
             std::hint::spin_loop();
@@ -471,12 +478,10 @@ impl QueuePair {
                     return Ok(Woke::Found(n));
                 }
                 if i % KEPT_EVERY == KEPT_EVERY - 1 {
-                    if !kept {
-                        let seq = self.queues().notify.seq;
-                        if seq != *seen {
-                            *seen = seq;
-                            return Ok(Woke::Kept);
-                        }
+                    let fresh = if kept { None } else { self.kept_since(*seen) };
+                    if let Some(seq) = fresh {
+                        *seen = seq;
+                        return Ok(Woke::Kept);
                     }
                     if deadline.passed() {
                         out_of_time = true;
