@@ -308,3 +308,61 @@ fn a_forgotten_wait_leaves_no_registration_behind() {
     p.finish();
     t.finish();
 }
+
+/// A connect nobody answers, given up by the runtime's own timer, holds no worker thread on
+/// the way: on iWARP `rdma_connect` blocks in the kernel for the TCP connect (about two
+/// minutes of SYN retries), so `connect_async` makes that call on a helper thread. The
+/// runtime here has one thread; a ticker task on it must keep running while the connect is
+/// pending, and the timer must end the wait at its bound, not when the kernel gives up.
+#[test]
+fn a_connect_nobody_answers_leaves_the_runtime_free_and_is_given_up_at_its_timer() {
+    let t = DeviceTest::start();
+    let common::IpV4(a, b, c, _) = common::IpV4::of(t.addr);
+    // The guest's netdev is a NOARP dummy: any address of its subnet resolves, and nobody
+    // answers there.
+    let ghost: SocketAddr = format!("{a}.{b}.{c}.215:7617").parse().unwrap();
+    let bound = Duration::from_secs(2);
+    let (took, ticks) = rt().block_on(async move {
+        let route = within(Client::new().unwrap().resolve_addr_async(None, ghost, T)).await.unwrap();
+        let route = within(route.resolve_route_async(T)).await.unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let rx = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
+        q.post_recv(&[RecvWr::new(&rx, 0..64).wr_id(1)]).unwrap();
+        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let ticker = tokio::spawn({
+            let ticks = ticks.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+        let start = std::time::Instant::now();
+        let r = tokio::time::timeout(bound, q.connect_async(&ConnParam::new())).await;
+        let took = start.elapsed();
+        ticker.abort();
+        assert!(r.is_err(), "nobody answers there, so the timer must end the wait: {:?}", r.map(|c| c.is_ok()));
+        drop((rx, pd));
+        (took, ticks.load(std::sync::atomic::Ordering::Relaxed))
+    });
+    eprintln!(
+        "measured: the connect was given up after {took:?} (timer {bound:?}); the ticker ran {ticks} times meanwhile"
+    );
+    assert!(took < bound + Duration::from_secs(3), "the wait outlived its timer: {took:?} against {bound:?}");
+    // 40 ticks of 50 ms fit in the 2 s; a busy machine may run fewer, a blocked runtime none.
+    assert!(ticks >= 10, "the runtime's one thread was held during the connect: {ticks} ticks of 50 ms in {took:?}");
+    // Everything is released; on iWARP the helper thread first waits for the kernel's TCP
+    // connect to give up (Linux's SYN retries: about 127 s).
+    if common::caps::iwarp() {
+        let start = std::time::Instant::now();
+        t.finish_within(Duration::from_secs(200));
+        eprintln!(
+            "measured: the iWARP connect's objects were released {:?} after the test dropped its own",
+            start.elapsed()
+        );
+    } else {
+        t.finish();
+    }
+}

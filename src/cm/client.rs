@@ -525,14 +525,86 @@ impl AddrResolved {
 
 #[cfg(feature = "tokio")]
 impl ClientQp {
-    /// [`ClientQp::connect`] without blocking the runtime.
+    /// [`ClientQp::connect`] without blocking the runtime. Bound it with the runtime's own
+    /// timer (`tokio::time::timeout`): dropping the future gives up the connection.
+    ///
+    /// On iWARP, where `rdma_connect` blocks in the kernel for the TCP connect (about two
+    /// minutes of SYN retries when nobody answers), the call runs on a helper thread while
+    /// the task waits, so no worker thread of the runtime is held. A future dropped before
+    /// the call returned leaves the id and the QP to that thread, which destroys them once the
+    /// kernel returns (as [`ClientQp::connect`] does at its timeout).
     ///
     /// # Errors
     /// As for [`ClientQp::connect`].
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
-        self.start_connect(param)?;
-        let ev = expect_async(&self.id, connected_event(&self.id, self.user), "rdma_connect").await?;
-        finish_connect(self.id, self.qp, self.user, &ev)
+        let this =
+            if is_iwarp(&self.id) { self.start_connect_off_runtime(*param).await? } else { self.started(param)? };
+        let ev = expect_async(&this.id, connected_event(&this.id, this.user), "rdma_connect").await?;
+        finish_connect(this.id, this.qp, this.user, &ev)
+    }
+
+    /// `rdma_connect` on a helper thread, awaited: `self` goes to the thread for the call and
+    /// comes back with its result through `Handoff`; when the future is dropped first, the
+    /// thread's drop of the handoff destroys it, after the call.
+    async fn start_connect_off_runtime(self, param: ConnParam) -> Result<ClientQp> {
+        use std::sync::Mutex;
+        use std::task::Waker;
+        #[derive(Default)]
+        struct Handoff {
+            done: Option<(ClientQp, Result<()>)>,
+            /// The thread is done with it (answered, or unwound): the wait ends either way.
+            ended: bool,
+            waker: Option<Waker>,
+        }
+        /// The thread's end: says so and wakes the task, however the thread ends.
+        struct Ended(Arc<Mutex<Handoff>>);
+        impl Drop for Ended {
+            fn drop(&mut self) {
+                let waker = {
+                    let mut h = crate::wait::lock(&self.0);
+                    h.ended = true;
+                    h.waker.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+                // Dropping the Arc after this destroys the id and the QP if the future is gone.
+            }
+        }
+        let handoff = Arc::new(Mutex::new(Handoff::default()));
+        let ended = Ended(Arc::clone(&handoff));
+        // The QP goes to the thread, but comes back if the thread cannot be had.
+        let (give, take) = std::sync::mpsc::sync_channel::<ClientQp>(1);
+        let call = move || {
+            let ended = ended;
+            let Ok(this) = take.recv() else { return };
+            let r = this.start_connect(&param);
+            crate::wait::lock(&ended.0).done = Some((this, r));
+        };
+        let spawned = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(call);
+        if spawned.is_err() {
+            // No thread to be had: the call, blocking, as `ClientQp::start` makes it.
+            return self.started(&param);
+        }
+        // The receiver is alive until the thread has it (`call` holds it), so this succeeds.
+        if let Err(back) = give.send(self) {
+            return back.0.started(&param);
+        }
+        let mut done = None;
+        crate::wait::readable_any([None, None, None], |waker| {
+            let mut h = crate::wait::lock(&handoff);
+            done = h.done.take();
+            if done.is_none() && !h.ended {
+                h.waker = Some(waker.clone());
+                return false;
+            }
+            true
+        })
+        .await?;
+        let (this, r) = done.ok_or_else(|| {
+            Error::InvalidArgument("rdma_connect's helper thread ended without an answer (it panicked)".into())
+        })?;
+        r.map(|()| this)
     }
 }
