@@ -47,8 +47,14 @@ fn example(name: &str) -> PathBuf {
     p
 }
 
-/// The GID index of the RoCE v2 GID of the device's IPv4 address (what `-g` is given).
+/// The GID index of the RoCE v2 GID of the device's IPv4 address (what `-g` is given). An
+/// iWARP device's GIDs carry its MAC, not an address: its first, index 0, for the tests that
+/// run there (the refusals, made before any connection, which iWARP could not make without
+/// the CM).
 fn gid_index(addr: IpAddr) -> String {
+    if common::caps::iwarp() {
+        return "0".into();
+    }
     let name = devices().unwrap().into_iter().next().expect("a device").name;
     let ctx = VerbsContext::open(&name).unwrap();
     let e = ctx
@@ -189,6 +195,10 @@ fn program(example_name: &str, tool: &str, side: Side) -> PathBuf {
 /// both succeed, print `iters` exchanges and name each other's QPs. Returns both outputs.
 fn run_pair(example_name: &str, tool: &str, server: Side, client: Side, port: u16, args: &[&str]) -> (String, String) {
     let t = DeviceTest::start();
+    // Every pair connects its QPs from the exchanged info, by RTR/RTS: not on iWARP.
+    if !common::require(common::Cap::ConnectWithoutCm) {
+        return (String::new(), String::new());
+    }
     let (host, gidx) = (t.addr.to_string(), gid_index(t.addr));
     let port_s = port.to_string();
     let mut common_args = vec!["-g", &gidx, "-p", &port_s];
@@ -263,8 +273,10 @@ fn ud_ibv_ud_pingpong_serves_ours() {
 
 #[test]
 fn srq_ours_with_ours() {
-    let (sout, _) = run_pair(SRQ.0, SRQ.1, Side::Ours, Side::Ours, 18621, SRQ_ARGS);
-    assert_eq!(sout.matches("remote address").count(), 8, "one line per QP:\n{sout}");
+    let (sout, cout) = run_pair(SRQ.0, SRQ.1, Side::Ours, Side::Ours, 18621, SRQ_ARGS);
+    if !cout.is_empty() {
+        assert_eq!(sout.matches("remote address").count(), 8, "one line per QP:\n{sout}");
+    }
 }
 
 #[test]
