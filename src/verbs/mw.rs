@@ -127,8 +127,9 @@ impl MemoryWindow {
                 Error::Unsupported {
                     what: "memory windows",
                     why: format!(
-                        "device {} has no {kind:?} memory windows (ibv_alloc_mw: {}); Soft-iWARP has none",
+                        "device {} has no memory windows of type {} (ibv_alloc_mw: {}); Soft-iWARP has none",
                         pd.context().device_name(),
+                        if kind == WindowType::One { 1 } else { 2 },
                         crate::error::errno_name(if e == 0 { libc::EOPNOTSUPP } else { e })
                     ),
                 }

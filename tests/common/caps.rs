@@ -168,6 +168,13 @@ pub fn iwarp_context(ctx: &rdma_cm::VerbsContext) -> bool {
     unsafe { (*(*ctx.as_raw()).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP }
 }
 
+/// Whether the device under test offers `cap`, saying nothing: for a test that adapts (a READ
+/// into fewer pieces, say) where it would otherwise be skipped.
+#[allow(dead_code)] // not every test binary adapts
+pub fn has(cap: Cap) -> bool {
+    lacks(cap, &answers()).is_none()
+}
+
 /// Whether the device under test offers `cap`. When it does not, prints exactly one line,
 /// `skipped: WHAT (WHY) in TEST`, and returns `false`: the caller then returns at once.
 ///
