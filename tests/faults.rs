@@ -6,6 +6,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -250,9 +251,21 @@ fn message(conn: u64, i: u64) -> (usize, u8) {
     (size, (next(&mut x) >> 56) as u8)
 }
 
+/// How many messages each connection's receiver has taken, counted once the receive for
+/// message `taken + DEPTH - 1` is posted again: the soak's senders on iWARP read it (below).
+static RECEIVED: [std::sync::atomic::AtomicU64; 10] = [const { std::sync::atomic::AtomicU64::new(0) }; 10];
+
 /// Soak: 10 connections, each streaming random-size messages (up to 64 KiB) with 16 in
 /// flight; the receiver checks every byte. `RDMA_CM_SOAK_MSGS` scales it (default 2,000 per
 /// connection; the full soak is 100000).
+///
+/// A sender on InfiniBand or RoCE runs up to 16 sends ahead of its send completions, and a
+/// receiver that has not yet posted the next receive again answers with RNR NAKs, which
+/// the sender retries. iWARP has no RNR: a send that finds no receive posted ends the
+/// connection (siw: a DDP terminate, "no buffer"; seen on siw/6.1 and 6.12 as a stall, then
+/// `DISCONNECTED` on both sides), and a send completes at the sender once TCP has it, before
+/// the receiver has seen it. So there each sender also waits until the receive for its next
+/// message is posted (`RECEIVED`, shared in this process), as a protocol's credits would.
 #[test]
 fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
     let msgs: u64 = std::env::var("RDMA_CM_SOAK_MSGS").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000);
@@ -276,6 +289,7 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
         }
         handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<u64>>()
     });
+    let credits = common::caps::iwarp();
     let senders: Vec<_> = (0..10u8)
         .map(|conn_no| {
             thread::spawn(move || {
@@ -287,8 +301,22 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
                 let mut conn = q.connect(&ConnParam::new().private_data(&[conn_no]).unwrap(), T).unwrap();
                 let mut wcs = [WorkCompletion::default(); DEPTH];
                 let (mut posted, mut done) = (0u64, 0u64);
+                let received = &RECEIVED[conn_no as usize];
+                // The receive for message k is posted once the receiver took k - DEPTH.
+                let has_receive = |k: u64| !credits || k < received.load(Ordering::Acquire) + DEPTH as u64;
                 while done < msgs {
-                    while posted < msgs && posted - done < DEPTH as u64 {
+                    if credits && posted == done && posted < msgs && !has_receive(posted) {
+                        // Nothing in flight to wait for: the receiver's progress is, bounded.
+                        let deadline = Instant::now() + T;
+                        while !has_receive(posted) {
+                            assert!(
+                                Instant::now() < deadline,
+                                "connection {conn_no}: the receiver took nothing more within {T:?}"
+                            );
+                            thread::yield_now();
+                        }
+                    }
+                    while posted < msgs && posted - done < DEPTH as u64 && has_receive(posted) {
                         let slot = &mut slots[(posted % DEPTH as u64) as usize];
                         let (size, seed) = message(conn_no as u64, posted);
                         slot.as_mut_slice().unwrap()[..size].copy_from_slice(&pattern(size, seed));
@@ -335,6 +363,7 @@ fn receive_all(mut conn: rdma_cm::Connection, mut slots: Vec<MemoryRegion>, conn
             if got + DEPTH as u64 <= msgs {
                 conn.qp_mut().post_recv(&[RecvWr::new(slot, 0..SLOT).wr_id(wc.wr_id())]).unwrap();
             }
+            RECEIVED[conn_no as usize].store(got, Ordering::Release);
         }
     }
     // Wait for the sender's disconnect so teardown is orderly (bounded).
