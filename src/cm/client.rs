@@ -526,13 +526,17 @@ impl AddrResolved {
 #[cfg(feature = "tokio")]
 impl ClientQp {
     /// [`ClientQp::connect`] without blocking the runtime. Bound it with the runtime's own
-    /// timer (`tokio::time::timeout`): dropping the future gives up the connection.
+    /// timer (`tokio::time::timeout`): dropping the future gives up the connection (its id and
+    /// QP are destroyed).
     ///
     /// On iWARP, where `rdma_connect` blocks in the kernel for the TCP connect (about two
     /// minutes of SYN retries when nobody answers), the call runs on a helper thread while
     /// the task waits, so no worker thread of the runtime is held. A future dropped before
     /// the call returned leaves the id and the QP to that thread, which destroys them once the
-    /// kernel returns (as [`ClientQp::connect`] does at its timeout).
+    /// kernel returns (as [`ClientQp::connect`] does at its timeout): until then each such
+    /// connect holds a thread, its id, its QP and the buffers posted on it, so a loop of
+    /// short retries to a peer that never answers holds that many. If the peer does answer
+    /// meanwhile, the kernel completes the connection, which the destroy then tears down.
     ///
     /// # Errors
     /// As for [`ClientQp::connect`].
@@ -546,8 +550,18 @@ impl ClientQp {
 
     /// `rdma_connect` on a helper thread, awaited: `self` goes to the thread for the call and
     /// comes back with its result through `Handoff`; when the future is dropped first, the
-    /// thread's drop of the handoff destroys it, after the call.
+    /// last holder of the handoff (the thread, or the task if it finished first) destroys it,
+    /// after the call.
     async fn start_connect_off_runtime(self, param: ConnParam) -> Result<ClientQp> {
+        // What can be refused without the call is refused here, before the QP leaves: bad
+        // private data, a QP the parameters do not fit, no runtime to wait on.
+        param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+        adopt::qp_num_for(&param, &self.qp)?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::InvalidArgument(
+                "connect_async must be awaited inside a tokio runtime (on iWARP its rdma_connect runs on a helper thread while the task waits)".into(),
+            ));
+        }
         use std::sync::Mutex;
         use std::task::Waker;
         #[derive(Default)]
@@ -583,9 +597,14 @@ impl ClientQp {
             crate::wait::lock(&ended.0).done = Some((this, r));
         };
         let spawned = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(call);
-        if spawned.is_err() {
-            // No thread to be had: the call, blocking, as `ClientQp::start` makes it.
-            return self.started(&param);
+        if let Err(e) = spawned {
+            // No thread to be had. The call here would hold the runtime's thread for as long as
+            // TCP tries, beyond any timer: refused instead (ClientQp::start makes it blocking).
+            return Err(Error::call(
+                "std::thread::spawn (rdma_connect's helper)",
+                e.raw_os_error().unwrap_or(libc::EAGAIN),
+                None,
+            ));
         }
         // The receiver is alive until the thread has it (`call` holds it), so this succeeds.
         if let Err(back) = give.send(self) {
@@ -602,9 +621,9 @@ impl ClientQp {
             true
         })
         .await?;
-        let (this, r) = done.ok_or_else(|| {
-            Error::InvalidArgument("rdma_connect's helper thread ended without an answer (it panicked)".into())
-        })?;
+        // Only a panic in the thread ends it without an answer (the id and QP were dropped there).
+        let (this, r) =
+            done.ok_or_else(|| Error::call("rdma_connect (its helper thread panicked)", libc::EIO, None))?;
         r.map(|()| this)
     }
 }
