@@ -320,7 +320,7 @@ fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
 /// beside the raw calls on the same lane's QPs and CQs.
 fn lane_post_poll(c: &mut Criterion) {
     use common::lane::lane_pair;
-    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::lane::{Lane, PreparedSend, RecvWr as LRecv, SendWr as LSend};
     use rdma_cm::MemoryRegion;
     const BATCH: usize = 16;
     let spec = PairSpec {
@@ -372,6 +372,51 @@ fn lane_post_poll(c: &mut Criterion) {
             });
             assert_eq!(a.lane.post_send_iter(a.qp, wrs).unwrap(), BATCH);
             reap(&mut a.lane, &mut sa, BATCH);
+        })
+    });
+    // The same three through prepared work requests (checked and lowered once, before the
+    // loop; each completion's region re-arms its request): the lane's fastest path.
+    let mut two = a.mrs.remove(0).split(4096).unwrap().into_iter();
+    let mut psend = a.lane.prepare_send(a.qp, LSend::send(two.next().unwrap(), 0..64)).unwrap();
+    let mut pwrite = a.lane.prepare_send(a.qp, LSend::write(two.next().unwrap(), 0..64, &remote, 0)).unwrap();
+    let mut chunks = sa.iter_mut().map(|m| m.take().unwrap());
+    let mut pbatch: [PreparedSend; BATCH] = std::array::from_fn(|k| {
+        let w = LSend::write(chunks.next().unwrap(), 0..64, &remote, 0).wr_id(k as u64);
+        a.lane.prepare_send(a.qp, if k + 1 < BATCH { w.unsignaled() } else { w }).unwrap()
+    });
+    let mut precv = b.lane.prepare_recv(b.qp, LRecv::range(rb[0].take().unwrap(), 0..64)).unwrap();
+    // Busy-polls a lane until `n` completions came back, each region re-arming `rearm`'s pick.
+    fn reap_prep(lane: &mut Lane, n: usize, mut rearm: impl FnMut(u64, MemoryRegion)) {
+        let mut got = 0;
+        while got < n {
+            got += lane
+                .poll_with(n - got, |c, region| {
+                    assert!(c.is_ok(), "{c:?}");
+                    if let Some(r) = region {
+                        rearm(c.wr_id(), r);
+                    }
+                })
+                .unwrap();
+        }
+    }
+    g.bench_function("send/prep", |bn| {
+        bn.iter(|| {
+            b.lane.post_prepared_recv(&mut precv).unwrap();
+            a.lane.post_prepared(&mut psend).unwrap();
+            reap_prep(&mut a.lane, 1, |_, r| psend.rearm(r).unwrap());
+            reap_prep(&mut b.lane, 1, |_, r| precv.rearm(r).unwrap());
+        })
+    });
+    g.bench_function("write/prep", |bn| {
+        bn.iter(|| {
+            a.lane.post_prepared(&mut pwrite).unwrap();
+            reap_prep(&mut a.lane, 1, |_, r| pwrite.rearm(r).unwrap());
+        })
+    });
+    g.bench_function("write_batch16/prep", |bn| {
+        bn.iter(|| {
+            assert_eq!(a.lane.post_prepared_list(&mut pbatch).unwrap(), BATCH);
+            reap_prep(&mut a.lane, BATCH, |k, r| pbatch[k as usize % BATCH].rearm(r).unwrap());
         })
     });
     g.finish();
