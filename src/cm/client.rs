@@ -343,52 +343,58 @@ impl ClientQp {
         Ok(self)
     }
 
-    /// `rdma_connect` on a helper thread, waited for up to `timeout` (see
-    /// [`ClientQp::connect`]). When the time passes first, `self` goes to the thread, which
-    /// drops it once `rdma_connect` has returned, so nothing the call uses is freed under it.
+    /// `rdma_connect` on a helper thread ([`HelperCall`]), waited for up to `timeout` (see
+    /// [`ClientQp::connect`]). When the time passes first, the thread keeps `self` and drops it
+    /// once `rdma_connect` has returned, so nothing the call uses is freed under it.
     fn start_connect_within(self, param: &ConnParam, timeout: Duration) -> Result<ClientQp> {
-        use std::sync::mpsc;
-        let (done_tx, done_rx) = mpsc::sync_channel::<Result<()>>(1);
-        let (keep_tx, keep_rx) = mpsc::channel::<ClientQp>();
-        let id = Arc::clone(&self.id);
-        let mut raw_param = *param;
-        let qp_num = adopt::qp_num_for(param, &self.qp)?;
-        raw_param = raw_param.qp_num(qp_num);
-        let srq = u8::from(self.qp.srq().is_some());
+        let start = Instant::now();
+        adopt::qp_num_for(param, &self.qp)?;
         let peer = self.id.peer_addr();
-        let call = move || {
-            let r = (|| {
-                let mut raw = raw_param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
-                raw.srq = srq;
-                // SAFETY: the id is kept alive by this thread's Arc; its QP by the ClientQp,
-                // which the caller holds until this call's result arrives or hands to this
-                // thread (below) when it stops waiting, so it outlives the call either way.
-                // `raw` and its private data (in `raw_param`) are this closure's and outlive
-                // the call, which copies them.
-                check_rdma(unsafe { ffi::rdma_connect(id.as_raw(), &mut raw) }, "rdma_connect")
-                    .map_err(|e| with_opt_addr(e, peer))
-            })();
-            let _ = done_tx.send(r);
-            // The caller's ClientQp, if it gave up waiting: dropped here, after the call.
-            drop(keep_rx.recv());
-        };
-        let thread = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(call);
-        if thread.is_err() {
+        let call = match self.connect_on_helper(*param) {
+            Ok(call) => call,
             // No thread to be had: the call, unbounded, as on every other transport.
-            return self.started(param);
-        }
-        match done_rx.recv_timeout(timeout) {
-            Ok(r) => r.map(|()| self),
-            Err(_) => {
-                let _ = keep_tx.send(self);
-                Err(Error::Timeout {
+            Err(back) => return back.0.started(param),
+        };
+        let mut h = crate::wait::lock(&call.state);
+        loop {
+            if let Some(answer) = h.answer() {
+                return answer;
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout {
                     op: "rdma_connect",
                     timeout,
                     addr: peer,
                     hint: Some("iWARP's TCP connect, made inside rdma_connect, got no answer: is the peer running and reachable over RDMA (the address of its RDMA netdev; `ip route get`)?"),
-                })
+                });
             }
+            h = call.cv.wait_timeout(h, left).map_or_else(|e| e.into_inner().0, |(g, _)| g);
         }
+    }
+
+    /// Starts `rdma_connect` on a helper thread ([`HelperCall`]), which owns `self` for the
+    /// call; gives `self` back, with the error, when no thread can be had.
+    fn connect_on_helper(
+        self,
+        param: ConnParam,
+    ) -> std::result::Result<Arc<HelperCall>, Box<(ClientQp, std::io::Error)>> {
+        let call = Arc::new(HelperCall { state: Default::default(), cv: Default::default() });
+        let ended = Ended(Arc::clone(&call));
+        // `self` goes to the thread once it runs: a failed spawn leaves it here.
+        let (give, take) = std::sync::mpsc::sync_channel::<ClientQp>(1);
+        let spawned = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(move || {
+            let ended = ended;
+            let Ok(this) = take.recv() else { return };
+            let r = this.start_connect(&param);
+            crate::wait::lock(&ended.0.state).done = Some((this, r));
+        });
+        if let Err(e) = spawned {
+            return Err(Box::new((self, e)));
+        }
+        // The thread holds the receiver until it has `self`, so this succeeds.
+        give.send(self).map_err(|back| Box::new((back.0, std::io::Error::from_raw_os_error(libc::EPIPE))))?;
+        Ok(call)
     }
 
     /// Connects without waiting; feed the id's next event to [`Connecting::complete`].
@@ -548,10 +554,8 @@ impl ClientQp {
         finish_connect(this.id, this.qp, this.user, &ev)
     }
 
-    /// `rdma_connect` on a helper thread, awaited: `self` goes to the thread for the call and
-    /// comes back with its result through `Handoff`; when the future is dropped first, the
-    /// last holder of the handoff (the thread, or the task if it finished first) destroys it,
-    /// after the call.
+    /// `rdma_connect` on a helper thread ([`HelperCall`]), awaited. When the future is
+    /// dropped first, the thread keeps `self` and drops it once `rdma_connect` has returned.
     async fn start_connect_off_runtime(self, param: ConnParam) -> Result<ClientQp> {
         // What can be refused without the call is refused here, before the QP leaves: bad
         // private data, a QP the parameters do not fit, no runtime to wait on.
@@ -562,68 +566,75 @@ impl ClientQp {
                 "connect_async must be awaited inside a tokio runtime (on iWARP its rdma_connect runs on a helper thread while the task waits)".into(),
             ));
         }
-        use std::sync::Mutex;
-        use std::task::Waker;
-        #[derive(Default)]
-        struct Handoff {
-            done: Option<(ClientQp, Result<()>)>,
-            /// The thread is done with it (answered, or unwound): the wait ends either way.
-            ended: bool,
-            waker: Option<Waker>,
-        }
-        /// The thread's end: says so and wakes the task, however the thread ends.
-        struct Ended(Arc<Mutex<Handoff>>);
-        impl Drop for Ended {
-            fn drop(&mut self) {
-                let waker = {
-                    let mut h = crate::wait::lock(&self.0);
-                    h.ended = true;
-                    h.waker.take()
-                };
-                if let Some(w) = waker {
-                    w.wake();
-                }
-                // Dropping the Arc after this destroys the id and the QP if the future is gone.
-            }
-        }
-        let handoff = Arc::new(Mutex::new(Handoff::default()));
-        let ended = Ended(Arc::clone(&handoff));
-        // The QP goes to the thread, but comes back if the thread cannot be had.
-        let (give, take) = std::sync::mpsc::sync_channel::<ClientQp>(1);
-        let call = move || {
-            let ended = ended;
-            let Ok(this) = take.recv() else { return };
-            let r = this.start_connect(&param);
-            crate::wait::lock(&ended.0).done = Some((this, r));
-        };
-        let spawned = std::thread::Builder::new().name("rdma_connect (iWARP)".into()).spawn(call);
-        if let Err(e) = spawned {
-            // No thread to be had. The call here would hold the runtime's thread for as long as
-            // TCP tries, beyond any timer: refused instead (ClientQp::start makes it blocking).
-            return Err(Error::call(
+        // No thread to be had: the call here would hold the runtime's thread for as long as TCP
+        // tries, beyond any timer, so it is refused instead (ClientQp::start makes it blocking).
+        let call = self.connect_on_helper(param).map_err(|back| {
+            Error::call(
                 "std::thread::spawn (rdma_connect's helper)",
-                e.raw_os_error().unwrap_or(libc::EAGAIN),
+                back.1.raw_os_error().unwrap_or(libc::EAGAIN),
                 None,
-            ));
-        }
-        // The receiver is alive until the thread has it (`call` holds it), so this succeeds.
-        if let Err(back) = give.send(self) {
-            return back.0.started(&param);
-        }
-        let mut done = None;
+            )
+        })?;
+        let mut answer = None;
         crate::wait::readable_any([None, None, None], |waker| {
-            let mut h = crate::wait::lock(&handoff);
-            done = h.done.take();
-            if done.is_none() && !h.ended {
+            let mut h = crate::wait::lock(&call.state);
+            answer = h.answer();
+            if answer.is_none() {
                 h.waker = Some(waker.clone());
-                return false;
             }
-            true
+            answer.is_some()
         })
         .await?;
-        // Only a panic in the thread ends it without an answer (the id and QP were dropped there).
-        let (this, r) =
-            done.ok_or_else(|| Error::call("rdma_connect (its helper thread panicked)", libc::EIO, None))?;
-        r.map(|()| this)
+        // `readable_any` returned because `answer` is set.
+        answer.unwrap_or_else(|| Err(Error::call("rdma_connect (its helper thread)", libc::EIO, None)))
+    }
+}
+
+/// `rdma_connect` made on a helper thread, where the call may block for minutes (iWARP: a
+/// blocking TCP connect in the kernel). The thread owns the [`ClientQp`] for the call and
+/// leaves it, with the result, in `state`; whoever lets go of the call last (the waiter, or the
+/// thread when the waiter gave up) drops it, so the id and the QP are destroyed only after
+/// `rdma_connect` returned. Waited for by [`ClientQp::connect`] (the condition variable) and
+/// [`ClientQp::connect_async`] (the waker).
+struct HelperCall {
+    state: std::sync::Mutex<Handoff>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Handoff {
+    done: Option<(ClientQp, Result<()>)>,
+    /// The thread is done (answered, or unwound): a wait ends either way.
+    ended: bool,
+    #[cfg(feature = "tokio")]
+    waker: Option<std::task::Waker>,
+}
+
+impl Handoff {
+    /// The call's outcome, once the thread is done with it.
+    fn answer(&mut self) -> Option<Result<ClientQp>> {
+        if let Some((this, r)) = self.done.take() {
+            return Some(r.map(|()| this));
+        }
+        // Only a panic ends the thread without an answer (the id and QP were dropped there).
+        self.ended.then(|| Err(Error::call("rdma_connect (its helper thread panicked)", libc::EIO, None)))
+    }
+}
+
+/// The helper thread's end, however it ends: says so and wakes the waiter.
+struct Ended(Arc<HelperCall>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let mut h = crate::wait::lock(&self.0.state);
+        h.ended = true;
+        #[cfg(feature = "tokio")]
+        let waker = h.waker.take();
+        drop(h);
+        self.0.cv.notify_all();
+        #[cfg(feature = "tokio")]
+        if let Some(w) = waker {
+            w.wake();
+        }
     }
 }
