@@ -192,12 +192,20 @@ fn program(example_name: &str, tool: &str, side: Side) -> PathBuf {
 }
 
 /// Runs one pair: `server` on `port`, then `client` against it, both with `args`; asserts
-/// both succeed, print `iters` exchanges and name each other's QPs. Returns both outputs.
-fn run_pair(example_name: &str, tool: &str, server: Side, client: Side, port: u16, args: &[&str]) -> (String, String) {
+/// both succeed, print `iters` exchanges and name each other's QPs. Returns both outputs, or
+/// `None` when the device cannot connect QPs that way (skipped, with its line).
+fn run_pair(
+    example_name: &str,
+    tool: &str,
+    server: Side,
+    client: Side,
+    port: u16,
+    args: &[&str],
+) -> Option<(String, String)> {
     let t = DeviceTest::start();
     // Every pair connects its QPs from the exchanged info, by RTR/RTS: not on iWARP.
     if !common::require(common::Cap::ConnectWithoutCm) {
-        return (String::new(), String::new());
+        return None;
     }
     let (host, gidx) = (t.addr.to_string(), gid_index(t.addr));
     let port_s = port.to_string();
@@ -224,7 +232,7 @@ fn run_pair(example_name: &str, tool: &str, server: Side, client: Side, port: u1
     assert_eq!(qpn(&cout, "remote address"), qpn(&sout, "local address"), "client's peer is the server's QP");
     assert_eq!(qpn(&sout, "remote address"), qpn(&cout, "local address"), "server's peer is the client's QP");
     t.finish();
-    (sout, cout)
+    Some((sout, cout))
 }
 
 const RC: (&str, &str) = ("rc_pingpong", "ibv_rc_pingpong");
@@ -273,8 +281,7 @@ fn ud_ibv_ud_pingpong_serves_ours() {
 
 #[test]
 fn srq_ours_with_ours() {
-    let (sout, cout) = run_pair(SRQ.0, SRQ.1, Side::Ours, Side::Ours, 18621, SRQ_ARGS);
-    if !cout.is_empty() {
+    if let Some((sout, _)) = run_pair(SRQ.0, SRQ.1, Side::Ours, Side::Ours, 18621, SRQ_ARGS) {
         assert_eq!(sout.matches("remote address").count(), 8, "one line per QP:\n{sout}");
     }
 }
