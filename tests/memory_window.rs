@@ -35,10 +35,7 @@ fn window_pair(t: &DeviceTest, kind: WindowType) -> Option<(Side, Side)> {
     match MemoryWindow::new(&s.pd, kind) {
         Ok(_) => Some((c, s)),
         Err(e @ Error::Unsupported { .. }) => {
-            common::skipped(
-                &format!("memory windows of type {}", if kind == WindowType::One { 1 } else { 2 }),
-                &e.to_string(),
-            );
+            common::skipped(&format!("memory windows of {kind}"), &e.to_string());
             None
         }
         Err(e) => panic!("ibv_alloc_mw: {e}"),

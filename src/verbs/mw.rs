@@ -84,6 +84,16 @@ pub enum WindowType {
     Two,
 }
 
+/// "type 1" or "type 2", as the verbs documentation names them.
+impl fmt::Display for WindowType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WindowType::One => "type 1",
+            WindowType::Two => "type 2",
+        })
+    }
+}
+
 impl WindowType {
     fn raw(self) -> ffi::ibv_mw_type::Type {
         match self {
@@ -127,9 +137,8 @@ impl MemoryWindow {
                 Error::Unsupported {
                     what: "memory windows",
                     why: format!(
-                        "device {} has no memory windows of type {} (ibv_alloc_mw: {}); Soft-iWARP has none",
+                        "device {} has no memory windows of {kind} (ibv_alloc_mw: {}); Soft-iWARP has none",
                         pd.context().device_name(),
-                        if kind == WindowType::One { 1 } else { 2 },
                         crate::error::errno_name(if e == 0 { libc::EOPNOTSUPP } else { e })
                     ),
                 }
