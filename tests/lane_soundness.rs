@@ -131,6 +131,111 @@ fn a_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() {
     t.finish();
 }
 
+/// The prepared twin of the test above, after the prepared post began to put its region into
+/// the queue's next slot *before* calling the provider (so nothing holds it across the call):
+/// a post the provider refuses without saying how far it got must leave the region in that
+/// slot, committed, and not back in the request; the flush hands it back, once, and the
+/// request re-arms with it. A second post is refused with the region kept in the request.
+#[test]
+fn a_prepared_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let mut p = a.lane.prepare_send(a.qp, SendWr::send(region(&a), 0..64).wr_id(7)).unwrap();
+        let qp = a.lane.qp_as_raw(a.qp).unwrap();
+        for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
+            // SAFETY: as in the test above: zeroed ibv_qp_attr is valid; the QP is alive (the
+            // lane holds it) and only the attributes named in the mask are read.
+            unsafe {
+                let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
+                attr.qp_state = state;
+                let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
+                if extra {
+                    attr.port_num = 1;
+                    mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+                        | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
+                        | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+                }
+                assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
+            }
+        }
+        let e = a.lane.post_prepared(&mut p).unwrap_err();
+        assert!(e.to_string().contains("without saying"), "{e}");
+        assert!(!p.is_armed(), "the region is not given back: the provider may have it");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0), "held in its slot, committed");
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert_eq!((c.wr_id(), c.status()), (7, WcStatus::WrFlushErr), "{c:?}");
+        p.rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        let e = a.lane.post_prepared(&mut p).unwrap_err();
+        assert!(matches!(e, Error::QpInError { .. }), "{e}");
+        assert!(p.is_armed(), "refused before the provider: the region stays in the request");
+        assert!(a.lane.poll().unwrap().is_none(), "nothing else comes out");
+        drop((a, b, p));
+    }
+    t.finish();
+}
+
+/// The poll's common case tests one flag (`backlog`) instead of the poll buffer, the retiring
+/// completion and the kept ones. Attempts to leave something buffered with the flag clear
+/// (debug builds also assert the flag against the state at every poll):
+/// - four receive completions taken by one `ibv_poll_cq` (on rxe the responder writes a
+///   receive's completion before it acknowledges the send, so once the sender has all four
+///   send completions, the receiver's CQ holds all four) and handed out one per poll, with a
+///   panic in the closure on the second;
+/// - a signaled WRITE that retires seven unsignaled ones, handed out one per poll.
+///
+/// Every completion comes out once, in order, with its region. (A QP torn down while another's
+/// completions sit in the buffer: `removing_one_qp_keeps_the_other_qps_completions`.)
+#[test]
+fn the_polls_one_flag_never_hides_a_buffered_or_retiring_completion() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let pd = a.pd.clone();
+        let mr = || MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+        for k in 0..4 {
+            b.lane.post_recv(b.qp, RecvWr::new(region(&b)).wr_id(k)).unwrap();
+        }
+        for k in 0..4 {
+            a.lane.post_send(a.qp, SendWr::send(mr(), 0..64).wr_id(k)).unwrap();
+        }
+        assert!(reap(&mut a.lane, 4).iter().all(|c| c.is_ok()));
+        let mut seen = Vec::new();
+        let poll = |lane: &mut rdma_cm::lane::Lane, seen: &mut Vec<(u64, bool)>| {
+            let deadline = Instant::now() + T;
+            while lane.poll_with(1, |c, r| seen.push((c.wr_id(), c.is_ok() && r.is_some()))).unwrap() == 0 {
+                assert!(Instant::now() < deadline, "no completion within {T:?}");
+            }
+        };
+        poll(&mut b.lane, &mut seen);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            b.lane.poll_with(1, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
+        }));
+        assert!(r.is_err(), "the second receive's completion was there and handed to the closure");
+        poll(&mut b.lane, &mut seen);
+        poll(&mut b.lane, &mut seen);
+        assert_eq!(seen, vec![(0, true), (2, true), (3, true)], "completion 1 went with the panic");
+        assert!(b.lane.poll().unwrap().is_none());
+        assert_eq!(b.lane.outstanding(b.qp).unwrap(), (0, 0));
+
+        for k in 10..18 {
+            let w = SendWr::write(mr(), 0..64, &remote, 0).wr_id(k);
+            a.lane.post_send(a.qp, if k < 17 { w.unsignaled() } else { w }).unwrap();
+        }
+        let mut ids = Vec::new();
+        for _ in 0..8 {
+            poll(&mut a.lane, &mut ids);
+        }
+        assert_eq!(ids, (10..18).map(|k| (k, true)).collect::<Vec<_>>());
+        assert!(a.lane.poll().unwrap().is_none());
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, pd));
+    }
+    t.finish();
+}
+
 /// Sixteen unsignaled single sends fill the send queue: the one that takes the last slot is
 /// signaled whatever it asked, so the queue drains; the seventeenth is refused with its region.
 #[test]

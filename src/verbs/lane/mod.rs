@@ -190,6 +190,14 @@ mod tag {
     const GEN_SHIFT: u32 = 48;
     pub(super) const GEN_MASK: u16 = (1 << 14) - 1;
     const PLACE_SHIFT: u32 = 32;
+    /// Bits 61..32 of a tag, as a `u32`: its generation and place (`hi`).
+    pub(super) const HI_MASK: u32 = (1 << 30) - 1;
+
+    /// Bits 61..32 of the tags of a QP at `place` with generation `gen`, as a `u32`.
+    #[inline(always)]
+    pub(super) fn hi(place: u16, gen: u16) -> u32 {
+        ((gen & GEN_MASK) as u32) << (GEN_SHIFT - PLACE_SHIFT) | place as u32
+    }
 
     #[inline(always)]
     pub(super) fn encode(place: u16, gen: u16, seq: u32, recv: bool) -> u64 {
@@ -208,12 +216,38 @@ mod tag {
 
 /// A QP attached to a lane: its place there. Cheap to copy; meaningful only to the lane that
 /// gave it (another lane, or this one after [`Lane::remove`], refuses it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(8))]
 pub struct LaneQp {
     place: u16,
     gen: u16,
     /// The lane's own number ([`Lane::new`] draws it), so another lane's handle is refused.
     lane: u32,
+}
+
+impl LaneQp {
+    /// Its three fields as one word: one-to-one, which is all equality and hashing need, and
+    /// on a little-endian machine the very word in memory (`repr(C)`), so a post compares a
+    /// handle with one load and one compare instead of three.
+    #[inline(always)]
+    fn bits(self) -> u64 {
+        (self.place as u64) | (self.gen as u64) << 16 | (self.lane as u64) << 32
+    }
+}
+
+impl PartialEq for LaneQp {
+    #[inline(always)]
+    fn eq(&self, other: &LaneQp) -> bool {
+        self.bits() == other.bits()
+    }
+}
+
+impl Eq for LaneQp {}
+
+impl std::hash::Hash for LaneQp {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.bits().hash(h)
+    }
 }
 
 /// The numbers lanes are given, one each.
@@ -242,6 +276,8 @@ struct Member {
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
     gen: u16,
+    /// Its tags' generation and place (`tag::hi`), which a completion's tag must carry.
+    hi: u32,
     /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
@@ -339,7 +375,8 @@ pub struct Lane {
     /// Its number, carried by its handles ([`LaneQp`]).
     id: u32,
     cq_raw: NonNull<ffi::ibv_cq>,
-    members: Vec<Option<Member>>,
+    /// Boxed: finding a place's member is then one load and a null test.
+    members: Vec<Option<Box<Member>>>,
     /// Each place's generation (kept across removals, so a new QP at a place is told apart).
     gens: Vec<u16>,
     /// Completions taken from the CQ and not yet handed out: `wcs[at..n]`.
@@ -347,6 +384,10 @@ pub struct Lane {
     n: u8,
     at: u8,
     retiring: Option<Retiring>,
+    /// True when anything is buffered, retiring or deferred (`holds_backlog`), so the poll's
+    /// common case tests one flag; it may be true when nothing is (then the general loop runs
+    /// once and clears it), never false when something is.
+    backlog: bool,
     /// Completions reaped while another QP was torn down, in order: handed out first.
     deferred: VecDeque<ffi::ibv_wc>,
     // Dropped after the members (whose QPs use it), in declaration order after Drop::drop.
@@ -400,6 +441,7 @@ impl Lane {
             n: 0,
             at: 0,
             retiring: None,
+            backlog: false,
             deferred: VecDeque::with_capacity(depth as usize),
             cq,
         })
@@ -481,7 +523,7 @@ impl Lane {
         let Some(raw) = NonNull::new(qp.as_raw()) else {
             return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
         };
-        let vacant = |(i, m): (usize, &Option<Member>)| m.is_none() && self.gens[i] != RETIRED;
+        let vacant = |(i, m): (usize, &Option<Box<Member>>)| m.is_none() && self.gens[i] != RETIRED;
         let place = match self.members.iter().enumerate().position(vacant) {
             Some(p) => p,
             None if self.members.len() <= u16::MAX as usize => {
@@ -498,6 +540,7 @@ impl Lane {
             raw,
             qp_num: qp.qp_num(),
             gen,
+            hi: tag::hi(place as u16, gen),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
             mtu,
@@ -507,7 +550,7 @@ impl Lane {
             dests: Vec::new(),
             owner,
         };
-        self.members[place] = Some(m);
+        self.members[place] = Some(Box::new(m));
         Ok(key)
     }
 
@@ -658,6 +701,7 @@ impl Lane {
             }
         }
         self.deferred = others;
+        self.backlog = self.holds_backlog();
     }
 
     /// Retires what `wc` names when it is a completion of a QP being torn down (the regions are
@@ -707,6 +751,7 @@ mod tests {
             let w = tag::encode(place, gen, seq, recv);
             assert_eq!(w & tag::CRATE, 0, "{w:#x}");
             assert_eq!(tag::decode(w), (recv, gen, place, seq));
+            assert_eq!((w >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{w:#x}");
         }
     }
 

@@ -31,15 +31,23 @@ impl Lane {
         // poll goes to the CQ, and its first completion is handed out here. Everything else
         // (more completions, a completion that retires several, deferred ones) is the general
         // loop's, out of line, so this path keeps a small frame.
-        if max == 0 || self.retiring.is_some() || self.at < self.n || !self.deferred.is_empty() {
+        debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
+        if max == 0 || self.backlog {
+            unlikely();
             return self.poll_more(max, 0, &mut f);
         }
         // SAFETY: as in `poll_more`.
         let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
-        if got <= 0 {
-            return if got < 0 { Err(poll_failed(got)) } else { Ok(0) };
+        if got != 1 {
+            // Nothing, an error, or several: the general loop hands several out.
+            if got <= 0 {
+                return if got < 0 { Err(poll_failed(got)) } else { Ok(0) };
+            }
+            self.n = got as u8;
+            self.at = 0;
+            return self.poll_more(max, 0, &mut f);
         }
-        self.n = got as u8;
+        self.n = 1;
         self.at = 1;
         let done = self.start(0, &mut f) as usize;
         if done == max {
@@ -51,7 +59,22 @@ impl Lane {
     /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
     /// already handed out) or until the CQ has nothing.
     #[inline(never)]
-    fn poll_more(
+    fn poll_more(&mut self, max: usize, done: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
+        // Set while it runs (so a panic in `f` leaves it set), said again as it returns.
+        self.backlog = true;
+        let r = self.poll_loop(max, done, f);
+        self.backlog = self.holds_backlog();
+        r
+    }
+
+    /// Whether anything waits to be handed out before the CQ is polled again: completions in
+    /// the poll buffer, one that retires several, or kept ones (`backlog` says so, or more).
+    pub(super) fn holds_backlog(&self) -> bool {
+        self.retiring.is_some() || self.at < self.n || !self.deferred.is_empty()
+    }
+
+    #[inline(always)]
+    fn poll_loop(
         &mut self,
         max: usize,
         mut done: usize,
@@ -97,12 +120,17 @@ impl Lane {
         if wc.wr_id & tag::CRATE != 0 {
             return self.convenient_with(i, f);
         }
-        let (recv, gen, place, seq) = tag::decode(wc.wr_id);
-        let lane = self.id;
+        // The tag's place and generation, compared whole with the member's (`Member::hi`).
+        let hi = (wc.wr_id >> 32) as u32;
+        let place = hi as u16;
         let m = match self.members.get_mut(place as usize) {
-            Some(Some(m)) if m.gen == gen && m.qp_num == wc.qp_num => m,
-            _ => return false,
+            Some(Some(m)) if m.hi == hi & tag::HI_MASK && m.qp_num == wc.qp_num => m,
+            _ => {
+                unlikely();
+                return false;
+            }
         };
+        let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.gen, self.id);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             // Any error but a flush puts the QP in the error state (a flush says it is there).
             m.failed.get_or_insert(wc.status);
@@ -115,11 +143,21 @@ impl Lane {
             f(Wc { wr_id, f: Fields::of(wc), place, gen, lane, flags }, mr);
             return true;
         }
-        if slots.holds(seq) {
-            // It retires earlier unsignaled ones too.
-            self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
-        }
+        self.start_rare(place, recv, seq, i);
         false
+    }
+
+    /// The rest of `start`, out of line: a completion that retires earlier unsignaled work
+    /// requests too (`retiring` is set, for `retire`), or nothing (stale).
+    #[cold]
+    #[inline(never)]
+    fn start_rare(&mut self, place: u16, recv: bool, seq: u32, i: u8) {
+        let Some(Some(m)) = self.members.get(place as usize) else { return };
+        let slots = if recv { &m.recv } else { &m.send };
+        if slots.holds(seq) {
+            self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+            self.backlog = true;
+        }
     }
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
@@ -208,5 +246,15 @@ impl Lane {
         }
         self.n = 0;
         self.at = 0;
+        self.backlog = !self.deferred.is_empty();
     }
 }
+
+/// Called on the branches of the poll's common case that are not taken in it, and does
+/// nothing: a call to a cold function is how stable Rust tells the compiler which way a branch
+/// usually goes. Without it the compiler takes each of the common case's six tests for a coin
+/// toss, rates the call of the caller's closure at the end of them rare, and, for a rare call,
+/// inlines only the smallest closures (a threshold of 45 where it is 225).
+#[cold]
+#[inline(never)]
+fn unlikely() {}

@@ -20,6 +20,8 @@
 
 use super::*;
 
+const SIGNALED_FLAG: u32 = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+
 /// A send-queue work request lowered once for one QP of a lane ([`Lane::prepare_send`]), posted
 /// any number of times with [`Lane::post_prepared`].
 ///
@@ -35,9 +37,11 @@ pub struct PreparedSend {
     /// The number of the region it was checked against (unique in the process, never reused).
     of: u64,
     key: LaneQp,
-    /// `IBV_SEND_SOLICITED` or nothing: the signaled bit is decided at each post.
+    /// Its `wr_id` tag without the sequence number (`tag::encode` with 0).
+    tag: u64,
+    /// The send flags of a post that does not take the queue's last free slot:
+    /// `IBV_SEND_SOLICITED` or nothing, and `IBV_SEND_SIGNALED` when it asks for a completion.
     flags: u32,
-    signaled: bool,
     wr_id: u64,
 }
 
@@ -55,6 +59,7 @@ pub struct PreparedRecv {
     mr: Option<MemoryRegion>,
     of: u64,
     key: LaneQp,
+    tag: u64,
     wr_id: u64,
 }
 
@@ -69,7 +74,7 @@ impl fmt::Debug for PreparedSend {
             .field("opcode", &self.raw.opcode)
             .field("pieces", &self.raw.num_sge)
             .field("wr_id", &self.wr_id)
-            .field("signaled", &self.signaled)
+            .field("signaled", &(self.flags & SIGNALED_FLAG != 0))
             .field("armed", &self.mr.is_some())
             .finish()
     }
@@ -174,7 +179,7 @@ impl PreparedSend {
     /// [`SendWr::unsignaled`]: the next signaled completion of the queue retires it).
     #[inline(always)]
     pub fn set_signaled(&mut self, signaled: bool) {
-        self.signaled = signaled;
+        self.flags = if signaled { self.flags | SIGNALED_FLAG } else { self.flags & !SIGNALED_FLAG };
     }
 }
 
@@ -186,20 +191,26 @@ fn not_armed() -> Error {
     )
 }
 
-/// The error of a post that the provider refused, with the region put back into `slot` when
-/// the provider named the request (it did not take it).
+/// The error of a post that the provider refused: the region, put uncommitted into the queue's
+/// slot at `tail` before the call, is taken out again, and put back into `slot` when the
+/// provider named the request (it did not take it).
 #[cold]
+#[inline(never)]
 fn post_refused(
     m: &mut Member,
     ret: i32,
     named: bool,
     wr_id: u64,
-    mr: MemoryRegion,
     slot: &mut Option<MemoryRegion>,
     send: bool,
 ) -> Error {
+    let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
+    let Some(mr) = (if send { &mut m.send } else { &mut m.recv }).unput() else {
+        // Never: the post put it there, and nothing took it since.
+        return Error::call(op, ret, None);
+    };
     match post_failed_one(m, ret, named, (wr_id, mr), send) {
-        Ok(()) => Error::call(if send { "ibv_post_send" } else { "ibv_post_recv" }, ret, None),
+        Ok(()) => Error::call(op, ret, None),
         Err(rejected) => {
             let (error, back) = rejected.into_parts();
             *slot = back;
@@ -239,8 +250,8 @@ impl Lane {
             sge,
             of,
             key: qp,
-            flags: wr.flags,
-            signaled: wr.signaled,
+            tag: tag::encode(qp.place, qp.gen, 0, false),
+            flags: wr.flags | if wr.signaled { SIGNALED_FLAG } else { 0 },
             wr_id: wr.wr_id,
             mr: Some(wr.mr),
         })
@@ -265,7 +276,8 @@ impl Lane {
         };
         let raw = ffi::ibv_recv_wr { wr_id: 0, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge };
         let of = wr.mr.inner().serial();
-        Ok(PreparedRecv { raw, sge: wr.sge, of, key: qp, wr_id: wr.wr_id, mr: Some(wr.mr) })
+        let tag = tag::encode(qp.place, qp.gen, 0, true);
+        Ok(PreparedRecv { raw, sge: wr.sge, of, key: qp, tag, wr_id: wr.wr_id, mr: Some(wr.mr) })
     }
 
     /// Posts the prepared send-queue work request `p`: its region moves into the lane until
@@ -289,26 +301,30 @@ impl Lane {
         }
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };
         let seq = m.send.tail;
-        p.raw.wr_id = tag::encode(p.key.place, p.key.gen, seq, false);
+        p.raw.wr_id = p.tag | seq as u64;
         // The one that takes the last free slot is signaled, so a full queue drains.
-        p.raw.send_flags = p.flags | if p.signaled || free == 1 { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+        p.raw.send_flags = if free == 1 { p.flags | SIGNALED_FLAG } else { p.flags };
         p.raw.sg_list = p.sge.as_mut_ptr().cast();
         p.raw.next = std::ptr::null_mut();
+        // The region goes into the slot at `tail` before the call, uncommitted: then nothing
+        // holds it across the call. The slot is committed when the provider took the request,
+        // and emptied again when it did not (`post_refused`).
+        m.send.put(0, mr, p.wr_id);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`, which `p.key` names: the place, its
         // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
         // request over `p.sge`, both alive for the call, lowered by `prepare_send` for this very
-        // QP against the region `mr`, which `rearm` made sure is the one it was checked
-        // against; a UD destination's address handle is kept by `m`. The region moves into the
-        // slot below, out of Rust's reach until a completion retires the slot.
+        // QP against the region now in the slot, which `rearm` made sure is the one it was
+        // checked against; a UD destination's address handle is kept by `m`. The region is out
+        // of Rust's reach in the slot until a completion retires it.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut p.raw, &mut bad) };
         if ret == 0 {
-            m.send.put(0, mr, p.wr_id);
-            m.send.tail = seq.wrapping_add(1);
+            // (`tail` is read again rather than kept in a register across the call.)
+            m.send.tail = m.send.tail.wrapping_add(1);
             return Ok(());
         }
         let named = std::ptr::eq(bad, &p.raw);
-        Err(post_refused(m, ret, named, p.wr_id, mr, &mut p.mr, true))
+        Err(post_refused(m, ret, named, p.wr_id, &mut p.mr, true))
     }
 
     /// Posts the prepared receive `p`, as [`Lane::post_prepared`] posts a send.
@@ -323,20 +339,21 @@ impl Lane {
         }
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };
         let seq = m.recv.tail;
-        p.raw.wr_id = tag::encode(p.key.place, p.key.gen, seq, true);
+        p.raw.wr_id = p.tag | seq as u64;
         p.raw.sg_list = &mut p.sge;
+        // Into the slot before the call, uncommitted, as in `post_prepared`.
+        m.recv.put(0, mr, p.wr_id);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as in `post_prepared`: the QP is alive; `p.raw` is one NULL-terminated
-        // receive over `p.sge`, checked by `prepare_recv` for this QP against `mr` (bounds, PD,
-        // LOCAL_WRITE), which moves into the slot below.
+        // receive over `p.sge`, checked by `prepare_recv` for this QP against the region now in
+        // the slot (bounds, PD, LOCAL_WRITE).
         let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), &mut p.raw, &mut bad) };
         if ret == 0 {
-            m.recv.put(0, mr, p.wr_id);
-            m.recv.tail = seq.wrapping_add(1);
+            m.recv.tail = m.recv.tail.wrapping_add(1);
             return Ok(());
         }
         let named = std::ptr::eq(bad, &p.raw);
-        Err(post_refused(m, ret, named, p.wr_id, mr, &mut p.mr, false))
+        Err(post_refused(m, ret, named, p.wr_id, &mut p.mr, false))
     }
 
     /// Posts the prepared send-queue work requests `ps` (all armed, all for one QP) in one
@@ -384,8 +401,7 @@ impl Lane {
             };
             let k = k as u32;
             p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
-            p.raw.send_flags =
-                p.flags | if p.signaled || k + 1 == free { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            p.raw.send_flags = if k + 1 == free { p.flags | SIGNALED_FLAG } else { p.flags };
             p.raw.sg_list = p.sge.as_mut_ptr().cast();
             p.raw.next = next;
         }

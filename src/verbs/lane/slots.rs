@@ -59,6 +59,13 @@ impl Slots {
         unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
         s.wr_id = wr_id;
     }
+    /// Takes back the region `put` at `tail` (uncommitted: the provider did not take its work
+    /// request).
+    #[cold]
+    pub(super) fn unput(&mut self) -> Option<MemoryRegion> {
+        let i = (self.tail & self.mask) as usize;
+        self.slots.get_mut(i)?.mr.take()
+    }
     /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
     /// device never saw those regions).
     #[cold]
