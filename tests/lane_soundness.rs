@@ -98,24 +98,7 @@ fn a_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() {
     let t = DeviceTest::start();
     {
         let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
-        let qp = a.lane.qp_as_raw(a.qp).unwrap();
-        // Back to INIT, as a QP is before connect (the raw handle stands in for a provider).
-        for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
-            // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the lane holds it) and only
-            // the attributes named in the mask are read.
-            unsafe {
-                let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
-                attr.qp_state = state;
-                let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
-                if extra {
-                    attr.port_num = 1;
-                    mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
-                        | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
-                        | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
-                }
-                assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
-            }
-        }
+        back_to_init(&mut a);
         let r = a.lane.post_send(a.qp, SendWr::send(region(&a), 0..64).wr_id(5)).unwrap_err();
         assert!(r.to_string().contains("without saying"), "{r}");
         assert!(r.into_inner().is_none(), "the region is not given back: the provider may have it");
@@ -142,23 +125,7 @@ fn a_prepared_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() 
     {
         let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
         let mut p = a.lane.prepare_send(a.qp, SendWr::send(region(&a), 0..64).wr_id(7)).unwrap();
-        let qp = a.lane.qp_as_raw(a.qp).unwrap();
-        for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
-            // SAFETY: as in the test above: zeroed ibv_qp_attr is valid; the QP is alive (the
-            // lane holds it) and only the attributes named in the mask are read.
-            unsafe {
-                let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
-                attr.qp_state = state;
-                let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
-                if extra {
-                    attr.port_num = 1;
-                    mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
-                        | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
-                        | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
-                }
-                assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
-            }
-        }
+        back_to_init(&mut a);
         let e = a.lane.post_prepared(&mut p).unwrap_err();
         assert!(e.to_string().contains("without saying"), "{e}");
         assert!(!p.is_armed(), "the region is not given back: the provider may have it");
@@ -232,6 +199,37 @@ fn the_polls_one_flag_never_hides_a_buffered_or_retiring_completion() {
         assert!(a.lane.poll().unwrap().is_none());
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
         drop((a, b, pd));
+    }
+    t.finish();
+}
+
+/// The list twin: a prepared list the provider refuses without naming an entry (its regions
+/// were put into their slots before the call) keeps every region as posted, in order, moves
+/// the QP to the error state, and the flush hands each region back to re-arm its own request.
+#[test]
+fn a_prepared_list_that_fails_without_bad_wr_keeps_every_region_until_the_flush() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let mut ps: Vec<_> =
+            (0..4).map(|k| a.lane.prepare_send(a.qp, SendWr::send(region(&a), 0..64).wr_id(k)).unwrap()).collect();
+        back_to_init(&mut a);
+        let e = a.lane.post_prepared_list(&mut ps).unwrap_err();
+        assert!(e.to_string().contains("without saying"), "{e}");
+        assert!(ps.iter().all(|p| !p.is_armed()), "no region given back: the provider may have them");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (4, 0));
+        let flushed = reap(&mut a.lane, 4);
+        assert_eq!(flushed.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        for mut c in flushed {
+            assert_eq!(c.status(), WcStatus::WrFlushErr, "{c:?}");
+            let k = c.wr_id() as usize;
+            ps[k].rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
+        }
+        let e = a.lane.post_prepared_list(&mut ps).unwrap_err();
+        assert!(matches!(e, Error::QpInError { .. }), "{e}");
+        assert!(ps.iter().all(|p| p.is_armed()), "refused before the provider: every region stays");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, ps));
     }
     t.finish();
 }
@@ -857,4 +855,27 @@ fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
         drop((c, s));
     }
     t.finish();
+}
+
+/// Moves `side`'s QP back to INIT, as a QP is before connect, through the raw escape hatch (it
+/// stands in for a provider that refuses a post): rxe then refuses a send with EINVAL and
+/// `bad_wr` NULL, yet keeps the work request.
+fn back_to_init(side: &mut LaneSide) {
+    let qp = side.lane.qp_as_raw(side.qp).unwrap();
+    for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
+        // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the lane holds it) and only
+        // the attributes named in the mask are read.
+        unsafe {
+            let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
+            attr.qp_state = state;
+            let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
+            if extra {
+                attr.port_num = 1;
+                mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+                    | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
+                    | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+            }
+            assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
+        }
+    }
 }

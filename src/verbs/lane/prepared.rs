@@ -368,15 +368,6 @@ impl Lane {
     pub fn post_prepared_list(&mut self, ps: &mut [PreparedSend]) -> Result<usize> {
         let Some(first) = ps.first() else { return Ok(0) };
         let key = first.key;
-        if let Some(p) = ps.iter().find(|p| p.key != key || p.mr.is_none()) {
-            return Err(if p.key != key {
-                Error::InvalidArgument(
-                    "post_prepared_list: every work request of a list must be prepared for one QP".into(),
-                )
-            } else {
-                not_armed()
-            });
-        }
         let m = self.member(key)?;
         // More than u32::MAX requests cannot fit a queue either: refused as too many.
         let count = u32::try_from(ps.len()).unwrap_or(u32::MAX);
@@ -389,6 +380,9 @@ impl Lane {
         }
         let tail = m.send.tail;
         let (base, len) = (ps.as_mut_ptr(), ps.len());
+        // One pass: each request is checked, linked, and its region put into its slot,
+        // uncommitted (as in `post_prepared`); a request that fails its check sends the regions
+        // moved so far back, before anything is posted.
         for k in 0..len {
             // SAFETY: k < len, and k + 1 < len where the link is taken: both within `ps`, which
             // outlives the call below and is not moved (borrowed mutably here). Raw pointers,
@@ -400,6 +394,15 @@ impl Lane {
                 )
             };
             let k = k as u32;
+            let mr = match p.mr.take() {
+                Some(mr) if p.key == key => mr,
+                taken => {
+                    p.mr = taken;
+                    let error = if p.key != key { other_qp() } else { not_armed() };
+                    return Err(unstage_list(m, ps, k, error));
+                }
+            };
+            m.send.put(k, mr, p.wr_id);
             p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
             p.raw.send_flags = if k + 1 == free { p.flags | SIGNALED_FLAG } else { p.flags };
             p.raw.sg_list = p.sge.as_mut_ptr().cast();
@@ -408,24 +411,45 @@ impl Lane {
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; the list is ps[0].raw → … → ps[count-1].raw (NULL-terminated),
         // each over its own `sge`, all alive for the call, each lowered for this QP against its
-        // own armed region (as in `post_prepared`); every posted region moves into a slot below.
+        // own armed region (as in `post_prepared`), which now sits in its slot, out of reach.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut (*base).raw, &mut bad) };
-        let posted = if ret == 0 {
-            count
-        } else {
-            // `bad` is NULL or one of the list's entries: only its address is compared.
-            ps.iter().position(|p| std::ptr::eq(bad, &p.raw)).map_or(count, |i| i as u32)
-        };
-        for (k, p) in ps.iter_mut().take(posted as usize).enumerate() {
-            if let Some(mr) = p.mr.take() {
-                m.send.put(k as u32, mr, p.wr_id);
-            }
-        }
-        m.send.tail = tail.wrapping_add(posted);
-        // The requests keep their links: every post sets `next` (and `sg_list`) again.
         if ret == 0 {
-            return Ok(posted as usize);
+            m.send.tail = tail.wrapping_add(count);
+            // The requests keep their links: every post sets `next` (and `sg_list`) again.
+            return Ok(count as usize);
         }
-        Err(post_list_failed(m, ret, posted < count, "ibv_post_send"))
+        Err(list_refused(m, ps, ret, bad))
     }
+}
+
+/// The refusal of a list whose entry `k` is for another QP or not armed: the regions of
+/// entries `..k`, put into slots uncommitted, go back into their requests.
+#[cold]
+#[inline(never)]
+fn unstage_list(m: &mut Member, ps: &mut [PreparedSend], k: u32, error: Error) -> Error {
+    for (j, p) in ps.iter_mut().take(k as usize).enumerate() {
+        p.mr = m.send.unput_at(j as u32);
+    }
+    error
+}
+
+/// A list the provider refused: the entries before the one it named are posted (committed);
+/// that one and those after it take their regions back. When it named none, every region is
+/// kept as posted, and the QP is moved to the error state (`post_list_failed`).
+#[cold]
+#[inline(never)]
+fn list_refused(m: &mut Member, ps: &mut [PreparedSend], ret: i32, bad: *mut ffi::ibv_send_wr) -> Error {
+    let count = ps.len() as u32;
+    // `bad` is NULL or one of the list's entries: only its address is compared.
+    let posted = ps.iter().position(|p| std::ptr::eq(bad, &p.raw)).map_or(count, |i| i as u32);
+    for (j, p) in ps.iter_mut().enumerate().skip(posted as usize) {
+        p.mr = m.send.unput_at(j as u32);
+    }
+    m.send.tail = m.send.tail.wrapping_add(posted);
+    post_list_failed(m, ret, posted < count, "ibv_post_send")
+}
+
+#[cold]
+fn other_qp() -> Error {
+    Error::InvalidArgument("post_prepared_list: every work request of a list must be prepared for one QP".into())
 }

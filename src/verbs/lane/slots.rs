@@ -63,7 +63,12 @@ impl Slots {
     /// request).
     #[cold]
     pub(super) fn unput(&mut self) -> Option<MemoryRegion> {
-        let i = (self.tail & self.mask) as usize;
+        self.unput_at(0)
+    }
+    /// Takes back the region `put` at `tail + k` (uncommitted).
+    #[cold]
+    pub(super) fn unput_at(&mut self, k: u32) -> Option<MemoryRegion> {
+        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
         self.slots.get_mut(i)?.mr.take()
     }
     /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
