@@ -470,26 +470,46 @@ mod lane_bench {
     #[no_mangle]
     #[inline(never)]
     pub fn instr_prep_poll_send(lane: &mut Lane, p: &mut PreparedSend) -> bool {
-        poll_rearm(lane, |r| p.rearm(r).unwrap())
+        poll_rearm(lane, p)
     }
 
     /// The lane: as `instr_prep_poll_send`, for a prepared receive.
     #[no_mangle]
     #[inline(never)]
     pub fn instr_prep_poll_recv(lane: &mut Lane, p: &mut PreparedRecv) -> bool {
-        poll_rearm(lane, |r| p.rearm(r).unwrap())
+        poll_rearm(lane, p)
     }
 
-    /// One poll of `lane`; a completion found hands its region to `rearm`. Whether it found one.
+    /// A prepared request of either queue, re-armed by the region its completion hands back.
+    trait Rearm {
+        fn rearm_with(&mut self, mr: MemoryRegion);
+    }
+
+    impl Rearm for PreparedSend {
+        #[inline(always)]
+        fn rearm_with(&mut self, mr: MemoryRegion) {
+            self.rearm(mr).unwrap()
+        }
+    }
+
+    impl Rearm for PreparedRecv {
+        #[inline(always)]
+        fn rearm_with(&mut self, mr: MemoryRegion) {
+            self.rearm(mr).unwrap()
+        }
+    }
+
+    /// One poll of `lane`; a completion found re-arms `p` with its region. Whether it found one.
+    /// (The closure borrows `p` itself, as a user's would: one level of reference.)
     #[inline(always)]
-    fn poll_rearm(lane: &mut Lane, mut rearm: impl FnMut(MemoryRegion)) -> bool {
+    fn poll_rearm(lane: &mut Lane, p: &mut impl Rearm) -> bool {
         let n = lane
             .poll_with(1, |c, region| {
                 if !c.is_ok() {
                     failed(c.status());
                 }
                 if let Some(r) = region {
-                    rearm(r);
+                    p.rearm_with(r);
                 }
             })
             .unwrap();

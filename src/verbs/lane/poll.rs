@@ -34,7 +34,7 @@ impl Lane {
         debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
         if max == 0 || self.backlog {
             unlikely();
-            return self.poll_more(max, 0, &mut f);
+            return self.poll_more(max, 0, f);
         }
         // SAFETY: as in `poll_more`.
         let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
@@ -45,7 +45,7 @@ impl Lane {
             }
             self.n = got as u8;
             self.at = 0;
-            return self.poll_more(max, 0, &mut f);
+            return self.poll_more(max, 0, f);
         }
         self.n = 1;
         self.at = 1;
@@ -53,16 +53,18 @@ impl Lane {
         if done == max {
             return Ok(done);
         }
-        self.poll_more(max, done, &mut f)
+        self.poll_more(max, done, f)
     }
 
     /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
-    /// already handed out) or until the CQ has nothing.
+    /// already handed out) or until the CQ has nothing. It takes the closure by value (a
+    /// closure that borrows one thing is then passed in a register: by reference, the common
+    /// case would have to keep it in memory for this call it rarely makes).
     #[inline(never)]
-    fn poll_more(&mut self, max: usize, done: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
+    fn poll_more(&mut self, max: usize, done: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         // Set while it runs (so a panic in `f` leaves it set), said again as it returns.
         self.backlog = true;
-        let r = self.poll_loop(max, done, f);
+        let r = self.poll_loop(max, done, &mut f);
         self.backlog = self.holds_backlog();
         r
     }
