@@ -9,12 +9,13 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use common::lane::{attached_pair, lane_on, lane_pair, reap, LaneSide};
 use common::{mr_count, pair, DeviceTest, PairSpec, T};
-use rdma_cm::lane::{RecvWr, SendWr};
+use rdma_cm::lane::{Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, WcStatus};
 
 fn spec() -> PairSpec {
@@ -234,6 +235,199 @@ fn a_prepared_list_that_fails_without_bad_wr_keeps_every_region_until_the_flush(
     t.finish();
 }
 
+/// Outside review (of the one-flag poll): a panic in the closure on a lone completion, which
+/// is deterministically the poll's straight-line case (one work request outstanding, so
+/// `ibv_poll_cq` can find at most one): the region goes with the panic, nothing is left
+/// buffered or flagged, and the lane carries on.
+#[test]
+fn a_panic_on_a_lone_completion_leaves_the_lane_usable() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let before = mr_count();
+        a.lane.post_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(1)).unwrap();
+        poll_until_the_closure_panics(&mut a.lane, 4);
+        if let Some(n) = before {
+            assert_eq!(mr_count(), Some(n), "its region went with the panic");
+        }
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none());
+        a.lane.post_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(2)).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 2 && c.take_region().is_some(), "{c:?}");
+        drop((a, b));
+    }
+    t.finish();
+}
+
+/// Outside review: a signaled WRITE that retires seven unsignaled ones, reached from the
+/// poll's straight-line case (its completion is the only one the CQ will hold: the other QP's
+/// receives never complete); the closure panics on the first retired slot; two more are handed
+/// out; then the other QP is removed while the completion is still retiring (its teardown
+/// keeps the half-retired completion). The rest come out in order, each once, with regions.
+#[test]
+fn a_retiring_completion_survives_a_panic_and_another_qps_removal() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 256);
+        let (q1, pd1, b1) = attached_pair(&mut lane, t.addr, spec());
+        let (q2, pd2, b2) = attached_pair(&mut lane, t.addr, spec());
+        let remote = b2.mrs[0].remote();
+        let mr = |pd: &std::sync::Arc<rdma_cm::ProtectionDomain>| {
+            MemoryRegion::new(pd, 64, AccessFlags::LOCAL_WRITE).unwrap()
+        };
+        for k in 0..4 {
+            lane.post_recv(q1, RecvWr::new(mr(&pd1)).wr_id(100 + k)).unwrap();
+        }
+        for k in 0..8 {
+            let w = SendWr::write(mr(&pd2), 0..64, &remote, 0).wr_id(k);
+            lane.post_send(q2, if k < 7 { w.unsignaled() } else { w }).map_err(|r| r.into_parts().0).unwrap();
+        }
+        poll_until_the_closure_panics(&mut lane, 1);
+        let mut seen = Vec::new();
+        assert_eq!(lane.poll_with(2, |c, m| seen.push((c.wr_id(), m.is_some(), c.qp()))).unwrap(), 2);
+        lane.remove(q1).unwrap();
+        let rest = reap(&mut lane, 5);
+        seen.extend(rest.into_iter().map(|mut c| (c.wr_id(), c.take_region().is_some(), c.qp())));
+        assert_eq!(seen, (1..8).map(|k| (k, true, Some(q2))).collect::<Vec<_>>());
+        assert_eq!(lane.outstanding(q2).unwrap(), (0, 0));
+        assert!(lane.poll().unwrap().is_none());
+        drop((lane, b1, b2, pd1, pd2));
+    }
+    t.finish();
+}
+
+/// Outside review: the one-pass list over the slot a panicked `post_send_iter` left staged.
+/// A list that fails its check at entry 2 (a QP of the same lane at another place), then one
+/// whose entry 2 is unarmed: each of entries 0 and 1 gets back *its own* region (`rearm`
+/// refuses any other, so swapped slots would show), and the staged region is released once.
+#[test]
+fn a_prepared_list_failing_its_check_after_a_staged_leftover_returns_each_own_region() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 256);
+        let (qa, pda, ba) = attached_pair(&mut lane, t.addr, spec());
+        let (qb, pdb, bb) = attached_pair(&mut lane, t.addr, spec());
+        let (ra, rb) = (ba.mrs[0].remote(), bb.mrs[0].remote());
+        let mk = |lane: &mut Lane, q, pd, remote: &rdma_cm::RemoteRegion, k| {
+            let mr = MemoryRegion::new(pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            lane.prepare_send(q, SendWr::write(mr, 0..64, remote, 0).wr_id(k)).map_err(|r| r.into_parts().0).unwrap()
+        };
+        let before = mr_count();
+        let (pd, rc) = (pda.clone(), ra);
+        let mut once = false;
+        let wrs = std::iter::from_fn(move || {
+            assert!(!once, "the caller's iterator fails on its second call");
+            once = true;
+            Some(SendWr::write(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap(), 0..64, &rc, 0))
+        });
+        assert!(catch_unwind(AssertUnwindSafe(|| lane.post_send_iter(qa, wrs))).is_err());
+        let mut ps =
+            vec![mk(&mut lane, qa, &pda, &ra, 0), mk(&mut lane, qa, &pda, &ra, 1), mk(&mut lane, qb, &pdb, &rb, 2)];
+        let e = lane.post_prepared_list(&mut ps).expect_err("two QPs");
+        assert!(e.to_string().contains("one QP"), "{e}");
+        if let Some(n) = before {
+            assert_eq!(mr_count(), Some(n + 3), "the staged leftover released, the three held");
+        }
+        for p in ps.iter_mut() {
+            let own = p.take_region().expect("armed");
+            p.rearm(own).map_err(|r| r.into_parts().0).expect("its own region came back");
+        }
+        ps[2] = mk(&mut lane, qa, &pda, &ra, 2);
+        let third = ps[2].take_region().unwrap();
+        let e = lane.post_prepared_list(&mut ps).expect_err("entry 2 unarmed");
+        assert!(e.to_string().contains("holds no region"), "{e}");
+        ps[2].rearm(third).map_err(|r| r.into_parts().0).unwrap();
+        for p in ps.iter_mut().take(2) {
+            let own = p.take_region().expect("armed");
+            p.rearm(own).map_err(|r| r.into_parts().0).expect("its own region came back");
+        }
+        assert_eq!(lane.outstanding(qa).unwrap(), (0, 0));
+        assert_eq!(lane.post_prepared_list(&mut ps).unwrap(), 3);
+        for mut c in reap(&mut lane, 3) {
+            assert!(c.is_ok() && c.qp() == Some(qa), "{c:?}");
+            ps[c.wr_id() as usize].rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        assert!(lane.poll().unwrap().is_none());
+        drop((lane, ba, bb, ps, pda, pdb));
+    }
+    t.finish();
+}
+
+/// Outside review: an empty list posts nothing; a list whose *first* entry is another lane's
+/// is refused with every region in place; `poll_with(0, ..)` hands out nothing even with a
+/// completion waiting.
+#[test]
+fn empty_lists_foreign_first_entries_and_zero_polls_change_nothing() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let (mut c, d) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        assert_eq!(a.lane.post_prepared_list(&mut []).unwrap(), 0);
+        let foreign = c.lane.prepare_send(c.qp, SendWr::write(region(&c), 0..64, &remote, 0)).unwrap();
+        let own = a.lane.prepare_send(a.qp, SendWr::write(region(&a), 0..64, &remote, 0).wr_id(5)).unwrap();
+        let mut ps = vec![foreign, own];
+        let e = a.lane.post_prepared_list(&mut ps).expect_err("first entry of another lane");
+        assert!(e.to_string().contains("not attached"), "{e}");
+        assert!(ps.iter().all(|p| p.is_armed()));
+        let mut own = ps.pop().unwrap();
+        a.lane.post_prepared(&mut own).unwrap();
+        assert_eq!(a.lane.poll_with(0, |_, _| panic!("max 0 hands out nothing")).unwrap(), 0);
+        let mut done = reap(&mut a.lane, 1).pop().unwrap();
+        assert_eq!(done.wr_id(), 5);
+        own.rearm(done.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, c, d, ps, own));
+    }
+    t.finish();
+}
+
+/// Outside review: `LaneQp`'s hand-written equality and hash (one word): handles that differ
+/// only in the lane, or only in the generation, are distinct members of a set, and a
+/// completion's `qp()` finds its handle there.
+#[test]
+fn lane_handles_hash_as_they_compare() {
+    let t = DeviceTest::start();
+    {
+        let mut l1 = lane_on(t.addr, 128);
+        let mut l2 = lane_on(t.addr, 128);
+        let (a, _pa, sa) = attached_pair(&mut l1, t.addr, spec());
+        let (b, _pb, sb) = attached_pair(&mut l2, t.addr, spec());
+        l1.remove(a).unwrap();
+        let (a2, pa2, sa2) = attached_pair(&mut l1, t.addr, spec());
+        let set: HashSet<LaneQp> = [a, b, a2, a2].into_iter().collect();
+        assert_eq!(set.len(), 3, "{a:?} {b:?} {a2:?}");
+        let remote = sa2.mrs[0].remote();
+        let mr = MemoryRegion::new(&pa2, 64, AccessFlags::empty()).unwrap();
+        l1.post_send(a2, SendWr::write(mr, 0..64, &remote, 0)).unwrap();
+        let c = reap(&mut l1, 1).pop().unwrap();
+        let q = c.qp().unwrap();
+        assert!(set.contains(&q) && q == a2 && q != a && q != b, "{q:?}");
+        drop((l1, l2, sa, sb, sa2, c));
+    }
+    t.finish();
+}
+
+/// Polls `lane` (up to `max` at a time) with a closure that panics on the first completion it
+/// is given, until it has, within `T`.
+fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
+    let deadline = Instant::now() + T;
+    loop {
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            lane.poll_with(max, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
+        }));
+        match r {
+            Err(_) => return,
+            Ok(n) => {
+                assert_eq!(n, 0, "a completion was handed out without the closure");
+                assert!(Instant::now() < deadline, "no completion within {T:?}");
+            }
+        }
+    }
+}
+
 /// Sixteen unsignaled single sends fill the send queue: the one that takes the last slot is
 /// signaled whatever it asked, so the queue drains; the seventeenth is refused with its region.
 #[test]
@@ -395,10 +589,12 @@ fn a_panic_while_handing_out_a_batch_loses_no_completion() {
     t.finish();
 }
 
-/// A panic in the closure on the first completion a poll finds (the poll's straight-line entry,
-/// which hands out the first completion of a fresh `ibv_poll_cq` itself): the region given to
-/// the closure is dropped with it (deregistered: the device is done with it), and the
-/// completions that poll reaped with it, or left in the CQ, come out of the next polls in order.
+/// A panic in the closure on the first completion a poll finds (the poll's straight-line case
+/// when `ibv_poll_cq` finds just one, the general loop when it finds several: four WRITEs
+/// complete at their own pace; the lone case alone is
+/// `a_panic_on_a_lone_completion_leaves_the_lane_usable`): the region given to the closure is
+/// dropped with it (deregistered: the device is done with it), and the completions that poll
+/// reaped with it, or left in the CQ, come out of the next polls in order.
 #[test]
 fn a_panic_on_the_first_completion_of_a_poll_loses_no_other() {
     let t = DeviceTest::start();

@@ -33,8 +33,8 @@
 //!   lowered each time. [`Lane::prepare_send`] and [`Lane::prepare_recv`] check a work request
 //!   against its region and its QP once and keep the provider's work request; a post
 //!   ([`Lane::post_prepared`], [`Lane::post_prepared_recv`], [`Lane::post_prepared_list`])
-//!   only stamps the tag and the signaled bit, calls the provider and moves the region into
-//!   the slot. The completion hands the region back, and [`PreparedSend::rearm`] takes it
+//!   only stamps the tag and the signaled bit, moves the region into the slot and calls the
+//!   provider. The completion hands the region back, and [`PreparedSend::rearm`] takes it
 //!   (that region only: the request was checked against it). This, with
 //!   [`Lane::poll_with`], is the path for performance-sensitive code. (The examples' latency
 //!   and rate modes use the lane with a [`SendWr`] per post.)
@@ -84,7 +84,9 @@
 //! - **No memory is freed under the device.** A region leaves a slot only (a) with its
 //!   completion, (b) when a later signaled completion of the same RC or UD queue retires it
 //!   (queues complete in order), (c) when the provider said it did not take the work request
-//!   (`bad_wr` pointing into the list), or (d) when its QP was destroyed successfully. A post
+//!   (`bad_wr` pointing into the list), or (d) when its QP was destroyed successfully. (A post
+//!   moves a region into its slot just before the provider's call, uncommitted; a list whose
+//!   later entry fails its checks takes the ones moved so far back before any call.) A post
 //!   that fails without saying how far it got keeps every region and moves the QP to the error
 //!   state, so the flush retires them.
 //! - **`mem::forget` is safe.** Forgetting the lane, a [`Completion`] or a work request leaks

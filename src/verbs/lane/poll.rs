@@ -28,9 +28,9 @@ impl Lane {
     #[inline(always)]
     pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         // The common case, straight-line: nothing is buffered, retiring or deferred, so the
-        // poll goes to the CQ, and its first completion is handed out here. Everything else
-        // (more completions, a completion that retires several, deferred ones) is the general
-        // loop's, out of line, so this path keeps a small frame.
+        // poll goes to the CQ, and when that gives exactly one completion, it is handed out
+        // here. Everything else (several completions, one that retires several, deferred ones)
+        // is the general loop's, out of line, so this path keeps a small frame.
         debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
         if max == 0 || self.backlog {
             unlikely();
@@ -154,6 +154,7 @@ impl Lane {
     #[cold]
     #[inline(never)]
     fn start_rare(&mut self, place: u16, recv: bool, seq: u32, i: u8) {
+        // The member `start` just matched (tag and QP number): nothing has changed since.
         let Some(Some(m)) = self.members.get(place as usize) else { return };
         let slots = if recv { &m.recv } else { &m.send };
         if slots.holds(seq) {

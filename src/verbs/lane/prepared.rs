@@ -3,8 +3,8 @@
 //! A [`SendWr`] or [`RecvWr`] is checked where it is built and lowered at every post. A
 //! [`PreparedSend`] or [`PreparedRecv`] is checked and lowered once, for one QP of the lane
 //! ([`Lane::prepare_send`], [`Lane::prepare_recv`]); a post then only stamps the `wr_id` tag and
-//! the signaled bit into the provider's work request it already holds, and moves the region
-//! into the QP's slot. The completion hands the region back (beside the [`Wc`] in
+//! the signaled bit into the provider's work request it already holds, moves the region into
+//! the QP's slot and calls the provider. The completion hands the region back (beside the [`Wc`] in
 //! [`Lane::poll_with`]), and
 //! [`PreparedSend::rearm`] puts it back into the prepared request, which refuses any other
 //! region: the request's scatter list was checked against that one.
@@ -207,6 +207,7 @@ fn post_refused(
     let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
     let Some(mr) = (if send { &mut m.send } else { &mut m.recv }).unput() else {
         // Never: the post put it there, and nothing took it since.
+        debug_assert!(false, "the region a post put at tail is gone");
         return Error::call(op, ret, None);
     };
     match post_failed_one(m, ret, named, (wr_id, mr), send) {
@@ -358,13 +359,15 @@ impl Lane {
 
     /// Posts the prepared send-queue work requests `ps` (all armed, all for one QP) in one
     /// `ibv_post_send`: one doorbell. Their regions move into the lane, in order. Returns how
-    /// many were posted: all of them, or, when the provider refuses one, those before it.
+    /// many were posted: all of them.
     ///
     /// # Errors
-    /// Nothing is posted, and every region stays where it was, when one of `ps` is not armed
-    /// or is for another QP, when they do not fit in the queue's free slots, or when the QP is
-    /// in the error state. When the provider refuses part of the list, the requests it named
-    /// and those after it keep their regions.
+    /// Nothing is posted, and every region stays where it was, when the first request's QP is
+    /// not attached, when they do not fit in the queue's free slots, when the QP is in the
+    /// error state (these three are checked first, in this order), or when one of `ps` is not
+    /// armed or is for another QP. When the provider refuses part of the list, the requests
+    /// before the one it named are posted (their requests are disarmed: see
+    /// [`PreparedSend::is_armed`]), and that one and those after it keep their regions.
     pub fn post_prepared_list(&mut self, ps: &mut [PreparedSend]) -> Result<usize> {
         let Some(first) = ps.first() else { return Ok(0) };
         let key = first.key;

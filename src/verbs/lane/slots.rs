@@ -42,7 +42,10 @@ impl Slots {
     pub(super) fn free(&self) -> u32 {
         self.depth - self.outstanding()
     }
-    /// Stores a posted work request at `tail + k` (committed by `commit`).
+    /// Stores a work request's region at `tail + k`, uncommitted: the caller advances `tail`
+    /// once the provider took the request, or takes the region back (`unput_at`) when it did
+    /// not. Every send path calls `release_staged` before its first `put`, so the slot holds
+    /// nothing then (see below).
     #[inline(always)]
     pub(super) fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
         let i = (self.tail.wrapping_add(k) & self.mask) as usize;
@@ -52,8 +55,9 @@ impl Slots {
         let s = unsafe { self.slots.get_unchecked_mut(i) };
         // The slot is free: at most `depth` are outstanding, and retiring empties a slot. The
         // one exception: a region staged by a `post_send_iter` whose iterator panicked before
-        // the post, left beyond `tail`. It is overwritten without being dropped (leaked, which
-        // is safe), and nothing here may panic: this runs after the provider took the request.
+        // the post, left beyond `tail` (the posts release those first). Were one still there,
+        // it is overwritten without being dropped (leaked, which is safe). Nothing here may
+        // panic: the callers put a region here while the provider may hold its request.
         // SAFETY: `&mut s.mr` is valid for a write; the value overwritten, `None` or a region
         // never posted, is not dropped: at worst a leak.
         unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
