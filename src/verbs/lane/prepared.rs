@@ -293,12 +293,13 @@ impl Lane {
     #[inline(always)]
     pub fn post_prepared(&mut self, p: &mut PreparedSend) -> Result<()> {
         let m = self.member(p.key)?;
+        // First, so that nothing computed below lives across this (rare) call.
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
         let free = m.send.free();
         if free == 0 || m.failed.is_some() {
             return Err(refusal(m, "ibv_post_send"));
-        }
-        if m.send.staged != 0 {
-            m.send.release_staged();
         }
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };
         let seq = m.send.tail;
@@ -372,14 +373,15 @@ impl Lane {
         let Some(first) = ps.first() else { return Ok(0) };
         let key = first.key;
         let m = self.member(key)?;
+        // First, so that nothing computed below lives across this (rare) call.
+        if m.send.staged != 0 {
+            m.send.release_staged();
+        }
         // More than u32::MAX requests cannot fit a queue either: refused as too many.
         let count = u32::try_from(ps.len()).unwrap_or(u32::MAX);
         let free = m.send.free();
         if count > free || m.failed.is_some() {
             return Err(refusal(m, "ibv_post_send"));
-        }
-        if m.send.staged != 0 {
-            m.send.release_staged();
         }
         let tail = m.send.tail;
         let (base, len) = (ps.as_mut_ptr(), ps.len());
