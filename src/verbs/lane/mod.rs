@@ -277,8 +277,8 @@ struct Member {
     owner: Box<dyn LaneOwner>,
     raw: NonNull<ffi::ibv_qp>,
     qp_num: u32,
-    gen: u16,
-    /// Its tags' generation and place (`tag::hi`), which a completion's tag must carry.
+    /// Its tags' generation and place (`tag::hi` of `key`), which a completion's tag must
+    /// carry: kept, so the poll compares one word.
     hi: u32,
     /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
     key: LaneQp,
@@ -541,7 +541,6 @@ impl Lane {
             key,
             raw,
             qp_num: qp.qp_num(),
-            gen,
             hi: tag::hi(place as u16, gen),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
@@ -717,7 +716,7 @@ impl Lane {
             return false;
         }
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
-        if m.gen != gen || m.qp_num != wc.qp_num {
+        if m.key.gen != gen || m.qp_num != wc.qp_num {
             return true; // stale: retires nothing
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };

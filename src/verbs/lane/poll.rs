@@ -132,7 +132,7 @@ impl Lane {
                 return false;
             }
         };
-        let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.gen, self.id);
+        let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.key.gen, self.id);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             // Any error but a flush puts the QP in the error state (a flush says it is there).
             m.failed.get_or_insert(wc.status);
@@ -176,7 +176,7 @@ impl Lane {
             self.retiring = None;
             return 0;
         };
-        let (gen, recv) = (m.gen, if r.recv { RECV } else { 0 });
+        let (gen, recv) = (m.key.gen, if r.recv { RECV } else { 0 });
         let slots = if r.recv { &mut m.recv } else { &mut m.send };
         let mut k = 0;
         while k < room && slots.head != r.upto {
