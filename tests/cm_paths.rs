@@ -211,7 +211,8 @@ fn user_qps_connect_to_ours_and_carry_data() {
 /// The same through the event-loop steps: `Connecting::complete` takes the user QP's
 /// `CONNECT_RESPONSE` (librdmacm reports no `ESTABLISHED` for a QP it did not make; iWARP's
 /// kernel CM moves the QP to RTS itself and reports `ESTABLISHED`), and the server's accept is
-/// started without waiting and completed with its `ESTABLISHED`. Spelled the deprecated way
+/// started without waiting and completed with its `ESTABLISHED`, each with the minimum RNR
+/// timer it asked for ([`ConnParam::min_rnr_timer`]). Spelled the deprecated way
 /// (`UserQp::new`, `attach_qp`), which must keep working.
 #[test]
 #[allow(deprecated)]
@@ -226,11 +227,12 @@ fn user_qp_connects_through_the_event_loop_steps() {
         let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
         let q = req.attach_qp(UserQp::new(&pd, QpInit::new()).unwrap()).unwrap();
         let ch = q.id().channel().clone();
-        let acc = q.start_accept(&ConnParam::new()).unwrap();
+        let acc = q.start_accept(&ConnParam::new().min_rnr_timer(5)).unwrap();
         // Ready to send before the accept went out, as librdmacm's rules for a user QP say
-        // (where the device reports QP states: not Soft-iWARP).
+        // (where the device reports QP states: not Soft-iWARP), with the RNR timer asked for.
         if !iwarp {
-            assert_eq!(acc.qp().attributes().unwrap().state, QpState::ReadyToSend);
+            let a = acc.qp().attributes().unwrap();
+            assert_eq!((a.state, a.min_rnr_timer), (QpState::ReadyToSend, 5));
         }
         let ev = ch.get_event_for(acc.handle(), T).unwrap();
         assert_eq!(ev.event_type(), CmEventType::Established);
@@ -247,13 +249,15 @@ fn user_qp_connects_through_the_event_loop_steps() {
     let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
     let mut q = route.attach_qp(UserQp::new(&pd, QpInit::new()).unwrap()).unwrap();
     q.post_recv(&[RecvWr::new(&mr, 0..256).wr_id(1)]).unwrap();
-    let connecting = q.start(&ConnParam::new()).unwrap();
+    let connecting = q.start(&ConnParam::new().min_rnr_timer(40)).unwrap();
     let ev = ch.get_event(T).unwrap();
     let answer = if iwarp { CmEventType::Established } else { CmEventType::ConnectResponse };
     assert_eq!(ev.event_type(), answer);
     let mut conn = connecting.complete(ev).expect("RTR, RTS and rdma_establish");
     if !iwarp {
-        assert_eq!(conn.qp().attributes().unwrap().state, QpState::ReadyToSend);
+        // The RNR timer asked for, capped at the largest code.
+        let a = conn.qp().attributes().unwrap();
+        assert_eq!((a.state, a.min_rnr_timer), (QpState::ReadyToSend, 31));
     }
     let wc = conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("client: receive");
     assert_eq!(wc.byte_len(), 100);

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{caps::iwarp, pair, pattern, require, Cap, DeviceTest, PairSpec, T};
+use common::caps::{device_under_test, iwarp};
+use common::{pair, pattern, require, Cap, DeviceTest, PairSpec, T};
 use rdma_cm::{
     AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Error, EventChannel, MemoryRegion,
     QpInfo, QpInit, RecvWr, SendWr, Server, WcStatus, WorkCompletion, WorkQueue,
@@ -358,6 +359,47 @@ fn receive_queue_exhaustion_gives_rnr_error() {
     assert!(err.to_string().contains("no receive posted"), "{err}");
     assert_eq!(c.conn.qp().outstanding_sends(), 0);
     assert!(c.mrs[0].as_mut_slice().is_ok());
+    drop((c, s));
+    t.finish();
+}
+
+/// [`ConnParam::min_rnr_timer`] on a connection the CM sets up (connect and accept, waited
+/// for): unset, each QP keeps the CM's 0 (655 ms); set, each side's QP has its own code. A send
+/// that meets no receive is NAKed (the device's RNR counter says so), and goes through, intact,
+/// once the receive is posted.
+#[test]
+fn min_rnr_timer_is_each_sides_and_a_send_waits_for_its_receive() {
+    let t = DeviceTest::start();
+    if !require(Cap::RnrRetry) {
+        return;
+    }
+    let (c, s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    assert_eq!(c.conn.qp().attributes().unwrap().min_rnr_timer, 0, "client: the CM's value");
+    assert_eq!(s.conn.qp().attributes().unwrap().min_rnr_timer, 0, "server: the CM's value");
+    drop((c, s));
+    let spec_c = PairSpec { param: ConnParam::new().min_rnr_timer(3), ..PairSpec::default() };
+    let spec_s = PairSpec { param: ConnParam::new().min_rnr_timer(1), ..PairSpec::default() };
+    let (mut c, mut s) = pair(t.addr, spec_c, spec_s);
+    assert_eq!(c.conn.qp().attributes().unwrap().min_rnr_timer, 3, "client");
+    assert_eq!(s.conn.qp().attributes().unwrap().min_rnr_timer, 1, "server");
+    let counter = format!("/sys/class/infiniband/{}/ports/1/hw_counters/rcvd_rnr_err", device_under_test());
+    let rnr = || std::fs::read_to_string(&counter).ok().and_then(|v| v.trim().parse::<u64>().ok());
+    let Some(before) = rnr() else {
+        common::caps::skipped("the RNR wait", &format!("the device has no {counter}"));
+        return;
+    };
+    c.mrs[0].as_mut_slice().unwrap()[..64].copy_from_slice(&pattern(64, 4));
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
+    let deadline = Instant::now() + T;
+    while rnr().unwrap_or(0) == before {
+        assert!(Instant::now() < deadline, "no RNR NAK counted in {T:?} ({counter})");
+        std::thread::yield_now();
+    }
+    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(2)]).unwrap();
+    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).expect("server: the retried send arrives");
+    assert_eq!(wc.byte_len(), 64);
+    assert_eq!(&s.mrs[0].as_slice().unwrap()[..64], &pattern(64, 4)[..]);
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).expect("client: the send completes");
     drop((c, s));
     t.finish();
 }

@@ -13,7 +13,7 @@ use rdma_sys as ffi;
 use crate::cm::adopt;
 use crate::cm::cm_id::{CmId, IdHandle};
 use crate::cm::cm_qp::create_qp_on;
-use crate::cm::conn_param::{ConnParam, MAX_CONNECT_PRIVATE_DATA};
+use crate::cm::conn_param::{apply_min_rnr_timer, ConnParam, MAX_CONNECT_PRIVATE_DATA};
 use crate::cm::connection::Connection;
 use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel};
 #[cfg(feature = "tokio")]
@@ -335,7 +335,7 @@ impl ClientQp {
         // The event's wait gets what the call left of the timeout.
         let left = timeout.saturating_sub(start.elapsed());
         let ev = expect(&this.id, connected_event(&this.id, this.user), "rdma_connect", left)?;
-        finish_connect(this.id, this.qp, this.user, &ev)
+        finish_connect(this.id, this.qp, this.user, &ev, param.min_rnr_timer_value())
     }
 
     fn started(self, param: &ConnParam) -> Result<ClientQp> {
@@ -405,7 +405,7 @@ impl ClientQp {
     /// As for [`ClientQp::connect`], without the waiting.
     pub fn start(self, param: &ConnParam) -> Result<Connecting> {
         self.start_connect(param)?;
-        Ok(Connecting { id: self.id, qp: self.qp, user: self.user })
+        Ok(Connecting { id: self.id, qp: self.qp, user: self.user, min_rnr_timer: param.min_rnr_timer_value() })
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
@@ -450,10 +450,17 @@ pub(crate) fn connected_event(id: &CmId, user: bool) -> CmEventType {
 /// Turns the answer to a connect into the connection; an adopted QP is made ready to send and
 /// the handshake completed (`rdma_establish`) first, except on iWARP, whose kernel CM has done
 /// both.
-pub(crate) fn finish_connect(id: Arc<CmId>, qp: QueuePair, user: bool, ev: &CmEvent) -> Result<Connection> {
+pub(crate) fn finish_connect(
+    id: Arc<CmId>,
+    qp: QueuePair,
+    user: bool,
+    ev: &CmEvent,
+    min_rnr_timer: Option<u8>,
+) -> Result<Connection> {
     if crate_drives(&id, user) {
         adopt::establish(&id, &qp)?;
     }
+    apply_min_rnr_timer(&id, &qp, min_rnr_timer)?;
     Ok(Connection::new(id, qp, *ev.private_data(), user))
 }
 
@@ -463,6 +470,7 @@ pub struct Connecting {
     id: Arc<CmId>,
     qp: QueuePair,
     user: bool,
+    min_rnr_timer: Option<u8>,
 }
 
 impl Connecting {
@@ -491,6 +499,9 @@ impl Connecting {
             if let Err(e) = adopt::establish(&self.id, &self.qp) {
                 return Err(StepError::new(self, e));
             }
+        }
+        if let Err(e) = apply_min_rnr_timer(&self.id, &self.qp, self.min_rnr_timer) {
+            return Err(StepError::new(self, e));
         }
         Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))
     }
@@ -551,7 +562,7 @@ impl ClientQp {
         let this =
             if is_iwarp(&self.id) { self.start_connect_off_runtime(*param).await? } else { self.started(param)? };
         let ev = expect_async(&this.id, connected_event(&this.id, this.user), "rdma_connect").await?;
-        finish_connect(this.id, this.qp, this.user, &ev)
+        finish_connect(this.id, this.qp, this.user, &ev, param.min_rnr_timer_value())
     }
 
     /// `rdma_connect` on a helper thread ([`HelperCall`]), awaited. When the future is

@@ -3,8 +3,11 @@
 
 use rdma_sys as ffi;
 
+use crate::cm::cm_id::CmId;
 use crate::cm::event_channel::PrivateData;
-use crate::error::{Error, Result};
+use crate::cm::expect::with_opt_addr;
+use crate::error::{check_ibv, Error, Result};
+use crate::verbs::qp::QueuePair;
 
 /// Most private data `rdma_connect` carries on RC.
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
@@ -35,6 +38,7 @@ pub struct ConnParam {
     rnr_retry_count: u8,
     private_data: PrivateData,
     qp_num: u32,
+    min_rnr_timer: Option<u8>,
 }
 
 impl Default for ConnParam {
@@ -46,6 +50,7 @@ impl Default for ConnParam {
             rnr_retry_count: 7,
             private_data: PrivateData::EMPTY,
             qp_num: 0,
+            min_rnr_timer: None,
         }
     }
 }
@@ -84,10 +89,13 @@ impl ConnParam {
     ///
     /// Each retry is costly on a connection the CM sets up: the kernel's CM gives the receiving
     /// QP a `min_rnr_timer` of 0, the longest (655 ms), and librdmacm has no option to lower
-    /// it (an RTS-to-RTS `ibv_modify_qp` could; this crate does not make one). A send that
-    /// finds no receive posted is thus delayed 0.66 s or more, not
-    /// microseconds: keep enough receives posted that the receiver never runs out (measured on
-    /// rxe: a receiver two messages behind turned every other message into 0.66 to 7 s).
+    /// it ([`ConnParam::min_rnr_timer`] lowers it once the QP is ready). A send that finds no
+    /// receive posted is thus delayed 0.66 s or more, not microseconds: keep enough receives
+    /// posted that the receiver never runs out (measured on rxe: a receiver two messages
+    /// behind turned every other message into 0.66 to 7 s), and have the peer start sending
+    /// only once the first ones are posted (measured on rxe: a stream of 10,000 sends that
+    /// started before its receiver's lane had posted them ran at half the rate, from one RNR
+    /// wait).
     pub fn rnr_retry_count(mut self, n: u8) -> Self {
         self.rnr_retry_count = n.min(7);
         self
@@ -103,6 +111,25 @@ impl ConnParam {
         }
         self.private_data = PrivateData::from_slice(data);
         Ok(self)
+    }
+
+    /// How long a peer told "receiver not ready" by *this* side waits before sending again
+    /// (`min_rnr_timer`, IB's 5-bit code): 0 is 655.36 ms, 1 is 0.01 ms, 12 is 0.64 ms, 14 is
+    /// 1.28 ms, 31 is 491.52 ms (the codes in between as in `ibv_modify_qp(3)`); over 31 is 31.
+    ///
+    /// Unset (the default), the QP keeps the kernel CM's 0, the longest. Set, it is applied
+    /// with an RTS-to-RTS `ibv_modify_qp` as soon as the QP is ready: on accept right after
+    /// `rdma_accept`, on connect when the connection is established. A send of the peer's that
+    /// arrives before that still meets the CM's value, so post the first receives before
+    /// accepting or connecting where the API allows it. Not applied on iWARP, which has no
+    /// RNR flow control (a send that finds no receive posted breaks the connection there).
+    pub fn min_rnr_timer(mut self, code: u8) -> Self {
+        self.min_rnr_timer = Some(code.min(31));
+        self
+    }
+
+    pub(crate) fn min_rnr_timer_value(&self) -> Option<u8> {
+        self.min_rnr_timer
     }
 
     /// The QP number to send (`rdma_conn_param.qp_num`). Optional: the connection sends its
@@ -141,4 +168,21 @@ impl ConnParam {
 
 pub(crate) fn too_long(what: &str, len: usize, max: usize) -> Error {
     Error::InvalidArgument(format!("{what} is {len} bytes; at most {max} fit on RC"))
+}
+
+/// Gives `qp` (in RTS) the minimum RNR timer `code` ([`ConnParam::min_rnr_timer`]) with an
+/// RTS-to-RTS `ibv_modify_qp`; nothing when unset or on iWARP.
+pub(crate) fn apply_min_rnr_timer(id: &CmId, qp: &QueuePair, code: Option<u8>) -> Result<()> {
+    let Some(code) = code else { return Ok(()) };
+    if crate::cm::client::is_iwarp(id) {
+        return Ok(());
+    }
+    // SAFETY: ibv_qp_attr is plain old data; zero is valid.
+    let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    attr.min_rnr_timer = code;
+    let mask = ffi::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0 as i32;
+    // SAFETY: the QP is alive (borrowed); `attr` is valid for the call, which reads only the
+    // field the mask names.
+    let ret = unsafe { ffi::ibv_modify_qp(qp.as_raw(), &mut attr, mask) };
+    check_ibv(ret, "ibv_modify_qp(RTS to RTS, MIN_RNR_TIMER)").map_err(|e| with_opt_addr(e, id.peer_addr()))
 }

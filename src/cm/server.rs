@@ -12,7 +12,9 @@ use rdma_sys as ffi;
 use crate::cm::adopt;
 use crate::cm::cm_id::{CmId, IdHandle};
 use crate::cm::cm_qp::create_qp_on;
-use crate::cm::conn_param::{too_long, ConnParam, MAX_ACCEPT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA};
+use crate::cm::conn_param::{
+    apply_min_rnr_timer, too_long, ConnParam, MAX_ACCEPT_PRIVATE_DATA, MAX_REJECT_PRIVATE_DATA,
+};
 use crate::cm::connection::Connection;
 use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 #[cfg(feature = "tokio")]
@@ -384,6 +386,7 @@ impl ServerQp {
         // the call, which copies them.
         check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
             .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
+        apply_min_rnr_timer(&self.id, &self.qp, param.min_rnr_timer_value())?;
         Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, user: self.user })
     }
 

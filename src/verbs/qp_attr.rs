@@ -26,6 +26,10 @@ pub struct QpAttributes {
     pub retry_count: u8,
     /// Retries after a receiver-not-ready NAK (`rnr_retry`; 7 is "forever").
     pub rnr_retry: u8,
+    /// How long a peer told "receiver not ready" by this QP waits (`min_rnr_timer`, IB's
+    /// 5-bit code: 0 is 655.36 ms, 1 is 0.01 ms, 12 is 0.64 ms); see
+    /// [`ConnParam::min_rnr_timer`](crate::ConnParam::min_rnr_timer).
+    pub min_rnr_timer: u8,
     /// RDMA READs and atomics this QP may have outstanding as initiator (`max_rd_atomic`).
     pub max_rd_atomic: u8,
     /// ... and as responder (`max_dest_rd_atomic`).
@@ -74,6 +78,7 @@ impl QueuePair {
             | m::IBV_QP_TIMEOUT.0
             | m::IBV_QP_RETRY_CNT.0
             | m::IBV_QP_RNR_RETRY.0
+            | m::IBV_QP_MIN_RNR_TIMER.0
             | m::IBV_QP_MAX_QP_RD_ATOMIC.0
             | m::IBV_QP_MAX_DEST_RD_ATOMIC.0
             | m::IBV_QP_DEST_QPN.0
@@ -90,6 +95,7 @@ impl QueuePair {
             ack_timeout: a.timeout,
             retry_count: a.retry_cnt,
             rnr_retry: a.rnr_retry,
+            min_rnr_timer: a.min_rnr_timer,
             max_rd_atomic: a.max_rd_atomic,
             max_dest_rd_atomic: a.max_dest_rd_atomic,
             dest_qp_num: a.dest_qp_num,
