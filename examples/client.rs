@@ -97,7 +97,8 @@ struct Args {
     connections: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a whole core), as
     /// perftest does; default: spin briefly, then sleep on the completion channel (on the
-    /// lane, which never sleeps: yield the CPU between empty polls).
+    /// lane, which has no completion channel: yield the CPU between empty polls, and sleep
+    /// 200 us between them after 1,024 found nothing).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -390,8 +391,19 @@ fn run_on_lane(
     let size = regs.get(DATA)?.len();
     let send_stream = args.bw && args.mode == Mode::Send;
     if send_stream {
-        // The server's answer to the stream (its count and verdict) lands in `ctl`.
+        // The server's "ready" lands in `ring`, its answer to the stream (its count and verdict)
+        // in `ctl`. The stream starts on "ready", when the server's receives are posted: a
+        // send that finds none waits for the server's min_rnr_timer, 655 ms over the CM.
+        lc.lane.post_recv(lc.qp, lane::RecvWr::new(regs.take(RING)?).wr_id(RING as u64))?;
         lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        let n = lc.wait(regs, RING, "waiting for the server's receives to be posted", t)?.byte_len as usize;
+        let mut ready = [0u8; 4];
+        regs.get(RING)?.read_at(0, &mut ready)?;
+        if n != ready.len() || &ready != b"rdy!" {
+            return Err(Error::InvalidArgument(format!(
+                "the server's first message is not \"ready\" ({n} bytes: {ready:?}): an older server?"
+            )));
+        }
     }
     if args.bw {
         stream(lc, regs, pd, size, target, args, t)?;

@@ -74,7 +74,8 @@ struct Args {
     max_clients: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
     /// as perftest does; default: spin briefly, then sleep on the completion channel (on the
-    /// lane, which never sleeps: yield the CPU between empty polls).
+    /// lane, which has no completion channel: yield the CPU between empty polls, and sleep
+    /// 200 us between them after 1,024 found nothing).
     #[arg(long)]
     busy_poll: bool,
 }
@@ -302,6 +303,10 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     Ok(())
 }
 
+/// What a send stream's receiver sends the client once its receives are posted (perftest's
+/// handshake after posting its receives does the same).
+const READY: [u8; 4] = *b"rdy!";
+
 /// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
 const STREAM_RX_DEPTH: u32 = 512;
 
@@ -327,6 +332,8 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
     // The region of the latest message, kept out of the receives to check its content.
     let mut latest: Option<MemoryRegion> = None;
     let (mut posted, mut got, mut bad_len) = (0u32, 0u32, 0u32);
+    // "ready", sent once the first receives are posted: the client starts its stream on it.
+    let mut ready = Some(MemoryRegion::new(pd, 4, AccessFlags::LOCAL_WRITE)?);
     while got < iters {
         while posted < iters && !free.is_empty() {
             let n = ((iters - posted) as usize).min(free.len()).min(lane::MAX_LIST);
@@ -336,11 +343,20 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
             }
             posted += lc.lane.post_recv_list(lc.qp, &mut wrs[..n])? as u32;
         }
+        if let Some(mut mr) = ready.take().filter(|_| posted > 0) {
+            // Over the CM a send that finds no receive posted waits for the receiver's
+            // min_rnr_timer, 655 ms: the client must not start before these receives.
+            mr.write_at(0, &READY)?;
+            lc.lane.post_send(lc.qp, lane::SendWr::send(mr, 0..4).wr_id(u64::MAX))?;
+        }
         let mut failed = None;
         let reaped = lc.lane.poll_with(64, |c, region| {
             if !c.is_ok() {
                 failed.get_or_insert(c);
                 return;
+            }
+            if c.queue() == WorkQueue::Send {
+                return; // "ready" was sent; its region is dropped with the completion
             }
             if c.byte_len() as usize != size {
                 bad_len += 1;

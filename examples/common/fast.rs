@@ -20,6 +20,10 @@ use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 /// system call in the project's guest, and the CM's channel is one too.
 const SPINS_PER_CHECK: u32 = 1024;
 
+/// Without `--busy-poll`: the pause between two empty polls once [`SPINS_PER_CHECK`] of them
+/// found nothing (before that, each yields the CPU).
+const IDLE_SLEEP: Duration = Duration::from_micros(200);
+
 /// A connection whose QP a lane owns, with what the examples wait on: completions, bounded,
 /// and the peer's departure.
 pub struct LaneConn {
@@ -62,8 +66,9 @@ impl LaneConn {
         self.idle = (0, None);
     }
 
-    /// Called after each empty poll: spins (or yields), and every [`SPINS_PER_CHECK`] polls
-    /// looks at the CM events and the clock. Errors when the peer left or when nothing came
+    /// Called after each empty poll: spins (or, without `busy_poll`, yields, and sleeps once
+    /// [`SPINS_PER_CHECK`] polls found nothing), and every [`SPINS_PER_CHECK`] polls looks at
+    /// the CM events and the clock. Errors when the peer left or when nothing came
     /// for `t`.
     pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
         self.idle.0 += 1;
@@ -80,8 +85,12 @@ impl LaneConn {
         }
         if self.busy_poll {
             std::hint::spin_loop();
-        } else {
+        } else if self.idle.0 < SPINS_PER_CHECK {
             std::thread::yield_now();
+        } else {
+            // Idle for a while (a WRITE stream's target, a peer thinking): sleep between polls,
+            // as a blocking wait would, instead of taking a core from the transport.
+            std::thread::sleep(IDLE_SLEEP);
         }
         Ok(())
     }
