@@ -9,7 +9,10 @@
 //! the operation through the device, with no thread hand-off.
 //!
 //! The `lane` group is the fast path (`rdma_cm::lane`): send/recv, WRITE and a WRITE batch of
-//! 16 under one doorbell, beside the same raw calls.
+//! 16 under one doorbell, beside the same raw calls. The fast path's twins of the other rows
+//! are named `prep` (prepared work requests on lanes, each completion re-arming its request):
+//! `post_poll/write_4sge/prep`, `post_poll/fetch_add/prep`, `post_poll/ud_send/prep` and
+//! `pingpong/{2B,4KiB}/prep`, each in the group of its raw row.
 //!
 //! ```text
 //! cargo bench --bench datapath
@@ -23,7 +26,8 @@ use std::mem::MaybeUninit;
 use common::{criterion, pair, raw_write_sg, zeroed, PairSpec, Side};
 use criterion::{criterion_group, criterion_main, Criterion};
 use rdma_cm::ffi;
-use rdma_cm::{AccessFlags, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion};
+use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion};
 
 fn connected() -> (Side, Side) {
     let spec = PairSpec {
@@ -141,7 +145,7 @@ fn post_poll_sg_atomic(c: &mut Criterion) {
         init: rdma_cm::QpInit::new().max_send_sge(4),
         ..PairSpec::default()
     };
-    let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec);
+    let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec.clone());
     assert!(a.conn.qp().max_send_sge() >= 4, "QP granted {} send pieces", a.conn.qp().max_send_sge());
     let remote = b.mrs[0].remote();
     // The atomic's target: the peer's first 8 bytes (its region is page-aligned).
@@ -179,16 +183,62 @@ fn post_poll_sg_atomic(c: &mut Criterion) {
             adds += 1;
         })
     });
+    // The fast path's twins: the same two through prepared work requests on lanes (each
+    // checked and lowered once; each completion's region re-arms its request).
+    let (mut la, mut lb) = common::lane::lane_pair(common::device_addr(), spec.clone(), spec, 64);
+    let lremote = lb.mrs[0].remote();
+    lb.mrs[0].write_at(0, &0u64.to_ne_bytes()).unwrap();
+    let mut two = la.mrs.remove(0).split(4096).unwrap().into_iter();
+    let mut pieces =
+        la.lane.prepare_send(la.qp, LSend::write_sg(two.next().unwrap(), &PIECES, &lremote, 4096)).unwrap();
+    let lcounter = RemoteRegion { len: 8, ..lremote };
+    let mut fadd = la.lane.prepare_send(la.qp, LSend::fetch_add(two.next().unwrap(), 0, &lcounter, 0, 1)).unwrap();
+    let mut ladds = 0u64;
+    g.bench_function("write_4sge/prep", |bn| {
+        bn.iter(|| {
+            la.lane.post_prepared(&mut pieces).unwrap();
+            reap_prep(&mut la.lane, 1, |_, r| pieces.rearm(r).unwrap());
+        })
+    });
+    g.bench_function("fetch_add/prep", |bn| {
+        bn.iter(|| {
+            la.lane.post_prepared(&mut fadd).unwrap();
+            reap_prep(&mut la.lane, 1, |_, r| fadd.rearm(r).unwrap());
+            ladds += 1;
+        })
+    });
     g.finish();
-    // Every add landed: the peer's counter is the number of iterations run.
+    // Every add landed: the peer's counter is the number of iterations run, on both paths.
     let mut v = [0u8; 8];
     b.mrs[0].read_at(0, &mut v).unwrap();
     assert_eq!(u64::from_ne_bytes(v), adds, "fetch-and-add count on the peer");
+    lb.mrs[0].read_at(0, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), ladds, "fetch-and-add count on the lane's peer");
+}
+
+/// Busy-polls a lane until `n` completions came back, each successful, each region re-arming
+/// `rearm`'s pick (by `wr_id`).
+fn reap_prep(lane: &mut Lane, n: usize, mut rearm: impl FnMut(u64, MemoryRegion)) {
+    let mut got = 0;
+    while got < n {
+        got += lane
+            .poll_with(n - got, |c, region| {
+                assert!(c.is_ok(), "{c:?}");
+                if let Some(r) = region {
+                    rearm(c.wr_id(), r);
+                }
+            })
+            .unwrap();
+    }
 }
 
 fn pingpong(c: &mut Criterion) {
     let (mut a, mut b) = connected();
     let mut wcs = [WorkCompletion::default(); 1];
+    // The fast path's twin: each side's QP on a lane of its own, a prepared receive and send
+    // per side (wr_id 0 the receive, 1 the send), each completion re-arming its request.
+    let spec = PairSpec { mr_sizes: vec![], ..PairSpec::default() };
+    let (mut la, mut lb) = common::lane::lane_pair(common::device_addr(), spec.clone(), spec, 64);
     for (name, len) in [("2B", 2usize), ("4KiB", 4096)] {
         let mut g = c.benchmark_group(format!("pingpong/{name}"));
         let send = ffi::ibv_wr_opcode::IBV_WR_SEND;
@@ -214,6 +264,24 @@ fn pingpong(c: &mut Criterion) {
                 poll_queue(a.conn.qp_mut(), false, &mut wcs);
                 poll_queue(a.conn.qp_mut(), true, &mut wcs);
                 poll_queue(b.conn.qp_mut(), true, &mut wcs);
+            })
+        });
+        let (pa, pb) = (la.pd.clone(), lb.pd.clone());
+        let region = |pd| MemoryRegion::new(pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut arecv = la.lane.prepare_recv(la.qp, LRecv::range(region(&pa), 0..len).wr_id(0)).unwrap();
+        let mut asend = la.lane.prepare_send(la.qp, LSend::send(region(&pa), 0..len).wr_id(1)).unwrap();
+        let mut brecv = lb.lane.prepare_recv(lb.qp, LRecv::range(region(&pb), 0..len).wr_id(0)).unwrap();
+        let mut bsend = lb.lane.prepare_send(lb.qp, LSend::send(region(&pb), 0..len).wr_id(1)).unwrap();
+        g.bench_function("prep", |bn| {
+            bn.iter(|| {
+                lb.lane.post_prepared_recv(&mut brecv).unwrap();
+                la.lane.post_prepared_recv(&mut arecv).unwrap();
+                la.lane.post_prepared(&mut asend).unwrap(); // ping
+                reap_prep(&mut lb.lane, 1, |_, r| brecv.rearm(r).unwrap());
+                lb.lane.post_prepared(&mut bsend).unwrap(); // pong
+                                                            // The ping's send and the pong's receive, in either order.
+                reap_prep(&mut la.lane, 2, |k, r| if k == 0 { arecv.rearm(r) } else { asend.rearm(r) }.unwrap());
+                reap_prep(&mut lb.lane, 1, |_, r| bsend.rearm(r).unwrap());
             })
         });
         g.finish();
@@ -305,6 +373,21 @@ fn ud_post_poll(c: &mut Criterion) {
             assert!(wcs[0].is_ok() && wcs[0].byte_len() as usize == GRH_LEN + 64, "{:?}", wcs[0]);
         })
     });
+    // The fast path's twin: a UD pair on lanes, through prepared work requests.
+    let common::lane::LaneUdPair { client: mut lc, to_server: lto, server_dest: _d, server: mut ls } =
+        common::lane::lane_ud_pair(common::device_addr(), 7495, QpInit::new(), 64);
+    let lsbuf = MemoryRegion::new(&lc.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let lrbuf = MemoryRegion::new(&ls.pd, GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut send = lc.lane.prepare_send(lc.qp, LSend::send(lsbuf, 0..64).to(lto)).unwrap();
+    let mut recv = ls.lane.prepare_recv(ls.qp, LRecv::range(lrbuf, 0..GRH_LEN + 64)).unwrap();
+    g.bench_function("ud_send/prep", |bn| {
+        bn.iter(|| {
+            ls.lane.post_prepared_recv(&mut recv).unwrap();
+            lc.lane.post_prepared(&mut send).unwrap();
+            reap_prep(&mut lc.lane, 1, |_, r| send.rearm(r).unwrap());
+            reap_prep(&mut ls.lane, 1, |_, r| recv.rearm(r).unwrap());
+        })
+    });
     g.finish();
 }
 
@@ -320,8 +403,7 @@ fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
 /// beside the raw calls on the same lane's QPs and CQs.
 fn lane_post_poll(c: &mut Criterion) {
     use common::lane::lane_pair;
-    use rdma_cm::lane::{Lane, PreparedSend, RecvWr as LRecv, SendWr as LSend};
-    use rdma_cm::MemoryRegion;
+    use rdma_cm::lane::PreparedSend;
     const BATCH: usize = 16;
     let spec = PairSpec {
         mr_sizes: vec![8192, 8192],
@@ -385,20 +467,6 @@ fn lane_post_poll(c: &mut Criterion) {
         a.lane.prepare_send(a.qp, if k + 1 < BATCH { w.unsignaled() } else { w }).unwrap()
     });
     let mut precv = b.lane.prepare_recv(b.qp, LRecv::range(rb[0].take().unwrap(), 0..64)).unwrap();
-    // Busy-polls a lane until `n` completions came back, each region re-arming `rearm`'s pick.
-    fn reap_prep(lane: &mut Lane, n: usize, mut rearm: impl FnMut(u64, MemoryRegion)) {
-        let mut got = 0;
-        while got < n {
-            got += lane
-                .poll_with(n - got, |c, region| {
-                    assert!(c.is_ok(), "{c:?}");
-                    if let Some(r) = region {
-                        rearm(c.wr_id(), r);
-                    }
-                })
-                .unwrap();
-        }
-    }
     g.bench_function("send/prep", |bn| {
         bn.iter(|| {
             b.lane.post_prepared_recv(&mut precv).unwrap();
