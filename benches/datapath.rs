@@ -278,8 +278,8 @@ fn pingpong(c: &mut Criterion) {
                 la.lane.post_prepared_recv(&mut arecv).unwrap();
                 la.lane.post_prepared(&mut asend).unwrap(); // ping
                 reap_prep(&mut lb.lane, 1, |_, r| brecv.rearm(r).unwrap());
-                lb.lane.post_prepared(&mut bsend).unwrap(); // pong
-                                                            // The ping's send and the pong's receive, in either order.
+                // The pong; then the ping's send and the pong's receive, in either order.
+                lb.lane.post_prepared(&mut bsend).unwrap();
                 reap_prep(&mut la.lane, 2, |k, r| if k == 0 { arecv.rearm(r) } else { asend.rearm(r) }.unwrap());
                 reap_prep(&mut lb.lane, 1, |_, r| bsend.rearm(r).unwrap());
             })

@@ -38,7 +38,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::fast::{LaneConn, Regions};
+use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use common::{
     fail, fill_pattern, micros, print_latency_table, resolve_host, Doorbell, Mode, Request, Stopwatch, DEFAULT_PORT,
     LEGACY_SIZE, MAX_SIZE,
@@ -207,7 +207,8 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     );
 
     // Post the first receive before connecting, so the server's first message finds it. (On
-    // the lane, receives are posted once it holds the QP: the server sends nothing first.)
+    // the lane, receives are posted once it holds the QP: the server's first message, a send
+    // stream's "ready", may have to wait for it; see LANE_MIN_RNR_TIMER.)
     match args.mode {
         _ if on_lane => {}
         Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
@@ -234,6 +235,9 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     };
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
+    // On the lane our receives are posted once connected: a message of the server's that
+    // comes first waits 0.64 ms before it is sent again, not the CM's 655 ms.
+    let param = if on_lane { param.min_rnr_timer(LANE_MIN_RNR_TIMER) } else { param };
     let mut conn = steps.time(|| pending.connect(&param, t))?;
     if !on_lane {
         conn.qp_mut().set_busy_poll(args.busy_poll);
@@ -396,7 +400,14 @@ fn run_on_lane(
         // send that finds none waits for the server's min_rnr_timer, 655 ms over the CM.
         lc.lane.post_recv(lc.qp, lane::RecvWr::new(regs.take(RING)?).wr_id(RING as u64))?;
         lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
-        let n = lc.wait(regs, RING, "waiting for the server's receives to be posted", t)?.byte_len as usize;
+        let n = match lc.wait(regs, RING, "waiting for the server's receives to be posted", t) {
+            Ok(done) => done.byte_len as usize,
+            Err(Error::Timeout { op, timeout, addr, .. }) => {
+                let hint = Some("the server sends \"ready\" once its receives are posted: is it alive, and is it this version's example server (an older one sends nothing before the stream)?");
+                return Err(Error::Timeout { op, timeout, addr, hint });
+            }
+            Err(e) => return Err(e),
+        };
         let mut ready = [0u8; 4];
         regs.get(RING)?.read_at(0, &mut ready)?;
         if n != ready.len() || &ready != b"rdy!" {

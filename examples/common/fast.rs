@@ -20,6 +20,11 @@ use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 /// system call in the project's guest, and the CM's channel is one too.
 const SPINS_PER_CHECK: u32 = 1024;
 
+/// The minimum RNR timer code of a lane's QP (12: 0.64 ms; `ConnParam::min_rnr_timer`), on
+/// both examples: its receives are posted once it is connected, and a message that comes
+/// before them waits this long before it is sent again (the CM's own value is 655 ms).
+pub const LANE_MIN_RNR_TIMER: u8 = 12;
+
 /// Without `--busy-poll`: the pause between two empty polls once [`SPINS_PER_CHECK`] of them
 /// found nothing (before that, each yields the CPU).
 const IDLE_SLEEP: Duration = Duration::from_micros(200);
@@ -67,12 +72,14 @@ impl LaneConn {
     }
 
     /// Called after each empty poll: spins (or, without `busy_poll`, yields, and sleeps once
-    /// [`SPINS_PER_CHECK`] polls found nothing), and every [`SPINS_PER_CHECK`] polls looks at
-    /// the CM events and the clock. Errors when the peer left or when nothing came
+    /// [`SPINS_PER_CHECK`] polls found nothing), and every [`SPINS_PER_CHECK`] polls (every 16
+    /// while sleeping) looks at the CM events and the clock. Errors when the peer left or when nothing came
     /// for `t`.
     pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
         self.idle.0 += 1;
-        if self.idle.0 % SPINS_PER_CHECK == 0 {
+        // Sleeping, the clock and the events are looked at every 16 polls (3.2 ms).
+        let sleeping = !self.busy_poll && self.idle.0 > SPINS_PER_CHECK;
+        if self.idle.0 % if sleeping { 16 } else { SPINS_PER_CHECK } == 0 {
             self.events()?;
             if self.gone {
                 return Err(Error::Disconnected { op, addr: self.peer });

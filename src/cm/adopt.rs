@@ -122,14 +122,22 @@ pub(crate) fn adopt(qp: UnconnectedQp, id: &Arc<CmId>) -> Result<QueuePair> {
     let link = Arc::new(AdoptedLink { id: Arc::clone(id), qp: AtomicPtr::new(qp.qp().as_raw()) });
     let qp = qp.into_driven(link);
     // On failure the QP drops here: flushed, reaped and destroyed through the link.
-    modify(id, &qp, ffi::ibv_qp_state::IBV_QPS_INIT, None)?;
+    modify(id, &qp, ffi::ibv_qp_state::IBV_QPS_INIT, None, None)?;
     Ok(qp)
 }
 
 /// Moves `qp` to `state` with the attributes the CM gives for `id` (`rdma_init_qp_attr`),
 /// overriding `max_dest_rd_atomic` (RTR) or `max_rd_atomic` (RTS) with `rd_atomic` when given,
 /// as librdmacm does with the connection parameters for its own QPs.
-fn modify(id: &CmId, qp: &QueuePair, state: ffi::ibv_qp_state::Type, rd_atomic: Option<u8>) -> Result<()> {
+/// At RTR, `min_rnr_timer` (when given) replaces the CM's 0 ([`ConnParam::min_rnr_timer`]): set
+/// there, before the peer can send, it leaves no window for the CM's 655 ms.
+fn modify(
+    id: &CmId,
+    qp: &QueuePair,
+    state: ffi::ibv_qp_state::Type,
+    rd_atomic: Option<u8>,
+    min_rnr_timer: Option<u8>,
+) -> Result<()> {
     // SAFETY: ibv_qp_attr is plain old data; zero is valid.
     let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
     attr.qp_state = state;
@@ -149,6 +157,10 @@ fn modify(id: &CmId, qp: &QueuePair, state: ffi::ibv_qp_state::Type, rd_atomic: 
         } else if state == ffi::ibv_qp_state::IBV_QPS_RTS {
             attr.max_rd_atomic = n;
         }
+    }
+    if let (Some(code), ffi::ibv_qp_state::IBV_QPS_RTR) = (min_rnr_timer, state) {
+        attr.min_rnr_timer = code;
+        mask |= ffi::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0 as i32;
     }
     // SAFETY: the QP is alive (borrowed); attr and mask come from the CM for this state.
     check_ibv(unsafe { ffi::ibv_modify_qp(qp.as_raw(), &mut attr, mask) }, what.1).map_err(|e| with_peer(e, id))
@@ -177,12 +189,12 @@ pub(crate) fn qp_num_for(param: &ConnParam, qp: &QueuePair) -> Result<u32> {
 
 /// Client, on `CONNECT_RESPONSE`: INIT (again), RTR, RTS, then `rdma_establish` (the RTU). On failure the
 /// QP is moved to ERR, as librdmacm does for its own.
-pub(crate) fn establish(id: &CmId, qp: &QueuePair) -> Result<()> {
+pub(crate) fn establish(id: &CmId, qp: &QueuePair, min_rnr_timer: Option<u8>) -> Result<()> {
     // INIT again first: before the connect, the CM gave INIT no remote access rights (it
     // knows the READ depths only now); librdmacm and `rping -q` do the same.
-    let r = modify(id, qp, ffi::ibv_qp_state::IBV_QPS_INIT, None)
-        .and_then(|()| modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTR, None))
-        .and_then(|()| modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTS, None))
+    let r = modify(id, qp, ffi::ibv_qp_state::IBV_QPS_INIT, None, None)
+        .and_then(|()| modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTR, None, min_rnr_timer))
+        .and_then(|()| modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTS, None, None))
         .and_then(|()| {
             // SAFETY: the id is valid, connecting, with no librdmacm QP (id->qp is NULL).
             check_rdma(unsafe { ffi::rdma_establish(id.as_raw()) }, "rdma_establish").map_err(|e| with_peer(e, id))
@@ -194,12 +206,13 @@ pub(crate) fn establish(id: &CmId, qp: &QueuePair) -> Result<()> {
     r
 }
 
-/// Server, before `rdma_accept`: INIT (again), RTR and RTS with the accept's READ depths.
-pub(crate) fn ready(id: &CmId, qp: &QueuePair, responder_resources: u8, initiator_depth: u8) -> Result<()> {
+/// Server, before `rdma_accept`: INIT (again), RTR and RTS with the accept's READ depths (and
+/// minimum RNR timer, when given).
+pub(crate) fn ready(id: &CmId, qp: &QueuePair, param: &ffi::rdma_conn_param, min_rnr_timer: Option<u8>) -> Result<()> {
     // INIT again, with the access rights the request's READ depths allow (as librdmacm does).
-    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_INIT, None)?;
-    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTR, Some(responder_resources))?;
-    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTS, Some(initiator_depth))
+    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_INIT, None, None)?;
+    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTR, Some(param.responder_resources), min_rnr_timer)?;
+    modify(id, qp, ffi::ibv_qp_state::IBV_QPS_RTS, Some(param.initiator_depth), None)
 }
 
 /// Moves a user QP to ERR before a disconnect (librdmacm only does that for its own QPs).

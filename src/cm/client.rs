@@ -458,9 +458,10 @@ pub(crate) fn finish_connect(
     min_rnr_timer: Option<u8>,
 ) -> Result<Connection> {
     if crate_drives(&id, user) {
-        adopt::establish(&id, &qp)?;
+        adopt::establish(&id, &qp, min_rnr_timer)?;
+    } else {
+        apply_min_rnr_timer(&id, &qp, min_rnr_timer)?;
     }
-    apply_min_rnr_timer(&id, &qp, min_rnr_timer)?;
     Ok(Connection::new(id, qp, *ev.private_data(), user))
 }
 
@@ -496,11 +497,12 @@ impl Connecting {
             return Err(StepError::new(self, e));
         }
         if crate_drives(&self.id, self.user) {
-            if let Err(e) = adopt::establish(&self.id, &self.qp) {
+            if let Err(e) = adopt::establish(&self.id, &self.qp, self.min_rnr_timer) {
                 return Err(StepError::new(self, e));
             }
-        }
-        if let Err(e) = apply_min_rnr_timer(&self.id, &self.qp, self.min_rnr_timer) {
+        } else if let Err(e) = apply_min_rnr_timer(&self.id, &self.qp, self.min_rnr_timer) {
+            // The connection is up (librdmacm sent the RTU): this state cannot take the event
+            // again. Drop it, which disconnects.
             return Err(StepError::new(self, e));
         }
         Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))

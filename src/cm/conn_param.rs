@@ -115,13 +115,19 @@ impl ConnParam {
 
     /// How long a peer told "receiver not ready" by *this* side waits before sending again
     /// (`min_rnr_timer`, IB's 5-bit code): 0 is 655.36 ms, 1 is 0.01 ms, 12 is 0.64 ms, 14 is
-    /// 1.28 ms, 31 is 491.52 ms (the codes in between as in `ibv_modify_qp(3)`); over 31 is 31.
+    /// 1.28 ms, 31 is 491.52 ms (the codes in between as in the InfiniBand specification's
+    /// RNR NAK timer table); over 31 is 31.
     ///
-    /// Unset (the default), the QP keeps the kernel CM's 0, the longest. Set, it is applied
-    /// with an RTS-to-RTS `ibv_modify_qp` as soon as the QP is ready: on accept right after
-    /// `rdma_accept`, on connect when the connection is established. A send of the peer's that
-    /// arrives before that still meets the CM's value, so post the first receives before
-    /// accepting or connecting where the API allows it. Not applied on iWARP, which has no
+    /// Unset (the default), the QP keeps the kernel CM's 0, the longest. Set, it is applied:
+    /// - to a QP the crate moves through its states (an adopted one, `adopt_qp`) at RTR,
+    ///   before the accept or the RTU goes out, so the peer never meets the CM's value;
+    /// - to a QP librdmacm made (`create_qp`), which librdmacm moves to RTS inside
+    ///   `rdma_accept` or before reporting `ESTABLISHED`, with an RTS-to-RTS `ibv_modify_qp`
+    ///   right after: a send of the peer's that comes before it still meets the CM's value, so
+    ///   post the first receives before accepting or connecting where the API allows it.
+    ///
+    /// A refused modify fails the accept or the connect after the CM's message went out: the
+    /// connection is dropped and the peer sees it closed. Not applied on iWARP, which has no
     /// RNR flow control (a send that finds no receive posted breaks the connection there).
     pub fn min_rnr_timer(mut self, code: u8) -> Self {
         self.min_rnr_timer = Some(code.min(31));

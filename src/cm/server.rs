@@ -380,13 +380,17 @@ impl ServerQp {
         raw.srq = u8::from(self.qp.srq().is_some());
         if self.user {
             // librdmacm moves only its own QP to RTR and RTS inside rdma_accept.
-            adopt::ready(&self.id, &self.qp, raw.responder_resources, raw.initiator_depth)?;
+            // With the minimum RNR timer set at RTR, before the accept goes out.
+            adopt::ready(&self.id, &self.qp, &raw, param.min_rnr_timer_value())?;
         }
         // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
         // the call, which copies them.
         check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
             .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
-        apply_min_rnr_timer(&self.id, &self.qp, param.min_rnr_timer_value())?;
+        if !self.user {
+            // librdmacm's QP reached RTS inside rdma_accept, with the CM's timer: set it now.
+            apply_min_rnr_timer(&self.id, &self.qp, param.min_rnr_timer_value())?;
+        }
         Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, user: self.user })
     }
 
