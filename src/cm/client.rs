@@ -457,12 +457,18 @@ pub(crate) fn finish_connect(
     ev: &CmEvent,
     min_rnr_timer: Option<u8>,
 ) -> Result<Connection> {
-    if crate_drives(&id, user) {
-        adopt::establish(&id, &qp, min_rnr_timer)?;
-    } else {
-        apply_min_rnr_timer(&id, &qp, min_rnr_timer)?;
-    }
+    ready_to_send(&id, &qp, user, min_rnr_timer)?;
     Ok(Connection::new(id, qp, *ev.private_data(), user))
+}
+
+/// An answered connect's last steps on this side: an adopted QP moved to RTS and the RTU sent
+/// (with the RNR timer set at RTR), or librdmacm's QP given the RNR timer in RTS.
+fn ready_to_send(id: &CmId, qp: &QueuePair, user: bool, min_rnr_timer: Option<u8>) -> Result<()> {
+    if crate_drives(id, user) {
+        adopt::establish(id, qp, min_rnr_timer)
+    } else {
+        apply_min_rnr_timer(id, qp, min_rnr_timer)
+    }
 }
 
 /// A client whose connect is under way: feed its next event to [`Connecting::complete`].
@@ -496,13 +502,9 @@ impl Connecting {
         if let Err(e) = check_event(&self.id, ev, connected_event(&self.id, self.user), "rdma_connect") {
             return Err(StepError::new(self, e));
         }
-        if crate_drives(&self.id, self.user) {
-            if let Err(e) = adopt::establish(&self.id, &self.qp, self.min_rnr_timer) {
-                return Err(StepError::new(self, e));
-            }
-        } else if let Err(e) = apply_min_rnr_timer(&self.id, &self.qp, self.min_rnr_timer) {
-            // The connection is up (librdmacm sent the RTU): this state cannot take the event
-            // again. Drop it, which disconnects.
+        if let Err(e) = ready_to_send(&self.id, &self.qp, self.user, self.min_rnr_timer) {
+            // After a refused RNR timer the connection is up (librdmacm sent the RTU): this
+            // state cannot take the event again. Drop it, which disconnects.
             return Err(StepError::new(self, e));
         }
         Ok(Connection::new(self.id, self.qp, *ev.private_data(), self.user))
