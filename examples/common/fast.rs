@@ -73,12 +73,12 @@ impl LaneConn {
 
     /// Called after each empty poll: spins (or, without `busy_poll`, yields, and sleeps once
     /// [`SPINS_PER_CHECK`] polls found nothing), and every [`SPINS_PER_CHECK`] polls (every 16
-    /// while sleeping) looks at the CM events and the clock. Errors when the peer left or when nothing came
-    /// for `t`.
+    /// while sleeping) looks at the CM events and the clock. Errors when the peer left or when
+    /// nothing came for `t`.
     pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
         self.idle.0 += 1;
         // Sleeping, the clock and the events are looked at every 16 polls (3.2 ms).
-        let sleeping = !self.busy_poll && self.idle.0 > SPINS_PER_CHECK;
+        let sleeping = !self.busy_poll && self.idle.0 >= SPINS_PER_CHECK;
         if self.idle.0 % if sleeping { 16 } else { SPINS_PER_CHECK } == 0 {
             self.events()?;
             if self.gone {
@@ -92,12 +92,12 @@ impl LaneConn {
         }
         if self.busy_poll {
             std::hint::spin_loop();
-        } else if self.idle.0 < SPINS_PER_CHECK {
-            std::thread::yield_now();
-        } else {
+        } else if sleeping {
             // Idle for a while (a WRITE stream's target, a peer thinking): sleep between polls,
             // as a blocking wait would, instead of taking a core from the transport.
             std::thread::sleep(IDLE_SLEEP);
+        } else {
+            std::thread::yield_now();
         }
         Ok(())
     }
