@@ -13,10 +13,10 @@ use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use common::lane::{attached_pair, lane_on, lane_pair, reap, LaneSide};
+use common::lane::{attached_pair, back_to_init, lane_on, lane_pair, reap, LaneSide};
 use common::{mr_count, pair, DeviceTest, PairSpec, T};
 use rdma_cm::lane::{Lane, LaneQp, RecvWr, SendWr};
-use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, WcStatus};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, WcStatus};
 
 fn spec() -> PairSpec {
     PairSpec {
@@ -1051,27 +1051,4 @@ fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
         drop((c, s));
     }
     t.finish();
-}
-
-/// Moves `side`'s QP back to INIT, as a QP is before connect, through the raw escape hatch (it
-/// stands in for a provider that refuses a post): rxe then refuses a send with EINVAL and
-/// `bad_wr` NULL, yet keeps the work request.
-fn back_to_init(side: &mut LaneSide) {
-    let qp = side.lane.qp_as_raw(side.qp).unwrap();
-    for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
-        // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the lane holds it) and only
-        // the attributes named in the mask are read.
-        unsafe {
-            let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
-            attr.qp_state = state;
-            let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
-            if extra {
-                attr.port_num = 1;
-                mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
-                    | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
-                    | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
-            }
-            assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
-        }
-    }
 }

@@ -6,7 +6,7 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 
 use rdma_cm::lane::{Lane, LaneQp};
-use rdma_cm::{MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer, VerbsContext};
+use rdma_cm::{ffi, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer, VerbsContext};
 
 use super::{pair, PairSpec, Side, T};
 
@@ -102,4 +102,27 @@ pub fn reap(lane: &mut Lane, n: usize) -> Vec<rdma_cm::lane::Completion> {
         }
     }
     out
+}
+
+/// Moves `side`'s QP back to INIT, as a QP is before connect, through the raw escape hatch (it
+/// stands in for a provider that refuses a post): rxe then refuses a send with EINVAL and
+/// `bad_wr` NULL, yet keeps the work request.
+pub fn back_to_init(side: &mut LaneSide) {
+    let qp = side.lane.qp_as_raw(side.qp).unwrap();
+    for (state, extra) in [(ffi::ibv_qp_state::IBV_QPS_RESET, false), (ffi::ibv_qp_state::IBV_QPS_INIT, true)] {
+        // SAFETY: zeroed ibv_qp_attr is valid; the QP is alive (the lane holds it) and only
+        // the attributes named in the mask are read.
+        unsafe {
+            let mut attr: ffi::ibv_qp_attr = std::mem::zeroed();
+            attr.qp_state = state;
+            let mut mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0;
+            if extra {
+                attr.port_num = 1;
+                mask |= ffi::ibv_qp_attr_mask::IBV_QP_PKEY_INDEX.0
+                    | ffi::ibv_qp_attr_mask::IBV_QP_PORT.0
+                    | ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS.0;
+            }
+            assert_eq!(ffi::ibv_modify_qp(qp, &mut attr, mask as i32), 0, "ibv_modify_qp({state})");
+        }
+    }
 }

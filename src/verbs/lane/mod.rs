@@ -108,7 +108,7 @@
 //! - **Stale completions retire nothing.** Each `wr_id` the lane posts names the QP's place
 //!   in the lane, that place's generation, and the slot's sequence number; a completion of a
 //!   QP removed from the lane (or of an earlier QP at the same place) matches no slot. A place
-//!   whose generations are used up (16,384 QPs attached and removed there) is never used
+//!   whose generations are used up (8,192 QPs attached and removed there) is never used
 //!   again, so no handle, prepared work request or stale completion of an earlier QP can be
 //!   taken for a later one's.
 //! - **A prepared work request posts only what it was checked for.** It names its QP by
@@ -151,6 +151,7 @@ use crate::verbs::ring::Hold;
 use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{rejected_from, MAX_SGE};
 
+mod batch;
 mod completion;
 mod owner;
 mod poll;
@@ -159,6 +160,7 @@ mod prepared;
 mod slots;
 mod wr;
 
+pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
 pub use owner::LaneOwner;
@@ -184,19 +186,24 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// The tag in every `wr_id` a lane posts:
 ///
 /// ```text
-/// bit 63   62      61..48             47..32          31..0
-///     RECV  0      generation (14)    place (16)      sequence number
+/// bit 63   62   61        60..48            47..32       31..0
+///     RECV  0    INTERIOR  generation (13)   place (16)   sequence number
 /// ```
 ///
 /// Bit 62 is the convenient path's tag bit (`ring::tag::OURS`); it is clear here, so a
 /// completion of the convenient path on a lane's CQ is told apart and routed the usual way.
+/// `INTERIOR` marks the unsignaled work requests of a [`PreparedBatch`] before its last: their
+/// tag is fixed when the batch is prepared (no sequence number, 0 there), and a completion of
+/// one (an error, or a flush) retires nothing: the batch retires whole with its last one's.
 mod tag {
     pub(super) const RECV: u64 = 1 << 63;
     pub(super) const CRATE: u64 = crate::verbs::ring::tag::OURS;
+    pub(super) const INTERIOR: u64 = 1 << 61;
     const GEN_SHIFT: u32 = 48;
-    pub(super) const GEN_MASK: u16 = (1 << 14) - 1;
+    pub(super) const GEN_MASK: u16 = (1 << 13) - 1;
     const PLACE_SHIFT: u32 = 32;
-    /// Bits 61..32 of a tag, as a `u32`: its generation and place (`hi`).
+    /// Bits 61..32 of a tag, as a `u32`: its generation and place (`hi`), and `INTERIOR`
+    /// (which no member's `hi` has, so an interior tag never passes for an ordinary one).
     pub(super) const HI_MASK: u32 = (1 << 30) - 1;
 
     /// Bits 61..32 of the tags of a QP at `place` with generation `gen`, as a `u32`.
@@ -293,6 +300,10 @@ struct Member {
     /// A completion of it failed (not a flush), or the lane moved it to the error state:
     /// nothing posted now can run (and rxe never flushes a receive posted then).
     failed: Option<u32>,
+    /// The status and vendor error of the first failed completion of a batch's interior work
+    /// request (not a flush): the batch's own completion, which comes next for this QP (a
+    /// flush then), carries it.
+    batch_error: Option<(u32, u32)>,
     send: Slots,
     recv: Slots,
     dests: Vec<Dest>,
@@ -550,6 +561,7 @@ impl Lane {
             max_send_sge: qp.max_send_sge(),
             mtu,
             failed: None,
+            batch_error: None,
             send: Slots::new(send_depth),
             recv: Slots::new(recv_depth),
             dests: Vec::new(),
@@ -719,16 +731,15 @@ impl Lane {
         if !mine(place) {
             return false;
         }
+        if wc.wr_id & tag::INTERIOR != 0 {
+            return true; // a batch's interior work request: its batch retires with its last
+        }
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
         if m.key.gen != gen || m.qp_num != wc.qp_num {
             return true; // stale: retires nothing
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };
-        if slots.holds(seq) {
-            while slots.head != seq.wrapping_add(1) {
-                drop(slots.pop());
-            }
-        }
+        drop(slots.retire_through(seq));
         true
     }
 }
@@ -754,9 +765,13 @@ mod tests {
         for (place, gen, seq, recv) in [(0, 0, 0, false), (65535, tag::GEN_MASK, u32::MAX, true), (7, 3, 12345, false)]
         {
             let w = tag::encode(place, gen, seq, recv);
-            assert_eq!(w & tag::CRATE, 0, "{w:#x}");
+            assert_eq!(w & (tag::CRATE | tag::INTERIOR), 0, "{w:#x}");
             assert_eq!(tag::decode(w), (recv, gen, place, seq));
             assert_eq!((w >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{w:#x}");
+            // A batch's interior tag never compares equal to a member's `hi`.
+            let interior = (w | tag::INTERIOR) & !0xffff_ffff;
+            assert_ne!((interior >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{interior:#x}");
+            assert_eq!(tag::decode(interior).1, gen, "the generation survives the interior bit");
         }
     }
 

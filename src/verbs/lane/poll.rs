@@ -34,7 +34,7 @@ impl Lane {
         debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
         if max == 0 || self.backlog {
             unlikely();
-            return self.poll_more(max, 0, f);
+            return self.poll_more(max, 0, false, f);
         }
         // SAFETY: as in `poll_more`.
         let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
@@ -45,26 +45,35 @@ impl Lane {
             }
             self.n = got as u8;
             self.at = 0;
-            return self.poll_more(max, 0, f);
+            return self.poll_more(max, 0, got < POLL_BATCH as i32, f);
         }
         self.n = 1;
         self.at = 1;
         let done = self.start(0, &mut f) as usize;
-        if done == max {
+        // The CQ gave one where it was asked for more: it held no other then, so it is not
+        // polled again in this call (a poll that would find nothing costs what a full one does).
+        if done == max || !self.backlog {
             return Ok(done);
         }
-        self.poll_more(max, done, f)
+        self.poll_more(max, done, true, f)
     }
 
     /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
-    /// already handed out) or until the CQ has nothing. It takes the closure by value (a
+    /// already handed out) or until the CQ has nothing (`dry`: a poll of it in this call gave
+    /// fewer than it asked for, so it is not polled again). It takes the closure by value (a
     /// closure that borrows one thing is then passed in a register: by reference, the common
     /// case would have to keep it in memory for this call it rarely makes).
     #[inline(never)]
-    fn poll_more(&mut self, max: usize, done: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
+    fn poll_more(
+        &mut self,
+        max: usize,
+        done: usize,
+        dry: bool,
+        mut f: impl FnMut(Wc, Option<MemoryRegion>),
+    ) -> Result<usize> {
         // Set while it runs (so a panic in `f` leaves it set), said again as it returns.
         self.backlog = true;
-        let r = self.poll_loop(max, done, &mut f);
+        let r = self.poll_loop(max, done, dry, &mut f);
         self.backlog = self.holds_backlog();
         r
     }
@@ -80,6 +89,7 @@ impl Lane {
         &mut self,
         max: usize,
         mut done: usize,
+        mut dry: bool,
         f: &mut impl FnMut(Wc, Option<MemoryRegion>),
     ) -> Result<usize> {
         while done < max {
@@ -91,6 +101,9 @@ impl Lane {
                 if !self.deferred.is_empty() {
                     self.refill_from_deferred();
                     continue;
+                }
+                if dry {
+                    break;
                 }
                 // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH
                 // entries, which the provider writes.
@@ -104,6 +117,7 @@ impl Lane {
                 }
                 self.n = got as u8;
                 self.at = 0;
+                dry = got < POLL_BATCH as i32;
             }
             let i = self.at;
             self.at += 1;
@@ -127,10 +141,7 @@ impl Lane {
         let place = hi as u16;
         let m = match self.members.get_mut(place as usize) {
             Some(Some(m)) if m.hi == hi & tag::HI_MASK && m.qp_num == wc.qp_num => m,
-            _ => {
-                unlikely();
-                return false;
-            }
+            _ => return self.interior_or_stale(i),
         };
         let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.key.gen, self.id);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
@@ -163,10 +174,33 @@ impl Lane {
         }
     }
 
+    /// A completion whose tag matched no member: a batch's interior work request (an error or
+    /// a flush: its failure is kept for the batch's own completion, which retires it), or a
+    /// stale one (of a QP removed from the lane). Retires nothing, hands nothing out.
+    #[cold]
+    #[inline(never)]
+    fn interior_or_stale(&mut self, i: u8) -> bool {
+        // SAFETY: as in `start`.
+        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
+        if wc.wr_id & tag::INTERIOR == 0 {
+            return false;
+        }
+        let hi = (wc.wr_id >> 32) as u32 & tag::HI_MASK & !((tag::INTERIOR >> 32) as u32);
+        if let Some(Some(m)) = self.members.get_mut(hi as u16 as usize) {
+            if m.hi == hi && m.qp_num == wc.qp_num && wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+                m.failed.get_or_insert(wc.status);
+                if wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                    m.batch_error.get_or_insert((wc.status, wc.vendor_err));
+                }
+            }
+        }
+        false
+    }
+
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
-    /// unsignaled ones, then the one it names); returns how many. Out of line, as is
-    /// `convenient_with`: the poll's common case then calls `f` from one place, where the
-    /// compiler inlines it.
+    /// unsignaled ones, then the one it names; a prepared batch is one slot); returns how many.
+    /// Out of line, as is `convenient_with`: the poll's common case then calls `f` from one
+    /// place, where the compiler inlines it.
     #[cold]
     #[inline(never)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> usize {
@@ -177,23 +211,32 @@ impl Lane {
             return 0;
         };
         let (gen, recv) = (m.key.gen, if r.recv { RECV } else { 0 });
-        let slots = if r.recv { &mut m.recv } else { &mut m.send };
         let mut k = 0;
-        while k < room && slots.head != r.upto {
-            // An unsignaled work request that ran before the one the completion names.
-            let (mr, wr_id) = slots.pop();
-            f(Wc { wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE }, mr);
+        while k < room {
+            let slots = if r.recv { &mut m.recv } else { &mut m.send };
+            let span = slots.head_span();
+            let last = r.upto.wrapping_sub(slots.head) < span;
+            let (mr, wr_id) = slots.pop_span();
             k += 1;
-        }
-        if k < room {
-            let (mr, wr_id) = slots.pop();
+            if !last {
+                // An unsignaled work request (or batch) that ran before the one the completion
+                // names.
+                f(Wc { wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE }, mr);
+                continue;
+            }
             self.retiring = None;
             // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
-            let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            let mut fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            if let Some(fl) = fields.as_mut().filter(|fl| span > 1 && fl.status != ffi::ibv_wc_status::IBV_WC_SUCCESS) {
+                // A batch flushed after one of its interior requests failed: that failure.
+                if let Some((status, vendor_err)) = m.batch_error.take() {
+                    (fl.status, fl.vendor_err) = (status, vendor_err);
+                }
+            }
             let wc =
                 Wc { wr_id, f: fields.unwrap_or_default(), place: r.place, gen, lane, flags: recv | SIGNALED | LANE };
             f(wc, mr);
-            k += 1;
+            break;
         }
         k
     }

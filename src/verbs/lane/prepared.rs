@@ -94,7 +94,7 @@ impl fmt::Debug for PreparedRecv {
 /// Puts `mr` into `slot` when it is the region `of` names and the slot is empty; gives it
 /// back otherwise.
 #[inline(always)]
-fn rearm(
+pub(super) fn rearm(
     slot: &mut Option<MemoryRegion>,
     of: u64,
     mr: MemoryRegion,
@@ -173,6 +173,7 @@ macro_rules! armed_accessors {
 
 armed_accessors!(PreparedSend);
 armed_accessors!(PreparedRecv);
+pub(super) use armed_accessors;
 
 impl PreparedSend {
     /// Asks for a completion of each post (true, the default) or for none on success (see
@@ -184,7 +185,7 @@ impl PreparedSend {
 }
 
 #[cold]
-fn not_armed() -> Error {
+pub(super) fn not_armed() -> Error {
     Error::InvalidArgument(
         "post_prepared: the prepared work request holds no region (its last post's completion hands the region back: rearm it)"
             .into(),

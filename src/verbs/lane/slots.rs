@@ -15,6 +15,11 @@ pub(super) struct Slots {
     /// before the post: never posted, so their regions are released (`release_staged`) by the
     /// next post of the queue or at teardown.
     pub(super) staged: u32,
+    /// Beside each slot, 0, or the length of the prepared batch whose first slot it is
+    /// ([`super::PreparedBatch`]: one region in that slot, the batch's other slots empty). Only
+    /// a batch writes it and only its retiring resets it: the common post and poll never read
+    /// it.
+    spans: Box<[u32]>,
 }
 
 struct Slot {
@@ -27,6 +32,7 @@ impl Slots {
         let len = depth.max(1).next_power_of_two();
         Slots {
             slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
+            spans: vec![0; len as usize].into_boxed_slice(),
             mask: len - 1,
             depth,
             head: 0,
@@ -69,11 +75,41 @@ impl Slots {
     pub(super) fn unput(&mut self) -> Option<MemoryRegion> {
         self.unput_at(0)
     }
-    /// Takes back the region `put` at `tail + k` (uncommitted).
+    /// Takes back the region `put` at `tail + k` (uncommitted), and a batch's mark there.
     #[cold]
     pub(super) fn unput_at(&mut self, k: u32) -> Option<MemoryRegion> {
         let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+        if let Some(span) = self.spans.get_mut(i) {
+            *span = 0;
+        }
         self.slots.get_mut(i)?.mr.take()
+    }
+    /// Marks the slot at `tail` as the first of a batch of `len` work requests, whose region
+    /// `put` stores there: the batch retires as one, with its last request's completion. (A
+    /// mark of 1 is an ordinary slot's: `pop` may leave it behind, and it means what 0 does.)
+    #[inline(always)]
+    pub(super) fn mark_batch(&mut self, len: u32) {
+        let i = (self.tail & self.mask) as usize;
+        debug_assert!(i < self.spans.len() && len >= 1);
+        // SAFETY: `spans.len()` is `mask + 1`, as `slots.len()` (`Slots::new`).
+        unsafe { *self.spans.get_unchecked_mut(i) = len };
+    }
+    /// How many sequence numbers the oldest outstanding slot stands for: a batch's length, or 1.
+    #[inline]
+    pub(super) fn head_span(&self) -> u32 {
+        self.spans.get((self.head & self.mask) as usize).copied().unwrap_or(0).max(1)
+    }
+    /// Retires the oldest slot and the `head_span() - 1` empty ones after it (a batch, or one
+    /// work request): its region and `wr_id`.
+    #[inline]
+    pub(super) fn pop_span(&mut self) -> (Option<MemoryRegion>, u64) {
+        let span = self.head_span();
+        if let Some(s) = self.spans.get_mut((self.head & self.mask) as usize) {
+            *s = 0;
+        }
+        let out = self.pop();
+        self.head = self.head.wrapping_add(span - 1);
+        out
     }
     /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
     /// device never saw those regions).
@@ -102,6 +138,14 @@ impl Slots {
         // is in bounds.
         let s = unsafe { self.slots.get_unchecked_mut(i) };
         (s.mr.take(), s.wr_id)
+    }
+    /// Retires every slot through `seq` (a completion a teardown reaped): their regions.
+    pub(super) fn retire_through(&mut self, seq: u32) -> Vec<MemoryRegion> {
+        let mut out = Vec::new();
+        while self.holds(seq) {
+            out.extend(self.pop_span().0);
+        }
+        out
     }
     /// Takes every region still held (for a QP being destroyed).
     pub(super) fn drain(&mut self) -> impl Iterator<Item = MemoryRegion> + '_ {
