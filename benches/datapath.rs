@@ -403,7 +403,6 @@ fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
 /// beside the raw calls on the same lane's QPs and CQs.
 fn lane_post_poll(c: &mut Criterion) {
     use common::lane::lane_pair;
-    use rdma_cm::lane::PreparedSend;
     const BATCH: usize = 16;
     let spec = PairSpec {
         mr_sizes: vec![8192, 8192],
@@ -461,11 +460,9 @@ fn lane_post_poll(c: &mut Criterion) {
     let mut two = a.mrs.remove(0).split(4096).unwrap().into_iter();
     let mut psend = a.lane.prepare_send(a.qp, LSend::send(two.next().unwrap(), 0..64)).unwrap();
     let mut pwrite = a.lane.prepare_send(a.qp, LSend::write(two.next().unwrap(), 0..64, &remote, 0)).unwrap();
-    let mut chunks = sa.iter_mut().map(|m| m.take().unwrap());
-    let mut pbatch: [PreparedSend; BATCH] = std::array::from_fn(|k| {
-        let w = LSend::write(chunks.next().unwrap(), 0..64, &remote, 0).wr_id(k as u64);
-        a.lane.prepare_send(a.qp, if k + 1 < BATCH { w.unsignaled() } else { w }).unwrap()
-    });
+    // The batch: the sixteen WRITEs over one region (a `PreparedBatch`), one completion.
+    let whole = MemoryRegion::new(&a.pd, 8192, AccessFlags::LOCAL_WRITE).unwrap();
+    let mut pbatch = a.lane.prepare_batch(a.qp, whole, BATCH, |_, mr| LSend::write(mr, 0..64, &remote, 0)).unwrap();
     let mut precv = b.lane.prepare_recv(b.qp, LRecv::range(rb[0].take().unwrap(), 0..64)).unwrap();
     g.bench_function("send/prep", |bn| {
         bn.iter(|| {
@@ -483,8 +480,8 @@ fn lane_post_poll(c: &mut Criterion) {
     });
     g.bench_function("write_batch16/prep", |bn| {
         bn.iter(|| {
-            assert_eq!(a.lane.post_prepared_list(&mut pbatch).unwrap(), BATCH);
-            reap_prep(&mut a.lane, BATCH, |k, r| pbatch[k as usize % BATCH].rearm(r).unwrap());
+            a.lane.post_batch(&mut pbatch).unwrap();
+            reap_prep(&mut a.lane, 1, |_, r| pbatch.rearm(r).unwrap());
         })
     });
     g.finish();

@@ -35,7 +35,9 @@
 //!
 //! Each lane operation has a `-prep` variant too: the same work through prepared work requests
 //! ([`rdma_cm::lane::PreparedSend`]: checked and lowered once before the loop, posted with
-//! `post_prepared`, re-armed with the region each completion hands back).
+//! `post_prepared`, re-armed with the region each completion hands back). `batch-prep` is a
+//! [`rdma_cm::lane::PreparedBatch`]: the sixteen WRITEs over one region, posted with
+//! `post_batch`, whose one completion hands the region back.
 
 mod common;
 
@@ -285,7 +287,7 @@ mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
     use rdma_cm::ffi;
-    use rdma_cm::lane::{Lane, LaneQp, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::lane::{Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
     use rdma_cm::{
         AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
         GRH_LEN,
@@ -516,25 +518,25 @@ mod lane_bench {
         n == 1
     }
 
-    /// The lane: posts the `BATCH` prepared RDMA WRITEs `ps` in one list (one doorbell), the last
-    /// one signaled.
+    /// The lane: posts the prepared batch of `BATCH` RDMA WRITEs (one region, one list, one
+    /// doorbell, the last one signaled).
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_prep_post_batch(lane: &mut Lane, ps: &mut [PreparedSend; BATCH]) {
-        assert_eq!(lane.post_prepared_list(ps).unwrap(), BATCH);
+    pub fn instr_prep_post_batch(lane: &mut Lane, batch: &mut PreparedBatch) {
+        lane.post_batch(batch).unwrap();
     }
 
-    /// The lane: polls until it finds nothing or has handed out what is left of the batch; each
-    /// region re-arms its prepared WRITE. Returns how many it handed out.
+    /// The lane: one poll for up to `BATCH` completions, as raw's; the batch's one completion
+    /// re-arms it with its region. Returns how many it handed out.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_prep_poll_batch(lane: &mut Lane, ps: &mut [PreparedSend; BATCH], want: usize) -> usize {
-        lane.poll_with(want, |c, region| {
+    pub fn instr_prep_poll_batch(lane: &mut Lane, batch: &mut PreparedBatch) -> usize {
+        lane.poll_with(BATCH, |c, region| {
             if !c.is_ok() {
                 failed(c.status());
             }
             if let Some(r) = region {
-                ps[c.wr_id() as usize % BATCH].rearm(r).unwrap();
+                batch.rearm(r).unwrap();
             }
         })
         .unwrap()
@@ -858,18 +860,11 @@ mod lane_bench {
     fn batch_prep(n: u64) {
         let (mut a, b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
         let remote = b.mrs[0].remote();
-        let mut chunks = a.mrs.remove(0).split(8192 / BATCH).unwrap().into_iter();
-        let mut ps: [PreparedSend; BATCH] = std::array::from_fn(|k| {
-            let w = LSend::write(chunks.next().unwrap(), 0..LEN, &remote, 0).wr_id(k as u64);
-            a.lane.prepare_send(a.qp, if k + 1 < BATCH { w.unsignaled() } else { w }).unwrap()
-        });
+        let mut batch =
+            a.lane.prepare_batch(a.qp, a.mrs.remove(0), BATCH, |_, mr| LSend::write(mr, 0..LEN, &remote, 0)).unwrap();
         measure("batch-prep", n, |empties| {
-            instr_prep_post_batch(&mut a.lane, &mut ps);
-            let mut got = 0;
-            settle_and_poll(empties, || {
-                got += instr_prep_poll_batch(&mut a.lane, &mut ps, BATCH - got);
-                got == BATCH
-            });
+            instr_prep_post_batch(&mut a.lane, &mut batch);
+            settle_and_poll(empties, || instr_prep_poll_batch(&mut a.lane, &mut batch) == 1);
         });
     }
 

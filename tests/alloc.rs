@@ -109,6 +109,58 @@ fn post_and_poll_allocate_nothing() {
     t.finish();
 }
 
+/// The fast path (`rdma_cm::lane`): 2,000 rounds of a send/recv through prepared requests, an
+/// RDMA WRITE built as a `SendWr` at each post, and a prepared batch of 16 WRITEs, each posted
+/// and polled (the region handed back and re-armed) with the counter watching.
+#[test]
+fn lane_posts_and_polls_allocate_nothing() {
+    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    const N: usize = 2_000;
+    let t = DeviceTest::start();
+    let spec = PairSpec {
+        mr_sizes: vec![4096, 4096, 4096],
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        ..PairSpec::default()
+    };
+    let (mut a, mut b) = common::lane::lane_pair(t.addr, spec.clone(), spec, 64);
+    let remote = b.mrs[0].remote();
+    // Polls `lane` (watched) until one completion comes; its region.
+    fn one(lane: &mut Lane) -> rdma_cm::MemoryRegion {
+        let deadline = Instant::now() + T;
+        let mut back = None;
+        while watched(|| lane.poll_with(16, |c, mr| back = Some((c.is_ok(), mr)))).unwrap() == 0 {
+            assert!(Instant::now() < deadline, "no completion within {T:?}");
+        }
+        let (ok, mr) = back.unwrap();
+        assert!(ok);
+        mr.expect("a lane completion hands its region back")
+    }
+    let mut send = a.lane.prepare_send(a.qp, LSend::send(a.mrs.remove(0), 0..64)).unwrap();
+    let mut recv = b.lane.prepare_recv(b.qp, LRecv::range(b.mrs.remove(1), 0..64)).unwrap();
+    let mut batch = a
+        .lane
+        .prepare_batch(a.qp, a.mrs.remove(0), 16, |k, mr| LSend::write(mr, 0..64, &remote, k as u64 * 64))
+        .unwrap();
+    let mut plain = Some(a.mrs.remove(0));
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    for _ in 0..N {
+        watched(|| b.lane.post_prepared_recv(&mut recv)).unwrap();
+        watched(|| a.lane.post_prepared(&mut send)).unwrap();
+        send.rearm(one(&mut a.lane)).unwrap();
+        recv.rearm(one(&mut b.lane)).unwrap();
+        let wr = LSend::write(plain.take().unwrap(), 0..64, &remote, 1024);
+        watched(|| a.lane.post_send(a.qp, wr)).unwrap();
+        plain = Some(one(&mut a.lane));
+        watched(|| a.lane.post_batch(&mut batch)).unwrap();
+        batch.rearm(one(&mut a.lane)).unwrap();
+    }
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} rounds on the lane");
+    drop((a, b, send, recv, batch, plain));
+    t.finish();
+}
+
 /// Async send/recv round trips on a current-thread runtime (the test's thread, which the
 /// counter watches): after a warm-up that makes the lasting reactor registrations, 2,000 round
 /// trips of post, `wait_for_async` on both ends (each sleeping on tokio's reactor when the

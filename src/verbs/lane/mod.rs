@@ -38,6 +38,13 @@
 //!   (that region only: the request was checked against it). This, with
 //!   [`Lane::poll_with`], is the path for performance-sensitive code. (The examples' latency
 //!   and rate modes use the lane with a [`SendWr`] per post.)
+//! - **Batches over one region.** Work requests that are pieces of one buffer (a stream of
+//!   WRITEs, a message scattered to several places) go as a [`PreparedBatch`]
+//!   ([`Lane::prepare_batch`], [`Lane::post_batch`]): lowered once and linked, posted under one
+//!   doorbell, only the last one signaled. The region moves into the lane once, and the last
+//!   request's completion hands it back as one [`Wc`] for the whole batch, carrying the first
+//!   failure among its requests when one failed. Per WRITE, a batch of 16 costs what the raw
+//!   calls do (BENCHMARKS.md).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -111,6 +118,12 @@
 //!   whose generations are used up (8,192 QPs attached and removed there) is never used
 //!   again, so no handle, prepared work request or stale completion of an earlier QP can be
 //!   taken for a later one's.
+//! - **A batch's region is held until the device is done with all of it.** It sits in the
+//!   batch's first slot until the completion of the batch's *last* request, which the queue
+//!   delivers after every earlier one ran (or was flushed: a failure moves the QP to the error
+//!   state, so the last request always completes). The other requests' completions (failures
+//!   and flushes only; they are unsignaled) carry a tag with no sequence number, which retires
+//!   nothing.
 //! - **A prepared work request posts only what it was checked for.** It names its QP by
 //!   handle (place, generation, lane), so it is refused once that QP is removed and by any
 //!   other lane; it takes back only the region it was checked against (recognised by the

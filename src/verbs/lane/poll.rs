@@ -50,11 +50,12 @@ impl Lane {
         self.n = 1;
         self.at = 1;
         let done = self.start(0, &mut f) as usize;
-        // The CQ gave one where it was asked for more: it held no other then, so it is not
-        // polled again in this call (a poll that would find nothing costs what a full one does).
-        if done == max || !self.backlog {
+        if done == max {
             return Ok(done);
         }
+        // The CQ gave one where it was asked for more: it held no other then, so the general
+        // loop does not poll it again in this call (a poll that finds nothing costs about what
+        // one that finds one does).
         self.poll_more(max, done, true, f)
     }
 
@@ -214,9 +215,12 @@ impl Lane {
         let mut k = 0;
         while k < room {
             let slots = if r.recv { &mut m.recv } else { &mut m.send };
-            let span = slots.head_span();
-            let last = r.upto.wrapping_sub(slots.head) < span;
-            let (mr, wr_id) = slots.pop_span();
+            let mark = slots.head_mark();
+            let (last, (mr, wr_id)) = if mark <= 1 {
+                (slots.head == r.upto, slots.pop())
+            } else {
+                (r.upto.wrapping_sub(slots.head) < mark, slots.pop_batch(mark))
+            };
             k += 1;
             if !last {
                 // An unsignaled work request (or batch) that ran before the one the completion
@@ -227,7 +231,7 @@ impl Lane {
             self.retiring = None;
             // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
             let mut fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
-            if let Some(fl) = fields.as_mut().filter(|fl| span > 1 && fl.status != ffi::ibv_wc_status::IBV_WC_SUCCESS) {
+            if let Some(fl) = fields.as_mut().filter(|fl| mark > 1 && fl.status != ffi::ibv_wc_status::IBV_WC_SUCCESS) {
                 // A batch flushed after one of its interior requests failed: that failure.
                 if let Some((status, vendor_err)) = m.batch_error.take() {
                     (fl.status, fl.vendor_err) = (status, vendor_err);

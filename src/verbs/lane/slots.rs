@@ -94,22 +94,33 @@ impl Slots {
         // SAFETY: `spans.len()` is `mask + 1`, as `slots.len()` (`Slots::new`).
         unsafe { *self.spans.get_unchecked_mut(i) = len };
     }
-    /// How many sequence numbers the oldest outstanding slot stands for: a batch's length, or 1.
-    #[inline]
-    pub(super) fn head_span(&self) -> u32 {
-        self.spans.get((self.head & self.mask) as usize).copied().unwrap_or(0).max(1)
+    /// The mark of the oldest outstanding slot: a batch's length when a batch starts there,
+    /// else 0 or 1 (an ordinary slot).
+    #[inline(always)]
+    pub(super) fn head_mark(&self) -> u32 {
+        let i = (self.head & self.mask) as usize;
+        debug_assert!(i < self.spans.len());
+        // SAFETY: `spans.len()` is `mask + 1` (`Slots::new`), so `i`, masked, is in bounds.
+        unsafe { *self.spans.get_unchecked(i) }
     }
-    /// Retires the oldest slot and the `head_span() - 1` empty ones after it (a batch, or one
-    /// work request): its region and `wr_id`.
+    /// Retires the oldest slot, the first of a batch of `mark` (its `head_mark`), and the
+    /// batch's other slots, which hold nothing: its region and `wr_id`.
     #[inline]
-    pub(super) fn pop_span(&mut self) -> (Option<MemoryRegion>, u64) {
-        let span = self.head_span();
+    pub(super) fn pop_batch(&mut self, mark: u32) -> (Option<MemoryRegion>, u64) {
         if let Some(s) = self.spans.get_mut((self.head & self.mask) as usize) {
             *s = 0;
         }
         let out = self.pop();
-        self.head = self.head.wrapping_add(span - 1);
+        self.head = self.head.wrapping_add(mark.max(1) - 1);
         out
+    }
+    /// Retires the oldest slot, a batch or an ordinary one (`pop_batch` or `pop`).
+    #[inline]
+    pub(super) fn pop_span(&mut self) -> (Option<MemoryRegion>, u64) {
+        match self.head_mark() {
+            0 | 1 => self.pop(),
+            mark => self.pop_batch(mark),
+        }
     }
     /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
     /// device never saw those regions).
