@@ -55,7 +55,8 @@ use rdma_cm::{
 const VARIANTS: &str =
     "send-raw, send-crate, send-lane, write-raw, write-crate, write-lane, write4-raw, write4-crate, \
      write4-lane, fadd-raw, fadd-crate, fadd-lane, ud-raw, ud-crate, ud-lane, batch-raw, batch-crate, batch-lane, \
-     xwrite-raw, xwrite-crate, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep";
+     xwrite-raw, xwrite-crate, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
+     batch4-raw, batch4-prep, fbatch-raw, fbatch-prep, ubatch-raw, ubatch-prep";
 
 /// How long the loop lets the device work before it polls (not counted).
 const SETTLE: Duration = Duration::from_micros(300);
@@ -325,6 +326,13 @@ mod lane_bench {
             },
             "ud-prep" => ud_prep,
             "batch-prep" => batch_prep,
+            "batch-rawpre" => batch_rawpre,
+            "batch4-raw" => |n| more_batch(n, More::Write4, false),
+            "batch4-prep" => |n| more_batch(n, More::Write4, true),
+            "fbatch-raw" => |n| more_batch(n, More::Fadd, false),
+            "fbatch-prep" => |n| more_batch(n, More::Fadd, true),
+            "ubatch-raw" => ubatch_raw,
+            "ubatch-prep" => ubatch_prep,
             _ => return None,
         })
     }
@@ -865,6 +873,174 @@ mod lane_bench {
         measure("batch-prep", n, |empties| {
             instr_prep_post_batch(&mut a.lane, &mut batch);
             settle_and_poll(empties, || instr_prep_poll_batch(&mut a.lane, &mut batch) == 1);
+        });
+    }
+
+    /// Raw, as a raw loop that builds its list once: the sixteen WRITEs linked in an array made
+    /// before the loop, posted again and again (`batch-raw` builds its list at every post).
+    fn batch_rawpre(n: u64) {
+        let s = spec(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, QpInit::new());
+        let (a, b) = pair(common::device_addr(), s.clone(), s);
+        let remote = b.mrs[0].remote();
+        let mr = &a.mrs[0];
+        let mut sge = Box::new(ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() });
+        // SAFETY: ibv_send_wr is plain old data.
+        let mut wrs: Box<[ffi::ibv_send_wr; BATCH]> = Box::new(unsafe { zeroed() });
+        raw_list(&mut wrs, |k, wr| {
+            wr.wr_id = k as u64;
+            wr.sg_list = &mut *sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+        });
+        let scq = a.conn.qp().send_cq();
+        measure("batch-rawpre", n, |empties| {
+            instr_raw_post_list(a.conn.qp().as_raw(), &mut wrs[0]);
+            settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
+        });
+    }
+
+    /// Links `wrs` in order, `fill` writing each one's fields; the last one signaled.
+    fn raw_list(wrs: &mut [ffi::ibv_send_wr; BATCH], mut fill: impl FnMut(usize, &mut ffi::ibv_send_wr)) {
+        let base = wrs.as_mut_ptr();
+        for (k, wr) in wrs.iter_mut().enumerate() {
+            fill(k, wr);
+            wr.send_flags = if k + 1 == BATCH { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+            wr.next = if k + 1 < BATCH { base.wrapping_add(k + 1) } else { std::ptr::null_mut() };
+        }
+    }
+
+    /// Raw: posts the linked list that starts at `first` (built by the caller).
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_list(qp: *mut ffi::ibv_qp, first: &mut ffi::ibv_send_wr) {
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is alive (16 deep); the list (and the scatter lists and address
+        // handles it names) outlives the call; the regions outlive the completions, which the
+        // loop reaps before the next post.
+        assert_eq!(unsafe { ffi::ibv_post_send(qp, first, &mut bad) }, 0);
+    }
+
+    #[derive(Clone, Copy)]
+    enum More {
+        /// Sixteen WRITEs, each gathered from the four `PIECES` of one region.
+        Write4,
+        /// Sixteen fetch-and-adds of 1 on the peer's counter, each result into its own 8 bytes.
+        Fadd,
+    }
+
+    /// Raw: posts a batch of sixteen `what`, built at every post as raw code would, the last
+    /// one signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_batch_of(qp: *mut ffi::ibv_qp, what: u32, mr: &MemoryRegion, remote: &RemoteRegion) {
+        // SAFETY: ibv_sge and ibv_send_wr are plain old data.
+        let (mut sges, mut wrs): ([[ffi::ibv_sge; 4]; BATCH], [ffi::ibv_send_wr; BATCH]) =
+            unsafe { (zeroed(), zeroed()) };
+        let sg = sges.as_mut_ptr();
+        raw_list(&mut wrs, |k, wr| {
+            wr.wr_id = k as u64;
+            // SAFETY: k < BATCH: an entry of `sges`, which outlives the post below.
+            let sge = unsafe { &mut *sg.add(k) };
+            if what == 0 {
+                for (s, r) in sge.iter_mut().zip(PIECES) {
+                    *s = ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() };
+                }
+                wr.num_sge = 4;
+                wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+            } else {
+                sge[0] = ffi::ibv_sge { addr: mr.addr() + 4096 + 8 * k as u64, length: 8, lkey: mr.lkey() };
+                wr.num_sge = 1;
+                wr.opcode = ffi::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                wr.wr.atomic = ffi::atomic_t { remote_addr: remote.addr, compare_add: 1, swap: 0, rkey: remote.rkey };
+            }
+            wr.sg_list = sge.as_mut_ptr();
+        });
+        instr_raw_post_list(qp, &mut wrs[0]);
+    }
+
+    /// The batch of sixteen `what`, raw (`prep` false) or as a `PreparedBatch` on a lane.
+    fn more_batch(n: u64, what: More, prep: bool) {
+        let name = match (what, prep) {
+            (More::Write4, false) => "batch4-raw",
+            (More::Write4, true) => "batch4-prep",
+            (More::Fadd, false) => "fbatch-raw",
+            (More::Fadd, true) => "fbatch-prep",
+        };
+        let sge = if matches!(what, More::Write4) { 4 } else { 1 };
+        if !prep {
+            let s = spec(ATOMIC, QpInit::new().max_send_sge(sge));
+            let (a, b) = pair(common::device_addr(), s.clone(), s);
+            let remote = match what {
+                More::Write4 => b.mrs[0].remote(),
+                More::Fadd => RemoteRegion { len: 8, ..b.mrs[0].remote() },
+            };
+            let scq = a.conn.qp().send_cq();
+            let code = if matches!(what, More::Write4) { 0 } else { 1 };
+            measure(name, n, |empties| {
+                instr_raw_post_batch_of(a.conn.qp().as_raw(), code, &a.mrs[0], &remote);
+                settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
+            });
+            return;
+        }
+        let (mut a, b) = rc_lanes(sge, ATOMIC);
+        let remote = b.mrs[0].remote();
+        let counter = RemoteRegion { len: 8, ..remote };
+        let mut batch = a
+            .lane
+            .prepare_batch(a.qp, a.mrs.remove(0), BATCH, |k, mr| match what {
+                More::Write4 => LSend::write_sg(mr, &PIECES, &remote, 0),
+                More::Fadd => LSend::fetch_add(mr, 4096 + 8 * k, &counter, 0, 1),
+            })
+            .unwrap();
+        measure(name, n, |empties| {
+            instr_prep_post_batch(&mut a.lane, &mut batch);
+            settle_and_poll(empties, || instr_prep_poll_batch(&mut a.lane, &mut batch) == 1);
+        });
+    }
+
+    /// Raw: sixteen datagrams of `mr[0..LEN]` to the peer in one list, built at every post (no
+    /// receive is posted for them: a UD send completes whether or not one waits).
+    fn ubatch_raw(n: u64) {
+        let common::ud::UdPair { client, to_server, server: _server, to_client: _to_client } =
+            common::ud::ud_pair(common::device_addr(), 7495, QpInit::new());
+        let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let scq = client.qp().send_cq();
+        measure("ubatch-raw", n, |empties| {
+            instr_raw_post_ubatch(client.qp().as_raw(), &sbuf, &to_server);
+            settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
+        });
+    }
+
+    /// Raw: posts sixteen datagrams of `mr[0..LEN]` to `dest` in one list, the last one
+    /// signaled.
+    #[no_mangle]
+    #[inline(never)]
+    pub fn instr_raw_post_ubatch(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+        let mut sge = ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() };
+        // SAFETY: ibv_send_wr is plain old data.
+        let mut wrs: [ffi::ibv_send_wr; BATCH] = unsafe { zeroed() };
+        raw_list(&mut wrs, |k, wr| {
+            wr.wr_id = k as u64;
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+            wr.wr.ud = ffi::ud_t { ah: dest.ah().as_raw(), remote_qpn: dest.qpn(), remote_qkey: dest.qkey() };
+        });
+        instr_raw_post_list(qp, &mut wrs[0]);
+    }
+
+    /// The lane: the same sixteen datagrams as a `PreparedBatch`.
+    fn ubatch_prep(n: u64) {
+        let lane::LaneUdPair { mut client, to_server, server_dest: _d, server: _server } =
+            lane::lane_ud_pair(common::device_addr(), 7496, QpInit::new(), 64);
+        let sbuf = MemoryRegion::new(&client.pd, LEN, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut batch =
+            client.lane.prepare_batch(client.qp, sbuf, BATCH, |_, mr| LSend::send(mr, 0..LEN).to(to_server)).unwrap();
+        measure("ubatch-prep", n, |empties| {
+            instr_prep_post_batch(&mut client.lane, &mut batch);
+            settle_and_poll(empties, || instr_prep_poll_batch(&mut client.lane, &mut batch) == 1);
         });
     }
 

@@ -450,3 +450,143 @@ fn forgetting_panicking_removing_and_dropping_with_a_batch_in_flight() {
     }
     t.finish();
 }
+
+/// The provider's `post_send`, while `half_taking` stands in for it.
+static ORIGINAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// How many requests of a list `half_taking` lets through.
+const TAKEN: usize = 5;
+
+/// A provider that takes the first `TAKEN` requests of a list and refuses the next one, naming
+/// it in `bad_wr` (ENOMEM, as a full queue would): the provider half-taking a batch.
+unsafe extern "C" fn half_taking(
+    qp: *mut rdma_cm::ffi::ibv_qp,
+    wr: *mut rdma_cm::ffi::ibv_send_wr,
+    bad: *mut *mut rdma_cm::ffi::ibv_send_wr,
+) -> std::os::raw::c_int {
+    type PostSend = unsafe extern "C" fn(
+        *mut rdma_cm::ffi::ibv_qp,
+        *mut rdma_cm::ffi::ibv_send_wr,
+        *mut *mut rdma_cm::ffi::ibv_send_wr,
+    ) -> std::os::raw::c_int;
+    // SAFETY: ORIGINAL holds the provider's own `post_send` (stored by the test below before
+    // it installed this one); the list has more than TAKEN entries (the test's batch has 16),
+    // so the walk stays on it; its links are restored before returning.
+    unsafe {
+        let original: PostSend = std::mem::transmute(ORIGINAL.load(std::sync::atomic::Ordering::SeqCst));
+        let mut last = wr;
+        for _ in 1..TAKEN {
+            last = (*last).next;
+        }
+        let rest = (*last).next;
+        (*last).next = std::ptr::null_mut();
+        let ret = original(qp, wr, bad);
+        (*last).next = rest;
+        assert_eq!(ret, 0, "the provider took the first {TAKEN}");
+        *bad = rest;
+        libc::ENOMEM
+    }
+}
+
+/// Attack (from an outside review of the batches): a provider that takes the first five WRITEs
+/// of a batch of sixteen and names the sixth as refused. The batch's last request, whose
+/// completion would hand the region back, was never posted, and the five taken are unsignaled:
+/// once they ran, nothing will ever complete for them. The region stays held (never handed
+/// back while one of them may run), the QP is moved to the error state and refuses posts, and
+/// the region is released once: by the flush of the fifth when they had not all run yet, or
+/// when the QP is destroyed (`remove`). The five ran; the eleven others did not.
+#[test]
+fn a_batch_the_provider_takes_only_part_of_keeps_its_region_until_it_is_done() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let mut region = a.mrs.remove(0);
+        region.write_at(0, &pattern(1024, 6)).unwrap();
+        let mut batch = writes(&mut a.lane, a.qp, region, &remote);
+        let raw = a.lane.qp_as_raw(a.qp).unwrap();
+        // SAFETY: the QP is alive (the lane holds it); its context's `post_send` is swapped for
+        // `half_taking` for one post and put back right after. The tests of this binary run one
+        // at a time (DeviceTest), so no other post goes through the swapped pointer.
+        let r = unsafe {
+            let ops = &mut (*(*raw).context).ops;
+            let original = ops.post_send.expect("the provider's post_send");
+            ORIGINAL.store(original as usize, std::sync::atomic::Ordering::SeqCst);
+            ops.post_send = Some(half_taking);
+            let r = a.lane.post_batch(&mut batch);
+            ops.post_send = Some(original);
+            r
+        };
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("only part of the batch"), "{e}");
+        assert!(!batch.is_armed(), "the region is not given back: five requests may run");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (TAKEN, 0), "the batch holds the five slots it took");
+        let e = a.lane.post_batch(&mut batch).unwrap_err();
+        assert!(matches!(e, Error::QpInError { .. }), "{e}");
+        let mut other = MemoryRegion::new(&a.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        other.write_at(0, b"x").unwrap();
+        let r = a.lane.post_send(a.qp, SendWr::write(other, 0..64, &remote, 0)).unwrap_err();
+        assert!(matches!(r.error(), Error::QpInError { .. }), "{r}");
+        drop(r);
+        // Whatever came (the fifth's flush, if the five had not all run), the batch's region
+        // comes out once at most, and only as the batch's.
+        let mut back = Vec::new();
+        while let Some(mut c) = a.lane.poll().unwrap() {
+            assert_eq!((c.wr_id(), c.status()), (40, WcStatus::WrFlushErr), "{c:?}");
+            back.push(c.take_region().expect("the batch's region"));
+        }
+        assert!(back.len() <= 1, "{} regions", back.len());
+        let before = mr_count();
+        a.lane.remove(a.qp).unwrap();
+        if let Some(n) = before {
+            let released = if back.is_empty() { 1 } else { 0 };
+            assert_eq!(mr_count(), Some(n - released), "the region is released once, with the QP if not before");
+        }
+        let mut landed = vec![0u8; 2048];
+        b.mrs[0].read_at(0, &mut landed).unwrap();
+        let sent = pattern(1024, 6);
+        for k in 0..16 {
+            let piece = &landed[k * 128..k * 128 + 64];
+            if k < TAKEN {
+                assert_eq!(piece, &sent[k * 64..(k + 1) * 64], "piece {k} was taken: it ran");
+            } else {
+                assert!(piece.iter().all(|&x| x == 0), "piece {k} was never posted");
+            }
+        }
+        drop((a, b, batch, back));
+    }
+    t.finish();
+}
+
+/// Attack: two batches in flight; the first fails in its middle (a bad rkey). The first's
+/// completion carries that failure, the second's the flush that followed: a failure is
+/// reported once, with its own batch, and each region comes back once.
+#[test]
+fn two_batches_in_flight_each_report_their_own_status() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let real = b.mrs[0].remote();
+        let bogus = RemoteRegion::new(real.addr, real.rkey ^ 0x5a5a_0000, 4096);
+        let mut first = a
+            .lane
+            .prepare_batch(a.qp, a.mrs.remove(0), 4, |k, mr| {
+                SendWr::write(mr, 0..64, if k == 2 { &bogus } else { &real }, 0).wr_id(1)
+            })
+            .unwrap();
+        let region = MemoryRegion::new(&a.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let mut second =
+            a.lane.prepare_batch(a.qp, region, 4, |_, mr| SendWr::write(mr, 0..64, &real, 0).wr_id(2)).unwrap();
+        a.lane.post_batch(&mut first).unwrap();
+        a.lane.post_batch(&mut second).unwrap();
+        let done = reap(&mut a.lane, 2);
+        let seen: Vec<_> = done.iter().map(|c| (c.wr_id(), c.status())).collect();
+        assert_eq!(seen, vec![(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)]);
+        for (mut c, batch) in done.into_iter().zip([&mut first, &mut second]) {
+            batch.rearm(c.take_region().expect("each batch's region, once")).map_err(|r| r.into_parts().0).unwrap();
+        }
+        assert!(a.lane.poll().unwrap().is_none());
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        drop((a, b, first, second));
+    }
+    t.finish();
+}

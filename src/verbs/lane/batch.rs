@@ -14,7 +14,9 @@
 //! prepared (as [`Lane::prepare_send`] checks one), and the region stays in the lane until the
 //! last request's completion. A queue completes in order, so the device is then done with every
 //! request of the batch. A failure of an earlier request puts the QP in the error state, so the
-//! last one still completes (flushed). The earlier requests' own completions (only failures and
+//! last one still completes (flushed). When the provider took only part of the batch, the
+//! region stays held until the flush of the last request it took, or until the QP is destroyed
+//! when no completion comes (all of them ran, unsignaled). The earlier requests' own completions (only failures and
 //! flushes come) carry a tag with no sequence number (`tag::INTERIOR`), which retires nothing.
 
 use super::prepared::{armed_accessors, not_armed, rearm};
@@ -162,7 +164,8 @@ impl Lane {
                 return Err(Rejected::new(other_region(k), w.mr));
             }
             let last = k + 1 == len;
-            let id = if last { 0 } else { tag | tag::INTERIOR };
+            // An interior one's tag: its index in the batch where the sequence number goes.
+            let id = if last { 0 } else { tag | tag::INTERIOR | k as u64 };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
             // points into yet; the reference lives for this call only.
             let lowered = unsafe {
@@ -201,8 +204,9 @@ impl Lane {
     /// fit in the queue's free slots; [`Error::QpInError`]; [`Error::Call`] when
     /// `ibv_post_send` refuses its first request. When the provider takes part of the batch, or
     /// does not say how much it took, the region stays held, the QP is moved to the error
-    /// state, and [`Error::Call`] says so: the region is handed back by the flush of the
-    /// batch's last request, or, when that was not posted, released when the QP is destroyed.
+    /// state, and [`Error::Call`] says so: the region is handed back by the flush of the last
+    /// request posted, when one comes (a request that had already run, unsignaled, leaves no
+    /// completion), and released when the QP is destroyed ([`Lane::remove`]) otherwise.
     #[inline(always)]
     pub fn post_batch(&mut self, b: &mut PreparedBatch) -> Result<()> {
         let m = self.member(b.key)?;
@@ -256,16 +260,29 @@ fn batch_refused(m: &mut Member, b: &mut PreparedBatch, ret: i32, bad: *mut ffi:
         b.mr = m.send.unput();
         return Error::call("ibv_post_send", ret, None);
     }
-    m.send.tail = m.send.tail.wrapping_add(b.len);
     if bad.is_null() {
+        m.send.tail = m.send.tail.wrapping_add(b.len);
         return post_list_failed(m, ret, false, "ibv_post_send");
     }
+    // Named at entry `posted` (> 0): the ones before it were posted. The batch takes their
+    // slots only; its last posted request, an interior one, retires it when it completes
+    // (`Member::orphan`), flushed once the QP is in the error state.
+    let posted = (0..b.len as usize)
+        // SAFETY: k < len: only addresses within the allocation are computed and compared.
+        .position(|k| std::ptr::eq(bad, unsafe { std::ptr::addr_of_mut!((*base.add(k)).wr) }))
+        .map_or(b.len, |k| k as u32);
+    let first = m.send.tail;
+    m.send.mark_batch(posted);
+    m.send.tail = first.wrapping_add(posted);
+    m.orphan = Some((first, posted));
     let flushed = m.set_error().is_ok();
+    // Nothing posted from now on can run, whether or not the QP could be moved there.
+    m.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
     Error::Call {
         op: "ibv_post_send",
         addr: None,
         hint: Some(if flushed {
-            "the provider took only part of the batch: its region stays held until the QP is destroyed (the batch's last work request, whose completion hands it back, was not posted), and the QP was moved to the error state"
+            "the provider took only part of the batch: the QP was moved to the error state; the batch's region comes back with the flush of the last request it took if that one had not run yet, and is released when the QP is destroyed otherwise (an unsignaled request that ran leaves no completion)"
         } else {
             "the provider took only part of the batch, and the QP could not be moved to the error state: the batch's region stays held until the QP is destroyed"
         }),

@@ -123,7 +123,8 @@
 //!   delivers after every earlier one ran (or was flushed: a failure moves the QP to the error
 //!   state, so the last request always completes). The other requests' completions (failures
 //!   and flushes only; they are unsignaled) carry a tag with no sequence number, which retires
-//!   nothing.
+//!   nothing. A batch the provider took only part of keeps its region until the flush of the
+//!   last request taken, or, when none comes, until its QP is destroyed.
 //! - **A prepared work request posts only what it was checked for.** It names its QP by
 //!   handle (place, generation, lane), so it is refused once that QP is removed and by any
 //!   other lane; it takes back only the region it was checked against (recognised by the
@@ -206,8 +207,10 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bit 62 is the convenient path's tag bit (`ring::tag::OURS`); it is clear here, so a
 /// completion of the convenient path on a lane's CQ is told apart and routed the usual way.
 /// `INTERIOR` marks the unsignaled work requests of a [`PreparedBatch`] before its last: their
-/// tag is fixed when the batch is prepared (no sequence number, 0 there), and a completion of
-/// one (an error, or a flush) retires nothing: the batch retires whole with its last one's.
+/// tag is fixed when the batch is prepared (their index in the batch where the sequence number
+/// goes), and a completion of one (an error, or a flush) retires nothing: the batch retires
+/// whole with its last one's (or, when the provider took only part of it, with the last one's
+/// it took: `Member::orphan`).
 mod tag {
     pub(super) const RECV: u64 = 1 << 63;
     pub(super) const CRATE: u64 = crate::verbs::ring::tag::OURS;
@@ -317,6 +320,11 @@ struct Member {
     /// request (not a flush): the batch's own completion, which comes next for this QP (a
     /// flush then), carries it.
     batch_error: Option<(u32, u32)>,
+    /// A batch the provider took only part of (it named the first request it refused): the
+    /// sequence number of its first slot and how many of its requests were posted. Its last
+    /// posted request is an interior one, so that one's completion (a flush: the QP was moved
+    /// to the error state) retires it.
+    orphan: Option<(u32, u32)>,
     send: Slots,
     recv: Slots,
     dests: Vec<Dest>,
@@ -325,6 +333,17 @@ struct Member {
 impl Member {
     fn is_ud(&self) -> bool {
         self.mtu != 0
+    }
+
+    /// When the batch's interior request `index` is the last one posted of a batch the
+    /// provider took only part of (`orphan`): the sequence number through which it retires.
+    fn orphan_done(&mut self, index: u32) -> Option<u32> {
+        let (first, posted) = self.orphan?;
+        if index.wrapping_add(1) != posted {
+            return None;
+        }
+        self.orphan = None;
+        Some(first.wrapping_add(posted - 1))
     }
 
     /// Moves the QP to the error state, flushing everything posted.
@@ -575,6 +594,7 @@ impl Lane {
             mtu,
             failed: None,
             batch_error: None,
+            orphan: None,
             send: Slots::new(send_depth),
             recv: Slots::new(recv_depth),
             dests: Vec::new(),
@@ -745,7 +765,17 @@ impl Lane {
             return false;
         }
         if wc.wr_id & tag::INTERIOR != 0 {
-            return true; // a batch's interior work request: its batch retires with its last
+            // A batch's interior work request: its batch retires with its last, or, when only
+            // part of it was posted, with this one if it was the last posted.
+            if let Some(Some(m)) = self.members.get_mut(place as usize) {
+                if m.key.gen == gen && m.qp_num == wc.qp_num {
+                    if let Some(upto) = m.orphan_done(wc.wr_id as u32) {
+                        m.batch_error = None;
+                        drop(m.send.retire_through(upto));
+                    }
+                }
+            }
+            return true;
         }
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
         if m.key.gen != gen || m.qp_num != wc.qp_num {
@@ -753,6 +783,9 @@ impl Lane {
         }
         let slots = if recv { &mut m.recv } else { &mut m.send };
         drop(slots.retire_through(seq));
+        if !recv {
+            m.batch_error = None;
+        }
         true
     }
 }

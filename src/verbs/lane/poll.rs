@@ -4,7 +4,8 @@ impl Lane {
     /// Hands out the next completion without waiting, with the region of its work request
     /// ([`Completion::take_region`]). A signaled completion that retires earlier unsignaled
     /// work requests hands those out first, one per call, oldest first, then itself. `None`
-    /// when the CQ holds nothing now. [`Lane::poll_with`] is the fast way to do the same.
+    /// when there was nothing to hand out: the CQ held no completion, or only ones that retire
+    /// nothing (stale ones, a batch's interior ones). [`Lane::poll_with`] is the fast way to do the same.
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails.
@@ -187,13 +188,22 @@ impl Lane {
             return false;
         }
         let hi = (wc.wr_id >> 32) as u32 & tag::HI_MASK & !((tag::INTERIOR >> 32) as u32);
-        if let Some(Some(m)) = self.members.get_mut(hi as u16 as usize) {
-            if m.hi == hi && m.qp_num == wc.qp_num && wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-                m.failed.get_or_insert(wc.status);
-                if wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-                    m.batch_error.get_or_insert((wc.status, wc.vendor_err));
-                }
+        let place = hi as u16;
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
+        if m.hi != hi || m.qp_num != wc.qp_num {
+            return false;
+        }
+        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+            m.failed.get_or_insert(wc.status);
+            if wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                m.batch_error.get_or_insert((wc.status, wc.vendor_err));
             }
+        }
+        // The last posted request of a batch the provider took only part of: the batch retires
+        // with it (through `retire`, which hands the batch out with this completion).
+        if let Some(upto) = m.orphan_done(wc.wr_id as u32) {
+            self.retiring = Some(Retiring { place, recv: false, upto, wc: i });
+            self.backlog = true;
         }
         false
     }
@@ -231,9 +241,10 @@ impl Lane {
             self.retiring = None;
             // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
             let mut fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
-            if let Some(fl) = fields.as_mut().filter(|fl| mark > 1 && fl.status != ffi::ibv_wc_status::IBV_WC_SUCCESS) {
-                // A batch flushed after one of its interior requests failed: that failure.
-                if let Some((status, vendor_err)) = m.batch_error.take() {
+            // A batch flushed after one of its interior requests failed: that failure.
+            let failure = if mark > 1 { m.batch_error.take() } else { None };
+            if let (Some(fl), Some((status, vendor_err))) = (fields.as_mut(), failure) {
+                if fl.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
                     (fl.status, fl.vendor_err) = (status, vendor_err);
                 }
             }

@@ -110,8 +110,10 @@ impl Slots {
         if let Some(s) = self.spans.get_mut((self.head & self.mask) as usize) {
             *s = 0;
         }
+        // Never past `tail`, whatever the mark says.
+        let skip = (mark.max(1) - 1).min(self.outstanding().saturating_sub(1));
         let out = self.pop();
-        self.head = self.head.wrapping_add(mark.max(1) - 1);
+        self.head = self.head.wrapping_add(skip);
         out
     }
     /// Retires the oldest slot, a batch or an ordinary one (`pop_batch` or `pop`).
@@ -202,5 +204,41 @@ mod tests {
         let _ = s.pop();
         assert!(!s.holds(u32::MAX - 1), "a retired one is stale");
         assert_eq!(s.free(), 1);
+    }
+
+    #[test]
+    fn a_batch_mark_retires_its_slots_as_one_across_both_wraps_and_never_past_tail() {
+        // A ring of 8; the batch's first slot at ring index 6 and sequence u32::MAX - 1, so
+        // both the ring index and the sequence number wrap inside the batch.
+        let mut s = Slots::new(7);
+        s.head = u32::MAX - 3;
+        s.tail = u32::MAX - 3;
+        s.tail = s.tail.wrapping_add(2); // two ordinary requests, no regions (none needed here)
+        s.mark_batch(5);
+        assert_eq!(s.head_mark(), 0, "the mark is at tail, not at head");
+        s.tail = s.tail.wrapping_add(5);
+        assert_eq!(s.outstanding(), 7);
+        let _ = s.pop_span();
+        let _ = s.pop_span();
+        assert_eq!(s.head_mark(), 5);
+        let _ = s.pop_span();
+        assert_eq!((s.head, s.outstanding()), (s.tail, 0), "the batch retired its five slots as one");
+        assert_eq!(s.head_mark(), 0, "and its mark is gone");
+        // A mark that claims more than is outstanding stops at tail.
+        s.mark_batch(6);
+        s.tail = s.tail.wrapping_add(2);
+        let _ = s.pop_span();
+        assert_eq!(s.outstanding(), 0);
+        // A mark taken back with its region (a batch not posted) leaves an ordinary slot.
+        s.mark_batch(3);
+        assert!(s.unput_at(0).is_none());
+        assert_eq!(s.spans[(s.tail & s.mask) as usize], 0);
+        // retire_through stops at the sequence number it is given, batches whole.
+        s.tail = s.tail.wrapping_add(1);
+        s.mark_batch(2);
+        s.tail = s.tail.wrapping_add(2);
+        let upto = s.tail.wrapping_sub(1);
+        assert!(s.retire_through(upto).is_empty());
+        assert_eq!(s.outstanding(), 0);
     }
 }
