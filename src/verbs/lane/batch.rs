@@ -229,8 +229,7 @@ impl Lane {
         };
         // The region into the batch's first slot, uncommitted, as in `post_prepared`; the
         // batch's other slots stay empty, and the mark says the first one stands for them.
-        m.send.mark_batch(len);
-        m.send.put(0, mr, b.wr_id);
+        m.send.put_batch(len, mr, b.wr_id);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`, which `b.key` names: the place, its
         // generation, never reused, and the lane). The list is the batch's `len` entries,

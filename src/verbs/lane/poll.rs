@@ -73,6 +73,11 @@ impl Lane {
         dry: bool,
         mut f: impl FnMut(Wc, Option<MemoryRegion>),
     ) -> Result<usize> {
+        // Nothing buffered, retiring or kept, and the CQ had no more: nothing to do (the batch's
+        // completion, handed out by `start_rare`, often ends here).
+        if dry && !self.holds_backlog() {
+            return Ok(done);
+        }
         // Set while it runs (so a panic in `f` leaves it set), said again as it returns.
         self.backlog = true;
         let r = self.poll_loop(max, done, dry, &mut f);
@@ -158,22 +163,49 @@ impl Lane {
             f(Wc { wr_id, f: Fields::of(wc), place, gen, lane, flags }, mr);
             return true;
         }
-        self.start_rare(place, recv, seq, i);
-        false
+        self.start_rare(place, recv, seq, i, f)
     }
 
-    /// The rest of `start`, out of line: a completion that retires earlier unsignaled work
+    /// The rest of `start`, out of line: the completion of a prepared batch that is the oldest
+    /// outstanding (handed to `f` here: true), one that retires earlier unsignaled work
     /// requests too (`retiring` is set, for `retire`), or nothing (stale).
     #[cold]
     #[inline(never)]
-    fn start_rare(&mut self, place: u16, recv: bool, seq: u32, i: u8) {
+    fn start_rare(
+        &mut self,
+        place: u16,
+        recv: bool,
+        seq: u32,
+        i: u8,
+        f: &mut impl FnMut(Wc, Option<MemoryRegion>),
+    ) -> bool {
         // The member `start` just matched (tag and QP number): nothing has changed since.
-        let Some(Some(m)) = self.members.get(place as usize) else { return };
-        let slots = if recv { &m.recv } else { &m.send };
-        if slots.holds(seq) {
-            self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
-            self.backlog = true;
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
+        let slots = if recv { &mut m.recv } else { &mut m.send };
+        if !slots.holds(seq) {
+            return false;
         }
+        let mark = slots.head_mark();
+        if mark > 1 && seq == slots.head.wrapping_add(mark - 1) {
+            // A prepared batch, the oldest outstanding: it retires whole, here (the general
+            // loop's `retire` would do the same, at the cost of the detour).
+            let (mr, wr_id) = slots.pop_batch(mark);
+            let (gen, lane) = (m.key.gen, self.id);
+            // SAFETY: as in `start`.
+            let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
+            let mut fields = Fields::of(wc);
+            if let Some((status, vendor_err)) = m.batch_error.take() {
+                // Flushed after one of its interior requests failed: that failure.
+                if fields.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                    (fields.status, fields.vendor_err) = (status, vendor_err);
+                }
+            }
+            f(Wc { wr_id, f: fields, place, gen, lane, flags: SIGNALED | LANE }, mr);
+            return true;
+        }
+        self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
+        self.backlog = true;
+        false
     }
 
     /// A completion whose tag matched no member: a batch's interior work request (an error or

@@ -94,6 +94,21 @@ impl Slots {
         // SAFETY: `spans.len()` is `mask + 1`, as `slots.len()` (`Slots::new`).
         unsafe { *self.spans.get_unchecked_mut(i) = len };
     }
+    /// `mark_batch` and `put` at `tail`, the slot's index computed once: a batch's post.
+    #[inline(always)]
+    pub(super) fn put_batch(&mut self, len: u32, mr: MemoryRegion, wr_id: u64) {
+        let i = (self.tail & self.mask) as usize;
+        debug_assert!(i < self.slots.len() && i < self.spans.len() && len >= 1);
+        // SAFETY: `spans.len()` and `slots.len()` are `mask + 1` (`Slots::new`): `i`, masked,
+        // is in bounds of both. The slot is free, as in `put` (whose argument holds here: the
+        // value overwritten is not dropped, at worst a leak).
+        unsafe {
+            *self.spans.get_unchecked_mut(i) = len;
+            let s = self.slots.get_unchecked_mut(i);
+            std::ptr::write(&mut s.mr, Some(mr));
+            s.wr_id = wr_id;
+        }
+    }
     /// The mark of the oldest outstanding slot: a batch's length when a batch starts there,
     /// else 0 or 1 (an ordinary slot).
     #[inline(always)]
