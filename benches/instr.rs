@@ -37,7 +37,12 @@
 //! ([`rdma_cm::lane::PreparedSend`]: checked and lowered once before the loop, posted with
 //! `post_prepared`, re-armed with the region each completion hands back). `batch-prep` is a
 //! [`rdma_cm::lane::PreparedBatch`]: the sixteen WRITEs over one region, posted with
-//! `post_batch`, whose one completion hands the region back.
+//! `post_batch`, whose one completion hands the region back. `batch-rawpre` is raw as a loop
+//! that builds its list of sixteen once and posts it again and again (`batch-raw` builds it
+//! at every post, as the other raw rows build their work request). The other operations'
+//! batches of sixteen come as `raw` and `prep`: `batch4-*` (WRITEs of 4 pieces), `fbatch-*`
+//! (fetch-and-adds, each result into its own 8 bytes) and `ubatch-*` (datagrams, no receive
+//! posted: a UD send completes whether or not one waits).
 
 mod common;
 
