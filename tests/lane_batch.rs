@@ -11,7 +11,7 @@ mod common;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use common::lane::{back_to_init, lane_pair, lane_ud_pair, reap};
+use common::lane::{back_to_init, lane_pair, lane_ud_pair, poll_until_the_closure_panics, reap};
 use common::{mr_count, pattern, DeviceTest, PairSpec, T};
 use rdma_cm::lane::{Lane, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Datagram, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WcStatus, GRH_LEN};
@@ -34,24 +34,6 @@ fn writes(
     lane.prepare_batch(qp, mr, 16, |k, mr| SendWr::write(mr, k * 64..(k + 1) * 64, remote, k as u64 * 128).wr_id(40))
         .map_err(|r| r.into_parts().0)
         .unwrap()
-}
-
-/// Polls once for up to `max` completions, panicking in the closure; retries (bounded) until
-/// one came.
-fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
-    let deadline = Instant::now() + T;
-    loop {
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            lane.poll_with(max, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
-        }));
-        match r {
-            Err(_) => return,
-            Ok(n) => {
-                assert_eq!(n, 0, "a completion was handed out without the closure");
-                assert!(Instant::now() < deadline, "no completion within {T:?}");
-            }
-        }
-    }
 }
 
 #[test]

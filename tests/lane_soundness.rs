@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use common::lane::{attached_pair, back_to_init, lane_on, lane_pair, reap, LaneSide};
+use common::lane::{attached_pair, back_to_init, lane_on, lane_pair, poll_until_the_closure_panics, reap, LaneSide};
 use common::{mr_count, pair, DeviceTest, PairSpec, T};
 use rdma_cm::lane::{Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Error, MemoryRegion, WcStatus};
@@ -408,24 +408,6 @@ fn lane_handles_hash_as_they_compare() {
         drop((l1, l2, sa, sb, sa2, c));
     }
     t.finish();
-}
-
-/// Polls `lane` (up to `max` at a time) with a closure that panics on the first completion it
-/// is given, until it has, within `T`.
-fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
-    let deadline = Instant::now() + T;
-    loop {
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            lane.poll_with(max, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
-        }));
-        match r {
-            Err(_) => return,
-            Ok(n) => {
-                assert_eq!(n, 0, "a completion was handed out without the closure");
-                assert!(Instant::now() < deadline, "no completion within {T:?}");
-            }
-        }
-    }
 }
 
 /// Sixteen unsignaled single sends fill the send queue: the one that takes the last slot is

@@ -126,3 +126,21 @@ pub fn back_to_init(side: &mut LaneSide) {
         }
     }
 }
+
+/// Polls `lane` for up to `max` completions with a closure that panics, again (bounded by `T`)
+/// until a completion reached the closure; asserts that none is handed out without it.
+pub fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            lane.poll_with(max, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
+        }));
+        match r {
+            Err(_) => return,
+            Ok(n) => {
+                assert_eq!(n, 0, "a completion was handed out without the closure");
+                assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
+            }
+        }
+    }
+}
