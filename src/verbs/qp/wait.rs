@@ -691,6 +691,7 @@ impl QueuePair {
     /// every other one is kept for a later poll or wait, so none is lost.
     fn pick(&mut self, wcs: &[WorkCompletion], queue: WorkQueue, wr_id: u64) -> Option<Result<WorkCompletion>> {
         let mut found = None;
+        let (mut kept_send, mut kept_recv) = (false, false);
         for wc in wcs {
             if found.is_none() && Self::decides(wc, queue, wr_id) {
                 found = Some(*wc);
@@ -698,7 +699,21 @@ impl QueuePair {
                 srq.shared().slots().keep(*wc);
             } else {
                 self.queues().keep(*wc);
+                match wc.queue() {
+                    WorkQueue::Send => kept_send = true,
+                    WorkQueue::Recv => kept_recv = true,
+                }
             }
+        }
+        // The CQ's own poll must look for them too, as when a poll keeps one of its QP's own
+        // (`poll_cq_own`). Without this, a CQ poll after the wait found none of them until some
+        // other QP's completion was kept (seen on rxe with kernel 6.12, where the other QP's
+        // completions came after the wait had ended).
+        if kept_send {
+            self.send_cq().router().note_kept();
+        }
+        if kept_recv {
+            self.recv_cq().router().note_kept();
         }
         found.map(|wc| self.answer(wc, wr_id))
     }
