@@ -935,7 +935,7 @@ mod lane_bench {
     }
 
     #[derive(Clone, Copy)]
-    enum More {
+    pub enum More {
         /// Sixteen WRITEs, each gathered from the four `PIECES` of one region.
         Write4,
         /// Sixteen fetch-and-adds of 1 on the peer's counter, each result into its own 8 bytes.
@@ -946,7 +946,7 @@ mod lane_bench {
     /// one signaled.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_raw_post_batch_of(qp: *mut ffi::ibv_qp, what: u32, mr: &MemoryRegion, remote: &RemoteRegion) {
+    pub fn instr_raw_post_batch_of(qp: *mut ffi::ibv_qp, what: More, mr: &MemoryRegion, remote: &RemoteRegion) {
         // SAFETY: ibv_sge and ibv_send_wr are plain old data.
         let (mut sges, mut wrs): ([[ffi::ibv_sge; 4]; BATCH], [ffi::ibv_send_wr; BATCH]) =
             unsafe { (zeroed(), zeroed()) };
@@ -955,7 +955,7 @@ mod lane_bench {
             wr.wr_id = k as u64;
             // SAFETY: k < BATCH: an entry of `sges`, which outlives the post below.
             let sge = unsafe { &mut *sg.add(k) };
-            if what == 0 {
+            if let More::Write4 = what {
                 for (s, r) in sge.iter_mut().zip(PIECES) {
                     *s = ffi::ibv_sge { addr: mr.addr() + r.start as u64, length: r.len() as u32, lkey: mr.lkey() };
                 }
@@ -990,9 +990,8 @@ mod lane_bench {
                 More::Fadd => RemoteRegion { len: 8, ..b.mrs[0].remote() },
             };
             let scq = a.conn.qp().send_cq();
-            let code = if matches!(what, More::Write4) { 0 } else { 1 };
             measure(name, n, |empties| {
-                instr_raw_post_batch_of(a.conn.qp().as_raw(), code, &a.mrs[0], &remote);
+                instr_raw_post_batch_of(a.conn.qp().as_raw(), what, &a.mrs[0], &remote);
                 settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
             });
             return;

@@ -346,6 +346,17 @@ impl Member {
         Some(first.wrapping_add(posted - 1))
     }
 
+    /// The fields of a batch's own completion: flushed after one of its interior requests
+    /// failed, it carries that failure (taken: it was this batch's).
+    fn batch_fields(&mut self, mut f: Fields) -> Fields {
+        if let Some((status, vendor_err)) = self.batch_error.take() {
+            if f.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                (f.status, f.vendor_err) = (status, vendor_err);
+            }
+        }
+        f
+    }
+
     /// Moves the QP to the error state, flushing everything posted.
     fn set_error(&mut self) -> Result<()> {
         // SAFETY: ibv_qp_attr is plain old data; zero is valid.
@@ -764,25 +775,16 @@ impl Lane {
         if !mine(place) {
             return false;
         }
-        if wc.wr_id & tag::INTERIOR != 0 {
-            // A batch's interior work request: its batch retires with its last, or, when only
-            // part of it was posted, with this one if it was the last posted.
-            if let Some(Some(m)) = self.members.get_mut(place as usize) {
-                if m.key.gen == gen && m.qp_num == wc.qp_num {
-                    if let Some(upto) = m.orphan_done(wc.wr_id as u32) {
-                        m.batch_error = None;
-                        drop(m.send.retire_through(upto));
-                    }
-                }
-            }
-            return true;
-        }
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
         if m.key.gen != gen || m.qp_num != wc.qp_num {
             return true; // stale: retires nothing
         }
+        // A batch's interior work request retires nothing: its batch retires with its last,
+        // or, when only part of it was posted, with this one if it was the last posted.
+        let through = if wc.wr_id & tag::INTERIOR != 0 { m.orphan_done(seq) } else { Some(seq) };
+        let Some(through) = through else { return true };
         let slots = if recv { &mut m.recv } else { &mut m.send };
-        drop(slots.retire_through(seq));
+        drop(slots.retire_through(through));
         if !recv {
             m.batch_error = None;
         }

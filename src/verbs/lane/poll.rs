@@ -193,13 +193,7 @@ impl Lane {
             let (gen, lane) = (m.key.gen, self.id);
             // SAFETY: as in `start`.
             let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
-            let mut fields = Fields::of(wc);
-            if let Some((status, vendor_err)) = m.batch_error.take() {
-                // Flushed after one of its interior requests failed: that failure.
-                if fields.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-                    (fields.status, fields.vendor_err) = (status, vendor_err);
-                }
-            }
+            let fields = m.batch_fields(Fields::of(wc));
             f(Wc { wr_id, f: fields, place, gen, lane, flags: SIGNALED | LANE }, mr);
             return true;
         }
@@ -272,16 +266,10 @@ impl Lane {
             }
             self.retiring = None;
             // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
-            let mut fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
-            // A batch flushed after one of its interior requests failed: that failure.
-            let failure = if mark > 1 { m.batch_error.take() } else { None };
-            if let (Some(fl), Some((status, vendor_err))) = (fields.as_mut(), failure) {
-                if fl.status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-                    (fl.status, fl.vendor_err) = (status, vendor_err);
-                }
-            }
-            let wc =
-                Wc { wr_id, f: fields.unwrap_or_default(), place: r.place, gen, lane, flags: recv | SIGNALED | LANE };
+            let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
+            let fields = fields.unwrap_or_default();
+            let fields = if mark > 1 { m.batch_fields(fields) } else { fields };
+            let wc = Wc { wr_id, f: fields, place: r.place, gen, lane, flags: recv | SIGNALED | LANE };
             f(wc, mr);
             break;
         }
