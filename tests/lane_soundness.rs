@@ -934,7 +934,68 @@ fn a_full_queue_of_unsignaled_prepared_requests_drains() {
             p.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
         }
         assert!(ps.iter().all(|p| p.is_armed()));
+        // One by one again, the list's last first: the list signaled that one (it took the last
+        // slot) and must have put its flags back, so only the last posted is signaled now.
+        for p in ps[..depth].iter_mut().rev() {
+            a.lane.post_prepared(p).unwrap();
+        }
+        let done = reap(&mut a.lane, depth);
+        assert!(done.iter().all(|c| c.is_ok()), "{done:?}");
+        let signaled: Vec<u64> = done.iter().filter(|c| c.is_signaled()).map(|c| c.wr_id()).collect();
+        assert_eq!(signaled, [0], "only the one that took the last slot (wr_id 0) is signaled");
+        for mut c in done {
+            ps[c.wr_id() as usize].rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
         assert!(a.lane.poll().unwrap().is_none());
+        drop((a, b, ps));
+    }
+    t.finish();
+}
+
+/// Attempt: a prepared list links its requests for its one `ibv_post_send`. A request of that
+/// list, posted alone afterwards, must post itself only: were the link left in place, the
+/// provider would also run the requests after it, whose regions are back in Rust's hands, and
+/// their completions would pass for later posts'. Each request WRITEs its own byte to its own
+/// place of the peer's region; after the single posts, the place of the one not posted again is
+/// still zero.
+#[test]
+fn a_prepared_request_posted_alone_after_its_list_posts_only_itself() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let mut ps: Vec<_> = (0..3u8)
+            .map(|k| {
+                let mut mr = region(&a);
+                mr.as_mut_slice().unwrap()[..64].fill(k + 1);
+                let wr = SendWr::write(mr, 0..64, &remote, 64 * k as u64).wr_id(k as u64);
+                a.lane.prepare_send(a.qp, wr).map_err(|r| r.into_parts().0).unwrap()
+            })
+            .collect();
+        assert_eq!(a.lane.post_prepared_list(&mut ps).unwrap(), 3);
+        for mut c in reap(&mut a.lane, 3) {
+            assert!(c.is_ok(), "{c:?}");
+            ps[c.wr_id() as usize].rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        // The peer's region is remotely writable: read and cleared by copies.
+        let mut peer = [0u8; 192];
+        b.mrs[0].read_at(0, &mut peer).unwrap();
+        assert!(peer.chunks(64).zip(1u8..).all(|(c, k)| c.iter().all(|&x| x == k)), "the list wrote all three");
+        b.mrs[0].write_at(0, &[0; 192]).unwrap();
+        // The first alone, then the last alone: an RC queue runs in order, so once the last
+        // one's completion is in, anything the first one's post ran with it has run too.
+        for k in [0, 2] {
+            a.lane.post_prepared(&mut ps[k]).unwrap();
+            let mut c = reap(&mut a.lane, 1).pop().unwrap();
+            assert!(c.is_ok() && c.wr_id() == k as u64, "{c:?}");
+            ps[k].rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
+        }
+        b.mrs[0].read_at(0, &mut peer).unwrap();
+        assert!(peer[..64].iter().all(|&x| x == 1), "the first one's WRITE");
+        assert!(peer[64..128].iter().all(|&x| x == 0), "the middle one ran again: the first one's post ran the list");
+        assert!(peer[128..192].iter().all(|&x| x == 3), "the last one's WRITE");
+        assert!(a.lane.poll().unwrap().is_none(), "no completion beyond the two posts");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
         drop((a, b, ps));
     }
     t.finish();

@@ -210,10 +210,6 @@ impl Lane {
     #[inline(always)]
     pub fn post_batch(&mut self, b: &mut PreparedBatch) -> Result<()> {
         let m = self.member(b.key)?;
-        // First, so that nothing computed below lives across this (rare) call.
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         let len = b.len;
         if len > m.send.free() || m.failed.is_some() {
             return Err(refusal(m, "ibv_post_send"));

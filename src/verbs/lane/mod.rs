@@ -218,9 +218,10 @@ mod tag {
     const GEN_SHIFT: u32 = 48;
     pub(super) const GEN_MASK: u16 = (1 << 13) - 1;
     const PLACE_SHIFT: u32 = 32;
-    /// Bits 61..32 of a tag, as a `u32`: its generation and place (`hi`), and `INTERIOR`
-    /// (which no member's `hi` has, so an interior tag never passes for an ordinary one).
-    pub(super) const HI_MASK: u32 = (1 << 30) - 1;
+    /// Bits 62..32 of a tag, as a `u32`: its generation and place (`hi`), `INTERIOR` and the
+    /// convenient path's bit (which no member's `hi` has, so neither an interior tag nor a
+    /// completion of the convenient path ever passes for an ordinary one).
+    pub(super) const HI_MASK: u32 = (1 << 31) - 1;
 
     /// Bits 61..32 of the tags of a QP at `place` with generation `gen`, as a `u32`.
     #[inline(always)]
@@ -379,9 +380,6 @@ impl Drop for Member {
     /// exactly when the device can no longer reach the memory. A UD QP's address handles are
     /// handed over the same way, or leaked if the rings have no room for them.
     fn drop(&mut self) {
-        if self.send.staged != 0 {
-            self.send.release_staged();
-        }
         let has_sends = self.send.outstanding() > 0;
         let sends: Vec<MemoryRegion> = self.send.drain().collect();
         let recvs: Vec<MemoryRegion> = self.recv.drain().collect();

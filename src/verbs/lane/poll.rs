@@ -24,6 +24,10 @@ impl Lane {
     /// with it (the device is done with it) and every other completion stays for the next
     /// poll.
     ///
+    /// The CQ is asked for no more than `max` completions at a time (at most 16), as a raw
+    /// `ibv_poll_cq` of `max` would ask: a poll for one costs the least when one is all there
+    /// is, and a loop that reaps a burst does best to ask for the whole burst in one call.
+    ///
     /// # Errors
     /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
     #[inline(always)]
@@ -37,8 +41,12 @@ impl Lane {
             unlikely();
             return self.poll_more(max, 0, false, f);
         }
-        // SAFETY: as in `poll_more`.
-        let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
+        // The CQ is asked for no more than the caller wants (as a raw `ibv_poll_cq` of `max`
+        // would be): a provider that is asked for more looks at its queue once more to find it
+        // empty, which is most of what a poll that finds nothing costs.
+        let ask = max.min(POLL_BATCH) as i32;
+        // SAFETY: as in `poll_loop`.
+        let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), ask, self.wcs.as_mut_ptr().cast()) };
         if got != 1 {
             // Nothing, an error, or several: the general loop hands several out.
             if got <= 0 {
@@ -46,18 +54,21 @@ impl Lane {
             }
             self.n = got as u8;
             self.at = 0;
-            return self.poll_more(max, 0, got < POLL_BATCH as i32, f);
+            return self.poll_more(max, 0, got < ask, f);
         }
-        self.n = 1;
-        self.at = 1;
+        // The one completion is handed out from `wcs[0]` with the buffer's `n` and `at` left
+        // as they are (`at >= n`: nothing buffered, since there is no backlog), so a panic in
+        // `f` leaves nothing behind to defer; they are set only when it was not handed out.
         let done = self.start(0, &mut f) as usize;
         if done == max {
             return Ok(done);
         }
-        // The CQ gave one where it was asked for more: it held no other then, so the general
-        // loop does not poll it again in this call (a poll that finds nothing costs about what
-        // one that finds one does).
-        self.poll_more(max, done, true, f)
+        self.n = 1;
+        self.at = 1;
+        // When the CQ gave one where it was asked for more, it held no other then, so the
+        // general loop does not poll it again in this call (a poll that finds nothing costs
+        // about what one that finds one does).
+        self.poll_more(max, done, ask > 1, f)
     }
 
     /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
@@ -112,10 +123,11 @@ impl Lane {
                 if dry {
                     break;
                 }
+                // No more than the caller still wants, as in `poll_with`.
+                let ask = (max - done).min(POLL_BATCH) as i32;
                 // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH
-                // entries, which the provider writes.
-                let got =
-                    unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, self.wcs.as_mut_ptr().cast()) };
+                // entries (`ask` is at most that), which the provider writes.
+                let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), ask, self.wcs.as_mut_ptr().cast()) };
                 if got <= 0 {
                     if got < 0 {
                         return Err(poll_failed(got));
@@ -124,7 +136,7 @@ impl Lane {
                 }
                 self.n = got as u8;
                 self.at = 0;
-                dry = got < POLL_BATCH as i32;
+                dry = got < ask;
             }
             let i = self.at;
             self.at += 1;
@@ -140,15 +152,14 @@ impl Lane {
     fn start(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
         // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
-        if wc.wr_id & tag::CRATE != 0 {
-            return self.convenient_with(i, f);
-        }
-        // The tag's place and generation, compared whole with the member's (`Member::hi`).
+        // The tag's place and generation, compared whole with the member's (`Member::hi`); a
+        // completion of the convenient path or of a batch's interior request has a bit set that
+        // no member's `hi` has, and goes to `unmatched`.
         let hi = (wc.wr_id >> 32) as u32;
         let place = hi as u16;
         let m = match self.members.get_mut(place as usize) {
             Some(Some(m)) if m.hi == hi & tag::HI_MASK && m.qp_num == wc.qp_num => m,
-            _ => return self.interior_or_stale(i),
+            _ => return self.unmatched(i, f),
         };
         let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.key.gen, self.id);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
@@ -202,14 +213,18 @@ impl Lane {
         false
     }
 
-    /// A completion whose tag matched no member: a batch's interior work request (an error or
-    /// a flush: its failure is kept for the batch's own completion, which retires it), or a
-    /// stale one (of a QP removed from the lane). Retires nothing, hands nothing out.
+    /// A completion whose tag matched no member: one of the convenient path (routed, and
+    /// handed to `f`: true), a batch's interior work request (an error or a flush: its failure
+    /// is kept for the batch's own completion, which retires it), or a stale one (of a QP
+    /// removed from the lane). The last two retire nothing and hand nothing out (false).
     #[cold]
     #[inline(never)]
-    fn interior_or_stale(&mut self, i: u8) -> bool {
+    fn unmatched(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
         // SAFETY: as in `start`.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
+        if wc.wr_id & tag::CRATE != 0 {
+            return self.convenient_with(i, f);
+        }
         if wc.wr_id & tag::INTERIOR == 0 {
             return false;
         }
@@ -236,8 +251,8 @@ impl Lane {
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the
     /// unsignaled ones, then the one it names; a prepared batch is one slot); returns how many.
-    /// Out of line, as is `convenient_with`: the poll's common case then calls `f` from one
-    /// place, where the compiler inlines it.
+    /// Out of line, as is `unmatched`: the poll's common case then calls `f` from one place,
+    /// where the compiler inlines it.
     #[cold]
     #[inline(never)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> usize {

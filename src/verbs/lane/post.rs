@@ -25,9 +25,6 @@ impl Lane {
         if free == 0 || m.failed.is_some() {
             return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
         }
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
         // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
@@ -75,20 +72,19 @@ impl Lane {
         if m.failed.is_some() {
             return Err(RejectedList { error: refusal(m, "ibv_post_send"), returned: Vec::new() });
         }
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         let free = m.send.free();
         let seq = m.send.tail;
         let mut raw: [MaybeUninit<ffi::ibv_send_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];
         let mut sge: [[MaybeUninit<ffi::ibv_sge>; MAX_SGE]; MAX_LIST] =
             [const { [const { MaybeUninit::uninit() }; MAX_SGE] }; MAX_LIST];
         let base: *mut ffi::ibv_send_wr = raw.as_mut_ptr().cast();
-        let mut k = 0u32;
+        // The slots filled so far, released if the iterator panics (its `next`, or its drop).
+        let mut staging = Staging { m, k: 0 };
         for w in wrs {
+            let (m, k) = (&mut *staging.m, staging.k);
             if k as usize == MAX_LIST || k == free {
-                m.send.staged = 0;
-                return Err(unstage(m, k, (w.wr_id, w.mr), list_too_long(k, free)));
+                staging.k = 0;
+                return Err(unstage(staging.m, k, (w.wr_id, w.mr), list_too_long(k, free)));
             }
             // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
             let r = unsafe {
@@ -98,8 +94,8 @@ impl Lane {
             let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
             if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
-                m.send.staged = 0;
-                return Err(unstage(m, k, (w.wr_id, w.mr), e));
+                staging.k = 0;
+                return Err(unstage(staging.m, k, (w.wr_id, w.mr), e));
             }
             let i = k as usize;
             if k > 0 {
@@ -107,13 +103,13 @@ impl Lane {
                 unsafe { (*base.add(i - 1)).next = base.add(i) };
             }
             // Staged: the slot holds it from here on; committed below once the provider took it.
-            // Counted, so that a panic of the iterator's `next` leaves them to be released.
+            // Counted, so that a panic of the iterator's `next` releases it.
             m.send.put(k, w.mr, w.wr_id);
-            k += 1;
-            m.send.staged = k;
+            staging.k = k + 1;
         }
-        // The iterator is done: no user code runs from here on.
-        m.send.staged = 0;
+        // The iterator is done (and dropped): no user code runs from here on.
+        let k = std::mem::take(&mut staging.k);
+        let m = &mut *staging.m;
         if k == 0 {
             return Ok(0);
         }
@@ -146,9 +142,6 @@ impl Lane {
             )));
         }
         let m = self.member(qp)?;
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         let count = wrs.iter().filter(|w| w.is_some()).count() as u32;
         if count == 0 {
             return Ok(0);
@@ -303,5 +296,21 @@ impl Lane {
             return Ok(posted as usize);
         }
         Err(post_list_failed(m, ret, posted < count, "ibv_post_recv"))
+    }
+}
+
+/// The slots a `post_send_iter` has filled beyond `tail` while its iterator runs (`k` of
+/// them): if the iterator panics, in its `next` or its drop, they are released (never posted:
+/// the device never saw those regions).
+struct Staging<'a> {
+    m: &'a mut Member,
+    k: u32,
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if self.k != 0 {
+            self.m.send.release_staged(self.k);
+        }
     }
 }

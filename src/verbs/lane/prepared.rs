@@ -30,9 +30,17 @@ const SIGNALED_FLAG: u32 = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
 /// request with. Only that region is taken back: the request was checked against it (bounds,
 /// access, protection domain). The request stays meaningful while its QP is attached; once
 /// the QP is removed, a post is refused.
+#[repr(C)]
 pub struct PreparedSend {
+    /// The provider's work request (first, so that its address is the request's own, which a
+    /// post then keeps in one register). Between posts its `sg_list` points at `sge`, its `next`
+    /// is NULL (a list post links the requests, and unlinks them before it returns) and its
+    /// `send_flags` are `flags` (a post that signals because it takes the queue's last slot
+    /// puts them back).
     raw: ffi::ibv_send_wr,
-    sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
+    /// Owned here; read by the provider only, through `raw.sg_list`.
+    #[allow(dead_code)]
+    sge: Sges<[MaybeUninit<ffi::ibv_sge>; MAX_SGE]>,
     mr: Option<MemoryRegion>,
     /// The number of the region it was checked against (unique in the process, never reused).
     of: u64,
@@ -40,22 +48,27 @@ pub struct PreparedSend {
     /// Its `wr_id` tag without the sequence number (`tag::encode` with 0).
     tag: u64,
     /// The send flags of a post that does not take the queue's last free slot:
-    /// `IBV_SEND_SOLICITED` or nothing, and `IBV_SEND_SIGNALED` when it asks for a completion.
+    /// `IBV_SEND_SOLICITED` or nothing, and `IBV_SEND_SIGNALED` when it asks for a completion
+    /// (also in `raw.send_flags` between posts).
     flags: u32,
     wr_id: u64,
 }
 
-// SAFETY: the raw pointers in `raw` are its scatter list (re-pointed at `sge` by each post)
-// and a UD destination's address handle, which the lane's member keeps alive; only the lane
-// that prepared it hands them to the provider, from whatever thread owns the lane (`Lane` is
+// SAFETY: the raw pointers in `raw` are its scatter list (its own `sge`, which it owns alone),
+// a list post's link to another request (reset before the post returns) and a UD
+// destination's address handle, which the lane's member keeps alive; only the lane that
+// prepared it hands them to the provider, from whatever thread owns the lane (`Lane` is
 // `Send`). Nothing is shared between threads: the request is owned, and used through `&mut`.
 unsafe impl Send for PreparedSend {}
 
 /// A receive lowered once for one QP of a lane ([`Lane::prepare_recv`]), posted any number of
 /// times with [`Lane::post_prepared_recv`]; armed and re-armed as [`PreparedSend`] is.
+#[repr(C)]
 pub struct PreparedRecv {
+    /// The provider's receive (first, as in `PreparedSend`), its `sg_list` pointing at `sge`
+    /// for good.
     raw: ffi::ibv_recv_wr,
-    sge: ffi::ibv_sge,
+    sge: Sges<ffi::ibv_sge>,
     mr: Option<MemoryRegion>,
     of: u64,
     key: LaneQp,
@@ -63,9 +76,36 @@ pub struct PreparedRecv {
     wr_id: u64,
 }
 
-// SAFETY: the one raw pointer, the scatter list, is re-pointed at `sge` by each post; see
-// `PreparedSend`.
+// SAFETY: the one raw pointer is the scatter list, its own `sge`; see `PreparedSend`.
 unsafe impl Send for PreparedRecv {}
+
+/// A prepared request's scatter list, on the heap: the request's `sg_list` is pointed at it
+/// once, when it is prepared, and stays valid wherever the request moves (it was pointed again
+/// at every post when the list was part of the request). Held through a raw pointer, not a
+/// `Box`, since the request's `sg_list` points into it; freed on drop.
+struct Sges<T>(NonNull<T>);
+
+impl<T> Sges<T> {
+    fn new(value: T) -> Self {
+        Sges(NonNull::from(Box::leak(Box::new(value))))
+    }
+    fn as_ptr(&self) -> *mut T {
+        self.0.as_ptr()
+    }
+    fn get(&self) -> &T {
+        // SAFETY: allocated and initialised by `new`, freed only by drop; written by nobody
+        // after `new` (the provider only reads a scatter list).
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl<T> Drop for Sges<T> {
+    fn drop(&mut self) {
+        // SAFETY: from `Box::leak` in `new`, freed only here. The provider holds no pointer
+        // into it: `ibv_post_send` and `ibv_post_recv` copy the scatter list before they return.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
+}
 
 impl fmt::Debug for PreparedSend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -84,7 +124,7 @@ impl fmt::Debug for PreparedRecv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PreparedRecv")
             .field("qp", &self.key)
-            .field("len", &self.sge.length)
+            .field("len", &self.sge.get().length)
             .field("wr_id", &self.wr_id)
             .field("armed", &self.mr.is_some())
             .finish()
@@ -99,8 +139,14 @@ pub(super) fn rearm(
     of: u64,
     mr: MemoryRegion,
 ) -> std::result::Result<(), Rejected<MemoryRegion>> {
-    if slot.is_none() && mr.inner().serial() == of {
-        *slot = Some(mr);
+    if mr.inner().serial() == of {
+        // A region's number is its own: no two `MemoryRegion` values share one (each is made
+        // with a new number, and none is cloned). `mr` has the number `of`, so `slot`, which
+        // only ever holds the region numbered `of`, is empty: nothing is overwritten (were it
+        // not empty, the value would be leaked, not dropped twice).
+        let old = slot.replace(mr);
+        debug_assert!(old.is_none(), "two regions with one number");
+        std::mem::forget(old);
         return Ok(());
     }
     Err(rearm_refused(slot.is_some(), mr))
@@ -181,6 +227,7 @@ impl PreparedSend {
     #[inline(always)]
     pub fn set_signaled(&mut self, signaled: bool) {
         self.flags = if signaled { self.flags | SIGNALED_FLAG } else { self.flags & !SIGNALED_FLAG };
+        self.raw.send_flags = self.flags;
     }
 }
 
@@ -193,8 +240,9 @@ pub(super) fn not_armed() -> Error {
 }
 
 /// The error of a post that the provider refused: the region, put uncommitted into the queue's
-/// slot at `tail` before the call, is taken out again, and put back into `slot` when the
-/// provider named the request (it did not take it).
+/// slot at `tail` before the call and committed there (`tail` advanced), is taken out again
+/// (`tail` put back), and returned into `slot` when the provider named the request (it did not
+/// take it).
 #[cold]
 #[inline(never)]
 fn post_refused(
@@ -206,7 +254,9 @@ fn post_refused(
     send: bool,
 ) -> Error {
     let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
-    let Some(mr) = (if send { &mut m.send } else { &mut m.recv }).unput() else {
+    let q = if send { &mut m.send } else { &mut m.recv };
+    q.tail = q.tail.wrapping_sub(1);
+    let Some(mr) = q.unput() else {
         // Never: the post put it there, and nothing took it since.
         debug_assert!(false, "the region a post put at tail is gone");
         return Error::call(op, ret, None);
@@ -244,8 +294,12 @@ impl Lane {
         if let Err(e) = wr.lower(m, 0, false, &mut raw, &mut sge) {
             return Err(Rejected::new(e, wr.mr));
         }
-        // `lower` pointed the list at the local `sge`; each post points it at the request's own.
-        raw.sg_list = std::ptr::null_mut();
+        // `lower` pointed the list at the local `sge`: now at the request's own, for good.
+        let sge = Sges::new(sge);
+        raw.sg_list = sge.as_ptr().cast();
+        raw.next = std::ptr::null_mut();
+        let flags = wr.flags | if wr.signaled { SIGNALED_FLAG } else { 0 };
+        raw.send_flags = flags;
         let of = wr.mr.inner().serial();
         Ok(PreparedSend {
             raw,
@@ -253,7 +307,7 @@ impl Lane {
             of,
             key: qp,
             tag: tag::encode(qp.place, qp.gen, 0, false),
-            flags: wr.flags | if wr.signaled { SIGNALED_FLAG } else { 0 },
+            flags,
             wr_id: wr.wr_id,
             mr: Some(wr.mr),
         })
@@ -276,10 +330,11 @@ impl Lane {
             Ok(n) => n,
             Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
-        let raw = ffi::ibv_recv_wr { wr_id: 0, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge };
+        let sge = Sges::new(wr.sge);
+        let raw = ffi::ibv_recv_wr { wr_id: 0, next: std::ptr::null_mut(), sg_list: sge.as_ptr(), num_sge };
         let of = wr.mr.inner().serial();
         let tag = tag::encode(qp.place, qp.gen, 0, true);
-        Ok(PreparedRecv { raw, sge: wr.sge, of, key: qp, tag, wr_id: wr.wr_id, mr: Some(wr.mr) })
+        Ok(PreparedRecv { raw, sge, of, key: qp, tag, wr_id: wr.wr_id, mr: Some(wr.mr) })
     }
 
     /// Posts the prepared send-queue work request `p`: its region moves into the lane until
@@ -294,40 +349,12 @@ impl Lane {
     #[inline(always)]
     pub fn post_prepared(&mut self, p: &mut PreparedSend) -> Result<()> {
         let m = self.member(p.key)?;
-        // First, so that nothing computed below lives across this (rare) call.
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         let free = m.send.free();
-        if free == 0 || m.failed.is_some() {
-            return Err(refusal(m, "ibv_post_send"));
+        if free <= 1 || m.failed.is_some() {
+            // A full queue, a QP in error, or the queue's last free slot (out of line).
+            return post_last_slot(m, p, free);
         }
-        let Some(mr) = p.mr.take() else { return Err(not_armed()) };
-        let seq = m.send.tail;
-        p.raw.wr_id = p.tag | seq as u64;
-        // The one that takes the last free slot is signaled, so a full queue drains.
-        p.raw.send_flags = if free == 1 { p.flags | SIGNALED_FLAG } else { p.flags };
-        p.raw.sg_list = p.sge.as_mut_ptr().cast();
-        p.raw.next = std::ptr::null_mut();
-        // The region goes into the slot at `tail` before the call, uncommitted: then nothing
-        // holds it across the call. The slot is committed when the provider took the request,
-        // and emptied again when it did not (`post_refused`).
-        m.send.put(0, mr, p.wr_id);
-        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive (its owner is in `m`, which `p.key` names: the place, its
-        // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
-        // request over `p.sge`, both alive for the call, lowered by `prepare_send` for this very
-        // QP against the region now in the slot, which `rearm` made sure is the one it was
-        // checked against; a UD destination's address handle is kept by `m`. The region is out
-        // of Rust's reach in the slot until a completion retires it.
-        let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut p.raw, &mut bad) };
-        if ret == 0 {
-            // (`tail` is read again rather than kept in a register across the call.)
-            m.send.tail = m.send.tail.wrapping_add(1);
-            return Ok(());
-        }
-        let named = std::ptr::eq(bad, &p.raw);
-        Err(post_refused(m, ret, named, p.wr_id, &mut p.mr, true))
+        post_one(m, p)
     }
 
     /// Posts the prepared receive `p`, as [`Lane::post_prepared`] posts a send.
@@ -343,16 +370,15 @@ impl Lane {
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };
         let seq = m.recv.tail;
         p.raw.wr_id = p.tag | seq as u64;
-        p.raw.sg_list = &mut p.sge;
-        // Into the slot before the call, uncommitted, as in `post_prepared`.
+        // Into the slot before the call, committed, as in `post_one`.
         m.recv.put(0, mr, p.wr_id);
+        m.recv.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: as in `post_prepared`: the QP is alive; `p.raw` is one NULL-terminated
-        // receive over `p.sge`, checked by `prepare_recv` for this QP against the region now in
+        // SAFETY: as in `post_one`: the QP is alive; `p.raw` is one NULL-terminated receive
+        // over `p.sge` (its `sg_list`, set when it was prepared), checked by `prepare_recv` for this QP against the region now in
         // the slot (bounds, PD, LOCAL_WRITE).
         let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), &mut p.raw, &mut bad) };
         if ret == 0 {
-            m.recv.tail = m.recv.tail.wrapping_add(1);
             return Ok(());
         }
         let named = std::ptr::eq(bad, &p.raw);
@@ -374,10 +400,6 @@ impl Lane {
         let Some(first) = ps.first() else { return Ok(0) };
         let key = first.key;
         let m = self.member(key)?;
-        // First, so that nothing computed below lives across this (rare) call.
-        if m.send.staged != 0 {
-            m.send.release_staged();
-        }
         // More than u32::MAX requests cannot fit a queue either: refused as too many.
         let count = u32::try_from(ps.len()).unwrap_or(u32::MAX);
         let free = m.send.free();
@@ -410,8 +432,11 @@ impl Lane {
             };
             m.send.put(k, mr, p.wr_id);
             p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
-            p.raw.send_flags = if k + 1 == free { p.flags | SIGNALED_FLAG } else { p.flags };
-            p.raw.sg_list = p.sge.as_mut_ptr().cast();
+            if k + 1 == free {
+                // The one that takes the last free slot is signaled, so a full queue drains
+                // (its flags are put back below).
+                p.raw.send_flags = p.flags | SIGNALED_FLAG;
+            }
             p.raw.next = next;
         }
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
@@ -419,9 +444,13 @@ impl Lane {
         // each over its own `sge`, all alive for the call, each lowered for this QP against its
         // own armed region (as in `post_prepared`), which now sits in its slot, out of reach.
         let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut (*base).raw, &mut bad) };
+        // The requests as they were before the post: unlinked, their own flags.
+        for p in ps.iter_mut() {
+            p.raw.next = std::ptr::null_mut();
+            p.raw.send_flags = p.flags;
+        }
         if ret == 0 {
             m.send.tail = tail.wrapping_add(count);
-            // The requests keep their links: every post sets `next` (and `sg_list`) again.
             return Ok(count as usize);
         }
         Err(list_refused(m, ps, ret, bad))
@@ -429,14 +458,59 @@ impl Lane {
 }
 
 /// The refusal of a list whose entry `k` is for another QP or not armed: the regions of
-/// entries `..k`, put into slots uncommitted, go back into their requests.
+/// entries `..k`, put into slots uncommitted, go back into their requests, which are unlinked.
 #[cold]
 #[inline(never)]
 fn unstage_list(m: &mut Member, ps: &mut [PreparedSend], k: u32, error: Error) -> Error {
     for (j, p) in ps.iter_mut().take(k as usize).enumerate() {
         p.mr = m.send.unput_at(j as u32);
+        p.raw.next = std::ptr::null_mut();
+        p.raw.send_flags = p.flags;
     }
     error
+}
+
+/// Posts the prepared `p` on `m`'s send queue, which has a free slot and is not in error: its
+/// region moves into the slot at `tail`.
+#[inline(always)]
+fn post_one(m: &mut Member, p: &mut PreparedSend) -> Result<()> {
+    let Some(mr) = p.mr.take() else { return Err(not_armed()) };
+    let seq = m.send.tail;
+    p.raw.wr_id = p.tag | seq as u64;
+    // The region goes into the slot at `tail` before the call, and the slot is committed:
+    // then nothing but `m` and `p` is held across the call. When the provider did not take
+    // the request, the slot is emptied again (`post_refused`).
+    m.send.put(0, mr, p.wr_id);
+    m.send.tail = seq.wrapping_add(1);
+    let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+    // SAFETY: the QP is alive (its owner is in `m`, which `p.key` named: the place, its
+    // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
+    // request (a list post unlinks its requests before it returns) over `p.sge` (its
+    // `sg_list`, set when it was prepared; the allocation lives as long as `p`), lowered by `prepare_send` for this very QP against the region now in the
+    // slot, which `rearm` made sure is the one it was checked against; a UD destination's
+    // address handle is kept by `m`. The region is out of Rust's reach in the slot until a
+    // completion retires it.
+    let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut p.raw, &mut bad) };
+    if ret == 0 {
+        return Ok(());
+    }
+    let named = std::ptr::eq(bad, &p.raw);
+    Err(post_refused(m, ret, named, p.wr_id, &mut p.mr, true))
+}
+
+/// The rest of `post_prepared`, out of line: the refusal of a post to a full queue or a QP in
+/// error, or a post into the queue's last free slot, which asks for a completion whatever `p`
+/// asks for, so a full queue drains.
+#[cold]
+#[inline(never)]
+fn post_last_slot(m: &mut Member, p: &mut PreparedSend, free: u32) -> Result<()> {
+    if free == 0 || m.failed.is_some() {
+        return Err(refusal(m, "ibv_post_send"));
+    }
+    p.raw.send_flags = p.flags | SIGNALED_FLAG;
+    let r = post_one(m, p);
+    p.raw.send_flags = p.flags;
+    r
 }
 
 /// A list the provider refused: the entries before the one it named are posted (committed);

@@ -11,10 +11,6 @@ pub(super) struct Slots {
     pub(super) head: u32,
     /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
     pub(super) tail: u32,
-    /// Requests staged at `tail..tail + staged` by a `post_send_iter` whose iterator panicked
-    /// before the post: never posted, so their regions are released (`release_staged`) by the
-    /// next post of the queue or at teardown.
-    pub(super) staged: u32,
     /// Beside each slot, 0, or the length of the prepared batch whose first slot it is
     /// ([`super::PreparedBatch`]: one region in that slot, the batch's other slots empty). Only
     /// a batch writes it and only its retiring resets it: the common post and poll never read
@@ -37,7 +33,6 @@ impl Slots {
             depth,
             head: 0,
             tail: 0,
-            staged: 0,
         }
     }
     #[inline(always)]
@@ -50,8 +45,7 @@ impl Slots {
     }
     /// Stores a work request's region at `tail + k`, uncommitted: the caller advances `tail`
     /// once the provider took the request, or takes the region back (`unput_at`) when it did
-    /// not. Every send path calls `release_staged` before its first `put`, so the slot holds
-    /// nothing then (see below).
+    /// not. The slot holds nothing then (see below).
     #[inline(always)]
     pub(super) fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
         let i = (self.tail.wrapping_add(k) & self.mask) as usize;
@@ -59,10 +53,10 @@ impl Slots {
         // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
         // is in bounds.
         let s = unsafe { self.slots.get_unchecked_mut(i) };
-        // The slot is free: at most `depth` are outstanding, and retiring empties a slot. The
-        // one exception: a region staged by a `post_send_iter` whose iterator panicked before
-        // the post, left beyond `tail` (the posts release those first). Were one still there,
-        // it is overwritten without being dropped (leaked, which is safe). Nothing here may
+        // The slot is free: at most `depth` are outstanding, retiring empties a slot, and a
+        // region put here but not posted is taken back (`unput_at`, `take_staged`; or
+        // `release_staged` when a `post_send_iter`'s iterator panics). Were one still there, it
+        // is overwritten without being dropped (leaked, which is safe). Nothing here may
         // panic: the callers put a region here while the provider may hold its request.
         // SAFETY: `&mut s.mr` is valid for a write; the value overwritten, `None` or a region
         // never posted, is not dropped: at worst a leak.
@@ -139,12 +133,12 @@ impl Slots {
             mark => self.pop_batch(mark),
         }
     }
-    /// Releases what a panicked `post_send_iter` left staged beyond `tail` (never posted: the
-    /// device never saw those regions).
+    /// Releases the `count` regions a panicked `post_send_iter` left staged beyond `tail`
+    /// (never posted: the device never saw those regions).
     #[cold]
     #[inline(never)]
-    pub(super) fn release_staged(&mut self) {
-        for k in 0..std::mem::take(&mut self.staged) {
+    pub(super) fn release_staged(&mut self, count: u32) {
+        for k in 0..count {
             let i = (self.tail.wrapping_add(k) & self.mask) as usize;
             if let Some(s) = self.slots.get_mut(i) {
                 drop(s.mr.take());
