@@ -303,7 +303,7 @@ fn prepared_requests_post_again_and_again_with_their_own_regions() {
         let mut send = a.lane.prepare_send(a.qp, SendWr::send(a.mrs.remove(0), 0..256).wr_id(1)).unwrap();
         let mut recv = b.lane.prepare_recv(b.qp, RecvWr::range(b.mrs.remove(0), 0..256).wr_id(2)).unwrap();
         for k in 0..50u8 {
-            send.region_mut().unwrap().write_at(0, &pattern(256, k)).unwrap();
+            send.write_at(0, &pattern(256, k)).unwrap();
             b.lane.post_prepared_recv(&mut recv).unwrap();
             a.lane.post_prepared(&mut send).unwrap();
             assert!(send.region().is_none() && recv.region().is_none(), "posted: the lane holds them");
@@ -314,7 +314,7 @@ fn prepared_requests_post_again_and_again_with_their_own_regions() {
             assert_eq!((r.wr_id(), r.byte_len(), r.opcode()), (2, 256, Some(WcOpcode::Recv)), "{r:?}");
             recv.rearm(r.take_region().unwrap()).unwrap();
             let mut got = [0u8; 256];
-            recv.region_mut().unwrap().read_at(0, &mut got).unwrap();
+            recv.read_at(0, &mut got).unwrap();
             assert_eq!(&got[..], &pattern(256, k)[..], "message {k}");
         }
         // A list of eight prepared WRITEs of 512-byte chunks, one doorbell, only the last signaled.
@@ -367,10 +367,10 @@ fn prepared_datagrams_through_lanes() {
             let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
             assert_eq!(r.byte_len() as usize, GRH_LEN + 32, "{r:?}");
             let wc = r.work_completion();
-            recv.rearm(r.take_region().unwrap()).unwrap();
-            let buf = recv.region_mut().unwrap();
-            let d = Datagram::parse(&wc, buf, 0).unwrap();
+            let mut buf = r.take_region().unwrap();
+            let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
             assert_eq!(&buf.as_slice().unwrap()[d.payload()], &pattern(32, 5)[..]);
+            recv.rearm(buf).unwrap();
         }
         // Checked once, at prepare: over the MTU is refused there, with the region back.
         let big = MemoryRegion::new(&p.client.pd, 8192, AccessFlags::LOCAL_WRITE).unwrap();

@@ -45,7 +45,7 @@ fn a_batch_posts_under_one_doorbell_and_comes_back_as_one_completion_with_its_re
         let mut batch = writes(&mut a.lane, a.qp, a.mrs.remove(0), &remote);
         assert_eq!((batch.len(), batch.wr_id(), batch.is_armed()), (16, 40, true));
         for round in 0..3u8 {
-            batch.region_mut().unwrap().write_at(0, &pattern(1024, round)).unwrap();
+            batch.write_at(0, &pattern(1024, round)).unwrap();
             a.lane.post_batch(&mut batch).unwrap();
             assert!(!batch.is_armed() && batch.region().is_none(), "posted: the lane holds the region");
             assert_eq!(a.lane.outstanding(a.qp).unwrap(), (16, 0), "sixteen work requests in the queue");

@@ -19,7 +19,7 @@
 //! when no completion comes (all of them ran, unsignaled). The earlier requests' own completions (only failures and
 //! flushes come) carry a tag with no sequence number (`tag::INTERIOR`), which retires nothing.
 
-use super::prepared::{armed_accessors, not_armed, rearm};
+use super::prepared::{armed_accessors, disarmed, not_armed, rearm};
 use super::*;
 
 /// One work request of a batch and its scatter list, side by side in the batch's allocation.

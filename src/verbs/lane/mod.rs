@@ -88,6 +88,17 @@
 //!   let bytes = mr.as_slice(); // the device may be writing it: error[E0382], use of moved value
 //!   # }
 //!   ```
+//!
+//!   A prepared request ([`PreparedSend`], [`PreparedRecv`], [`PreparedBatch`]) was checked
+//!   against its one region, and hands out no `&mut MemoryRegion` through which another could
+//!   be swapped in (its bytes are reached through its own `as_mut_slice`, `write_at` and the
+//!   like):
+//!
+//!   ```compile_fail,E0599
+//!   # fn f(p: &mut rdma_cm::lane::PreparedRecv, other: &mut rdma_cm::MemoryRegion) {
+//!   std::mem::swap(p.region_mut().unwrap(), other); // error[E0599]: no method `region_mut`
+//!   # }
+//!   ```
 //! - **No memory is freed under the device.** A region leaves a slot only (a) with its
 //!   completion, (b) when a later signaled completion of the same RC or UD queue retires it
 //!   (queues complete in order), (c) when the provider said it did not take the work request
@@ -815,6 +826,9 @@ mod tests {
             assert_eq!(tag::decode(w), (recv, gen, place, seq));
             assert_eq!((w >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{w:#x}");
             // A batch's interior tag never compares equal to a member's `hi`.
+            // The convenient path's bit fails the match as well.
+            let crate_tagged = w | tag::CRATE;
+            assert_ne!((crate_tagged >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{crate_tagged:#x}");
             let interior = (w | tag::INTERIOR) & !0xffff_ffff;
             assert_ne!((interior >> 32) as u32 & tag::HI_MASK, tag::hi(place, gen), "{interior:#x}");
             assert_eq!(tag::decode(interior).1, gen, "the generation survives the interior bit");

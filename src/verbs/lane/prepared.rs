@@ -141,9 +141,11 @@ pub(super) fn rearm(
 ) -> std::result::Result<(), Rejected<MemoryRegion>> {
     if mr.inner().serial() == of {
         // A region's number is its own: no two `MemoryRegion` values share one (each is made
-        // with a new number, and none is cloned). `mr` has the number `of`, so `slot`, which
-        // only ever holds the region numbered `of`, is empty: nothing is overwritten (were it
-        // not empty, the value would be leaked, not dropped twice).
+        // with a new number, and none is cloned). `slot` only ever holds the region numbered
+        // `of` (the request is prepared with it, only `rearm` puts one back, and the request
+        // hands out no `&mut` to it, through which another could be swapped in). `mr` has the
+        // number `of`, so `slot` is empty: nothing is overwritten (were it not empty, the
+        // value would be leaked, not dropped twice).
         let old = slot.replace(mr);
         debug_assert!(old.is_none(), "two regions with one number");
         std::mem::forget(old);
@@ -182,15 +184,54 @@ macro_rules! armed_accessors {
                 self.mr.is_some()
             }
 
-            /// Its region while it is armed (not posted): to fill a send, or to read what a
-            /// receive brought.
+            /// Its region while it is armed (not posted).
+            ///
+            /// There is no `&mut MemoryRegion` to be had: the request was checked against this
+            /// very region, and a `&mut` would let another one be swapped in, which a post
+            /// would then hand the device with this one's addresses. Its bytes are reached
+            /// through [`Self::as_slice`], [`Self::as_mut_slice`], [`Self::read_at`] and
+            /// [`Self::write_at`] instead, or by taking the region out ([`Self::take_region`])
+            /// and re-arming with it.
             pub fn region(&self) -> Option<&MemoryRegion> {
                 self.mr.as_ref()
             }
 
-            /// Its region, mutable, while it is armed.
-            pub fn region_mut(&mut self) -> Option<&mut MemoryRegion> {
-                self.mr.as_mut()
+            /// Its region's bytes while it is armed ([`MemoryRegion::as_slice`]).
+            ///
+            /// # Errors
+            /// [`Error::InvalidArgument`] when it is not armed; otherwise as for
+            /// [`MemoryRegion::as_slice`].
+            pub fn as_slice(&mut self) -> Result<&[u8]> {
+                self.mr.as_mut().ok_or_else(|| disarmed("as_slice"))?.as_slice()
+            }
+
+            /// Its region's bytes, mutably, while it is armed ([`MemoryRegion::as_mut_slice`]):
+            /// to fill a send.
+            ///
+            /// # Errors
+            /// [`Error::InvalidArgument`] when it is not armed; otherwise as for
+            /// [`MemoryRegion::as_mut_slice`].
+            pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+                self.mr.as_mut().ok_or_else(|| disarmed("as_mut_slice"))?.as_mut_slice()
+            }
+
+            /// Copies out of its region while it is armed ([`MemoryRegion::read_at`]): to read
+            /// what a receive brought.
+            ///
+            /// # Errors
+            /// [`Error::InvalidArgument`] when it is not armed; otherwise as for
+            /// [`MemoryRegion::read_at`].
+            pub fn read_at(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+                self.mr.as_mut().ok_or_else(|| disarmed("read_at"))?.read_at(offset, dst)
+            }
+
+            /// Copies into its region while it is armed ([`MemoryRegion::write_at`]).
+            ///
+            /// # Errors
+            /// [`Error::InvalidArgument`] when it is not armed; otherwise as for
+            /// [`MemoryRegion::write_at`].
+            pub fn write_at(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+                self.mr.as_mut().ok_or_else(|| disarmed("write_at"))?.write_at(offset, src)
             }
 
             /// Its region, taken out (the request is then disarmed until [`Self::rearm`]).
@@ -229,6 +270,13 @@ impl PreparedSend {
         self.flags = if signaled { self.flags | SIGNALED_FLAG } else { self.flags & !SIGNALED_FLAG };
         self.raw.send_flags = self.flags;
     }
+}
+
+#[cold]
+pub(super) fn disarmed(op: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: the prepared work request holds no region (it is posted: its completion hands the region back)"
+    ))
 }
 
 #[cold]
