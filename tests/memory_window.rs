@@ -198,10 +198,16 @@ fn memory_window_invalidated_by_the_peers_send_with_invalidate() {
     assert_eq!(wc.imm_data(), None, "an invalidation is no immediate data");
     // The peer's invalidation took effect either way: its next write through the rkey fails.
     assert_eq!(client_write(&mut c, &[3; 16], &remote, 0, 21), Err(WcStatus::RemAccessErr));
-    let mw = match wc.invalidated_rkey() {
+    let mw: Option<MemoryWindow> = match wc.invalidated_rkey() {
         Some(k) => {
             assert_eq!(k, rkey, "the receive names the rkey the peer invalidated: {wc:?}");
-            Some(w.invalidated_by(&wc).expect("the completion invalidated this window"))
+            let mw = w.invalidated_by(&wc).expect("the completion invalidated this window");
+            // A completion names an rkey, not a binding: the window keeps the region until it
+            // is deallocated, and is not bound again.
+            assert!(matches!(s.mrs[0].as_slice(), Err(Error::InFlight { .. })), "held until dropped");
+            let e = s.conn.qp_mut().bind_window(mw, &s.mrs[0], WIN, AccessFlags::REMOTE_WRITE, 2).unwrap_err();
+            assert!(e.to_string().contains("drop this window"), "{e}");
+            None
         }
         None => {
             // rxe (6.1 and 6.12) marks the completion with the kernel's IB_WC_WITH_INVALIDATE
@@ -250,30 +256,74 @@ fn memory_window_holds_its_region_when_every_handle_is_dropped() {
 /// Set in the child process that forgets a bound window (its leak ends with the process).
 const FORGET_CHILD: &str = "RDMA_CM_MW_FORGET_CHILD";
 
+/// Runs this binary's test `name` again in a child process (with `FORGET_CHILD` set) and
+/// asserts that it passed: for the tests whose leak is the point, which would outlive them
+/// here; the child's exit gives everything back to the kernel.
+fn in_child(name: &str) {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(FORGET_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the child");
+    let deadline = std::time::Instant::now() + 6 * T;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(std::time::Instant::now() < deadline, "the child did not finish within {:?}", 6 * T);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(status.success() && out.contains("1 passed"), "the child failed ({status}):\n{out}");
+}
+
+/// Outside review (helper-21, finding 1): an invalidation that is posted but does not succeed
+/// (here flushed: the QP failed a WRITE posted just before it) may leave the window bound, and
+/// a type 1 window is reachable through any QP of its protection domain. So its region is
+/// never released: not when the flush is reaped, not when the window is dropped (a leak, which
+/// ends with the process). Before, reaping the flush released it, and Rust could read memory
+/// the peer could still write.
+#[test]
+fn memory_window_whose_invalidation_is_flushed_keeps_the_region_held() {
+    if std::env::var_os(FORGET_CHILD).is_none() {
+        let t = DeviceTest::start();
+        in_child("memory_window_whose_invalidation_is_flushed_keeps_the_region_held");
+        return t.finish();
+    }
+    let t = DeviceTest::start();
+    let Some((c, mut s)) = window_pair(&t, WindowType::One) else { return };
+    let w = bind(&mut s, WindowType::One, WIN, AccessFlags::REMOTE_WRITE, 1);
+    // A WRITE through an rkey the peer does not have fails and moves the QP to the error state;
+    // the invalidation posted right behind it is flushed.
+    let src = MemoryRegion::new(&s.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let bogus = RemoteRegion::new(0, 0x5a5a_5a00, 64);
+    s.conn.qp_mut().post_send(&[SendWr::write(&src, 0..64, &bogus, 0).unwrap().wr_id(2)]).unwrap();
+    let mw = s.conn.qp_mut().invalidate_window(w, 3).map_err(|e| e.error).expect("posted");
+    let status = |r: rdma_cm::Result<rdma_cm::WorkCompletion>| match r {
+        Ok(wc) => wc.status(),
+        Err(Error::WorkCompletion { status, .. }) => status,
+        Err(e) => panic!("{e}"),
+    };
+    assert_ne!(status(s.conn.qp_mut().wait_for(WorkQueue::Send, 2, T)), WcStatus::Success, "the WRITE fails");
+    assert_eq!(status(s.conn.qp_mut().wait_for(WorkQueue::Send, 3, T)), WcStatus::WrFlushErr, "the invalidation");
+    assert!(
+        matches!(s.mrs[0].as_slice(), Err(Error::InFlight { .. })),
+        "the region of a window whose invalidation was flushed is still held"
+    );
+    drop(mw);
+    assert!(matches!(s.mrs[0].as_slice(), Err(Error::InFlight { .. })), "and stays held: leaked");
+    drop((c, s, src));
+    std::mem::forget(t);
+}
+
 #[test]
 fn memory_window_forgotten_while_bound_keeps_the_region_out_of_reach() {
     let name = "memory_window_forgotten_while_bound_keeps_the_region_out_of_reach";
     if std::env::var_os(FORGET_CHILD).is_none() {
-        // The leak is the point, and it would outlive this test: run it in a child process,
-        // whose exit gives everything back to the kernel.
         let t = DeviceTest::start();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(FORGET_CHILD, "1")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("start the child");
-        let deadline = std::time::Instant::now() + 6 * T;
-        let status = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            assert!(std::time::Instant::now() < deadline, "the child did not finish within {:?}", 6 * T);
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        let mut out = String::new();
-        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
-        assert!(status.success() && out.contains("1 passed"), "the child failed ({status}):\n{out}");
+        in_child(name);
         return t.finish();
     }
     let t = DeviceTest::start();

@@ -32,11 +32,18 @@
 //!   does: [`MemoryRegion::as_slice`] and the other accessors refuse (`Error::InFlight`) until
 //!   it is unbound. A region needs [`AccessFlags::MW_BIND`] to take windows at all.
 //! - **Revocation is not assumed before it happens.** Invalidating posts the invalidation and
-//!   hands the window back unbound at once, but the region stays held, as written to, by the
-//!   invalidation's slot until its completion is reaped: a peer's access that raced it can
-//!   never reach memory Rust reads or has freed. A peer's send with invalidate is trusted only
-//!   from its receive completion ([`BoundWindow::invalidated_by`]), which the device produces
-//!   after the invalidation.
+//!   hands the window back at once, but the region stays held, as written to, by the
+//!   invalidation's slot until its *successful* completion is reaped: a peer's access that
+//!   raced it can never reach memory Rust reads or has freed. An invalidation that fails or
+//!   never runs (flushed, or its QP destroyed first) may leave the window bound, a type 1
+//!   window reachable through any QP of the protection domain: its region is then leaked,
+//!   never released. A peer's send with invalidate ([`BoundWindow::invalidated_by`]) names an
+//!   rkey, not a binding, and an rkey can come back with a later binding, so the window it
+//!   returns keeps holding the region until it is deallocated (dropped), and is not bound
+//!   again.
+//! - **A window's deallocation is what releases its region** when nothing else proves the
+//!   binding gone: a [`BoundWindow`] dropped deallocates its window first; a deallocation that
+//!   fails leaks the region.
 //! - **A window's rkey grants only its rights, and never more than its region.** The range is
 //!   checked against the region before the bind, the rights against the region's registration
 //!   (remote write and atomic rights need `LOCAL_WRITE`), and the window, the region and the QP
@@ -107,6 +114,10 @@ impl WindowType {
 pub struct MemoryWindow {
     raw: NonNull<ffi::ibv_mw>,
     kind: WindowType,
+    /// The region it is bound to ([`BoundWindow`]), or was bound to when the peer's send with
+    /// invalidate unbound it ([`BoundWindow::invalidated_by`]): released once the window is
+    /// deallocated (leaked if that fails).
+    held: Option<Hold>,
     // Dropped after the window is deallocated (Drop::drop runs before fields drop).
     pd: Arc<ProtectionDomain>,
 }
@@ -146,7 +157,7 @@ impl MemoryWindow {
                 Error::call("ibv_alloc_mw", e, None)
             });
         };
-        Ok(MemoryWindow { raw, kind, pd: Arc::clone(pd) })
+        Ok(MemoryWindow { raw, kind, held: None, pd: Arc::clone(pd) })
     }
 
     /// The window's type.
@@ -182,6 +193,11 @@ impl MemoryWindow {
         if !Arc::ptr_eq(&self.pd, qp_pd) {
             return Err(Error::InvalidArgument(
                 "the memory window is on another protection domain than the QP that would bind it".into(),
+            ));
+        }
+        if self.held.is_some() {
+            return Err(Error::InvalidArgument(
+                "the memory window still holds the region of its last binding, which the peer invalidated (BoundWindow::invalidated_by): a send with invalidate cannot be told apart from an older one that named the same rkey, so only deallocating the window releases that region; drop this window and bind a new one".into(),
             ));
         }
         if !mr.inner().on_pd(qp_pd) {
@@ -224,7 +240,11 @@ impl Drop for MemoryWindow {
         let ret = unsafe { ffi::ibv_dealloc_mw(self.raw.as_ptr()) };
         if ret != 0 {
             crate::error::report_leak("ibv_dealloc_mw", ret);
+            // Still allocated, perhaps still bound: the region it held stays held, for good.
+            std::mem::forget(self.held.take());
         }
+        // Deallocated: no rkey of it opens anything now, and the region it held (dropped with
+        // the fields, after this) is released.
     }
 }
 
@@ -239,9 +259,9 @@ impl fmt::Debug for MemoryWindow {
 /// docs); unbind it with [`QueuePair::invalidate_window`](crate::QueuePair::invalidate_window)
 /// or drop it (which deallocates the window).
 pub struct BoundWindow {
-    // Field order: the window is deallocated (its Drop) before the region's hold goes.
+    /// The window, holding the region (`MemoryWindow::held`) while it is bound: dropped, it is
+    /// deallocated before the region is released.
     mw: MemoryWindow,
-    hold: Hold,
     rkey: u32,
     addr: u64,
     len: u64,
@@ -257,7 +277,9 @@ impl BoundWindow {
         len: u64,
         rights: AccessFlags,
     ) -> BoundWindow {
-        BoundWindow { mw, hold, rkey, addr, len, rights }
+        let mut mw = mw;
+        mw.held = Some(hold);
+        BoundWindow { mw, rkey, addr, len, rights }
     }
 
     /// The rkey that opens the window.
@@ -286,29 +308,41 @@ impl BoundWindow {
         &self.mw
     }
 
-    /// The window back, unbound, when `wc` is the successful receive completion of the peer's
-    /// send with invalidate that invalidated this window's rkey (`IBV_WC_WITH_INV`); the
-    /// device produced it after the invalidation, so the region's hold is released. Any other
-    /// completion gives the bound window back unchanged.
+    /// The window back, unbound, when `wc` is a successful receive completion of a send with
+    /// invalidate that named this window's rkey (`IBV_WC_WITH_INV`), on the QP a type 2 window
+    /// is bound to. Any other completion, and any completion for a type 1 window (which no
+    /// send invalidates), gives the bound window back unchanged.
+    ///
+    /// The window it returns **still holds the region** (as written to, if it granted writes)
+    /// until it is dropped, which deallocates it; it cannot be bound again. A completion names
+    /// an rkey, not a binding: a rebound window can have its old rkey again (a provider that
+    /// keeps a type 2 window's key, or the key byte's 256 values come round), and a completion
+    /// of an earlier binding, kept by the caller or polled late, would then pass for this one's
+    /// while the window is bound. Only the deallocation is proof. To bind again without
+    /// deallocating, invalidate locally ([`QueuePair::invalidate_window`](crate::QueuePair::invalidate_window)),
+    /// whose own completion confirms it.
     ///
     /// # Errors
     /// The bound window itself, when `wc` did not invalidate it.
     pub fn invalidated_by(self, wc: &WorkCompletion) -> std::result::Result<MemoryWindow, BoundWindow> {
-        if wc.is_ok() && wc.invalidated_rkey() == Some(self.rkey) {
-            Ok(self.into_parts().0)
+        if self.mw.kind == WindowType::Two && wc.is_ok() && wc.invalidated_rkey() == Some(self.rkey) {
+            // `held` stays with the window, released by its deallocation.
+            Ok(self.mw)
         } else {
             Err(self)
         }
     }
 
-    /// The window and the region's hold, apart.
+    /// The window (holding nothing) and the region's hold, apart.
     pub(crate) fn into_parts(self) -> (MemoryWindow, Hold) {
-        (self.mw, self.hold)
+        let mut mw = self.mw;
+        let hold = mw.held.take().expect("a bound window holds its region");
+        (mw, hold)
     }
 
     /// The region it is bound to, for the invalidation's hold.
     pub(crate) fn hold(&self) -> &Hold {
-        &self.hold
+        self.mw.held.as_ref().expect("a bound window holds its region")
     }
 }
 

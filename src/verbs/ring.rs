@@ -12,10 +12,15 @@ use crate::verbs::mr::MrInner;
 use crate::verbs::wc::WorkCompletion;
 
 /// A region held by a posted work request. Dropping it releases the region (and, for work
-/// the device writes, the region's writer count).
+/// the device writes, the region's writer count), unless it is held until a success
+/// ([`Ring::hold_until_success`]) that never came: then it is leaked, region and count.
 pub(crate) struct Hold {
     region: Arc<MrInner>,
     writes: bool,
+    /// Released only once the work request's successful completion confirms it
+    /// (`Queues::complete`): a memory window's invalidation, which, when it fails or never
+    /// runs, leaves the window bound and the region reachable by the peer.
+    until_success: bool,
 }
 
 impl Hold {
@@ -25,7 +30,7 @@ impl Hold {
         if writes {
             region.writers.fetch_add(1, Ordering::AcqRel);
         }
-        Hold { region: Arc::clone(region), writes }
+        Hold { region: Arc::clone(region), writes, until_success: false }
     }
 
     /// The region held.
@@ -36,6 +41,13 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
+        if self.until_success {
+            // Never confirmed: the device may still let the peer at the region. Leaked: the
+            // region stays registered and allocated (one reference never given back), and out
+            // of Rust's reach (the writer count stays raised). Safe; see `until_success`.
+            std::mem::forget(Arc::clone(&self.region));
+            return;
+        }
         if self.writes {
             self.region.writers.fetch_sub(1, Ordering::AcqRel);
         }
@@ -298,6 +310,21 @@ impl<H> Ring<H> {
     }
 }
 
+impl Ring<Hold> {
+    /// Makes the hold of the outstanding work request `seq` one that only its successful
+    /// completion releases (see [`Hold`]); `false` confirms it. Nothing for a sequence number
+    /// outside the outstanding window, or a slot without a hold.
+    pub(crate) fn hold_until_success(&mut self, seq: u64, until: bool) {
+        if seq < self.head || seq >= self.tail {
+            return;
+        }
+        let i = self.index(seq);
+        if let Some(h) = self.slots[i]._hold.as_mut() {
+            h.until_success = until;
+        }
+    }
+}
+
 /// The tag in every `wr_id` this crate posts. A completion carries it back, so it can be routed
 /// from any CQ to the queue that owns it, in O(1), and a foreign or stale one is recognised:
 ///
@@ -442,11 +469,15 @@ impl Queues {
     }
 
     /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
-    /// names nothing outstanding (stale).
+    /// names nothing outstanding (stale). `ok`: the completion is a success, which confirms a
+    /// hold kept until one (a window's invalidation: see [`Hold`]).
     #[inline]
-    pub(crate) fn complete(&mut self, t: &tag::Tag) -> Option<u64> {
+    pub(crate) fn complete(&mut self, t: &tag::Tag, ok: bool) -> Option<u64> {
         let ring = if t.recv { &mut self.recv } else { &mut self.send };
         let seq = ring.widen(t.low, tag::SEQ_BITS);
+        if ok && !t.recv {
+            ring.hold_until_success(seq, false);
+        }
         ring.complete(seq)
     }
 

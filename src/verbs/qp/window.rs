@@ -79,10 +79,16 @@ impl QueuePair {
 
     /// Unbinds `window`: a type 2 window with a local invalidation (`IBV_WR_LOCAL_INV`), a
     /// type 1 window with a bind of zero length. Posted signaled with `wr_id`; the window
-    /// comes back unbound at once, and its region stays held (as written to) by the work
-    /// request's slot until the completion is reaped, so a peer's access that raced the
-    /// invalidation never reaches memory Rust reads or frees. After the completion the old rkey
-    /// opens nothing (`REM_ACCESS_ERR` at the peer).
+    /// comes back at once, and its region stays held (as written to) by the work request's
+    /// slot until the completion is reaped, so a peer's access that raced the invalidation
+    /// never reaches memory Rust reads or frees. After a successful completion the old rkey
+    /// opens nothing (`REM_ACCESS_ERR` at the peer), and the region is released.
+    ///
+    /// When the invalidation does not succeed (its completion is an error or a flush, or the
+    /// QP is destroyed before it completes), the window may still be bound, and a type 1
+    /// window is reachable through any QP on its protection domain: the region then stays
+    /// held for good (leaked, and out of Rust's reach if the window was), even after the
+    /// window is dropped.
     ///
     /// # Errors
     /// As for [`QueuePair::bind_window`], in an [`InvalidateError`] that gives the window back,
@@ -126,7 +132,13 @@ impl QueuePair {
             }
         };
         match self.commit_one(&mut q, ret, "invalidate memory window") {
-            Ok(()) => Ok(window.into_parts().0),
+            Ok(()) => {
+                // Posted: the slot's hold now goes only with a successful completion (see
+                // `Hold`); until then the window may still be bound. (Set under the queues'
+                // lock, so no completion of it is routed before.)
+                q.send.hold_until_success(seq, true);
+                Ok(window.into_parts().0)
+            }
             Err(e) => refuse(e, window),
         }
     }
