@@ -256,6 +256,55 @@ fn memory_window_holds_its_region_when_every_handle_is_dropped() {
 /// Set in the child process that forgets a bound window (its leak ends with the process).
 const FORGET_CHILD: &str = "RDMA_CM_MW_FORGET_CHILD";
 
+/// Outside review (helper-22): a window bound through one QP and invalidated through another
+/// on the same protection domain. Two send queues are not ordered, so the bind could run after
+/// the invalidation succeeded and bind the window again: the invalidation is refused (the
+/// window given back, still bound), and goes through the QP that bound it.
+#[test]
+fn memory_window_is_invalidated_only_through_the_qp_that_bound_it() {
+    use rdma_cm::{devices, GidType, PeerInfo, QpInit, RcParams, UnconnectedQp, VerbsContext};
+    let t = DeviceTest::start();
+    if !common::require(common::Cap::ConnectWithoutCm) {
+        return t.finish();
+    }
+    {
+        let name = devices().unwrap().into_iter().next().expect("a device (this is a device test)").name;
+        let ctx = VerbsContext::open(&name).unwrap();
+        let gid = ctx
+            .gid_table(1)
+            .unwrap()
+            .into_iter()
+            .find(|e| e.gid.ipv4().map(std::net::IpAddr::V4) == Some(t.addr) && e.gid_type == GidType::RoceV2)
+            .expect("the RoCE v2 GID of the test address");
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mw = match MemoryWindow::new(&pd, WindowType::One) {
+            Ok(mw) => mw,
+            Err(e @ Error::Unsupported { .. }) => {
+                common::skipped("memory windows of type 1", &e.to_string());
+                return t.finish();
+            }
+            Err(e) => panic!("ibv_alloc_mw: {e}"),
+        };
+        let params = RcParams::new().gid_index(u8::try_from(gid.index).unwrap());
+        let a = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
+        let b = UnconnectedQp::new(&pd, QpInit::new(), params).unwrap();
+        let (ia, ib): (PeerInfo, PeerInfo) = (a.local(), b.local());
+        let (mut qa, mut qb) = (a.connect(&ib).unwrap(), b.connect(&ia).unwrap());
+        let mr = MemoryRegion::new(&pd, MIB, window_access()).unwrap();
+        let w = qa.bind_window(mw, &mr, WIN, AccessFlags::REMOTE_WRITE, 1).unwrap();
+        let e = qb.invalidate_window(w, 2).expect_err("another QP's send queue is not ordered after the bind");
+        assert!(e.error.to_string().contains("bound through another QP"), "{}", e.error);
+        let w = e.window;
+        assert_eq!(qa.wait_for(WorkQueue::Send, 1, T).unwrap().opcode(), Some(WcOpcode::BindMw));
+        let mw = qa.invalidate_window(w, 3).map_err(|e| e.error).expect("through the QP that bound it");
+        qa.wait_for(WorkQueue::Send, 3, T).expect("the invalidation succeeds");
+        let mut mr = mr;
+        assert!(mr.as_slice().is_ok(), "released by the invalidation's success");
+        drop((mw, qa, qb, mr, pd));
+    }
+    t.finish();
+}
+
 /// Runs this binary's test `name` again in a child process (with `FORGET_CHILD` set) and
 /// asserts that it passed: for the tests whose leak is the point, which would outlive them
 /// here; the child's exit gives everything back to the kernel.

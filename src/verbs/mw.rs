@@ -71,14 +71,14 @@
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
 use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion, RemoteRegion};
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::ring::Hold;
+use crate::verbs::ring::{Hold, Queues};
 use crate::verbs::wc::WorkCompletion;
 
 /// The two kinds of memory window (`enum ibv_mw_type`).
@@ -266,6 +266,9 @@ pub struct BoundWindow {
     addr: u64,
     len: u64,
     rights: AccessFlags,
+    /// The queues of the QP that posted the bind: only that QP's send queue orders an
+    /// invalidation after the bind.
+    bound_on: Weak<Mutex<Queues>>,
 }
 
 impl BoundWindow {
@@ -276,10 +279,16 @@ impl BoundWindow {
         addr: u64,
         len: u64,
         rights: AccessFlags,
+        bound_on: &Arc<Mutex<Queues>>,
     ) -> BoundWindow {
         let mut mw = mw;
         mw.held = Some(hold);
-        BoundWindow { mw, rkey, addr, len, rights }
+        BoundWindow { mw, rkey, addr, len, rights, bound_on: Arc::downgrade(bound_on) }
+    }
+
+    /// Whether the QP whose queues these are posted the bind.
+    pub(crate) fn bound_on(&self, queues: &Arc<Mutex<Queues>>) -> bool {
+        std::ptr::eq(self.bound_on.as_ptr(), Arc::as_ptr(queues))
     }
 
     /// The rkey that opens the window.

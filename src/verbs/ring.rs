@@ -12,15 +12,10 @@ use crate::verbs::mr::MrInner;
 use crate::verbs::wc::WorkCompletion;
 
 /// A region held by a posted work request. Dropping it releases the region (and, for work
-/// the device writes, the region's writer count), unless it is held until a success
-/// ([`Ring::hold_until_success`]) that never came: then it is leaked, region and count.
+/// the device writes, the region's writer count).
 pub(crate) struct Hold {
     region: Arc<MrInner>,
     writes: bool,
-    /// Released only once the work request's successful completion confirms it
-    /// (`Queues::complete`): a memory window's invalidation, which, when it fails or never
-    /// runs, leaves the window bound and the region reachable by the peer.
-    until_success: bool,
 }
 
 impl Hold {
@@ -30,7 +25,7 @@ impl Hold {
         if writes {
             region.writers.fetch_add(1, Ordering::AcqRel);
         }
-        Hold { region: Arc::clone(region), writes, until_success: false }
+        Hold { region: Arc::clone(region), writes }
     }
 
     /// The region held.
@@ -41,13 +36,6 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        if self.until_success {
-            // Never confirmed: the device may still let the peer at the region. Leaked: the
-            // region stays registered and allocated (one reference never given back), and out
-            // of Rust's reach (the writer count stays raised). Safe; see `until_success`.
-            std::mem::forget(Arc::clone(&self.region));
-            return;
-        }
         if self.writes {
             self.region.writers.fetch_sub(1, Ordering::AcqRel);
         }
@@ -310,21 +298,6 @@ impl<H> Ring<H> {
     }
 }
 
-impl Ring<Hold> {
-    /// Makes the hold of the outstanding work request `seq` one that only its successful
-    /// completion releases (see [`Hold`]); `false` confirms it. Nothing for a sequence number
-    /// outside the outstanding window, or a slot without a hold.
-    pub(crate) fn hold_until_success(&mut self, seq: u64, until: bool) {
-        if seq < self.head || seq >= self.tail {
-            return;
-        }
-        let i = self.index(seq);
-        if let Some(h) = self.slots[i]._hold.as_mut() {
-            h.until_success = until;
-        }
-    }
-}
-
 /// The tag in every `wr_id` this crate posts. A completion carries it back, so it can be routed
 /// from any CQ to the queue that owns it, in O(1), and a foreign or stale one is recognised:
 ///
@@ -440,6 +413,30 @@ pub(crate) struct Queues {
     pub(crate) failed: Option<Failure>,
     /// Wakes a wait of this QP when another QP's poll keeps a completion for it.
     pub(crate) notify: Notify,
+    /// The regions of memory windows' invalidations posted and not completed yet.
+    invalidations: Invalidations,
+}
+
+/// The regions of memory windows' invalidations in flight, each beside its send's sequence
+/// number: released only by that send's *successful* completion. An invalidation that fails,
+/// or never completes (the QP destroyed first), may leave its window bound (a type 1 window is
+/// reachable through any QP of the protection domain), so its region is then leaked: never
+/// released, and out of Rust's reach.
+#[derive(Default)]
+struct Invalidations(Vec<(u64, Hold)>);
+
+impl Drop for Invalidations {
+    fn drop(&mut self) {
+        for (_, hold) in self.0.drain(..) {
+            leak(hold);
+        }
+    }
+}
+
+/// Leaks `hold`: its region is never released (one reference never given back) and, if the
+/// device may write it, stays out of Rust's reach (its writer count is never lowered).
+fn leak(hold: Hold) {
+    std::mem::forget(hold);
 }
 
 impl Queues {
@@ -454,6 +451,7 @@ impl Queues {
             recv_kept: Pending::new(recv_depth),
             failed: None,
             notify: Notify::default(),
+            invalidations: Invalidations::default(),
         }
     }
 
@@ -469,16 +467,50 @@ impl Queues {
     }
 
     /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
-    /// names nothing outstanding (stale). `ok`: the completion is a success, which confirms a
-    /// hold kept until one (a window's invalidation: see [`Hold`]).
+    /// names nothing outstanding (stale). `ok`: the completion is a success (which releases a
+    /// memory window invalidation's region: see [`Queues::invalidating`]).
     #[inline]
     pub(crate) fn complete(&mut self, t: &tag::Tag, ok: bool) -> Option<u64> {
+        if !self.invalidations.0.is_empty() {
+            return self.complete_invalidating(t, ok);
+        }
         let ring = if t.recv { &mut self.recv } else { &mut self.send };
         let seq = ring.widen(t.low, tag::SEQ_BITS);
-        if ok && !t.recv {
-            ring.hold_until_success(seq, false);
-        }
         ring.complete(seq)
+    }
+
+    /// `complete` while invalidations are in flight: the region of the one it completes, if
+    /// any, is released when the completion is a success, leaked otherwise.
+    #[cold]
+    #[inline(never)]
+    fn complete_invalidating(&mut self, t: &tag::Tag, ok: bool) -> Option<u64> {
+        let ring = if t.recv { &mut self.recv } else { &mut self.send };
+        let seq = ring.widen(t.low, tag::SEQ_BITS);
+        if !t.recv {
+            self.invalidated(seq, ok);
+        }
+        let ring = if t.recv { &mut self.recv } else { &mut self.send };
+        ring.complete(seq)
+    }
+
+    /// Holds `region` (as written to) for the memory window invalidation just posted as send
+    /// `seq`, until its successful completion; leaked if that never comes (see
+    /// `Invalidations`).
+    pub(crate) fn invalidating(&mut self, seq: u64, region: &Arc<MrInner>) {
+        self.invalidations.0.push((seq, Hold::new(region, true)));
+    }
+
+    /// The completion of send `seq` while invalidations are in flight: the region of the one
+    /// it completes is released if it is a success, leaked otherwise.
+    fn invalidated(&mut self, seq: u64, ok: bool) {
+        if let Some(k) = self.invalidations.0.iter().position(|(s, _)| *s == seq) {
+            let (_, hold) = self.invalidations.0.swap_remove(k);
+            if ok {
+                drop(hold);
+            } else {
+                leak(hold);
+            }
+        }
     }
 
     /// Keeps a completion for a later poll or wait of this QP.

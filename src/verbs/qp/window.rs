@@ -74,7 +74,7 @@ impl QueuePair {
         self.commit_one(&mut q, ret, "bind memory window")?;
         drop(q);
         let hold = Hold::new(mr.inner(), writes);
-        Ok(BoundWindow::new(mw, hold, rkey, addr, len, rights))
+        Ok(BoundWindow::new(mw, hold, rkey, addr, len, rights, &self.queues))
     }
 
     /// Unbinds `window`: a type 2 window with a local invalidation (`IBV_WR_LOCAL_INV`), a
@@ -91,8 +91,8 @@ impl QueuePair {
     /// window is dropped.
     ///
     /// # Errors
-    /// As for [`QueuePair::bind_window`], in an [`InvalidateError`] that gives the window back,
-    /// still bound.
+    /// As for [`QueuePair::bind_window`], and [`Error::InvalidArgument`] for a window bound
+    /// through another QP, in an [`InvalidateError`] that gives the window back, still bound.
     pub fn invalidate_window(
         &mut self,
         window: BoundWindow,
@@ -108,6 +108,16 @@ impl QueuePair {
                 window,
             );
         }
+        if !window.bound_on(&self.queues) {
+            // Another QP's bind may not have run yet (two send queues are not ordered), and
+            // would bind the window again after this invalidation succeeded.
+            return refuse(
+                Error::InvalidArgument(
+                    "the memory window was bound through another QP: invalidate it through that one (its send queue runs the invalidation after the bind), or drop it (deallocating it unbinds it)".into(),
+                ),
+                window,
+            );
+        }
         let mut q = lock(&self.queues);
         if let Some(f) = q.failed {
             let e = self.failed_error(f, "invalidate memory window");
@@ -117,7 +127,9 @@ impl QueuePair {
             return refuse(Error::QueueFull { queue: "send", depth: q.send.cap() as u32 }, window);
         }
         let region = std::sync::Arc::clone(window.hold().region());
-        let seq = q.send.stage(0, wr_id, Some(Hold::new(&region, true)));
+        // The slot holds nothing: until the post is known to be taken, `window` holds the
+        // region; from then on, `Queues::invalidating` does, until the successful completion.
+        let seq = q.send.stage(0, wr_id, None);
         let tagged = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
         let rkey = window.rkey();
         let ret = match window.kind() {
@@ -133,10 +145,9 @@ impl QueuePair {
         };
         match self.commit_one(&mut q, ret, "invalidate memory window") {
             Ok(()) => {
-                // Posted: the slot's hold now goes only with a successful completion (see
-                // `Hold`); until then the window may still be bound. (Set under the queues'
-                // lock, so no completion of it is routed before.)
-                q.send.hold_until_success(seq, true);
+                // Posted: the region is held until the invalidation's successful completion
+                // (under the queues' lock, so no completion of it is routed before).
+                q.invalidating(seq, &region);
                 Ok(window.into_parts().0)
             }
             Err(e) => refuse(e, window),
