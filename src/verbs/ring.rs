@@ -467,12 +467,12 @@ impl Queues {
     }
 
     /// Retires what a completion with this tag names; the caller's wr_id, or `None` when it
-    /// names nothing outstanding (stale). `ok`: the completion is a success (which releases a
+    /// names nothing outstanding (stale). `status`: the completion's (a success releases a
     /// memory window invalidation's region: see [`Queues::invalidating`]).
     #[inline]
-    pub(crate) fn complete(&mut self, t: &tag::Tag, ok: bool) -> Option<u64> {
+    pub(crate) fn complete(&mut self, t: &tag::Tag, status: rdma_sys::ibv_wc_status::Type) -> Option<u64> {
         if !self.invalidations.0.is_empty() {
-            return self.complete_invalidating(t, ok);
+            return self.complete_invalidating(t, status == rdma_sys::ibv_wc_status::IBV_WC_SUCCESS);
         }
         let ring = if t.recv { &mut self.recv } else { &mut self.send };
         let seq = ring.widen(t.low, tag::SEQ_BITS);

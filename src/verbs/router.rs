@@ -139,7 +139,7 @@ impl Router {
             return None;
         }
         let mut q = lock(&e.queues);
-        let id = q.complete(&t, wc.status == ffi::ibv_wc_status::IBV_WC_SUCCESS)?;
+        let id = q.complete(&t, wc.status)?;
         q.note_status(wc.status);
         drop(q);
         let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };

@@ -154,7 +154,7 @@ impl QueuePair {
                     if t.nonce != self.nonce || wc.qp_num != self.qp_num {
                         continue;
                     }
-                    let Some(id) = q.complete(&t, wc.status == ffi::ibv_wc_status::IBV_WC_SUCCESS) else { continue };
+                    let Some(id) = q.complete(&t, wc.status) else { continue };
                     q.note_status(wc.status);
                     let queue = if t.recv { WorkQueue::Recv } else { WorkQueue::Send };
                     let done = WorkCompletion::from_raw(wc, id, queue);
