@@ -423,8 +423,8 @@ impl Lane {
         m.recv.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as in `post_one`: the QP is alive; `p.raw` is one NULL-terminated receive
-        // over `p.sge` (its `sg_list`, set when it was prepared), checked by `prepare_recv` for this QP against the region now in
-        // the slot (bounds, PD, LOCAL_WRITE).
+        // over `p.sge` (its `sg_list`, set when it was prepared), checked by `prepare_recv`
+        // for this QP against the region now in the slot (bounds, PD, LOCAL_WRITE).
         let ret = unsafe { ffi::ibv_post_recv(m.raw.as_ptr(), &mut p.raw, &mut bad) };
         if ret == 0 {
             return Ok(());
@@ -534,10 +534,10 @@ fn post_one(m: &mut Member, p: &mut PreparedSend) -> Result<()> {
     // SAFETY: the QP is alive (its owner is in `m`, which `p.key` named: the place, its
     // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
     // request (a list post unlinks its requests before it returns) over `p.sge` (its
-    // `sg_list`, set when it was prepared; the allocation lives as long as `p`), lowered by `prepare_send` for this very QP against the region now in the
-    // slot, which `rearm` made sure is the one it was checked against; a UD destination's
-    // address handle is kept by `m`. The region is out of Rust's reach in the slot until a
-    // completion retires it.
+    // `sg_list`, set when it was prepared; the allocation lives as long as `p`), lowered by
+    // `prepare_send` for this very QP against the region now in the slot, which `rearm` made
+    // sure is the one it was checked against; a UD destination's address handle is kept by
+    // `m`. The region is out of Rust's reach in the slot until a completion retires it.
     let ret = unsafe { ffi::ibv_post_send(m.raw.as_ptr(), &mut p.raw, &mut bad) };
     if ret == 0 {
         return Ok(());
