@@ -43,6 +43,11 @@ pub enum Cap {
     /// InfiniBand and RoCE; an iWARP QP is connected only through the CM, which hands it the
     /// TCP connection its stream runs on.
     ConnectWithoutCm,
+    /// An RDMA WRITE through an rkey the peer does not have fails at the requester, in its own
+    /// completion (`REM_ACCESS_ERR`: InfiniBand and RoCE, whose responder NAKs it). On iWARP
+    /// the WRITE completes once TCP has it, and the peer's TERMINATE moves the QP to the error
+    /// state later, with no completion of its own (measured on siw/6.1).
+    RemoteWriteError,
 }
 
 /// What the device says about itself: the answers `require` needs.
@@ -114,7 +119,7 @@ fn lacks(cap: Cap, d: &Answers) -> Option<String> {
              connection, never by RTR/RTS from exchanged info",
             d.name
         )),
-        Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry if iwarp => {
+        Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry | Cap::RemoteWriteError if iwarp => {
             Some(format!("{} is an iWARP device, and iWARP has no {}", d.name, what(cap)))
         }
         Cap::ReadScatter(n) if d.max_sge_rd != 0 && d.max_sge_rd < n => {
@@ -152,6 +157,7 @@ fn what(cap: Cap) -> String {
         Cap::IbQpAttributes => "InfiniBand transport QP attributes".into(),
         Cap::CompletionQueues(n) => format!("{n} completion queues in one process"),
         Cap::ConnectWithoutCm => "an RC connection made without the CM".into(),
+        Cap::RemoteWriteError => "an RDMA WRITE's remote access error in the WRITE's own completion".into(),
     }
 }
 

@@ -127,6 +127,81 @@ pub fn back_to_init(side: &mut LaneSide) {
     }
 }
 
+/// The status of a send posted after [`back_to_init`], once the QP is moved to the error state:
+/// flushed, since nothing runs in INIT; a connected iWARP QP is not stopped by siw's RESET and
+/// INIT (measured on siw/6.1: the send ran, and completed successfully).
+pub fn after_back_to_init() -> rdma_cm::WcStatus {
+    if super::caps::iwarp() {
+        rdma_cm::WcStatus::Success
+    } else {
+        rdma_cm::WcStatus::WrFlushErr
+    }
+}
+
+/// The provider's `post_send`, while `post_send_naming_none` stands in for it.
+static ORIGINAL_POST_SEND: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The provider's `post_send`, whatever it returns reported as EINVAL with `bad_wr` NULL.
+unsafe extern "C" fn post_send_naming_none(
+    qp: *mut ffi::ibv_qp,
+    wr: *mut ffi::ibv_send_wr,
+    bad: *mut *mut ffi::ibv_send_wr,
+) -> std::os::raw::c_int {
+    type PostSend = unsafe extern "C" fn(
+        *mut ffi::ibv_qp,
+        *mut ffi::ibv_send_wr,
+        *mut *mut ffi::ibv_send_wr,
+    ) -> std::os::raw::c_int;
+    // SAFETY: ORIGINAL_POST_SEND holds the provider's own `post_send`, stored before this one
+    // was installed (`posts_fail_naming_none`); the arguments are passed on as they came.
+    unsafe {
+        let original: PostSend = std::mem::transmute(ORIGINAL_POST_SEND.load(std::sync::atomic::Ordering::SeqCst));
+        let ret = original(qp, wr, bad);
+        *bad = std::ptr::null_mut();
+        if ret == 0 {
+            libc::EINVAL
+        } else {
+            ret
+        }
+    }
+}
+
+/// Runs `f` while every `ibv_post_send` on `side`'s device context fails with EINVAL naming no
+/// work request (`bad_wr` NULL), whatever the provider did with them. That is what rxe itself
+/// does for a QP moved back to INIT ([`back_to_init`]), which keeps the requests; siw takes
+/// them there and says so. Together with `back_to_init` (nothing posted runs before the
+/// flush), the same post fails the same way on every provider.
+pub fn posts_fail_naming_none<R>(side: &mut LaneSide, f: impl FnOnce(&mut LaneSide) -> R) -> R {
+    /// Puts the provider's `post_send` back, even if `f` panics.
+    type PostSend = Option<
+        unsafe extern "C" fn(
+            *mut ffi::ibv_qp,
+            *mut ffi::ibv_send_wr,
+            *mut *mut ffi::ibv_send_wr,
+        ) -> std::os::raw::c_int,
+    >;
+    struct Restore(*mut ffi::ibv_context, PostSend);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: the context is alive (the lane's QP holds it, and outlives this guard).
+            unsafe { (*self.0).ops.post_send = self.1 };
+        }
+    }
+    let raw = side.lane.qp_as_raw(side.qp).unwrap();
+    // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_send` is
+    // swapped for `post_send_naming_none` while `f` runs and put back by `Restore`. The tests of
+    // a binary run one at a time (DeviceTest), so no other test posts through the swapped one.
+    let _restore = unsafe {
+        let ctx = (*raw).context;
+        let saved = Restore(ctx, (*ctx).ops.post_send);
+        let original = (*ctx).ops.post_send.expect("the provider's post_send");
+        ORIGINAL_POST_SEND.store(original as usize, std::sync::atomic::Ordering::SeqCst);
+        (*ctx).ops.post_send = Some(post_send_naming_none);
+        saved
+    };
+    f(side)
+}
+
 /// Polls `lane` for up to `max` completions with a closure that panics, again (bounded by `T`)
 /// until a completion reached the closure; asserts that none is handed out without it.
 pub fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
