@@ -481,7 +481,8 @@ unsafe extern "C" fn half_taking(
 /// once they ran, nothing will ever complete for them. The region stays held (never handed
 /// back while one of them may run), the QP is moved to the error state and refuses posts, and
 /// the region is released once: by the flush of the fifth when they had not all run yet, or
-/// when the QP is destroyed (`remove`). The five ran; the eleven others did not.
+/// when the QP is destroyed (`remove`). The eleven others never ran; the five ran, unless the
+/// fifth's flush came (then each ran or was flushed: rxe/6.12 often flushes them all).
 #[test]
 fn a_batch_the_provider_takes_only_part_of_keeps_its_region_until_it_is_done() {
     let t = DeviceTest::start();
@@ -534,8 +535,14 @@ fn a_batch_the_provider_takes_only_part_of_keeps_its_region_until_it_is_done() {
         let sent = pattern(1024, 6);
         for k in 0..16 {
             let piece = &landed[k * 128..k * 128 + 64];
-            if k < TAKEN {
-                assert_eq!(piece, &sent[k * 64..(k + 1) * 64], "piece {k} was taken: it ran");
+            if k < TAKEN && back.is_empty() {
+                // No flush came: the five had all run before the error state.
+                assert_eq!(piece, &sent[k * 64..(k + 1) * 64], "piece {k} was taken and no flush came: it ran");
+            } else if k < TAKEN {
+                // The fifth's flush came: each of the five ran before the error state, or was
+                // flushed (rxe/6.12 runs sends on a work queue, and often flushes them all).
+                let ran = piece == &sent[k * 64..(k + 1) * 64];
+                assert!(ran || piece.iter().all(|&x| x == 0), "piece {k} ran whole or not at all");
             } else {
                 assert!(piece.iter().all(|&x| x == 0), "piece {k} was never posted");
             }
