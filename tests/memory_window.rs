@@ -262,7 +262,7 @@ const FORGET_CHILD: &str = "RDMA_CM_MW_FORGET_CHILD";
 /// window given back, still bound), and goes through the QP that bound it.
 #[test]
 fn memory_window_is_invalidated_only_through_the_qp_that_bound_it() {
-    use rdma_cm::{devices, GidType, PeerInfo, QpInit, RcParams, UnconnectedQp, VerbsContext};
+    use rdma_cm::{devices, PeerInfo, QpInit, RcParams, UnconnectedQp, VerbsContext};
     let t = DeviceTest::start();
     if !common::require(common::Cap::ConnectWithoutCm) {
         return t.finish();
@@ -270,12 +270,7 @@ fn memory_window_is_invalidated_only_through_the_qp_that_bound_it() {
     {
         let name = devices().unwrap().into_iter().next().expect("a device (this is a device test)").name;
         let ctx = VerbsContext::open(&name).unwrap();
-        let gid = ctx
-            .gid_table(1)
-            .unwrap()
-            .into_iter()
-            .find(|e| e.gid.ipv4().map(std::net::IpAddr::V4) == Some(t.addr) && e.gid_type == GidType::RoceV2)
-            .expect("the RoCE v2 GID of the test address");
+        let gid_index = common::rocev2_gid_index(&ctx, t.addr);
         let pd = ProtectionDomain::new(&ctx).unwrap();
         let mw = match MemoryWindow::new(&pd, WindowType::One) {
             Ok(mw) => mw,
@@ -285,7 +280,7 @@ fn memory_window_is_invalidated_only_through_the_qp_that_bound_it() {
             }
             Err(e) => panic!("ibv_alloc_mw: {e}"),
         };
-        let params = RcParams::new().gid_index(u8::try_from(gid.index).unwrap());
+        let params = RcParams::new().gid_index(u8::try_from(gid_index).unwrap());
         let a = UnconnectedQp::new(&pd, QpInit::new(), params.clone()).unwrap();
         let b = UnconnectedQp::new(&pd, QpInit::new(), params).unwrap();
         let (ia, ib): (PeerInfo, PeerInfo) = (a.local(), b.local());

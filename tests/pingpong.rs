@@ -23,7 +23,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::DeviceTest;
-use rdma_cm::{devices, GidType, VerbsContext};
+use rdma_cm::{devices, VerbsContext};
 
 /// How long one side of a pair may run.
 const RUN: Duration = Duration::from_secs(120);
@@ -57,13 +57,7 @@ fn gid_index(addr: IpAddr) -> String {
     }
     let name = devices().unwrap().into_iter().next().expect("a device").name;
     let ctx = VerbsContext::open(&name).unwrap();
-    let e = ctx
-        .gid_table(1)
-        .unwrap()
-        .into_iter()
-        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == GidType::RoceV2)
-        .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr}"));
-    e.index.to_string()
+    common::rocev2_gid_index(&ctx, addr).to_string()
 }
 
 /// A program of either side, its stdout and stderr collected line by line.

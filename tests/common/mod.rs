@@ -150,6 +150,17 @@ pub fn wait_for_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str, wi
 
 /// The kernel's count of user-space memory regions (registered and not yet deregistered), or
 /// `None` when the device is shared with other processes (see [`SHARED_DEVICE_ENV`]).
+/// The index, on port 1 of `ctx`, of the RoCE v2 GID of `addr` (what a QP connected without
+/// the CM is given, as `ibv_rc_pingpong -g` is).
+pub fn rocev2_gid_index(ctx: &rdma_cm::VerbsContext, addr: IpAddr) -> u32 {
+    ctx.gid_table(1)
+        .expect("the GID table of port 1")
+        .into_iter()
+        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == rdma_cm::GidType::RoceV2)
+        .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr} on port 1"))
+        .index
+}
+
 pub fn mr_count() -> Option<usize> {
     (!device_shared()).then(|| resources().into_iter().find(|(k, _)| *k == "mr").map_or(0, |(_, n)| n))
 }
