@@ -150,7 +150,9 @@ impl Lane {
     /// retires several (then `retiring` says which, for `retire`) or nothing (stale).
     #[inline(always)]
     fn start(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
-        // SAFETY: `i < n`, and the provider (or `refill_from_deferred`) initialised wcs[..n].
+        // SAFETY: wcs[i] is initialised: either `i < n`, and the provider (or
+        // `refill_from_deferred`) initialised wcs[..n], or (`poll_with`'s one-completion case,
+        // `i` 0, before it sets `n`) the provider's poll just returned that one entry there.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
         // The tag's place and generation, compared whole with the member's (`Member::hi`); a
         // completion of the convenient path or of a batch's interior request has a bit set that
