@@ -220,7 +220,7 @@ fn a_batch_refused_without_bad_wr_keeps_its_region_until_the_flush() {
         assert!(!batch.is_armed(), "the region is not given back: the provider may have the requests");
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (16, 0));
         let mut c = reap(&mut a.lane, 1).pop().unwrap();
-        assert_eq!((c.wr_id(), c.status()), (40, after_back_to_init()), "{c:?}");
+        assert!(c.wr_id() == 40 && after_back_to_init(c.status()), "{c:?}");
         batch.rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
         assert!(a.lane.poll().unwrap().is_none(), "the interior flushes hand nothing out");

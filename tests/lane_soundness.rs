@@ -109,7 +109,7 @@ fn a_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() {
         assert!(r.into_inner().is_none(), "the region is not given back: the provider may have it");
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0));
         let mut c = reap(&mut a.lane, 1).pop().unwrap();
-        assert_eq!((c.wr_id(), c.status()), (5, after_back_to_init()), "{c:?}");
+        assert!(c.wr_id() == 5 && after_back_to_init(c.status()), "{c:?}");
         assert!(c.take_region().is_some(), "the flush hands it back");
         // Posts are refused from then on (nothing posted to a QP in error can run).
         let r = a.lane.post_recv(a.qp, RecvWr::new(region(&a))).unwrap_err();
@@ -136,7 +136,7 @@ fn a_prepared_post_that_fails_without_bad_wr_keeps_the_region_until_the_flush() 
         assert!(!p.is_armed(), "the region is not given back: the provider may have it");
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0), "held in its slot, committed");
         let mut c = reap(&mut a.lane, 1).pop().unwrap();
-        assert_eq!((c.wr_id(), c.status()), (7, after_back_to_init()), "{c:?}");
+        assert!(c.wr_id() == 7 && after_back_to_init(c.status()), "{c:?}");
         p.rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
         let e = a.lane.post_prepared(&mut p).unwrap_err();
@@ -226,7 +226,7 @@ fn a_prepared_list_that_fails_without_bad_wr_keeps_every_region_until_the_flush(
         let flushed = reap(&mut a.lane, 4);
         assert_eq!(flushed.iter().map(|c| c.wr_id()).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
         for mut c in flushed {
-            assert_eq!(c.status(), after_back_to_init(), "{c:?}");
+            assert!(after_back_to_init(c.status()), "{c:?}");
             let k = c.wr_id() as usize;
             ps[k].rearm(c.take_region().expect("the flush hands it back")).map_err(|r| r.into_parts().0).unwrap();
         }
