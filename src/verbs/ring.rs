@@ -484,25 +484,11 @@ impl Queues {
     #[cold]
     #[inline(never)]
     fn complete_invalidating(&mut self, t: &tag::Tag, ok: bool) -> Option<u64> {
-        let ring = if t.recv { &mut self.recv } else { &mut self.send };
-        let seq = ring.widen(t.low, tag::SEQ_BITS);
-        if !t.recv {
-            self.invalidated(seq, ok);
+        if t.recv {
+            let seq = self.recv.widen(t.low, tag::SEQ_BITS);
+            return self.recv.complete(seq);
         }
-        let ring = if t.recv { &mut self.recv } else { &mut self.send };
-        ring.complete(seq)
-    }
-
-    /// Holds `region` (as written to) for the memory window invalidation just posted as send
-    /// `seq`, until its successful completion; leaked if that never comes (see
-    /// `Invalidations`).
-    pub(crate) fn invalidating(&mut self, seq: u64, region: &Arc<MrInner>) {
-        self.invalidations.0.push((seq, Hold::new(region, true)));
-    }
-
-    /// The completion of send `seq` while invalidations are in flight: the region of the one
-    /// it completes is released if it is a success, leaked otherwise.
-    fn invalidated(&mut self, seq: u64, ok: bool) {
+        let seq = self.send.widen(t.low, tag::SEQ_BITS);
         if let Some(k) = self.invalidations.0.iter().position(|(s, _)| *s == seq) {
             let (_, hold) = self.invalidations.0.swap_remove(k);
             if ok {
@@ -511,6 +497,14 @@ impl Queues {
                 leak(hold);
             }
         }
+        self.send.complete(seq)
+    }
+
+    /// Holds `region` (as written to) for the memory window invalidation just posted as send
+    /// `seq`, until its successful completion; leaked if that never comes (see
+    /// `Invalidations`).
+    pub(crate) fn invalidating(&mut self, seq: u64, region: &Arc<MrInner>) {
+        self.invalidations.0.push((seq, Hold::new(region, true)));
     }
 
     /// Keeps a completion for a later poll or wait of this QP.
