@@ -439,8 +439,6 @@ fn forgetting_panicking_removing_and_dropping_with_a_batch_in_flight() {
     t.finish();
 }
 
-/// The provider's `post_send`, while `half_taking` stands in for it.
-static ORIGINAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 /// How many requests of a list `half_taking` lets through.
 const TAKEN: usize = 5;
 
@@ -451,23 +449,17 @@ unsafe extern "C" fn half_taking(
     wr: *mut rdma_cm::ffi::ibv_send_wr,
     bad: *mut *mut rdma_cm::ffi::ibv_send_wr,
 ) -> std::os::raw::c_int {
-    type PostSend = unsafe extern "C" fn(
-        *mut rdma_cm::ffi::ibv_qp,
-        *mut rdma_cm::ffi::ibv_send_wr,
-        *mut *mut rdma_cm::ffi::ibv_send_wr,
-    ) -> std::os::raw::c_int;
-    // SAFETY: ORIGINAL holds the provider's own `post_send` (stored by the test below before
-    // it installed this one); the list has more than TAKEN entries (the test's batch has 16),
-    // so the walk stays on it; its links are restored before returning.
+    // SAFETY: the list has more than TAKEN entries (the test's batch has 16), so the walk stays
+    // on it; its links are restored before returning; the provider's own `post_send` is called
+    // with a list cut after TAKEN entries.
     unsafe {
-        let original: PostSend = std::mem::transmute(ORIGINAL.load(std::sync::atomic::Ordering::SeqCst));
         let mut last = wr;
         for _ in 1..TAKEN {
             last = (*last).next;
         }
         let rest = (*last).next;
         (*last).next = std::ptr::null_mut();
-        let ret = original(qp, wr, bad);
+        let ret = common::lane::original_post_send()(qp, wr, bad);
         (*last).next = rest;
         assert_eq!(ret, 0, "the provider took the first {TAKEN}");
         *bad = rest;
@@ -492,19 +484,7 @@ fn a_batch_the_provider_takes_only_part_of_keeps_its_region_until_it_is_done() {
         let mut region = a.mrs.remove(0);
         region.write_at(0, &pattern(1024, 6)).unwrap();
         let mut batch = writes(&mut a.lane, a.qp, region, &remote);
-        let raw = a.lane.qp_as_raw(a.qp).unwrap();
-        // SAFETY: the QP is alive (the lane holds it); its context's `post_send` is swapped for
-        // `half_taking` for one post and put back right after. The tests of this binary run one
-        // at a time (DeviceTest), so no other post goes through the swapped pointer.
-        let r = unsafe {
-            let ops = &mut (*(*raw).context).ops;
-            let original = ops.post_send.expect("the provider's post_send");
-            ORIGINAL.store(original as usize, std::sync::atomic::Ordering::SeqCst);
-            ops.post_send = Some(half_taking);
-            let r = a.lane.post_batch(&mut batch);
-            ops.post_send = Some(original);
-            r
-        };
+        let r = common::lane::with_post_send(&mut a, half_taking, |a| a.lane.post_batch(&mut batch));
         let e = r.unwrap_err();
         assert!(e.to_string().contains("only part of the batch"), "{e}");
         assert!(!batch.is_armed(), "the region is not given back: five requests may run");

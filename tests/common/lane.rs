@@ -140,8 +140,47 @@ pub fn after_back_to_init(status: rdma_cm::WcStatus) -> bool {
     }
 }
 
-/// The provider's `post_send`, while `post_send_naming_none` stands in for it.
+/// An `ibv_post_send` implementation, as a device context's `ops.post_send` holds one.
+pub type PostSend =
+    unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_send_wr, *mut *mut ffi::ibv_send_wr) -> std::os::raw::c_int;
+
+/// The provider's `post_send`, while [`with_post_send`] has another stand in for it.
 static ORIGINAL_POST_SEND: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The provider's own `post_send`, for the stand-in [`with_post_send`] installed to call.
+pub fn original_post_send() -> PostSend {
+    let p = ORIGINAL_POST_SEND.load(std::sync::atomic::Ordering::SeqCst);
+    assert_ne!(p, 0, "no post_send was swapped");
+    // SAFETY: a non-zero value is the provider's `post_send`, stored by `with_post_send` from
+    // the context's own non-NULL function pointer.
+    unsafe { std::mem::transmute::<usize, PostSend>(p) }
+}
+
+/// Runs `f` while `side`'s device context posts sends through `stand_in` (which may call the
+/// provider's through [`original_post_send`]), and puts the provider's back after, even if `f`
+/// panics. The tests of a binary run one at a time (DeviceTest), so no other test posts
+/// through the stand-in.
+pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce(&mut LaneSide) -> R) -> R {
+    struct Restore(*mut ffi::ibv_context, Option<PostSend>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: the context is alive (the lane's QP holds it, and outlives this guard).
+            unsafe { (*self.0).ops.post_send = self.1 };
+        }
+    }
+    let raw = side.lane.qp_as_raw(side.qp).unwrap();
+    // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_send` is
+    // swapped for `stand_in` while `f` runs and put back by `Restore`.
+    let _restore = unsafe {
+        let ctx = (*raw).context;
+        let saved = Restore(ctx, (*ctx).ops.post_send);
+        let original = (*ctx).ops.post_send.expect("the provider's post_send");
+        ORIGINAL_POST_SEND.store(original as usize, std::sync::atomic::Ordering::SeqCst);
+        (*ctx).ops.post_send = Some(stand_in);
+        saved
+    };
+    f(side)
+}
 
 /// The provider's `post_send`, whatever it returns reported as EINVAL with `bad_wr` NULL.
 unsafe extern "C" fn post_send_naming_none(
@@ -149,16 +188,10 @@ unsafe extern "C" fn post_send_naming_none(
     wr: *mut ffi::ibv_send_wr,
     bad: *mut *mut ffi::ibv_send_wr,
 ) -> std::os::raw::c_int {
-    type PostSend = unsafe extern "C" fn(
-        *mut ffi::ibv_qp,
-        *mut ffi::ibv_send_wr,
-        *mut *mut ffi::ibv_send_wr,
-    ) -> std::os::raw::c_int;
-    // SAFETY: ORIGINAL_POST_SEND holds the provider's own `post_send`, stored before this one
-    // was installed (`posts_fail_naming_none`); the arguments are passed on as they came.
+    // SAFETY: the arguments are passed on to the provider as they came; `bad` is its
+    // out-pointer, valid for a write.
     unsafe {
-        let original: PostSend = std::mem::transmute(ORIGINAL_POST_SEND.load(std::sync::atomic::Ordering::SeqCst));
-        let ret = original(qp, wr, bad);
+        let ret = original_post_send()(qp, wr, bad);
         *bad = std::ptr::null_mut();
         if ret == 0 {
             libc::EINVAL
@@ -174,34 +207,7 @@ unsafe extern "C" fn post_send_naming_none(
 /// them there and says so. Together with `back_to_init` (nothing posted runs before the
 /// flush), the same post fails the same way on every provider.
 pub fn posts_fail_naming_none<R>(side: &mut LaneSide, f: impl FnOnce(&mut LaneSide) -> R) -> R {
-    /// Puts the provider's `post_send` back, even if `f` panics.
-    type PostSend = Option<
-        unsafe extern "C" fn(
-            *mut ffi::ibv_qp,
-            *mut ffi::ibv_send_wr,
-            *mut *mut ffi::ibv_send_wr,
-        ) -> std::os::raw::c_int,
-    >;
-    struct Restore(*mut ffi::ibv_context, PostSend);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            // SAFETY: the context is alive (the lane's QP holds it, and outlives this guard).
-            unsafe { (*self.0).ops.post_send = self.1 };
-        }
-    }
-    let raw = side.lane.qp_as_raw(side.qp).unwrap();
-    // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_send` is
-    // swapped for `post_send_naming_none` while `f` runs and put back by `Restore`. The tests of
-    // a binary run one at a time (DeviceTest), so no other test posts through the swapped one.
-    let _restore = unsafe {
-        let ctx = (*raw).context;
-        let saved = Restore(ctx, (*ctx).ops.post_send);
-        let original = (*ctx).ops.post_send.expect("the provider's post_send");
-        ORIGINAL_POST_SEND.store(original as usize, std::sync::atomic::Ordering::SeqCst);
-        (*ctx).ops.post_send = Some(post_send_naming_none);
-        saved
-    };
-    f(side)
+    with_post_send(side, post_send_naming_none, f)
 }
 
 /// Polls `lane` for up to `max` completions with a closure that panics, again (bounded by `T`)
