@@ -77,6 +77,11 @@ struct Args {
     /// Seconds any single wait may take (resolution, handshake, each message).
     #[arg(long, default_value_t = 10)]
     timeout: u64,
+    /// Seconds a disconnect waits for this host's RDMA port to be ACTIVE again when its link
+    /// is down (rdma_cm::set_disconnect_hold): a CM message sent while the link is down can
+    /// leave the host's CM deaf until the device is re-created. 0: never wait.
+    #[arg(long, default_value_t = 10)]
+    disconnect_hold: u64,
     /// Stream --iters messages one way (--mode send or write) and print the bandwidth table
     /// of ib_send_bw / ib_write_bw; the server verifies a send stream, a write stream is
     /// followed by one verified round trip.
@@ -116,6 +121,7 @@ macro_rules! say {
 
 fn main() {
     let args = Args::parse();
+    rdma_cm::set_disconnect_hold(Duration::from_secs(args.disconnect_hold));
     if args.port == 0 {
         fail("bad arguments", "port 0 is not a port a server listens on: choose 1..=65535 with -p");
     }

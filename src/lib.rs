@@ -456,7 +456,7 @@ mod wait;
 // The modules' paths from before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep
 // working; the crate-root re-exports below are the paths to use.
 #[doc(hidden)]
-pub use cm::{addrinfo, cm_id, event_channel, multicast, private_data, step, ud_cm, user_qp};
+pub use cm::{addrinfo, cm_id, event_channel, hold, multicast, private_data, step, ud_cm, user_qp};
 #[doc(hidden)]
 pub use verbs::{ah, async_event, cq, diagnostics, lane, mr, pd, port, qp, srq, ud, wr};
 /// `rdma_cm::connection` from before the two wings: the typestates, `ConnParam` and the
@@ -488,6 +488,7 @@ pub use cm::cm_id::{CmId, IdHandle};
 pub use cm::conn_param::ConnParam;
 pub use cm::connection::{Connection, Disconnecting};
 pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
+pub use cm::hold::{disconnect_hold, set_disconnect_hold};
 pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use cm::private_data::QpInfo;
 pub use cm::server::{Accepting, Bound, ConnectRequest, Listener, Server, ServerQp};

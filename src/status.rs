@@ -49,7 +49,7 @@ macro_rules! wc_status {
 wc_status! {
     Success = IBV_WC_SUCCESS, "SUCCESS", None;
     LocLenErr = IBV_WC_LOC_LEN_ERR, "LOC_LEN_ERR", Some("the message is larger than the posted receive buffer");
-    LocQpOpErr = IBV_WC_LOC_QP_OP_ERR, "LOC_QP_OP_ERR", Some("the work request is invalid for this QP (e.g. inline data too long)");
+    LocQpOpErr = IBV_WC_LOC_QP_OP_ERR, "LOC_QP_OP_ERR", Some("the work request is invalid for this QP (e.g. inline data too long), or the device could not send it: Soft-RoCE reports this when the link is down (check `ip link` and `rdma link`)");
     LocEecOpErr = IBV_WC_LOC_EEC_OP_ERR, "LOC_EEC_OP_ERR", None;
     LocProtErr = IBV_WC_LOC_PROT_ERR, "LOC_PROT_ERR", Some("a local buffer is not covered by its memory region or lacks LOCAL_WRITE");
     WrFlushErr = IBV_WC_WR_FLUSH_ERR, "WR_FLUSH_ERR", Some("the QP went to the error state (peer disconnected, or an earlier work request failed)");

@@ -11,7 +11,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::DeviceTest;
-use peer::{example, peer, port_active_script, run_local, sh_local, streaming_client, text, Wire, NETDEV};
+use peer::{
+    example, peer, port_active_script, run_local, sh_local, streaming_client, streaming_client_with, text, Wire, NETDEV,
+};
 
 /// Where recovery after a cut breaks (the issue: "after the wire is back, no new connection
 /// completes"). Our side is ruled out: the same example server process accepts again as soon as
@@ -36,7 +38,10 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     ));
     let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7806", "--timeout", "5"]);
     srv.wait_line("Listening on port 7806", Duration::from_secs(60));
-    let (busy, _lines) = streaming_client(&p, "7806", "65536", "5");
+    // The crate holds a disconnect while the link is down (`rdma_cm::hold`): off here, to see
+    // what a teardown while down does (the held case is
+    // `own_link_flap_mid_transfer_with_the_disconnect_held`).
+    let (busy, _lines) = streaming_client_with(&p, "7806", "65536", "5", &["--disconnect-hold", "0"]);
     sh_local(&format!("ip link set {NETDEV} down"));
     // The client fails at once (its own link is down: a local error), exits, and so tears down
     // its connection while the link is still down.
@@ -394,5 +399,48 @@ fn own_link_flap_without_a_connection() {
     eprintln!("measured: host B's QP1 send completions:\n{trace}");
     assert!(ok, "a link flap with no connection left host B unable to connect");
     drop(wire);
+    t.finish();
+}
+
+/// The crate's own mitigation, between two hosts: the example client streams RDMA WRITEs to
+/// host A when host B's link goes down; its stream fails, and its disconnect is held
+/// (`rdma_cm::hold`) until B's port is ACTIVE again, so its DREQ goes out with the link up.
+/// Host B must then connect to a fresh server on host A without re-creating its device.
+#[test]
+fn own_link_flap_mid_transfer_with_the_disconnect_held() {
+    let t = DeviceTest::start();
+    let p = peer();
+    let base = p.resources();
+    let wire = Wire::new(&p);
+    let a = p.addr.to_string();
+    let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7860", "--timeout", "30"]);
+    srv.wait_line("Listening on port 7860", Duration::from_secs(60));
+    let (mut busy, _lines) = streaming_client_with(&p, "7860", "65536", "30", &["--disconnect-hold", "60"]);
+    let held = common::stderr_lines_of(&mut busy);
+    trace_on();
+    link_down();
+    common::wait_for_line(&held, "rdma-cm: holding the disconnect from", Duration::from_secs(60));
+    assert!(busy.try_wait().unwrap().is_none(), "the client ended while its disconnect was held");
+    link_up();
+    let out = peer::wait_output(busy, Duration::from_secs(60), "the held client");
+    let said: Vec<String> = held.try_iter().collect();
+    assert!(
+        said.iter().any(|l| l.contains("is back after")),
+        "the held disconnect did not say the port came back: {said:?}"
+    );
+    assert_eq!(out.status.code(), Some(1), "the stream did not fail as host B's link went down: {said:?}");
+    let (done, failed, trace) = trace_qp1();
+    srv.end("KILL");
+    srv.wait(Duration::from_secs(30));
+    let ok = connects_after_flap(&p, "7861");
+    eprintln!(
+        "measured: the crate's client held its disconnect until host B's port was ACTIVE again: QP1 sends \
+         completed {done}, failed {failed}; a new connection from B afterwards {}",
+        if ok { "works" } else { "times out until rxe0 is re-created (it works after)" }
+    );
+    eprintln!("measured: host B's QP1 send completions:\n{trace}");
+    assert!(ok, "the held disconnect did not keep host B able to connect");
+    drop(wire);
+    p.wait_resources(&base, "after the flap");
     t.finish();
 }

@@ -305,7 +305,10 @@ impl CmId {
         self.channel = channel;
     }
 
+    /// `rdma_disconnect`, held first while the id's port is down (bounded: see
+    /// [`crate::cm::hold`]).
     pub(crate) fn disconnect(&self) -> Result<()> {
+        super::hold::while_port_down(self.verbs(), self.port_num(), || self.peer_addr());
         // SAFETY: id valid; rdma_disconnect is allowed in any connected or connecting state
         // and fails harmlessly (EINVAL) otherwise.
         check_rdma(unsafe { ffi::rdma_disconnect(self.as_raw()) }, "rdma_disconnect")

@@ -84,8 +84,14 @@
 //! flush of outstanding work is reaped first, so every region a work request held is released
 //! only once the device is done with it (the same bounded drain as dropping the QP; see
 //! [`crate::verbs::qp`]). What is left, the id, waits for `DISCONNECTED` in [`Disconnecting`].
-//! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`]. The QP is
-//! gone from the type too:
+//! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`].
+//!
+//! Every disconnect (these, [`Connection::start_disconnect`] and a connection's drop) first
+//! waits, bounded, while the id's own port is down ([`crate::hold`]): a CM message sent while
+//! the link is down leaves the host's CM deaf on the kernels tested, and a disconnect held until
+//! the port is `ACTIVE` again does not.
+//!
+//! The QP is gone from the type too:
 //!
 //! ```compile_fail
 //! # fn f(c: rdma_cm::Connection) -> rdma_cm::Result<()> {

@@ -11,6 +11,7 @@ pub mod conn_param;
 pub mod connection;
 pub mod event_channel;
 pub(crate) mod expect;
+pub mod hold;
 mod lane_cm;
 pub mod multicast;
 pub mod private_data;

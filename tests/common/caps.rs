@@ -48,6 +48,10 @@ pub enum Cap {
     /// the WRITE completes once TCP has it, and the peer's TERMINATE moves the QP to the error
     /// state later, with no completion of its own (measured on siw/6.1).
     RemoteWriteError,
+    /// A CM that speaks MADs on the port's QP1 (InfiniBand and RoCE; iWARP's CM speaks TCP):
+    /// what a disconnect sent while the link is down breaks, and so what the crate holds a
+    /// disconnect back for (`rdma_cm::hold`).
+    CmMads,
 }
 
 /// What the device says about itself: the answers `require` needs.
@@ -119,7 +123,9 @@ fn lacks(cap: Cap, d: &Answers) -> Option<String> {
              connection, never by RTR/RTS from exchanged info",
             d.name
         )),
-        Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry | Cap::RemoteWriteError if iwarp => {
+        Cap::Ud | Cap::Multicast | Cap::ImmediateData | Cap::RnrRetry | Cap::RemoteWriteError | Cap::CmMads
+            if iwarp =>
+        {
             Some(format!("{} is an iWARP device, and iWARP has no {}", d.name, what(cap)))
         }
         Cap::ReadScatter(n) if d.max_sge_rd != 0 && d.max_sge_rd < n => {
@@ -158,6 +164,7 @@ fn what(cap: Cap) -> String {
         Cap::CompletionQueues(n) => format!("{n} completion queues in one process"),
         Cap::ConnectWithoutCm => "an RC connection made without the CM".into(),
         Cap::RemoteWriteError => "an RDMA WRITE's remote access error in the WRITE's own completion".into(),
+        Cap::CmMads => "CM MADs on QP1 (its CM speaks TCP)".into(),
     }
 }
 

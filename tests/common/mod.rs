@@ -122,11 +122,20 @@ pub fn wait_listening(port: u16, within: Duration) {
 
 /// Reads `child`'s stdout in a thread; returns a receiver of its lines.
 pub fn lines_of(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    lines_from(child.stdout.take().expect("the child's stdout is piped"))
+}
+
+/// Reads `child`'s stderr in a thread; returns a receiver of its lines.
+#[allow(dead_code)] // some binaries use it
+pub fn stderr_lines_of(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    lines_from(child.stderr.take().expect("the child's stderr is piped"))
+}
+
+fn lines_from(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
     use std::io::BufRead;
-    let out = child.stdout.take().expect("the child's stdout is piped");
     let (tx, rx) = std::sync::mpsc::channel();
     thread::spawn(move || {
-        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+        for l in std::io::BufReader::new(r).lines().map_while(Result::ok) {
             if tx.send(l).is_err() {
                 break;
             }

@@ -181,10 +181,26 @@ pub fn example(name: &str) -> String {
 /// `port` without end (each of its waits bounded by `timeout` seconds), and returns it once it
 /// is connected, with stdout and stderr piped; keep the receiver of its lines while it runs.
 pub fn streaming_client(peer: &Peer, port: &str, size: &str, timeout: &str) -> (Child, Receiver<String>) {
+    streaming_client_with(peer, port, size, timeout, &[])
+}
+
+/// [`streaming_client`] with more arguments for the client.
+pub fn streaming_client_with(
+    peer: &Peer,
+    port: &str,
+    size: &str,
+    timeout: &str,
+    more: &[&str],
+) -> (Child, Receiver<String>) {
     let a = peer.addr.to_string();
     let args = ["-a", &a, "-p", port, "--mode", "write", "--size", size, "--iters", "10000000", "--timeout", timeout];
-    let mut client =
-        Command::new(example("client")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut client = Command::new(example("client"))
+        .args(args)
+        .args(more)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let lines = crate::common::lines_of(&mut client);
     crate::common::wait_for_line(&lines, "[EVENT] Connection established", Duration::from_secs(60));
     (client, lines)
