@@ -494,9 +494,11 @@ fn check_echo(back: &mut MemoryRegion, i: u32, expected: &mut [u8], got: &mut [u
 /// `--tx-depth` in flight, `--post-list` per post (one doorbell per [`lane::MAX_LIST`] work
 /// requests: a lane posts lists of at most 16), one signaled per `--cq-mod` (and the last of a
 /// list after which no full list fits, so a completion always comes). Each work request in
-/// flight moves a region of its own into the lane: chunks of one registration, all holding
-/// the pattern of iteration 0. Prints the bandwidth as perftest does (MB/s = 2^20 bytes per
-/// second; the peak is the best of ten equal slices of the run).
+/// flight has a region of its own: chunks of one registration, all holding the pattern of
+/// iteration 0, each in a work request prepared once (checked and lowered: the lane's fastest
+/// post, [`lane::PreparedSend`]); message `k` goes in request `k % depth`, whose region the
+/// completion that retires it hands back. Prints the bandwidth as perftest does (MB/s = 2^20
+/// bytes per second; the peak is the best of ten equal slices of the run).
 fn stream(
     lc: &mut LaneConn,
     regs: &mut Regions,
@@ -519,8 +521,17 @@ fn stream(
     for chunk in whole.as_mut_slice()?.chunks_mut(size) {
         fill_pattern(chunk, 0);
     }
-    let mut free = whole.split(size)?;
+    let mut ring = Vec::with_capacity(depth as usize);
+    for (k, mr) in whole.split(size)?.into_iter().enumerate() {
+        let wr = match &target {
+            Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
+            None => lane::SendWr::send(mr, 0..size),
+        };
+        ring.push(lc.lane.prepare_send(lc.qp, wr.wr_id(k as u64))?);
+    }
     const OP: &str = "streaming work requests";
+    // Messages `done..posted` are in flight; the requests of `posted..done + depth` (modulo
+    // depth) hold their regions: completions come back in order.
     let (mut posted, mut done) = (0u32, 0u32);
     let slice = (n / 10).max(1);
     let mut peak = 0f64;
@@ -528,45 +539,51 @@ fn stream(
     let mut mark = (start, 0u32);
     while done < n {
         loop {
-            let room = free.len() as u32;
+            let room = depth - (posted - done);
             let b = list.min(n - posted).min(room);
             if b == 0 || (b < list && posted + b < n) {
                 break;
             }
             let full_after = room - b < list;
             let last = posted + b - 1;
-            let mut id = posted;
-            while id <= last {
-                let end = (id + lane::MAX_LIST as u32 - 1).min(last);
-                let wrs = (id..=end).map_while(|k| {
-                    let mr = free.pop()?;
-                    let wr = match &target {
-                        Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
-                        None => lane::SendWr::send(mr, 0..size),
-                    }
-                    .wr_id(k as u64);
-                    let signaled = k % cq_mod == cq_mod - 1 || k == n - 1 || (full_after && k == last);
-                    Some(if signaled { wr } else { wr.unsignaled() })
-                });
-                id += lc.lane.post_send_iter(lc.qp, wrs)? as u32;
+            while posted <= last {
+                // One list: at most MAX_LIST requests, and not past the ring's end.
+                let at = (posted % depth) as usize;
+                let len = (last - posted + 1).min(lane::MAX_LIST as u32).min(depth - at as u32) as usize;
+                for (j, p) in ring[at..at + len].iter_mut().enumerate() {
+                    let k = posted + j as u32;
+                    p.set_signaled(k % cq_mod == cq_mod - 1 || k == n - 1 || (full_after && k == last));
+                }
+                posted += lc.lane.post_prepared_list(&mut ring[at..at + len])? as u32;
             }
-            posted = id;
         }
         // Each completion hands its region back; a signaled one first hands back the
         // unsignaled ones it retires, one completion each.
         let mut failed = None;
+        let mut lost = None;
         let reaped = lc.lane.poll_with(64, |c, region| {
             if !c.is_ok() {
                 failed.get_or_insert(c);
             } else if c.queue() == WorkQueue::Recv {
                 regs.put_back(&c, region); // the server's answer to a send stream, early
             } else if let Some(mr) = region {
-                free.push(mr);
-                done += 1;
+                let back = match ring.get_mut(c.wr_id() as usize) {
+                    Some(p) => p.rearm(mr).map_err(Error::from),
+                    None => Err(Error::InvalidArgument(format!("a completion names no request: {}", c.wr_id()))),
+                };
+                match back {
+                    Ok(()) => done += 1,
+                    Err(e) => {
+                        lost.get_or_insert(e);
+                    }
+                }
             }
         })?;
         if let Some(c) = failed {
             return Err(lc.failed(&c, OP));
+        }
+        if let Some(e) = lost {
+            return Err(e);
         }
         if reaped == 0 {
             lc.idle(OP, t)?;

@@ -250,6 +250,27 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
     let (c, _) = demo("7634", &args);
     assert_eq!(row_of(&c)[..2], [2.0, 2000.0], "{c}");
     assert!(c.contains("Echo verified: 1 x 2 bytes match"), "{c}");
+    // A ring of 20 prepared requests posted in lists of 16: lists end at the ring's end, and
+    // the signaled ones (one in 7) fall anywhere in them.
+    let args = [
+        "--bw",
+        "--mode",
+        "send",
+        "--size",
+        "64",
+        "--iters",
+        "1001",
+        "--tx-depth",
+        "20",
+        "--post-list",
+        "16",
+        "--cq-mod",
+        "7",
+    ];
+    let (c, s) = demo("7639", &args);
+    assert_eq!(row_of(&c)[..2], [64.0, 1001.0], "{c}");
+    assert!(c.contains("Stream verified: the server received 1001 x 64 bytes, content matched"), "{c}");
+    assert!(s.contains("Received a stream of 1001 messages of 64 bytes (lengths and content checked)"), "{s}");
 }
 
 /// The --bw options refuse what would not run: another mode, an empty or too long post list,
