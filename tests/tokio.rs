@@ -366,3 +366,90 @@ fn a_connect_nobody_answers_leaves_the_runtime_free_and_is_given_up_at_its_timer
         t.finish();
     }
 }
+
+/// `disconnect_async` while this host's link is down: the disconnect is held until the port is
+/// ACTIVE again (`rdma_cm::hold`), on tokio's blocking pool, so the runtime's one thread keeps
+/// running: here it brings the link back up, which a hold on that thread would keep from
+/// happening until the hold's bound (60 s here). Then a new connection works (the host's CM is
+/// not deaf). Guest only: it takes the device's netdev down.
+#[test]
+fn guest_only_async_disconnect_is_held_off_the_runtimes_thread_while_the_link_is_down() {
+    let t = DeviceTest::start();
+    if !common::require(common::Cap::CmMads) {
+        return t.finish();
+    }
+    let netdev = std::env::var("RDMA_VM_NETDEV").expect(
+        "this test takes the RDMA netdev down: it runs in the harness guest (RDMA_VM_NETDEV); elsewhere skip it with \
+         `cargo test -- --skip guest_only`",
+    );
+    let link = |netdev: &str, state: &str| {
+        let st = std::process::Command::new("ip").args(["link", "set", netdev, state]).status().unwrap();
+        assert!(st.success(), "ip link set {netdev} {state}");
+    };
+    rdma_cm::set_disconnect_hold(Duration::from_secs(60));
+    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
+    let (c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
+    link(&netdev, "down");
+    // Up again however the test ends, for the tests after it.
+    struct Up(String);
+    impl Drop for Up {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip").args(["link", "set", &self.0, "up"]).status();
+            common::caps::port_active_within(Duration::from_secs(30));
+        }
+    }
+    let _up = Up(netdev.clone());
+    let dev = common::caps::device_under_test();
+    let state = format!("/sys/class/infiniband/{dev}/ports/1/state");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&state).unwrap().contains("DOWN") {
+        assert!(std::time::Instant::now() < deadline, "port 1 of {dev} did not go down");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start = std::time::Instant::now();
+    let (r, up_after) = rt().block_on(async {
+        // The disconnect is polled first; the link comes up from the same thread's next poll.
+        let up = async {
+            let netdev = netdev.clone();
+            tokio::task::spawn_blocking(move || {
+                link(&netdev, "up");
+                common::caps::wait_port_active(Duration::from_secs(60));
+                start.elapsed()
+            })
+            .await
+            .unwrap()
+        };
+        // The peer answers the DREQ sent once the port is back (its DISCONNECTED, answered).
+        // Each bounded by 60 s: with the hold on the runtime's thread, the DREQ goes out while
+        // the link is down, and the peer never hears it.
+        let bound = Duration::from_secs(60);
+        let peer = async {
+            while !s.conn.is_disconnected() {
+                let ev = tokio::time::timeout(bound, s.conn.next_event_async()).await;
+                ev.expect("the peer heard no disconnect within 60 s").unwrap();
+            }
+        };
+        let disconnect = async {
+            tokio::time::timeout(bound, c.conn.disconnect_async()).await.expect("disconnect_async took over 60 s")
+        };
+        let (r, up_after, ()) = tokio::join!(disconnect, up, peer);
+        (r, up_after)
+    });
+    let took = start.elapsed();
+    r.unwrap();
+    assert!(
+        took < Duration::from_secs(30),
+        "the held disconnect took {took:?} (the link came up {up_after:?} in): it kept the runtime's thread"
+    );
+    eprintln!("measured: the link came up {up_after:?} in, and the held disconnect_async ended {took:?} in");
+    drop((c.mrs, c.pd, s));
+    rdma_cm::set_disconnect_hold(rdma_cm::hold::DEFAULT_DISCONNECT_HOLD);
+    // The host's CM still hears: a new connection works end to end.
+    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
+    let (mut c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 64);
+    drop((c, s));
+    t.finish();
+}

@@ -308,7 +308,23 @@ impl CmId {
     /// `rdma_disconnect`, held first while the id's port is down (bounded: see
     /// [`crate::cm::hold`]).
     pub(crate) fn disconnect(&self) -> Result<()> {
-        super::hold::while_port_down(self.verbs(), self.port_num(), || self.peer_addr());
+        self.hold_while_port_down();
+        self.disconnect_now()
+    }
+
+    /// The hold of [`CmId::disconnect`] alone.
+    pub(crate) fn hold_while_port_down(&self) -> super::hold::Hold {
+        super::hold::while_port_down(self.verbs(), self.port_num(), || self.peer_addr())
+    }
+
+    /// Whether [`CmId::disconnect`] would be held now (one `ibv_query_port`).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn port_is_down(&self) -> bool {
+        super::hold::is_down(self.verbs(), self.port_num())
+    }
+
+    /// `rdma_disconnect` at once, held or not.
+    pub(crate) fn disconnect_now(&self) -> Result<()> {
         // SAFETY: id valid; rdma_disconnect is allowed in any connected or connecting state
         // and fails harmlessly (EINVAL) otherwise.
         check_rdma(unsafe { ffi::rdma_disconnect(self.as_raw()) }, "rdma_disconnect")

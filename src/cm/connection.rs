@@ -144,11 +144,16 @@ impl Connection {
 
     /// `rdma_disconnect`, after moving an adopted QP to ERR (librdmacm does that only for its
     /// own QPs).
-    pub(crate) fn send_disconnect(&self) -> Result<()> {
+    /// Held first while the id's port is down (`crate::hold`), unless the caller held already.
+    pub(crate) fn send_disconnect(&self, held: bool) -> Result<()> {
         if self.user_qp {
             adopt::to_error(&self.qp)?;
         }
-        self.id.disconnect()
+        if held {
+            self.id.disconnect_now()
+        } else {
+            self.id.disconnect()
+        }
     }
 
     /// The QP.
@@ -234,11 +239,16 @@ impl Connection {
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails.
     pub fn start_disconnect(&mut self) -> Result<bool> {
+        self.start_disconnect_held(false)
+    }
+
+    /// [`Connection::start_disconnect`]; `held`: the caller held it while the port was down.
+    fn start_disconnect_held(&mut self, held: bool) -> Result<bool> {
         if self.disconnected || self.qp.peer_left() {
             self.disconnected = true;
             return Ok(false);
         }
-        self.send_disconnect()?;
+        self.send_disconnect(held)?;
         self.disconnected = true;
         self.qp.set_closing();
         Ok(true)
@@ -263,7 +273,7 @@ impl Drop for Connection {
     fn drop(&mut self) {
         if !self.disconnected && !self.qp.peer_left() {
             // Best effort: the peer learns we left. Failure (already disconnected) is harmless.
-            let _ = self.send_disconnect();
+            let _ = self.send_disconnect(false);
         }
     }
 }
@@ -306,7 +316,7 @@ impl Connection {
     /// all the same.
     pub fn shutdown(self) -> Result<Disconnecting> {
         let peer_left = self.qp.peer_left();
-        let sent = if self.disconnected || peer_left { Ok(()) } else { self.send_disconnect() };
+        let sent = if self.disconnected || peer_left { Ok(()) } else { self.send_disconnect(false) };
         let this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped (ManuallyDrop) nor used after these reads, so the QP
         // and the id are each moved out exactly once and dropped once, by their new owners;
@@ -394,14 +404,22 @@ impl Connection {
     }
 
     /// [`Connection::disconnect`] without blocking the runtime: disconnects and awaits the
-    /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`).
+    /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`). While the id's port is
+    /// down, the disconnect is held ([`crate::hold`]) on tokio's blocking pool
+    /// (`spawn_blocking`), not on the runtime's thread.
     ///
     /// # Errors
     /// [`crate::Error::Call`] when `rdma_disconnect` fails.
     pub async fn disconnect_async(mut self) -> Result<()> {
         let id = std::sync::Arc::clone(&self.id);
         let _expecting = id.channel().expecting(id.handle());
-        if self.start_disconnect()? {
+        let mut held = false;
+        if !self.disconnected && !self.qp.peer_left() && id.port_is_down() {
+            let holder = std::sync::Arc::clone(&id);
+            // A panic in the hold (none is known) leaves the disconnect to be held here.
+            held = tokio::task::spawn_blocking(move || holder.hold_while_port_down()).await.is_ok();
+        }
+        if self.start_disconnect_held(held)? {
             loop {
                 let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
                 if ev.event_type() == CmEventType::Disconnected {

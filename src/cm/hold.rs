@@ -17,8 +17,12 @@
 //! `ACTIVE`, the call waits for it to be, polling its state every 10 ms, for at most
 //! [`disconnect_hold`] (10 s unless [`set_disconnect_hold`] says otherwise), and says so on
 //! stderr, once when the hold starts and once when it ends. After the bound the disconnect goes
-//! out anyway. A process that is killed cannot be helped: the kernel's cleanup sends the
-//! message at once.
+//! out anyway. `Connection::disconnect_async` (feature
+//! `tokio`) holds on tokio's blocking pool instead, leaving the runtime's thread free. A
+//! process that is killed cannot be helped: the kernel's cleanup sends the message at once.
+//!
+//! Not held: a connecting id destroyed before it is established (the kernel's CM then sends a
+//! reject, REJ), and `rdma_reject` itself.
 //!
 //! iWARP ports are not held: their CM speaks TCP, not MADs on a QP1.
 
@@ -88,6 +92,25 @@ fn state_name(state: u32) -> &'static str {
     }
 }
 
+/// The state of port `port` of `ctx` when a disconnect there should be held: the port is not
+/// `ACTIVE` (and is one to hold for: not iWARP's). `None` when it is up, or cannot be asked.
+fn down_state(ctx: Option<NonNull<ffi::ibv_context>>, port: u8) -> Option<(NonNull<ffi::ibv_context>, u32)> {
+    let ctx = ctx?;
+    // SAFETY: the context is open (see `port_state`); its device is set for the context's
+    // life, and transport_type is plain data.
+    let transport = unsafe { (*(*ctx.as_ptr()).device).transport_type };
+    if port == 0 || transport == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP {
+        return None;
+    }
+    port_state(ctx, port).filter(|s| !is_up(*s)).map(|s| (ctx, s))
+}
+
+/// Whether a disconnect on port `port` of `ctx` would be held now (one `ibv_query_port`).
+#[cfg(feature = "tokio")]
+pub(crate) fn is_down(ctx: Option<NonNull<ffi::ibv_context>>, port: u8) -> bool {
+    down_state(ctx, port).is_some()
+}
+
 /// Waits, bounded by [`disconnect_hold`], while port `port` of `ctx` is not `ACTIVE`: what an
 /// id's `rdma_disconnect` does first. `peer` names the connection in the lines it prints (asked
 /// only then).
@@ -96,17 +119,7 @@ pub(crate) fn while_port_down(
     port: u8,
     peer: impl FnOnce() -> Option<SocketAddr>,
 ) -> Hold {
-    let Some(ctx) = ctx else { return Hold::NotNeeded };
-    // SAFETY: the context is open (see `port_state`); its device is set for the context's
-    // life, and transport_type is plain data.
-    let transport = unsafe { (*(*ctx.as_ptr()).device).transport_type };
-    if port == 0 || transport == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP {
-        return Hold::NotNeeded;
-    }
-    let state = match port_state(ctx, port) {
-        Some(s) if !is_up(s) => s,
-        _ => return Hold::NotNeeded,
-    };
+    let Some((ctx, state)) = down_state(ctx, port) else { return Hold::NotNeeded };
     let bound = disconnect_hold();
     if bound.is_zero() {
         return Hold::GaveUp(Duration::ZERO);
