@@ -45,8 +45,14 @@ fn port_state_script(word: &str) -> String {
     )
 }
 
+/// The link down, once port 1 says so. The netdev keeps its IPv6 addresses (by default Linux
+/// flushes them when a link goes down, and the guest's static one would not come back: the
+/// IPv6 tests after this binary need it).
 fn link_down(netdev: &str) {
-    sh_local(&format!("ip link set {netdev} down && {}", port_state_script("DOWN")));
+    sh_local(&format!(
+        "sysctl -qw net.ipv6.conf.{netdev}.keep_addr_on_down=1 && ip link set {netdev} down && {}",
+        port_state_script("DOWN")
+    ));
 }
 
 fn link_up(netdev: &str) {
@@ -99,6 +105,53 @@ fn connects(addr: &str, port: &str, timeout: &str) -> (bool, String) {
     (out.status.success(), text(&out))
 }
 
+/// Puts the guest back however a test ends: the link up, the children it started killed (once
+/// the link is up, so that their kernel cleanup's messages go out on a live link), and after a
+/// failure the device re-created, since a deaf CM would fail every later test in the guest.
+struct Cleanup {
+    netdev: String,
+    pids: Vec<u32>,
+}
+
+impl Cleanup {
+    fn new(netdev: &str) -> Cleanup {
+        Cleanup { netdev: netdev.to_string(), pids: Vec::new() }
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "set", &self.netdev, "up"]).status();
+        common::caps::port_active_within(WITHIN);
+        for pid in &self.pids {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        if std::thread::panicking() {
+            let dev = common::caps::device_under_test();
+            let netdev = &self.netdev;
+            let _ = Command::new("sh")
+                .args(["-c", &format!("rdma link delete {dev} && rdma link add {dev} type rxe netdev {netdev}")])
+                .status();
+            common::caps::port_active_within(WITHIN);
+        }
+    }
+}
+
+/// Whether this test may take the link down here: in the harness's guest, on a device whose CM
+/// speaks MADs (not iWARP); otherwise it says why it skips.
+fn may_flap() -> bool {
+    if std::env::var_os("RDMA_VM").is_none() {
+        common::skipped("taking the device's link down", "done only in the harness's guest, never on a real host");
+        return false;
+    }
+    require(Cap::CmMads)
+}
+
+/// Every line left on `lines` until the child's stderr closes (the child has exited).
+fn rest(lines: Receiver<String>) -> Vec<String> {
+    lines.iter().collect()
+}
+
 /// The client's stream fails as this host's link goes down; its disconnect is held until the
 /// port is ACTIVE again, and the host then connects again. The same with the hold off
 /// (`--disconnect-hold 0`) is measured beside it: on the kernels tested, that leaves the host
@@ -106,31 +159,30 @@ fn connects(addr: &str, port: &str, timeout: &str) -> (bool, String) {
 #[test]
 fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
     let t = DeviceTest::start();
-    if std::env::var_os("RDMA_VM").is_none() {
-        common::skipped("taking the device's link down", "done only in the harness's guest, never on a real host");
-        return t.finish();
-    }
-    if !require(Cap::CmMads) {
+    if !may_flap() {
         return t.finish();
     }
     let netdev = netdev();
+    let mut cleanup = Cleanup::new(&netdev);
     let a = t.addr.to_string();
 
     // Held (the crate's default; 60 s here, for a busy machine).
     let (mut srv, _srv_lines) = server(&a, "7960");
+    cleanup.pids.push(srv.id());
     let (client, err) = streaming_client(&a, "7960", "60");
+    cleanup.pids.push(client.id());
     link_down(&netdev);
-    common::wait_for_line(&err, "rdma-cm: holding the disconnect from", WITHIN);
+    common::wait_for_line(&err, "rdma-cm: holding the disconnect of the connection with", WITHIN);
     let mut client = client;
     assert!(client.try_wait().unwrap().is_none(), "the client ended while its disconnect was held");
     link_up(&netdev);
     let out = wait_output(client, WITHIN, "the held client");
-    let rest: Vec<String> = err.try_iter().collect();
+    let said = rest(err);
     assert!(
-        rest.iter().any(|l| l.contains("is back after") && l.contains("disconnecting from")),
-        "the held disconnect did not say the port came back: {rest:?}"
+        said.iter().any(|l| l.contains("is back after") && l.contains("disconnecting from")),
+        "the held disconnect did not say the port came back: {said:?}"
     );
-    assert_eq!(out.status.code(), Some(1), "the stream did not fail as the link went down: {rest:?}");
+    assert_eq!(out.status.code(), Some(1), "the stream did not fail as the link went down: {said:?}");
     let (ok, log) = connects(&a, "7960", "20");
     assert!(ok, "after a disconnect held until the link was back, this host could not connect again:\n{log}");
     srv.kill().unwrap();
@@ -138,17 +190,23 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
 
     // Not held: measured.
     let (mut srv, _srv_lines) = server(&a, "7961");
+    cleanup.pids.push(srv.id());
     let (client, err) = streaming_client(&a, "7961", "0");
+    cleanup.pids.push(client.id());
     link_down(&netdev);
     let out = wait_output(client, WITHIN, "the unheld client");
     assert_eq!(out.status.code(), Some(1), "the stream did not fail as the link went down");
-    assert!(!err.try_iter().any(|l| l.contains("holding")), "a disconnect was held with the hold off");
+    let said = rest(err);
+    assert!(!said.iter().any(|l| l.contains("holding")), "a disconnect was held with the hold off: {said:?}");
     link_up(&netdev);
     let (ok, _) = connects(&a, "7961", "6");
     srv.kill().unwrap();
     srv.wait().unwrap();
     if ok {
-        eprintln!("measured: a disconnect sent while the link was down left this host able to connect (this kernel keeps QP1's receives)");
+        eprintln!(
+            "measured: a disconnect sent while the link was down left this host able to connect (this kernel keeps \
+             QP1's receives, or the control did not reproduce)"
+        );
     } else {
         eprintln!("measured: a disconnect sent while the link was down left this host's CM deaf (the next connection timed out)");
         let dev = common::caps::device_under_test();
@@ -157,11 +215,114 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
             port_state_script("ACTIVE")
         ));
         let (mut srv, _srv_lines) = server(&a, "7962");
+        cleanup.pids.push(srv.id());
         let (ok, log) = connects(&a, "7962", "20");
         srv.kill().unwrap();
         srv.wait().unwrap();
         assert!(ok, "after re-creating {dev}, this host could not connect:\n{log}");
         eprintln!("measured: re-creating {dev} repaired it");
     }
+    drop(cleanup);
+    t.finish();
+}
+
+/// Set in the child process that runs the async test's body (it opens the device, which
+/// librdmacm keeps open until the process exits: the parent never does, so it can re-create
+/// the device after a failure).
+#[cfg(feature = "tokio")]
+const ASYNC_CHILD: &str = "RDMA_CM_LINK_FLAP_ASYNC_CHILD";
+
+/// `disconnect_async` while this host's link is down: the disconnect is held until the port is
+/// ACTIVE again (`rdma_cm::hold`) on tokio's blocking pool, so the runtime's one thread keeps
+/// running: here it brings the link back up, which a hold on that thread would keep from
+/// happening until the hold's bound (60 s here). The peer hears the disconnect, and a new
+/// connection works (the host's CM is not deaf). The body runs in a child process; the parent
+/// checks what the crate printed on the child's stderr.
+#[cfg(feature = "tokio")]
+#[test]
+fn an_async_disconnect_is_held_off_the_runtimes_thread() {
+    if std::env::var_os(ASYNC_CHILD).is_some() {
+        return async_disconnect_body();
+    }
+    let t = DeviceTest::start();
+    if !may_flap() {
+        return t.finish();
+    }
+    let netdev = netdev();
+    let cleanup = Cleanup::new(&netdev);
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["an_async_disconnect_is_held_off_the_runtimes_thread", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ASYNC_CHILD, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_output(child, Duration::from_secs(300), "the async test's child");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("1 passed"), "the child failed:\n{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rdma-cm: holding the disconnect of the connection with") && stderr.contains("is back after"),
+        "the child's disconnect was not held until the port came back:\n{stderr}"
+    );
+    for l in stderr.lines().filter(|l| l.starts_with("measured") || l.starts_with("rdma-cm")) {
+        eprintln!("child: {l}");
+    }
+    drop(cleanup);
+    t.finish();
+}
+
+#[cfg(feature = "tokio")]
+fn async_disconnect_body() {
+    use rdma_cm::{SendWr, WorkQueue};
+    const T: Duration = common::T;
+    let t = DeviceTest::start();
+    let netdev = netdev();
+    rdma_cm::set_disconnect_hold(Duration::from_secs(60));
+    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
+    let (c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
+    link_down(&netdev);
+    let start = std::time::Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (r, up_after) = rt.block_on(async {
+        // The disconnect is polled first; the link comes up from the same thread's next poll.
+        let up = async {
+            let netdev = netdev.clone();
+            tokio::task::spawn_blocking(move || {
+                link_up(&netdev);
+                start.elapsed()
+            })
+            .await
+            .unwrap()
+        };
+        // Each bounded by 60 s: with the hold on the runtime's thread, the DREQ goes out while
+        // the link is down, and the peer never hears it.
+        let bound = Duration::from_secs(60);
+        let peer = async {
+            while !s.conn.is_disconnected() {
+                let ev = tokio::time::timeout(bound, s.conn.next_event_async()).await;
+                ev.expect("the peer heard no disconnect within 60 s").unwrap();
+            }
+        };
+        let disconnect = async {
+            tokio::time::timeout(bound, c.conn.disconnect_async()).await.expect("disconnect_async took over 60 s")
+        };
+        let (r, up_after, ()) = tokio::join!(disconnect, up, peer);
+        (r, up_after)
+    });
+    let took = start.elapsed();
+    r.unwrap();
+    assert!(
+        took < Duration::from_secs(30),
+        "the held disconnect took {took:?} (the link came up {up_after:?} in): it kept the runtime's thread"
+    );
+    eprintln!("measured: the link came up {up_after:?} in, and the held disconnect_async ended {took:?} in");
+    drop((c.mrs, c.pd, s));
+    // The host's CM still hears: a new connection works end to end.
+    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
+    let (mut c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
+    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
+    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 64);
+    drop((c, s));
     t.finish();
 }

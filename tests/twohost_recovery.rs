@@ -419,11 +419,12 @@ fn own_link_flap_mid_transfer_with_the_disconnect_held() {
     let held = common::stderr_lines_of(&mut busy);
     trace_on();
     link_down();
-    common::wait_for_line(&held, "rdma-cm: holding the disconnect from", Duration::from_secs(60));
+    common::wait_for_line(&held, "rdma-cm: holding the disconnect of the connection with", Duration::from_secs(60));
     assert!(busy.try_wait().unwrap().is_none(), "the client ended while its disconnect was held");
     link_up();
     let out = peer::wait_output(busy, Duration::from_secs(60), "the held client");
-    let said: Vec<String> = held.try_iter().collect();
+    // Every line, until the exited client's stderr closes.
+    let said: Vec<String> = held.iter().collect();
     assert!(
         said.iter().any(|l| l.contains("is back after")),
         "the held disconnect did not say the port came back: {said:?}"
@@ -440,6 +441,7 @@ fn own_link_flap_mid_transfer_with_the_disconnect_held() {
     );
     eprintln!("measured: host B's QP1 send completions:\n{trace}");
     assert!(ok, "the held disconnect did not keep host B able to connect");
+    assert_eq!(failed, 0, "a QP1 send of host B failed although the disconnect was held:\n{trace}");
     drop(wire);
     p.wait_resources(&base, "after the flap");
     t.finish();

@@ -80,7 +80,8 @@ impl Link for AdoptedLink {
         // SAFETY: the pointer is the QP that owns this link (stored at adoption), and the QP
         // calls its link only while it is alive.
         unsafe { set_err(qp) }?;
-        self.id.disconnect()
+        // The answer to the peer's disconnect: not held (see `CmLink::disconnect`).
+        self.id.disconnect_now()
     }
 
     fn peer_addr(&self) -> Option<SocketAddr> {

@@ -55,7 +55,10 @@ impl Link for CmLink {
     }
 
     fn disconnect(&self) -> Result<()> {
-        self.0.disconnect()
+        // The answer to the peer's disconnect (its DREQ came in over this port a moment ago):
+        // not held while the port is down (`crate::hold`), so that a wait, async ones too,
+        // never blocks for the hold.
+        self.0.disconnect_now()
     }
 
     fn peer_addr(&self) -> Option<SocketAddr> {

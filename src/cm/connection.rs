@@ -125,6 +125,9 @@ use crate::error::{Error, Result};
 use crate::verbs::qp::QueuePair;
 
 /// An established RC connection: the QP for the data path, and the id for its events.
+///
+/// Dropping it disconnects (unless the peer left first); while the id's port is down that
+/// drop waits for the port first, bounded ([`crate::hold`]).
 pub struct Connection {
     // Dropped first (after Drop::drop disconnects): the QP holds its own Arc of the id.
     pub(crate) qp: QueuePair,
@@ -144,16 +147,12 @@ impl Connection {
 
     /// `rdma_disconnect`, after moving an adopted QP to ERR (librdmacm does that only for its
     /// own QPs).
-    /// Held first while the id's port is down (`crate::hold`), unless the caller held already.
-    pub(crate) fn send_disconnect(&self, held: bool) -> Result<()> {
+    /// Held first while the id's port is down (`crate::hold`).
+    pub(crate) fn send_disconnect(&self) -> Result<()> {
         if self.user_qp {
             adopt::to_error(&self.qp)?;
         }
-        if held {
-            self.id.disconnect_now()
-        } else {
-            self.id.disconnect()
-        }
+        self.id.disconnect()
     }
 
     /// The QP.
@@ -227,8 +226,10 @@ impl Connection {
         self.qp.peer_left()
     }
 
-    /// Starts a disconnect without waiting (`rdma_disconnect`; the QP goes to the error state):
-    /// the id's `DISCONNECTED` follows, for an event loop to read. Returns whether it was sent.
+    /// Starts a disconnect without waiting for the peer (`rdma_disconnect`; the QP goes to the
+    /// error state): the id's `DISCONNECTED` follows, for an event loop to read. Returns whether
+    /// it was sent. While the id's port is down it first waits, bounded, for the port
+    /// ([`crate::hold`]).
     ///
     /// `Ok(false)` means there was nothing to send: either the peer left first (its
     /// `DISCONNECTED` was seen, [`Connection::is_disconnected`] is true, and the connection
@@ -239,23 +240,19 @@ impl Connection {
     /// # Errors
     /// [`Error::Call`] when `rdma_disconnect` fails.
     pub fn start_disconnect(&mut self) -> Result<bool> {
-        self.start_disconnect_held(false)
-    }
-
-    /// [`Connection::start_disconnect`]; `held`: the caller held it while the port was down.
-    fn start_disconnect_held(&mut self, held: bool) -> Result<bool> {
         if self.disconnected || self.qp.peer_left() {
             self.disconnected = true;
             return Ok(false);
         }
-        self.send_disconnect(held)?;
+        self.send_disconnect()?;
         self.disconnected = true;
         self.qp.set_closing();
         Ok(true)
     }
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
-    /// that Drop would only print. The QP is destroyed before the wait, once its flushed work
+    /// that Drop would only print. While the id's port is down the disconnect is held first
+    /// ([`crate::hold`]), which `timeout` does not count. The QP is destroyed before the wait, once its flushed work
     /// is reaped ([`Connection::shutdown`]), so its teardown overlaps the peer's answer.
     ///
     /// # Errors
@@ -273,7 +270,7 @@ impl Drop for Connection {
     fn drop(&mut self) {
         if !self.disconnected && !self.qp.peer_left() {
             // Best effort: the peer learns we left. Failure (already disconnected) is harmless.
-            let _ = self.send_disconnect(false);
+            let _ = self.send_disconnect();
         }
     }
 }
@@ -316,7 +313,7 @@ impl Connection {
     /// all the same.
     pub fn shutdown(self) -> Result<Disconnecting> {
         let peer_left = self.qp.peer_left();
-        let sent = if self.disconnected || peer_left { Ok(()) } else { self.send_disconnect(false) };
+        let sent = if self.disconnected || peer_left { Ok(()) } else { self.send_disconnect() };
         let this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped (ManuallyDrop) nor used after these reads, so the QP
         // and the id are each moved out exactly once and dropped once, by their new owners;
@@ -405,28 +402,42 @@ impl Connection {
 
     /// [`Connection::disconnect`] without blocking the runtime: disconnects and awaits the
     /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`). While the id's port is
-    /// down, the disconnect is held ([`crate::hold`]) on tokio's blocking pool
-    /// (`spawn_blocking`), not on the runtime's thread.
+    /// down, the disconnect is held ([`crate::hold`]) and then sent from tokio's blocking pool
+    /// (`spawn_blocking`), not on the runtime's thread; a future dropped meanwhile leaves the
+    /// pool's task to send it, once.
     ///
     /// # Errors
     /// [`crate::Error::Call`] when `rdma_disconnect` fails.
     pub async fn disconnect_async(mut self) -> Result<()> {
         let id = std::sync::Arc::clone(&self.id);
         let _expecting = id.channel().expecting(id.handle());
-        let mut held = false;
-        if !self.disconnected && !self.qp.peer_left() && id.port_is_down() {
-            let holder = std::sync::Arc::clone(&id);
-            // A panic in the hold (none is known) leaves the disconnect to be held here.
-            held = tokio::task::spawn_blocking(move || holder.hold_while_port_down()).await.is_ok();
+        if self.disconnected || self.qp.peer_left() {
+            self.disconnected = true;
+            return Ok(());
         }
-        if self.start_disconnect_held(held)? {
-            loop {
-                let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
-                if ev.event_type() == CmEventType::Disconnected {
-                    break;
-                }
+        if self.user_qp {
+            adopt::to_error(&self.qp)?;
+        }
+        // From here the disconnect is this call's (or its task's): not the drop's.
+        self.disconnected = true;
+        self.qp.set_closing();
+        let sent = if id.port_is_down() {
+            let holder = std::sync::Arc::clone(&id);
+            let task = tokio::task::spawn_blocking(move || {
+                holder.hold_while_port_down();
+                holder.disconnect_now()
+            });
+            // A panic in the task (none is known) leaves the disconnect to be sent here.
+            task.await.unwrap_or_else(|_| id.disconnect_now())
+        } else {
+            id.disconnect_now()
+        };
+        sent?;
+        loop {
+            let ev = self.id.channel().get_event_for_async(self.id.handle()).await?;
+            if ev.event_type() == CmEventType::Disconnected {
+                return Ok(());
             }
         }
-        Ok(())
     }
 }

@@ -21,7 +21,8 @@ pub(crate) trait Link: Send + Sync {
     fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
     /// Reads what arrived on that descriptor; true when the peer left.
     fn peer_left(&self) -> Result<bool>;
-    /// Disconnects (which also moves the QP to the error state).
+    /// Answers the peer's disconnect (which also moves the QP to the error state); called only
+    /// when the peer left, so not held while the port is down (`crate::hold` in the CM wing).
     fn disconnect(&self) -> Result<()>;
     /// The peer's address, for errors.
     fn peer_addr(&self) -> Option<SocketAddr>;

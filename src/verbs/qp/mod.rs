@@ -544,8 +544,9 @@ impl QueuePair {
         }
         self.peer_left = true;
         // rdma_disconnect moves the QP to ERR and completes the CM handshake; set_error is
-        // the fallback when the id is past that state.
-        let disconnected = self.link.as_ref().is_some_and(|l| l.disconnect().is_ok());
+        // the fallback when the id is past that state. When this side disconnected already,
+        // there is nothing to answer: the event is the end of its own disconnect.
+        let disconnected = !self.closing && self.link.as_ref().is_some_and(|l| l.disconnect().is_ok());
         if !disconnected {
             let _ = self.set_error_state();
         }
