@@ -526,6 +526,27 @@ fn lane_post_poll(c: &mut Criterion) {
             raw_poll1(rb2.conn.qp().recv_cq().as_raw());
         })
     });
+    // The same raw calls on QPs whose two queues share one CQ on each side, as a lane's QP's
+    // do (one CQ per lane): the layout's own cost, apart from the crate's.
+    let ctx = common::route(7911).context().unwrap();
+    let one_cq = || {
+        let cq = rdma_cm::CompletionQueue::new(&ctx, 128).unwrap();
+        PairSpec {
+            mr_sizes: vec![8192],
+            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+            init: rdma_cm::QpInit::new().send_cq(std::sync::Arc::clone(&cq)).recv_cq(cq),
+            ..PairSpec::default()
+        }
+    };
+    let (oa, ob) = pair(common::device_addr(), one_cq(), one_cq());
+    g.bench_function("send/raw_one_cq", |bn| {
+        bn.iter(|| {
+            raw_recv(ob.conn.qp(), &ob.mrs[0], 64);
+            raw_send(oa.conn.qp(), &oa.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
+            raw_poll1(oa.conn.qp().send_cq().as_raw());
+            raw_poll1(ob.conn.qp().recv_cq().as_raw());
+        })
+    });
     g.finish();
 }
 
