@@ -57,7 +57,15 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     let client = |timeout: &str| {
         run_local(&[&example("client"), "-a", &a, "-p", "7806", "--timeout", timeout], Duration::from_secs(90))
     };
+    let began = std::time::Instant::now();
     let after = client("6");
+    let took = began.elapsed();
+    // Issue 22 saw a `--timeout 30` client still "Connecting…" 60 s after such a flap. Each of
+    // the client's waits (address, route, connect) is bounded by its `--timeout`; with the
+    // failed attempt's teardown (up to 2 s of QP drain) and a loaded guest's slack, the whole
+    // run must end within three timeouts and 10 s.
+    assert!(took < Duration::from_secs(3 * 6 + 10), "the client given --timeout 6 took {took:?}: {}", text(&after));
+    eprintln!("measured: the client's first run after the flap (--timeout 6) ended after {took:?}");
     if after.status.success() {
         eprintln!("measured: a new connection works right after the flap (this kernel does not lose QP1's receives)");
     } else {
