@@ -18,7 +18,7 @@ use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use common::{require, Cap, DeviceTest};
-use peer::{example, run_local, sh_local, text, wait_output};
+use peer::{example, port_state_script, run_local, sh_local, text, wait_output};
 
 /// Within this a waited-for line or state must come, on a busy machine too.
 const WITHIN: Duration = Duration::from_secs(60);
@@ -34,15 +34,6 @@ fn netdev() -> String {
         .and_then(|_| words.next())
         .unwrap_or_else(|| panic!("no netdev in `rdma link show {dev}/1`: {out}"))
         .to_string()
-}
-
-/// A shell script that waits (bounded, polling sysfs) until port 1's state contains `word`.
-fn port_state_script(word: &str) -> String {
-    let dev = common::caps::device_under_test();
-    format!(
-        "for i in $(seq 1200); do grep -q {word} /sys/class/infiniband/{dev}/ports/1/state && exit 0; sleep 0.05; done; \
-         echo \"{dev} port not {word}: $(cat /sys/class/infiniband/{dev}/ports/1/state)\" >&2; exit 1"
-    )
 }
 
 /// The link down, once port 1 says so. The netdev keeps its IPv6 addresses (by default Linux

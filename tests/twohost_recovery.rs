@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use common::DeviceTest;
 use peer::{
-    example, peer, port_active_script, run_local, sh_local, streaming_client, streaming_client_with, text, Wire, NETDEV,
+    example, peer, port_active_script, port_state_script, run_local, sh_local, streaming_client, streaming_client_with,
+    text, Wire, NETDEV,
 };
 
 /// Where recovery after a cut breaks (the issue: "after the wire is back, no new connection
@@ -163,14 +164,6 @@ fn trace_qp1() -> (usize, usize, String) {
         text.lines().filter(|l| l.contains("ib_mad_send_done_handler") && l.contains("QP1")).collect();
     let failed = done.iter().filter(|l| !l.contains("SEND WC Status 0 ")).count();
     (done.len(), failed, done.join("\n"))
-}
-
-/// A shell script that waits (bounded, polling) until rxe0's port state contains `word`.
-fn port_state_script(word: &str) -> String {
-    format!(
-        "for i in $(seq 1200); do grep -q {word} /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.05; done; \
-         echo \"rxe0 port not {word}: $(cat /sys/class/infiniband/rxe0/ports/1/state)\"; exit 1"
-    )
 }
 
 /// Host B's link down, returning once its RDMA port says so.

@@ -258,6 +258,15 @@ pub fn delta(after: &BTreeMap<String, u64>, before: &BTreeMap<String, u64>, key:
     after.get(key).copied().unwrap_or(0) - before.get(key).copied().unwrap_or(0)
 }
 
+/// A shell script that waits (bounded, polling sysfs) until port 1's state contains `word`.
+pub fn port_state_script(word: &str) -> String {
+    let dev = crate::common::caps::device_under_test();
+    format!(
+        "for i in $(seq 1200); do grep -q {word} /sys/class/infiniband/{dev}/ports/1/state && exit 0; sleep 0.05; done; \
+         echo \"{dev} port not {word}: $(cat /sys/class/infiniband/{dev}/ports/1/state)\" >&2; exit 1"
+    )
+}
+
 pub fn port_active_script() -> &'static str {
     "for i in $(seq 200); do grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.05; done; \
      echo 'rxe0 port not ACTIVE'; exit 1"
