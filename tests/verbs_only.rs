@@ -359,3 +359,55 @@ fn a_lane_serves_qps_made_without_the_cm() {
     }
     t.finish();
 }
+
+/// The lane reads the provider's post and poll functions once (its CQ's when it is made, a
+/// QP's when it is attached) and calls them from then on. An attempt to leave them dangling
+/// from safe code: the device's handle, the PD's handle and the QPs' owners all dropped (the
+/// QPs moved into the lane) before anything is posted, on a context opened without the CM
+/// (nothing but the lane's own references keeps it open). Prepared requests and plain ones
+/// then post and poll, and the bytes arrive.
+#[test]
+fn a_lanes_provider_functions_outlive_every_handle_but_the_lanes() {
+    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    let t = DeviceTest::start();
+    if !common::require(common::Cap::ConnectWithoutCm) {
+        return t.finish();
+    }
+    let (mut lane, qa, qb, sbuf, rbuf) = {
+        let (ctx, gidx) = open(t.addr);
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut lane = Lane::new(&ctx, 64).unwrap();
+        let params = RcParams::new().gid_index(gidx);
+        let a = UnconnectedQp::new(&pd, lane.qp_init(), params.clone()).expect("create QP a");
+        let b = UnconnectedQp::new(&pd, lane.qp_init(), params).expect("create QP b");
+        let (ia, ib) = (a.local(), b.local());
+        let qa = lane.attach(a.connect(&ib).expect("connect a")).map_err(|r| r.into_parts().0).expect("attach a");
+        let qb = lane.attach(b.connect(&ia).expect("connect b")).map_err(|r| r.into_parts().0).expect("attach b");
+        let rbuf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let sbuf = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
+        (lane, qa, qb, sbuf, rbuf)
+        // `ctx` and `pd` are dropped here.
+    };
+    let mut send = lane.prepare_send(qa, LSend::send(sbuf, 0..16)).map_err(|r| r.into_parts().0).unwrap();
+    let mut recv = lane.prepare_recv(qb, LRecv::range(rbuf, 0..16)).map_err(|r| r.into_parts().0).unwrap();
+    for round in 0u8..3 {
+        send.as_mut_slice().unwrap()[..16].fill(round + 1);
+        lane.post_prepared_recv(&mut recv).unwrap();
+        lane.post_prepared(&mut send).unwrap();
+        let mut seen = 0;
+        for mut c in common::lane::reap(&mut lane, 2) {
+            assert!(c.is_ok(), "round {round}: {c:?}");
+            let mut region = c.take_region().expect("the region comes back");
+            if c.queue() == WorkQueue::Recv {
+                assert_eq!(region.as_slice().unwrap()[..16], [round + 1; 16], "round {round}");
+                recv.rearm(region).unwrap();
+            } else {
+                send.rearm(region).unwrap();
+            }
+            seen += 1;
+        }
+        assert_eq!(seen, 2);
+    }
+    drop((send, recv, lane));
+    t.finish();
+}

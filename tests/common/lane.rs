@@ -158,8 +158,9 @@ pub fn original_post_send() -> PostSend {
 
 /// Runs `f` while `side`'s device context posts sends through `stand_in` (which may call the
 /// provider's through [`original_post_send`]), and puts the provider's back after, even if `f`
-/// panics. The tests of a binary run one at a time (DeviceTest), so no other test posts
-/// through the stand-in.
+/// panics. The lane reads the table's functions once, so it is told to read them again
+/// (`Lane::reload_provider_functions`) after each swap. The tests of a binary run one at a
+/// time (DeviceTest), so no other test posts through the stand-in.
 pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce(&mut LaneSide) -> R) -> R {
     struct Restore(*mut ffi::ibv_context, Option<PostSend>);
     impl Drop for Restore {
@@ -171,7 +172,7 @@ pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce
     let raw = side.lane.qp_as_raw(side.qp).unwrap();
     // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_send` is
     // swapped for `stand_in` while `f` runs and put back by `Restore`.
-    let _restore = unsafe {
+    let restore = unsafe {
         let ctx = (*raw).context;
         let saved = Restore(ctx, (*ctx).ops.post_send);
         let original = (*ctx).ops.post_send.expect("the provider's post_send");
@@ -179,7 +180,11 @@ pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce
         (*ctx).ops.post_send = Some(stand_in);
         saved
     };
-    f(side)
+    side.lane.reload_provider_functions().expect("the stand-in is read");
+    let r = f(side);
+    drop(restore);
+    side.lane.reload_provider_functions().expect("the provider's own is read again");
+    r
 }
 
 /// The provider's `post_send`, whatever it returns reported as EINVAL with `bad_wr` NULL.

@@ -178,6 +178,7 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod ops;
 mod owner;
 mod poll;
 mod post;
@@ -269,6 +270,9 @@ struct Member {
     // slots are empty by then (Drop::drop hands what they hold to the QP's own rings).
     owner: Box<dyn LaneOwner>,
     raw: NonNull<ffi::ibv_qp>,
+    /// The provider's post functions for it (`ops`), read once.
+    post_send: ops::PostSend,
+    post_recv: ops::PostRecv,
     qp_num: u32,
     /// Its tags' generation and place (`tag::hi` of `key`), which a completion's tag must
     /// carry: kept, so the poll compares one word.
@@ -398,6 +402,8 @@ pub struct Lane {
     /// Its number, carried by its handles ([`LaneQp`]).
     id: u32,
     cq_raw: NonNull<ffi::ibv_cq>,
+    /// The provider's `poll_cq` for it (`ops`), read once.
+    poll_cq: ops::PollCq,
     /// Boxed: finding a place's member is then one load and a null test.
     members: Vec<Option<Box<Member>>>,
     /// Each place's generation (kept across removals, so a new QP at a place is told apart).
@@ -455,9 +461,12 @@ impl Lane {
             .map_err(|_| Error::InvalidArgument("Lane::new: the process has used up its lane numbers".into()))?;
         let cq = CompletionQueue::new_exclusive(ctx, depth)?;
         let cq_raw = NonNull::new(cq.as_raw()).ok_or_else(|| Error::InvalidArgument("CQ without a handle".into()))?;
+        // SAFETY: the CQ was just made, and `cq` (kept in the lane, dropped last) holds it.
+        let poll_cq = unsafe { ops::poll_cq_of(cq_raw) }?;
         Ok(Lane {
             id,
             cq_raw,
+            poll_cq,
             members: Vec::new(),
             gens: Vec::new(),
             wcs: [const { MaybeUninit::uninit() }; POLL_BATCH],
@@ -546,6 +555,11 @@ impl Lane {
         let Some(raw) = NonNull::new(qp.as_raw()) else {
             return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
         };
+        // SAFETY: `raw` is the live QP of `owner`, which the member keeps (dropped with it).
+        let (post_send, post_recv) = match unsafe { ops::post_of(raw) } {
+            Ok(f) => f,
+            Err(e) => return Err((e, owner)),
+        };
         let vacant = |(i, m): (usize, &Option<Box<Member>>)| m.is_none() && self.gens[i] != RETIRED;
         let place = match self.members.iter().enumerate().position(vacant) {
             Some(p) => p,
@@ -561,6 +575,8 @@ impl Lane {
         let m = Member {
             key,
             raw,
+            post_send,
+            post_recv,
             qp_num: qp.qp_num(),
             hi: tag::hi(place as u16, gen),
             pd: Arc::clone(qp.pd()),
