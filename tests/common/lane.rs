@@ -159,7 +159,8 @@ pub fn original_post_send() -> PostSend {
 /// Runs `f` while `side`'s device context posts sends through `stand_in` (which may call the
 /// provider's through [`original_post_send`]), and puts the provider's back after, even if `f`
 /// panics. The lane reads the table's functions once, so it is told to read them again
-/// (`Lane::reload_provider_functions`) after each swap. The tests of a binary run one at a
+/// (`Lane::reload_provider_functions`) after each swap; only `side`'s lane posts through the
+/// stand-in (another lane on the same context keeps the provider's). The tests of a binary run one at a
 /// time (DeviceTest), so no other test posts through the stand-in.
 pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce(&mut LaneSide) -> R) -> R {
     struct Restore(*mut ffi::ibv_context, Option<PostSend>);
@@ -181,10 +182,11 @@ pub fn with_post_send<R>(side: &mut LaneSide, stand_in: PostSend, f: impl FnOnce
         saved
     };
     side.lane.reload_provider_functions().expect("the stand-in is read");
-    let r = f(side);
+    // A panic in `f` puts the provider's back in the lane too, before it goes on.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *side)));
     drop(restore);
     side.lane.reload_provider_functions().expect("the provider's own is read again");
-    r
+    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
 }
 
 /// The provider's `post_send`, whatever it returns reported as EINVAL with `bad_wr` NULL.

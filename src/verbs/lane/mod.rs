@@ -724,8 +724,9 @@ impl Lane {
                 break;
             }
             let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
-            // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries.
-            let got = unsafe { ffi::ibv_poll_cq(self.cq_raw.as_ptr(), POLL_BATCH as i32, buf.as_mut_ptr().cast()) };
+            // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries; `poll_cq` is its
+            // own context's (`ops`).
+            let got = unsafe { (self.poll_cq)(self.cq_raw.as_ptr(), POLL_BATCH as i32, buf.as_mut_ptr().cast()) };
             if got < 0 {
                 break;
             }

@@ -46,6 +46,7 @@ impl Lane {
         // empty, which is most of what a poll that finds nothing costs.
         let ask = max.min(POLL_BATCH) as i32;
         // SAFETY: as in `poll_loop`.
+        // `poll_cq` was read from this CQ's own context (`ops`), which the CQ keeps open.
         let got = unsafe { (self.poll_cq)(self.cq_raw.as_ptr(), ask, self.wcs.as_mut_ptr().cast()) };
         if got != 1 {
             // Nothing, an error, or several: the general loop hands several out.
@@ -127,6 +128,7 @@ impl Lane {
                 let ask = (max - done).min(POLL_BATCH) as i32;
                 // SAFETY: the CQ is alive (held by `self.cq`); `wcs` has room for POLL_BATCH
                 // entries (`ask` is at most that), which the provider writes.
+                // `poll_cq` was read from this CQ's own context (`ops`), which the CQ keeps open.
                 let got = unsafe { (self.poll_cq)(self.cq_raw.as_ptr(), ask, self.wcs.as_mut_ptr().cast()) };
                 if got <= 0 {
                     if got < 0 {
