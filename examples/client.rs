@@ -287,7 +287,6 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     let mut rtts = Vec::with_capacity(iters as usize);
     let clock = Stopwatch::calibrate();
     let mut expected = vec![0u8; size];
-    let mut got = vec![0u8; size];
     for i in 0..iters {
         fill_pattern(data.as_mut_slice()?, i);
         let one = iters == 1;
@@ -308,7 +307,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }
         if server.is_some() && !args.mode.is_atomic() {
-            check_echo(&mut back, i, &mut expected, &mut got)?;
+            check_echo(back.as_mut_slice()?, i, &mut expected)?;
         }
     }
     if args.mode.is_atomic() {
@@ -442,24 +441,40 @@ fn run_on_lane(
     let mut rtts = Vec::with_capacity(iters as usize);
     let clock = Stopwatch::calibrate();
     let mut expected = vec![0u8; size];
-    let mut got = vec![0u8; size];
+    let one_sided =
+        matches!((args.mode, &target), (Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap, Some(_)));
+    // Send mode's round trips post prepared requests: checked and lowered once, here.
+    let mut ping = if one_sided { None } else { Some(PreparedPingPong::new(lc, regs, size)?) };
     for i in 0..iters {
-        fill_pattern(regs.get(DATA)?.as_mut_slice()?, i);
         let one = iters == 1;
-        let start = clock.now();
-        let n = match (args.mode, &target) {
-            (Mode::Write, Some(server)) => lane_round_trip_write(lc, regs, server, send_doorbell, i, one, t)?,
-            (Mode::Read, Some(server)) => lane_round_trip_read(lc, regs, server, i, one, t)?,
-            (Mode::FetchAdd | Mode::CmpSwap, Some(server)) => lane_atomic_step(lc, regs, server, args.mode, i, one, t)?,
-            _ => lane_round_trip_send(lc, regs, one, t)?,
+        let n = if let Some(p) = ping.as_mut() {
+            fill_pattern(p.send.as_mut_slice()?, i);
+            let start = clock.now();
+            let n = p.round_trip(lc, one, t)?;
+            rtts.push(clock.since(start));
+            check_echo(p.recv.as_mut_slice()?, i, &mut expected)?;
+            n
+        } else {
+            fill_pattern(regs.get(DATA)?.as_mut_slice()?, i);
+            let start = clock.now();
+            let n = match (args.mode, &target) {
+                (Mode::Write, Some(server)) => lane_round_trip_write(lc, regs, server, send_doorbell, i, one, t)?,
+                (Mode::Read, Some(server)) => lane_round_trip_read(lc, regs, server, i, one, t)?,
+                (_, Some(server)) => lane_atomic_step(lc, regs, server, args.mode, i, one, t)?,
+                (_, None) => unreachable!("one-sided modes have the server's region"),
+            };
+            rtts.push(clock.since(start));
+            if !args.mode.is_atomic() && n == size {
+                check_echo(regs.get(BACK)?.as_mut_slice()?, i, &mut expected)?;
+            }
+            n
         };
-        rtts.push(clock.since(start));
         if n != size {
             return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
         }
-        if !args.mode.is_atomic() {
-            check_echo(regs.get(BACK)?, i, &mut expected, &mut got)?;
-        }
+    }
+    if let Some(p) = ping {
+        p.put_back(regs)?;
     }
     if args.mode.is_atomic() {
         // "done": the server checks its counter now.
@@ -478,9 +493,11 @@ fn run_on_lane(
 }
 
 /// Checks the echo of iteration `i` in `back` (`expected` and `got` are scratch of its size).
-fn check_echo(back: &mut MemoryRegion, i: u32, expected: &mut [u8], got: &mut [u8]) -> Result<(), Error> {
+fn check_echo(got: &[u8], i: u32, expected: &mut [u8]) -> Result<(), Error> {
     fill_pattern(expected, i);
-    back.read_at(0, got)?;
+    if got.len() < expected.len() {
+        return Err(Error::InvalidArgument(format!("echo region of {} bytes, sent {}", got.len(), expected.len())));
+    }
     match got.iter().zip(expected.iter()).position(|(a, b)| a != b) {
         Some(pos) => Err(Error::InvalidArgument(format!(
             "echo differs at byte {pos} of iteration {i}: got {:#04x}, expected {:#04x}",
@@ -611,21 +628,50 @@ fn stream(
     Ok(())
 }
 
-/// One send/recv round trip on the lane: the receive for the echo, then the send. Both regions
-/// come back with their completions.
-fn lane_round_trip_send(lc: &mut LaneConn, regs: &mut Regions, log: bool, t: Duration) -> Result<usize, Error> {
-    let size = regs.get(DATA)?.len();
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(BACK)?, 0..size).wr_id(BACK as u64))?;
-    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(DATA)?, 0..size).wr_id(DATA as u64))?;
-    lc.wait(regs, DATA, "sending", t)?;
-    if log {
-        say!("[INFO] Sent {size} bytes");
+/// Send mode's ping-pong on prepared requests: the receive for the echo over `BACK`, the send
+/// over `DATA`, each checked and lowered once; a round trip posts both and reaps both, each
+/// completion handing its region back to re-arm its request.
+struct PreparedPingPong {
+    send: lane::PreparedSend,
+    recv: lane::PreparedRecv,
+}
+
+impl PreparedPingPong {
+    fn new(lc: &mut LaneConn, regs: &mut Regions, size: usize) -> Result<PreparedPingPong, Error> {
+        let recv = lc.lane.prepare_recv(lc.qp, lane::RecvWr::range(regs.take(BACK)?, 0..size).wr_id(BACK as u64))?;
+        let send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(regs.take(DATA)?, 0..size).wr_id(DATA as u64))?;
+        Ok(PreparedPingPong { send, recv })
     }
-    let n = lc.wait(regs, BACK, "waiting for the echo", t)?.byte_len;
-    if log {
-        say!("[INFO] Received {n} bytes");
+
+    /// One round trip; the bytes the echo brought.
+    fn round_trip(&mut self, lc: &mut LaneConn, log: bool, t: Duration) -> Result<usize, Error> {
+        lc.lane.post_prepared_recv(&mut self.recv)?;
+        lc.lane.post_prepared(&mut self.send)?;
+        let (send, recv, mut n) = (&mut self.send, &mut self.recv, 0);
+        lc.reap(2, "waiting for the echo", t, |c, region| {
+            if c.wr_id() == BACK as u64 {
+                n = c.byte_len() as usize;
+                recv.rearm(region).map_err(Error::from)
+            } else {
+                send.rearm(region).map_err(Error::from)
+            }
+        })?;
+        if log {
+            say!("[INFO] Sent {} bytes", self.send.region().map_or(0, |r| r.len()));
+            say!("[INFO] Received {n} bytes");
+        }
+        Ok(n)
     }
-    Ok(n as usize)
+
+    /// Gives the regions back to `regs`, for what follows the table.
+    fn put_back(mut self, regs: &mut Regions) -> Result<(), Error> {
+        let (Some(data), Some(back)) = (self.send.take_region(), self.recv.take_region()) else {
+            return Err(Error::InvalidArgument("a prepared request of the ping-pong is still posted".into()));
+        };
+        regs.put(DATA, data);
+        regs.put(BACK, back);
+        Ok(())
+    }
 }
 
 /// Read mode on the lane: "go" (the server RDMA-READs our data region), then, on its "done",

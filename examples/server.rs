@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
-use rdma_cm::lane::{self, Lane};
+use rdma_cm::lane::{self, Lane, Wc};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
     QueuePair, RecvWr, SendWr, Server, WorkQueue,
@@ -412,21 +412,74 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
 }
 
 /// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
-/// posted before the echo of this one); each region comes back with its completion.
+/// posted before the echo of this one). Each region is received into, then echoed from, so it
+/// has a receive and a send prepared over it (checked and lowered once); each completion hands
+/// the region back to re-arm the other one.
 fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
     let size = size as usize;
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(BUF)?, 0..size).wr_id(BUF as u64))?;
+    let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
+    lc.lane.post_prepared_recv(&mut ends[0].recv)?;
     for i in 0..iters {
-        let (cur, next) = if i % 2 == 0 { (BUF, OTHER) } else { (OTHER, BUF) };
-        let n = lc.wait(regs, cur, "waiting for the client's message", t)?.byte_len as usize;
-        if i + 1 < iters {
-            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(next)?, 0..size).wr_id(next as u64))?;
+        let (cur, next) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
+        // The client's message: its region arms our echo.
+        while !ends[cur].send.is_armed() {
+            lc.reap(1, "waiting for the client's message", t, |c, r| EchoEnd::route(&mut ends, c, r))?;
         }
-        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(cur)?, 0..n).wr_id(cur as u64))?;
-        lane_wait_answer(lc, regs, cur, i + 1 == iters, t)?;
+        let n = ends[cur].len;
+        if n != size {
+            return Err(Error::InvalidArgument(format!("the client's message {i} has {n} bytes, expected {size}")));
+        }
+        if i + 1 < iters {
+            lc.lane.post_prepared_recv(&mut ends[next].recv)?;
+        }
+        lc.lane.post_prepared(&mut ends[cur].send)?;
+        // The echo's completion: its region arms the next receive into it.
+        while !ends[cur].recv.is_armed() {
+            match lc.reap(1, "answering the client", t, |c, r| EchoEnd::route(&mut ends, c, r)) {
+                Err(Error::Disconnected { .. }) if i + 1 == iters => break,
+                r => r?,
+            }
+        }
+    }
+    for (end, place) in ends.iter_mut().zip([BUF, OTHER]) {
+        if let Some(region) = end.recv.take_region().or_else(|| end.send.take_region()) {
+            regs.put(place, region);
+        }
     }
     println!("[INFO] Echoed {iters} messages of {size} bytes");
     Ok(())
+}
+
+/// One of send mode's two buffers: a receive and a send prepared over one region (`wr_id`
+/// `2k` and `2k + 1` for buffer `k`), and the length of the last message received into it.
+struct EchoEnd {
+    recv: lane::PreparedRecv,
+    send: lane::PreparedSend,
+    len: usize,
+}
+
+impl EchoEnd {
+    fn new(lc: &mut LaneConn, region: MemoryRegion, k: u64, size: usize) -> Result<EchoEnd, Error> {
+        let mut send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(region, 0..size).wr_id(2 * k + 1))?;
+        let region =
+            send.take_region().ok_or_else(|| Error::InvalidArgument("a prepared send without its region".into()))?;
+        let recv = lc.lane.prepare_recv(lc.qp, lane::RecvWr::range(region, 0..size).wr_id(2 * k))?;
+        Ok(EchoEnd { recv, send, len: 0 })
+    }
+
+    /// A completion's region to the request it arms: a receive's to its buffer's send (and
+    /// the length it brought), a send's to its buffer's receive.
+    fn route(ends: &mut [EchoEnd; 2], c: &Wc, region: MemoryRegion) -> Result<(), Error> {
+        let end = ends
+            .get_mut((c.wr_id() / 2) as usize)
+            .ok_or_else(|| Error::InvalidArgument("a stray completion".into()))?;
+        if c.wr_id() % 2 == 0 {
+            end.len = c.byte_len() as usize;
+            end.send.rearm(region).map_err(Error::from)
+        } else {
+            end.recv.rearm(region).map_err(Error::from)
+        }
+    }
 }
 
 /// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its

@@ -124,6 +124,46 @@ impl LaneConn {
         }
     }
 
+    /// Waits up to `t` (without a completion) until `want` completions came, each successful,
+    /// handing each to `f` with its region: the loop of prepared requests, whose completions
+    /// re-arm them ([`Lane::poll_with`]: nothing is materialised, and the CQ is asked for no
+    /// more than is still wanted).
+    pub fn reap(
+        &mut self,
+        want: usize,
+        op: &'static str,
+        t: Duration,
+        mut f: impl FnMut(&Wc, MemoryRegion) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let mut got = 0;
+        while got < want {
+            let mut bad = None;
+            let mut refused = None;
+            let n = self.lane.poll_with(want - got, |c, region| {
+                if !c.is_ok() {
+                    bad.get_or_insert(c);
+                } else if let Some(r) = region {
+                    if let Err(e) = f(&c, r) {
+                        refused.get_or_insert(e);
+                    }
+                }
+            })?;
+            if let Some(c) = bad {
+                return Err(self.failed(&c, op));
+            }
+            if let Some(e) = refused {
+                return Err(e);
+            }
+            if n == 0 {
+                self.idle(op, t)?;
+            } else {
+                got += n;
+                self.progressed();
+            }
+        }
+        Ok(())
+    }
+
     /// Waits until region `i` of `regs` is back from the lane (putting back every region whose
     /// completion comes first), and returns what its completion said.
     pub fn wait(&mut self, regs: &mut Regions, i: usize, op: &'static str, t: Duration) -> Result<Done, Error> {
@@ -198,6 +238,13 @@ impl Regions {
     /// Region `i`, to read or fill it.
     pub fn get(&mut self, i: usize) -> Result<&mut MemoryRegion, Error> {
         self.mrs.get_mut(i).and_then(Option::as_mut).ok_or_else(|| still_posted(i))
+    }
+
+    /// Puts region `i` back by hand (one taken out with [`Regions::take`]).
+    pub fn put(&mut self, i: usize, region: MemoryRegion) {
+        if let Some(place) = self.mrs.get_mut(i) {
+            *place = Some(region);
+        }
     }
 
     /// Puts back the region of completion `c`, at its `wr_id`.

@@ -36,8 +36,8 @@
 //!   only stamps the tag and the signaled bit, moves the region into the slot and calls the
 //!   provider. The completion hands the region back, and [`PreparedSend::rearm`] takes it
 //!   (that region only: the request was checked against it). This, with
-//!   [`Lane::poll_with`], is the path for performance-sensitive code. (The examples' latency
-//!   and rate modes use the lane with a [`SendWr`] per post.)
+//!   [`Lane::poll_with`], is the path for performance-sensitive code. (The examples' rate
+//!   mode posts prepared requests; their latency mode, a [`SendWr`] per post.)
 //! - **Batches over one region.** Work requests that are pieces of one buffer (a stream of
 //!   WRITEs, a message scattered to several places) go as a [`PreparedBatch`]
 //!   ([`Lane::prepare_batch`], [`Lane::post_batch`]): lowered once and linked, posted under one
