@@ -414,7 +414,9 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
 /// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
 /// posted before the echo of this one). Each region is received into, then echoed from, so it
 /// has a receive and a send prepared over it (checked and lowered once); each completion hands
-/// the region back to re-arm the other one.
+/// the region back to re-arm the other one. The echo is prepared at `size` bytes, so a message
+/// of another length ends the connection with an error (the client sends `size` bytes every
+/// time; the convenient path's `echo_send` echoes what came).
 fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
     let size = size as usize;
     let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
