@@ -319,27 +319,38 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
 
+    /// A deadline whose clock started `ago` before now (on the clock it reads), so the tests
+    /// need no sleep: the coarse clock is monotonic, so at least `ago` has passed on it.
+    fn started_ago(timeout: Duration, ago: Duration) -> Deadline {
+        Deadline { start: coarse_now().saturating_sub(ago), ..Deadline::new(timeout) }
+    }
+
     #[test]
     fn deadline_reads_the_clock_only_from_the_second_wait() {
-        let mut d = Deadline::new(Duration::from_millis(50));
+        // The first wait gets the whole timeout, however long ago the deadline was made.
+        let mut d = started_ago(Duration::from_millis(50), Duration::from_millis(60));
         assert_eq!(d.left(), Duration::from_millis(50));
-        assert!(d.left() <= Duration::from_millis(50));
-        assert!(d.left() > Duration::from_millis(30));
-        std::thread::sleep(Duration::from_millis(60));
+        // The second reads the clock: 60 ms of 50 have passed.
         assert_eq!(d.left(), Duration::ZERO);
+        let mut fresh = Deadline::new(Duration::from_secs(60));
+        assert_eq!(fresh.left(), Duration::from_secs(60));
+        assert!(fresh.left() <= Duration::from_secs(60));
+        // Passed only once the timeout and one tick of the coarse clock have.
+        assert!(started_ago(Duration::from_millis(50), Duration::from_millis(50) + COARSE_TICK).passed());
+        assert!(!Deadline::new(Duration::from_secs(60)).passed());
+        assert!(Deadline::new(Duration::ZERO).passed());
     }
 
     /// A repeated wait gets what is left of the timeout, measured from the deadline's creation,
     /// not a fresh timeout from the second wait (which let a wait last twice its timeout).
     #[test]
     fn a_repeated_wait_gets_only_what_is_left_since_the_start() {
-        let mut d = Deadline::new(Duration::from_millis(300));
-        std::thread::sleep(Duration::from_millis(200));
+        let mut d = started_ago(Duration::from_millis(300), Duration::from_millis(200));
         assert_eq!(d.left(), Duration::from_millis(300), "the first wait: the whole timeout");
-        // 200 ms have passed since the start (give or take a 10 ms tick).
+        // At least 200 ms have passed since the start.
         let left = d.left();
-        assert!(left <= Duration::from_millis(110), "{left:?} left after 200 ms of 300 ms");
-        std::thread::sleep(Duration::from_millis(150));
+        assert!(left <= Duration::from_millis(100), "{left:?} left after 200 ms of 300 ms");
+        d.start = d.start.saturating_sub(Duration::from_millis(150));
         assert_eq!(d.left(), Duration::ZERO);
     }
 
