@@ -233,8 +233,7 @@ impl Lane {
         // allocation, alive for the call; `prepare_batch` lowered each for this very QP against
         // the region now in the slot (`rearm` takes back no other), where it is out of Rust's
         // reach until the last request's completion retires the batch.
-        // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_send)(m.raw.as_ptr(), std::ptr::addr_of_mut!((*base).wr), &mut bad) };
+        let ret = unsafe { m.provider_post_send(std::ptr::addr_of_mut!((*base).wr), &mut bad) };
         if ret == 0 {
             m.send.tail = m.send.tail.wrapping_add(len);
             return Ok(());

@@ -12,7 +12,7 @@
 use std::os::raw::c_int;
 use std::ptr::NonNull;
 
-use super::Lane;
+use super::{Lane, Member};
 use crate::error::{Error, Result};
 use crate::ffi;
 
@@ -78,5 +78,37 @@ impl Lane {
             m.post_recv = recv;
         }
         Ok(())
+    }
+}
+
+impl Member {
+    /// Posts `wr` through the provider's `post_send` for this QP, as `ibv_post_send` would.
+    ///
+    /// # Safety
+    /// As for `ibv_post_send`: `wr` is a NULL-terminated list, valid for the call, whose pieces
+    /// stay allocated and out of Rust's reach until their completions; `bad` is writable.
+    #[inline(always)]
+    pub(super) unsafe fn provider_post_send(
+        &self,
+        wr: *mut ffi::ibv_send_wr,
+        bad: *mut *mut ffi::ibv_send_wr,
+    ) -> c_int {
+        // SAFETY: `wr` and `bad` as the caller promises; `post_send` was read from this QP's own
+        // context (at attach or reload), which the QP, kept by this member, holds open.
+        unsafe { (self.post_send)(self.raw.as_ptr(), wr, bad) }
+    }
+
+    /// Posts `wr` through the provider's `post_recv` for this QP, as `ibv_post_recv` would.
+    ///
+    /// # Safety
+    /// As for [`Member::provider_post_send`], for a list of receives.
+    #[inline(always)]
+    pub(super) unsafe fn provider_post_recv(
+        &self,
+        wr: *mut ffi::ibv_recv_wr,
+        bad: *mut *mut ffi::ibv_recv_wr,
+    ) -> c_int {
+        // SAFETY: as in `provider_post_send`, with the QP's `post_recv`.
+        unsafe { (self.post_recv)(self.raw.as_ptr(), wr, bad) }
     }
 }

@@ -40,8 +40,7 @@ impl Lane {
         // every piece against the region (bounds, access, PD), and the region moves into the
         // slot below, so it stays allocated and out of Rust's reach until a completion retires
         // the slot.
-        // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_send)(m.raw.as_ptr(), &mut raw, &mut bad) };
+        let ret = unsafe { m.provider_post_send(&mut raw, &mut bad) };
         if ret == 0 {
             m.send.put(0, wr.mr, wr.wr_id);
             m.send.tail = seq.wrapping_add(1);
@@ -118,8 +117,7 @@ impl Lane {
         // SAFETY: the QP is alive; raw[..k] is an initialised NULL-terminated list (the last
         // entry's `next` is still zero) over `sge`, alive for the call; every piece was checked
         // by `SendWr::lower`, and every region sits in a slot until a completion retires it.
-        // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_send)(m.raw.as_ptr(), base, &mut bad) };
+        let ret = unsafe { m.provider_post_send(base, &mut bad) };
         if ret == 0 {
             m.send.tail = seq.wrapping_add(k);
             return Ok(k as usize);
@@ -175,8 +173,7 @@ impl Lane {
         // SAFETY: the QP is alive; raw[..count] is an initialised NULL-terminated list over
         // `sge`, alive for the call; every piece was checked by `SendWr::lower`, and every region
         // moves into a slot below before anything can reach it.
-        // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_send)(m.raw.as_ptr(), base, &mut bad) };
+        let ret = unsafe { m.provider_post_send(base, &mut bad) };
         let posted =
             if ret == 0 { count } else { rejected_from(bad, base, count as usize).map_or(count, |p| p as u32) };
         let mut k = 0;
@@ -227,8 +224,7 @@ impl Lane {
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
         // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region moves into
         // the slot below, out of Rust's reach until its completion.
-        // `post_recv` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_recv)(m.raw.as_ptr(), &mut raw, &mut bad) };
+        let ret = unsafe { m.provider_post_recv(&mut raw, &mut bad) };
         if ret == 0 {
             m.recv.put(0, wr.mr, wr.wr_id);
             m.recv.tail = seq.wrapping_add(1);
@@ -282,8 +278,7 @@ impl Lane {
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: as in post_send_list: a well-formed list over live arrays, every piece
         // checked, every region moved into a slot below.
-        // `post_recv` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_recv)(m.raw.as_ptr(), base, &mut bad) };
+        let ret = unsafe { m.provider_post_recv(base, &mut bad) };
         let posted =
             if ret == 0 { count } else { rejected_from(bad, base, count as usize).map_or(count, |p| p as u32) };
         let mut k = 0;

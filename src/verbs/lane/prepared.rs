@@ -425,8 +425,7 @@ impl Lane {
         // SAFETY: as in `post_one`: the QP is alive; `p.raw` is one NULL-terminated receive
         // over `p.sge` (its `sg_list`, set when it was prepared), checked by `prepare_recv`
         // for this QP against the region now in the slot (bounds, PD, LOCAL_WRITE).
-        // `post_recv` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_recv)(m.raw.as_ptr(), &mut p.raw, &mut bad) };
+        let ret = unsafe { m.provider_post_recv(&mut p.raw, &mut bad) };
         if ret == 0 {
             return Ok(());
         }
@@ -492,8 +491,7 @@ impl Lane {
         // SAFETY: the QP is alive; the list is ps[0].raw → … → ps[count-1].raw (NULL-terminated),
         // each over its own `sge`, all alive for the call, each lowered for this QP against its
         // own armed region (as in `post_prepared`), which now sits in its slot, out of reach.
-        // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-        let ret = unsafe { (m.post_send)(m.raw.as_ptr(), &mut (*base).raw, &mut bad) };
+        let ret = unsafe { m.provider_post_send(&mut (*base).raw, &mut bad) };
         // The requests as they were before the post: unlinked, their own flags.
         for p in ps.iter_mut() {
             p.raw.next = std::ptr::null_mut();
@@ -540,8 +538,7 @@ fn post_one(m: &mut Member, p: &mut PreparedSend) -> Result<()> {
     // `prepare_send` for this very QP against the region now in the slot, which `rearm` made
     // sure is the one it was checked against; a UD destination's address handle is kept by
     // `m`. The region is out of Rust's reach in the slot until a completion retires it.
-    // `post_send` was read from this QP's own context (`ops`: at attach or reload); the QP keeps it open.
-    let ret = unsafe { (m.post_send)(m.raw.as_ptr(), &mut p.raw, &mut bad) };
+    let ret = unsafe { m.provider_post_send(&mut p.raw, &mut bad) };
     if ret == 0 {
         return Ok(());
     }
