@@ -568,3 +568,41 @@ fn two_batches_in_flight_each_report_their_own_status() {
     }
     t.finish();
 }
+
+/// Outside review (of the closure moved through the poll's rare paths): a panic on a prepared
+/// batch's own completion polled one at a time (`poll_with(1, ..)`, whose straight-line case
+/// hands the batch out through `start_rare`, the closure moved there and back): the region goes
+/// with the panic, nothing is outstanding or left to hand out, and the next batch comes back
+/// whole, once, with its region.
+#[test]
+fn a_panic_on_a_batch_polled_one_at_a_time_leaves_nothing_behind() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lane_pair(t.addr, spec(), spec(), 64);
+        let remote = b.mrs[0].remote();
+        let before = mr_count();
+        let mut batch =
+            writes(&mut a.lane, a.qp, MemoryRegion::new(&a.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap(), &remote);
+        a.lane.post_batch(&mut batch).unwrap();
+        poll_until_the_closure_panics(&mut a.lane, 1);
+        if let Some(n) = before {
+            assert_eq!(mr_count(), Some(n), "the batch's region went with the panic");
+        }
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none(), "nothing left to hand out");
+
+        let mut region = MemoryRegion::new(&a.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        region.write_at(0, &pattern(64, 5)).unwrap();
+        let mut batch = writes(&mut a.lane, a.qp, region, &remote);
+        a.lane.post_batch(&mut batch).unwrap();
+        let mut got = reap(&mut a.lane, 1);
+        let mut c = got.pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 40, "{c:?}");
+        let mut mr = c.take_region().expect("the batch's completion hands its region back");
+        assert_eq!(mr.as_slice().unwrap()[..64], pattern(64, 5)[..]);
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        assert!(a.lane.poll().unwrap().is_none(), "the batch came back once");
+        drop((a, b, batch, mr));
+    }
+    t.finish();
+}

@@ -1205,3 +1205,36 @@ fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
     }
     t.finish();
 }
+
+/// Outside review (of the closure moved through the poll's rare paths): a panic in the closure
+/// on a completion of the lane CQ's convenient path (routed by `unmatched`, the closure moved
+/// there and back), polled for one and for sixteen: the convenient QP's receive is routed once,
+/// its region released, nothing is left to hand out, and the lane's own QP carries on.
+#[test]
+fn a_panic_on_a_convenient_completion_routes_it_once_and_leaves_the_lane_usable() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 64);
+        let (q, pd, peer) = attached_pair(&mut lane, t.addr, spec());
+        // Regions that are not remotely writable, which `as_mut_slice` borrows once released.
+        let client = PairSpec { init: lane.qp_init(), ..PairSpec::default() };
+        let (mut a, mut b) = pair(t.addr, client, PairSpec::default());
+        for (k, max) in [(0u64, 1usize), (1, 16)] {
+            a.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&a.mrs[0], 0..64).wr_id(77 + k)]).unwrap();
+            b.conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..10).wr_id(1)]).unwrap();
+            b.conn.qp_mut().wait_for(rdma_cm::WorkQueue::Send, 1, T).unwrap();
+            poll_until_the_closure_panics(&mut lane, max);
+            assert_eq!(a.conn.qp().outstanding_recvs(), 0, "routed once (max {max})");
+            let released = a.mrs[0].as_mut_slice().map(|_| ());
+            assert!(released.is_ok(), "its region is released (max {max}): {released:?}");
+            assert!(lane.poll().unwrap().is_none(), "nothing left to hand out (max {max})");
+        }
+        let remote = peer.mrs[0].remote();
+        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        lane.post_send(q, SendWr::write(mr, 0..64, &remote, 0).wr_id(9)).unwrap();
+        let mut c = reap(&mut lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 9 && c.take_region().is_some(), "{c:?}");
+        drop((a, b, lane, peer));
+    }
+    t.finish();
+}

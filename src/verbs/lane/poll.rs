@@ -33,9 +33,10 @@ impl Lane {
     #[inline(always)]
     pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         // The common case, straight-line: nothing is buffered, retiring or deferred, so the
-        // poll goes to the CQ, and when that gives exactly one completion, it is handed out
-        // here. Everything else (several completions, one that retires several, deferred ones)
-        // is the general loop's, out of line, so this path keeps a small frame.
+        // poll goes to the CQ, and when that gives exactly one completion, it is started here
+        // (handed out inline when it retires its slot alone; a batch's or the convenient
+        // path's out of line). Everything else (several completions, one that retires several,
+        // deferred ones) is the general loop's, out of line, so this path keeps a small frame.
         debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
         if max == 0 || self.backlog {
             unlikely();
@@ -59,9 +60,10 @@ impl Lane {
         }
         // The one completion is handed out from `wcs[0]` with the buffer's `n` and `at` left
         // as they are (`at >= n`: nothing buffered, since there is no backlog), so a panic in
-        // `f` leaves nothing behind to defer; they are set only when it was not handed out.
-        // Anything else goes out of line with `f` moved there and back: nothing here takes
-        // `f`'s address, so a closure that borrows one thing stays in a register.
+        // `f` leaves nothing behind to defer; they are set only after `f` has returned.
+        // `start_common` is inlined, and anything it does not hand out goes out of line with
+        // `f` moved there and back: the compiled code never takes `f`'s address, so a closure
+        // that borrows one thing stays in a register.
         let (done, f) = match self.start_common(0, &mut f) {
             Start::Handed if max == 1 => return Ok(1),
             Start::Handed => (1, f),
@@ -159,8 +161,9 @@ impl Lane {
     }
 
     /// Starts on the completion at `wcs[i]`: hands `f` the completion of the one slot it
-    /// retires, or of the convenient path (routed), and returns true; returns false when it
-    /// retires several (then `retiring` says which, for `retire`) or nothing (stale). `f` is
+    /// retires (a prepared batch's, whole, when it is the oldest), or of the convenient path
+    /// (routed), and returns true; returns false when it retires several (then `retiring`
+    /// says which, for `retire`) or nothing (a batch's interior one, a stale one). `f` is
     /// moved in and handed back (see `start_rare`).
     #[inline(always)]
     fn start<G: FnMut(Wc, Option<MemoryRegion>)>(&mut self, i: u8, mut f: G) -> (bool, G) {
@@ -172,7 +175,7 @@ impl Lane {
 
     /// `start`'s common case: the completion of a member's oldest outstanding slot, which it
     /// retires alone, handed to `f`. For anything else nothing is done but a member's failure
-    /// noted, and what was found goes to `start_rest`. Nothing here takes `f`'s address.
+    /// noted, and what was found goes to `start_rest`. Inlined, it takes no address of `f`.
     #[inline(always)]
     fn start_common(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> Start {
         // SAFETY: wcs[i] is initialised: either `i < n`, and the provider (or
@@ -246,7 +249,7 @@ impl Lane {
         i: u8,
         f: &mut impl FnMut(Wc, Option<MemoryRegion>),
     ) -> bool {
-        // The member `start` just matched (tag and QP number): nothing has changed since.
+        // The member `start_common` just matched (tag and QP number): nothing has changed since.
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
         let slots = if recv { &mut m.recv } else { &mut m.send };
         if !slots.holds(seq) {
@@ -343,7 +346,7 @@ impl Lane {
                 continue;
             }
             self.retiring = None;
-            // SAFETY: `r.wc < n`, initialised (see `start`), and not overwritten while retiring.
+            // SAFETY: `r.wc < n`, initialised (see `start_common`), and not overwritten while retiring.
             let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
             let fields = fields.unwrap_or_default();
             let fields = if mark > 1 { m.batch_fields(fields) } else { fields };
@@ -419,7 +422,7 @@ impl Lane {
 fn unlikely() {}
 
 /// What `Lane::start_common` did with a completion.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Start {
     /// Handed to `f`: it retired its member's oldest slot alone.
     Handed,
