@@ -275,7 +275,8 @@ struct Member {
     post_recv: ops::PostRecv,
     qp_num: u32,
     /// Its tags' generation and place (`tag::hi` of `key`), which a completion's tag must
-    /// carry: kept, so the poll compares one word.
+    /// carry: kept, so a poll compares one word (the common case compares its queue's,
+    /// `Slots::hi`, which has the receive bit too).
     hi: u32,
     /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
     key: LaneQp,
@@ -585,8 +586,8 @@ impl Lane {
             failed: None,
             batch_error: None,
             orphan: None,
-            send: Slots::new(send_depth),
-            recv: Slots::new(recv_depth),
+            send: Slots::new(send_depth).tagged(tag::hi(place as u16, gen)),
+            recv: Slots::new(recv_depth).tagged(tag::hi(place as u16, gen) | (tag::RECV >> 32) as u32),
             dests: Vec::new(),
             owner,
         };

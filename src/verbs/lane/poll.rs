@@ -182,21 +182,22 @@ impl Lane {
         // `refill_from_deferred`) initialised wcs[..n], or (`poll_with`'s one-completion case,
         // `i` 0, before it sets `n`) the provider's poll just returned that one entry there.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return Start::Nothing };
-        // The tag's place and generation, compared whole with the member's (`Member::hi`); a
-        // completion of the convenient path or of a batch's interior request has a bit set that
-        // no member's `hi` has, and goes to `unmatched` (through `start_rest`).
+        // The tag's queue, place and generation, compared whole with its queue's (`Slots::hi`);
+        // a completion of the convenient path or of a batch's interior request has a bit set
+        // that no queue's `hi` has, and goes to `unmatched` (through `start_rest`).
         let hi = (wc.wr_id >> 32) as u32;
-        let place = hi as u16;
-        let m = match self.members.get_mut(place as usize) {
-            Some(Some(m)) if m.hi == hi & tag::HI_MASK && m.qp_num == wc.qp_num => m,
-            _ => return Start::Unmatched,
-        };
-        let (recv, seq, gen, lane) = (wc.wr_id & tag::RECV != 0, wc.wr_id as u32, m.key.gen, self.id);
+        let (place, recv) = (hi as u16, wc.wr_id & tag::RECV != 0);
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return Start::Unmatched };
+        let m = &mut **m;
+        let slots = if recv { &mut m.recv } else { &mut m.send };
+        if slots.hi != hi || m.qp_num != wc.qp_num {
+            return Start::Unmatched;
+        }
+        let (seq, gen, lane) = (wc.wr_id as u32, m.key.gen, self.id);
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             // Any error but a flush puts the QP in the error state (a flush says it is there).
             m.failed.get_or_insert(wc.status);
         }
-        let slots = if recv { &mut m.recv } else { &mut m.send };
         if slots.head == seq && slots.tail != seq {
             // The common case: it retires one slot, the oldest.
             let (mr, wr_id) = slots.pop();

@@ -16,6 +16,9 @@ pub(super) struct Slots {
     /// a batch writes it and only its retiring resets it: the common post and poll never read
     /// it.
     spans: Box<[u32]>,
+    /// Bits 63..32 of this queue's tags: its member's `hi`, and `RECV` for the receive queue.
+    /// A completion's tag carries it whole, so the poll finds the queue and compares one word.
+    pub(super) hi: u32,
 }
 
 struct Slot {
@@ -33,7 +36,14 @@ impl Slots {
             depth,
             head: 0,
             tail: 0,
+            hi: 0,
         }
+    }
+
+    /// These slots as the queue whose tags carry `hi` in bits 63..32 (see `hi`).
+    pub(super) fn tagged(mut self, hi: u32) -> Slots {
+        self.hi = hi;
+        self
     }
     #[inline(always)]
     pub(super) fn outstanding(&self) -> u32 {

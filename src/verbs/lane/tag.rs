@@ -52,6 +52,10 @@ mod tests {
             assert_eq!(w & (CRATE | INTERIOR), 0, "{w:#x}");
             assert_eq!(decode(w), (recv, gen, place, seq));
             assert_eq!((w >> 32) as u32 & HI_MASK, hi(place, gen), "{w:#x}");
+            // Bits 63..32 whole are the queue's `Slots::hi` (the receive queue's has `RECV`).
+            let queue_hi = hi(place, gen) | if recv { (RECV >> 32) as u32 } else { 0 };
+            assert_eq!((w >> 32) as u32, queue_hi, "{w:#x}");
+            assert_ne!(((w ^ RECV) >> 32) as u32, queue_hi, "the other queue's tag: {w:#x}");
             // A batch's interior tag never compares equal to a member's `hi`.
             // The convenient path's bit fails the match as well.
             let crate_tagged = w | CRATE;
@@ -59,6 +63,8 @@ mod tests {
             let interior = (w | INTERIOR) & !0xffff_ffff;
             assert_ne!((interior >> 32) as u32 & HI_MASK, hi(place, gen), "{interior:#x}");
             assert_eq!(decode(interior).1, gen, "the generation survives the interior bit");
+            assert_ne!((crate_tagged >> 32) as u32, queue_hi, "{crate_tagged:#x}");
+            assert_ne!(((interior | w & RECV) >> 32) as u32, queue_hi, "{interior:#x}");
         }
     }
 }
