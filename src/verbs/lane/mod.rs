@@ -586,8 +586,8 @@ impl Lane {
             failed: None,
             batch_error: None,
             orphan: None,
-            send: Slots::new(send_depth).tagged(tag::hi(place as u16, gen)),
-            recv: Slots::new(recv_depth).tagged(tag::hi(place as u16, gen) | (tag::RECV >> 32) as u32),
+            send: Slots::new(send_depth).tagged(tag::queue_hi(place as u16, gen, false)),
+            recv: Slots::new(recv_depth).tagged(tag::queue_hi(place as u16, gen, true)),
             dests: Vec::new(),
             owner,
         };

@@ -16,8 +16,9 @@ pub(super) struct Slots {
     /// a batch writes it and only its retiring resets it: the common post and poll never read
     /// it.
     spans: Box<[u32]>,
-    /// Bits 63..32 of this queue's tags: its member's `hi`, and `RECV` for the receive queue.
-    /// A completion's tag carries it whole, so the poll finds the queue and compares one word.
+    /// Bits 63..32 of this queue's ordinary tags (`tag::queue_hi`): its member's `hi`, and
+    /// `RECV` for the receive queue. An ordinary completion's tag carries it whole, so the poll
+    /// finds the queue and compares one word; a batch's interior tag (`INTERIOR`) never does.
     pub(super) hi: u32,
 }
 
