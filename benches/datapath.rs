@@ -12,9 +12,10 @@
 //! 16 under one doorbell, beside the same raw calls. The fast path's twins of the other rows
 //! are named `prep` (prepared work requests on lanes, each completion re-arming its request):
 //! `post_poll/write_4sge/prep`, `post_poll/fetch_add/prep`, `post_poll/ud_send/prep` and
-//! `pingpong/{2B,4KiB}/prep`, each in the group of its raw row. `lane/send/raw_on_lane` makes
-//! the raw calls on `lane/send/prep`'s own QPs, CQ and regions: the kernel's and the
-//! provider's work are then that row's exactly, and the difference is the crate's code.
+//! `pingpong/{2B,4KiB}/prep`, each in the group of its raw row. `lane/send/raw_on_lane` and
+//! `pingpong/{2B,4KiB}/raw_on_lane` make the raw calls on the `prep` row's own QPs, CQs and
+//! regions: the kernel's and the provider's work are then that row's exactly, and the
+//! difference is the crate's code.
 //!
 //! ```text
 //! cargo bench --bench datapath
@@ -82,6 +83,35 @@ fn raw_recv(qp: &QueuePair, mr: &rdma_cm::MemoryRegion, len: u32) {
     let mut bad = std::ptr::null_mut();
     // SAFETY: as in raw_send.
     assert_eq!(unsafe { ffi::ibv_post_recv(qp.as_raw(), &mut wr, &mut bad) }, 0);
+}
+
+/// Raw, on a QP the crate's lane owns (the `raw_on_lane` rows): posts one signaled send of
+/// `len` bytes at `(addr, lkey)`. The caller reaps its completion behind the lane's back.
+fn raw_send_on(qp: *mut ffi::ibv_qp, (addr, lkey): (u64, u32), len: u32) {
+    let mut sge = ffi::ibv_sge { addr, length: len, lkey };
+    // SAFETY: ibv_send_wr is plain old data.
+    let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+    wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: the QP is alive (its lane outlives the group); wr and sge live for the call; the
+    // region is held by a prepared request (armed, never posted) until after the group, and the
+    // caller reaps the completion before the next post.
+    assert_eq!(unsafe { ffi::ibv_post_send(qp, &mut wr, &mut bad) }, 0);
+}
+
+/// Raw, on a QP the crate's lane owns: posts one receive of `len` bytes at `(addr, lkey)`.
+fn raw_recv_on(qp: *mut ffi::ibv_qp, (addr, lkey): (u64, u32), len: u32) {
+    let mut sge = ffi::ibv_sge { addr, length: len, lkey };
+    // SAFETY: ibv_recv_wr is plain old data.
+    let mut wr: ffi::ibv_recv_wr = unsafe { zeroed() };
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: as in raw_send_on.
+    assert_eq!(unsafe { ffi::ibv_post_recv(qp, &mut wr, &mut bad) }, 0);
 }
 
 fn post_poll(c: &mut Criterion) {
@@ -287,6 +317,27 @@ fn pingpong(c: &mut Criterion) {
                 lb.lane.post_prepared(&mut bsend).unwrap();
                 reap_prep(&mut la.lane, 2, |k, r| if k == 0 { arecv.rearm(r) } else { asend.rearm(r) }.unwrap());
                 reap_prep(&mut lb.lane, 1, |_, r| bsend.rearm(r).unwrap());
+            })
+        });
+        // The raw calls on the prep row's own QPs, CQs (one per lane) and regions, the lanes
+        // never seeing these completions: the kernel's and the provider's work as in `prep`.
+        let (qa, qb) = (la.lane.qp_as_raw(la.qp).unwrap(), lb.lane.qp_as_raw(lb.qp).unwrap());
+        // SAFETY: both QPs are alive (owned by their lanes, which outlive this group); an
+        // `ibv_qp`'s CQ fields are set by the provider at creation and never change.
+        let (cqa, cqb) = unsafe { ((*qa).send_cq, (*qb).send_cq) };
+        let at = |r: Option<&MemoryRegion>| r.map(|r| (r.addr(), r.lkey())).unwrap();
+        let (ar, as_, br, bs) = (at(arecv.region()), at(asend.region()), at(brecv.region()), at(bsend.region()));
+        let n = len as u32;
+        g.bench_function("raw_on_lane", |bn| {
+            bn.iter(|| {
+                raw_recv_on(qb, br, n);
+                raw_recv_on(qa, ar, n);
+                raw_send_on(qa, as_, n); // ping
+                raw_poll1(cqb);
+                raw_send_on(qb, bs, n); // pong
+                raw_poll1(cqa); // the ping's send and the pong's receive, in either order
+                raw_poll1(cqa);
+                raw_poll1(cqb);
             })
         });
         g.finish();
@@ -501,26 +552,8 @@ fn lane_post_poll(c: &mut Criterion) {
     let (ssge, rsge) = ((sreg.addr(), sreg.lkey()), (rreg.addr(), rreg.lkey()));
     g.bench_function("send/raw_on_lane", |bn| {
         bn.iter(|| {
-            let mut sge = ffi::ibv_sge { addr: rsge.0, length: 64, lkey: rsge.1 };
-            // SAFETY: ibv_recv_wr is plain old data.
-            let mut wr: ffi::ibv_recv_wr = unsafe { zeroed() };
-            wr.sg_list = &mut sge;
-            wr.num_sge = 1;
-            let mut bad = std::ptr::null_mut();
-            // SAFETY: the QP is alive; wr and sge live for the call; the prepared receive
-            // holds the region (armed, not posted) until after this group, and the
-            // completion is reaped below.
-            assert_eq!(unsafe { ffi::ibv_post_recv(qb_raw, &mut wr, &mut bad) }, 0);
-            let mut sge = ffi::ibv_sge { addr: ssge.0, length: 64, lkey: ssge.1 };
-            // SAFETY: ibv_send_wr is plain old data.
-            let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
-            wr.sg_list = &mut sge;
-            wr.num_sge = 1;
-            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
-            wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            let mut bad = std::ptr::null_mut();
-            // SAFETY: as for the receive, with the prepared send's region.
-            assert_eq!(unsafe { ffi::ibv_post_send(qa_raw, &mut wr, &mut bad) }, 0);
+            raw_recv_on(qb_raw, rsge, 64);
+            raw_send_on(qa_raw, ssge, 64);
             raw_poll1(scq);
             raw_poll1(rcq);
         })
