@@ -274,10 +274,6 @@ struct Member {
     post_send: ops::PostSend,
     post_recv: ops::PostRecv,
     qp_num: u32,
-    /// Its tags' generation and place (`tag::hi` of `key`), which a completion's tag must
-    /// carry: kept, so a poll compares one word (the common case compares its queue's,
-    /// `Slots::hi`, which has the receive bit too).
-    hi: u32,
     /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
@@ -579,15 +575,14 @@ impl Lane {
             post_send,
             post_recv,
             qp_num: qp.qp_num(),
-            hi: tag::hi(place as u16, gen),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
             mtu,
             failed: None,
             batch_error: None,
             orphan: None,
-            send: Slots::new(send_depth).tagged(tag::queue_hi(place as u16, gen, false)),
-            recv: Slots::new(recv_depth).tagged(tag::queue_hi(place as u16, gen, true)),
+            send: Slots::new(send_depth, tag::queue_hi(place as u16, gen, false)),
+            recv: Slots::new(recv_depth, tag::queue_hi(place as u16, gen, true)),
             dests: Vec::new(),
             owner,
         };

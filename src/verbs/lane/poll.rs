@@ -298,7 +298,8 @@ impl Lane {
         let hi = (wc.wr_id >> 32) as u32 & tag::HI_MASK & !((tag::INTERIOR >> 32) as u32);
         let place = hi as u16;
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
-        if m.hi != hi || m.qp_num != wc.qp_num {
+        // An interior tag is a send's: its queue's `hi` without `INTERIOR`.
+        if m.send.hi != hi || m.qp_num != wc.qp_num {
             return false;
         }
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {

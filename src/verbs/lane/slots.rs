@@ -16,9 +16,10 @@ pub(super) struct Slots {
     /// a batch writes it and only its retiring resets it: the common post and poll never read
     /// it.
     spans: Box<[u32]>,
-    /// Bits 63..32 of this queue's ordinary tags (`tag::queue_hi`): its member's `hi`, and
-    /// `RECV` for the receive queue. An ordinary completion's tag carries it whole, so the poll
-    /// finds the queue and compares one word; a batch's interior tag (`INTERIOR`) never does.
+    /// Bits 63..32 of this queue's ordinary tags (`tag::queue_hi`): its member's generation and
+    /// place (`tag::hi`), and `RECV` for the receive queue. An ordinary completion's tag carries
+    /// it whole, so the poll finds the queue and compares one word; a batch's interior tag
+    /// (`INTERIOR`) never does.
     pub(super) hi: u32,
 }
 
@@ -28,7 +29,9 @@ struct Slot {
 }
 
 impl Slots {
-    pub(super) fn new(depth: u32) -> Slots {
+    /// Room for `depth` outstanding work requests, of the queue whose ordinary tags carry `hi`
+    /// in bits 63..32 (see `hi`).
+    pub(super) fn new(depth: u32, hi: u32) -> Slots {
         let len = depth.max(1).next_power_of_two();
         Slots {
             slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
@@ -37,14 +40,8 @@ impl Slots {
             depth,
             head: 0,
             tail: 0,
-            hi: 0,
+            hi,
         }
-    }
-
-    /// These slots as the queue whose tags carry `hi` in bits 63..32 (see `hi`).
-    pub(super) fn tagged(mut self, hi: u32) -> Slots {
-        self.hi = hi;
-        self
     }
     #[inline(always)]
     pub(super) fn outstanding(&self) -> u32 {
@@ -209,7 +206,7 @@ mod tests {
 
     #[test]
     fn slots_wrap_and_refuse_sequence_numbers_outside_the_window() {
-        let mut s = Slots::new(3);
+        let mut s = Slots::new(3, 0);
         assert_eq!((s.slots.len(), s.free()), (4, 3));
         // Start near the wrap of the 32-bit sequence numbers.
         s.head = u32::MAX - 1;
@@ -230,7 +227,7 @@ mod tests {
     fn a_batch_mark_retires_its_slots_as_one_across_both_wraps_and_never_past_tail() {
         // A ring of 8; the batch's first slot at ring index 6 and sequence u32::MAX - 1, so
         // both the ring index and the sequence number wrap inside the batch.
-        let mut s = Slots::new(7);
+        let mut s = Slots::new(7, 0);
         s.head = u32::MAX - 3;
         s.tail = u32::MAX - 3;
         s.tail = s.tail.wrapping_add(2); // two ordinary requests, no regions (none needed here)
