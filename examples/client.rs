@@ -660,7 +660,7 @@ impl PreparedPingPong {
                 recv.rearm(region).map_err(Error::from)
             }
             DATA => send.rearm(region).map_err(Error::from),
-            other => Err(Error::InvalidArgument(format!("a stray completion (wr_id {other}) in the ping-pong"))),
+            other => Err(stray(other)),
         })?;
         if log {
             say!("[INFO] Sent {} bytes", self.size);
@@ -678,6 +678,12 @@ impl PreparedPingPong {
         regs.put(BACK, back);
         Ok(())
     }
+}
+
+/// A completion the ping-pong did not post.
+#[cold]
+fn stray(wr_id: usize) -> Error {
+    Error::InvalidArgument(format!("a stray completion (wr_id {wr_id}) in the ping-pong"))
 }
 
 /// Read mode on the lane: "go" (the server RDMA-READs our data region), then, on its "done",

@@ -471,10 +471,9 @@ impl EchoEnd {
 
     /// A completion's region to the request it arms: a receive's to its buffer's send (and
     /// the length it brought), a send's to its buffer's receive.
-    fn route(ends: &mut [EchoEnd; 2], c: &Wc, region: MemoryRegion) -> Result<(), Error> {
-        let end = ends
-            .get_mut((c.wr_id() / 2) as usize)
-            .ok_or_else(|| Error::InvalidArgument("a stray completion".into()))?;
+    #[inline(always)]
+    fn route(ends: &mut [EchoEnd; 2], c: Wc, region: MemoryRegion) -> Result<(), Error> {
+        let end = ends.get_mut((c.wr_id() / 2) as usize).ok_or_else(|| stray(c.wr_id()))?;
         if c.wr_id() % 2 == 0 {
             end.len = c.byte_len() as usize;
             end.send.rearm(region).map_err(Error::from)
@@ -482,6 +481,12 @@ impl EchoEnd {
             end.recv.rearm(region).map_err(Error::from)
         }
     }
+}
+
+/// A completion the echo did not post.
+#[cold]
+fn stray(wr_id: u64) -> Error {
+    Error::InvalidArgument(format!("a stray completion (wr_id {wr_id})"))
 }
 
 /// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its

@@ -182,6 +182,7 @@ impl Wc {
 
     /// `None` on success; otherwise [`Error::WorkCompletion`] with the status, its usual cause
     /// and the vendor error.
+    #[inline]
     pub fn error(&self) -> Option<Error> {
         (!self.is_ok()).then(|| Error::WorkCompletion {
             wr_id: self.wr_id,
