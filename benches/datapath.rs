@@ -252,7 +252,10 @@ fn post_poll_sg_atomic(c: &mut Criterion) {
 /// `rearm`'s pick (by `wr_id`). It asks for one completion per poll and checks only the
 /// status, as `raw_poll1` does: the raw twin's own loop, so the rows differ by the crate alone
 /// (a check that formats the whole completion keeps it in memory, which cost 0.13 µs of
-/// `lane/send` in instruction-counted time).
+/// `lane/send` in instruction-counted time). Inlined into the row, as `raw_poll1` is into the
+/// raw rows: out of line, its calls (a frame, six saved registers) cost the ping-pong about 50
+/// instructions per round trip that are the bench's, not the crate's.
+#[inline(always)]
 fn reap_prep(lane: &mut Lane, n: usize, mut rearm: impl FnMut(u64, MemoryRegion)) {
     let mut got = 0;
     while got < n {
