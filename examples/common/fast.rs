@@ -6,8 +6,9 @@
 //! - a work request *moves* its [`MemoryRegion`] into the lane, and the completion that retires
 //!   it hands it back: [`Regions`] numbers the regions, each work request carries its region's
 //!   number as `wr_id`, so every completion knows where its region goes back;
-//! - the lane polls without sleeping, and its connection's CM events (the peer's
-//!   `DISCONNECTED`) are read from the connection's id between polls ([`LaneConn::next`]).
+//! - a lane has no completion channel: the examples poll it, spinning (`--busy-poll`) or
+//!   yielding and then sleeping between empty polls ([`LaneConn::idle`]), and its connection's
+//!   CM events (the peer's `DISCONNECTED`) are read from the connection's id between polls.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,8 +17,8 @@ use std::time::{Duration, Instant};
 use rdma_cm::lane::{Completion, Lane, LaneQp, Wc};
 use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 
-/// Empty polls between two looks at the clock and at the CM events: reading the clock is a
-/// system call in the project's guest, and the CM's channel is one too.
+/// Empty polls between two looks at the clock and at the CM events (every 16 once sleeping):
+/// reading the clock is a system call in the project's guest, and the CM's channel is one too.
 const SPINS_PER_CHECK: u32 = 1024;
 
 /// The minimum RNR timer code of a lane's QP (12: 0.64 ms; `ConnParam::min_rnr_timer`), on
@@ -29,14 +30,15 @@ pub const LANE_MIN_RNR_TIMER: u8 = 12;
 /// found nothing (before that, each yields the CPU).
 const IDLE_SLEEP: Duration = Duration::from_micros(200);
 
-/// What ends a [`LaneConn::reap`] early: a failed completion's error, else the first error
-/// of its closure.
+/// What ends a [`LaneConn::reap`] early: the first failed completion's error, else the first
+/// error of its closure.
 enum Fault {
     Failed(Error),
     Refused(Error),
 }
 
-/// Notes a failed completion's error (`e`) in `fault`, unless one is there already.
+/// Notes a failed completion's error (`e`, `None` for none) in `fault`, unless a failed
+/// completion's is there already: a failure replaces an error of the closure.
 #[cold]
 #[inline(never)]
 fn note_failed(fault: &mut Option<Fault>, e: Option<Error>) {
@@ -45,7 +47,7 @@ fn note_failed(fault: &mut Option<Fault>, e: Option<Error>) {
     }
 }
 
-/// Notes an error of `reap`'s closure in `fault`, unless something is there already.
+/// Notes an error of `reap`'s closure in `fault`, unless a fault is there already.
 #[cold]
 #[inline(never)]
 fn note_refused(fault: &mut Option<Fault>, e: Error) {
@@ -99,10 +101,12 @@ impl LaneConn {
     /// while sleeping) looks at the CM events and the clock. Errors when the peer left or when
     /// nothing came for `t`. Busy-polling, it only counts between two looks and does not
     /// pause: as in perftest's loop, the next poll comes at once (`PAUSE` alone takes about
-    /// 140 cycles on recent x86 cores). Inlined, so an empty poll costs the loop a count.
+    /// 140 cycles on recent x86 cores). Inlined, so an empty busy poll costs the loop a count.
     #[inline]
     pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
-        self.idle.0 += 1;
+        // Wrapping: 1,024 divides 2^32, so the schedule holds past the wrap (a wait that long
+        // has a timeout far longer than the examples' default).
+        self.idle.0 = self.idle.0.wrapping_add(1);
         if self.busy_poll && self.idle.0 % SPINS_PER_CHECK != 0 {
             return Ok(());
         }
@@ -179,8 +183,8 @@ impl LaneConn {
     ) -> Result<(), Error> {
         let mut got = 0;
         // What ends the wait: the first failed completion, else the first error of `f`. Kept
-        // out of the poll's way (a completion that succeeds touches it not at all), so the
-        // closure handed to the lane stays small enough to be inlined into its poll.
+        // out of the poll's way (a completion that succeeds, and that `f` takes, touches it
+        // not at all), so the completion stays in registers.
         let mut fault = None;
         while got < want {
             let n = self.lane.poll_with(want - got, |c, region| {
