@@ -531,6 +531,11 @@ fn stream(
     t: Duration,
 ) -> Result<(), Error> {
     let (n, cq_mod) = (args.iters, args.cq_mod);
+    // perftest's usual `-l L -Q L`: each post list is one batch, retired by one completion.
+    let list = args.post_list;
+    if list > 1 && list == cq_mod && args.tx_depth % list == 0 && n % list == 0 {
+        return stream_batched(lc, regs, pd, size, target, args, t);
+    }
     let depth = args.tx_depth.min((STREAM_BYTES / size).max(1) as u32);
     if depth < args.tx_depth {
         say!(
@@ -555,10 +560,7 @@ fn stream(
     // Messages `done..posted` are in flight; the requests of `posted..done + depth` (modulo
     // depth) hold their regions: completions come back in order.
     let (mut posted, mut done) = (0u32, 0u32);
-    let slice = (n / 10).max(1);
-    let mut peak = 0f64;
-    let start = Instant::now();
-    let mut mark = (start, 0u32);
+    let mut rate = Rate::start(n);
     while done < n {
         loop {
             let room = depth - (posted - done);
@@ -612,25 +614,140 @@ fn stream(
             continue;
         }
         lc.progressed();
-        if done - mark.1 >= slice {
+        rate.done(done);
+    }
+    rate.print(size);
+    Ok(())
+}
+
+/// [`stream`] when each post list is one signaled completion (`--post-list` equal to
+/// `--cq-mod`, as in perftest's `-l 8 -Q 8`, and dividing `--tx-depth` and `--iters`): each
+/// list is a [`lane::PreparedBatch`] (the lane's fastest post of several requests), its
+/// requests all over one region: the sends read the same bytes, the WRITEs write them to the
+/// same place, as perftest's do. A batch is posted under one doorbell and retired by its last
+/// request, the signaled one, whose completion hands the region back. `--tx-depth / --post-list`
+/// batches take turns, so a stream of 4 KiB messages reads 64 KiB of buffers where a region per
+/// request reads 512 KiB; beside `ib_send_bw` that was worth about 2 % of the message rate at
+/// 4 KiB in the guest (BENCHMARKS.md).
+fn stream_batched(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    pd: &std::sync::Arc<ProtectionDomain>,
+    size: usize,
+    target: Option<RemoteRegion>,
+    args: &Args,
+    t: Duration,
+) -> Result<(), Error> {
+    let (n, list) = (args.iters, args.post_list);
+    let turns = (args.tx_depth / list).min((STREAM_BYTES / size).max(1) as u32);
+    let depth = turns * list;
+    if depth < args.tx_depth {
+        say!(
+            "[INFO] --tx-depth {} lowered to {depth}: each batch in flight holds {size} bytes of its own",
+            args.tx_depth
+        );
+    }
+    say!("[INFO] Streaming in batches of {list} work requests (one region, one doorbell and one completion each)");
+    let mut whole = MemoryRegion::new(pd, size * turns as usize, AccessFlags::LOCAL_WRITE)?;
+    for chunk in whole.as_mut_slice()?.chunks_mut(size) {
+        fill_pattern(chunk, 0);
+    }
+    let mut ring = Vec::with_capacity(turns as usize);
+    for (k, mr) in whole.split(size)?.into_iter().enumerate() {
+        let mut batch = lc.lane.prepare_batch(lc.qp, mr, list as usize, |_, mr| match &target {
+            Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
+            None => lane::SendWr::send(mr, 0..size),
+        })?;
+        batch.set_wr_id(k as u64);
+        ring.push(batch);
+    }
+    const OP: &str = "streaming batches of work requests";
+    // Messages `done..posted` are in flight, in batches `done / list..posted / list` (modulo
+    // `turns`); the others hold their regions. A queue completes in order.
+    let (mut posted, mut done) = (0u32, 0u32);
+    let mut rate = Rate::start(n);
+    while done < n {
+        while posted < n && posted - done < depth {
+            lc.lane.post_batch(&mut ring[(posted / list % turns) as usize])?;
+            posted += list;
+        }
+        let mut failed = None;
+        let mut lost = None;
+        let reaped = lc.lane.poll_with(16, |c, region| {
+            if !c.is_ok() {
+                failed.get_or_insert(c);
+            } else if c.queue() == WorkQueue::Recv {
+                regs.put_back(&c, region); // the server's answer to a send stream, early
+            } else if let Some(mr) = region {
+                let back = match ring.get_mut(c.wr_id() as usize) {
+                    Some(b) => b.rearm(mr).map_err(Error::from),
+                    None => Err(Error::InvalidArgument(format!("a completion names no batch: {}", c.wr_id()))),
+                };
+                match back {
+                    Ok(()) => done += list,
+                    Err(e) => {
+                        lost.get_or_insert(e);
+                    }
+                }
+            }
+        })?;
+        if let Some(c) = failed {
+            return Err(lc.failed(&c, OP));
+        }
+        if let Some(e) = lost {
+            return Err(e);
+        }
+        if reaped == 0 {
+            lc.idle(OP, t)?;
+            continue;
+        }
+        lc.progressed();
+        rate.done(done);
+    }
+    rate.print(size);
+    Ok(())
+}
+
+/// A stream's message rate, measured as perftest measures it: from the first post to the
+/// last completion, with the peak the best of ten equal slices of the run.
+struct Rate {
+    n: u32,
+    slice: u32,
+    start: Instant,
+    mark: (Instant, u32),
+    peak: f64,
+}
+
+impl Rate {
+    fn start(n: u32) -> Rate {
+        let start = Instant::now();
+        Rate { n, slice: (n / 10).max(1), start, mark: (start, 0), peak: 0.0 }
+    }
+
+    /// `done` messages have completed.
+    fn done(&mut self, done: u32) {
+        if done - self.mark.1 >= self.slice {
             let now = Instant::now();
-            peak = peak.max((done - mark.1) as f64 / (now - mark.0).as_secs_f64());
-            mark = (now, done);
+            self.peak = self.peak.max((done - self.mark.1) as f64 / (now - self.mark.0).as_secs_f64());
+            self.mark = (now, done);
         }
     }
-    let secs = start.elapsed().as_secs_f64();
-    let rate = n as f64 / secs;
-    let mib = |msgs: f64| msgs * size as f64 / (1 << 20) as f64;
-    println!("---------------------------------------------------------------------------------------");
-    println!(" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]");
-    println!(
-        " {size:<10} {n:<10}       {:<7.2}            {:<7.2}              {:.6}",
-        mib(peak.max(rate)),
-        mib(rate),
-        rate / 1e6
-    );
-    println!("---------------------------------------------------------------------------------------");
-    Ok(())
+
+    /// Prints the bandwidth as perftest does (MB/s = 2^20 bytes per second).
+    fn print(&self, size: usize) {
+        let n = self.n;
+        let rate = n as f64 / self.start.elapsed().as_secs_f64();
+        let mib = |msgs: f64| msgs * size as f64 / (1 << 20) as f64;
+        println!("---------------------------------------------------------------------------------------");
+        println!(" #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]");
+        println!(
+            " {size:<10} {n:<10}       {:<7.2}            {:<7.2}              {:.6}",
+            mib(self.peak.max(rate)),
+            mib(rate),
+            rate / 1e6
+        );
+        println!("---------------------------------------------------------------------------------------");
+    }
 }
 
 /// Send mode's ping-pong on prepared requests: the receive for the echo over `BACK`, the send

@@ -223,9 +223,9 @@ fn demo_iterations_print_a_perftest_latency_table() {
     assert!(s.contains("Echoed 200 messages of 2 bytes"), "{s}");
 }
 
-/// `--bw`: the client streams sends (post lists of 8, one completion in 16) and RDMA WRITEs,
-/// prints perftest's bandwidth table with one row of the size and iteration count asked for,
-/// and the data arrived: the server counted every send and checked its length and content,
+/// `--bw`: the client streams sends (post lists of 8, one completion in 16; batches of 8) and
+/// RDMA WRITEs (lists of 4; batches of 16), prints perftest's bandwidth table with one row of
+/// the size and iteration count asked for, and the data arrived: the server counted every send and checked its length and content,
 /// and the write stream is followed by a verified round trip.
 #[test]
 fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
@@ -271,6 +271,35 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
     assert_eq!(row_of(&c)[..2], [64.0, 1001.0], "{c}");
     assert!(c.contains("Stream verified: the server received 1001 x 64 bytes, content matched"), "{c}");
     assert!(s.contains("Received a stream of 1001 messages of 64 bytes (lengths and content checked)"), "{s}");
+    assert!(!c.contains("Streaming in batches"), "one completion in 7 of lists of 16 is no batch: {c}");
+    // perftest's `-l 8 -Q 8`: each list is one batch over one region, retired by one
+    // completion; 16 batches take turns (a depth of 128).
+    let args = ["--bw", "--mode", "send", "--size", "4096", "--iters", "2000", "--post-list", "8", "--cq-mod", "8"];
+    let (c, s) = demo("7640", &args);
+    assert!(c.contains("Streaming in batches of 8 work requests"), "{c}");
+    assert_eq!(row_of(&c)[..2], [4096.0, 2000.0], "{c}");
+    assert!(c.contains("Stream verified: the server received 2000 x 4096 bytes, content matched"), "{c}");
+    assert!(s.contains("Received a stream of 2000 messages of 4096 bytes (lengths and content checked)"), "{s}");
+    // Batches of 16 WRITEs, 4 of them in flight, then the verified round trip.
+    let args = [
+        "--bw",
+        "--mode",
+        "write",
+        "--size",
+        "64",
+        "--iters",
+        "1600",
+        "--tx-depth",
+        "64",
+        "--post-list",
+        "16",
+        "--cq-mod",
+        "16",
+    ];
+    let (c, _) = demo("7641", &args);
+    assert!(c.contains("Streaming in batches of 16 work requests"), "{c}");
+    assert_eq!(row_of(&c)[..2], [64.0, 1600.0], "{c}");
+    assert!(c.contains("Echo verified: 1 x 64 bytes match"), "{c}");
 }
 
 /// The --bw options refuse what would not run: another mode, an empty or too long post list,
