@@ -384,7 +384,8 @@ const CTL: usize = 2; // the server's doorbell or answer
 const RING: usize = 3; // our doorbell in write mode with `--doorbell send`
 
 /// Most bytes the rate mode registers for its work requests in flight: on the lane each holds
-/// a region of its own (chunks of one registration), so `--tx-depth` is lowered for huge sizes.
+/// a region of its own (chunks of one registration; in batches, each batch holds one), so
+/// `--tx-depth` is lowered for huge sizes.
 const STREAM_BYTES: usize = 64 << 20;
 
 /// The latency table (`--iters N`) and the rate mode (`--bw`), on the lane.
@@ -515,8 +516,9 @@ fn check_echo(got: &[u8], i: u32, expected: &mut [u8]) -> Result<(), Error> {
 /// Streams `--iters` messages of `size` bytes on the lane: sends, or RDMA WRITEs to `target`;
 /// `--tx-depth` in flight, `--post-list` per post (one doorbell per [`lane::MAX_LIST`] work
 /// requests: a lane posts lists of at most 16), one signaled per `--cq-mod` (and the last of a
-/// list after which no full list fits, so a completion always comes). Each work request in
-/// flight has a region of its own: chunks of one registration, all holding the pattern of
+/// list after which no full list fits, so a completion always comes). perftest's usual shape,
+/// `--post-list` equal to `--cq-mod`, goes to [`stream_batched`] instead (when the list divides
+/// `--tx-depth` and `--iters`). Here each work request in flight has a region of its own: chunks of one registration, all holding the pattern of
 /// iteration 0, each in a work request prepared once (checked and lowered: the lane's fastest
 /// post, [`lane::PreparedSend`]); message `k` goes in request `k % depth`, whose region the
 /// completion that retires it hands back. Prints the bandwidth as perftest does (MB/s = 2^20
@@ -624,7 +626,8 @@ fn stream(
 /// `--cq-mod`, as in perftest's `-l 8 -Q 8`, and dividing `--tx-depth` and `--iters`): each
 /// list is a [`lane::PreparedBatch`] (the lane's fastest post of several requests), its
 /// requests all over one region: the sends read the same bytes, the WRITEs write them to the
-/// same place, as perftest's do. A batch is posted under one doorbell and retired by its last
+/// same place, as perftest's do. A batch is posted under one doorbell, however long the list
+/// (up to the send queue's depth, where [`stream`] rings one per 16), and retired by its last
 /// request, the signaled one, whose completion hands the region back. `--tx-depth / --post-list`
 /// batches take turns, so a stream of 4 KiB messages reads 64 KiB of buffers where a region per
 /// request reads 512 KiB; beside `ib_send_bw` that was worth about 2 % of the message rate at

@@ -223,9 +223,11 @@ fn demo_iterations_print_a_perftest_latency_table() {
     assert!(s.contains("Echoed 200 messages of 2 bytes"), "{s}");
 }
 
-/// `--bw`: the client streams sends (post lists of 8, one completion in 16; batches of 8) and
-/// RDMA WRITEs (lists of 4; batches of 16), prints perftest's bandwidth table with one row of
-/// the size and iteration count asked for, and the data arrived: the server counted every send and checked its length and content,
+/// `--bw`: the client streams sends and RDMA WRITEs, a region per request (post lists of 8
+/// with one completion in 16, of 4 with one in 64, of 16 with one in 7 over a ring of 20) and
+/// in batches (`--post-list` equal to `--cq-mod`: batches of 8 sends, of 16 WRITEs, one batch
+/// as deep as the queue), prints perftest's bandwidth table with one row of the size and
+/// iteration count asked for, and the data arrived: the server counted every send and checked its length and content,
 /// and the write stream is followed by a verified round trip.
 #[test]
 fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
@@ -243,11 +245,13 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
     };
     let args = ["--bw", "--mode", "send", "--size", "64", "--iters", "3000", "--post-list", "8", "--cq-mod", "16"];
     let (c, s) = demo("7633", &args);
+    assert!(!c.contains("Streaming in batches"), "one completion in 16 of lists of 8 is no batch: {c}");
     assert_eq!(row_of(&c)[..2], [64.0, 3000.0], "{c}");
     assert!(c.contains("Stream verified: the server received 3000 x 64 bytes, content matched"), "{c}");
     assert!(s.contains("Received a stream of 3000 messages of 64 bytes (lengths and content checked)"), "{s}");
     let args = ["--bw", "--mode", "write", "--size", "2", "--iters", "2000", "--post-list", "4", "--cq-mod", "64"];
     let (c, _) = demo("7634", &args);
+    assert!(!c.contains("Streaming in batches"), "{c}");
     assert_eq!(row_of(&c)[..2], [2.0, 2000.0], "{c}");
     assert!(c.contains("Echo verified: 1 x 2 bytes match"), "{c}");
     // A ring of 20 prepared requests posted in lists of 16: lists end at the ring's end, and
@@ -300,6 +304,32 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
     assert!(c.contains("Streaming in batches of 16 work requests"), "{c}");
     assert_eq!(row_of(&c)[..2], [64.0, 1600.0], "{c}");
     assert!(c.contains("Echo verified: 1 x 64 bytes match"), "{c}");
+    // One batch of 8 as deep as the queue, posted again as soon as it completes (3 times).
+    let args = [
+        "--bw",
+        "--mode",
+        "send",
+        "--size",
+        "64",
+        "--iters",
+        "24",
+        "--tx-depth",
+        "8",
+        "--post-list",
+        "8",
+        "--cq-mod",
+        "8",
+    ];
+    let (c, s) = demo("7642", &args);
+    assert!(c.contains("Streaming in batches of 8 work requests"), "{c}");
+    assert!(c.contains("Stream verified: the server received 24 x 64 bytes, content matched"), "{c}");
+    assert!(s.contains("Received a stream of 24 messages of 64 bytes (lengths and content checked)"), "{s}");
+    // A count that lists of 8 do not divide: a region per request, as before.
+    let args = ["--bw", "--mode", "send", "--size", "64", "--iters", "100", "--post-list", "8", "--cq-mod", "8"];
+    let (c, s) = demo("7643", &args);
+    assert!(!c.contains("Streaming in batches"), "{c}");
+    assert!(c.contains("Stream verified: the server received 100 x 64 bytes, content matched"), "{c}");
+    assert!(s.contains("Received a stream of 100 messages of 64 bytes (lengths and content checked)"), "{s}");
 }
 
 /// The --bw options refuse what would not run: another mode, an empty or too long post list,
