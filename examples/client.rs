@@ -518,9 +518,9 @@ fn check_echo(got: &[u8], i: u32, expected: &mut [u8]) -> Result<(), Error> {
 /// requests: a lane posts lists of at most 16), one signaled per `--cq-mod` (and the last of a
 /// list after which no full list fits, so a completion always comes). perftest's usual shape,
 /// `--post-list` equal to `--cq-mod`, goes to [`stream_batched`] instead (when the list divides
-/// `--tx-depth` and `--iters`). Here each work request in flight has a region of its own: chunks of one registration, all holding the pattern of
-/// iteration 0, each in a work request prepared once (checked and lowered: the lane's fastest
-/// post, [`lane::PreparedSend`]); message `k` goes in request `k % depth`, whose region the
+/// `--tx-depth` and `--iters`). Here each work request in flight has a region of its own:
+/// chunks of one registration, all holding the pattern of iteration 0, each in a work request
+/// prepared once (checked and lowered: the lane's fastest post, [`lane::PreparedSend`]); message `k` goes in request `k % depth`, whose region the
 /// completion that retires it hands back. Prints the bandwidth as perftest does (MB/s = 2^20
 /// bytes per second; the peak is the best of ten equal slices of the run).
 fn stream(
@@ -546,12 +546,8 @@ fn stream(
         );
     }
     let list = args.post_list.min(depth);
-    let mut whole = MemoryRegion::new(pd, size * depth as usize, AccessFlags::LOCAL_WRITE)?;
-    for chunk in whole.as_mut_slice()?.chunks_mut(size) {
-        fill_pattern(chunk, 0);
-    }
     let mut ring = Vec::with_capacity(depth as usize);
-    for (k, mr) in whole.split(size)?.into_iter().enumerate() {
+    for (k, mr) in stream_regions(pd, size, depth)?.into_iter().enumerate() {
         let wr = match &target {
             Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
             None => lane::SendWr::send(mr, 0..size),
@@ -585,37 +581,10 @@ fn stream(
         }
         // Each completion hands its region back; a signaled one first hands back the
         // unsignaled ones it retires, one completion each.
-        let mut failed = None;
-        let mut lost = None;
-        let reaped = lc.lane.poll_with(64, |c, region| {
-            if !c.is_ok() {
-                failed.get_or_insert(c);
-            } else if c.queue() == WorkQueue::Recv {
-                regs.put_back(&c, region); // the server's answer to a send stream, early
-            } else if let Some(mr) = region {
-                let back = match ring.get_mut(c.wr_id() as usize) {
-                    Some(p) => p.rearm(mr).map_err(Error::from),
-                    None => Err(Error::InvalidArgument(format!("a completion names no request: {}", c.wr_id()))),
-                };
-                match back {
-                    Ok(()) => done += 1,
-                    Err(e) => {
-                        lost.get_or_insert(e);
-                    }
-                }
-            }
+        done += reap_stream(lc, regs, 64, OP, t, |k, mr| match ring.get_mut(k) {
+            Some(p) => p.rearm(mr).map_err(Error::from),
+            None => Err(Error::InvalidArgument(format!("a completion names no request: {k}"))),
         })?;
-        if let Some(c) = failed {
-            return Err(lc.failed(&c, OP));
-        }
-        if let Some(e) = lost {
-            return Err(e);
-        }
-        if reaped == 0 {
-            lc.idle(OP, t)?;
-            continue;
-        }
-        lc.progressed();
         rate.done(done);
     }
     rate.print(size);
@@ -651,12 +620,8 @@ fn stream_batched(
         );
     }
     say!("[INFO] Streaming in batches of {list} work requests (one region, one doorbell and one completion each)");
-    let mut whole = MemoryRegion::new(pd, size * turns as usize, AccessFlags::LOCAL_WRITE)?;
-    for chunk in whole.as_mut_slice()?.chunks_mut(size) {
-        fill_pattern(chunk, 0);
-    }
     let mut ring = Vec::with_capacity(turns as usize);
-    for (k, mr) in whole.split(size)?.into_iter().enumerate() {
+    for (k, mr) in stream_regions(pd, size, turns)?.into_iter().enumerate() {
         let mut batch = lc.lane.prepare_batch(lc.qp, mr, list as usize, |_, mr| match &target {
             Some(r) => lane::SendWr::write(mr, 0..size, r, 0),
             None => lane::SendWr::send(mr, 0..size),
@@ -674,41 +639,67 @@ fn stream_batched(
             lc.lane.post_batch(&mut ring[(posted / list % turns) as usize])?;
             posted += list;
         }
-        let mut failed = None;
-        let mut lost = None;
-        let reaped = lc.lane.poll_with(16, |c, region| {
-            if !c.is_ok() {
-                failed.get_or_insert(c);
-            } else if c.queue() == WorkQueue::Recv {
-                regs.put_back(&c, region); // the server's answer to a send stream, early
-            } else if let Some(mr) = region {
-                let back = match ring.get_mut(c.wr_id() as usize) {
-                    Some(b) => b.rearm(mr).map_err(Error::from),
-                    None => Err(Error::InvalidArgument(format!("a completion names no batch: {}", c.wr_id()))),
-                };
-                match back {
-                    Ok(()) => done += list,
-                    Err(e) => {
-                        lost.get_or_insert(e);
-                    }
-                }
-            }
-        })?;
-        if let Some(c) = failed {
-            return Err(lc.failed(&c, OP));
-        }
-        if let Some(e) = lost {
-            return Err(e);
-        }
-        if reaped == 0 {
-            lc.idle(OP, t)?;
-            continue;
-        }
-        lc.progressed();
+        done += list
+            * reap_stream(lc, regs, 16, OP, t, |k, mr| match ring.get_mut(k) {
+                Some(b) => b.rearm(mr).map_err(Error::from),
+                None => Err(Error::InvalidArgument(format!("a completion names no batch: {k}"))),
+            })?;
         rate.done(done);
     }
     rate.print(size);
     Ok(())
+}
+
+/// `count` regions of `size` bytes for a stream (chunks of one registration), each holding the
+/// pattern of iteration 0.
+fn stream_regions(pd: &std::sync::Arc<ProtectionDomain>, size: usize, count: u32) -> Result<Vec<MemoryRegion>, Error> {
+    let mut whole = MemoryRegion::new(pd, size * count as usize, AccessFlags::LOCAL_WRITE)?;
+    for chunk in whole.as_mut_slice()?.chunks_mut(size) {
+        fill_pattern(chunk, 0);
+    }
+    whole.split(size)
+}
+
+/// One poll of a stream (up to `max` completions): each completion of a stream's request hands
+/// its region to `rearm` with its `wr_id`; the server's answer to a send stream, when it comes
+/// early, goes back to `regs`. Returns how many requests were re-armed; waits (`idle`) when
+/// nothing came. Errors with the first failed completion, else the first refusal of `rearm`.
+#[inline(always)]
+fn reap_stream(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    max: usize,
+    op: &'static str,
+    t: Duration,
+    mut rearm: impl FnMut(usize, MemoryRegion) -> Result<(), Error>,
+) -> Result<u32, Error> {
+    let (mut failed, mut lost, mut back) = (None, None, 0u32);
+    let reaped = lc.lane.poll_with(max, |c, region| {
+        if !c.is_ok() {
+            failed.get_or_insert(c);
+        } else if c.queue() == WorkQueue::Recv {
+            regs.put_back(&c, region);
+        } else if let Some(mr) = region {
+            match rearm(c.wr_id() as usize, mr) {
+                Ok(()) => back += 1,
+                Err(e) => {
+                    lost.get_or_insert(e);
+                }
+            }
+        }
+    })?;
+    if let Some(c) = failed {
+        return Err(lc.failed(&c, op));
+    }
+    if let Some(e) = lost {
+        return Err(e);
+    }
+    if reaped == 0 {
+        lc.idle(op, t)?;
+    } else {
+        lc.progressed();
+    }
+    Ok(back)
 }
 
 /// A stream's message rate, measured as perftest measures it: from the first post to the

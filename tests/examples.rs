@@ -243,93 +243,43 @@ fn demo_bw_modes_print_perftests_bandwidth_table_and_the_data_arrives() {
         assert!((f[3] - f[0] * f[4] * 1e6 / 1048576.0).abs() <= 0.02 * f[3] + 0.01, "BW = size x rate: {row}");
         f
     };
-    let args = ["--bw", "--mode", "send", "--size", "64", "--iters", "3000", "--post-list", "8", "--cq-mod", "16"];
-    let (c, s) = demo("7633", &args);
-    assert!(!c.contains("Streaming in batches"), "one completion in 16 of lists of 8 is no batch: {c}");
-    assert_eq!(row_of(&c)[..2], [64.0, 3000.0], "{c}");
-    assert!(c.contains("Stream verified: the server received 3000 x 64 bytes, content matched"), "{c}");
-    assert!(s.contains("Received a stream of 3000 messages of 64 bytes (lengths and content checked)"), "{s}");
-    let args = ["--bw", "--mode", "write", "--size", "2", "--iters", "2000", "--post-list", "4", "--cq-mod", "64"];
-    let (c, _) = demo("7634", &args);
-    assert!(!c.contains("Streaming in batches"), "{c}");
-    assert_eq!(row_of(&c)[..2], [2.0, 2000.0], "{c}");
-    assert!(c.contains("Echo verified: 1 x 2 bytes match"), "{c}");
-    // A ring of 20 prepared requests posted in lists of 16: lists end at the ring's end, and
-    // the signaled ones (one in 7) fall anywhere in them.
-    let args = [
-        "--bw",
-        "--mode",
-        "send",
-        "--size",
-        "64",
-        "--iters",
-        "1001",
-        "--tx-depth",
-        "20",
-        "--post-list",
-        "16",
-        "--cq-mod",
-        "7",
-    ];
-    let (c, s) = demo("7639", &args);
-    assert_eq!(row_of(&c)[..2], [64.0, 1001.0], "{c}");
-    assert!(c.contains("Stream verified: the server received 1001 x 64 bytes, content matched"), "{c}");
-    assert!(s.contains("Received a stream of 1001 messages of 64 bytes (lengths and content checked)"), "{s}");
-    assert!(!c.contains("Streaming in batches"), "one completion in 7 of lists of 16 is no batch: {c}");
+    // One stream: `batches` is the batch length it is expected to use, `None` for a region per
+    // request. A send stream is checked by the server (count, lengths, content), a WRITE
+    // stream by the verified round trip after it.
+    let stream = |port: &str, args: &str, batches: Option<u32>| {
+        let args: Vec<&str> = args.split_whitespace().collect();
+        let arg = |flag: &str| args[args.iter().position(|a| *a == flag).expect("the flag") + 1];
+        let (size, iters) = (arg("--size"), arg("--iters"));
+        let (c, s) = demo(port, &args);
+        match batches {
+            Some(l) => assert!(c.contains(&format!("Streaming in batches of {l} work requests")), "{c}"),
+            None => assert!(!c.contains("Streaming in batches"), "{c}"),
+        }
+        assert_eq!(row_of(&c)[..2], [size.parse::<f64>().unwrap(), iters.parse().unwrap()], "{c}");
+        if arg("--mode") == "send" {
+            let sent = format!("Stream verified: the server received {iters} x {size} bytes, content matched");
+            assert!(c.contains(&sent), "{c}");
+            let got = format!("Received a stream of {iters} messages of {size} bytes (lengths and content checked)");
+            assert!(s.contains(&got), "{s}");
+        } else {
+            assert!(c.contains(&format!("Echo verified: 1 x {size} bytes match")), "{c}");
+        }
+    };
+    // A region per request: lists of 8 with one completion in 16; lists of 4 with one in 64;
+    // a ring of 20 requests posted in lists of 16, so lists end at the ring's end and the
+    // signaled ones (one in 7) fall anywhere in them.
+    stream("7633", "--bw --mode send --size 64 --iters 3000 --post-list 8 --cq-mod 16", None);
+    stream("7634", "--bw --mode write --size 2 --iters 2000 --post-list 4 --cq-mod 64", None);
+    stream("7639", "--bw --mode send --size 64 --iters 1001 --tx-depth 20 --post-list 16 --cq-mod 7", None);
     // perftest's `-l 8 -Q 8`: each list is one batch over one region, retired by one
     // completion; 16 batches take turns (a depth of 128).
-    let args = ["--bw", "--mode", "send", "--size", "4096", "--iters", "2000", "--post-list", "8", "--cq-mod", "8"];
-    let (c, s) = demo("7640", &args);
-    assert!(c.contains("Streaming in batches of 8 work requests"), "{c}");
-    assert_eq!(row_of(&c)[..2], [4096.0, 2000.0], "{c}");
-    assert!(c.contains("Stream verified: the server received 2000 x 4096 bytes, content matched"), "{c}");
-    assert!(s.contains("Received a stream of 2000 messages of 4096 bytes (lengths and content checked)"), "{s}");
+    stream("7640", "--bw --mode send --size 4096 --iters 2000 --post-list 8 --cq-mod 8", Some(8));
     // Batches of 16 WRITEs, 4 of them in flight, then the verified round trip.
-    let args = [
-        "--bw",
-        "--mode",
-        "write",
-        "--size",
-        "64",
-        "--iters",
-        "1600",
-        "--tx-depth",
-        "64",
-        "--post-list",
-        "16",
-        "--cq-mod",
-        "16",
-    ];
-    let (c, _) = demo("7641", &args);
-    assert!(c.contains("Streaming in batches of 16 work requests"), "{c}");
-    assert_eq!(row_of(&c)[..2], [64.0, 1600.0], "{c}");
-    assert!(c.contains("Echo verified: 1 x 64 bytes match"), "{c}");
+    stream("7641", "--bw --mode write --size 64 --iters 1600 --tx-depth 64 --post-list 16 --cq-mod 16", Some(16));
     // One batch of 8 as deep as the queue, posted again as soon as it completes (3 times).
-    let args = [
-        "--bw",
-        "--mode",
-        "send",
-        "--size",
-        "64",
-        "--iters",
-        "24",
-        "--tx-depth",
-        "8",
-        "--post-list",
-        "8",
-        "--cq-mod",
-        "8",
-    ];
-    let (c, s) = demo("7642", &args);
-    assert!(c.contains("Streaming in batches of 8 work requests"), "{c}");
-    assert!(c.contains("Stream verified: the server received 24 x 64 bytes, content matched"), "{c}");
-    assert!(s.contains("Received a stream of 24 messages of 64 bytes (lengths and content checked)"), "{s}");
+    stream("7642", "--bw --mode send --size 64 --iters 24 --tx-depth 8 --post-list 8 --cq-mod 8", Some(8));
     // A count that lists of 8 do not divide: a region per request, as before.
-    let args = ["--bw", "--mode", "send", "--size", "64", "--iters", "100", "--post-list", "8", "--cq-mod", "8"];
-    let (c, s) = demo("7643", &args);
-    assert!(!c.contains("Streaming in batches"), "{c}");
-    assert!(c.contains("Stream verified: the server received 100 x 64 bytes, content matched"), "{c}");
-    assert!(s.contains("Received a stream of 100 messages of 64 bytes (lengths and content checked)"), "{s}");
+    stream("7643", "--bw --mode send --size 64 --iters 100 --post-list 8 --cq-mod 8", None);
 }
 
 /// The --bw options refuse what would not run: another mode, an empty or too long post list,
