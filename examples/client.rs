@@ -520,8 +520,9 @@ fn check_echo(got: &[u8], i: u32, expected: &mut [u8]) -> Result<(), Error> {
 /// `--post-list` equal to `--cq-mod`, goes to [`stream_batched`] instead (when the list divides
 /// `--tx-depth` and `--iters`). Here each work request in flight has a region of its own:
 /// chunks of one registration, all holding the pattern of iteration 0, each in a work request
-/// prepared once (checked and lowered: the lane's fastest post, [`lane::PreparedSend`]); message `k` goes in request `k % depth`, whose region the
-/// completion that retires it hands back. Prints the bandwidth as perftest does (MB/s = 2^20
+/// prepared once (checked and lowered: the lane's fastest post, [`lane::PreparedSend`]);
+/// message `k` goes in request `k % depth`, whose region the completion that retires it hands
+/// back. Prints the bandwidth as perftest does (MB/s = 2^20
 /// bytes per second; the peak is the best of ten equal slices of the run).
 fn stream(
     lc: &mut LaneConn,
@@ -662,8 +663,9 @@ fn stream_regions(pd: &std::sync::Arc<ProtectionDomain>, size: usize, count: u32
 
 /// One poll of a stream (up to `max` completions): each completion of a stream's request hands
 /// its region to `rearm` with its `wr_id`; the server's answer to a send stream, when it comes
-/// early, goes back to `regs`. Returns how many requests were re-armed; waits (`idle`) when
-/// nothing came. Errors with the first failed completion, else the first refusal of `rearm`.
+/// early, goes back to `regs`. Returns how many `wr_id`s were re-armed (requests, or batches);
+/// waits (`idle`) when nothing came, and otherwise starts the wait afresh (`progressed`).
+/// Errors with the first failed completion, else the first refusal of `rearm`.
 #[inline(always)]
 fn reap_stream(
     lc: &mut LaneConn,
