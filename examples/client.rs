@@ -661,11 +661,10 @@ fn stream_regions(pd: &std::sync::Arc<ProtectionDomain>, size: usize, count: u32
     whole.split(size)
 }
 
-/// One poll of a stream (up to `max` completions): each completion of a stream's request hands
-/// its region to `rearm` with its `wr_id`; the server's answer to a send stream, when it comes
-/// early, goes back to `regs`. Returns how many `wr_id`s were re-armed (requests, or batches);
-/// waits (`idle`) when nothing came, and otherwise starts the wait afresh (`progressed`).
-/// Errors with the first failed completion, else the first refusal of `rearm`.
+/// One poll of a stream (up to `max` completions, [`LaneConn::reap_once`]): each completion
+/// of a stream's request hands its region to `rearm` with its `wr_id`; the server's answer to a
+/// send stream, when it comes early, goes back to `regs`. Returns how many `wr_id`s were
+/// re-armed (requests, or batches).
 #[inline(always)]
 fn reap_stream(
     lc: &mut LaneConn,
@@ -675,32 +674,16 @@ fn reap_stream(
     t: Duration,
     mut rearm: impl FnMut(usize, MemoryRegion) -> Result<(), Error>,
 ) -> Result<u32, Error> {
-    let (mut failed, mut lost, mut back) = (None, None, 0u32);
-    let reaped = lc.lane.poll_with(max, |c, region| {
-        if !c.is_ok() {
-            failed.get_or_insert(c);
-        } else if c.queue() == WorkQueue::Recv {
-            regs.put_back(&c, region);
-        } else if let Some(mr) = region {
-            match rearm(c.wr_id() as usize, mr) {
-                Ok(()) => back += 1,
-                Err(e) => {
-                    lost.get_or_insert(e);
-                }
-            }
+    let mut back = 0u32;
+    lc.reap_once(max, op, t, |c, mr| {
+        if c.queue() == WorkQueue::Recv {
+            regs.put_back(&c, Some(mr));
+            return Ok(());
         }
+        rearm(c.wr_id() as usize, mr)?;
+        back += 1;
+        Ok(())
     })?;
-    if let Some(c) = failed {
-        return Err(lc.failed(&c, op));
-    }
-    if let Some(e) = lost {
-        return Err(e);
-    }
-    if reaped == 0 {
-        lc.idle(op, t)?;
-    } else {
-        lc.progressed();
-    }
     Ok(back)
 }
 
