@@ -147,6 +147,17 @@ impl<H> Ring<H> {
             undelivered: 0,
         }
     }
+    /// The ring's first sequence number is `base` (where the earlier QPs at its routing index
+    /// stopped: see [`tag`]).
+    pub(crate) fn starting_at(mut self, base: u64) -> Ring<H> {
+        self.head = base;
+        self.tail = base;
+        self
+    }
+    /// The sequence number the next work request gets.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.tail
+    }
     /// Gives the ring its address-handle table (a UD QP's send queue), one entry per slot.
     pub(crate) fn with_address_handles(mut self) -> Ring<H> {
         self.ahs = (0..self.slots.len()).map(|_| None).collect();
@@ -302,22 +313,29 @@ impl<H> Ring<H> {
 /// from any CQ to the queue that owns it, in O(1), and a foreign or stale one is recognised:
 ///
 /// ```text
-/// bit 63    62    61    60..45           44..32        31..0
-///     RECV  OURS  SRQ   owner (16 bits)  nonce (13)    sequence number (low 32 bits) / SRQ slot
+/// bit 63    62    61    60..45           44..0
+///     RECV  OURS  SRQ   owner (16 bits)  sequence number (low 45 bits) / SRQ slot and its posting
 /// ```
 ///
-/// `owner` is the QP's index in the CQ's routing table (an SRQ's id for SRQ receives); `nonce`
-/// tells a QP from an earlier one at the same index (an SRQ slot's generation); the full
-/// sequence number is recovered from the ring's window.
+/// `owner` is the QP's index in the CQ's routing table (an SRQ's id for SRQ receives). The
+/// sequence numbers of an index never start again: a QP that takes an index begins where the
+/// QPs there before it stopped ([`Router::attach_qp`](crate::verbs::router::Router)), so a
+/// completion of an earlier QP at the same index (still in the CQ, or handed out twice by the
+/// device) names a sequence number behind the new QP's window and retires nothing. The full
+/// sequence number is recovered from the ring's window; two work requests of one index share
+/// a tag only 2^45 postings apart. An SRQ receive's low bits are its slot (`SRQ_SLOT_BITS`)
+/// and the slot's posting count above it (see [`crate::verbs::srq`]).
 pub(crate) mod tag {
     pub(crate) const RECV: u64 = 1 << 63;
     pub(crate) const OURS: u64 = 1 << 62;
     pub(crate) const SRQ: u64 = 1 << 61;
     const OWNER_SHIFT: u32 = 45;
-    const NONCE_SHIFT: u32 = 32;
-    pub(crate) const NONCE_MASK: u64 = (1 << 13) - 1;
-    pub(crate) const SEQ_BITS: u32 = 32;
+    pub(crate) const SEQ_BITS: u32 = 45;
     const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+    /// The low bits of an SRQ receive's tag that name its slot (an SRQ holds at most 2^16).
+    pub(crate) const SRQ_SLOT_BITS: u32 = 16;
+    /// The bits of an SRQ slot's posting count that its tags carry (29).
+    pub(crate) const SRQ_POSTING_MASK: u64 = (1 << (SEQ_BITS - SRQ_SLOT_BITS)) - 1;
 
     /// A decoded tag.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,25 +343,34 @@ pub(crate) mod tag {
         pub(crate) recv: bool,
         pub(crate) srq: bool,
         pub(crate) owner: u16,
-        pub(crate) nonce: u16,
         pub(crate) low: u64,
     }
 
-    pub(crate) fn encode(owner: u16, nonce: u16, seq: u64, recv: bool, srq: bool) -> u64 {
+    #[inline(always)]
+    pub(crate) fn encode(owner: u16, seq: u64, recv: bool, srq: bool) -> u64 {
         OURS | if recv { RECV } else { 0 }
             | if srq { SRQ } else { 0 }
             | (owner as u64) << OWNER_SHIFT
-            | (nonce as u64 & NONCE_MASK) << NONCE_SHIFT
             | (seq & SEQ_MASK)
     }
 
+    /// An SRQ receive's tag: SRQ `owner`, slot `slot`, the slot's `posting`-th use.
+    pub(crate) fn encode_srq(owner: u16, slot: u32, posting: u64) -> u64 {
+        encode(owner, (posting & SRQ_POSTING_MASK) << SRQ_SLOT_BITS | slot as u64, true, true)
+    }
+
+    /// An SRQ tag's low bits as (slot, posting count modulo 2^29).
+    pub(crate) fn srq_parts(low: u64) -> (usize, u64) {
+        ((low & ((1 << SRQ_SLOT_BITS) - 1)) as usize, low >> SRQ_SLOT_BITS)
+    }
+
     /// The tag of a `wr_id`, or `None` when it is not one of this crate's.
+    #[inline(always)]
     pub(crate) fn decode(wr_id: u64) -> Option<Tag> {
         (wr_id & OURS != 0).then_some(Tag {
             recv: wr_id & RECV != 0,
             srq: wr_id & SRQ != 0,
             owner: (wr_id >> OWNER_SHIFT) as u16,
-            nonce: ((wr_id >> NONCE_SHIFT) & NONCE_MASK) as u16,
             low: wr_id & SEQ_MASK,
         })
     }
@@ -442,11 +469,19 @@ fn leak(hold: Hold) {
 impl Queues {
     /// Rings of the given depths, for work requests of up to `send_sge`/`recv_sge` pieces;
     /// `datagrams`: the send ring holds an address handle per work request (a UD QP).
-    pub(crate) fn new(send_depth: u32, recv_depth: u32, send_sge: u32, recv_sge: u32, datagrams: bool) -> Queues {
-        let send = Ring::<Hold>::new(send_depth, send_sge);
+    /// `base`: the first sequence number of both rings (see [`tag`]).
+    pub(crate) fn new(
+        send_depth: u32,
+        recv_depth: u32,
+        send_sge: u32,
+        recv_sge: u32,
+        datagrams: bool,
+        base: u64,
+    ) -> Queues {
+        let send = Ring::<Hold>::new(send_depth, send_sge).starting_at(base);
         Queues {
             send: if datagrams { send.with_address_handles() } else { send },
-            recv: Ring::<Hold>::new(recv_depth, recv_sge),
+            recv: Ring::<Hold>::new(recv_depth, recv_sge).starting_at(base),
             send_kept: Pending::new(send_depth),
             recv_kept: Pending::new(recv_depth),
             failed: None,
@@ -810,11 +845,13 @@ mod tests {
 
     #[test]
     fn tags_round_trip_and_foreign_ids_are_not_ours() {
-        let w = tag::encode(513, 8191, 0x1_2345_6789, true, false);
+        let w = tag::encode(513, 0x1_2345_6789_abcd, true, false);
         let t = tag::decode(w).unwrap();
-        assert_eq!((t.recv, t.srq, t.owner, t.nonce, t.low), (true, false, 513, 8191, 0x2345_6789));
-        let t = tag::decode(tag::encode(65535, 1, 7, false, true)).unwrap();
-        assert_eq!((t.recv, t.srq, t.owner, t.nonce, t.low), (false, true, 65535, 1, 7));
+        assert_eq!((t.recv, t.srq, t.owner, t.low), (true, false, 513, 0x1_2345_6789_abcd & ((1 << 45) - 1)));
+        let t = tag::decode(tag::encode(65535, 7, false, true)).unwrap();
+        assert_eq!((t.recv, t.srq, t.owner, t.low), (false, true, 65535, 7));
+        let t = tag::decode(tag::encode_srq(9, 65535, (1 << 29) + 5)).unwrap();
+        assert_eq!((t.recv, t.srq, t.owner, tag::srq_parts(t.low)), (true, true, 9, (65535, 5)));
         for foreign in [0, 1, 42, u64::MAX >> 2, 1 << 63] {
             assert_eq!(tag::decode(foreign), None, "{foreign:#x}");
         }

@@ -17,7 +17,6 @@ use crate::wait::lock;
 /// A QP's entry in a CQ's routing table.
 struct QpEntry {
     qp_num: u32,
-    nonce: u16,
     queues: Arc<Mutex<Queues>>,
 }
 
@@ -38,6 +37,10 @@ pub(crate) enum Owner {
 #[derive(Default)]
 pub(crate) struct Router {
     qps: Vec<Option<QpEntry>>,
+    /// Beside each index, the sequence number its next QP starts at: past every one the QPs
+    /// there before it used, so none of their completions can name a work request of a later
+    /// QP at the index (see `ring::tag`).
+    bases: Vec<u64>,
     free: Vec<u16>,
     pub(crate) srqs: Vec<SrqEntry>,
     /// Completions the attached queues may have outstanding at once.
@@ -66,26 +69,44 @@ impl Router {
         self.reserved = self.reserved.saturating_sub(n);
     }
 
-    /// Enters a QP; returns its index (the `owner` of its `wr_id`s on this CQ).
-    pub(crate) fn attach_qp(&mut self, qp_num: u32, nonce: u16, queues: Arc<Mutex<Queues>>) -> Result<u16> {
-        let e = Some(QpEntry { qp_num, nonce, queues });
+    /// Takes a free index for a QP, with the sequence number its rings must start at (the
+    /// index's base: see `bases`); [`Router::enter_qp`] then enters it.
+    pub(crate) fn reserve_index(&mut self) -> Result<(u16, u64)> {
         if let Some(i) = self.free.pop() {
-            self.qps[i as usize] = e;
-            return Ok(i);
+            return Ok((i, self.bases[i as usize]));
         }
         if self.qps.len() > u16::MAX as usize {
             return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
         }
-        self.qps.push(e);
-        Ok((self.qps.len() - 1) as u16)
+        self.qps.push(None);
+        self.bases.push(0);
+        Ok(((self.qps.len() - 1) as u16, 0))
     }
 
-    /// Removes a QP (after it was destroyed): its late completions retire nothing.
-    pub(crate) fn detach_qp(&mut self, index: u16) {
+    /// Enters a QP at the index [`Router::reserve_index`] gave it (the `owner` of its `wr_id`s
+    /// on this CQ); its rings start at that index's base or later.
+    pub(crate) fn enter_qp(&mut self, index: u16, qp_num: u32, queues: Arc<Mutex<Queues>>) {
         if let Some(e) = self.qps.get_mut(index as usize) {
-            if e.take().is_some() {
-                self.free.push(index);
-            }
+            *e = Some(QpEntry { qp_num, queues });
+        }
+    }
+
+    /// Removes a QP (after it was destroyed): its late completions retire nothing, and the
+    /// index's next QP starts past every sequence number it used.
+    pub(crate) fn detach_qp(&mut self, index: u16) {
+        let Some(Some(e)) = self.qps.get_mut(index as usize).map(Option::take) else { return };
+        let q = lock(&e.queues);
+        let end = q.send.next_seq().max(q.recv.next_seq());
+        drop(q);
+        let base = &mut self.bases[index as usize];
+        *base = (*base).max(end);
+        self.free.push(index);
+    }
+
+    /// Gives back an index [`Router::reserve_index`] gave for a QP that was never entered.
+    pub(crate) fn release_index(&mut self, index: u16) {
+        if matches!(self.qps.get(index as usize), Some(None)) {
+            self.free.push(index);
         }
     }
 
@@ -135,7 +156,7 @@ impl Router {
             return Some((WorkCompletion::from_raw(wc, id, WorkQueue::Recv), Owner::Srq(t.owner)));
         }
         let e = self.qps.get(t.owner as usize)?.as_ref()?;
-        if e.qp_num != wc.qp_num || e.nonce != t.nonce {
+        if e.qp_num != wc.qp_num {
             return None;
         }
         let mut q = lock(&e.queues);
@@ -215,5 +236,86 @@ impl Router {
             }
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A completion of the QP at `index` with sequence number `seq`, successful.
+    fn wc(index: u16, seq: u64, qp_num: u32) -> ffi::ibv_wc {
+        // SAFETY: ibv_wc is plain old data; zero is a valid value of every field.
+        let mut wc: ffi::ibv_wc = unsafe { std::mem::zeroed() };
+        wc.wr_id = tag::encode(index, seq, false, false);
+        wc.qp_num = qp_num;
+        wc.status = ffi::ibv_wc_status::IBV_WC_SUCCESS;
+        wc
+    }
+
+    /// Enters a QP of send depth 4 at the next free index; posts `n` sends (their wr_ids are
+    /// 1000 + k) on it without holds.
+    fn enter(r: &mut Router, qp_num: u32, n: u64) -> (u16, u64, Arc<Mutex<Queues>>) {
+        let (index, base) = r.reserve_index().unwrap();
+        let q = Arc::new(Mutex::new(Queues::new(4, 4, 1, 1, false, base)));
+        {
+            let mut g = lock(&q);
+            for k in 0..n {
+                g.send.stage(k, 1000 + k, None);
+            }
+            g.send.commit(n, n);
+        }
+        r.enter_qp(index, qp_num, Arc::clone(&q));
+        (index, base, q)
+    }
+
+    #[test]
+    fn a_qp_at_a_reused_index_starts_past_every_sequence_number_used_there() {
+        let mut r = Router::default();
+        let (i0, base0, _q0) = enter(&mut r, 17, 3);
+        assert_eq!(base0, 0);
+        r.detach_qp(i0);
+        // The same QP number again (rxe's numbers cycle device-wide) at the same index.
+        let (i1, base1, _q1) = enter(&mut r, 17, 2);
+        assert_eq!((i1, base1), (i0, 3), "the index's next QP starts where the last one stopped");
+        for stale in 0..3 {
+            assert!(r.route(&wc(i1, stale, 17)).is_none(), "the earlier QP's completion {stale} retires nothing");
+        }
+        let (done, owner) = r.route(&wc(i1, 3, 17)).expect("the new QP's first send");
+        assert_eq!((done.wr_id(), owner == Owner::Qp(i1)), (1000, true));
+        assert!(r.route(&wc(i1, 3, 17)).is_none(), "a completion handed out twice retires nothing the second time");
+    }
+
+    #[test]
+    fn no_number_of_qps_at_one_index_lets_an_old_completion_through() {
+        // 20,000 QPs through one index (a 13-bit nonce would have wrapped twice), each posting
+        // once: the first QP's completion, replayed at the end, names nothing outstanding.
+        let mut r = Router::default();
+        let first = wc(0, 0, 5);
+        let mut last = None;
+        for _ in 0..20_000 {
+            let (i, base, q) = enter(&mut r, 5, 1);
+            assert_eq!(i, 0);
+            last = Some((base, q));
+            r.detach_qp(i);
+        }
+        let (base, _q) = last.unwrap();
+        assert_eq!(base, 19_999);
+        let (i, base, _q) = enter(&mut r, 5, 1);
+        assert_eq!((i, base), (0, 20_000));
+        assert!(r.route(&first).is_none());
+        assert_eq!(r.route(&wc(0, 20_000, 5)).map(|(d, _)| d.wr_id()), Some(1000));
+    }
+
+    #[test]
+    fn an_index_given_back_unused_is_reused_and_keeps_its_base() {
+        let mut r = Router::default();
+        let (i, _, _q) = enter(&mut r, 1, 2);
+        r.detach_qp(i);
+        let (j, base) = r.reserve_index().unwrap();
+        assert_eq!((j, base), (i, 2));
+        r.release_index(j);
+        assert_eq!(r.reserve_index().unwrap(), (i, 2), "given back with its base");
+        assert_eq!(r.reserve_index().unwrap(), (1, 0), "and only once");
     }
 }

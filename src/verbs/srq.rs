@@ -6,8 +6,12 @@
 //! As on a QP, posting a receive moves a handle of its region into a slot the SRQ holds until
 //! the completion is reaped. An SRQ's receives complete in any order, on the receive CQs of
 //! the QPs attached to it, so its slots are a table with a free list rather than a ring: a
-//! completion names its slot and the slot's generation in its `wr_id`, and retires that slot
-//! only. The table is allocated once, at creation; posting and retiring allocate nothing.
+//! completion names its slot and which posting of that slot it is (the slot's count of
+//! postings, 29 bits of it, in its `wr_id`), and retires that slot only while that same posting
+//! is outstanding. A completion handed out again (a device that replays a lap of its CQ, as
+//! rdma-core 44's Soft-RoCE extended poll could) names an earlier posting of its slot and
+//! retires nothing: it would have to be 2^29 postings of that one slot old to match, and a CQ
+//! holds far fewer completions than that. The table is allocated once, at creation; posting and retiring allocate nothing.
 //!
 //! An SRQ made with [`SharedReceiveQueue::with_sge`] takes receives of several pieces
 //! ([`RecvWr::sg`]): the first piece's handle sits in the slot, the others' in a side table
@@ -48,8 +52,8 @@ use crate::verbs::wr::RecvWr;
 /// One slot of an SRQ.
 #[derive(Default)]
 struct Slot {
-    /// Bumped at every post, so a completion names one posting of the slot.
-    generation: u16,
+    /// Counts the slot's postings (bumped at every post), so a completion names one of them.
+    posting: u64,
     posted: bool,
     user_wr_id: u64,
     _hold: Option<Hold>,
@@ -84,26 +88,26 @@ impl Slots {
     }
 
     /// Stages a receive in a free slot, holding every piece; returns the slot and its new
-    /// generation. `None` when no slot is free (the caller checked the room before).
-    fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u16)> {
+    /// posting count. `None` when no slot is free (the caller checked the room before).
+    fn stage(&mut self, w: &RecvWr<'_>) -> Option<(u32, u64)> {
         let i = self.free.pop()?;
         let mut extra = 0;
         if crate::verbs::wr::needs_rest_holds(Some(w.mr.inner()), w.rest) {
             extra = self.extra.store(i as usize, crate::verbs::wr::hold_rest(Some(w.mr.inner()), w.rest, true));
         }
         let s = &mut self.slots[i as usize];
-        let generation = s.generation.wrapping_add(1);
-        *s = Slot { generation, posted: true, user_wr_id: w.wr_id, _hold: Some(Hold::new(w.mr.inner(), true)), extra };
-        Some((i, generation))
+        let posting = s.posting.wrapping_add(1);
+        *s = Slot { posting, posted: true, user_wr_id: w.wr_id, _hold: Some(Hold::new(w.mr.inner(), true)), extra };
+        Some((i, posting))
     }
 
-    /// Empties slot `i` (keeping its generation), releases every piece it held, and returns it
+    /// Empties slot `i` (keeping its posting count), releases every piece it held, and returns it
     /// to the free list. Every retirement and release goes through this.
     #[inline]
     fn release(&mut self, i: u32) {
         let s = &mut self.slots[i as usize];
         let extra = s.extra;
-        *s = Slot { generation: s.generation, ..Slot::default() };
+        *s = Slot { posting: s.posting, ..Slot::default() };
         if extra > 0 {
             self.extra.clear(i as usize, extra);
         }
@@ -111,11 +115,11 @@ impl Slots {
     }
 
     /// Retires the slot a completion names; the caller's wr_id, or `None` when the slot is not
-    /// posted under that generation (stale or foreign).
+    /// posted, or posted again since (stale, replayed or foreign).
     pub(crate) fn complete(&mut self, t: &tag::Tag) -> Option<u64> {
-        let i = t.low as usize;
+        let (i, posting) = tag::srq_parts(t.low);
         let s = self.slots.get_mut(i)?;
-        if !s.posted || (s.generation as u64 & tag::NONCE_MASK) != t.nonce as u64 {
+        if !s.posted || s.posting & tag::SRQ_POSTING_MASK != posting {
             return None;
         }
         let id = s.user_wr_id;
@@ -305,18 +309,18 @@ impl SharedReceiveQueue {
             // Which slot each work request took.
             let mut taken = [None; crate::verbs::wr::CHUNK];
             let stage = |k: usize, w: &RecvWr<'_>| {
-                let Some((i, generation)) = slots.stage(w) else {
+                let Some((i, posting)) = slots.stage(w) else {
                     // Unreachable: the room was checked above. Were it reached, the receive
                     // would be posted with no slot: its pieces must stay held all the same, so
-                    // their holds are leaked, and its wr_id names no slot (it retires nothing).
+                    // their holds are leaked, and its wr_id is not the crate's (it retires nothing).
                     mem::forget(Hold::new(w.mr.inner(), true));
                     for (m, _) in w.rest {
                         mem::forget(Hold::new(m.inner(), true));
                     }
-                    return tag::encode(self.inner.id, 0, u32::MAX as u64, true, true);
+                    return 0;
                 };
                 taken[k] = Some(i);
-                tag::encode(self.inner.id, generation, i as u64, true, true)
+                tag::encode_srq(self.inner.id, i, posting)
             };
             let post = |first: *mut ffi::ibv_recv_wr, n| {
                 let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
@@ -435,5 +439,39 @@ impl fmt::Debug for SharedReceiveQueue {
             .field("depth", &self.inner.depth)
             .field("outstanding", &self.outstanding())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Marks slot `i` of `s` as posted for the `posting`-th time (as `stage` does, without a
+    /// region).
+    fn post(s: &mut Slots, i: u32, posting: u64) {
+        s.free.retain(|&f| f != i);
+        s.slots[i as usize] = Slot { posting, posted: true, user_wr_id: posting, _hold: None, extra: 0 };
+    }
+
+    fn complete(s: &mut Slots, i: u32, posting: u64) -> Option<u64> {
+        s.complete(&tag::decode(tag::encode_srq(3, i, posting)).unwrap())
+    }
+
+    #[test]
+    fn a_replayed_completion_of_an_earlier_posting_of_the_slot_retires_nothing() {
+        let mut s = Slots::new(4, 1);
+        // 8,192 postings later (the replay a 13-bit generation took for the current one), and
+        // 2^16 later: neither names the slot's current posting.
+        for earlier in [8192u64, 1 << 16, 1 << 28] {
+            let now = earlier + 1;
+            post(&mut s, 2, now);
+            assert_eq!(complete(&mut s, 2, now - earlier), None, "{earlier} postings back");
+            assert_eq!(complete(&mut s, 2, now), Some(now), "the current posting retires");
+            assert_eq!(complete(&mut s, 2, now), None, "and only once");
+        }
+        assert_eq!(complete(&mut s, 3, 0), None, "a slot never posted");
+        // The posting count wraps in the tag after 2^29 postings of the one slot.
+        post(&mut s, 1, (1 << 29) + 7);
+        assert_eq!(complete(&mut s, 1, 7), Some((1 << 29) + 7));
     }
 }

@@ -224,7 +224,7 @@ impl WrBatch<'_> {
         q.send.commit(1, 1);
         drop(q);
         let mut sge = [ffi::ibv_sge { addr: 0, length: 0, lkey: 0 }; MAX_SGE];
-        let tag = tag::encode(qp.send_slot.index, qp.nonce, seq, false, false);
+        let tag = tag::encode(qp.send_slot.index, seq, false, false);
         // SAFETY: `sge` has room for MAX_SGE entries, the most a checked work request has, and
         // lives until the provider has copied them (below).
         let r = unsafe { w.lower(tag, signaled, None, sge.as_mut_ptr()) };

@@ -77,7 +77,7 @@ use crate::error::{check_ibv, Error, Result};
 use crate::verbs::cq::{CompletionQueue, POLL_CHUNK};
 use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::ring::{tag, Queues};
+use crate::verbs::ring::Queues;
 use crate::verbs::srq::SharedReceiveQueue;
 use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
@@ -94,12 +94,6 @@ pub use connect::{RcParams, UnconnectedQp};
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// A QP's nonce: tells it from an earlier QP at the same index of a CQ's routing table.
-fn next_nonce() -> u16 {
-    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) & tag::NONCE_MASK as u16
-}
 
 /// Queue-pair capabilities. Defaults follow the seed program: 16 send and 16 receive work
 /// requests, one scatter/gather entry each, and 64 bytes of inline data.
@@ -226,7 +220,6 @@ pub struct QueuePair {
     max_send_sge: u32,
     max_recv_sge: u32,
     max_read_sge: u32,
-    nonce: u16,
     /// Our index in the send CQ's and the receive CQ's routing tables.
     send_slot: Slot,
     recv_slot: Slot,
@@ -385,26 +378,26 @@ impl QueuePair {
         let ex = batch::Extended::of(raw, init.send_ops);
         // SAFETY: raw is a valid QP; qp_num is immutable.
         let qp_num = unsafe { (*raw.as_ptr()).qp_num };
-        let nonce = next_nonce();
         // The QP takes what was asked, or less if the provider says so (it may allow more: the
         // rings are sized for what was asked).
         let max_send_sge = attr.cap.max_send_sge.clamp(1, init.max_send_sge);
         let max_recv_sge = if on_srq { 0 } else { attr.cap.max_recv_sge.clamp(1, max_recv_sge) };
         let max_read_sge = max_read_sge.min(max_send_sge);
-        let queues =
-            Arc::new(Mutex::new(Queues::new(init.max_send_wr, recv_depth, max_send_sge, max_recv_sge, init.datagrams)));
-        let send_index = send_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues));
-        let recv_index = if Arc::ptr_eq(&send_cq, &recv_cq) {
-            send_index.as_ref().map(|i| *i).map_err(|_| Error::InvalidArgument(String::new()))
-        } else {
-            recv_cq.router().attach_qp(qp_num, nonce, Arc::clone(&queues))
+        // Each CQ gives the QP an index of its routing table, and the sequence numbers there
+        // start past every one an earlier QP at that index used (`ring::tag`).
+        let same = Arc::ptr_eq(&send_cq, &recv_cq);
+        let send_index = send_cq.router().reserve_index();
+        let recv_index = match &send_index {
+            Ok(s) if same => Ok(*s),
+            Ok(_) => recv_cq.router().reserve_index(),
+            Err(_) => Err(Error::InvalidArgument(String::new())),
         };
-        let (send_index, recv_index) = match (send_index, recv_index) {
+        let ((send_index, send_base), (recv_index, recv_base)) = match (send_index, recv_index) {
             (Ok(s), Ok(r)) => (s, r),
             (s, _) => {
                 // The table is full: take the QP down again.
-                if let Ok(i) = s {
-                    send_cq.router().detach_qp(i);
+                if let Ok((i, _)) = s {
+                    send_cq.router().release_index(i);
                 }
                 let ret = match &link {
                     Some(l) => l.destroy(raw.as_ptr()),
@@ -417,6 +410,18 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
             }
         };
+        let queues = Arc::new(Mutex::new(Queues::new(
+            init.max_send_wr,
+            recv_depth,
+            max_send_sge,
+            max_recv_sge,
+            init.datagrams,
+            send_base.max(recv_base),
+        )));
+        send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues));
+        if !same {
+            recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues));
+        }
         let async_reg =
             crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
         if let Some(l) = &link {
@@ -430,7 +435,6 @@ impl QueuePair {
             max_send_sge,
             max_recv_sge,
             max_read_sge,
-            nonce,
             send_slot: Slot { index: send_index },
             recv_slot: Slot { index: recv_index },
             send_reserved,
@@ -698,7 +702,6 @@ impl QueuePair {
             max_send_sge: self.max_send_sge,
             max_recv_sge: self.max_recv_sge,
             max_read_sge: self.max_read_sge,
-            nonce: self.nonce,
             send_slot: self.send_slot,
             recv_slot: self.recv_slot,
             send_reserved: self.send_reserved,

@@ -110,7 +110,7 @@ impl QueuePair {
         // A datagram's address handle is held like the region (see post_send_chunk).
         let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
         let mut sge = [const { MaybeUninit::<ffi::ibv_sge>::uninit() }; MAX_SGE];
-        let tag = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+        let tag = tag::encode(self.send_slot.index, seq, false, false);
         // SAFETY: `sge` has room for MAX_SGE entries, the most a checked work request has, and
         // lives until the post below returns.
         let mut wr = unsafe { w.lower(tag, signaled, ud, sge.as_mut_ptr().cast()) };
@@ -183,7 +183,7 @@ impl QueuePair {
             // A datagram's address handle is held in the ring's table until the slot retires
             // (the check above made sure this is a UD QP, whose send ring has the table).
             let ud = w.ud.filter(|d| q.send.stage_ah(seq, d.ah()));
-            let tag = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+            let tag = tag::encode(self.send_slot.index, seq, false, false);
             // SAFETY: k < n <= CHUNK: within `raw`. At most MAX_SGE entries per work request
             // and CHUNK work requests, so `used` + sge_entries() <= CHUNK_SGE: within `sge`. Both
             // are initialised in place, and reached only through `base` and `sge_base`.
@@ -302,7 +302,7 @@ impl QueuePair {
                 if needs_rest_holds(Some(w.mr.inner()), w.rest) {
                     q.recv.stage_rest(seq, hold_rest(Some(w.mr.inner()), w.rest, true));
                 }
-                tag::encode(self.recv_slot.index, self.nonce, seq, true, false)
+                tag::encode(self.recv_slot.index, seq, true, false)
             };
             let post = |head: *mut ffi::ibv_recv_wr, n| {
                 let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
@@ -334,7 +334,7 @@ impl QueuePair {
         let seq = q.recv.stage(0, w.wr_id, Some(Hold::new(w.mr.inner(), true)));
         let mut sge = w.mr.sge(&w.range);
         let mut wr = ffi::ibv_recv_wr {
-            wr_id: tag::encode(self.recv_slot.index, self.nonce, seq, true, false),
+            wr_id: tag::encode(self.recv_slot.index, seq, true, false),
             next: std::ptr::null_mut(),
             sg_list: &mut sge,
             // A zero-length receive has no scatter entry (see with_recv_list).

@@ -151,7 +151,7 @@ impl QueuePair {
                 if !t.srq && t.owner == index {
                     // This QP's index: ours, or stale (an earlier QP at the index: the checks
                     // Router::route makes).
-                    if t.nonce != self.nonce || wc.qp_num != self.qp_num {
+                    if wc.qp_num != self.qp_num {
                         continue;
                     }
                     let Some(id) = q.complete(&t, wc.status) else { continue };

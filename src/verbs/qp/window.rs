@@ -55,7 +55,7 @@ impl QueuePair {
         // The bind's slot holds the region (as written to, if the window may be) until its
         // completion; the bound window takes a hold of its own for as long as it is bound.
         let seq = q.send.stage(0, wr_id, Some(Hold::new(mr.inner(), writes)));
-        let tagged = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+        let tagged = tag::encode(self.send_slot.index, seq, false, false);
         let access = rights.bits();
         let (ret, rkey) = match mw.kind() {
             WindowType::One => {
@@ -130,7 +130,7 @@ impl QueuePair {
         // The slot holds nothing: until the post is known to be taken, `window` holds the
         // region; from then on, `Queues::invalidating` does, until the successful completion.
         let seq = q.send.stage(0, wr_id, None);
-        let tagged = tag::encode(self.send_slot.index, self.nonce, seq, false, false);
+        let tagged = tag::encode(self.send_slot.index, seq, false, false);
         let rkey = window.rkey();
         let ret = match window.kind() {
             WindowType::Two => self.post_lowered(&SendWr::new(SendOp::LocalInv { rkey }, None), tagged),
