@@ -1,4 +1,4 @@
-//! The extended verbs on the device (issue 21, part 2): batches posted through
+//! The extended verbs on the device: batches posted through
 //! `ibv_wr_start … ibv_wr_complete` on a QP made with `ibv_create_qp_ex`, and completions read
 //! through `ibv_start_poll`/`ibv_next_poll`/`ibv_end_poll` on a CQ made with
 //! `ibv_create_cq_ex`. Every operation byte-exact, several work requests under one doorbell,
@@ -663,6 +663,53 @@ fn extended_path_refused_where_not_created_for_it() {
         let e = a.send_cq().poll_extended(&mut [ExtendedCompletion::default()]).unwrap_err();
         assert!(e.to_string().contains("new_extended"), "{e}");
         drop((a, b));
+    })();
+    t.finish();
+}
+
+/// The extended poll asked for more completions than the CQ holds, round after round, on a CQ
+/// of 16 that the rounds lap a dozen times, with the receives on a shared receive queue of one
+/// slot per round in use. rdma-core 44's Soft-RoCE advanced its consumer index twice when
+/// `ibv_next_poll` ran into `ENOENT` before `ibv_end_poll`, so the next poll replayed a lap of
+/// old completions (each naming an earlier posting of the same SRQ slot) and the kernel, seeing
+/// the CQ full, dropped the new ones. Every round's completion must come once, name that
+/// round's receive, and carry that round's bytes; nothing may come twice.
+#[test]
+fn extended_poll_with_room_to_spare_loses_and_replays_nothing() {
+    let t = DeviceTest::start();
+    (|| {
+        let Some((ctx, gidx)) = open(t.addr) else { return };
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let Some(cq) = extended_cq(&ctx, 16) else { return };
+        let srq = rdma_cm::SharedReceiveQueue::new(&pd, 4).expect("ibv_create_srq");
+        let params = RcParams::new().gid_index(gidx);
+        let a_init = QpInit::new().max_send_wr(4).send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq)).srq(&srq);
+        let a = UnconnectedQp::new(&pd, a_init, params.clone()).expect("the receiver, on the extended CQ and the SRQ");
+        let b = UnconnectedQp::new(&pd, QpInit::new(), params).expect("the sender");
+        let (ia, ib) = (a.local(), b.local());
+        let (_a, mut b) = (a.connect(&ib).expect("connect a"), b.connect(&ia).expect("connect b"));
+        let mut buf = local(&pd, 64);
+        let mut src = local(&pd, 64);
+        for round in 0..200u64 {
+            srq.post_recv(&[RecvWr::new(&buf, 0..64).wr_id(round)]).expect("post to the SRQ");
+            src.as_mut_slice().unwrap().fill(round as u8);
+            b.post_send(&[SendWr::send(&src, 0..64).wr_id(round)]).expect("send");
+            let mut out = [ExtendedCompletion::default(); 8];
+            let deadline = Instant::now() + T;
+            let n = loop {
+                let n = cq.poll_extended(&mut out).expect("poll_extended");
+                if n > 0 {
+                    break n;
+                }
+                assert!(Instant::now() < deadline, "round {round}: the receive's completion never came (lost)");
+            };
+            assert_eq!(n, 1, "round {round}: one completion, not a replayed lap: {:?}", &out[..n]);
+            let wc = out[0].ok().unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!((wc.wr_id(), wc.byte_len()), (round, 64), "round {round}");
+            assert_eq!(cq.poll_extended(&mut out).unwrap(), 0, "round {round}: nothing handed out twice");
+            assert!(buf.as_slice().unwrap().iter().all(|&x| x == round as u8), "round {round}: its own bytes");
+            b.wait_for(WorkQueue::Send, round, T).expect("the send's completion").ok().unwrap();
+        }
     })();
     t.finish();
 }

@@ -1,6 +1,6 @@
 //! The extended verbs: batch posting through `ibv_wr_start` … `ibv_wr_complete` on a QP made
 //! with `ibv_create_qp_ex` ([`WrBatch`](crate::WrBatch)), and completion polling through
-//! `ibv_start_poll`/`ibv_next_poll`/`ibv_end_poll` on a CQ made with `ibv_create_cq_ex`
+//! `ibv_start_poll`/`ibv_end_poll` on a CQ made with `ibv_create_cq_ex`
 //! ([`CompletionQueue::poll_extended`](crate::CompletionQueue::poll_extended)), with
 //! completion timestamps where the device offers them.
 //!

@@ -1,5 +1,5 @@
 //! The extended poll: a CQ made by `ibv_create_cq_ex` ([`CompletionQueue::new_extended`]) and
-//! read with `ibv_start_poll`/`ibv_next_poll`/`ibv_end_poll`
+//! read with `ibv_start_poll`/`ibv_end_poll`
 //! ([`CompletionQueue::poll_extended`]), each completion routed as the classic poll routes it.
 
 use std::ops::Deref;
@@ -120,14 +120,15 @@ impl CompletionQueue {
     }
 
     /// Polls up to `out.len()` completions of every QP and SRQ this CQ serves, without
-    /// waiting, through `ibv_start_poll`/`ibv_next_poll`/`ibv_end_poll`: as
+    /// waiting, through `ibv_start_poll`/`ibv_end_poll` (one completion per poll section: see
+    /// the body for why `ibv_next_poll` is not used): as
     /// [`CompletionQueue::poll`] does (each retires its slot, releasing what its work request
     /// held; completions a QP's poll kept for others come first, without a timestamp), with
     /// the completion timestamp where the CQ was made with them. Allocates nothing.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] on a CQ not made by [`CompletionQueue::new_extended`];
-    /// [`Error::Call`] when `ibv_start_poll` or `ibv_next_poll` fails.
+    /// [`Error::Call`] when `ibv_start_poll` fails.
     pub fn poll_extended(&self, out: &mut [ExtendedCompletion]) -> Result<usize> {
         let Some((cqx, wc_flags)) = self.extended() else {
             return Err(Error::InvalidArgument(
@@ -155,47 +156,36 @@ impl CompletionQueue {
             return Ok(filled);
         }
         let x = cqx.as_ptr();
-        let mut attr = ffi::ibv_poll_cq_attr { comp_mask: 0 };
-        // The routing table's lock is held from here to ibv_end_poll: no other poll of this CQ
-        // (every one takes it) runs inside the poll section, and no resize.
-        // SAFETY: the CQ is extended and valid while `self` lives; no poll section is open on
-        // it (see above); `attr` lives for the call.
-        match unsafe { ffi::ibv_start_poll(x, &mut attr) } {
-            0 => {}
-            libc::ENOENT => return Ok(filled),
-            e if filled > 0 => {
-                let _ = e; // what was delivered is returned; the error comes back next time
-                return Ok(filled);
-            }
-            e => return Err(Error::call("ibv_start_poll", e, None)),
-        }
         let timestamps = wc_flags & TIMESTAMP != 0;
-        let mut failed = 0;
-        loop {
-            // SAFETY: a poll section is open and at a completion (start or next returned 0);
-            // every field read was asked for at creation and its reader checked to be set.
+        // One completion per poll section: `ibv_start_poll`, read, `ibv_end_poll`. The
+        // sequence the man page also allows, `ibv_next_poll` until it returns `ENOENT` and then
+        // `ibv_end_poll`, advances rdma-core 44's Soft-RoCE consumer index twice (and unlocks
+        // its CQ twice): the next poll then hands out a whole lap of old completions again, and
+        // the kernel, seeing the CQ full, drops the later ones (fixed in rdma-core 55). Ending
+        // each section before asking for more never takes that path on any provider; a section
+        // costs the provider's CQ lock, which a classic poll takes per call as well.
+        while filled < out.len() {
+            let mut attr = ffi::ibv_poll_cq_attr { comp_mask: 0 };
+            // The routing table's lock is held across the section: no other poll of this CQ
+            // (every one takes it) runs inside it, and no resize.
+            // SAFETY: the CQ is extended and valid while `self` lives; no poll section is open
+            // on it (each one below is closed before the next starts); `attr` lives for the call.
+            match unsafe { ffi::ibv_start_poll(x, &mut attr) } {
+                0 => {}
+                libc::ENOENT => break,
+                // What was delivered is returned; the error comes back on the next poll.
+                _ if filled > 0 => break,
+                e => return Err(Error::call("ibv_start_poll", e, None)),
+            }
+            // SAFETY: the poll section is open and at a completion (start returned 0); every
+            // field read was asked for at creation and its reader checked to be set.
             let (wc, ts) = unsafe { read_current(x, timestamps) };
+            // SAFETY: closes the section `ibv_start_poll` opened above, once.
+            unsafe { ffi::ibv_end_poll(x) };
             if let Some((done, _)) = router.route(&wc) {
                 out[filled] = ExtendedCompletion { wc: done, timestamp: ts };
                 filled += 1;
             }
-            if filled == out.len() {
-                break;
-            }
-            // SAFETY: the poll section is open.
-            match unsafe { ffi::ibv_next_poll(x) } {
-                0 => {}
-                libc::ENOENT => break,
-                e => {
-                    failed = e;
-                    break;
-                }
-            }
-        }
-        // SAFETY: closes the section opened by ibv_start_poll above, once.
-        unsafe { ffi::ibv_end_poll(x) };
-        if failed != 0 && filled == 0 {
-            return Err(Error::call("ibv_next_poll", failed, None));
         }
         Ok(filled)
     }
