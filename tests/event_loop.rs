@@ -1,5 +1,5 @@
-//! What a new user meets writing a ucmatose-style server and client in one event loop (issue
-//! 20): device contexts that pin no connection, accept parameters taken from the request, event
+//! What a new user meets writing a ucmatose-style server and client in one event loop: device
+//! contexts that pin no connection, accept parameters taken from the request, event
 //! loop steps that hand their state back on an unexpected event, and `rdma_notify`.
 
 mod common;
@@ -14,7 +14,7 @@ use common::{DeviceTest, PairSpec, T};
 use rdma_cm::{
     Accepting, AccessFlags, AsyncEventKind, Client, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest,
     Connecting, Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, RecvWr,
-    ResolvingAddr, ResolvingRoute, SendWr, Server, StepError, VerbsContext, WorkQueue,
+    ResolvingAddr, ResolvingRoute, SendWr, Server, StepError, UnconnectedQp, VerbsContext, WorkQueue,
 };
 
 /// The kernel's `rdma res show cm_id` lines.
@@ -138,7 +138,9 @@ fn a_listener_context_pins_no_connection() {
 /// responder resources and its responder resources the server's initiator depth (not the
 /// defaults, 1 and 1). With the client asking librdmacm for its device's limits
 /// (`ConnParam::FROM_DEVICE`), the server gets them clamped to its own. (rxe rounds both up to
-/// a power of two, so the values asked for are powers of two.)
+/// a power of two, so the values asked for are powers of two.) The same holds for a QP the id
+/// adopts, which the crate moves to RTS before `rdma_accept` would clamp the depths: the crate
+/// resolves `FROM_DEVICE` itself (the raw 255 failed the modify with `EINVAL`).
 #[test]
 fn accept_from_request_takes_the_request_depths() {
     let t = DeviceTest::start();
@@ -154,19 +156,24 @@ fn accept_from_request_takes_the_request_depths() {
     ];
     let server = thread::spawn(move || {
         let mut seen = vec![];
-        for _ in 0..cases.len() {
+        for k in 0..2 * cases.len() {
             let req = listener.get_request(T).unwrap();
             let asked = (req.responder_resources(), req.initiator_depth());
             let param = ConnParam::from_request(&req);
             let pd = req.alloc_pd().unwrap();
-            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&param, T).expect("accept from the request");
+            let qp = if k < cases.len() {
+                req.create_qp(&pd, QpInit::new()).unwrap()
+            } else {
+                req.adopt_qp(UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap()).unwrap()
+            };
+            let conn = qp.accept(&param, T).unwrap_or_else(|e| panic!("accept request {k} from the request: {e}"));
             let a = conn.qp().attributes().unwrap();
             seen.push((asked, (a.max_dest_rd_atomic, a.max_rd_atomic)));
             drop(conn); // answers the client's disconnect at once
         }
         seen
     });
-    for ((init, resp), _) in cases {
+    for ((init, resp), _) in cases.into_iter().chain(cases) {
         let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
         let pd = route.alloc_pd().unwrap();
         let param = ConnParam::new().initiator_depth(init).responder_resources(resp);
@@ -179,7 +186,9 @@ fn accept_from_request_takes_the_request_depths() {
     // depth (what the client will send us), its initiator depth the client's responder
     // resources (what we may send it).
     assert_eq!(seen[0].0, (4, 2), "the request's depths as the server sees them");
-    for (((_, want), (_, got)), i) in cases.iter().zip(&seen).zip(0..) {
+    assert_eq!(seen.len(), 2 * cases.len());
+    assert_eq!(seen[cases.len()].0, (4, 2), "the same through an adopted QP");
+    for (((_, want), (_, got)), i) in cases.iter().chain(&cases).zip(&seen).zip(0..) {
         let rounded = (want.0.next_power_of_two(), want.1.next_power_of_two()); // rxe's rounding
         assert!(
             *got == *want || *got == rounded,

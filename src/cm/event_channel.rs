@@ -589,12 +589,15 @@ impl CmEvent {
         &self.private_data
     }
 
-    /// The peer's responder resources (for `CONNECT_REQUEST`/`ESTABLISHED`).
+    /// For `CONNECT_REQUEST`/`ESTABLISHED`, in this side's view: the RDMA READs (and atomics)
+    /// the peer may have outstanding towards this side (the peer's initiator depth). The CM
+    /// swaps the peer's two values into this side's view.
     pub fn responder_resources(&self) -> u8 {
         self.responder_resources
     }
 
-    /// The peer's initiator depth (for `CONNECT_REQUEST`/`ESTABLISHED`).
+    /// For `CONNECT_REQUEST`/`ESTABLISHED`, in this side's view: the RDMA READs (and atomics)
+    /// this side may have outstanding towards the peer (the peer's responder resources).
     pub fn initiator_depth(&self) -> u8 {
         self.initiator_depth
     }

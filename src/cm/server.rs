@@ -226,12 +226,18 @@ impl ConnectRequest {
         &self.private_data
     }
 
-    /// RDMA READs the peer may have outstanding towards us.
+    /// The most RDMA READs (and atomics) *this side* may have outstanding towards the peer:
+    /// the peer's responder resources. The CM hands the request's two values over in this
+    /// side's view, so this is the value to accept with as [`ConnParam::initiator_depth`] (or
+    /// less).
     pub fn initiator_depth(&self) -> u8 {
         self.initiator_depth
     }
 
-    /// RDMA READs the peer accepts from us.
+    /// The RDMA READs (and atomics) the peer wants to have outstanding towards this side: its
+    /// initiator depth, in this side's view. Accept with at least this as
+    /// [`ConnParam::responder_resources`] (the device allowing), or the peer's READs beyond
+    /// what was accepted wait for each other. [`ConnParam::from_request`] takes both values.
     pub fn responder_resources(&self) -> u8 {
         self.responder_resources
     }
@@ -255,7 +261,8 @@ impl ConnectRequest {
     /// As for [`RouteResolved::create_qp`](crate::RouteResolved::create_qp).
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<ServerQp> {
         let qp = create_qp_on(&self.id, pd, init)?;
-        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: false })
+        let asked = (self.responder_resources, self.initiator_depth);
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: false, asked })
     }
 
     /// Adopts a QP the verbs wing made ([`UnconnectedQp`], in RESET or INIT) instead of
@@ -267,7 +274,8 @@ impl ConnectRequest {
     /// As for [`RouteResolved::adopt_qp`](crate::RouteResolved::adopt_qp).
     pub fn adopt_qp(self, qp: UnconnectedQp) -> Result<ServerQp> {
         let qp = adopt::adopt(qp, &self.id)?;
-        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: true })
+        let asked = (self.responder_resources, self.initiator_depth);
+        Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: true, asked })
     }
 
     /// [`ConnectRequest::adopt_qp`] with a [`UserQp`], the spelling from before.
@@ -321,6 +329,9 @@ pub struct ServerQp {
     pub(crate) private_data: PrivateData,
     /// The QP was adopted ([`ConnectRequest::adopt_qp`]).
     pub(crate) user: bool,
+    /// The request's READ depths, this side's view (`responder_resources`, `initiator_depth`):
+    /// what [`ConnParam::FROM_DEVICE`] resolves to for an adopted QP.
+    pub(crate) asked: (u8, u8),
 }
 
 impl ServerQp {
@@ -379,7 +390,20 @@ impl ServerQp {
         raw.qp_num = adopt::qp_num_for(param, &self.qp)?;
         raw.srq = u8::from(self.qp.srq().is_some());
         if self.user {
-            // librdmacm moves only its own QP to RTR and RTS inside rdma_accept.
+            // librdmacm moves only its own QP to RTR and RTS inside rdma_accept, resolving
+            // FROM_DEVICE there; an adopted QP reaches RTS first, so resolve it here as
+            // rdma_accept would (the request's value, clamped to the device's limit): the raw
+            // 255 would fail the modify to RTR or RTS with EINVAL.
+            if raw.responder_resources == ConnParam::FROM_DEVICE || raw.initiator_depth == ConnParam::FROM_DEVICE {
+                let limits = self.qp.pd().context().limits()?;
+                let clamp = |asked: u8, limit: u32| asked.min(u8::try_from(limit).unwrap_or(u8::MAX));
+                if raw.responder_resources == ConnParam::FROM_DEVICE {
+                    raw.responder_resources = clamp(self.asked.0, limits.max_qp_rd_atom);
+                }
+                if raw.initiator_depth == ConnParam::FROM_DEVICE {
+                    raw.initiator_depth = clamp(self.asked.1, limits.max_qp_init_rd_atom);
+                }
+            }
             // With the minimum RNR timer set at RTR, before the accept goes out.
             adopt::ready(&self.id, &self.qp, &raw, param.min_rnr_timer_value())?;
         }

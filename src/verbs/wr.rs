@@ -310,6 +310,13 @@ impl<'a> SendWr<'a> {
     /// Reads `remote` at `remote_offset` into `mr[range]` (RDMA READ). The region needs
     /// [`AccessFlags::LOCAL_WRITE`](crate::AccessFlags::LOCAL_WRITE).
     ///
+    /// How many READs (and atomics) run at once is what the connection agreed on: this side's
+    /// [`ConnParam::initiator_depth`](crate::ConnParam::initiator_depth), at most the peer's
+    /// responder resources. Both default to 1, as in the seed programs, so posted READs run one
+    /// after another unless both sides ask for more (for example
+    /// [`ConnParam::FROM_DEVICE`](crate::ConnParam::FROM_DEVICE) on the client and
+    /// [`ConnParam::from_request`](crate::ConnParam::from_request) on the server).
+    ///
     /// # Errors
     /// [`Error::OutOfBounds`] when the source range leaves the remote region.
     pub fn read(mr: &'a MemoryRegion, range: Range<usize>, remote: &RemoteRegion, remote_offset: u64) -> Result<Self> {
