@@ -1075,7 +1075,7 @@ mod lane_bench {
     }
 }
 
-/// The extended verbs' rows (issue 21): `xwrite-raw`, `xwrite-crate` post one RDMA WRITE as a
+/// The extended verbs' rows: `xwrite-raw`, `xwrite-crate` post one RDMA WRITE as a
 /// batch of one (`ibv_wr_start`, `ibv_wr_rdma_write`, `ibv_wr_set_sge`, `ibv_wr_complete`; the
 /// crate: `start_batch`, `add`, `complete`) on a QP made by `ibv_create_qp_ex`, and poll its
 /// completion through `ibv_start_poll`/`ibv_end_poll` on a CQ made by `ibv_create_cq_ex` (the

@@ -2,8 +2,7 @@
 //! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device, the shared CQ and SRQ
 //! shapes, work requests of several pieces (scatter/gather), and async round trips on tokio
 //! (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in between);
-//! and a wait woken by the peer's disconnect (an attempt of the first outside reviewer's, here
-//! for this binary's allocator).
+//! and a wait woken by the peer's disconnect (here for this binary's allocator).
 
 mod common;
 
@@ -420,8 +419,6 @@ fn count_allocs<R>(f: impl FnOnce() -> R) -> (R, usize) {
 /// HOLE 6 (minor). Polling allocates nothing, the docs say; `wait` is a poll that sleeps. When
 /// the wait watches the connection's channel and the peer's DISCONNECTED wakes it, it queues
 /// the event in the channel's `VecDeque`, whose first push allocates.
-///
-/// Origin: the first outside reviewer's pass, hole 6 (minor), formerly in `tests/adversarial.rs`.
 #[test]
 fn waiting_through_the_peers_disconnect_allocates_nothing() {
     let t = DeviceTest::start();

@@ -652,7 +652,7 @@ fn a_post_after_a_panicking_batch_iterator_loses_nothing() {
     t.finish();
 }
 
-/// Outside review (round 5, twelfth session): an iterator that yields two requests and then
+/// An iterator that yields two requests and then
 /// panics in its own drop, after the post's loop has staged both: the staged regions are
 /// released (never posted, so nothing of the device's), nothing is posted, and the queue takes
 /// the next post as if nothing had happened.

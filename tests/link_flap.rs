@@ -1,4 +1,4 @@
-//! A disconnect held while this host's own link is down (issue 22's link-flap finding, on one
+//! A disconnect held while this host's own link is down (the link-flap finding, on one
 //! host: `rdma_cm::hold`). A binary of its own: it takes the device's link down, which every
 //! other test on the device would feel, and may re-create the device, which the kernel allows
 //! only while no process holds it open; so this process never keeps the device open (it drives

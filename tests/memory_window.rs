@@ -256,7 +256,7 @@ fn memory_window_holds_its_region_when_every_handle_is_dropped() {
 /// Set in the child process that forgets a bound window (its leak ends with the process).
 const FORGET_CHILD: &str = "RDMA_CM_MW_FORGET_CHILD";
 
-/// Outside review (helper-22): a window bound through one QP and invalidated through another
+/// A window bound through one QP and invalidated through another
 /// on the same protection domain. Two send queues are not ordered, so the bind could run after
 /// the invalidation succeeded and bind the window again: the invalidation is refused (the
 /// window given back, still bound), and goes through the QP that bound it.
@@ -323,7 +323,7 @@ fn in_child(name: &str) {
     assert!(status.success() && out.contains("1 passed"), "the child failed ({status}):\n{out}");
 }
 
-/// Outside review (helper-21, finding 1): an invalidation that is posted but does not succeed
+/// An invalidation that is posted but does not succeed
 /// (here flushed: the QP failed a WRITE posted just before it) may leave the window bound, and
 /// a type 1 window is reachable through any QP of its protection domain. So its region is
 /// never released: not when the flush is reaped, not when the window is dropped (a leak, which

@@ -416,7 +416,7 @@ fn many_connections_set_up_and_torn_down_on_one_channel() {
     t.finish();
 }
 
-/// A shared CQ need not be sized up front (issue 20): `resize` changes its depth (refusing one
+/// A shared CQ need not be sized up front: `resize` changes its depth (refusing one
 /// below what its queues may have outstanding), completions in it survive a resize, and with
 /// `set_auto_grow` it grows as QPs join instead of refusing them.
 #[test]

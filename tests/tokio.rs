@@ -229,7 +229,7 @@ impl SharedCqPair {
     }
 }
 
-/// Issue 20, finding 5: on a runtime other than the one whose wait registered the CQ's
+/// On a runtime other than the one whose wait registered the CQ's
 /// descriptor first, each wait registered the descriptor for itself; two QPs sharing the CQ,
 /// awaited together there, made the second wait fail at once with `AsyncFd::register`
 /// `EEXIST`. Both must sleep and both must complete.
@@ -257,7 +257,7 @@ fn two_qps_sharing_a_cq_are_awaited_together_on_a_second_runtime() {
     t.finish();
 }
 
-/// Issue 20, finding 6: a boxed wait polled once and then forgotten (`mem::forget` never runs
+/// A boxed wait polled once and then forgotten (`mem::forget` never runs
 /// its drop) left its registration of the CQ's descriptor behind, and every later wait of that
 /// CQ that had to sleep on that runtime failed with `EEXIST`. The same shape on an async-event
 /// source's descriptor.

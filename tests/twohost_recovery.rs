@@ -61,7 +61,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     let began = std::time::Instant::now();
     let after = client("6");
     let took = began.elapsed();
-    // Issue 22 saw a `--timeout 30` client still "Connecting…" 60 s after such a flap. Each of
+    // A `--timeout 30` client was seen still "Connecting…" 60 s after such a flap. Each of
     // the client's waits (address, route, connect) is bounded by its `--timeout`; with the
     // failed attempt's teardown (up to 2 s of QP drain) and a loaded guest's slack, the whole
     // run must end within three timeouts and 10 s.
@@ -127,7 +127,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 22: does any teardown while the link is down break host B's CM, or only a teardown
+// Does any teardown while the link is down break host B's CM, or only a teardown
 // whose DREQ is sent while the link is down? Each case flaps host B's own link, then checks
 // that host B can still connect to a fresh server on host A; where it cannot, host B's device
 // is re-created (so the next case starts from a working CM), and the connection must then work.
@@ -241,7 +241,7 @@ fn connects_after_flap(p: &peer::Peer, port: &str) -> bool {
     ok
 }
 
-/// Case (a) of issue 22: not the crate. rping's client, mid-transfer, is killed (SIGKILL) while
+/// Case (a): not the crate. rping's client, mid-transfer, is killed (SIGKILL) while
 /// host B's link is down, so the kernel tears its connection down (uverbs' cleanup destroys the
 /// id, and the CM sends its DREQ) while the link is down. Does host B's CM survive?
 #[test]
@@ -291,7 +291,7 @@ fn trace_qp1_peek() -> usize {
     sh_local(&format!("grep -c 'ib_mad_send_done_handler.*QP1' {TRACE}/trace || true")).trim().parse().unwrap_or(0)
 }
 
-/// Case (b) of issue 22: the teardown deferred. rping's client is connected and idle (stopped)
+/// Case (b): the teardown deferred. rping's client is connected and idle (stopped)
 /// when host B's link goes down; only once the port is ACTIVE again is it killed, so its DREQ
 /// is sent with the link up. Does host B connect afterwards?
 #[test]
@@ -381,7 +381,7 @@ fn mid_transfer_connection_torn_down_after_own_link_is_back() {
     t.finish();
 }
 
-/// Case (c) of issue 22: no connection at all while host B's link goes down and up.
+/// Case (c): no connection at all while host B's link goes down and up.
 #[test]
 fn own_link_flap_without_a_connection() {
     let t = DeviceTest::start();

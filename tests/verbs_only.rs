@@ -1,4 +1,4 @@
-//! Verbs without the connection manager (issue 23, part 2): RC QPs made on a protection domain
+//! Verbs without the connection manager: RC QPs made on a protection domain
 //! alone and connected from each other's `PeerInfo` exchanged in-process, UD QPs made from a
 //! port and a Q_Key, and what bad peer info gives: a clear error, not a hang. Each attempt to
 //! break the API with safe code stays here as a test.
@@ -253,7 +253,7 @@ fn unconnected_qp_dropped_with_receives_posted_releases_them() {
     t.finish();
 }
 
-/// A lane serves QPs made without the connection manager (issue 24 in the two wings): two
+/// A lane serves QPs made without the connection manager: two
 /// `UnconnectedQp`s on the lane's CQ, connected by their infos and attached as the
 /// `QueuePair`s `connect` hands back, exchange a send byte for byte, the regions coming back
 /// with their completions; a UD `UdQp` attached the same way sends a datagram to a registered

@@ -1,5 +1,5 @@
 #!/bin/sh
-# docs/link-flap/flap.sh CASE...: the link-flap study (issue 22), run on host B inside harness/two-host:
+# docs/link-flap/flap.sh CASE...: the link-flap study, run on host B inside harness/two-host:
 #   harness/two-host -- docs/link-flap/flap.sh a b c d a b c d
 # a: rping -c mid-transfer, B's link down, rping SIGKILLed while down (kernel teardown), link up
 # b: rping -c connected and idle (SIGSTOPped), link down, up, port ACTIVE, then SIGKILL

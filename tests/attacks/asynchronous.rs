@@ -9,11 +9,9 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// Review of debafe3, promises 1 and 5: blocking and async waits on one CQ from six threads,
+/// Blocking and async waits on one CQ from six threads,
 /// each async one on a runtime of its own (so the CQ's channel gets a lasting registration with
 /// three runtimes at once), one of them cancelling its wait every 2 ms.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[cfg(feature = "tokio")]
 #[test]
 fn async_waits_on_three_runtimes_and_blocking_waits_share_a_cq() {
@@ -23,9 +21,7 @@ fn async_waits_on_three_runtimes_and_blocking_waits_share_a_cq() {
     );
 }
 
-/// Review of debafe3, promises 1, 3 and 5: the same with the receives from one SRQ.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
+/// The same with the receives from one SRQ.
 #[cfg(feature = "tokio")]
 #[test]
 fn async_and_blocking_waits_of_srq_qps_share_a_cq() {
@@ -40,8 +36,6 @@ fn qp_count() -> usize {
 /// HOLE 1 (async). Same with `wait_for_async` under `tokio::time::timeout`, which its docs
 /// recommend as the bound: the future never returns Pending, so the timeout never fires and the
 /// runtime thread is stuck.
-///
-/// Origin: the first outside reviewer's pass, hole 1 (async), formerly in `tests/adversarial.rs`.
 #[test]
 fn wait_for_async_yields_while_it_keeps_other_completions() {
     let t = DeviceTest::start();
@@ -99,7 +93,6 @@ fn tokio_drop_child(shutdown: bool) {
     println!("ADV: clean exit");
 }
 
-/// Origin: the first outside reviewer's pass, the child process of `a_qp_dropped_on_a_tokio_runtime_is_destroyed`, formerly in `tests/adversarial.rs`.
 #[test]
 #[ignore = "child process of a_qp_dropped_on_a_tokio_runtime_is_destroyed"]
 fn child_tokio_drop() {
@@ -108,7 +101,6 @@ fn child_tokio_drop() {
     }
 }
 
-/// Origin: the first outside reviewer's pass, the child process of `a_qp_dropped_just_before_runtime_shutdown_is_destroyed`, formerly in `tests/adversarial.rs`.
 #[test]
 #[ignore = "child process of a_qp_dropped_just_before_runtime_shutdown_is_destroyed"]
 fn child_tokio_drop_then_shutdown() {
@@ -122,8 +114,6 @@ fn child_tokio_drop_then_shutdown() {
 /// the blocking pool's threads are inside the runtime too, so that copy's Drop detaches again,
 /// and so on: the QP is never destroyed, two blocking threads bounce it back and forth at full
 /// speed, and its regions stay held for ever.
-///
-/// Origin: the first outside reviewer's pass, hole 2, formerly in `tests/adversarial.rs`.
 #[test]
 fn a_qp_dropped_on_a_tokio_runtime_is_destroyed() {
     let t = DeviceTest::start();
@@ -139,8 +129,6 @@ fn a_qp_dropped_on_a_tokio_runtime_is_destroyed() {
 /// holds the detached QP; that Drop detaches again into the shutting-down pool, which drops the
 /// new task at once, inside the same call: unbounded recursion, the process dies of a stack
 /// overflow (SIGABRT) instead of destroying the QP.
-///
-/// Origin: the first outside reviewer's pass, hole 2, formerly in `tests/adversarial.rs`.
 #[test]
 fn a_qp_dropped_just_before_runtime_shutdown_is_destroyed() {
     let t = DeviceTest::start();
@@ -152,7 +140,6 @@ fn a_qp_dropped_just_before_runtime_shutdown_is_destroyed() {
     t.finish();
 }
 
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn async_connects_cancelled_mid_handshake_leave_nothing_behind() {
     let t = DeviceTest::start();

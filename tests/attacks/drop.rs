@@ -10,8 +10,6 @@ use std::time::Duration;
 /// A panic right after posting (the endpoint unwinds with a receive and a send posted): the
 /// QP's drop reaps or outlives them, and afterwards both regions are back with one owner and
 /// readable; nothing is leaked on the device.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_panic_with_work_posted_leaves_the_regions_whole() {
     let t = DeviceTest::start();
@@ -38,8 +36,6 @@ fn a_panic_with_work_posted_leaves_the_regions_whole() {
 /// A region dropped by its owner while a single receive names it stays registered until the
 /// completion is reaped; a QP dropped with a single receive posted on a chunk releases the
 /// chunk (writable again), and the registration goes when the last chunk does.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn regions_and_qps_dropped_with_a_single_receive_posted() {
     let t = DeviceTest::start();
@@ -77,8 +73,6 @@ fn regions_and_qps_dropped_with_a_single_receive_posted() {
 
 /// Dropping the QP with sends posted releases their address handles only after the QP is
 /// destroyed; forgetting it leaks them (safe): the handle outlives the unreleased QP.
-///
-/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
 #[test]
 fn dropping_or_forgetting_the_qp_with_sends_posted() {
     let t = DeviceTest::start();
@@ -111,8 +105,6 @@ fn dropping_or_forgetting_the_qp_with_sends_posted() {
 /// Scatter/gather: a QP dropped with work of several pieces outstanding (a receive, a READ, a
 /// gathered send, none reaped) releases every piece once it is destroyed, and the kernel's
 /// accounting ends clean.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
 #[test]
 fn a_qp_dropped_with_multi_piece_work_outstanding_releases_every_piece() {
     let t = DeviceTest::start();
@@ -148,7 +140,6 @@ fn a_qp_dropped_with_multi_piece_work_outstanding_releases_every_piece() {
     t.finish();
 }
 
-/// Origin: the first outside reviewer's pass, the child process of `a_forgotten_connection_keeps_its_buffers_out_of_reach`, formerly in `tests/adversarial.rs`.
 #[test]
 #[ignore = "child process of a_forgotten_connection_keeps_its_buffers_out_of_reach"]
 fn child_forget() {
@@ -187,8 +178,6 @@ fn child_forget() {
 
 /// `mem::forget` on connections with a receive and an RDMA READ in flight: the regions stay
 /// held (no slice, no copy, no split) for ever, since the device may still write them.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_forgotten_connection_keeps_its_buffers_out_of_reach() {
     let t = DeviceTest::start();

@@ -26,8 +26,6 @@ fn wait_readable(ch: &EventChannel) {
 
 /// Item 5: on a shared channel, one connection's events never tear down another, and a
 /// listener's CONNECT_REQUEST is not eaten by a client's step.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 5, formerly in `tests/soundness.rs`.
 #[test]
 fn a_shared_channel_routes_every_event_to_its_id() {
     let t = DeviceTest::start();
@@ -99,8 +97,6 @@ fn a_shared_channel_routes_every_event_to_its_id() {
 
 /// Item 5, event-loop side: connections whose ids share a channel read only their own events
 /// through next_event/try_event.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 5, event-loop side, formerly in `tests/soundness.rs`.
 #[test]
 fn connections_on_one_channel_read_only_their_own_events() {
     let t = DeviceTest::start();
@@ -147,8 +143,6 @@ fn connections_on_one_channel_read_only_their_own_events() {
 /// sleeps until its own timeout (for ever with `FOREVER`). The test makes sure the step is in
 /// poll(2) before its event (the peer's DISCONNECTED) is triggered; who reads the event first
 /// is still a race, so it repeats.
-///
-/// Origin: the first outside reviewer's pass, hole 4, formerly in `tests/adversarial.rs`.
 #[test]
 fn a_blocking_step_wakes_when_another_thread_reads_its_event() {
     let t = DeviceTest::start();
@@ -229,8 +223,6 @@ fn a_blocking_step_wakes_when_another_thread_reads_its_event() {
 /// times out although its event came. "Untargeted reads leave alone the events a targeted wait
 /// is waiting for" does not hold for the step's own event. The window is a race, so the step
 /// is repeated (up to 100 times; in our runs it was hit within the first few, but not always).
-///
-/// Origin: the first outside reviewer's pass, hole 5, formerly in `tests/adversarial.rs`.
 #[test]
 fn an_untargeted_reader_never_takes_a_blocking_steps_event() {
     let t = DeviceTest::start();
@@ -280,8 +272,6 @@ fn rdma_cm_fds() -> usize {
 /// A CONNECT_REQUEST queued on a shared channel (read by another id's non-blocking read) holds
 /// a new id, which holds the channel: when the listener is dropped, the request must be
 /// rejected and the channel must not stay alive through that cycle.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_listener_dropped_with_a_queued_request_leaks_nothing() {
     let t = DeviceTest::start();
@@ -313,8 +303,6 @@ fn a_listener_dropped_with_a_queued_request_leaks_nothing() {
 /// Many threads run blocking steps (resolve, route, connect, disconnect) for their own ids on
 /// one channel, while the server's listener shares it too: every step gets its own events,
 /// none times out.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn many_threads_run_blocking_steps_on_one_channel() {
     const N: usize = 6;
@@ -379,8 +367,6 @@ fn raw_resolve(id: &CmId, dst: SocketAddr) {
 
 /// An id dropped while one of its events sits in the channel's queue: a new id (which malloc
 /// gives the same address, so the same `IdHandle`) must not receive it.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_dropped_ids_queued_event_never_reaches_a_new_id_at_the_same_address() {
     let t = DeviceTest::start();

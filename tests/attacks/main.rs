@@ -1,17 +1,15 @@
 //! Attempts to break the crate's promises with safe code, on the device, filed by what they
 //! attack. Each test asserts the safe outcome (a clear error with nothing held, a region that
 //! stays out of reach until its completion, every completion delivered once and in order), so it
-//! fails if the promise breaks; each test's doc comment says which review found it.
+//! fails if the promise breaks.
 //!
-//! One binary, so one guest boot for all of them: the review rounds' suites that had binaries
-//! of their own (`attack_r4/5/6`, `ud_soundness`, the second outside audit's `soundness.rs`,
-//! the first outside reviewer's `adversarial.rs`) are filed here by subject, each test's origin
-//! in its doc comment. The one attempt that needs a counting global allocator
+//! One binary, so one guest boot for all of them, its modules named by what they attack. The
+//! one attempt that needs a counting global allocator
 //! (`waiting_through_the_peers_disconnect_allocates_nothing`) lives in `tests/alloc.rs`. Attacks
 //! whose failure is a crash, a hang or a leak run in a child process of this binary
 //! (`support::run_child`, by the child test's full name). See `tests/README.md`.
 //!
-//! The first reviewer's attacks through a borrowed descriptor (reading a CQ's completion
+//! Attacks through a borrowed descriptor (reading a CQ's completion
 //! channel into a `File`, clearing O_NONBLOCK on the event channel) cannot be written any
 //! more: the crate implements `AsRawFd` only, and turning a raw descriptor into a `File` takes
 //! `unsafe` (pinned by `tests/ui/`).

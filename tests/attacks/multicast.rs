@@ -17,8 +17,6 @@ fn mcast_endpoint(src: std::net::IpAddr, g: std::net::IpAddr) -> McastEndpoint {
 /// A send to the group after leaving it, through a clone of the membership's destination: the
 /// handle lives in the send's slot until its completion, the send completes, and nothing is
 /// left behind. The clone is refused by another endpoint (another PD).
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_multicast_send_after_leave_and_on_another_endpoint() {
     let t = DeviceTest::start();
@@ -45,8 +43,6 @@ fn a_multicast_send_after_leave_and_on_another_endpoint() {
 /// and the same group joined twice on one endpoint: the QP is always destroyed when the
 /// endpoint goes (the kernel refuses while it is attached: that would leak it), nothing hangs,
 /// and a fresh member receives through the group afterwards.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn memberships_and_endpoints_dropped_in_any_order_or_forgotten() {
     let t = DeviceTest::start();

@@ -18,8 +18,6 @@ use std::time::{Duration, Instant};
 /// Immediate data round-trips through the raw field: 0 is `Some(0)` (not `None`), a plain send
 /// is `None`, an RDMA WRITE with immediate consumes an empty single receive and reports its
 /// data and length.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn immediate_data_round_trips_and_zero_is_not_none() {
     let t = DeviceTest::start();
@@ -67,8 +65,6 @@ fn immediate_data_round_trips_and_zero_is_not_none() {
 /// completion of a SEND or WRITE with immediate data. rxe sets `IBV_WC_WITH_IMM` in it but
 /// leaves `imm_data` 0, so `imm_data()` reports `Some(0)` for a send whose immediate was
 /// 0xdeadbeef: data "the peer sent" that nobody sent. Gating on `queue() == Recv` would fix it.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn a_send_completion_reports_no_immediate_data_it_does_not_have() {
     let t = DeviceTest::start();
@@ -91,8 +87,6 @@ fn a_send_completion_reports_no_immediate_data_it_does_not_have() {
 /// status, hide the opcode, keep the caller's wr_id whole (tag-like high bits included),
 /// become `Error::WorkCompletion` through `ok()`; the READ's target stays out of reach until
 /// the failure is reaped.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn failed_completions_report_status_hide_opcode_and_keep_wr_ids() {
     let t = DeviceTest::start();
@@ -131,14 +125,12 @@ fn failed_completions_report_status_hide_opcode_and_keep_wr_ids() {
     t.finish();
 }
 
-/// Review of debafe3, promise 2, false positives: `Connection::start_disconnect` moves the QP
+/// `Connection::start_disconnect` moves the QP
 /// to ERR (`rdma_disconnect`), by the caller's own doing, as `set_error` does. A later wait
 /// that runs out with nothing outstanding must return 0, not `QpInError` blaming "no
 /// completion saying why ... a wrong rkey". The server's connection shares the listener's
 /// channel, so no link watch sets `peer_left` (src/qp.rs `check_silent_error` only skips
 /// `peer_left` and `errored`, and start_disconnect sets neither).
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn a_wait_after_start_disconnect_is_not_reported_as_a_silent_error() {
     let t = DeviceTest::start();
@@ -153,11 +145,9 @@ fn a_wait_after_start_disconnect_is_not_reported_as_a_silent_error() {
     assert!(ok, "a wait after our own disconnect, with nothing outstanding, returns 0: {waited}");
 }
 
-/// Review of debafe3, promise 2: the same from the client side, whose channel is its own (so
+/// The same from the client side, whose channel is its own (so
 /// its waits watch the link): the DISCONNECTED answering our own disconnect sets `peer_left`
 /// if it is read in time. Also a wait_for right after: not `QpInError`.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn a_client_wait_after_start_disconnect_is_not_a_silent_error() {
     let t = DeviceTest::start();
@@ -171,44 +161,36 @@ fn a_client_wait_after_start_disconnect_is_not_a_silent_error() {
     assert!(ok, "our own disconnect is not an unexplained error state: {waited}");
 }
 
-/// Review of debafe3, promise 1: five QPs on one auto-growing CQ, one thread each, waiting with
+/// Five QPs on one auto-growing CQ, one thread each, waiting with
 /// wait_for, wait, wait_queue, and busy-polled wait_for and wait, all at once.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn five_qps_on_one_cq_each_waited_on_differently_lose_nothing() {
     shared_cq_stress(&[Mode::WaitFor, Mode::Wait, Mode::WaitQueue, Mode::BusyWaitFor, Mode::BusyWait], None);
 }
 
-/// Review of debafe3, promise 1: as the five-QP test, but each QP sends on a CQ of its own and
+/// As the five-QP test, but each QP sends on a CQ of its own and
 /// only the receive CQ is shared. `QueuePair::wait` (both queues) then delivers kept
 /// completions under the send CQ's router lock and polls the receive CQ under the other, so a
 /// receive kept for it by another thread in between could be overtaken by the next one.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn qps_with_their_own_send_cq_and_a_shared_recv_cq_keep_receive_order() {
     stress(&[Mode::Wait, Mode::Wait, Mode::BusyWait, Mode::WaitQueue, Mode::WaitFor], None, true, false);
 }
 
-/// Review of debafe3, promise 4: five QPs on one CQ under traffic while another thread resizes
+/// Five QPs on one CQ under traffic while another thread resizes
 /// it back and forth (never below what its queues reserved): every resize is accepted, and no
 /// completion is lost, duplicated or reordered.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn resizing_a_shared_cq_under_traffic_loses_nothing() {
     stress(&[Mode::Wait, Mode::WaitFor, Mode::BusyWait, Mode::WaitQueue, Mode::BusyWaitFor], None, false, true);
 }
 
-/// Review of debafe3, promise 4: the edges of `CompletionQueue::resize`. A CQ serving one QP of
+/// The edges of `CompletionQueue::resize`. A CQ serving one QP of
 /// depth 16/16 (32 reserved) with four receives completed in it and unpolled: a depth of 0,
 /// above `i32::MAX`, or below the 32 reserved is refused before the call; one beyond the
 /// device's `max_cqe` fails in the call and leaves the depth; shrinking to exactly 32 keeps
 /// the four completions, in order; a second QP that could overrun it is refused, and with
 /// auto-grow it is taken and the CQ grows.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn resize_refuses_what_could_overrun_and_keeps_what_the_cq_holds() {
     let t = DeviceTest::start();
@@ -286,15 +268,13 @@ fn resize_refuses_what_could_overrun_and_keeps_what_the_cq_holds() {
     watchdog.join().unwrap();
 }
 
-/// Review of debafe3, promise 1 (`CompletionQueue::wait` is woken like a QP's wait): QPs A and B
+/// QPs A and B
 /// on one CQ. One thread owns A and waits only through `CompletionQueue::wait` (with the full
 /// bound); another thread waits on B with `QueuePair::wait`, whose poll reaps A's receives and
 /// keeps them for A: each keep must wake the CQ's wait at once. The CQ's wait also gets B's
 /// completions (whoever polls the CQ gets them): it hands them to B's thread. Every message
 /// must arrive once, A's in order, and no CQ wait may sleep through a kept completion (none may
 /// take anywhere near the bound).
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn a_cq_wait_is_woken_by_a_qp_wait_that_keeps_completions_for_others() {
     let t = DeviceTest::start();
@@ -377,7 +357,7 @@ fn a_cq_wait_is_woken_by_a_qp_wait_that_keeps_completions_for_others() {
     t.finish();
 }
 
-/// Review of debafe3, promise 4 ("the crate refuses QPs that could overrun it"): one CQ of
+/// One CQ of
 /// depth 24 for both queues of a QP of depth 16/16. The send queue's 16 fit, the receive
 /// queue's 16 more do not: the QP must be refused. It hangs for ever instead:
 /// `QueuePair::create` (src/qp.rs) runs
@@ -387,8 +367,6 @@ fn a_cq_wait_is_woken_by_a_qp_wait_that_keeps_completions_for_others() {
 /// deadlock (std's Mutex is not reentrant), with the CQ's router locked for good, so every
 /// other poll and wait on that CQ hangs too. (Auto-grow reaches it the same way: a send queue
 /// that fits after growing and a receive queue beyond `max_cqe`.)
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn a_qp_whose_receive_queue_overruns_a_shared_cq_is_refused_not_hung() {
     let t = DeviceTest::start();
@@ -419,8 +397,6 @@ fn a_qp_whose_receive_queue_overruns_a_shared_cq_is_refused_not_hung() {
 /// Finding 2: the peer's bad-rkey WRITE moves *this* QP (the responder) to the error state with
 /// no completion and no async event. A receive posted afterwards never completes; the wait for
 /// it must find out from the QP's state and say so, and later posts are refused.
-///
-/// Origin: the regression tests of the third outside audit's findings (issue 20), formerly in `tests/completions.rs`.
 #[test]
 fn the_responder_of_a_bad_rkey_write_is_told_when_its_wait_runs_out() {
     let t = DeviceTest::start();
@@ -459,8 +435,6 @@ fn the_responder_of_a_bad_rkey_write_is_told_when_its_wait_runs_out() {
 /// completion kept for it while it sleeps (it polled without looking at kept ones, and timed
 /// out even after a later completion of its own woke it). Every message must be received,
 /// each within the bound.
-///
-/// Origin: the regression tests of the third outside audit's findings (issue 20), formerly in `tests/completions.rs`.
 #[test]
 fn a_wait_for_one_wr_id_notices_what_another_threads_poll_kept_for_it() {
     let t = DeviceTest::start();
@@ -519,8 +493,6 @@ fn a_wait_for_one_wr_id_notices_what_another_threads_poll_kept_for_it() {
 
 /// Item 4: a CQ of another device must be refused (the kernel would resolve its handle in the
 /// QP's device file, where the number names some other CQ).
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 4, formerly in `tests/soundness.rs`.
 #[test]
 fn guest_only_a_cq_of_another_device_is_refused() {
     let t = DeviceTest::start();
@@ -602,8 +574,6 @@ fn guest_only_a_cq_of_another_device_is_refused() {
 }
 
 /// Item 7: Duration::MAX (FOREVER) waits without a bound instead of panicking.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 7, formerly in `tests/soundness.rs`.
 #[test]
 fn forever_is_a_timeout_everywhere() {
     let t = DeviceTest::start();
@@ -636,8 +606,6 @@ fn forever_is_a_timeout_everywhere() {
 }
 
 /// Item 8: wait_for keeps the completions it meets before its own; none is lost.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 8, formerly in `tests/soundness.rs`.
 #[test]
 fn wait_for_keeps_the_completions_it_passes() {
     let t = DeviceTest::start();
@@ -665,8 +633,6 @@ fn wait_for_keeps_the_completions_it_passes() {
 
 /// Item 8, shared CQ: wait_for works when both queues share one CQ and keeps the other queue's
 /// completions.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 8, formerly in `tests/soundness.rs`.
 #[test]
 fn wait_for_on_a_shared_cq_keeps_the_other_queue() {
     let t = DeviceTest::start();
@@ -704,8 +670,6 @@ fn wait_for_on_a_shared_cq_keeps_the_other_queue() {
 
 /// Item 12: a completion of a raw post (a `wr_id` without the crate's tag) retires none of
 /// the crate's slots, even when its number is one the crate uses.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 12, formerly in `tests/soundness.rs`.
 #[test]
 fn raw_posts_do_not_retire_the_crates_slots() {
     let t = DeviceTest::start();
@@ -764,8 +728,6 @@ fn raw_posts_do_not_retire_the_crates_slots() {
 /// looked at), `pick` keeps them again, and the loop spins at full speed for as long as the
 /// awaited completion does not come; with four kept completions it never polls the CQ again
 /// and spins for ever even after its completion arrived.
-///
-/// Origin: the first outside reviewer's pass, hole 1 (sync), formerly in `tests/adversarial.rs`.
 #[test]
 fn wait_for_honours_its_timeout_while_it_keeps_other_completions() {
     let t = DeviceTest::start();
@@ -793,7 +755,6 @@ fn wait_for_honours_its_timeout_while_it_keeps_other_completions() {
     t.finish();
 }
 
-/// Origin: the first outside reviewer's pass, the child process of `waiting_for_the_last_of_five_sends_returns`, formerly in `tests/adversarial.rs`.
 #[test]
 #[ignore = "child process of waiting_for_the_last_of_five_sends_returns"]
 fn child_five_sends() {
@@ -821,8 +782,6 @@ fn child_five_sends() {
 /// never polled again: send 5, long completed, is never seen, and the call spins for ever
 /// (its timeout ignored). Run in a child process, killed after 60 s (the child's own setup and
 /// checks take several seconds in a loaded guest: the bound is for the spin, not for them).
-///
-/// Origin: the first outside reviewer's pass, hole 1, formerly in `tests/adversarial.rs`.
 #[test]
 fn waiting_for_the_last_of_five_sends_returns() {
     let t = DeviceTest::start();
@@ -838,8 +797,6 @@ fn waiting_for_the_last_of_five_sends_returns() {
 /// failed completion of its queue, whichever work request that was, and that completion's
 /// `wr_id` is gone: no poll returns it, no error names it. Every posted work request must be
 /// reported exactly once.
-///
-/// Origin: the first outside reviewer's pass, hole 3, formerly in `tests/adversarial.rs`.
 #[test]
 fn a_disconnect_does_not_swallow_the_completion_of_another_work_request() {
     let t = DeviceTest::start();
@@ -864,8 +821,6 @@ fn a_disconnect_does_not_swallow_the_completion_of_another_work_request() {
 /// HOLE 8 (minor). On a CQ shared by both queues, `poll_queue(Send)` returns receive
 /// completions straight from the CQ while older receive completions are still kept (by an
 /// earlier `wait_for`): the receive queue's completions come back out of order.
-///
-/// Origin: the first outside reviewer's pass, hole 8 (minor), formerly in `tests/adversarial.rs`.
 #[test]
 fn completions_of_one_queue_come_back_in_order_on_a_shared_cq() {
     let t = DeviceTest::start();
@@ -920,8 +875,6 @@ fn completions_of_one_queue_come_back_in_order_on_a_shared_cq() {
 /// A CQ serves one QP at a time, whichever queue it is given for; a refused creation leaves
 /// the other CQ free; and a CQ handed from a dropped QP (with work in flight) to a new one
 /// carries none of the old QP's completions over.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_cq_moves_between_qps_without_sharing_or_stale_completions() {
     let t = DeviceTest::start();
@@ -996,8 +949,6 @@ fn a_cq_moves_between_qps_without_sharing_or_stale_completions() {
 
 /// The caller's wr_ids come back unchanged, also those with the bits the crate uses for its
 /// own tag (62, 63) or equal to the crate's own sequence numbers.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn wr_ids_with_the_crates_tag_bits_round_trip() {
     let t = DeviceTest::start();
@@ -1024,8 +975,6 @@ fn wr_ids_with_the_crates_tag_bits_round_trip() {
 
 /// Unsignaled sends stuck at the peer (no receive) are flushed when the peer leaves: each is
 /// reported once, with its own wr_id, and its region is released.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn unsignaled_sends_flushed_by_the_peer_leaving_are_each_reported_once() {
     let t = DeviceTest::start();
@@ -1047,8 +996,6 @@ fn unsignaled_sends_flushed_by_the_peer_leaving_are_each_reported_once() {
 /// Duration::ZERO and 1 ns everywhere a timeout is taken: each call returns at once (a timeout
 /// error, or the result when it is already there), none panics; huge finite timeouts wait
 /// like FOREVER.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn zero_tiny_and_huge_timeouts_are_handled_everywhere() {
     let t = DeviceTest::start();

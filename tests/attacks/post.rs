@@ -17,8 +17,6 @@ use std::time::{Duration, Instant};
 /// (region unreadable), its wait ran to the timeout, and the QP's drop waited out its drain
 /// bound. Now both are refused with nothing held; work posted before `set_error` still flushes
 /// and is released when reaped.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn posts_after_set_error_are_refused_with_nothing_held() {
     let t = DeviceTest::start();
@@ -53,8 +51,6 @@ fn posts_after_set_error_are_refused_with_nothing_held() {
 /// A good one lands at the chunk's offset only; a message longer than the chunk fails and
 /// writes nothing into the next chunk; an empty receive at the chunk's very end is allowed,
 /// holds the chunk, and completes with 0 bytes writing nothing.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn a_single_receive_on_an_offset_chunk_is_bounded_by_the_chunk() {
     let t = DeviceTest::start();
@@ -147,8 +143,6 @@ fn a_single_receive_on_an_offset_chunk_is_bounded_by_the_chunk() {
 /// same context, one of another context of the same device, and one whose last handle the
 /// caller dropped (the region keeps it allocated, so no new PD can take its address); a
 /// region on the QP's own PD through a cloned handle is accepted.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn a_single_receive_on_a_region_of_another_pd_is_refused_whatever_its_pd_became() {
     let t = DeviceTest::start();
@@ -205,8 +199,6 @@ fn a_single_receive_on_a_region_of_another_pd_is_refused_whatever_its_pd_became(
 /// The single path's queue check counts completions reaped but not yet delivered: with a
 /// receive queue of 4 whose completions a wait passed (kept, undelivered), only the free
 /// room is taken; a refused post holds nothing; delivering the kept ones frees the room.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn a_single_receive_on_a_full_queue_is_refused_counting_undelivered_completions() {
     let t = DeviceTest::start();
@@ -257,8 +249,6 @@ fn a_single_receive_on_a_full_queue_is_refused_counting_undelivered_completions(
 /// Finding 1: a WRITE with a wrong rkey fails with REM_ACCESS_ERR, which moves the RC QP to the
 /// error state; rxe never flushes a receive posted then, so the crate must refuse it (it did on
 /// UD and after `set_error`, not after a failed completion on RC).
-///
-/// Origin: the regression tests of the third outside audit's findings (issue 20), formerly in `tests/completions.rs`.
 #[test]
 fn a_failed_completion_makes_an_rc_qp_refuse_receives_and_sends() {
     let t = DeviceTest::start();
@@ -298,8 +288,6 @@ fn raw_modify(qp: *mut ffi::ibv_qp, state: ffi::ibv_qp_state::Type, extra: impl 
 /// Item 1: a post that fails without saying how far it got (rxe: a send while the QP is not
 /// ready returns EINVAL with bad_wr NULL, but keeps the WQE and runs it later) must release
 /// nothing: the region stays held until the flush retires the work request.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 1, formerly in `tests/soundness.rs`.
 #[test]
 fn a_post_that_fails_without_bad_wr_releases_nothing_and_flushes() {
     let t = DeviceTest::start();
@@ -335,8 +323,6 @@ fn a_post_that_fails_without_bad_wr_releases_nothing_and_flushes() {
 
 /// Item 6: a send queue filled with unsignaled work requests drains: the one that takes the
 /// last slot is signaled.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 6, formerly in `tests/soundness.rs`.
 #[test]
 fn a_send_queue_full_of_unsignaled_work_drains() {
     let t = DeviceTest::start();
@@ -383,8 +369,6 @@ unsafe extern "C" fn recording_post_recv(
 /// Item 11: a zero-length receive reaches the provider with no scatter entry (some providers
 /// read a 0 byte count as 2 GiB; rxe does not, so what the provider is handed is checked by
 /// wrapping its post_recv entry), and completes with 0 bytes.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), finding 11, formerly in `tests/soundness.rs`.
 #[test]
 fn zero_length_receives_reach_the_provider_without_sge() {
     let t = DeviceTest::start();
@@ -497,8 +481,6 @@ unsafe extern "C" fn partial_post_srq_recv(
 /// takes: nothing is posted), or by the provider part-way through a batch (sends, receives and
 /// SRQ receives, the provider stood in for by wrapping its post entry). A region named both by a
 /// taken and a refused work request keeps exactly the taken one's hold.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
 #[test]
 fn a_refused_post_releases_the_pieces_of_the_refused_work_requests_only() {
     use rdma_cm::SharedReceiveQueue;
@@ -653,8 +635,6 @@ fn raw_post(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, remote: Option<RemoteRegion
 /// rxe is never flushed: it neither completes nor fails, so `wait_for` runs into its timeout
 /// instead of reporting the disconnect, and dropping the connection blocks for the whole drain
 /// bound (2 s). The crate knows the peer left; it should refuse the post (or flush it).
-///
-/// Origin: the first outside reviewer's pass, hole 7 (minor), formerly in `tests/adversarial.rs`.
 #[test]
 fn a_receive_posted_after_the_peer_left_is_refused_or_fails() {
     let t = DeviceTest::start();
@@ -683,7 +663,6 @@ fn a_receive_posted_after_the_peer_left_is_refused_or_fails() {
     t.finish();
 }
 
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_batch_the_provider_takes_in_part_holds_exactly_what_it_took() {
     let t = DeviceTest::start();
@@ -731,8 +710,6 @@ fn a_batch_the_provider_takes_in_part_holds_exactly_what_it_took() {
 
 /// A batch with one bad work request in the middle posts nothing: no region stays held, no
 /// sequence number is used, and the queue is usable afterwards.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn a_bad_work_request_in_the_middle_of_a_batch_posts_nothing() {
     let t = DeviceTest::start();
@@ -798,8 +775,6 @@ fn a_bad_work_request_in_the_middle_of_a_batch_posts_nothing() {
 }
 
 /// Odd arguments are errors, never panics, and leave everything usable.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn odd_arguments_are_errors_not_panics() {
     let t = DeviceTest::start();

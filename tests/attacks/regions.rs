@@ -9,8 +9,6 @@ use std::net::SocketAddr;
 /// closed by one signaled send, on a send queue of 8: the ring's indices wrap many times, and
 /// each signaled completion retires every READ before it (outstanding 0, nothing kept), after
 /// which every chunk holds what the peer had at the time.
-///
-/// Origin: the round-5 outside-style review (the single-receive fast path, the raw-field WorkCompletion, cached region attributes, retirement of unsignaled work), formerly in `tests/attack_r5.rs`.
 #[test]
 fn unsignaled_reads_into_chunks_retire_with_the_next_signaled_send_across_wraps() {
     let t = DeviceTest::start();
@@ -63,8 +61,6 @@ fn unsignaled_reads_into_chunks_retire_with_the_next_signaled_send_across_wraps(
 /// completion: the regions stay registered (the kernel's MR count does not move) until the
 /// completions are reaped, and are deregistered then. While they are alive and in flight,
 /// nothing of them is reachable.
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn regions_named_by_several_pieces_stay_registered_until_the_completion_when_dropped() {
     let t = DeviceTest::start();
@@ -105,8 +101,6 @@ fn regions_named_by_several_pieces_stay_registered_until_the_completion_when_dro
 /// The same region named in every piece of work requests posted in a batch, unsignaled, on a
 /// send queue of 4 that wraps many times: after each round's signaled completion, every region
 /// is free again and holds what was read; before it, none is reachable.
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn repeated_pieces_of_unsignaled_reads_retire_with_the_signaled_one_across_wraps() {
     let t = DeviceTest::start();
@@ -159,8 +153,6 @@ fn repeated_pieces_of_unsignaled_reads_retire_with_the_signaled_one_across_wraps
 /// Chunks of one registration are regions of their own: a receive scattered into chunk 0,
 /// chunk 1 and chunk 0 again holds each named chunk (once) and leaves chunk 2 free; the message
 /// lands piece by piece, in order, and nothing outside the pieces changes.
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn chunks_of_one_registration_named_twice_in_a_receive_are_each_held() {
     let t = DeviceTest::start();
@@ -200,8 +192,6 @@ fn chunks_of_one_registration_named_twice_in_a_receive_are_each_held() {
 /// WRITE is in flight (the device only reads it) but not changed, also not through a second
 /// handle made from the region's chunks (it cannot be split while held); after the completion
 /// the peer holds the four pieces, in order.
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
     let t = DeviceTest::start();
@@ -238,8 +228,6 @@ fn a_write_gathered_from_one_region_keeps_it_read_only_until_the_completion() {
 }
 
 /// Sharper edge: REMOTE_WRITE without LOCAL_WRITE registers (LOCAL_WRITE is implied).
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its "sharper edges", formerly in `tests/soundness.rs`.
 #[test]
 fn remote_write_implies_local_write() {
     let t = DeviceTest::start();
@@ -256,8 +244,6 @@ fn remote_write_implies_local_write() {
 
 /// Sharper edge: a region the device only reads (an in-flight send's source) can be read, not
 /// written; one it writes (a posted receive) can be neither.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its "sharper edges", formerly in `tests/soundness.rs`.
 #[test]
 fn in_flight_sources_are_readable_and_targets_are_not() {
     let t = DeviceTest::start();
@@ -287,8 +273,6 @@ fn in_flight_sources_are_readable_and_targets_are_not() {
 /// region of every piece (the second and third especially: they live in the ring's side table)
 /// refuses every accessor; the regions of an outstanding gathered send may be read, not
 /// written; a region named by two pieces of one work request is held once for it. Once reaped, all is reachable and right.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
 #[test]
 fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
     let t = DeviceTest::start();
@@ -359,8 +343,6 @@ fn every_piece_of_an_outstanding_scatter_is_out_of_reach() {
 /// keeps the memory registered (the kernel still lists it) and usable by the device (the work
 /// completes successfully, which it could not on a deregistered region) until the completions
 /// are reaped; then it goes.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), its scatter/gather findings, formerly in `tests/soundness.rs`.
 #[test]
 fn dropped_pieces_stay_registered_until_their_completion() {
     let t = DeviceTest::start();
@@ -401,8 +383,6 @@ fn dropped_pieces_stay_registered_until_their_completion() {
 /// An RDMA READ's target is out of reach (no slice, no copy) until its completion is reaped,
 /// also when the same region is the source of a send in the same batch; chunks of one
 /// registration lock independently; `into_buffer` and `split` refuse regions in flight.
-///
-/// Origin: the first outside reviewer's pass, one of its attempts on "Smaller promises", formerly in `tests/adversarial.rs`.
 #[test]
 fn read_targets_chunks_and_split_regions_stay_out_of_reach_while_in_flight() {
     let t = DeviceTest::start();

@@ -116,8 +116,6 @@ fn wait_event(events: &mut AsyncEvents, within: Duration, want: impl Fn(&AsyncEv
 /// still posted stay unreadable; the SRQ's limit event reaches the SRQ and every source (two
 /// of them, each its own copy); and an SRQ made after the first is gone (possibly at the same
 /// address) is not told about the old one's event.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn ud_on_an_srq_two_sources_and_a_reused_address() {
     let t = DeviceTest::start();
@@ -181,8 +179,6 @@ fn ud_on_an_srq_two_sources_and_a_reused_address() {
 /// An SRQ receive naming one region in three pieces (and a second region once), whose caller
 /// drops the region's handle: it stays registered and unreachable while the receive is posted,
 /// and the message lands in it; the hold goes with the completion (or with the SRQ).
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn an_srq_receive_naming_one_region_thrice_holds_it_until_delivered() {
     let t = DeviceTest::start();
@@ -234,14 +230,11 @@ fn an_srq_receive_naming_one_region_thrice_holds_it_until_delivered() {
     t.finish();
 }
 
-/// Review of debafe3, promise 2 ("an RC QP refuses posts after a failed completion"), through
-/// an SRQ: a message longer than the SRQ receive it lands in fails that receive with
+/// "An RC QP refuses posts after a failed completion", through an SRQ: a message longer than the SRQ receive it lands in fails that receive with
 /// LOC_LEN_ERR and moves the RC QP to the error state, like any failed completion. The crate
 /// notes a failure in `Router::route` only for a QP's own queues: an SRQ completion returns
 /// early (src/cq.rs, the `if t.srq` branch) without `note_status`, so the QP's posts are still
 /// accepted.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn a_failed_srq_receive_makes_its_rc_qp_refuse_posts() {
     let t = DeviceTest::start();
@@ -279,21 +272,17 @@ fn a_failed_srq_receive_makes_its_rc_qp_refuse_posts() {
     assert!(refused, "a post to an RC QP whose SRQ receive failed must be refused (QpInError): {posted:?}");
 }
 
-/// Review of debafe3, promises 1 and 3: four QPs on one CQ taking receives from one SRQ that
+/// Four QPs on one CQ taking receives from one SRQ that
 /// each thread refills, waited on with wait, wait_queue and busy-polled wait.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn four_srq_qps_on_one_cq_lose_nothing_and_the_srq_count_holds() {
     shared_cq_stress(&[Mode::Wait, Mode::WaitQueue, Mode::BusyWait, Mode::Wait], Some(16));
 }
 
-/// Review of debafe3, promise 3: `SharedReceiveQueue::outstanding()` across QPs on separate
+/// `SharedReceiveQueue::outstanding()` across QPs on separate
 /// CQs dropped in turn: A (on CQ a) and B (on CQ b) each consume two receives of one SRQ of 8.
 /// B polls its two; A is dropped with its two unpolled (its CQ's sweep reaps them for a QP that
 /// is gone); then B goes. The count must follow exactly, and the room must be usable again.
-///
-/// Origin: the outside-style review of issue 20 ("no completion lost, no wait blind"), formerly in `tests/attack_waits.rs`.
 #[test]
 fn srq_count_follows_qps_on_separate_cqs_dropped_in_turn() {
     let t = DeviceTest::start();
@@ -350,8 +339,6 @@ fn srq_count_follows_qps_on_separate_cqs_dropped_in_turn() {
 /// kept "for its owner", which is gone: it counted against the SRQ's room for good
 /// (`outstanding()` 4 with 3 receives posted). Both ways it can be met: the CQ's last user's
 /// sweep, and another QP's poll on the shared CQ.
-///
-/// Origin: the regression tests of the third outside audit's findings (issue 20), formerly in `tests/completions.rs`.
 #[test]
 fn an_srq_receive_of_a_dropped_qp_does_not_hold_the_srqs_room() {
     let t = DeviceTest::start();
@@ -394,15 +381,13 @@ fn an_srq_receive_of_a_dropped_qp_does_not_hold_the_srqs_room() {
     t.finish();
 }
 
-/// Outside review (SRQ routing): an SRQ's completions are routed by its 16-bit id and the slot's
+/// An SRQ's completions are routed by its 16-bit id and the slot's
 /// 13-bit generation only; nothing ties them to a QP that is still attached. A completion of a
 /// receive of SRQ A, left in a shared CQ when A's last QP on that CQ is dropped, stays in the
 /// CQ; once 65536 SRQs later another SRQ B gets A's id and is attached to the same CQ, that stale
 /// completion names B's slot 0 under the same generation (1: the first post of each), and
 /// polling the CQ retires B's receive while it is still posted. Its region then hands out a
 /// `&mut [u8]` that the device writes when a message arrives for B's QP.
-///
-/// Origin: the second outside audit ("Soundness and correctness, second pass"), an outside review of SRQ routing filed with it, formerly in `tests/soundness.rs`.
 #[test]
 fn a_stale_srq_completion_does_not_retire_a_later_srqs_receive() {
     use rdma_cm::{Connection, SharedReceiveQueue};

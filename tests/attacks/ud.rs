@@ -13,8 +13,6 @@ use crate::support::LW;
 /// A second receive still posted on the same region keeps `Datagram::parse` (and the region's
 /// bytes) out of reach even once the first receive's completion is reaped: the device may
 /// still write the other range.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn parse_refuses_a_region_another_posted_receive_still_uses() {
     let t = DeviceTest::start();
@@ -53,8 +51,6 @@ fn parse_refuses_a_region_another_posted_receive_still_uses() {
 /// Debian 13's (6.12) drops the datagram silently, as hardware does (IBA C9-92's length check,
 /// rxe's `check_length`). A datagram that fits, sent right after, tells them apart without
 /// waiting for nothing: a drop leaves the receive to it.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
     let t = DeviceTest::start();
@@ -104,8 +100,6 @@ fn a_datagram_larger_than_the_buffer_writes_nothing_past_it() {
 /// A datagram over the MTU, a receive without room for the GRH, and a batch whose second send
 /// names an address handle of another PD: each refused before posting, with nothing held
 /// (regions and handles back to one owner, no outstanding work).
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn refused_ud_posts_hold_nothing() {
     let t = DeviceTest::start();
@@ -143,8 +137,6 @@ fn refused_ud_posts_hold_nothing() {
 
 /// An address handle made on a PD of a context the caller opened itself (not librdmacm's):
 /// refused by the UD QP, never handed to the provider.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn an_address_handle_of_another_context_is_refused() {
     let t = DeviceTest::start();
@@ -164,8 +156,6 @@ fn an_address_handle_of_another_context_is_refused() {
 /// Sends to a QP number nobody has, and with a QKey the receiver does not accept: UD loses them
 /// (no hang, no error), and each send's address handle is released once its completion is
 /// reaped. A zero-byte datagram is all GRH: its payload is empty and in bounds.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn sends_to_nowhere_complete_and_release_their_handles_and_an_empty_datagram_parses() {
     let t = DeviceTest::start();
@@ -204,8 +194,6 @@ fn sends_to_nowhere_complete_and_release_their_handles_and_an_empty_datagram_par
 /// hands it up) fed to the reply helpers: random bytes, IPv4 headers naming the unspecified,
 /// broadcast, multicast and loopback addresses as the sender. Never a panic; either a clear
 /// error naming the verb, or a handle for exactly the address the header claims.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn forged_grh_gives_an_error_or_the_claimed_address_never_a_panic() {
     let t = DeviceTest::start();
@@ -256,8 +244,6 @@ fn forged_grh_gives_an_error_or_the_claimed_address_never_a_panic() {
 /// the receive, and the QP still takes receives. Then, on the healthy QP: gathered sends
 /// naming a region of another PD, and a batch of receives whose second has no room for the
 /// GRH, are refused whole.
-///
-/// Origin: the round-4 outside-style review (UD, multicast, async events), formerly in `tests/attack_r4.rs`.
 #[test]
 fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
     let t = DeviceTest::start();
@@ -319,8 +305,6 @@ fn a_too_long_datagram_stops_the_qp_and_posts_then_say_why() {
 /// UD QP, to a destination whose caller drops it at once: the address handle and both regions
 /// are held until the send's completion (one hold each), the sources stay readable and not
 /// writable meanwhile, and the peer receives the pieces' bytes in order after the GRH.
-///
-/// Origin: the round-6 outside-style review (one hold per region per scatter/gather work request), formerly in `tests/attack_r6.rs`.
 #[test]
 fn a_gathered_datagram_holds_its_regions_once_and_its_address_handle_until_the_completion() {
     use rdma_cm::{Datagram, UdDest, UdSendWr, GRH_LEN};
@@ -363,8 +347,6 @@ fn a_gathered_datagram_holds_its_regions_once_and_its_address_handle_until_the_c
 
 /// Dropping every handle the caller has of an address handle while a send uses it: the QP's
 /// send slot keeps it alive until the completion is reaped, then it goes.
-///
-/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
 #[test]
 fn an_address_handle_dropped_while_a_send_is_posted_lives_until_the_completion() {
     let t = DeviceTest::start();
@@ -396,8 +378,6 @@ fn an_address_handle_dropped_while_a_send_is_posted_lives_until_the_completion()
 
 /// Unsignaled sends hold their address handles too, until a later signaled completion retires
 /// them.
-///
-/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
 #[test]
 fn unsignaled_sends_hold_their_address_handles_until_retired() {
     let t = DeviceTest::start();
@@ -423,8 +403,6 @@ fn unsignaled_sends_hold_their_address_handles_until_retired() {
 
 /// A region dropped while a send from it is posted stays registered until the completion, and
 /// the receiver gets its bytes; a posted receive's region is out of reach until reaped.
-///
-/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
 #[test]
 fn regions_of_posted_datagrams_are_held_and_out_of_reach() {
     let t = DeviceTest::start();
@@ -461,8 +439,6 @@ fn regions_of_posted_datagrams_are_held_and_out_of_reach() {
 /// region too small for it or at an offset past it, and an address handle asked to answer a
 /// send's completion or a datagram without a usable GRH. Each is a clear error, never a
 /// panic or an out-of-bounds read.
-///
-/// Origin: the UD soundness attempts made with UD itself, formerly in `tests/ud_soundness.rs`.
 #[test]
 fn forged_or_mismatched_completions_are_refused() {
     let t = DeviceTest::start();
