@@ -493,3 +493,36 @@ mod tests {
         assert_eq!(path_mtu_limit(&port(1024, 1024)), 1024);
     }
 }
+
+/// What a QP's own path knows of it being in the error state: what a [`Lane`] that takes the
+/// QP over carries on (`Lane::attach`), so that its posts are refused with the cause.
+///
+/// [`Lane`]: crate::verbs::lane::Lane
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KnownError {
+    /// Its owner moved it there ([`QueuePair::set_error`]).
+    SetError,
+    /// Its peer left (or the device went away), or this side disconnected.
+    Disconnected,
+    /// A completion of it failed with this status (not a flush).
+    Completion(u32),
+    /// A wait that ran out found it there with no completion saying why.
+    FoundInError,
+}
+
+impl QueuePair {
+    /// Whether, and why, this QP's own path knows it to be in the error state.
+    pub(crate) fn known_error(&self) -> Option<KnownError> {
+        if self.errored {
+            return Some(KnownError::SetError);
+        }
+        if self.peer_left || self.closing {
+            return Some(KnownError::Disconnected);
+        }
+        match self.queues().failed {
+            Some(crate::verbs::ring::Failure::Completion(status)) => Some(KnownError::Completion(status)),
+            Some(crate::verbs::ring::Failure::FoundInError) => Some(KnownError::FoundInError),
+            None => None,
+        }
+    }
+}
