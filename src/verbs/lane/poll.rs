@@ -131,7 +131,7 @@ impl Lane {
     pub fn wait(&mut self, timeout: Duration) -> Result<Completion> {
         let mut out = None;
         self.wait_with(1, timeout, |wc, mr| out = Some(Completion::new(wc, mr)))?;
-        out.ok_or_else(|| Error::Timeout { op: "Lane::wait", timeout, addr: None, hint: None })
+        out.ok_or(Error::Timeout { op: "Lane::wait", timeout, addr: None, hint: None })
     }
 
     /// Asks the device for the state of every member not yet known to have failed; records
