@@ -620,8 +620,8 @@ fn an_adopted_reset_qp_made_with_extended_ops_posts_a_batch() {
         }
         Err(e) => panic!("new_reset with extended ops: {e}"),
     };
-    let remote = remote_rx.recv_timeout(T).unwrap();
     let mut conn = route.adopt_qp(uqp).unwrap().connect(&ConnParam::new(), T).expect("connect the adopted QP");
+    let remote = remote_rx.recv_timeout(T).expect("the server's region");
     let mut src = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
     let want = pattern(64, 9);
     src.write_at(0, &want).unwrap();

@@ -1387,3 +1387,70 @@ fn a_lane_wait_reports_a_qp_the_peers_bad_rkey_moved_to_the_error_state() {
     }
     t.finish();
 }
+
+/// A completion carrying a tag the lane gave an earlier QP at the same place, and one carrying
+/// the tag of a receive already handed out (a completion the device hands out twice), retire
+/// nothing: the place's sequence numbers continue across its QPs, so both fall outside the new
+/// QP's window, and no region comes back before its own completion. Both completions are made
+/// real through the raw escape hatch: receives posted on the lane's QP directly, with those
+/// tags (the layout `lane`'s tag module documents: `RECV(63) | place(60..45) | seq(44..0)`).
+#[test]
+fn a_stale_or_repeated_completion_retires_nothing_at_its_place() {
+    const RECV: u64 = 1 << 63;
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 128);
+        // The earlier QP at place 0: receives 0, 1 and 2; one completes, the removal flushes
+        // the others. The place's next receive sequence number is 3.
+        let (old, pd1, mut b1) = attached_pair(&mut lane, t.addr, spec());
+        for k in 0..3 {
+            lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
+                .unwrap();
+        }
+        let send = |b: &mut common::Side, k: u64| {
+            let qp = b.conn.qp_mut();
+            qp.post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..64).wr_id(k)]).unwrap();
+            qp.wait_for(rdma_cm::WorkQueue::Send, k, T).expect("the peer's send");
+        };
+        send(&mut b1, 0);
+        assert_eq!(reap(&mut lane, 1).pop().unwrap().wr_id(), 0);
+        lane.remove(old).unwrap();
+        let (new, pd2, mut b2) = attached_pair(&mut lane, t.addr, spec());
+        let raw_buf = MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let post_raw = |lane: &mut Lane, wr_id: u64| {
+            let qp = lane.qp_as_raw(new).unwrap();
+            let mut sge = rdma_cm::ffi::ibv_sge { addr: raw_buf.addr(), length: 64, lkey: raw_buf.lkey() };
+            let mut wr = rdma_cm::ffi::ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: &mut sge, num_sge: 1 };
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: the raw escape hatch: `qp` is the lane's live QP; the receive is one
+            // NULL-terminated work request over `raw_buf`, which this test keeps registered and
+            // reads no more (it outlives the lane, which destroys the QP first).
+            let ret = unsafe { rdma_cm::ffi::ibv_post_recv(qp, &mut wr, &mut bad) };
+            assert_eq!(ret, 0, "ibv_post_recv");
+        };
+        // A completion with the earlier QP's tag (its receive 1), ahead of the lane's own.
+        post_raw(&mut lane, RECV | 1);
+        lane.post_recv(new, RecvWr::new(MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(7))
+            .unwrap();
+        send(&mut b2, 1);
+        send(&mut b2, 2);
+        let mut c = lane.wait(T).expect("the lane's receive");
+        assert_eq!((c.wr_id(), c.qp()), (7, Some(new)), "only the lane's own receive is handed out: {c:?}");
+        assert!(c.take_region().is_some());
+        // The same tag again (the receive just handed out, sequence number 3), then a new one.
+        post_raw(&mut lane, RECV | 3);
+        lane.post_recv(new, RecvWr::new(MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(8))
+            .unwrap();
+        send(&mut b2, 3);
+        assert!(lane.poll().unwrap().is_none(), "a tag handed out once retires nothing the second time");
+        assert_eq!(lane.outstanding(new).unwrap(), (0, 1), "the lane's receive 8 stays posted, its region held");
+        send(&mut b2, 4);
+        let mut c = lane.wait(T).expect("the lane's second receive");
+        assert_eq!((c.wr_id(), c.qp()), (8, Some(new)), "{c:?}");
+        assert!(c.take_region().is_some());
+        assert!(lane.poll().unwrap().is_none());
+        assert_eq!(lane.outstanding(new).unwrap(), (0, 0));
+        drop((lane, b1, b2, pd1, raw_buf, pd2));
+    }
+    t.finish();
+}
