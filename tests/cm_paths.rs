@@ -583,3 +583,57 @@ fn connect_nobody_answers_returns_at_its_timeout_plus_the_drain() {
         t.finish();
     }
 }
+
+/// An adopted QP made by `UnconnectedQp::new_reset` with `QpInit::extended_ops` is created with
+/// the extended send path (`ibv_create_qp_ex`), as one made by `UnconnectedQp::new` is: its
+/// `start_batch` WRITE lands in the peer's region. (`new_reset` used to ignore the operations,
+/// so the batch was refused with a message blaming the device.)
+#[test]
+fn an_adopted_reset_qp_made_with_extended_ops_posts_a_batch() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let (remote_tx, remote_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let srv = thread::spawn(move || {
+        let req = listener.get_request(T).expect("server: the request");
+        let pd = req.alloc_pd().unwrap();
+        let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
+        remote_tx.send(mr.remote()).unwrap();
+        let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).expect("server: accept");
+        done_rx.recv_timeout(T).expect("the client's word that its WRITE completed");
+        let mut got = [0u8; 64];
+        mr.read_at(0, &mut got).unwrap();
+        drop(conn);
+        got
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let ops = rdma_cm::SendOps::STANDARD;
+    let uqp = match UnconnectedQp::new_reset(&pd, QpInit::new().extended_ops(ops)) {
+        Ok(q) => q,
+        Err(e @ Error::Unsupported { .. }) => {
+            common::skipped("extended QPs", &e.to_string());
+            drop(done_tx);
+            let _ = srv.join();
+            return;
+        }
+        Err(e) => panic!("new_reset with extended ops: {e}"),
+    };
+    let mut conn = route.adopt_qp(uqp).unwrap().connect(&ConnParam::new(), T).expect("connect the adopted QP");
+    let remote = remote_rx.recv_timeout(T).expect("the server's region");
+    let mut src = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let want = pattern(64, 9);
+    src.write_at(0, &want).unwrap();
+    let qp = conn.qp_mut();
+    assert_eq!(qp.send_ops(), ops, "the QP has the operations it was made for");
+    let mut batch = qp.start_batch().expect("start_batch on an adopted extended QP");
+    batch.add(&SendWr::write(&src, 0..64, &remote, 0).unwrap().wr_id(7)).unwrap();
+    batch.complete().expect("the batch's doorbell");
+    let wc = qp.wait_for(WorkQueue::Send, 7, T).expect("the batch's WRITE completes");
+    assert_eq!(wc.wr_id(), 7);
+    done_tx.send(()).unwrap();
+    assert_eq!(srv.join().unwrap().to_vec(), want, "the WRITE landed in the peer's region");
+    drop((conn, src, pd));
+    t.finish();
+}

@@ -388,9 +388,9 @@ fn empty_lists_foreign_first_entries_and_zero_polls_change_nothing() {
     t.finish();
 }
 
-/// Outside review: `LaneQp`'s hand-written equality and hash (one word): handles that differ
-/// only in the lane, or only in the generation, are distinct members of a set, and a
-/// completion's `qp()` finds its handle there.
+/// `LaneQp`'s hand-written equality and hash (the attach number alone): handles of two lanes,
+/// and of two QPs attached at one place one after the other, are distinct members of a set,
+/// and a completion's `qp()` finds its handle there.
 #[test]
 fn lane_handles_hash_as_they_compare() {
     let t = DeviceTest::start();
@@ -458,7 +458,7 @@ fn a_region_of_another_protection_domain_is_refused() {
 }
 
 /// After `remove`, the old handle is refused everywhere, and a QP attached at the same place
-/// gets another handle (the place's generation moved on), so nothing addressed to the old one
+/// gets another handle (a new attach number), so nothing addressed to the old one
 /// (a post, or a late completion carrying its tag) reaches the new one.
 #[test]
 fn a_removed_qps_handle_and_completions_reach_nothing() {
@@ -1235,6 +1235,222 @@ fn a_panic_on_a_convenient_completion_routes_it_once_and_leaves_the_lane_usable(
         let mut c = reap(&mut lane, 1).pop().unwrap();
         assert!(c.is_ok() && c.wr_id() == 9 && c.take_region().is_some(), "{c:?}");
         drop((a, b, lane, peer));
+    }
+    t.finish();
+}
+
+/// A QP made with `Lane::qp_init` and never attached, with receives posted through its own
+/// (convenient) path, is dropped: its convenient drain refuses the lane's CQ, so its flushed
+/// receives may stay there. QPs attached afterwards, one after another at the place the
+/// lane reuses, are handed only completions of what each posted, each with its region, and
+/// no region comes back before its own completion. (Each one is removed with receives still
+/// posted, so every later one also meets the flush of an earlier QP at its place, which its
+/// window refuses.)
+#[test]
+fn an_unattached_qp_dropped_with_receives_and_earlier_qps_at_a_place_hand_nothing_to_later_ones() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 256);
+        let (mut a, b0) = pair(t.addr, PairSpec { init: lane.qp_init(), ..spec() }, spec());
+        for k in 0..8 {
+            a.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&a.mrs[0], 0..64).wr_id(1000 + k)]).unwrap();
+        }
+        drop(a);
+        drop(b0);
+        for round in 0..4u64 {
+            let (q, pd, mut b) = attached_pair(&mut lane, t.addr, spec());
+            let mine: HashSet<u64> = (0..6).map(|k| round * 100 + k).collect();
+            for k in 0..6 {
+                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+                lane.post_recv(q, RecvWr::new(mr).wr_id(round * 100 + k)).unwrap();
+            }
+            for k in 0..4 {
+                let qp = b.conn.qp_mut();
+                qp.post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..64).wr_id(k)]).unwrap();
+                qp.wait_for(rdma_cm::WorkQueue::Send, k, T).expect("the peer's send");
+            }
+            let mut seen = HashSet::new();
+            while seen.len() < 4 {
+                let mut c = lane.wait(T).expect("a completion of this round's QP");
+                assert!(c.is_lane() && c.qp() == Some(q), "round {round}: a completion of another QP: {c:?}");
+                assert!(mine.contains(&c.wr_id()) && seen.insert(c.wr_id()), "round {round}: not posted here: {c:?}");
+                assert!(c.is_ok(), "{c:?}");
+                assert!(c.take_region().is_some(), "each completion hands its region back");
+            }
+            assert!(lane.poll().unwrap().is_none(), "round {round}: nothing more");
+            assert_eq!(lane.outstanding(q).unwrap(), (0, 2), "round {round}: the two unmatched receives stay posted");
+            lane.remove(q).unwrap();
+            drop((b, pd));
+        }
+        drop(lane);
+    }
+    t.finish();
+}
+
+/// A QP whose `WrBatch` was leaked (`mem::forget`) while open may have the provider's send
+/// queue locked for good; `attach` refuses it, naming the cause, and gives the owner back
+/// (a lane's post there used to spin for ever on the provider's lock).
+#[test]
+fn a_qp_with_a_leaked_batch_is_refused_at_attach() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 64);
+        let init = lane.qp_init_from(rdma_cm::QpInit::new().extended_ops(rdma_cm::SendOps::STANDARD));
+        let (mut a, b) = pair(t.addr, PairSpec { init, ..spec() }, spec());
+        std::mem::forget(a.conn.qp_mut().start_batch().expect("start_batch"));
+        let r = lane.attach(a.conn).expect_err("a QP with a leaked batch is refused");
+        assert!(matches!(r.error(), Error::InvalidArgument(_)), "{}", r.error());
+        assert!(r.error().to_string().contains("leaked"), "{}", r.error());
+        assert!(r.into_inner().is_some(), "the owner comes back");
+        drop((lane, b));
+    }
+    t.finish();
+}
+
+/// A QP already in the error state when it is attached: whether its own path knew it (moved
+/// there by `QueuePair::set_error`) or only the device does (moved there by a raw call), the
+/// lane carries the failure and refuses its posts with the cause, instead of taking a receive
+/// that would never complete.
+#[test]
+fn a_qp_attached_in_the_error_state_has_its_posts_refused_with_the_cause() {
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 64);
+        // Known to its own path.
+        let (mut a, b) = pair(t.addr, PairSpec { init: lane.qp_init(), ..spec() }, spec());
+        a.conn.qp_mut().set_error().unwrap();
+        let q = lane.attach(a.conn).map_err(|r| r.into_parts().0).expect("attach");
+        let r = lane.post_recv(q, RecvWr::new(MemoryRegion::new(&a.pd, 64, AccessFlags::LOCAL_WRITE).unwrap()));
+        let r = r.expect_err("a receive on a QP in the error state is refused");
+        assert!(matches!(r.error(), Error::QpInError { .. }), "{}", r.error());
+        assert!(r.error().to_string().contains("before it was attached"), "{}", r.error());
+        assert!(r.into_inner().is_some(), "the region comes back");
+        let s = lane.post_send(q, SendWr::send(MemoryRegion::new(&a.pd, 64, AccessFlags::empty()).unwrap(), 0..64));
+        assert!(matches!(s.unwrap_err().error(), Error::QpInError { .. }));
+        assert_eq!(lane.outstanding(q).unwrap(), (0, 0));
+        drop(b);
+        // Known to the device only.
+        let (c, d) = pair(t.addr, PairSpec { init: lane.qp_init(), ..spec() }, spec());
+        // SAFETY: ibv_qp_attr is plain old data (all-zero is valid); the QP is alive (owned by
+        // `c.conn`) and only its state changes, as the mask says: the raw escape hatch, used
+        // to put the QP in the error state behind the crate's back.
+        let ret = unsafe {
+            let mut attr: rdma_cm::ffi::ibv_qp_attr = std::mem::zeroed();
+            attr.qp_state = rdma_cm::ffi::ibv_qp_state::IBV_QPS_ERR;
+            rdma_cm::ffi::ibv_modify_qp(
+                c.conn.qp().as_raw(),
+                &mut attr,
+                rdma_cm::ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+            )
+        };
+        assert_eq!(ret, 0, "ibv_modify_qp(ERR)");
+        let q = lane.attach(c.conn).map_err(|r| r.into_parts().0).expect("attach");
+        let r = lane.post_recv(q, RecvWr::new(MemoryRegion::new(&c.pd, 64, AccessFlags::LOCAL_WRITE).unwrap()));
+        let r = r.expect_err("a receive on a QP the device has in the error state is refused");
+        assert!(matches!(r.error(), Error::QpInError { .. }), "{}", r.error());
+        assert!(r.error().to_string().contains("no completion saying why"), "{}", r.error());
+        drop((lane, d, a.pd, c.pd));
+    }
+    t.finish();
+}
+
+/// The peer's RDMA WRITE with a bad rkey moves the lane's (responder) QP to the error state
+/// with no completion on its side (rxe). A receive posted then never completes; the lane's wait
+/// that runs out finds the QP there and says so (or the receive comes back flushed, where a
+/// provider flushes it), and the lane's posts on that QP are refused with the cause from then
+/// on: never a receive silently taken that never completes.
+#[test]
+fn a_lane_wait_reports_a_qp_the_peers_bad_rkey_moved_to_the_error_state() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
+        let good = a.mrs[0].remote();
+        let bad = rdma_cm::RemoteRegion::new(good.addr, good.rkey ^ 0x5a5a_0000, good.len);
+        let src = MemoryRegion::new(&b.pd, 64, AccessFlags::empty()).unwrap();
+        b.lane.post_send(b.qp, SendWr::write(src, 0..64, &bad, 0).wr_id(1)).unwrap();
+        let c = b.lane.wait(T).expect("the requester's completion");
+        assert!(!c.is_ok(), "a WRITE with a bad rkey fails at the requester: {c:?}");
+        // The responder has no completion of its own: a receive posted now is taken (nothing
+        // says otherwise yet) and never completes.
+        a.lane.post_recv(a.qp, RecvWr::new(region(&a)).wr_id(2)).unwrap();
+        match a.lane.wait(Duration::from_secs(2)) {
+            Err(e @ Error::QpInError { .. }) => assert!(e.to_string().contains("rkey"), "{e}"),
+            Ok(c) => assert!(c.wr_id() == 2 && !c.is_ok(), "only a flush may come: {c:?}"),
+            Err(e) => panic!("the wait must name the QP in the error state: {e}"),
+        }
+        let r = a.lane.post_recv(a.qp, RecvWr::new(region(&a)).wr_id(3)).expect_err("refused from then on");
+        assert!(matches!(r.error(), Error::QpInError { .. }), "{}", r.error());
+        assert!(r.into_inner().is_some(), "the region comes back");
+        let s = a.lane.post_send(a.qp, SendWr::send(region(&a), 0..64)).expect_err("sends too");
+        assert!(matches!(s.error(), Error::QpInError { .. }), "{}", s.error());
+        drop((a, b));
+    }
+    t.finish();
+}
+
+/// A completion carrying a tag the lane gave an earlier QP at the same place, and one carrying
+/// the tag of a receive already handed out (a completion the device hands out twice), retire
+/// nothing: the place's sequence numbers continue across its QPs, so both fall outside the new
+/// QP's window, and no region comes back before its own completion. Both completions are made
+/// real through the raw escape hatch: receives posted on the lane's QP directly, with those
+/// tags (the layout `lane`'s tag module documents: `RECV(63) | place(60..45) | seq(44..0)`).
+#[test]
+fn a_stale_or_repeated_completion_retires_nothing_at_its_place() {
+    const RECV: u64 = 1 << 63;
+    let t = DeviceTest::start();
+    {
+        let mut lane = lane_on(t.addr, 128);
+        // The earlier QP at place 0: receives 0, 1 and 2; one completes, the removal flushes
+        // the others. The place's next receive sequence number is 3.
+        let (old, pd1, mut b1) = attached_pair(&mut lane, t.addr, spec());
+        for k in 0..3 {
+            lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
+                .unwrap();
+        }
+        let send = |b: &mut common::Side, k: u64| {
+            let qp = b.conn.qp_mut();
+            qp.post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..64).wr_id(k)]).unwrap();
+            qp.wait_for(rdma_cm::WorkQueue::Send, k, T).expect("the peer's send");
+        };
+        send(&mut b1, 0);
+        assert_eq!(reap(&mut lane, 1).pop().unwrap().wr_id(), 0);
+        lane.remove(old).unwrap();
+        let (new, pd2, mut b2) = attached_pair(&mut lane, t.addr, spec());
+        let raw_buf = MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let post_raw = |lane: &mut Lane, wr_id: u64| {
+            let qp = lane.qp_as_raw(new).unwrap();
+            let mut sge = rdma_cm::ffi::ibv_sge { addr: raw_buf.addr(), length: 64, lkey: raw_buf.lkey() };
+            let mut wr = rdma_cm::ffi::ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: &mut sge, num_sge: 1 };
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: the raw escape hatch: `qp` is the lane's live QP; the receive is one
+            // NULL-terminated work request over `raw_buf`, which this test keeps registered and
+            // reads no more (it outlives the lane, which destroys the QP first).
+            let ret = unsafe { rdma_cm::ffi::ibv_post_recv(qp, &mut wr, &mut bad) };
+            assert_eq!(ret, 0, "ibv_post_recv");
+        };
+        // A completion with the earlier QP's tag (its receive 1), ahead of the lane's own.
+        post_raw(&mut lane, RECV | 1);
+        lane.post_recv(new, RecvWr::new(MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(7))
+            .unwrap();
+        send(&mut b2, 1);
+        send(&mut b2, 2);
+        let mut c = lane.wait(T).expect("the lane's receive");
+        assert_eq!((c.wr_id(), c.qp()), (7, Some(new)), "only the lane's own receive is handed out: {c:?}");
+        assert!(c.take_region().is_some());
+        // The same tag again (the receive just handed out, sequence number 3), then a new one.
+        post_raw(&mut lane, RECV | 3);
+        lane.post_recv(new, RecvWr::new(MemoryRegion::new(&pd2, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(8))
+            .unwrap();
+        send(&mut b2, 3);
+        assert!(lane.poll().unwrap().is_none(), "a tag handed out once retires nothing the second time");
+        assert_eq!(lane.outstanding(new).unwrap(), (0, 1), "the lane's receive 8 stays posted, its region held");
+        send(&mut b2, 4);
+        let mut c = lane.wait(T).expect("the lane's second receive");
+        assert_eq!((c.wr_id(), c.qp()), (8, Some(new)), "{c:?}");
+        assert!(c.take_region().is_some());
+        assert!(lane.poll().unwrap().is_none());
+        assert_eq!(lane.outstanding(new).unwrap(), (0, 0));
+        drop((lane, b1, b2, pd1, raw_buf, pd2));
     }
     t.finish();
 }

@@ -336,8 +336,8 @@ fn a_lane_serves_qps_made_without_the_cm() {
                 lane.attach(ub).map_err(|r| r.into_parts().0).expect("attach UD b"),
             );
             let to_b = lane.add_dest(la, &dest).unwrap();
-            // A destination registered for one QP is not another's, though both sit at
-            // generation 0 (the lane's outside review, finding 3).
+            // A destination registered for one QP is not another's, though both sit in one
+            // lane.
             let b_key = lane.add_dest(lb, &dest).unwrap();
             let stray = MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap();
             let e = lane.post_send(la, LSend::send(stray, 0..8).to(b_key)).expect_err("another QP's destination");

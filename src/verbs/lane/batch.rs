@@ -17,7 +17,7 @@
 //! last one still completes (flushed). When the provider took only part of the batch, the
 //! region stays held until the flush of the last request it took, or until the QP is destroyed
 //! when no completion comes (all of them ran, unsignaled). The earlier requests' own completions (only failures and
-//! flushes come) carry a tag with no sequence number (`tag::INTERIOR`), which retires nothing.
+//! flushes come) carry `tag::INTERIOR`, which retires nothing.
 
 use super::prepared::{armed_accessors, disarmed, not_armed, rearm};
 use super::*;
@@ -44,7 +44,8 @@ pub struct PreparedBatch {
     /// The number of the region it was checked against (unique in the process).
     of: u64,
     key: LaneQp,
-    /// The last request's tag without the sequence number.
+    /// The tag of its QP's send queue without the sequence number (each post stamps every
+    /// request's).
     tag: u64,
     wr_id: u64,
 }
@@ -145,7 +146,7 @@ impl Lane {
         };
         let entries: Box<[Entry]> = (0..len).map(|_| entry()).collect();
         let base = Box::into_raw(entries).cast::<Entry>();
-        let tag = tag::encode(qp.place, qp.gen, 0, false);
+        let tag = tag::encode(qp.place, 0, false);
         let mut b = PreparedBatch {
             // SAFETY: `Box::into_raw` never returns null.
             entries: unsafe { NonNull::new_unchecked(base) },
@@ -164,8 +165,8 @@ impl Lane {
                 return Err(Rejected::new(other_region(k), w.mr));
             }
             let last = k + 1 == len;
-            // An interior one's tag: its index in the batch where the sequence number goes.
-            let id = if last { 0 } else { tag | tag::INTERIOR | k as u64 };
+            // An interior one's tag; each post stamps its sequence number.
+            let id = if last { 0 } else { tag | tag::INTERIOR };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
             // points into yet; the reference lives for this call only.
             let lowered = unsafe {
@@ -217,25 +218,37 @@ impl Lane {
         let Some(mr) = b.mr.take() else { return Err(not_armed()) };
         let first = m.send.tail;
         let base = b.entries.as_ptr();
+        // Each request's tag carries its own slot's sequence number (the interior ones with
+        // `INTERIOR`, which retires nothing), so a completion of an earlier post of the batch,
+        // or of an earlier QP at the place, is told apart by the window (`Slots::holds`).
+        let interior = b.tag | tag::INTERIOR;
+        for k in 0..len as usize - 1 {
+            // SAFETY: k < len: an entry within the allocation; one field is written through the
+            // allocation's own pointer.
+            unsafe {
+                std::ptr::addr_of_mut!((*base.add(k)).wr.wr_id)
+                    .write(interior | first.wrapping_add(k as u64) & tag::SEQ_MASK)
+            };
+        }
         // SAFETY: len >= 1 (`prepare_batch`): the last entry is within the allocation; one
         // field is written through the allocation's own pointer.
         unsafe {
             std::ptr::addr_of_mut!((*base.add(len as usize - 1)).wr.wr_id)
-                .write(b.tag | first.wrapping_add(len - 1) as u64)
+                .write(b.tag | first.wrapping_add(len as u64 - 1) & tag::SEQ_MASK)
         };
         // The region into the batch's first slot, uncommitted, as in `post_prepared`; the
         // batch's other slots stay empty, and the mark says the first one stands for them.
         m.send.put_batch(len, mr, b.wr_id);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive (its owner is in `m`, which `b.key` names: the place, its
-        // generation, never reused, and the lane). The list is the batch's `len` entries,
+        // SAFETY: the QP is alive (its owner is in `m`, which `b.key` names: its attach
+        // number, never reused, names one QP of one lane). The list is the batch's `len` entries,
         // linked in order and NULL-terminated, each over its own scatter list in the same
         // allocation, alive for the call; `prepare_batch` lowered each for this very QP against
         // the region now in the slot (`rearm` takes back no other), where it is out of Rust's
         // reach until the last request's completion retires the batch.
         let ret = unsafe { m.provider_post_send(std::ptr::addr_of_mut!((*base).wr), &mut bad) };
         if ret == 0 {
-            m.send.tail = m.send.tail.wrapping_add(len);
+            m.send.commit(len);
             return Ok(());
         }
         Err(batch_refused(m, b, ret, bad))
@@ -256,7 +269,7 @@ fn batch_refused(m: &mut Member, b: &mut PreparedBatch, ret: i32, bad: *mut ffi:
         return Error::call("ibv_post_send", ret, None);
     }
     if bad.is_null() {
-        m.send.tail = m.send.tail.wrapping_add(b.len);
+        m.send.commit(b.len);
         return post_list_failed(m, ret, false, "ibv_post_send");
     }
     // Named at entry `posted` (> 0): the ones before it were posted. The batch takes their
@@ -268,11 +281,11 @@ fn batch_refused(m: &mut Member, b: &mut PreparedBatch, ret: i32, bad: *mut ffi:
         .map_or(b.len, |k| k as u32);
     let first = m.send.tail;
     m.send.mark_batch(posted);
-    m.send.tail = first.wrapping_add(posted);
+    m.send.commit(posted);
     m.orphan = Some((first, posted));
     let flushed = m.set_error().is_ok();
     // Nothing posted from now on can run, whether or not the QP could be moved there.
-    m.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+    m.failed.get_or_insert(Fault::Moved);
     Error::Call {
         op: "ibv_post_send",
         addr: None,

@@ -55,8 +55,8 @@ pub struct Wc {
     pub(super) wr_id: u64,
     pub(super) f: Fields,
     pub(super) place: u16,
-    pub(super) gen: u16,
-    pub(super) lane: u32,
+    /// Its QP's attach number (`LaneQp`); 0 for the convenient path's.
+    pub(super) attach: u64,
     pub(super) flags: u8,
 }
 
@@ -135,7 +135,7 @@ impl Wc {
     /// not attached: see [`Wc::qp_num`]).
     #[inline]
     pub fn qp(&self) -> Option<LaneQp> {
-        self.is_lane().then_some(LaneQp { place: self.place, gen: self.gen, lane: self.lane })
+        self.is_lane().then_some(LaneQp { attach: self.attach, place: self.place })
     }
 
     /// The QP number.

@@ -124,20 +124,29 @@
 //!   the caller between two polls loses nothing. Completions that another QP's teardown reaps
 //!   are kept, in order, for the next poll.
 //! - **Stale completions retire nothing.** Each `wr_id` the lane posts names the QP's place
-//!   in the lane, that place's generation, and the slot's sequence number; a completion of a
-//!   QP removed from the lane (or of an earlier QP at the same place) matches no slot. A place
-//!   whose generations are used up (8,192 QPs attached and removed there) is never used
-//!   again, so no handle, prepared work request or stale completion of an earlier QP can be
-//!   taken for a later one's.
+//!   in the lane, its queue, and a 45-bit sequence number. A place's sequence numbers continue
+//!   across the QPs attached there (the lane keeps, per place and queue, the next one, and a
+//!   new QP at the place starts its slots there), so every tag the lane posts at a place is
+//!   new until 2^45 postings there. A completion is taken only when its sequence number is in
+//!   its queue's window of outstanding work: a completion of a QP removed from the lane (or of
+//!   any earlier QP at the place) names a number before the window, and so does one the
+//!   device hands out twice (its slot retired the first time); either retires nothing, and
+//!   says nothing of the QP's state. (The window is at most the queue's depth, and completions
+//!   come out of the CQ in order, so a stale one is met long before its number could come
+//!   round again.) The QP number must match too. Handles and prepared work requests name
+//!   their QP by an attach number drawn from one process-wide `u64` count, never reused, so
+//!   no handle, prepared work request or batch of an earlier QP (of this lane or another) is
+//!   taken for a later one's. A QP made with [`Lane::qp_init`] and never attached posts
+//!   through its convenient path only, whose tags carry that path's bit: none of its
+//!   completions, however late, matches a lane's queue.
 //! - **A batch's region is held until the device is done with all of it.** It sits in the
 //!   batch's first slot until the completion of the batch's *last* request, which the queue
 //!   delivers after every earlier one ran (or was flushed: a failure moves the QP to the error
 //!   state, so the last request always completes). The other requests' completions (failures
-//!   and flushes only; they are unsignaled) carry a tag with no sequence number, which retires
-//!   nothing. A batch the provider took only part of keeps its region until the flush of the
+//!   and flushes only; they are unsignaled) carry an interior tag, which retires nothing. A batch the provider took only part of keeps its region until the flush of the
 //!   last request taken, or, when none comes, until its QP is destroyed.
 //! - **A prepared work request posts only what it was checked for.** It names its QP by
-//!   handle (place, generation, lane), so it is refused once that QP is removed and by any
+//!   handle (place and attach number), so it is refused once that QP is removed and by any
 //!   other lane; it takes back only the region it was checked against (recognised by the
 //!   region's number, unique in the process and never reused, unlike an address); while it is
 //!   posted it holds no region, so posting it twice, or reaching its memory, is refused.
@@ -171,6 +180,7 @@ use crate::verbs::cq::CompletionQueue;
 use crate::verbs::device::VerbsContext;
 use crate::verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
 use crate::verbs::pd::ProtectionDomain;
+use crate::verbs::qp::connect::KnownError;
 use crate::verbs::qp::{QpInit, QueuePair};
 use crate::verbs::ring::Hold;
 use crate::verbs::wc::WorkCompletion;
@@ -204,37 +214,25 @@ pub const MAX_LIST: usize = 16;
 /// Completions taken from the CQ per `ibv_poll_cq`.
 const POLL_BATCH: usize = 16;
 
-/// The generation of a place that is never used again (beyond `tag::GEN_MASK`).
-const RETIRED: u16 = u16::MAX;
-
 /// How long teardown waits for flushed completions before destroying a QP anyway.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A QP attached to a lane: its place there. Cheap to copy; meaningful only to the lane that
-/// gave it (another lane, or this one after [`Lane::remove`], refuses it).
+/// A QP attached to a lane: its place there, and the number of its attach. Cheap to copy;
+/// meaningful only to the lane that gave it (another lane, or this one after [`Lane::remove`],
+/// refuses it).
 #[derive(Clone, Copy, Debug)]
-#[repr(C, align(8))]
 pub struct LaneQp {
     place: u16,
-    gen: u16,
-    /// The lane's own number ([`Lane::new`] draws it), so another lane's handle is refused.
-    lane: u32,
-}
-
-impl LaneQp {
-    /// Its three fields as one word: one-to-one, which is all equality and hashing need, and
-    /// on a little-endian machine the very word in memory (`repr(C)`), so a post compares a
-    /// handle with one load and one compare instead of three.
-    #[inline(always)]
-    fn bits(self) -> u64 {
-        (self.place as u64) | (self.gen as u64) << 16 | (self.lane as u64) << 32
-    }
+    /// The number of the attach that made it: drawn from one process-wide count, never reused,
+    /// so no other attach (at any place of any lane) has it.
+    attach: u64,
 }
 
 impl PartialEq for LaneQp {
+    /// By the attach's number alone, which names the place too: one compare.
     #[inline(always)]
     fn eq(&self, other: &LaneQp) -> bool {
-        self.bits() == other.bits()
+        self.attach == other.attach
     }
 }
 
@@ -242,12 +240,32 @@ impl Eq for LaneQp {}
 
 impl std::hash::Hash for LaneQp {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.bits().hash(h)
+        self.attach.hash(h)
     }
 }
 
-/// The numbers lanes are given, one each.
-static NEXT_LANE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+/// The numbers attaches are given, one each, in every lane of the process. A `u64` counted up
+/// by one per attach never wraps (an attach creates a QP: at a million a second, 584,000
+/// years).
+static NEXT_ATTACH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Why a member's QP can run nothing more: posts are refused with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    /// A completion of it failed with this status, or came flushed.
+    Completion(u32),
+    /// The lane moved it to the error state ([`Lane::set_error`], or a post the provider
+    /// failed without saying which work requests it took).
+    Moved,
+    /// The peer disconnected.
+    PeerLeft,
+    /// It was in the error state when it was attached, as its own path knew (moved there,
+    /// its connection gone, or a completion that failed there).
+    BeforeAttach(KnownError),
+    /// A lane's wait that ran out found it in the error state with no completion of its own
+    /// saying why (on RC, the peer's RDMA access with a bad rkey does this to the responder).
+    Silent,
+}
 
 /// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -274,15 +292,16 @@ struct Member {
     post_send: ops::PostSend,
     post_recv: ops::PostRecv,
     qp_num: u32,
-    /// Its handle: place, generation and lane (what `member` and a `DestKey` must match).
+    /// Its handle: place and attach number (what `member` and a `DestKey` must match).
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
     max_send_sge: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
     mtu: u32,
-    /// A completion of it failed (not a flush), or the lane moved it to the error state:
-    /// nothing posted now can run (and rxe never flushes a receive posted then).
-    failed: Option<u32>,
+    /// Why it is in the error state, once that is known (a completion failed or came flushed,
+    /// the lane moved it there, its connection is gone, or it was found there): nothing posted
+    /// now can run (and rxe never flushes a receive posted then).
+    failed: Option<Fault>,
     /// The status and vendor error of the first failed completion of a batch's interior work
     /// request (not a flush): the batch's own completion, which comes next for this QP (a
     /// flush then), carries it.
@@ -291,7 +310,7 @@ struct Member {
     /// sequence number of its first slot and how many of its requests were posted. Its last
     /// posted request is an interior one, so that one's completion (a flush: the QP was moved
     /// to the error state) retires it.
-    orphan: Option<(u32, u32)>,
+    orphan: Option<(u64, u32)>,
     send: Slots,
     recv: Slots,
     dests: Vec<Dest>,
@@ -302,15 +321,17 @@ impl Member {
         self.mtu != 0
     }
 
-    /// When the batch's interior request `index` is the last one posted of a batch the
-    /// provider took only part of (`orphan`): the sequence number through which it retires.
-    fn orphan_done(&mut self, index: u32) -> Option<u32> {
+    /// When the batch's interior request with sequence number `seq` (whole) is the last one
+    /// posted of a batch the provider took only part of (`orphan`): the sequence number through
+    /// which it retires.
+    fn orphan_done(&mut self, seq: u64) -> Option<u64> {
         let (first, posted) = self.orphan?;
-        if index.wrapping_add(1) != posted {
+        let last = first.wrapping_add(posted as u64 - 1);
+        if seq != last {
             return None;
         }
         self.orphan = None;
-        Some(first.wrapping_add(posted - 1))
+        Some(last)
     }
 
     /// The fields of a batch's own completion: flushed after one of its interior requests
@@ -334,7 +355,7 @@ impl Member {
         let ret =
             unsafe { ffi::ibv_modify_qp(self.raw.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
         crate::error::check_ibv(ret, "ibv_modify_qp(ERR)")?;
-        self.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+        self.failed.get_or_insert(Fault::Moved);
         Ok(())
     }
 }
@@ -387,8 +408,8 @@ impl Drop for Member {
 struct Retiring {
     place: u16,
     recv: bool,
-    /// The sequence number the completion names (the last slot it retires).
-    upto: u32,
+    /// The sequence number (whole) the completion names (the last slot it retires).
+    upto: u64,
     /// Its index in the poll buffer.
     wc: u8,
 }
@@ -396,15 +417,15 @@ struct Retiring {
 /// One thread's data path: a completion queue and the QPs that complete on it. See the
 /// [module docs](self).
 pub struct Lane {
-    /// Its number, carried by its handles ([`LaneQp`]).
-    id: u32,
     cq_raw: NonNull<ffi::ibv_cq>,
     /// The provider's `poll_cq` for it (`ops`), read once.
     poll_cq: ops::PollCq,
     /// Boxed: finding a place's member is then one load and a null test.
     members: Vec<Option<Box<Member>>>,
-    /// Each place's generation (kept across removals, so a new QP at a place is told apart).
-    gens: Vec<u16>,
+    /// Each place's next sequence numbers, of its send and its receive queue: kept across
+    /// removals, so the QP attached there next continues them, and no tag of an earlier QP at
+    /// the place is ever in its window (`Slots::holds`).
+    next_seq: Vec<[u64; 2]>,
     /// Completions taken from the CQ and not yet handed out: `wcs[at..n]`.
     wcs: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH],
     n: u8,
@@ -445,27 +466,17 @@ impl Lane {
     /// hold what every attached QP may have outstanding: the sum of their queue depths.
     ///
     /// # Errors
-    /// As for [`CompletionQueue::new`]; [`Error::InvalidArgument`] once the process has made
-    /// 2^32 - 1 lanes (a lane's number is never reused: another lane's handles and prepared
-    /// work requests are told apart by it).
+    /// As for [`CompletionQueue::new`].
     pub fn new(ctx: &VerbsContext, depth: u32) -> Result<Lane> {
-        // Never wraps: a reused number would let a handle or a prepared work request of a
-        // dropped lane (its raw address handle included) pass for one of this lane's.
-        let id = NEXT_LANE
-            .fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |n| {
-                n.checked_add(1)
-            })
-            .map_err(|_| Error::InvalidArgument("Lane::new: the process has used up its lane numbers".into()))?;
         let cq = CompletionQueue::new_exclusive(ctx, depth)?;
         let cq_raw = NonNull::new(cq.as_raw()).ok_or_else(|| Error::InvalidArgument("CQ without a handle".into()))?;
         // SAFETY: the CQ was just made, and `cq` (kept in the lane, dropped last) holds it.
         let poll_cq = unsafe { ops::poll_cq_of(cq_raw) }?;
         Ok(Lane {
-            id,
             cq_raw,
             poll_cq,
             members: Vec::new(),
-            gens: Vec::new(),
+            next_seq: Vec::new(),
             wcs: [const { MaybeUninit::uninit() }; POLL_BATCH],
             n: 0,
             at: 0,
@@ -500,9 +511,16 @@ impl Lane {
     /// [`UdEndpoint`](crate::UdEndpoint) or [`UdQp`](crate::UdQp). From now on its work goes
     /// through the lane, and the lane owns it (until [`Lane::remove`] or the lane's drop).
     ///
+    /// A QP already in the error state (its own path saw a completion fail, found it there, or
+    /// moved it there; its connection is gone; or the device says so) is attached with that
+    /// failure: the lane refuses its posts with the cause ([`Error::QpInError`]), since nothing
+    /// posted to it can run.
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when its QP completes on another CQ,
-    /// takes receives from an SRQ, or has work outstanding on its convenient path.
+    /// takes receives from an SRQ, has work outstanding on its convenient path, or had a
+    /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
+    /// for good).
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
         match self.check_attach(owner.lane_qp()) {
             Ok(()) => {}
@@ -524,6 +542,13 @@ impl Lane {
         }
         if qp.srq().is_some() {
             return Err(Error::InvalidArgument("attach: a lane does not serve QPs on a shared receive queue".into()));
+        }
+        if qp.batch_leaked() {
+            return Err(Error::InvalidArgument(
+                "attach: a WrBatch of this QP was leaked (mem::forget) before complete() or its drop: the provider's \
+                 send queue may still be locked by it, so a post through the lane would wait for ever"
+                    .into(),
+            ));
         }
         let q = qp.queues();
         if q.send.outstanding() + q.recv.outstanding() > 0 || q.send_kept.len() + q.recv_kept.len() > 0 {
@@ -557,18 +582,28 @@ impl Lane {
             Ok(f) => f,
             Err(e) => return Err((e, owner)),
         };
-        let vacant = |(i, m): (usize, &Option<Box<Member>>)| m.is_none() && self.gens[i] != RETIRED;
-        let place = match self.members.iter().enumerate().position(vacant) {
+        // What the QP's own path knows of it being in the error state; else the device's word
+        // (a QP there with nothing saying why takes receives that never complete).
+        let failed = match qp.known_error() {
+            Some(k) => Some(Fault::BeforeAttach(k)),
+            None => match qp.state() {
+                Ok(crate::status::QpState::Error) => Some(Fault::Silent),
+                _ => None,
+            },
+        };
+        let place = match self.members.iter().position(Option::is_none) {
             Some(p) => p,
             None if self.members.len() <= u16::MAX as usize => {
                 self.members.push(None);
-                self.gens.push(0);
+                self.next_seq.push([0, 0]);
                 self.members.len() - 1
             }
             None => return Err((Error::InvalidArgument("attach: a lane serves at most 65536 QPs".into()), owner)),
         };
-        let gen = self.gens[place];
-        let key = LaneQp { place: place as u16, gen, lane: self.id };
+        let attach = NEXT_ATTACH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = LaneQp { attach, place: place as u16 };
+        // The place's sequence numbers continue where its last QP's stopped.
+        let [send_seq, recv_seq] = self.next_seq[place];
         let m = Member {
             key,
             raw,
@@ -578,11 +613,11 @@ impl Lane {
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
             mtu,
-            failed: None,
+            failed,
             batch_error: None,
             orphan: None,
-            send: Slots::new(send_depth, tag::queue_hi(place as u16, gen, false)),
-            recv: Slots::new(recv_depth, tag::queue_hi(place as u16, gen, true)),
+            send: Slots::new(send_depth, tag::queue_hi(place as u16, false), send_seq),
+            recv: Slots::new(recv_depth, tag::queue_hi(place as u16, true), recv_seq),
             dests: Vec::new(),
             owner,
         };
@@ -593,7 +628,7 @@ impl Lane {
     #[inline(always)]
     fn member(&mut self, qp: LaneQp) -> Result<&mut Member> {
         match self.members.get_mut(qp.place as usize) {
-            Some(Some(m)) if m.key == qp => Ok(m),
+            Some(Some(m)) if m.key.attach == qp.attach => Ok(m),
             _ => Err(unknown_qp()),
         }
     }
@@ -662,7 +697,7 @@ impl Lane {
     pub(crate) fn with_owner(&mut self, qp: LaneQp, f: impl FnOnce(&mut dyn std::any::Any) -> bool) -> Result<()> {
         let m = self.member(qp)?;
         if f(m.owner.as_any_mut()) {
-            m.failed.get_or_insert(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+            m.failed.get_or_insert(Fault::PeerLeft);
         }
         Ok(())
     }
@@ -679,10 +714,13 @@ impl Lane {
         self.member(qp)?;
         self.drain(Some(qp.place));
         let place = qp.place as usize;
-        // A place whose generations are used up is never used again: a handle, a prepared
-        // work request or a stale completion of an earlier QP there can then never be taken
-        // for a later one's.
-        self.gens[place] = if self.gens[place] == tag::GEN_MASK { RETIRED } else { self.gens[place] + 1 };
+        // The next QP at the place continues its sequence numbers, so no tag this one posted
+        // (a stale completion of it, reaped later) is ever in that QP's window; and the next
+        // QP's handle has another attach number, so this one's handle and prepared work
+        // requests stay refused.
+        if let (Some(Some(m)), Some(next)) = (self.members.get(place), self.next_seq.get_mut(place)) {
+            *next = [m.send.tail, m.recv.tail];
+        }
         drop(self.members[place].take());
         Ok(())
     }
@@ -747,14 +785,17 @@ impl Lane {
         if wc.wr_id & tag::CRATE != 0 {
             return false;
         }
-        let (recv, gen, place, seq) = tag::decode(wc.wr_id);
+        let (recv, place, seq) = tag::decode(wc.wr_id);
         if !mine(place) {
             return false;
         }
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
-        if m.key.gen != gen || m.qp_num != wc.qp_num {
+        if m.qp_num != wc.qp_num {
             return true; // stale: retires nothing
         }
+        let slots = if recv { &mut m.recv } else { &mut m.send };
+        // Outside the window: an earlier QP's at the place, or one handed out twice.
+        let Some(seq) = slots.holds(seq) else { return true };
         // A batch's interior work request retires nothing: its batch retires with its last,
         // or, when only part of it was posted, with this one if it was the last posted.
         let through = if wc.wr_id & tag::INTERIOR != 0 { m.orphan_done(seq) } else { Some(seq) };

@@ -83,6 +83,77 @@ impl Lane {
         self.poll_more(max, done, ask > 1, f)
     }
 
+    /// Polls until `f` has been handed at least one completion (up to `max`), or `timeout` has
+    /// passed; returns how many. It spins (a lane never sleeps: [`Lane::poll_with`] is what
+    /// it calls).
+    ///
+    /// When it runs out, it asks the device for the state of every attached QP not yet known
+    /// to have failed (`ibv_query_qp`, once each: the slow path only). A QP found in the
+    /// error state with no completion of its own saying why (on RC, the peer's RDMA WRITE,
+    /// READ or atomic with a bad rkey moves the responder there silently, and rxe then never
+    /// completes a receive posted to it) is recorded as failed: its posts are refused with the
+    /// cause from then on, and the wait fails naming it.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when nothing came in time and no QP was found in the error state;
+    /// [`Error::QpInError`] for the first QP found there (the others found are recorded too);
+    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    pub fn wait_with(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        mut f: impl FnMut(Wc, Option<MemoryRegion>),
+    ) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = self.poll_with(max, &mut f)?;
+            if n > 0 || max == 0 {
+                return Ok(n);
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        self.check_silent_errors("Lane::wait")?;
+        Err(Error::Timeout {
+            op: "Lane::wait",
+            timeout,
+            addr: None,
+            hint: Some("nothing completed on the lane's CQ; no attached QP is in the error state"),
+        })
+    }
+
+    /// [`Lane::wait_with`] for one completion, as [`Lane::poll`] hands it out.
+    ///
+    /// # Errors
+    /// As for [`Lane::wait_with`].
+    pub fn wait(&mut self, timeout: Duration) -> Result<Completion> {
+        let mut out = None;
+        self.wait_with(1, timeout, |wc, mr| out = Some(Completion::new(wc, mr)))?;
+        out.ok_or(Error::Timeout { op: "Lane::wait", timeout, addr: None, hint: None })
+    }
+
+    /// Asks the device for the state of every member not yet known to have failed; records
+    /// those found in the error state (`Fault::Silent`) and names the first.
+    #[cold]
+    #[inline(never)]
+    fn check_silent_errors(&mut self, op: &'static str) -> Result<()> {
+        let mut first = None;
+        for m in self.members.iter_mut().flatten() {
+            if m.failed.is_some() {
+                continue;
+            }
+            if m.owner.lane_qp().state()? == crate::status::QpState::Error {
+                m.failed = Some(Fault::Silent);
+                if first.is_none() {
+                    first = Some(qp_in_error(m, Fault::Silent, op));
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
     /// The general loop of `poll_with`: hands out completions until `max` (counting the `done`
     /// already handed out) or until the CQ has nothing (`dry`: a poll of it in this call gave
     /// fewer than it asked for, so it is not polled again). It takes the closure by value (a
@@ -182,10 +253,10 @@ impl Lane {
         // `refill_from_deferred`) initialised wcs[..n], or (`poll_with`'s one-completion case,
         // `i` 0, before it sets `n`) the provider's poll just returned that one entry there.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return Start::Nothing };
-        // The tag's queue, place and generation, compared whole with its queue's (`Slots::hi`);
-        // a completion of the convenient path or of a batch's interior request has a bit set
+        // The tag's queue and place, compared whole with its queue's (`Slots::hi`); a
+        // completion of the convenient path or of a batch's interior request has a bit set
         // that no queue's `hi` has, and goes to `unmatched` (through `start_rest`).
-        let hi = (wc.wr_id >> 32) as u32;
+        let hi = tag::hi_of(wc.wr_id);
         let (place, recv) = (hi as u16, wc.wr_id & tag::RECV != 0);
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return Start::Unmatched };
         let m = &mut **m;
@@ -193,19 +264,21 @@ impl Lane {
         if slots.hi != hi || m.qp_num != wc.qp_num {
             return Start::Unmatched;
         }
-        let (seq, gen, lane) = (wc.wr_id as u32, m.key.gen, self.id);
-        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-            // Any error but a flush puts the QP in the error state (a flush says it is there).
-            m.failed.get_or_insert(wc.status);
-        }
-        if slots.head == seq && slots.tail != seq {
-            // The common case: it retires one slot, the oldest.
+        // The common case: it names the oldest outstanding slot (its sequence number's 45
+        // bits are `head`'s), and retires it alone. A sequence number outside the window
+        // (an earlier QP's at the place, or one handed out twice) goes to `start_rare`, which
+        // retires nothing for it.
+        if (wc.wr_id ^ slots.head) & tag::SEQ_MASK == 0 && slots.tail != slots.head {
             let (mr, wr_id) = slots.pop();
+            if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+                // Any error but a flush puts the QP in the error state (a flush says it is there).
+                m.failed.get_or_insert(Fault::Completion(wc.status));
+            }
             let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
-            f(Wc { wr_id, f: Fields::of(wc), place, gen, lane, flags }, mr);
+            f(Wc { wr_id, f: Fields::of(wc), place, attach: m.key.attach, flags }, mr);
             return Start::Handed;
         }
-        Start::Rare { place, recv, seq }
+        Start::Rare { place, recv, seq: wc.wr_id & tag::SEQ_MASK }
     }
 
     /// The rest of `start`, for a completion `start_common` did not hand out: one whose tag
@@ -233,7 +306,7 @@ impl Lane {
         &mut self,
         place: u16,
         recv: bool,
-        seq: u32,
+        seq: u64,
         i: u8,
         mut f: G,
     ) -> (bool, G) {
@@ -246,26 +319,28 @@ impl Lane {
         &mut self,
         place: u16,
         recv: bool,
-        seq: u32,
+        seq: u64,
         i: u8,
         f: &mut impl FnMut(Wc, Option<MemoryRegion>),
     ) -> bool {
         // The member `start_common` just matched (tag and QP number): nothing has changed since.
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
         let slots = if recv { &mut m.recv } else { &mut m.send };
-        if !slots.holds(seq) {
-            return false;
+        // Outside the window: stale, retires nothing (and says nothing of this QP's state).
+        let Some(seq) = slots.holds(seq) else { return false };
+        // SAFETY: as in `start_common`.
+        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
+        if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
+            m.failed.get_or_insert(Fault::Completion(wc.status));
         }
+        let slots = if recv { &mut m.recv } else { &mut m.send };
         let mark = slots.head_mark();
-        if mark > 1 && seq == slots.head.wrapping_add(mark - 1) {
+        if mark > 1 && seq == slots.head.wrapping_add(mark as u64 - 1) {
             // A prepared batch, the oldest outstanding: it retires whole, here (the general
             // loop's `retire` would do the same, at the cost of the detour).
             let (mr, wr_id) = slots.pop_batch(mark);
-            let (gen, lane) = (m.key.gen, self.id);
-            // SAFETY: as in `start_common`.
-            let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
             let fields = m.batch_fields(Fields::of(wc));
-            f(Wc { wr_id, f: fields, place, gen, lane, flags: SIGNALED | LANE }, mr);
+            f(Wc { wr_id, f: fields, place, attach: m.key.attach, flags: SIGNALED | LANE }, mr);
             return true;
         }
         self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
@@ -295,22 +370,25 @@ impl Lane {
         if wc.wr_id & tag::INTERIOR == 0 {
             return false;
         }
-        let hi = (wc.wr_id >> 32) as u32 & tag::HI_MASK & !((tag::INTERIOR >> 32) as u32);
+        // An interior tag is a send's: its queue's `hi` with `INTERIOR`.
+        let hi = tag::hi_of(wc.wr_id) & !tag::hi_of(tag::INTERIOR);
         let place = hi as u16;
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
-        // An interior tag is a send's: its queue's `hi` without `INTERIOR`.
         if m.send.hi != hi || m.qp_num != wc.qp_num {
             return false;
         }
+        // Its own slot's sequence number, stamped at the post: outside the window, it is an
+        // earlier QP's at the place (or handed out twice), and says nothing of this one.
+        let Some(seq) = m.send.holds(wc.wr_id & tag::SEQ_MASK) else { return false };
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
-            m.failed.get_or_insert(wc.status);
+            m.failed.get_or_insert(Fault::Completion(wc.status));
             if wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
                 m.batch_error.get_or_insert((wc.status, wc.vendor_err));
             }
         }
         // The last posted request of a batch the provider took only part of: the batch retires
         // with it (through `retire`, which hands the batch out with this completion).
-        if let Some(upto) = m.orphan_done(wc.wr_id as u32) {
+        if let Some(upto) = m.orphan_done(seq) {
             self.retiring = Some(Retiring { place, recv: false, upto, wc: i });
             self.backlog = true;
         }
@@ -324,13 +402,12 @@ impl Lane {
     #[cold]
     #[inline(never)]
     fn retire(&mut self, r: Retiring, room: usize, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> usize {
-        let lane = self.id;
         let Some(Some(m)) = self.members.get_mut(r.place as usize) else {
             // Never: a QP stays in place while its completion is handed out.
             self.retiring = None;
             return 0;
         };
-        let (gen, recv) = (m.key.gen, if r.recv { RECV } else { 0 });
+        let (attach, recv) = (m.key.attach, if r.recv { RECV } else { 0 });
         let mut k = 0;
         while k < room {
             let slots = if r.recv { &mut m.recv } else { &mut m.send };
@@ -338,13 +415,13 @@ impl Lane {
             let (last, (mr, wr_id)) = if mark <= 1 {
                 (slots.head == r.upto, slots.pop())
             } else {
-                (r.upto.wrapping_sub(slots.head) < mark, slots.pop_batch(mark))
+                (r.upto.wrapping_sub(slots.head) < mark as u64, slots.pop_batch(mark))
             };
             k += 1;
             if !last {
                 // An unsignaled work request (or batch) that ran before the one the completion
                 // names.
-                f(Wc { wr_id, f: Fields::default(), place: r.place, gen, lane, flags: recv | LANE }, mr);
+                f(Wc { wr_id, f: Fields::default(), place: r.place, attach, flags: recv | LANE }, mr);
                 continue;
             }
             self.retiring = None;
@@ -352,7 +429,7 @@ impl Lane {
             let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
             let fields = fields.unwrap_or_default();
             let fields = if mark > 1 { m.batch_fields(fields) } else { fields };
-            let wc = Wc { wr_id, f: fields, place: r.place, gen, lane, flags: recv | SIGNALED | LANE };
+            let wc = Wc { wr_id, f: fields, place: r.place, attach, flags: recv | SIGNALED | LANE };
             f(wc, mr);
             break;
         }
@@ -382,7 +459,7 @@ impl Lane {
         let (done, _) = self.cq.router().route(wc)?;
         let raw = done.to_raw();
         let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
-        Some(Wc { wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, gen: 0, lane: 0, flags })
+        Some(Wc { wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, attach: 0, flags })
     }
 
     #[cold]
@@ -433,5 +510,6 @@ enum Start {
     /// Its tag matches no member.
     Unmatched,
     /// A member's, in one of `start_rare`'s cases.
-    Rare { place: u16, recv: bool, seq: u32 },
+    /// `seq` is the low 45 bits of its sequence number, as its tag carries them.
+    Rare { place: u16, recv: bool, seq: u64 },
 }

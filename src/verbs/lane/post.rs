@@ -30,7 +30,7 @@ impl Lane {
         // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
         // is a valid value.
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
-        let id = tag::encode(qp.place, qp.gen, seq, false);
+        let id = tag::encode(qp.place, seq, false);
         if let Err(e) = wr.lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
             return Err(Rejected::new(e, wr.mr));
         }
@@ -91,7 +91,7 @@ impl Lane {
                 base.add(k as usize).write(mem::zeroed());
                 &mut *base.add(k as usize)
             };
-            let id = tag::encode(qp.place, qp.gen, seq.wrapping_add(k), false);
+            let id = tag::encode(qp.place, seq.wrapping_add(k as u64), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
             if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
                 staging.k = 0;
@@ -119,7 +119,7 @@ impl Lane {
         // by `SendWr::lower`, and every region sits in a slot until a completion retires it.
         let ret = unsafe { m.provider_post_send(base, &mut bad) };
         if ret == 0 {
-            m.send.tail = seq.wrapping_add(k);
+            m.send.tail = seq.wrapping_add(k as u64);
             return Ok(k as usize);
         }
         Err(list_refused(m, ret, rejected_from(bad, base, k as usize), k))
@@ -161,7 +161,7 @@ impl Lane {
                 base.add(k as usize).write(mem::zeroed());
                 &mut *base.add(k as usize)
             };
-            let id = tag::encode(qp.place, qp.gen, m.send.tail.wrapping_add(k), false);
+            let id = tag::encode(qp.place, m.send.tail.wrapping_add(k as u64), false);
             // The one that takes the last free slot is signaled, so a full queue drains.
             w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize])?;
             if k + 1 < count {
@@ -186,7 +186,7 @@ impl Lane {
                 k += 1;
             }
         }
-        m.send.tail = m.send.tail.wrapping_add(posted);
+        m.send.commit(posted);
         if ret == 0 {
             return Ok(posted as usize);
         }
@@ -215,7 +215,7 @@ impl Lane {
             Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
         let mut raw = ffi::ibv_recv_wr {
-            wr_id: tag::encode(qp.place, qp.gen, seq, true),
+            wr_id: tag::encode(qp.place, seq, true),
             next: std::ptr::null_mut(),
             sg_list: &mut wr.sge,
             num_sge,
@@ -267,7 +267,7 @@ impl Lane {
                 std::ptr::null_mut()
             };
             let entry = ffi::ibv_recv_wr {
-                wr_id: tag::encode(qp.place, qp.gen, m.recv.tail.wrapping_add(k), true),
+                wr_id: tag::encode(qp.place, m.recv.tail.wrapping_add(k as u64), true),
                 next,
                 sg_list: sge[k as usize].as_mut_ptr(),
                 num_sge,
@@ -291,7 +291,7 @@ impl Lane {
                 k += 1;
             }
         }
-        m.recv.tail = m.recv.tail.wrapping_add(posted);
+        m.recv.commit(posted);
         if ret == 0 {
             return Ok(posted as usize);
         }

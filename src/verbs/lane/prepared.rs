@@ -354,7 +354,7 @@ impl Lane {
             sge,
             of,
             key: qp,
-            tag: tag::encode(qp.place, qp.gen, 0, false),
+            tag: tag::encode(qp.place, 0, false),
             flags,
             wr_id: wr.wr_id,
             mr: Some(wr.mr),
@@ -381,7 +381,7 @@ impl Lane {
         let sge = Sges::new(wr.sge);
         let raw = ffi::ibv_recv_wr { wr_id: 0, next: std::ptr::null_mut(), sg_list: sge.as_ptr(), num_sge };
         let of = wr.mr.inner().serial();
-        let tag = tag::encode(qp.place, qp.gen, 0, true);
+        let tag = tag::encode(qp.place, 0, true);
         Ok(PreparedRecv { raw, sge, of, key: qp, tag, wr_id: wr.wr_id, mr: Some(wr.mr) })
     }
 
@@ -417,7 +417,7 @@ impl Lane {
         }
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };
         let seq = m.recv.tail;
-        p.raw.wr_id = p.tag | seq as u64;
+        p.raw.wr_id = p.tag | seq & tag::SEQ_MASK;
         // Into the slot before the call, committed, as in `post_one`.
         m.recv.put(0, mr, p.wr_id);
         m.recv.tail = seq.wrapping_add(1);
@@ -479,7 +479,7 @@ impl Lane {
                 }
             };
             m.send.put(k, mr, p.wr_id);
-            p.raw.wr_id = tag::encode(key.place, key.gen, tail.wrapping_add(k), false);
+            p.raw.wr_id = tag::encode(key.place, tail.wrapping_add(k as u64), false);
             if k + 1 == free {
                 // The one that takes the last free slot is signaled, so a full queue drains
                 // (its flags are put back below).
@@ -498,7 +498,7 @@ impl Lane {
             p.raw.send_flags = p.flags;
         }
         if ret == 0 {
-            m.send.tail = tail.wrapping_add(count);
+            m.send.commit(count);
             return Ok(count as usize);
         }
         Err(list_refused(m, ps, ret, bad))
@@ -524,15 +524,15 @@ fn unstage_list(m: &mut Member, ps: &mut [PreparedSend], k: u32, error: Error) -
 fn post_one(m: &mut Member, p: &mut PreparedSend) -> Result<()> {
     let Some(mr) = p.mr.take() else { return Err(not_armed()) };
     let seq = m.send.tail;
-    p.raw.wr_id = p.tag | seq as u64;
+    p.raw.wr_id = p.tag | seq & tag::SEQ_MASK;
     // The region goes into the slot at `tail` before the call, and the slot is committed:
     // then nothing but `m` and `p` is held across the call. When the provider did not take
     // the request, the slot is emptied again (`post_refused`).
     m.send.put(0, mr, p.wr_id);
     m.send.tail = seq.wrapping_add(1);
     let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
-    // SAFETY: the QP is alive (its owner is in `m`, which `p.key` named: the place, its
-    // generation, which is never reused, and the lane). `p.raw` is one NULL-terminated work
+    // SAFETY: the QP is alive (its owner is in `m`, which `p.key` named: its attach number,
+    // never reused, names one QP of one lane). `p.raw` is one NULL-terminated work
     // request (a list post unlinks its requests before it returns) over `p.sge` (its
     // `sg_list`, set when it was prepared; the allocation lives as long as `p`), lowered by
     // `prepare_send` for this very QP against the region now in the slot, which `rearm` made
@@ -573,7 +573,7 @@ fn list_refused(m: &mut Member, ps: &mut [PreparedSend], ret: i32, bad: *mut ffi
     for (j, p) in ps.iter_mut().enumerate().skip(posted as usize) {
         p.mr = m.send.unput_at(j as u32);
     }
-    m.send.tail = m.send.tail.wrapping_add(posted);
+    m.send.commit(posted);
     post_list_failed(m, ret, posted < count, "ibv_post_send")
 }
 

@@ -7,19 +7,20 @@ pub(super) struct Slots {
     slots: Box<[Slot]>,
     mask: u32,
     pub(super) depth: u32,
-    /// Sequence number of the oldest outstanding work request.
-    pub(super) head: u32,
-    /// Sequence number the next one gets (wrapping; at most `depth` apart from `head`).
-    pub(super) tail: u32,
+    /// Sequence number of the oldest outstanding work request. A place's sequence numbers
+    /// continue across the QPs attached there (`Lane::next_seq`); a tag carries their low 45
+    /// bits (`tag::SEQ_MASK`).
+    pub(super) head: u64,
+    /// Sequence number the next one gets (at most `depth` apart from `head`).
+    pub(super) tail: u64,
     /// Beside each slot, 0, or the length of the prepared batch whose first slot it is
     /// ([`super::PreparedBatch`]: one region in that slot, the batch's other slots empty). Only
     /// a batch writes it and only its retiring resets it: the common post and poll never read
     /// it.
     spans: Box<[u32]>,
-    /// Bits 63..32 of this queue's ordinary tags (`tag::queue_hi`): its member's generation and
-    /// place (`tag::hi`), and `RECV` for the receive queue. An ordinary completion's tag carries
-    /// it whole, so the poll finds the queue and compares one word; a batch's interior tag
-    /// (`INTERIOR`) never does.
+    /// Bits 63..45 of this queue's ordinary tags (`tag::queue_hi`): its member's place, and
+    /// `RECV` for the receive queue. An ordinary completion's tag carries it whole, so the poll
+    /// finds the queue and compares one word; a batch's interior tag (`INTERIOR`) never does.
     pub(super) hi: u32,
 }
 
@@ -30,22 +31,33 @@ struct Slot {
 
 impl Slots {
     /// Room for `depth` outstanding work requests, of the queue whose ordinary tags carry `hi`
-    /// in bits 63..32 (see `hi`).
-    pub(super) fn new(depth: u32, hi: u32) -> Slots {
+    /// in bits 63..45 (see `hi`), its first work request numbered `start`.
+    pub(super) fn new(depth: u32, hi: u32, start: u64) -> Slots {
         let len = depth.max(1).next_power_of_two();
         Slots {
             slots: (0..len).map(|_| Slot { mr: None, wr_id: 0 }).collect(),
             spans: vec![0; len as usize].into_boxed_slice(),
             mask: len - 1,
             depth,
-            head: 0,
-            tail: 0,
+            head: start,
+            tail: start,
             hi,
         }
     }
     #[inline(always)]
     pub(super) fn outstanding(&self) -> u32 {
-        self.tail.wrapping_sub(self.head)
+        // At most `depth` apart: the difference fits.
+        self.tail.wrapping_sub(self.head) as u32
+    }
+    /// The ring index of sequence number `seq`.
+    #[inline(always)]
+    fn index(&self, seq: u64) -> usize {
+        (seq as u32 & self.mask) as usize
+    }
+    /// Advances `tail` by `k` (work requests the provider took).
+    #[inline(always)]
+    pub(super) fn commit(&mut self, k: u32) {
+        self.tail = self.tail.wrapping_add(k as u64);
     }
     #[inline(always)]
     pub(super) fn free(&self) -> u32 {
@@ -56,7 +68,7 @@ impl Slots {
     /// not. The slot holds nothing then (see below).
     #[inline(always)]
     pub(super) fn put(&mut self, k: u32, mr: MemoryRegion, wr_id: u64) {
-        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+        let i = self.index(self.tail.wrapping_add(k as u64));
         debug_assert!(i < self.slots.len());
         // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
         // is in bounds.
@@ -80,7 +92,7 @@ impl Slots {
     /// Takes back the region `put` at `tail + k` (uncommitted), and a batch's mark there.
     #[cold]
     pub(super) fn unput_at(&mut self, k: u32) -> Option<MemoryRegion> {
-        let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+        let i = self.index(self.tail.wrapping_add(k as u64));
         if let Some(span) = self.spans.get_mut(i) {
             *span = 0;
         }
@@ -91,7 +103,7 @@ impl Slots {
     /// mark of 1 is an ordinary slot's: `pop` may leave it behind, and it means what 0 does.)
     #[inline(always)]
     pub(super) fn mark_batch(&mut self, len: u32) {
-        let i = (self.tail & self.mask) as usize;
+        let i = self.index(self.tail);
         debug_assert!(i < self.spans.len() && len >= 1);
         // SAFETY: `spans.len()` is `mask + 1`, as `slots.len()` (`Slots::new`).
         unsafe { *self.spans.get_unchecked_mut(i) = len };
@@ -99,7 +111,7 @@ impl Slots {
     /// `mark_batch` and `put` at `tail`, the slot's index computed once: a batch's post.
     #[inline(always)]
     pub(super) fn put_batch(&mut self, len: u32, mr: MemoryRegion, wr_id: u64) {
-        let i = (self.tail & self.mask) as usize;
+        let i = self.index(self.tail);
         debug_assert!(i < self.slots.len() && i < self.spans.len() && len >= 1);
         // SAFETY: `spans.len()` and `slots.len()` are `mask + 1` (`Slots::new`): `i`, masked,
         // is in bounds of both. The slot is free, as in `put` (whose argument holds here: the
@@ -115,7 +127,7 @@ impl Slots {
     /// else 0 or 1 (an ordinary slot).
     #[inline(always)]
     pub(super) fn head_mark(&self) -> u32 {
-        let i = (self.head & self.mask) as usize;
+        let i = self.index(self.head);
         debug_assert!(i < self.spans.len());
         // SAFETY: `spans.len()` is `mask + 1` (`Slots::new`), so `i`, masked, is in bounds.
         unsafe { *self.spans.get_unchecked(i) }
@@ -124,13 +136,13 @@ impl Slots {
     /// batch's other slots, which hold nothing: its region and `wr_id`.
     #[inline]
     pub(super) fn pop_batch(&mut self, mark: u32) -> (Option<MemoryRegion>, u64) {
-        if let Some(s) = self.spans.get_mut((self.head & self.mask) as usize) {
+        if let Some(s) = self.spans.get_mut(self.index(self.head)) {
             *s = 0;
         }
         // Never past `tail`, whatever the mark says.
         let skip = (mark.max(1) - 1).min(self.outstanding().saturating_sub(1));
         let out = self.pop();
-        self.head = self.head.wrapping_add(skip);
+        self.head = self.head.wrapping_add(skip as u64);
         out
     }
     /// Retires the oldest slot, a batch or an ordinary one (`pop_batch` or `pop`).
@@ -147,21 +159,31 @@ impl Slots {
     #[inline(never)]
     pub(super) fn release_staged(&mut self, count: u32) {
         for k in 0..count {
-            let i = (self.tail.wrapping_add(k) & self.mask) as usize;
+            let i = self.index(self.tail.wrapping_add(k as u64));
             if let Some(s) = self.slots.get_mut(i) {
                 drop(s.mr.take());
             }
         }
     }
-    /// Whether `seq` is outstanding.
+    /// Whether the work request whose tag carries `seq` (a sequence number's low 45 bits) is
+    /// outstanding: the sequence number, resolved against the window, when it is. A completion
+    /// of an earlier QP at the place, or one handed out twice, names a sequence number before
+    /// `head` (the place's numbers continue across its QPs), so it is not: it resolves to none
+    /// until the place's sequence numbers wrap, 2^45 postings later.
     #[inline(always)]
-    pub(super) fn holds(&self, seq: u32) -> bool {
-        seq.wrapping_sub(self.head) < self.outstanding()
+    pub(super) fn holds(&self, seq: u64) -> Option<u64> {
+        let ahead = seq.wrapping_sub(self.head) & tag::SEQ_MASK;
+        (ahead < self.outstanding() as u64).then(|| self.head.wrapping_add(ahead))
+    }
+    /// Whether the sequence number `seq` (whole) is outstanding.
+    #[inline(always)]
+    pub(super) fn holds_whole(&self, seq: u64) -> bool {
+        seq.wrapping_sub(self.head) < self.outstanding() as u64
     }
     /// Retires the oldest work request: its region and `wr_id`.
     #[inline(always)]
     pub(super) fn pop(&mut self) -> (Option<MemoryRegion>, u64) {
-        let i = (self.head & self.mask) as usize;
+        let i = self.index(self.head);
         self.head = self.head.wrapping_add(1);
         debug_assert!(i < self.slots.len());
         // SAFETY: `slots.len()` is `mask + 1` (a power of two, `Slots::new`), so `i`, masked,
@@ -169,10 +191,10 @@ impl Slots {
         let s = unsafe { self.slots.get_unchecked_mut(i) };
         (s.mr.take(), s.wr_id)
     }
-    /// Retires every slot through `seq` (a completion a teardown reaped): their regions.
-    pub(super) fn retire_through(&mut self, seq: u32) -> Vec<MemoryRegion> {
+    /// Retires every slot through `seq` (whole; a completion a teardown reaped): their regions.
+    pub(super) fn retire_through(&mut self, seq: u64) -> Vec<MemoryRegion> {
         let mut out = Vec::new();
-        while self.holds(seq) {
+        while self.holds_whole(seq) {
             out.extend(self.pop_span().0);
         }
         out
@@ -182,14 +204,15 @@ impl Slots {
         let n = self.outstanding();
         let start = self.head;
         self.head = self.tail;
-        (0..n).filter_map(move |k| self.slots[(start.wrapping_add(k) & self.mask) as usize].mr.take())
+        let mask = self.mask;
+        (0..n).filter_map(move |k| self.slots[(start.wrapping_add(k as u64) as u32 & mask) as usize].mr.take())
     }
 
     /// Takes the staged slots `tail + from .. tail + to` back out.
     pub(super) fn take_staged(&mut self, from: u32, to: u32) -> Vec<(u64, MemoryRegion)> {
         let mut out = Vec::new();
         for j in from..to {
-            let i = (self.tail.wrapping_add(j) & self.mask) as usize;
+            let i = self.index(self.tail.wrapping_add(j as u64));
             if let Some(s) = self.slots.get_mut(i) {
                 if let Some(mr) = s.mr.take() {
                     out.push((s.wr_id, mr));
@@ -205,35 +228,56 @@ mod tests {
     use super::*;
 
     #[test]
-    fn slots_wrap_and_refuse_sequence_numbers_outside_the_window() {
-        let mut s = Slots::new(3, 0);
+    fn slots_refuse_sequence_numbers_outside_the_window_across_the_45_bit_wrap() {
+        // A place's sequence numbers continue across its QPs: start just before the tags' 45
+        // bits wrap.
+        let start = tag::SEQ_MASK - 1;
+        let mut s = Slots::new(3, 0, start);
         assert_eq!((s.slots.len(), s.free()), (4, 3));
-        // Start near the wrap of the 32-bit sequence numbers.
-        s.head = u32::MAX - 1;
-        s.tail = u32::MAX - 1;
         for k in 0..3 {
-            assert!(!s.holds(s.tail.wrapping_add(k)));
+            assert!(s.holds(s.tail.wrapping_add(k) & tag::SEQ_MASK).is_none());
         }
-        s.tail = s.tail.wrapping_add(3);
+        s.commit(3);
         assert_eq!(s.free(), 0);
-        assert!(s.holds(u32::MAX - 1) && s.holds(u32::MAX) && s.holds(0));
-        assert!(!s.holds(1) && !s.holds(u32::MAX - 2));
+        // The tags carry the low 45 bits; the window resolves them to the whole number.
+        assert_eq!(s.holds(tag::SEQ_MASK - 1), Some(start));
+        assert_eq!(s.holds(tag::SEQ_MASK), Some(start + 1));
+        assert_eq!(s.holds(0), Some(start + 2), "past the wrap of the tag's bits");
+        assert!(s.holds(1).is_none() && s.holds(tag::SEQ_MASK - 2).is_none());
         let _ = s.pop();
-        assert!(!s.holds(u32::MAX - 1), "a retired one is stale");
+        assert!(s.holds(tag::SEQ_MASK - 1).is_none(), "a retired one is stale: handed out twice, it retires nothing");
         assert_eq!(s.free(), 1);
     }
 
     #[test]
+    fn a_later_qp_at_a_place_holds_none_of_an_earlier_ones_sequence_numbers() {
+        // The earlier QP posted 10 and retired 6 of them before it was removed; the next one at
+        // the place starts where it stopped (`Lane::next_seq`).
+        let mut earlier = Slots::new(8, tag::queue_hi(4, true), 1000);
+        earlier.commit(10.min(earlier.depth));
+        for _ in 0..6 {
+            let _ = earlier.pop();
+        }
+        let mut later = Slots::new(8, tag::queue_hi(4, true), earlier.tail);
+        later.commit(8);
+        assert_eq!(later.hi, earlier.hi, "the same place and queue: only the sequence number tells them apart");
+        for seq in 1000..earlier.tail {
+            assert!(later.holds(seq & tag::SEQ_MASK).is_none(), "{seq}");
+        }
+        for seq in later.head..later.tail {
+            assert_eq!(later.holds(seq & tag::SEQ_MASK), Some(seq));
+        }
+    }
+
+    #[test]
     fn a_batch_mark_retires_its_slots_as_one_across_both_wraps_and_never_past_tail() {
-        // A ring of 8; the batch's first slot at ring index 6 and sequence u32::MAX - 1, so
-        // both the ring index and the sequence number wrap inside the batch.
-        let mut s = Slots::new(7, 0);
-        s.head = u32::MAX - 3;
-        s.tail = u32::MAX - 3;
-        s.tail = s.tail.wrapping_add(2); // two ordinary requests, no regions (none needed here)
+        // A ring of 8; the batch's first slot at ring index 6 and sequence 2^45 - 1, so both
+        // the ring index and the tag's sequence bits wrap inside the batch.
+        let mut s = Slots::new(7, 0, tag::SEQ_MASK - 2);
+        s.commit(2); // two ordinary requests, no regions (none needed here)
         s.mark_batch(5);
         assert_eq!(s.head_mark(), 0, "the mark is at tail, not at head");
-        s.tail = s.tail.wrapping_add(5);
+        s.commit(5);
         assert_eq!(s.outstanding(), 7);
         let _ = s.pop_span();
         let _ = s.pop_span();
@@ -243,17 +287,17 @@ mod tests {
         assert_eq!(s.head_mark(), 0, "and its mark is gone");
         // A mark that claims more than is outstanding stops at tail.
         s.mark_batch(6);
-        s.tail = s.tail.wrapping_add(2);
+        s.commit(2);
         let _ = s.pop_span();
         assert_eq!(s.outstanding(), 0);
         // A mark taken back with its region (a batch not posted) leaves an ordinary slot.
         s.mark_batch(3);
         assert!(s.unput_at(0).is_none());
-        assert_eq!(s.spans[(s.tail & s.mask) as usize], 0);
+        assert_eq!(s.spans[s.index(s.tail)], 0);
         // retire_through stops at the sequence number it is given, batches whole.
-        s.tail = s.tail.wrapping_add(1);
+        s.commit(1);
         s.mark_batch(2);
-        s.tail = s.tail.wrapping_add(2);
+        s.commit(2);
         let upto = s.tail.wrapping_sub(1);
         assert!(s.retire_through(upto).is_empty());
         assert_eq!(s.outstanding(), 0);

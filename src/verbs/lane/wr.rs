@@ -584,7 +584,7 @@ pub(super) fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Err
 pub(super) fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
     let posted = named.map_or(k, |p| p as u32);
     let returned = m.send.take_staged(posted, k);
-    m.send.tail = m.send.tail.wrapping_add(posted);
+    m.send.commit(posted);
     RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
 }
 
@@ -664,7 +664,7 @@ pub(super) fn ud_needs_dest(missing: bool) -> Error {
 #[cold]
 pub(super) fn refusal(m: &Member, op: &'static str) -> Error {
     match m.failed {
-        Some(status) => qp_in_error(m, status, op),
+        Some(fault) => qp_in_error(m, fault, op),
         None => Error::QueueFull { queue: "send", depth: m.send.depth },
     }
 }
@@ -672,21 +672,41 @@ pub(super) fn refusal(m: &Member, op: &'static str) -> Error {
 #[cold]
 pub(super) fn refusal_recv(m: &Member) -> Error {
     match m.failed {
-        Some(status) => qp_in_error(m, status, "ibv_post_recv"),
+        Some(fault) => qp_in_error(m, fault, "ibv_post_recv"),
         None => Error::QueueFull { queue: "receive", depth: m.recv.depth },
     }
 }
 
-pub(super) fn qp_in_error(m: &Member, status: u32, op: &'static str) -> Error {
+pub(super) fn qp_in_error(m: &Member, fault: Fault, op: &'static str) -> Error {
     let addr = m.owner.lane_peer();
-    let cause = if status == ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-        "the lane moved it there (Lane::set_error, or the peer disconnected)".to_string()
-    } else {
+    let failed = |status: u32| {
         let st = WcStatus::from_raw(status);
         format!("a completion failed with {st}{}", st.hint().map(|h| format!(" ({h})")).unwrap_or_default())
     };
+    let cause = match fault {
+        Fault::Completion(ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR) => {
+            "a completion of it came flushed (the lane moved it there, or the peer disconnected)".to_string()
+        }
+        Fault::Completion(status) => failed(status),
+        Fault::Moved => "the lane moved it there (Lane::set_error, or a post the provider failed)".to_string(),
+        Fault::PeerLeft => "the peer disconnected".to_string(),
+        Fault::BeforeAttach(k) => {
+            let why = match k {
+                KnownError::SetError => "it had been moved there (QueuePair::set_error)".to_string(),
+                KnownError::Disconnected => "its connection was gone".to_string(),
+                KnownError::Completion(status) => failed(status),
+                KnownError::FoundInError => format!("a wait had found it there: {SILENT}"),
+            };
+            format!("it was in the error state before it was attached to the lane: {why}")
+        }
+        Fault::Silent => format!("it went there with no completion saying why: {SILENT}"),
+    };
     Error::QpInError { op, addr, cause }
 }
+
+/// The usual causes of a QP found in the error state with no completion of its own.
+const SILENT: &str = "on RC the usual cause is the peer's RDMA WRITE, READ or atomic naming a wrong rkey or a range \
+                      outside the region (the responder's QP fails silently), or a local catastrophic error (see `dmesg`)";
 
 #[cold]
 pub(super) fn poll_failed(ret: i32) -> Error {
@@ -710,7 +730,7 @@ pub(super) fn post_failed_one(
     }
     let slots = if send { &mut m.send } else { &mut m.recv };
     slots.put(0, mr, wr_id);
-    slots.tail = slots.tail.wrapping_add(1);
+    slots.commit(1);
     Err(Rejected::kept(post_list_failed(m, ret, false, op)))
 }
 

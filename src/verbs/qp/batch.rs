@@ -86,6 +86,14 @@ impl Extended {
     }
 }
 
+impl QueuePair {
+    /// A [`WrBatch`] of this QP was leaked (`mem::forget`) while open: the provider's send
+    /// queue may still be locked by it, so a post through any path could wait for ever.
+    pub(crate) fn batch_leaked(&self) -> bool {
+        self.ex.is_some_and(|e| e.open)
+    }
+}
+
 /// The refusal of a send on a QP whose batch was leaked.
 pub(super) fn leaked(op: &'static str) -> Error {
     Error::InvalidArgument(format!(

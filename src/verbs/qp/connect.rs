@@ -296,8 +296,9 @@ impl UnconnectedQp {
         Ok(UnconnectedQp { qp, params, local, link_layer: port.link_layer, reset: false })
     }
 
-    /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`; its CQs are made
-    /// on the PD's context unless `init` names them) and leaves it in RESET, for a
+    /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`, or
+    /// `ibv_create_qp_ex` for the extended send path of [`QpInit::extended_ops`]; its CQs are
+    /// made on the PD's context unless `init` names them) and leaves it in RESET, for a
     /// connection-manager id to adopt (`RouteResolved::adopt_qp`, `ConnectRequest::adopt_qp`),
     /// which moves it to INIT with the CM's port, P_Key and access rights. This is `rping -q`'s
     /// way: the QP exists before the route. The PD must be on the id's device context.
@@ -308,14 +309,21 @@ impl UnconnectedQp {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for empty queues, or CQs or an SRQ of another device or PD;
-    /// [`Error::Call`] when `ibv_create_qp` fails (with the device-limits hint).
+    /// [`Error::Call`] when `ibv_create_qp` fails (with the device-limits hint);
+    /// [`Error::Unsupported`] when the provider has no extended QP for the operations asked.
     pub fn new_reset(pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<UnconnectedQp> {
         let mut init = init;
         init.datagrams = false;
+        let ops = init.send_ops;
         let qp = QueuePair::create(
             pd,
             init,
             |attr| {
+                // The extended send path, when asked for (`QpInit::extended_ops`), as `new`
+                // makes it: the QP is created once, so the choice is made here.
+                if !ops.is_empty() {
+                    return crate::verbs::extended::create_qp_ex(pd, attr, ops);
+                }
                 // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
                 // QueuePair::create); attr is fully initialised.
                 check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")
@@ -483,5 +491,38 @@ mod tests {
         assert_eq!(path_mtu_limit(&port(256, 4096)), 4096);
         assert!(1024 <= path_mtu_limit(&port(256, 4096)));
         assert_eq!(path_mtu_limit(&port(1024, 1024)), 1024);
+    }
+}
+
+/// What a QP's own path knows of it being in the error state: what a [`Lane`] that takes the
+/// QP over carries on (`Lane::attach`), so that its posts are refused with the cause.
+///
+/// [`Lane`]: crate::verbs::lane::Lane
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KnownError {
+    /// Its owner moved it there ([`QueuePair::set_error`]).
+    SetError,
+    /// Its peer left (or the device went away), or this side disconnected.
+    Disconnected,
+    /// A completion of it failed with this status (not a flush).
+    Completion(u32),
+    /// A wait that ran out found it there with no completion saying why.
+    FoundInError,
+}
+
+impl QueuePair {
+    /// Whether, and why, this QP's own path knows it to be in the error state.
+    pub(crate) fn known_error(&self) -> Option<KnownError> {
+        if self.errored {
+            return Some(KnownError::SetError);
+        }
+        if self.peer_left || self.closing {
+            return Some(KnownError::Disconnected);
+        }
+        match self.queues().failed {
+            Some(crate::verbs::ring::Failure::Completion(status)) => Some(KnownError::Completion(status)),
+            Some(crate::verbs::ring::Failure::FoundInError) => Some(KnownError::FoundInError),
+            None => None,
+        }
     }
 }
