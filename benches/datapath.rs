@@ -8,7 +8,7 @@
 //! room for the GRH, on a UD pair through rdma_cm. Both ends of the connection are driven from one thread, so each figure is the full cost of
 //! the operation through the device, with no thread hand-off.
 //!
-//! The `lane` group is the fast path (`rdma_cm::lane`): send/recv, WRITE and a WRITE batch of
+//! The `lane` group is the fast path (`rdma_cm::verbs::lane`): send/recv, WRITE and a WRITE batch of
 //! 16 under one doorbell, beside the same raw calls. The fast path's twins of the other rows
 //! are named `prep` (prepared work requests on lanes, each completion re-arming its request):
 //! `post_poll/write_4sge/prep`, `post_poll/fetch_add/prep`, `post_poll/ud_send/prep` and
@@ -29,7 +29,7 @@ use std::mem::MaybeUninit;
 use common::{criterion, pair, raw_write_sg, zeroed, PairSpec, Side};
 use criterion::{criterion_group, criterion_main, Criterion};
 use rdma_cm::ffi;
-use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
 use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion};
 
 fn connected() -> (Side, Side) {
@@ -457,7 +457,7 @@ fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
     assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
 }
 
-/// The fast path (`rdma_cm::lane`): post plus poll of one send/recv and of one RDMA WRITE, and
+/// The fast path (`rdma_cm::verbs::lane`): post plus poll of one send/recv and of one RDMA WRITE, and
 /// a batch of 16 WRITEs under one doorbell (the last one signaled, one poll reaping them), each
 /// beside the raw calls on the same lane's QPs and CQs.
 fn lane_post_poll(c: &mut Criterion) {

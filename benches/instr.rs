@@ -24,7 +24,7 @@
 //! After a warm-up (which also resolves the lazy symbol bindings), the counters are zeroed with
 //! callgrind's `ZERO_STATS` client request, so only the N measured iterations count.
 //!
-//! The fast path, [`rdma_cm::lane`], has a `-lane` variant of each (`send-lane`, `write-lane`,
+//! The fast path, [`rdma_cm::verbs::lane`], has a `-lane` variant of each (`send-lane`, `write-lane`,
 //! `write4-lane`): the same operations through a lane per side, whose CQ serves both queues of
 //! its QP. Three more operations come as `raw`, `crate` and `lane`: `fadd-*` (an atomic
 //! fetch-and-add into the peer's first 8 bytes, the original value into 8 bytes of the local
@@ -34,9 +34,9 @@
 //! WRITE by the harness).
 //!
 //! Each lane operation has a `-prep` variant too: the same work through prepared work requests
-//! ([`rdma_cm::lane::PreparedSend`]: checked and lowered once before the loop, posted with
+//! ([`rdma_cm::verbs::lane::PreparedSend`]: checked and lowered once before the loop, posted with
 //! `post_prepared`, re-armed with the region each completion hands back). `batch-prep` is a
-//! [`rdma_cm::lane::PreparedBatch`]: the sixteen WRITEs over one region, posted with
+//! [`rdma_cm::verbs::lane::PreparedBatch`]: the sixteen WRITEs over one region, posted with
 //! `post_batch`, whose one completion hands the region back. `batch-rawpre` is raw as a loop
 //! that builds its list of sixteen once and posts it again and again (`batch-raw` builds it
 //! at every post, as the other raw rows build their work request). The other operations'
@@ -287,13 +287,13 @@ fn main() {
     println!("instr: variant {variant} iterations {n} empty_polls {empties}");
 }
 
-/// The fast path (`rdma_cm::lane`) beside raw `rdma-sys`, and the operations added with it
+/// The fast path (`rdma_cm::verbs::lane`) beside raw `rdma-sys`, and the operations added with it
 /// (fetch-and-add, UD send, a WRITE batch of 16) through every path.
 mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
     use rdma_cm::ffi;
-    use rdma_cm::lane::{Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::verbs::lane::{Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
     use rdma_cm::{
         AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
         GRH_LEN,
@@ -406,7 +406,7 @@ mod lane_bench {
     /// The lane: posts one datagram of `mr[0..LEN]` to `dest`.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_lane_post_ud(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, dest: rdma_cm::lane::DestKey) {
+    pub fn instr_lane_post_ud(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, dest: rdma_cm::verbs::lane::DestKey) {
         lane.post_send(qp, LSend::send(mr, 0..LEN).to(dest)).unwrap();
     }
 

@@ -25,7 +25,7 @@
 //! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
 //! perftest's format, to read next to `ib_send_lat`.
 //!
-//! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::lane`),
+//! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::verbs::lane`),
 //! the crate's fast path and the one for performance-sensitive code: one thread owns the CQ and
 //! the QP, posts and polls take no lock, and each work request moves its region into the lane
 //! until its completion hands it back (`common/fast.rs`; the server does the same on its side).
@@ -43,7 +43,7 @@ use common::{
     fail, fill_pattern, micros, print_latency_table, resolve_host, Doorbell, Mode, Request, Stopwatch, DEFAULT_PORT,
     LEGACY_SIZE, MAX_SIZE,
 };
-use rdma_cm::lane::{self, Lane};
+use rdma_cm::verbs::lane::{self, Lane};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr,
     RemoteRegion, SendWr, WorkQueue,

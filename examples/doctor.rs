@@ -61,7 +61,7 @@ fn watch(secs: u64) -> rdma_cm::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    let report = rdma_cm::diagnostics::diagnose(args.size);
+    let report = rdma_cm::verbs::diagnostics::diagnose(args.size);
     println!("{report}");
     if args.watch > 0 {
         if let Err(e) = watch(args.watch) {

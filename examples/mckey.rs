@@ -149,7 +149,7 @@ fn pattern(i: usize) -> u8 {
 /// `message_size` + 40 bytes), the send buffer, and the membership.
 struct Node {
     // Dropped first: leaves the group (the endpoint's QP may go before or after; see
-    // rdma_cm::multicast).
+    // rdma_cm::cm::multicast).
     mc: Option<Multicast>,
     ep: McastEndpoint,
     recv: Vec<MemoryRegion>,

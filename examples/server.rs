@@ -21,7 +21,7 @@
 //! SIGINT/SIGTERM stop it cleanly.
 //!
 //! A client's latency table (send, write or read mode, more than one iteration) and its stream
-//! of sends are served on a lane (`rdma_cm::lane`), the crate's fast path and the one for
+//! of sends are served on a lane (`rdma_cm::verbs::lane`), the crate's fast path and the one for
 //! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
 //! request moves its region into the lane until its completion hands it back
 //! (`common/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
-use rdma_cm::lane::{self, Lane, Wc};
+use rdma_cm::verbs::lane::{self, Lane, Wc};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
     QueuePair, RecvWr, SendWr, Server, WorkQueue,

@@ -71,8 +71,7 @@
 //! moves it through its states with the attributes the CM gives (`rdma_init_qp_attr`) at the
 //! points librdmacm's rules put them, and to the error state when either side disconnects. It
 //! is a [`QueuePair`] in every other way. There is one QP type, made by the verbs wing; the CM
-//! only drives it (see [`cm::adopt`]). [`UserQp`] with `attach_qp` is the deprecated spelling
-//! from before, a wrapper of an [`UnconnectedQp`] in RESET. [`Connection::shutdown`] destroys the QP without waiting
+//! only drives it (see [`cm::adopt`]). [`Connection::shutdown`] destroys the QP without waiting
 //! for the peer's answer to the disconnect, as rdma-core's `cmtime` does;
 //! [`Connection::disconnect`] is `shutdown` and [`Disconnecting::wait`].
 //!
@@ -85,7 +84,7 @@
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  cm/      librdmacm, on top of the verbs:
 //!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
-//!           adopt (a verbs QP driven by an id, Link) ◄── user_qp (deprecated UserQp)
+//!           adopt (a verbs QP driven by an id, Link)
 //!           ud_cm, multicast   conn_param   expect   step   private_data
 //!           lane_cm (connections and UD endpoints as a lane's owners; Lane::handle_event)
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
@@ -105,9 +104,8 @@
 //! The one circle is `cm_id ↔ event_channel`. The verbs wing is usable without the connection
 //! manager: a [`QueuePair`] is made and driven on it, and the CM's wing drives one through the
 //! `Link` trait (`verbs/link.rs`) it implements, both for the QPs librdmacm makes (`cm_qp`) and
-//! for a verbs-wing [`UnconnectedQp`] an id adopts (`adopt`). Every type is re-exported at the crate root, which is
-//! the path to use; the modules' paths from before the wings (`rdma_cm::qp`,
-//! `rdma_cm::connection`, …) still work.
+//! for a verbs-wing [`UnconnectedQp`] an id adopts (`adopt`). The types most programs use are
+//! re-exported at the crate root; everything else is in its wing's module.
 //!
 //! ## Verbs without the connection manager
 //!
@@ -117,7 +115,7 @@
 //! back the [`QueuePair`] that sends, so no send can come before RTS, as on the CM path. A UD
 //! QP comes from a port and a Q_Key ([`UdQp::new`]). [`PeerInfo`] speaks rdma-core's pingpong
 //! wire form; `examples/rc_pingpong`, `ud_pingpong` and `srq_pingpong` interoperate with
-//! `ibv_rc_pingpong`, `ibv_ud_pingpong` and `ibv_srq_pingpong`. See [`qp::connect`].
+//! `ibv_rc_pingpong`, `ibv_ud_pingpong` and `ibv_srq_pingpong`. See [`qp::connect`](verbs::qp::connect).
 //!
 //! ```no_run
 //! use rdma_cm::{devices, ProtectionDomain, QpInit, RcParams, UnconnectedQp, VerbsContext};
@@ -149,7 +147,7 @@
 //!
 //! so whatever order values are dropped in, each C object is destroyed after everything that
 //! uses it: QP before CQs, SRQ, PD and id; MR before PD; id before channel. The verbs layer
-//! ([`device`], [`pd`], [`mr`], [`cq`], [`srq`], [`qp`]) knows nothing of connection
+//! ([`device`](verbs::device), [`pd`](verbs::pd), [`mr`](verbs::mr), [`cq`](verbs::cq), [`srq`](verbs::srq), [`qp`](verbs::qp)) knows nothing of connection
 //! management: a QP made through `rdma_create_qp` holds its id through a link the connection
 //! layer gives it.
 //!
@@ -172,7 +170,7 @@
 //! ## Soundness of the data path
 //!
 //! Posting moves a clone of the [`MemoryRegion`] handle into the QP's slot table; reaping the
-//! completion releases it. A work request of several pieces ([scatter/gather](wr#scattergather),
+//! completion releases it. A work request of several pieces ([scatter/gather](verbs::wr#scattergather),
 //! up to [`MAX_SGE`]) holds every piece's region the same way, until the same completion. What
 //! is guaranteed, exactly:
 //!
@@ -191,14 +189,14 @@
 //!
 //! A UD send also holds its [`AddressHandle`] in the send ring's address-handle table (one
 //! entry per slot, made with the QP) until its slot is retired, so the handle outlives every
-//! send that names it, however the caller drops it (see [`ud`]).
+//! send that names it, however the caller drops it (see [`ud`](verbs::ud)).
 //!
 //! A bound [`MemoryWindow`] ([`BoundWindow`]) holds its whole region the same way, as a writer
 //! when it grants remote writes, until it is unbound or dropped; an invalidation holds the
 //! region until its completion (see [`verbs::mw`]).
 //!
 //! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
-//! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`] and [`ffi`] remain for experts.
+//! receives only. See [`qp`](verbs::qp) and [`mr`](verbs::mr). [`QueuePair::as_raw`] and [`ffi`] remain for experts.
 //! Post and poll make no heap allocation.
 //!
 //! ## Thread safety
@@ -370,7 +368,7 @@
 //! ([`VerbsContext::async_events`]), which has an `AsFd` of its own (an `epoll` descriptor, so
 //! safe code cannot take events the library must acknowledge), and is also delivered to the QP,
 //! CQ or SRQ it names: their waits then fail at once with [`Error::AsyncEvent`]. See
-//! [`async_event`].
+//! [`async_event`](verbs::async_event).
 //!
 //! With the `tokio` feature (off by default), every blocking step has an `_async` twin
 //! (`resolve_addr_async`, `resolve_route_async`, `connect_async`, `get_request_async`,
@@ -394,7 +392,7 @@
 //! the group go to [`Multicast::dest`]: the group's address handle, QPN `0xFFFFFF` and the
 //! join's QKey, through the same [`UdQp::post_send`] (the handle held by every posted send until
 //! its completion). Dropping the membership leaves the group; the endpoint and its memberships
-//! may be dropped in either order (see [`multicast`]). A unicast address as the group is
+//! may be dropped in either order (see [`multicast`](cm::multicast)). A unicast address as the group is
 //! refused before any call; loopback off ([`McastResolved::loopback`]) is a clear error where
 //! the device cannot block it (rxe). On RoCE v2 the kernel joins IPv4 groups only.
 //! `examples/mckey` is rdma-core's `mckey`.
@@ -453,33 +451,6 @@ pub mod status;
 pub mod verbs;
 mod wait;
 
-// The modules' paths from before the two wings (`rdma_cm::qp`, `rdma_cm::connection`, …) keep
-// working; the crate-root re-exports below are the paths to use.
-#[doc(hidden)]
-pub use cm::{addrinfo, cm_id, event_channel, hold, multicast, private_data, step, ud_cm, user_qp};
-#[doc(hidden)]
-pub use verbs::{ah, async_event, cq, diagnostics, lane, mr, pd, port, qp, srq, ud, wr};
-/// `rdma_cm::connection` from before the two wings: the typestates, `ConnParam` and the
-/// connection (now `cm::client`, `cm::server`, `cm::conn_param`, `cm::connection`).
-#[doc(hidden)]
-pub mod connection {
-    pub use crate::cm::client::*;
-    pub use crate::cm::conn_param::*;
-    pub use crate::cm::connection::*;
-    pub use crate::cm::server::*;
-}
-/// `rdma_cm::closing` from before the two wings (now in `cm::connection`).
-#[doc(hidden)]
-pub mod closing {
-    pub use crate::cm::connection::Disconnecting;
-}
-/// `rdma_cm::device` from before the two wings, with the `AsyncEvents` it re-exported.
-#[doc(hidden)]
-pub mod device {
-    pub use crate::verbs::async_event::AsyncEvents;
-    pub use crate::verbs::device::*;
-}
-
 pub use rdma_sys as ffi;
 
 pub use cm::addrinfo::{lookup, lookup_passive};
@@ -496,8 +467,6 @@ pub use cm::step::StepError;
 pub use cm::ud_cm::{
     PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
 };
-#[allow(deprecated)]
-pub use cm::user_qp::UserQp;
 pub use error::{Error, Result};
 pub use ready::{Readiness, Ready};
 pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
@@ -518,28 +487,6 @@ pub use verbs::srq::SharedReceiveQueue;
 pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use verbs::wr::{RecvWr, SendWr, MAX_SGE};
 pub use wait::FOREVER;
-
-#[cfg(test)]
-mod tests {
-    use std::any::TypeId;
-
-    /// The modules' paths from before the two wings name the same items as the crate root.
-    #[test]
-    fn module_paths_from_before_the_wings_still_work() {
-        assert_eq!(TypeId::of::<crate::connection::Client>(), TypeId::of::<crate::Client>());
-        assert_eq!(TypeId::of::<crate::connection::ServerQp>(), TypeId::of::<crate::ServerQp>());
-        assert_eq!(TypeId::of::<crate::connection::ConnParam>(), TypeId::of::<crate::ConnParam>());
-        assert_eq!(TypeId::of::<crate::connection::Connection>(), TypeId::of::<crate::Connection>());
-        assert_eq!(TypeId::of::<crate::closing::Disconnecting>(), TypeId::of::<crate::Disconnecting>());
-        assert_eq!(TypeId::of::<crate::device::AsyncEvents>(), TypeId::of::<crate::AsyncEvents>());
-        assert_eq!(TypeId::of::<crate::device::VerbsContext>(), TypeId::of::<crate::VerbsContext>());
-        assert_eq!(TypeId::of::<crate::qp::QueuePair>(), TypeId::of::<crate::QueuePair>());
-        assert_eq!(TypeId::of::<crate::cq::WorkCompletion>(), TypeId::of::<crate::WorkCompletion>());
-        assert_eq!(TypeId::of::<crate::ud::UdDest>(), TypeId::of::<crate::UdDest>());
-        assert_eq!(crate::connection::MAX_CONNECT_PRIVATE_DATA, 56);
-        assert_eq!(crate::connection::MAX_ACCEPT_PRIVATE_DATA, 196);
-    }
-}
 
 /// Compiles the README's Rust example as a doctest, so the front page cannot rot.
 #[cfg(doctest)]

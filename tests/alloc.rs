@@ -108,12 +108,12 @@ fn post_and_poll_allocate_nothing() {
     t.finish();
 }
 
-/// The fast path (`rdma_cm::lane`): 2,000 rounds of a send/recv through prepared requests, an
+/// The fast path (`rdma_cm::verbs::lane`): 2,000 rounds of a send/recv through prepared requests, an
 /// RDMA WRITE built as a `SendWr` at each post, and a prepared batch of 16 WRITEs, each posted
 /// and polled (the region handed back and re-armed) with the counter watching.
 #[test]
 fn lane_posts_and_polls_allocate_nothing() {
-    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
     const N: usize = 2_000;
     let t = DeviceTest::start();
     let spec = PairSpec {

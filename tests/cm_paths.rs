@@ -1,9 +1,8 @@
 //! Device tests of connection paths: closing with the QP destroyed before the peer's
 //! `DISCONNECTED` ([`Connection::shutdown`]); a verbs-wing QP ([`UnconnectedQp`]) that an id
 //! adopts (`adopt_qp`) and the crate drives through `rdma_init_qp_attr`, `ibv_modify_qp` and
-//! `rdma_establish`, against ourselves and against rdma-core's `rping -q`, and the deprecated
-//! spelling from before (`UserQp`, `attach_qp`), which still works; and a connect that nobody
-//! answers, which returns at its timeout, its teardown included.
+//! `rdma_establish`, against ourselves and against rdma-core's `rping -q`; and a connect that
+//! nobody answers, which returns at its timeout, its teardown included.
 
 mod common;
 
@@ -13,8 +12,6 @@ use std::sync::mpsc;
 use std::thread;
 
 use common::{pair, pattern, DeviceTest, PairSpec, T};
-#[allow(deprecated)]
-use rdma_cm::UserQp;
 use rdma_cm::{
     AccessFlags, Client, CmEventType, ConnParam, Connection, Error, GidType, MemoryRegion, QpInit, QpState, RcParams,
     RecvWr, RouteResolved, SendWr, Server, UnconnectedQp, VerbsContext, WorkQueue,
@@ -212,10 +209,8 @@ fn user_qps_connect_to_ours_and_carry_data() {
 /// `CONNECT_RESPONSE` (librdmacm reports no `ESTABLISHED` for a QP it did not make; iWARP's
 /// kernel CM moves the QP to RTS itself and reports `ESTABLISHED`), and the server's accept is
 /// started without waiting and completed with its `ESTABLISHED`, each with the minimum RNR
-/// timer it asked for ([`ConnParam::min_rnr_timer`]). Spelled the deprecated way
-/// (`UserQp::new`, `attach_qp`), which must keep working.
+/// timer it asked for ([`ConnParam::min_rnr_timer`]).
 #[test]
-#[allow(deprecated)]
 fn user_qp_connects_through_the_event_loop_steps() {
     let t = DeviceTest::start();
     let iwarp = common::caps::iwarp();
@@ -225,7 +220,7 @@ fn user_qp_connects_through_the_event_loop_steps() {
         let req = listener.get_request(T).unwrap();
         let pd = req.alloc_pd().unwrap();
         let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
-        let q = req.attach_qp(UserQp::new(&pd, QpInit::new()).unwrap()).unwrap();
+        let q = req.adopt_qp(UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap()).unwrap();
         let ch = q.id().channel().clone();
         let acc = q.start_accept(&ConnParam::new().min_rnr_timer(5)).unwrap();
         // Ready to send before the accept went out, as librdmacm's rules for a user QP say
@@ -247,7 +242,7 @@ fn user_qp_connects_through_the_event_loop_steps() {
     let ch = route.id().channel().clone();
     let pd = route.alloc_pd().unwrap();
     let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut q = route.attach_qp(UserQp::new(&pd, QpInit::new()).unwrap()).unwrap();
+    let mut q = route.adopt_qp(UnconnectedQp::new_reset(&pd, QpInit::new()).unwrap()).unwrap();
     q.post_recv(&[RecvWr::new(&mr, 0..256).wr_id(1)]).unwrap();
     let connecting = q.start(&ConnParam::new().min_rnr_timer(40)).unwrap();
     let ev = ch.get_event(T).unwrap();

@@ -1,4 +1,4 @@
-//! The fast path (`rdma_cm::lane`) on the device: RC send/recv, WRITE, READ and fetch-and-add,
+//! The fast path (`rdma_cm::verbs::lane`) on the device: RC send/recv, WRITE, READ and fetch-and-add,
 //! selective signaling and post lists, UD datagrams, and the refusals a post makes before it
 //! reaches the provider (each giving the region back). Attacks on its soundness are in
 //! `tests/lane_soundness.rs`.
@@ -7,7 +7,7 @@ mod common;
 
 use common::lane::{lane_on, lane_pair, lane_ud_pair, reap};
 use common::{pair, pattern, DeviceTest, PairSpec};
-use rdma_cm::lane::{RecvWr, SendWr};
+use rdma_cm::verbs::lane::{RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Datagram, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WorkQueue, GRH_LEN};
 
 fn spec(access: AccessFlags) -> PairSpec {

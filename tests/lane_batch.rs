@@ -16,7 +16,7 @@ use common::lane::{
     reap,
 };
 use common::{mr_count, pattern, DeviceTest, PairSpec, T};
-use rdma_cm::lane::{Lane, RecvWr, SendWr};
+use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Datagram, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WcStatus, GRH_LEN};
 
 fn spec() -> PairSpec {
@@ -30,10 +30,10 @@ fn spec() -> PairSpec {
 /// Sixteen 64-byte WRITEs of `mr`, piece `k` to `remote` at `k * 128`.
 fn writes(
     lane: &mut Lane,
-    qp: rdma_cm::lane::LaneQp,
+    qp: rdma_cm::verbs::lane::LaneQp,
     mr: MemoryRegion,
     remote: &RemoteRegion,
-) -> rdma_cm::lane::PreparedBatch {
+) -> rdma_cm::verbs::lane::PreparedBatch {
     lane.prepare_batch(qp, mr, 16, |k, mr| SendWr::write(mr, k * 64..(k + 1) * 64, remote, k as u64 * 128).wr_id(40))
         .map_err(|r| r.into_parts().0)
         .unwrap()

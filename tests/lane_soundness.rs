@@ -1,4 +1,4 @@
-//! Attempts to break the fast path's promises (`rdma_cm::lane`) with the API a user has, on the
+//! Attempts to break the fast path's promises (`rdma_cm::verbs::lane`) with the API a user has, on the
 //! device, as an outside reviewer would: dropping or forgetting a lane or a QP with work in
 //! flight, a post the provider half-takes, posting past the queue depth, a region of another
 //! protection domain, a stale QP handle after removal, a panic in the middle of handing out a
@@ -18,7 +18,7 @@ use common::lane::{
     posts_fail_naming_none, reap, LaneSide,
 };
 use common::{mr_count, pair, DeviceTest, PairSpec, T};
-use rdma_cm::lane::{Lane, LaneQp, PreparedSend, RecvWr, SendWr};
+use rdma_cm::verbs::lane::{Lane, LaneQp, PreparedSend, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Error, MemoryRegion};
 
 fn spec() -> PairSpec {
@@ -175,7 +175,7 @@ fn the_polls_one_flag_never_hides_a_buffered_or_retiring_completion() {
         }
         assert!(reap(&mut a.lane, 4).iter().all(|c| c.is_ok()));
         let mut seen = Vec::new();
-        let poll = |lane: &mut rdma_cm::lane::Lane, seen: &mut Vec<(u64, bool)>| {
+        let poll = |lane: &mut rdma_cm::verbs::lane::Lane, seen: &mut Vec<(u64, bool)>| {
             let deadline = Instant::now() + T;
             while lane.poll_with(1, |c, r| seen.push((c.wr_id(), c.is_ok() && r.is_some()))).unwrap() == 0 {
                 assert!(Instant::now() < deadline, "no completion within {T:?}");
@@ -496,7 +496,7 @@ fn removing_one_qp_keeps_the_other_qps_completions() {
     let t = DeviceTest::start();
     {
         let mut lane = lane_on(t.addr, 128);
-        let client = |lane: &rdma_cm::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
+        let client = |lane: &rdma_cm::verbs::lane::Lane| PairSpec { init: lane.qp_init(), ..spec() };
         let (a1, b1) = pair(t.addr, client(&lane), spec());
         let (a2, b2) = pair(t.addr, client(&lane), spec());
         let (pd1, pd2) = (a1.pd.clone(), a2.pd.clone());
@@ -812,7 +812,7 @@ fn a_prepared_request_of_a_removed_qp_or_another_lane_is_refused() {
         let e = lane.post_prepared(&mut p).expect_err("its QP is gone");
         assert!(e.to_string().contains("not attached"), "{e}");
         let (new, _pd2, b2) = attached_pair(&mut lane, t.addr, spec());
-        let place = |q: rdma_cm::lane::LaneQp| format!("{q:?}").split(',').next().unwrap().to_string();
+        let place = |q: rdma_cm::verbs::lane::LaneQp| format!("{q:?}").split(',').next().unwrap().to_string();
         assert_eq!(place(p.qp()), place(new), "the same place: {:?} {new:?}", p.qp());
         assert_ne!(p.qp(), new);
         let e = lane.post_prepared(&mut p).expect_err("a new QP at the same place");
@@ -877,7 +877,7 @@ fn a_prepared_request_refuses_chunks_siblings_and_reregistrations_of_its_region(
     let t = DeviceTest::start();
     {
         let (_a, mut b) = lane_pair(t.addr, spec(), spec(), 64);
-        let refused = |p: &mut rdma_cm::lane::PreparedRecv, mr: MemoryRegion| {
+        let refused = |p: &mut rdma_cm::verbs::lane::PreparedRecv, mr: MemoryRegion| {
             let r = p.rearm(mr).expect_err("a region it was not prepared with");
             assert!(r.to_string().contains("not the region"), "{r}");
             r.into_inner().expect("given back")

@@ -1,5 +1,5 @@
 //! A disconnect held while this host's own link is down (the link-flap finding, on one
-//! host: `rdma_cm::hold`). A binary of its own: it takes the device's link down, which every
+//! host: `rdma_cm::cm::hold`). A binary of its own: it takes the device's link down, which every
 //! other test on the device would feel, and may re-create the device, which the kernel allows
 //! only while no process holds it open; so this process never keeps the device open (it drives
 //! the examples as processes).
@@ -229,7 +229,7 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
 const ASYNC_CHILD: &str = "RDMA_CM_LINK_FLAP_ASYNC_CHILD";
 
 /// `disconnect_async` while this host's link is down: the disconnect is held until the port is
-/// ACTIVE again (`rdma_cm::hold`) on tokio's blocking pool, so the runtime's one thread keeps
+/// ACTIVE again (`rdma_cm::cm::hold`) on tokio's blocking pool, so the runtime's one thread keeps
 /// running: here it brings the link back up, which a hold on that thread would keep from
 /// happening until the hold's bound (60 s here). The peer hears the disconnect, and a new
 /// connection works (the host's CM is not deaf). The body runs in a child process; the parent

@@ -39,7 +39,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     ));
     let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7806", "--timeout", "5"]);
     srv.wait_line("Listening on port 7806", Duration::from_secs(60));
-    // The crate holds a disconnect while the link is down (`rdma_cm::hold`): off here, to see
+    // The crate holds a disconnect while the link is down (`rdma_cm::cm::hold`): off here, to see
     // what a teardown while down does (the held case is
     // `own_link_flap_mid_transfer_with_the_disconnect_held`).
     let (busy, _lines) = streaming_client_with(&p, "7806", "65536", "5", &["--disconnect-hold", "0"]);
@@ -405,7 +405,7 @@ fn own_link_flap_without_a_connection() {
 
 /// The crate's own mitigation, between two hosts: the example client streams RDMA WRITEs to
 /// host A when host B's link goes down; its stream fails, and its disconnect is held
-/// (`rdma_cm::hold`) until B's port is ACTIVE again, so its DREQ goes out with the link up.
+/// (`rdma_cm::cm::hold`) until B's port is ACTIVE again, so its DREQ goes out with the link up.
 /// Host B must then connect to a fresh server on host A without re-creating its device.
 #[test]
 fn own_link_flap_mid_transfer_with_the_disconnect_held() {

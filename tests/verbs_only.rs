@@ -260,7 +260,7 @@ fn unconnected_qp_dropped_with_receives_posted_releases_them() {
 /// destination. A QP on another CQ is refused, and the refusal gives the QP back whole.
 #[test]
 fn a_lane_serves_qps_made_without_the_cm() {
-    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
     let t = DeviceTest::start();
     {
         let (ctx, gidx) = open(t.addr);
@@ -368,7 +368,7 @@ fn a_lane_serves_qps_made_without_the_cm() {
 /// then post and poll, and the bytes arrive.
 #[test]
 fn a_lanes_provider_functions_outlive_every_handle_but_the_lanes() {
-    use rdma_cm::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
     let t = DeviceTest::start();
     if !common::require(common::Cap::ConnectWithoutCm) {
         return t.finish();

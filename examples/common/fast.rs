@@ -1,5 +1,5 @@
 //! The latency and rate modes' data path: a connection attached to a [`Lane`], the crate's
-//! fast path (`rdma_cm::lane`). What the examples teach about it:
+//! fast path (`rdma_cm::verbs::lane`). What the examples teach about it:
 //!
 //! - the QP is created with the lane's CQ ([`Lane::qp_init_from`]) and, once connected,
 //!   handed to the lane ([`Lane::attach`] takes the [`Connection`]);
@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdma_cm::lane::{Completion, Lane, LaneQp, Wc};
+use rdma_cm::verbs::lane::{Completion, Lane, LaneQp, Wc};
 use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 
 /// Empty polls between two looks at the clock and at the CM events (every 16 once sleeping):

@@ -18,9 +18,6 @@
 //! their completions are reaped, the same bounded flush runs when it is dropped, and the
 //! typestates offer receives only until the connection exists (an [`UnconnectedQp`] lends no
 //! mutable QP, so nothing is sent before RTS).
-//!
-//! [`UserQp`](crate::UserQp) (`crate::cm::user_qp`) is the spelling from before: a deprecated
-//! wrapper of an [`UnconnectedQp`] in RESET.
 
 use std::net::SocketAddr;
 use std::os::fd::RawFd;

@@ -20,8 +20,6 @@ use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel};
 use crate::cm::expect::expect_async;
 use crate::cm::expect::{check_event, context_of, expect, with_opt_addr};
 use crate::cm::step::StepError;
-#[allow(deprecated)]
-use crate::cm::user_qp::UserQp;
 use crate::error::{check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
@@ -260,19 +258,6 @@ impl RouteResolved {
         Ok(ClientQp { id: self.id, qp, user: true })
     }
 
-    /// [`RouteResolved::adopt_qp`] with a [`UserQp`], the spelling from before.
-    ///
-    /// # Errors
-    /// As for [`RouteResolved::adopt_qp`].
-    #[deprecated(
-        since = "0.1.0",
-        note = "use adopt_qp with an UnconnectedQp (UnconnectedQp::new_reset for UserQp::new)"
-    )]
-    #[allow(deprecated)]
-    pub fn attach_qp(self, qp: UserQp) -> Result<ClientQp> {
-        self.adopt_qp(qp.into_unconnected())
-    }
-
     /// The id.
     pub fn id(&self) -> &CmId {
         &self.id
@@ -432,7 +417,7 @@ pub(crate) fn is_iwarp(id: &CmId) -> bool {
 }
 
 /// Whether the crate moves the client's QP to RTS and completes the handshake itself: a
-/// [`UserQp`] on InfiniBand's CM. On iWARP the kernel's CM does both for any QP.
+/// QP the id adopted, on InfiniBand's CM. On iWARP the kernel's CM does both for any QP.
 fn crate_drives(id: &CmId, user: bool) -> bool {
     user && !is_iwarp(id)
 }

@@ -87,7 +87,7 @@
 //! [`Connection::disconnect`] is `shutdown` followed by [`Disconnecting::wait`].
 //!
 //! Every disconnect (these, [`Connection::start_disconnect`] and a connection's drop) first
-//! waits, bounded, while the id's own port is down ([`crate::hold`]): a CM message sent while
+//! waits, bounded, while the id's own port is down ([`crate::cm::hold`]): a CM message sent while
 //! the link is down leaves the host's CM deaf on the kernels tested, and a disconnect held until
 //! the port is `ACTIVE` again does not.
 //!
@@ -127,7 +127,7 @@ use crate::verbs::qp::QueuePair;
 /// An established RC connection: the QP for the data path, and the id for its events.
 ///
 /// Dropping it disconnects (unless the peer left first); while the id's port is down that
-/// drop waits for the port first, bounded ([`crate::hold`]).
+/// drop waits for the port first, bounded ([`crate::cm::hold`]).
 pub struct Connection {
     // Dropped first (after Drop::drop disconnects): the QP holds its own Arc of the id.
     pub(crate) qp: QueuePair,
@@ -147,7 +147,7 @@ impl Connection {
 
     /// `rdma_disconnect`, after moving an adopted QP to ERR (librdmacm does that only for its
     /// own QPs).
-    /// Held first while the id's port is down (`crate::hold`).
+    /// Held first while the id's port is down (`crate::cm::hold`).
     pub(crate) fn send_disconnect(&self) -> Result<()> {
         if self.user_qp {
             adopt::to_error(&self.qp)?;
@@ -229,7 +229,7 @@ impl Connection {
     /// Starts a disconnect without waiting for the peer (`rdma_disconnect`; the QP goes to the
     /// error state): the id's `DISCONNECTED` follows, for an event loop to read. Returns whether
     /// it was sent. While the id's port is down it first waits, bounded, for the port
-    /// ([`crate::hold`]).
+    /// ([`crate::cm::hold`]).
     ///
     /// `Ok(false)` means there was nothing to send: either the peer left first (its
     /// `DISCONNECTED` was seen, [`Connection::is_disconnected`] is true, and the connection
@@ -252,7 +252,7 @@ impl Connection {
 
     /// Disconnects and waits up to `timeout` for the `DISCONNECTED` event, reporting errors
     /// that Drop would only print. While the id's port is down the disconnect is held first
-    /// ([`crate::hold`]), which `timeout` does not count. The QP is destroyed before the wait, once its flushed work
+    /// ([`crate::cm::hold`]), which `timeout` does not count. The QP is destroyed before the wait, once its flushed work
     /// is reaped ([`Connection::shutdown`]), so its teardown overlaps the peer's answer.
     ///
     /// # Errors
@@ -402,7 +402,7 @@ impl Connection {
 
     /// [`Connection::disconnect`] without blocking the runtime: disconnects and awaits the
     /// `DISCONNECTED` event (skipping others, such as `TIMEWAIT_EXIT`). While the id's port is
-    /// down, the disconnect is held ([`crate::hold`]) and then sent from tokio's blocking pool
+    /// down, the disconnect is held ([`crate::cm::hold`]) and then sent from tokio's blocking pool
     /// (`spawn_blocking`), not on the runtime's thread; a future dropped meanwhile leaves the
     /// pool's task to send it, once.
     ///

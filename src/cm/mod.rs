@@ -18,4 +18,3 @@ pub mod private_data;
 pub mod server;
 pub mod step;
 pub mod ud_cm;
-pub mod user_qp;

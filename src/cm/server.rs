@@ -21,8 +21,6 @@ use crate::cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 use crate::cm::expect::expect_async;
 use crate::cm::expect::{context_of, expect_any_request, expect_watching, with_opt_addr};
 use crate::cm::step::StepError;
-#[allow(deprecated)]
-use crate::cm::user_qp::UserQp;
 use crate::error::{check_rdma, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
@@ -276,19 +274,6 @@ impl ConnectRequest {
         let qp = adopt::adopt(qp, &self.id)?;
         let asked = (self.responder_resources, self.initiator_depth);
         Ok(ServerQp { id: self.id, qp, private_data: self.private_data, user: true, asked })
-    }
-
-    /// [`ConnectRequest::adopt_qp`] with a [`UserQp`], the spelling from before.
-    ///
-    /// # Errors
-    /// As for [`ConnectRequest::adopt_qp`].
-    #[deprecated(
-        since = "0.1.0",
-        note = "use adopt_qp with an UnconnectedQp (UnconnectedQp::new_reset for UserQp::new)"
-    )]
-    #[allow(deprecated)]
-    pub fn attach_qp(self, qp: UserQp) -> Result<ServerQp> {
-        self.adopt_qp(qp.into_unconnected())
     }
 
     /// Allocates a PD on the request's device.

@@ -50,7 +50,7 @@ pub enum Cap {
     RemoteWriteError,
     /// A CM that speaks MADs on the port's QP1 (InfiniBand and RoCE; iWARP's CM speaks TCP):
     /// what a disconnect sent while the link is down breaks, and so what the crate holds a
-    /// disconnect back for (`rdma_cm::hold`).
+    /// disconnect back for (`rdma_cm::cm::hold`).
     CmMads,
 }
 

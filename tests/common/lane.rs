@@ -1,11 +1,11 @@
-//! Pairs whose QPs are attached to lanes (`rdma_cm::lane`), one lane per side: a connected RC
+//! Pairs whose QPs are attached to lanes (`rdma_cm::verbs::lane`), one lane per side: a connected RC
 //! pair through `pair`, and a UD pair through the UD connection manager.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{mpsc, Arc};
 use std::thread;
 
-use rdma_cm::lane::{Lane, LaneQp};
+use rdma_cm::verbs::lane::{Lane, LaneQp};
 use rdma_cm::{ffi, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer, VerbsContext};
 
 use super::{pair, PairSpec, Side, T};
@@ -55,7 +55,7 @@ pub fn attached_pair(lane: &mut Lane, addr: IpAddr, spec: PairSpec) -> (LaneQp, 
 /// server. Nothing is posted through the convenient path (a lane's CQ refuses its polls).
 pub struct LaneUdPair {
     pub client: LaneSide,
-    pub to_server: rdma_cm::lane::DestKey,
+    pub to_server: rdma_cm::verbs::lane::DestKey,
     /// The server's destination as the UD connect gave it.
     pub server_dest: UdDest,
     pub server: LaneSide,
@@ -89,7 +89,7 @@ pub fn lane_ud_pair(addr: IpAddr, port: u16, init: QpInit, depth: u32) -> LaneUd
 }
 
 /// Polls `lane` until `n` completions are handed out (bounded by `T`); returns them in order.
-pub fn reap(lane: &mut Lane, n: usize) -> Vec<rdma_cm::lane::Completion> {
+pub fn reap(lane: &mut Lane, n: usize) -> Vec<rdma_cm::verbs::lane::Completion> {
     let deadline = std::time::Instant::now() + T;
     let mut out = Vec::with_capacity(n);
     while out.len() < n {

@@ -99,7 +99,7 @@ impl Lane {
     /// the last one's `wr_id` ([`PreparedBatch::set_wr_id`] changes it).
     ///
     /// ```no_run
-    /// # use rdma_cm::lane::{Lane, LaneQp, SendWr};
+    /// # use rdma_cm::verbs::lane::{Lane, LaneQp, SendWr};
     /// # use rdma_cm::{MemoryRegion, RemoteRegion};
     /// # fn f(lane: &mut Lane, qp: LaneQp, mr: MemoryRegion, remote: &RemoteRegion) -> rdma_cm::Result<()> {
     /// // 16 WRITEs of 64 bytes, each to its own place in the peer's region.

@@ -48,7 +48,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::lane::{Lane, RecvWr, SendWr};
+//! use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
 //! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
@@ -83,8 +83,8 @@
 //!   Using a region after posting it does not compile: it moved into the lane.
 //!
 //!   ```compile_fail,E0382
-//!   # fn f(lane: &mut rdma_cm::lane::Lane, qp: rdma_cm::lane::LaneQp, mut mr: rdma_cm::MemoryRegion) {
-//!   lane.post_recv(qp, rdma_cm::lane::RecvWr::new(mr)).unwrap();
+//!   # fn f(lane: &mut rdma_cm::verbs::lane::Lane, qp: rdma_cm::verbs::lane::LaneQp, mut mr: rdma_cm::MemoryRegion) {
+//!   lane.post_recv(qp, rdma_cm::verbs::lane::RecvWr::new(mr)).unwrap();
 //!   let bytes = mr.as_slice(); // the device may be writing it: error[E0382], use of moved value
 //!   # }
 //!   ```
@@ -95,7 +95,7 @@
 //!   like):
 //!
 //!   ```compile_fail,E0599
-//!   # fn f(p: &mut rdma_cm::lane::PreparedRecv, other: &mut rdma_cm::MemoryRegion) {
+//!   # fn f(p: &mut rdma_cm::verbs::lane::PreparedRecv, other: &mut rdma_cm::MemoryRegion) {
 //!   std::mem::swap(p.region_mut().unwrap(), other); // error[E0599]: no method `region_mut`
 //!   # }
 //!   ```
