@@ -1454,3 +1454,21 @@ fn a_stale_or_repeated_completion_retires_nothing_at_its_place() {
     }
     t.finish();
 }
+
+/// `Lane::wait` on a lane that has no QP at all: nothing can complete and no member can be in
+/// the error state, so the wait ends with `Error::Timeout`, within its bound, for a zero
+/// timeout (a poll and nothing more) and a short one alike; it never blocks beyond it.
+#[test]
+fn waiting_on_an_empty_lane_ends_with_a_timeout_within_its_bound() {
+    let t = DeviceTest::start();
+    let mut lane = lane_on(t.addr, 16);
+    for timeout in [Duration::ZERO, Duration::from_millis(100)] {
+        let t0 = Instant::now();
+        let r = lane.wait(timeout);
+        let took = t0.elapsed();
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{timeout:?}: {r:?}");
+        assert!(took >= timeout && took < timeout + Duration::from_secs(2), "{timeout:?}: took {took:?}");
+    }
+    drop(lane);
+    t.finish();
+}

@@ -1044,3 +1044,92 @@ fn zero_tiny_and_huge_timeouts_are_handled_everywhere() {
     drop((c.mrs, c.pd, s));
     t.finish();
 }
+
+/// QPs taking turns at one routing index of a shared receive CQ: each posts four receives
+/// (`wr_id`s 0 to 3, the same every time, so a stale completion would look plausible), gets two
+/// messages, and is dropped with the completions unpolled and two receives still posted (their
+/// flushes, on rxe, may come only as the QP is destroyed: after it left the table). On odd turns
+/// the QP sends on a CQ of its own, so its send and receive indexes differ. The next QP at the
+/// index must see nothing of its predecessors: no completion before its own messages arrive,
+/// all four of its receives holding their regions until then, then exactly its four messages,
+/// once each, on its own QP number. The regions the dropped QPs gave back keep their bytes.
+#[test]
+fn a_reused_routing_index_never_hands_an_old_completion_to_the_new_qp() {
+    use crate::support::{Peer, Step};
+    const TURNS: usize = 4;
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(8).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let peer = Peer::acceptor(listener);
+    let resolve = || Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let first = resolve();
+    let ctx = first.context().unwrap();
+    let pd = first.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let mut route = Some(first);
+    let mut given_back: Vec<(MemoryRegion, usize)> = Vec::new();
+    let msg = |turn: usize, k: usize| format!("turn {turn} message {k}").into_bytes();
+    let mut wcs = [WorkCompletion::default(); 8];
+    for turn in 0..TURNS {
+        let r = route.take().unwrap_or_else(resolve);
+        let send_cq = if turn % 2 == 1 { CompletionQueue::new(&ctx, 16).unwrap() } else { Arc::clone(&cq) };
+        let mut q = r.create_qp(&pd, QpInit::new().send_cq(send_cq).recv_cq(Arc::clone(&cq))).unwrap();
+        let mut mr = MemoryRegion::new(&pd, 4 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+        q.post_recv(&recvs(&mr, 0..4, 64)).unwrap();
+        peer.start(Step::Connect);
+        let mut conn = q.connect(&ConnParam::new(), T).unwrap();
+        peer.wait();
+        let me = conn.qp().qp_num();
+        let n = cq.poll(&mut wcs).unwrap();
+        assert_eq!(
+            n,
+            0,
+            "turn {turn}: nothing arrived for QP {me} yet, but the CQ handed out {:?} (wr_id, qp_num)",
+            wcs[..n].iter().map(|w| (w.wr_id(), w.qp_num())).collect::<Vec<_>>()
+        );
+        let n = conn.qp_mut().wait(&mut wcs, Duration::from_millis(50)).unwrap();
+        assert_eq!(n, 0, "turn {turn}: QP {me}'s wait handed out {:?}", &wcs[..n]);
+        assert_eq!(mr.outstanding(), 4, "turn {turn}: every receive of the new QP holds its region");
+        assert!(matches!(mr.as_slice(), Err(Error::InFlight { .. })), "turn {turn}: the region is in reach");
+        if turn + 1 < TURNS {
+            for k in 0..2 {
+                peer.step(Step::Send(turn, msg(turn, k)));
+            }
+            drop(conn);
+            assert_eq!(mr.outstanding(), 0, "turn {turn}: the dropped QP gave its region back");
+            given_back.push((mr, turn));
+            continue;
+        }
+        for k in 0..4 {
+            peer.step(Step::Send(turn, msg(turn, k)));
+        }
+        let mut got = vec![];
+        let deadline = Instant::now() + T;
+        while got.len() < 4 && Instant::now() < deadline {
+            let n = conn.qp_mut().wait(&mut wcs, T).unwrap();
+            got.extend_from_slice(&wcs[..n]);
+        }
+        let seen: Vec<_> = got.iter().map(|w| (w.wr_id(), w.qp_num(), w.queue(), w.is_ok())).collect();
+        let want: Vec<_> = (0..4).map(|k| (k, me, WorkQueue::Recv, true)).collect();
+        assert_eq!(seen, want, "turn {turn}: the new QP's four receives, in order, once each, nothing else");
+        assert_eq!(conn.qp_mut().wait(&mut wcs, Duration::from_millis(100)).unwrap(), 0, "nothing twice");
+        assert_eq!(cq.poll(&mut wcs).unwrap(), 0, "nothing left for anyone");
+        let bytes = mr.as_slice().unwrap();
+        for k in 0..4 {
+            let m = msg(turn, k);
+            assert_eq!(&bytes[k * 64..k * 64 + m.len()], &m[..], "turn {turn}: receive {k}'s bytes");
+        }
+        drop(conn);
+    }
+    for (mr, turn) in &mut given_back {
+        let bytes = mr.as_slice().unwrap();
+        for k in 0..2 {
+            let m = msg(*turn, k);
+            assert_eq!(&bytes[k * 64..k * 64 + m.len()], &m[..], "turn {turn}: a region given back kept its bytes");
+        }
+        assert!(bytes[128..].iter().all(|&b| b == 0), "turn {turn}: the receives never filled stayed empty");
+    }
+    peer.finish();
+    drop((given_back, cq, pd, ctx));
+    t.finish();
+}

@@ -506,3 +506,182 @@ fn a_stale_srq_completion_does_not_retire_a_later_srqs_receive() {
     drop((conn2, srq_b, mr_a, mr_b, cq, pd, ctx, listener));
     t.finish();
 }
+
+/// Receives a CQ's next completions (bounded): at least one.
+fn next_completions(cq: &CompletionQueue) -> Vec<WorkCompletion> {
+    let mut wcs = [WorkCompletion::default(); 8];
+    let n = cq.wait(&mut wcs, T).unwrap();
+    assert!(n > 0, "no completion within {T:?}");
+    wcs[..n].to_vec()
+}
+
+/// An SRQ's `wr_id`s carry a 16-bit id of the SRQ that the routing table finds it by, and the
+/// ids come from a process-wide counter: the 65,536th SRQ after A gets A's id while A lives.
+/// With both SRQs' QPs receiving on one CQ, a completion of B's receive (slot 0, first posting)
+/// names A's receive (slot 0, first posting) just as well. It must retire B's receive, never
+/// A's: A's receive is still posted, so a retired A would hand its region back (writable
+/// through `as_mut_slice`) while the device still writes into it when A's QP gets a message.
+/// (Refusing B's QP on that CQ is safe too: then A's receive must still complete as A's, and
+/// B's stay posted and held.)
+#[test]
+#[ignore = "child process of two_live_srqs_with_one_id_on_one_cq_never_retire_each_others_receives"]
+fn child_srq_id_alias() {
+    use crate::support::{Peer, Step};
+    if !crate::support::is_child("srq::child_srq_id_alias") {
+        return;
+    }
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let peer = Peer::connector(listener.local_addr().unwrap());
+    let lw = AccessFlags::LOCAL_WRITE;
+    peer.start(Step::Connect);
+    let req = listener.get_request(T).unwrap();
+    let ctx = req.context().unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let cq = CompletionQueue::new(&ctx, 64).unwrap();
+    let srq_a = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let mut mr_a = MemoryRegion::new(&pd, 64, lw).unwrap();
+    srq_a.post_recv(&[RecvWr::new(&mr_a, 0..64).wr_id(100)]).unwrap();
+    let conn_a =
+        req.create_qp(&pd, QpInit::new().srq(&srq_a).recv_cq(Arc::clone(&cq))).unwrap().accept(&ConnParam::new(), T);
+    let conn_a = conn_a.unwrap();
+    peer.wait();
+    // No other SRQ is made in this process meanwhile: the next after these has A's id.
+    let t0 = Instant::now();
+    for _ in 0..u16::MAX {
+        drop(SharedReceiveQueue::new(&pd, 1).unwrap());
+    }
+    eprintln!("65535 SRQs created and destroyed in {:?}", t0.elapsed());
+    let srq_b = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let mut mr_b = MemoryRegion::new(&pd, 64, lw).unwrap();
+    srq_b.post_recv(&[RecvWr::new(&mr_b, 0..64).wr_id(200)]).unwrap();
+    peer.start(Step::Connect);
+    let req = listener.get_request(T).unwrap();
+    let conn_b = match req.create_qp(&pd, QpInit::new().srq(&srq_b).recv_cq(Arc::clone(&cq))) {
+        Ok(q) => q.accept(&ConnParam::new(), T).unwrap(),
+        Err(Error::InvalidArgument(why)) => {
+            // Refused: B's receives cannot complete on this CQ, so none can be taken for A's.
+            // A's receive still completes as A's, and B's stays posted, its region held.
+            eprintln!("B's QP refused on A's CQ: {why}");
+            peer.wait();
+            peer.step(Step::Send(0, b"for A".to_vec()));
+            let got = next_completions(&cq);
+            assert_eq!(got.iter().map(|w| (w.wr_id(), w.qp_num())).collect::<Vec<_>>(), [(100, conn_a.qp().qp_num())]);
+            assert_eq!(&mr_a.as_slice().unwrap()[..5], b"for A");
+            assert_eq!((srq_b.outstanding(), mr_b.outstanding()), (1, 1), "B's receive is still posted, and held");
+            assert!(matches!(mr_b.as_slice(), Err(Error::InFlight { .. })));
+            println!("each SRQ's completion retired its own receive (B's QP refused)");
+            drop(conn_a);
+            peer.finish();
+            drop((srq_a, srq_b, mr_a, mr_b, cq, pd, ctx, listener));
+            t.finish();
+            return;
+        }
+        Err(e) => panic!("unexpected {e}"),
+    };
+    peer.wait();
+    let (qp_a, qp_b) = (conn_a.qp().qp_num(), conn_b.qp().qp_num());
+    // A message for B's QP: B's receive takes it.
+    peer.step(Step::Send(1, b"for B".to_vec()));
+    let got = next_completions(&cq);
+    let held_a = mr_a.outstanding();
+    match mr_a.as_mut_slice() {
+        Ok(buf) => {
+            buf.fill(0);
+            peer.step(Step::Send(0, b"for A".to_vec()));
+            thread::sleep(Duration::from_millis(200));
+            // Reads through the slice the crate handed out, as the program holding it would.
+            // SAFETY: within the slice's bounds (5 of 64 bytes); volatile, as the device may write.
+            let seen: Vec<u8> = (0..5).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect();
+            panic!(
+                "B's receive completed as {:?} (wr_id, qp_num; A's QP is {qp_a}, B's {qp_b}); A's receive, still \
+                 posted, then had {held_a} hold(s) on its region, as_mut_slice handed it out, and the device wrote \
+                 {:?} into it while it was borrowed",
+                got.iter().map(|w| (w.wr_id(), w.qp_num())).collect::<Vec<_>>(),
+                String::from_utf8_lossy(&seen),
+            );
+        }
+        Err(Error::InFlight { .. }) => {}
+        Err(e) => panic!("unexpected {e}"),
+    }
+    assert_eq!(got.len(), 1, "one message, one completion: {got:?}");
+    assert_eq!((got[0].wr_id(), got[0].qp_num()), (200, qp_b), "B's receive retires, on B's QP");
+    assert_eq!(&mr_b.as_slice().unwrap()[..5], b"for B");
+    assert_eq!(srq_b.outstanding(), 0, "B's receive is retired");
+    assert_eq!(srq_a.outstanding(), 1, "A's receive is still posted");
+    peer.step(Step::Send(0, b"for A".to_vec()));
+    let got = next_completions(&cq);
+    assert_eq!(got.iter().map(|w| (w.wr_id(), w.qp_num())).collect::<Vec<_>>(), [(100, qp_a)]);
+    assert_eq!(&mr_a.as_slice().unwrap()[..5], b"for A");
+    println!("each SRQ's completion retired its own receive");
+    drop((conn_a, conn_b));
+    peer.finish();
+    drop((srq_a, srq_b, mr_a, mr_b, cq, pd, ctx, listener));
+    t.finish();
+}
+
+/// [`child_srq_id_alias`], in a process of its own (no other SRQ may be made between A and B).
+#[test]
+fn two_live_srqs_with_one_id_on_one_cq_never_retire_each_others_receives() {
+    let t = DeviceTest::start();
+    let (status, out) = crate::support::run_child("srq::child_srq_id_alias", Duration::from_secs(400));
+    assert!(
+        status.is_some_and(|s| s.success()) && out.contains("retired its own receive"),
+        "status {status:?}:\n{out}"
+    );
+    t.finish();
+}
+
+/// One SRQ serves QPs on two receive CQs: QP 1 and QP 3 complete on CQ 1, QP 2 on CQ 2. QP 1's
+/// wait meets QP 3's receive on CQ 1 and keeps it (in the SRQ, under QP 3's number). Polling
+/// CQ 2 must not hand it out: it never completed there, and whoever polls CQ 2 (a thread that
+/// serves only CQ 2's QPs) would take from QP 3 a message its own wait then never sees. It must
+/// reach QP 3's wait, once.
+#[test]
+fn an_srq_receive_kept_on_one_cq_is_not_handed_out_by_another_cq_of_the_srq() {
+    use crate::support::{Peer, Step};
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let peer = Peer::connector(listener.local_addr().unwrap());
+    peer.start(Step::Connect);
+    let req = listener.get_request(T).unwrap();
+    let ctx = req.context().unwrap();
+    let pd = req.alloc_pd().unwrap();
+    let (cq1, cq2) = (CompletionQueue::new(&ctx, 64).unwrap(), CompletionQueue::new(&ctx, 64).unwrap());
+    let srq = SharedReceiveQueue::new(&pd, 4).unwrap();
+    let mrs: Vec<MemoryRegion> = (0..4).map(|_| MemoryRegion::new(&pd, 64, LW).unwrap()).collect();
+    let wrs: Vec<RecvWr> = mrs.iter().enumerate().map(|(i, mr)| RecvWr::new(mr, 0..64).wr_id(i as u64)).collect();
+    srq.post_recv(&wrs).unwrap();
+    drop(wrs);
+    let on = |cq: &Arc<CompletionQueue>| QpInit::new().srq(&srq).recv_cq(Arc::clone(cq));
+    let mut c1 = req.create_qp(&pd, on(&cq1)).unwrap().accept(&ConnParam::new(), T).unwrap();
+    peer.wait();
+    let mut conns = vec![];
+    for cq in [&cq2, &cq1] {
+        peer.start(Step::Connect);
+        let req = listener.get_request(T).unwrap();
+        conns.push(req.create_qp(&pd, on(cq)).unwrap().accept(&ConnParam::new(), T).unwrap());
+        peer.wait();
+    }
+    let (c2, mut c3) = (conns.remove(0), conns.remove(0));
+    let qp3 = c3.qp().qp_num();
+    peer.step(Step::Send(2, b"for QP 3".to_vec()));
+    let mut wcs = [WorkCompletion::default(); 4];
+    // QP 1's wait finds nothing of its own; it keeps QP 3's receive.
+    assert_eq!(c1.qp_mut().wait(&mut wcs, Duration::from_millis(300)).unwrap(), 0);
+    let on_cq2 = cq2.poll(&mut wcs).unwrap();
+    assert_eq!(
+        on_cq2,
+        0,
+        "CQ 2 handed out {:?} (wr_id, qp_num; QP 3 is {qp3}, which completes on CQ 1)",
+        wcs[..on_cq2].iter().map(|w| (w.wr_id(), w.qp_num())).collect::<Vec<_>>()
+    );
+    let n = c3.qp_mut().wait(&mut wcs, T).unwrap();
+    assert_eq!(n, 1, "QP 3's receive reaches QP 3's wait");
+    assert_eq!((wcs[0].qp_num(), wcs[0].queue()), (qp3, WorkQueue::Recv));
+    assert_eq!(c3.qp_mut().wait(&mut wcs, Duration::from_millis(100)).unwrap(), 0, "once");
+    drop((c1, c2, c3));
+    peer.finish();
+    drop((srq, mrs, cq1, cq2, pd, ctx, listener));
+    t.finish();
+}

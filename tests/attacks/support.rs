@@ -435,3 +435,96 @@ pub(crate) fn two_kept_and_one_stalled(t: &DeviceTest) -> (crate::common::Side, 
     c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..8).wr_id(4)]).unwrap();
     (c, s)
 }
+
+/// What a [`Peer`] does next.
+pub(crate) enum Step {
+    /// Connect (a connector) or accept (an acceptor) one more connection (a connector's refused
+    /// connection still takes its number).
+    Connect,
+    /// Send these bytes on connection `i` (in the order they were made) and wait for the send's
+    /// completion, so that the message has landed in the other side's receive.
+    Send(usize, Vec<u8>),
+}
+
+/// A peer on a thread of its own that takes [`Step`]s one at a time and says when each is done:
+/// the other side of attacks that must place each message, and each connection, exactly.
+pub(crate) struct Peer {
+    steps: Option<std::sync::mpsc::Sender<Step>>,
+    done: std::sync::mpsc::Receiver<()>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Peer {
+    /// A peer that connects to `dst` (each connection on its own PD, with a 4 KiB region).
+    pub(crate) fn connector(dst: SocketAddr) -> Peer {
+        Peer::spawn(move || {
+            let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+            let pd = route.alloc_pd().unwrap();
+            let mr = MemoryRegion::new(&pd, 4096, LW).unwrap();
+            // A connection the other side refuses is no connection (the attack says so itself).
+            let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).ok()?;
+            Some((conn, mr, pd))
+        })
+    }
+
+    /// A peer that accepts on `listener` (each connection on its own PD, with a 4 KiB region).
+    pub(crate) fn acceptor(listener: Listener) -> Peer {
+        Peer::spawn(move || {
+            let req = listener.get_request(T).unwrap();
+            let pd = req.alloc_pd().unwrap();
+            let mr = MemoryRegion::new(&pd, 4096, LW).unwrap();
+            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+            Some((conn, mr, pd))
+        })
+    }
+
+    fn spawn(
+        mut connect: impl FnMut() -> Option<(Connection, MemoryRegion, Arc<ProtectionDomain>)> + Send + 'static,
+    ) -> Peer {
+        let (steps, rx) = std::sync::mpsc::channel::<Step>();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let thread = thread::spawn(move || {
+            let mut conns = Vec::new();
+            let mut wr_id = 0u64;
+            while let Ok(step) = rx.recv() {
+                match step {
+                    Step::Connect => conns.push(connect()),
+                    Step::Send(i, msg) => {
+                        let Some((conn, mr, _)) = &mut conns[i] else { panic!("connection {i} was refused") };
+                        mr.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(&msg);
+                        wr_id += 1;
+                        conn.qp_mut().post_send(&[SendWr::send(mr, 0..msg.len()).wr_id(wr_id)]).unwrap();
+                        let wc = conn.qp_mut().wait_for(WorkQueue::Send, wr_id, T).unwrap();
+                        assert!(wc.is_ok(), "the peer's send on connection {i}: {wc:?}");
+                    }
+                }
+                if done_tx.send(()).is_err() {
+                    break;
+                }
+            }
+        });
+        Peer { steps: Some(steps), done, thread: Some(thread) }
+    }
+
+    /// Starts `step` without waiting for it (a connection the caller's side completes).
+    pub(crate) fn start(&self, step: Step) {
+        self.steps.as_ref().unwrap().send(step).unwrap();
+    }
+
+    /// Waits (bounded) for the step started last.
+    pub(crate) fn wait(&self) {
+        self.done.recv_timeout(T + T).expect("the peer's step did not finish in time");
+    }
+
+    /// Does `step` and waits for it.
+    pub(crate) fn step(&self, step: Step) {
+        self.start(step);
+        self.wait();
+    }
+
+    /// Ends the peer (its connections go with it).
+    pub(crate) fn finish(mut self) {
+        drop(self.steps.take());
+        self.thread.take().unwrap().join().unwrap();
+    }
+}
