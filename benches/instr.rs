@@ -293,7 +293,9 @@ mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
     use rdma_cm::ffi;
-    use rdma_cm::verbs::lane::{Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend};
+    use rdma_cm::verbs::lane::{
+        Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend,
+    };
     use rdma_cm::{
         AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
         GRH_LEN,

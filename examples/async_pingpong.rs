@@ -150,7 +150,8 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn main() {
     let args = Args::parse();
-    let ip = args.addr.or_else(|| rdma_cm::verbs::diagnostics::diagnose(0).usable_addrs().first().map(|&a| IpAddr::V4(a)));
+    let ip =
+        args.addr.or_else(|| rdma_cm::verbs::diagnostics::diagnose(0).usable_addrs().first().map(|&a| IpAddr::V4(a)));
     let Some(ip) = ip else {
         eprintln!("error: no usable RDMA address found: run `cargo run --example doctor`, or give -a");
         std::process::exit(1);

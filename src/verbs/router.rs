@@ -18,6 +18,8 @@ use crate::wait::lock;
 struct QpEntry {
     qp_num: u32,
     queues: Arc<Mutex<Queues>>,
+    /// Which of the QP's queues complete on this CQ: `None` for both, else the one.
+    here: Option<WorkQueue>,
 }
 
 /// An SRQ whose receives complete on this CQ, and how many of its QPs use the CQ.
@@ -84,10 +86,11 @@ impl Router {
     }
 
     /// Enters a QP at the index [`Router::reserve_index`] gave it (the `owner` of its `wr_id`s
-    /// on this CQ); its rings start at that index's base or later.
-    pub(crate) fn enter_qp(&mut self, index: u16, qp_num: u32, queues: Arc<Mutex<Queues>>) {
+    /// on this CQ); its rings start at that index's base or later. `here`: which of its queues
+    /// complete on this CQ (`None`: both).
+    pub(crate) fn enter_qp(&mut self, index: u16, qp_num: u32, queues: Arc<Mutex<Queues>>, here: Option<WorkQueue>) {
         if let Some(e) = self.qps.get_mut(index as usize) {
-            *e = Some(QpEntry { qp_num, queues });
+            *e = Some(QpEntry { qp_num, queues, here });
         }
     }
 
@@ -213,20 +216,27 @@ impl Router {
         }
     }
 
-    /// Moves completions that QPs' polls kept (for other QPs, or in this CQ's SRQs) into `out`.
+    /// Moves completions that QPs' polls kept (for other QPs, or in this CQ's SRQs) into `out`:
+    /// only those of queues that complete on this CQ. A QP whose send and receive queues
+    /// complete on different CQs has each queue's kept completions handed out by that queue's
+    /// CQ; an SRQ's kept completion, by the receive CQ of the QP that consumed it (an SRQ may
+    /// serve QPs on several CQs, and keeps one list for them all).
     pub(crate) fn deliver_kept(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
         if self.kept {
             for e in self.qps.iter().flatten() {
-                n += lock(&e.queues).deliver_kept(None, &mut out[n..]);
+                n += lock(&e.queues).deliver_kept(e.here, &mut out[n..]);
             }
             // All delivered (or `out` is full and the next poll looks again).
             self.kept = n == out.len();
         }
+        let qps = &self.qps;
+        let receives_here =
+            |qp_num: u32| qps.iter().flatten().any(|e| e.qp_num == qp_num && e.here != Some(WorkQueue::Send));
         for e in &self.srqs {
             let mut slots = e.srq.slots();
             while n < out.len() {
-                match slots.take_kept(|_| true) {
+                match slots.take_kept(|wc| receives_here(wc.qp_num())) {
                     Some(wc) => {
                         out[n] = wc;
                         n += 1;
@@ -265,7 +275,7 @@ mod tests {
             }
             g.send.commit(n, n);
         }
-        r.enter_qp(index, qp_num, Arc::clone(&q));
+        r.enter_qp(index, qp_num, Arc::clone(&q), None);
         (index, base, q)
     }
 

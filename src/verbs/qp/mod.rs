@@ -418,9 +418,11 @@ impl QueuePair {
             init.datagrams,
             send_base.max(recv_base),
         )));
-        send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues));
-        if !same {
-            recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues));
+        if same {
+            send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), None);
+        } else {
+            send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Send));
+            recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Recv));
         }
         let async_reg =
             crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
