@@ -53,6 +53,17 @@ pub enum Error {
         addr: Option<SocketAddr>,
     },
 
+    /// An id bound to a wildcard address (`0.0.0.0`, `[::]`) was asked for its device. Such an id
+    /// is on no device until a connection request arrives on one, however healthy the devices
+    /// are: the request's id carries the device, the listener's never does.
+    #[error("{op}: {addr} is a wildcard address, and an id bound to it is on no RDMA device until a connection request arrives (this says nothing about the devices): bind to the device's address (`rdma link` names its netdev, `ip -br addr` the address), take the context from the request (`ConnectRequest::context`), or open the device by name (`VerbsContext::cm_open`)")]
+    WildcardAddress {
+        /// The step that needed a device.
+        op: &'static str,
+        /// The wildcard address the id is bound to.
+        addr: SocketAddr,
+    },
+
     /// Memory registration failed because the locked-memory limit is too small.
     #[error("ibv_reg_mr of {len} bytes failed: {}: the locked-memory limit (ulimit -l) is {}; raise it with `ulimit -l unlimited` or in /etc/security/limits.conf", Errno(.source), Limit(*.limit))]
     MemLock {
@@ -220,7 +231,7 @@ impl Error {
         match self {
             Error::Call { source, .. } | Error::MemLock { source, .. } => source.raw_os_error(),
             Error::Timeout { .. } => Some(libc::ETIMEDOUT),
-            Error::NoDevice { .. } => Some(libc::ENODEV),
+            Error::NoDevice { .. } | Error::WildcardAddress { .. } => Some(libc::ENODEV),
             _ => None,
         }
     }

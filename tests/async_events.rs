@@ -393,8 +393,7 @@ fn guest_only_link_flap_reports_port_error_then_active() {
 #[test]
 fn guest_only_doctor_watch_prints_port_events() {
     let t = DeviceTest::start();
-    let exe = std::env::current_exe().unwrap();
-    let doctor = exe.parent().unwrap().parent().unwrap().join("examples").join("doctor");
+    let doctor = common::example("doctor");
     let mut child = Command::new(doctor)
         .args(["--watch", "60"])
         .stdout(std::process::Stdio::piped())

@@ -73,10 +73,19 @@ fn a_listener_context_pins_no_connection() {
     let own = VerbsContext::open(&ctx.device_name()).unwrap();
     assert!(!own.same_as(&ctx), "VerbsContext::open opens a context of its own");
     assert!(VerbsContext::cm_open("no-such-device").is_err());
-    // The wildcard listener is on no device.
-    let any = Server::new().unwrap().bind("0.0.0.0:0".parse().unwrap()).unwrap().listen(1).unwrap();
-    assert!(matches!(any.context(), Err(rdma_cm::Error::NoDevice { .. })), "{:?}", any.context());
-    drop(any);
+    // A wildcard listener is on no device until a request arrives, with the device healthy
+    // beside it: its error says so and what to do, not "is rdma_rxe loaded?".
+    for wildcard in ["0.0.0.0:0", "[::]:0"] {
+        let any = Server::new().unwrap().bind(wildcard.parse().unwrap()).unwrap().listen(1).unwrap();
+        let err = any.context().expect_err("a wildcard listener has no device");
+        assert!(matches!(err, rdma_cm::Error::WildcardAddress { addr, .. } if addr.ip().is_unspecified()), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("is a wildcard address") && msg.contains("until a connection request arrives"), "{msg}");
+        assert!(msg.contains("bind to the device's address") && msg.contains("ConnectRequest::context"), "{msg}");
+        assert!(!msg.contains("rdma_rxe"), "{msg}");
+    }
+    let err = VerbsContext::cm_for_addr("0.0.0.0".parse().unwrap()).expect_err("0.0.0.0 is on no device");
+    assert!(matches!(err, rdma_cm::Error::WildcardAddress { .. }), "{err:?}");
 
     // The shared objects, made on the context found by address, before any request.
     let pd = ProtectionDomain::new(&by_addr).unwrap();

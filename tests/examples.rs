@@ -8,19 +8,12 @@ mod common;
 mod example_protocol;
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-fn example(name: &str) -> PathBuf {
-    // target/debug/deps/examples-HASH -> target/debug/examples/NAME (cargo test builds examples)
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
-    p
-}
+use common::example;
 
 /// A running server whose stdout is collected; `start` returns once it listens.
 struct Srv {
@@ -782,18 +775,7 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     let clean = slog.contains("definitely lost: 0 bytes") || slog.contains("All heap blocks were freed");
     assert!(clean, "server leaks:\n{slog}");
     // One integration-test binary: the zero-allocation test, run whole.
-    let deps = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
-    let alloc = std::fs::read_dir(&deps)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_string_lossy();
-            n.starts_with("alloc-") && !n.ends_with(".d")
-        })
-        // The newest: builds with other features leave older ones beside it.
-        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
-        .expect("the alloc test binary (built by cargo test)");
+    let alloc = common::examples::test_binary("alloc");
     // Its own waits are 10 s at most (and its connects take T): two minutes without CPU is stuck.
     let alloc_watch = Watch { stall: Duration::from_secs(120), outer };
     let (ok, lost, log) =

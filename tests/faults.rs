@@ -18,10 +18,7 @@ use rdma_cm::{
 /// The bound within which a survivor must notice a dead peer.
 const NOTICE: Duration = Duration::from_secs(5);
 
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().join("examples").join(name)
-}
+use common::example;
 
 #[test]
 fn server_killed_mid_transfer_fails_the_client_quickly() {

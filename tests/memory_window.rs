@@ -430,12 +430,12 @@ fn memory_window_example_revokes_the_peers_write() {
         common::skipped("memory windows", "ibv_alloc_mw refused");
         return t.finish();
     }
-    let examples = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
+    let example = common::example("memory_window");
     for kind in ["1", "2"] {
-        let out = std::process::Command::new(examples.join("memory_window"))
+        let out = std::process::Command::new(&example)
             .args(["-a", &t.addr.to_string(), "-p", "7479", "-t", kind])
             .output()
-            .expect("examples/memory_window (built by cargo test)");
+            .expect("run examples/memory_window");
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "type {kind}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
         for line in [

@@ -284,11 +284,7 @@ fn an_ipv6_group_over_roce_v2_is_refused_with_the_cause() {
 // ---- examples/mckey against itself and rdma-core's mckey ----
 
 fn mckey_example() -> String {
-    // target/debug/deps/multicast-HASH -> target/debug/examples/mckey (cargo test builds examples)
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join("mckey");
-    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
-    p.to_string_lossy().into_owned()
+    common::example("mckey").to_string_lossy().into_owned()
 }
 
 const WITHIN: Duration = Duration::from_secs(90);

@@ -6,6 +6,9 @@
 
 use std::process::Command;
 
+#[path = "common/examples.rs"]
+mod examples;
+
 #[test]
 fn no_device_is_reported_with_the_fix_by_library_and_examples() {
     let has_device = std::fs::read_dir("/sys/class/infiniband").map(|mut d| d.next().is_some()).unwrap_or(false);
@@ -23,9 +26,8 @@ fn no_device_is_reported_with_the_fix_by_library_and_examples() {
     assert!(m.contains("no RDMA device found") && m.contains("rdma link") && m.contains("rdma_rxe"), "{m}");
     assert!(matches!(rdma_cm::Server::new(), Err(rdma_cm::Error::NoDevice { .. })));
 
-    let examples = std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("examples");
     for (bin, args) in [("client", vec!["-a", "10.77.0.1"]), ("server", vec!["-p", "7471"])] {
-        let out = Command::new(examples.join(bin)).args(&args).output().expect("the examples (built by cargo test)");
+        let out = Command::new(examples::example(bin)).args(&args).output().expect("run the example");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{bin}: {err}");
         assert_eq!(err.lines().count(), 1, "{bin}: one line: {err}");
@@ -33,7 +35,7 @@ fn no_device_is_reported_with_the_fix_by_library_and_examples() {
     }
 
     // The doctor says exactly that, and how to get Soft-RoCE.
-    let out = Command::new(examples.join("doctor")).output().expect("the doctor example");
+    let out = Command::new(examples::example("doctor")).output().expect("the doctor example");
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("[FAIL] RDMA devices: none") && text.contains("rdma_rxe"), "{text}");

@@ -28,24 +28,7 @@ use rdma_cm::{devices, VerbsContext};
 /// How long one side of a pair may run.
 const RUN: Duration = Duration::from_secs(120);
 
-fn example(name: &str) -> PathBuf {
-    // target/debug/deps/pingpong-HASH -> target/debug/examples/NAME (cargo test builds examples)
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
-    // `cargo test --test pingpong` alone does not rebuild the examples: refuse a stale one.
-    let built = std::fs::metadata(&p).and_then(|m| m.modified()).unwrap();
-    for src in [format!("examples/{name}.rs"), "examples/pingpong/mod.rs".to_string()] {
-        if let Ok(changed) = std::fs::metadata(&src).and_then(|m| m.modified()) {
-            assert!(
-                changed <= built,
-                "{} is older than {src}: run `cargo build --all-features --examples` first (or plain `cargo test`)",
-                p.display()
-            );
-        }
-    }
-    p
-}
+use common::example;
 
 /// The GID index of the RoCE v2 GID of the device's IPv4 address (what `-g` is given). An
 /// iWARP device's GIDs carry its MAC, not an address: its first, index 0, for the tests that

@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,13 +11,7 @@ use std::time::{Duration, Instant};
 const PORT: u16 = 7174;
 const WITHIN: Duration = Duration::from_secs(90);
 
-fn example(name: &str) -> PathBuf {
-    // target/debug/deps/udaddy-HASH -> target/debug/examples/NAME (cargo test builds examples)
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
-    p
-}
+use common::example;
 
 /// One pair at a time: they all use udaddy's port.
 fn serial() -> std::sync::MutexGuard<'static, ()> {

@@ -350,9 +350,18 @@ impl CmId {
     /// The id-free context of this id's device (see [`CmId::context`]), for an id that is not
     /// in an `Arc` (a listener's).
     pub(crate) fn device_context(&self) -> Result<VerbsContext> {
-        let raw = self.verbs().ok_or(Error::NoDevice { op: "rdma_cm_id.verbs", addr: self.local_addr() })?;
+        let raw = self.verbs().ok_or_else(|| no_device("rdma_cm_id.verbs", self.local_addr()))?;
         context_of_raw(raw, self.local_addr().map(|a| a.ip()))?
             .ok_or(Error::NoDevice { op: "rdma_get_devices", addr: self.local_addr() })
+    }
+}
+
+/// The error for an id that has no device: bound to a wildcard address, it is on none until a
+/// connection request arrives (which says nothing about the devices); otherwise none serves it.
+fn no_device(op: &'static str, addr: Option<SocketAddr>) -> Error {
+    match addr {
+        Some(addr) if addr.ip().is_unspecified() => Error::WildcardAddress { op, addr },
+        addr => Error::NoDevice { op, addr },
     }
 }
 
@@ -585,12 +594,13 @@ impl VerbsContext {
     /// # Errors
     /// [`Error::Call`] naming `rdma_bind_addr` with `EADDRNOTAVAIL` (no local interface has
     /// the address) or [`Error::NoDevice`] (no RDMA device serves it, e.g. `127.0.0.1`);
-    /// as for [`VerbsContext::cm_open`].
+    /// [`Error::WildcardAddress`] for `0.0.0.0` or `::`, which is on no device; as for
+    /// [`VerbsContext::cm_open`].
     pub fn cm_for_addr(addr: IpAddr) -> Result<VerbsContext> {
         let sa = SocketAddr::new(addr, 0);
         let id = CmId::new(&EventChannel::new()?)?;
         id.bind(sa)?;
-        let raw = id.verbs().ok_or(Error::NoDevice { op: "rdma_bind_addr", addr: Some(sa) })?;
+        let raw = id.verbs().ok_or_else(|| no_device("rdma_bind_addr", Some(sa)))?;
         context_of_raw(raw, Some(addr))?.ok_or(Error::NoDevice { op: "rdma_get_devices", addr: Some(sa) })
     }
 }
@@ -618,5 +628,29 @@ mod tests {
         let zero: libc::sockaddr_storage = unsafe { mem::zeroed() };
         // SAFETY: `zero` is initialised.
         assert_eq!(unsafe { sockaddr_to_std(&zero) }, None);
+    }
+
+    /// An id without a device bound to `0.0.0.0` or `[::]` gets the wildcard's own error, which
+    /// says why and what to do; any other address keeps "no RDMA device found" and its hint.
+    #[test]
+    fn a_wildcard_address_without_a_device_is_named_as_such() {
+        for s in ["0.0.0.0:7471", "[::]:0"] {
+            let a: SocketAddr = s.parse().unwrap();
+            let e = no_device("rdma_cm_id.verbs", Some(a));
+            assert!(matches!(e, Error::WildcardAddress { addr, .. } if addr == a), "{e:?}");
+            let m = e.to_string();
+            for part in ["is a wildcard address", "until a connection request arrives", "bind to the device's address"]
+            {
+                assert!(m.contains(part), "{m}");
+            }
+            assert!(m.contains("ConnectRequest::context") && m.contains("VerbsContext::cm_open"), "{m}");
+            assert!(!m.contains("rdma_rxe"), "no driver hint for a wildcard: {m}");
+            assert_eq!(e.errno(), Some(libc::ENODEV));
+        }
+        for addr in [Some("10.77.0.1:7471".parse().unwrap()), Some("[fd77::1]:9".parse().unwrap()), None] {
+            let e = no_device("rdma_cm_id.verbs", addr);
+            assert!(matches!(e, Error::NoDevice { .. }), "{e:?}");
+            assert!(e.to_string().contains("no RDMA device found"), "{e}");
+        }
     }
 }

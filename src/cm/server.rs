@@ -131,10 +131,11 @@ impl Listener {
     /// same context for requests on that device.
     ///
     /// # Errors
-    /// [`Error::NoDevice`](crate::Error::NoDevice) when the listener is bound to a wildcard address (`0.0.0.0`, `[::]`),
-    /// which is on no device (bind to the device's address, or use
-    /// [`VerbsContext::cm_for_addr`] / [`VerbsContext::cm_open`]); [`Error::Call`](crate::Error::Call) when
-    /// `rdma_get_devices` fails.
+    /// [`Error::WildcardAddress`](crate::Error::WildcardAddress) when the listener is bound to a wildcard address
+    /// (`0.0.0.0`, `[::]`), which is on no device until a request arrives (bind to the device's
+    /// address, take the context from the [`ConnectRequest`], or use
+    /// [`VerbsContext::cm_for_addr`] / [`VerbsContext::cm_open`]); [`Error::NoDevice`](crate::Error::NoDevice) when no
+    /// device serves its address; [`Error::Call`](crate::Error::Call) when `rdma_get_devices` fails.
     pub fn context(&self) -> Result<VerbsContext> {
         self.id.device_context()
     }

@@ -15,6 +15,7 @@ use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, Protecti
 
 pub mod caps;
 mod device;
+pub mod examples;
 pub mod lane;
 pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
@@ -22,6 +23,8 @@ pub use caps::{require, skipped, Cap};
 pub use device::device_addr;
 #[allow(unused_imports)] // (used by the tests that look at the netdev: device.rs)
 pub use device::{ipv4_of, ipv6_of, netdev_of};
+#[allow(unused_imports)] // (used by the binaries that run the examples as processes)
+pub use examples::example;
 
 pub const T: Duration = Duration::from_secs(10);
 

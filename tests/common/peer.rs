@@ -170,11 +170,9 @@ impl Job {
 // ---------------------------------------------------------------------------------------------
 // This host (B) and the wire.
 
+/// The example program `name`, built (see `common::examples`), as a command-line word.
 pub fn example(name: &str) -> String {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(p.exists(), "{} is missing: run through `cargo test`, which builds the examples", p.display());
-    p.to_string_lossy().into_owned()
+    crate::common::example(name).to_string_lossy().into_owned()
 }
 
 /// Starts the example client here, streaming RDMA WRITEs of `size` bytes to host A's server on
