@@ -1,7 +1,7 @@
 //! The lane's prepared batches (`Lane::prepare_batch`, `Lane::post_batch`) on the device: work
 //! requests over one region, one doorbell, one completion. What they do (WRITEs, a send after
 //! WRITEs, READ, datagrams, a batch of one), and the attempts to break their promises with safe
-//! code, as an outside reviewer would: a batch failing in its middle, a post the provider
+//! code, as an attacker would: a batch failing in its middle, a post the provider
 //! half-takes, posting it twice, re-arming it with another region, a build closure that swaps
 //! the region or panics, a panic on its completion, forgetting it while posted, removing or
 //! dropping its QP's lane with it in flight, and a batch behind unsignaled requests.
@@ -467,7 +467,7 @@ unsafe extern "C" fn half_taking(
     }
 }
 
-/// Attack (from an outside review of the batches): a provider that takes the first five WRITEs
+/// Attack: a provider that takes the first five WRITEs
 /// of a batch of sixteen and names the sixth as refused. The batch's last request, whose
 /// completion would hand the region back, was never posted, and the five taken are unsignaled:
 /// once they ran, nothing will ever complete for them. The region stays held (never handed
@@ -569,7 +569,7 @@ fn two_batches_in_flight_each_report_their_own_status() {
     t.finish();
 }
 
-/// Outside review (of the closure moved through the poll's rare paths): a panic on a prepared
+/// A panic on a prepared
 /// batch's own completion polled one at a time (`poll_with(1, ..)`, whose straight-line case
 /// hands the batch out through `start_rare`, the closure moved there and back): the region goes
 /// with the panic, nothing is outstanding or left to hand out, and the next batch comes back

@@ -1,5 +1,5 @@
 //! Attempts to break the fast path's promises (`rdma_cm::verbs::lane`) with the API a user has, on the
-//! device, as an outside reviewer would: dropping or forgetting a lane or a QP with work in
+//! device, as an attacker would: dropping or forgetting a lane or a QP with work in
 //! flight, a post the provider half-takes, posting past the queue depth, a region of another
 //! protection domain, a stale QP handle after removal, a panic in the middle of handing out a
 //! batch, and completions of other QPs met while one is torn down. Reusing a region while it is
@@ -239,7 +239,7 @@ fn a_prepared_list_that_fails_without_bad_wr_keeps_every_region_until_the_flush(
     t.finish();
 }
 
-/// Outside review (of the one-flag poll): a panic in the closure on a lone completion, which
+/// A panic in the closure on a lone completion, which
 /// is deterministically the poll's straight-line case (one work request outstanding, so
 /// `ibv_poll_cq` can find at most one): the region goes with the panic, nothing is left
 /// buffered or flagged, and the lane carries on.
@@ -265,7 +265,7 @@ fn a_panic_on_a_lone_completion_leaves_the_lane_usable() {
     t.finish();
 }
 
-/// Outside review: a signaled WRITE that retires seven unsignaled ones, reached from the
+/// A signaled WRITE that retires seven unsignaled ones, reached from the
 /// poll's straight-line case (its completion is the only one the CQ will hold: the other QP's
 /// receives never complete); the closure panics on the first retired slot; two more are handed
 /// out; then the other QP is removed while the completion is still retiring (its teardown
@@ -302,7 +302,7 @@ fn a_retiring_completion_survives_a_panic_and_another_qps_removal() {
     t.finish();
 }
 
-/// Outside review: the one-pass list over the slot a panicked `post_send_iter` left staged.
+/// The one-pass list over the slot a panicked `post_send_iter` left staged.
 /// A list that fails its check at entry 2 (a QP of the same lane at another place), then one
 /// whose entry 2 is unarmed: each of entries 0 and 1 gets back *its own* region (`rearm`
 /// refuses any other, so swapped slots would show), and the staged region is released once.
@@ -359,7 +359,7 @@ fn a_prepared_list_failing_its_check_after_a_staged_leftover_returns_each_own_re
     t.finish();
 }
 
-/// Outside review: an empty list posts nothing; a list whose *first* entry is another lane's
+/// An empty list posts nothing; a list whose *first* entry is another lane's
 /// is refused with every region in place; `poll_with(0, ..)` hands out nothing even with a
 /// completion waiting.
 #[test]
@@ -621,7 +621,7 @@ fn a_panic_on_the_first_completion_of_a_poll_loses_no_other() {
 
 /// A batch whose iterator panics after yielding one request leaves that request staged, never
 /// posted; the next post takes the same slot. It must neither free a region the device is using
-/// nor lose the next request's completion (the lane's outside review, finding 1: a debug
+/// nor lose the next request's completion (a debug
 /// assertion on the staged slot panicked after the provider had taken the request, dropping its
 /// region under the device).
 #[test]
@@ -735,7 +735,7 @@ fn a_burst_reaped_a_few_at_a_time_loses_nothing() {
 }
 
 /// A handle of another lane names nothing here, even where its place and generation match one
-/// of this lane's QPs (the lane's outside review, finding 3).
+/// of this lane's QPs.
 #[test]
 fn another_lanes_handle_is_refused() {
     let t = DeviceTest::start();
@@ -868,7 +868,7 @@ fn a_prepared_list_checks_every_entry_before_posting_any() {
     t.finish();
 }
 
-/// Outside review of the prepared requests: a region derived from the one a request was
+/// A region derived from the one a request was
 /// prepared with is still another region. Its chunks (`split`), a sibling chunk of the same
 /// registration, and the same buffer registered again after `into_buffer` are all refused by
 /// `rearm`, each given back; the request takes its own region back.
@@ -907,7 +907,7 @@ fn a_prepared_request_refuses_chunks_siblings_and_reregistrations_of_its_region(
     t.finish();
 }
 
-/// Outside review: a prepared request's region taken out and posted through the ordinary path
+/// A prepared request's region taken out and posted through the ordinary path
 /// leaves the request unarmed (its post is refused, nothing doubly posted); the completion
 /// hands the region back, the request re-arms with it and posts again.
 #[test]
@@ -935,7 +935,7 @@ fn a_prepared_requests_region_posted_through_the_ordinary_path_comes_back_once()
     t.finish();
 }
 
-/// Outside review: a `post_send_iter` whose iterator panics leaves a request staged beyond the
+/// A `post_send_iter` whose iterator panics leaves a request staged beyond the
 /// tail; a prepared post (one, then a list) takes that slot. Nothing may be freed under the
 /// device, and every posted region comes back with its completion.
 #[test]
@@ -976,7 +976,7 @@ fn a_prepared_post_after_a_panicking_batch_iterator_loses_nothing() {
     t.finish();
 }
 
-/// Outside review: a whole queue of unsignaled prepared requests, posted one by one and then
+/// A whole queue of unsignaled prepared requests, posted one by one and then
 /// as one list, still drains: the one that takes the last free slot is signaled (the
 /// `free == 1` and `k + 1 == free` edges), and every region comes back.
 #[test]
@@ -1105,7 +1105,7 @@ fn a_prepared_request_posted_alone_after_its_list_posts_only_itself() {
     t.finish();
 }
 
-/// Outside review: a prepared WRITE with a remote key the peer does not have fails and moves
+/// A prepared WRITE with a remote key the peer does not have fails and moves
 /// the QP to the error state; its region still comes back with that completion, and a later
 /// post of the re-armed request is either refused (region kept) or flushed (region back):
 /// never lost, never posted twice.
@@ -1140,7 +1140,7 @@ fn a_prepared_request_of_a_qp_in_error_keeps_or_returns_its_region() {
     t.finish();
 }
 
-/// Outside review: prepared requests swapped (`mem::swap`) while one is posted, moved to
+/// Prepared requests swapped (`mem::swap`) while one is posted, moved to
 /// another thread with their lane, and the lane dropped with both posted (receives never
 /// matched): the drop reaps or destroys before freeing, and the requests, dropped after their
 /// lane, free nothing the device holds.
@@ -1173,7 +1173,7 @@ fn prepared_requests_swapped_moved_and_outliving_their_lane() {
     t.finish();
 }
 
-/// Outside review: a prepared UD send keeps a raw address handle. The caller's own copy of the
+/// A prepared UD send keeps a raw address handle. The caller's own copy of the
 /// destination dropped, the destination's QP (and lane) gone, the send still posts and
 /// completes (the lane's copy keeps the address handle); once its QP is removed, with the send
 /// still posted, the request is refused and holds its region no more.
@@ -1206,7 +1206,7 @@ fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
     t.finish();
 }
 
-/// Outside review (of the closure moved through the poll's rare paths): a panic in the closure
+/// A panic in the closure
 /// on a completion of the lane CQ's convenient path (routed by `unmatched`, the closure moved
 /// there and back), polled for one and for sixteen: the convenient QP's receive is routed once,
 /// its region released, nothing is left to hand out, and the lane's own QP carries on.

@@ -271,7 +271,7 @@ fn a_lane_serves_qps_made_without_the_cm() {
         let a = UnconnectedQp::new(&pd, lane.qp_init(), params.clone()).expect("create QP a");
         let b = UnconnectedQp::new(&pd, lane.qp_init(), params).expect("create QP b");
         // The lane polls its CQ without the CQ's lock: resizing it is refused, and so is
-        // growing it for a new queue (the lane's outside review, finding 2).
+        // growing it for a new queue.
         let cq = Arc::clone(a.qp().send_cq());
         let e = cq.resize(256).expect_err("a lane's CQ is never resized");
         assert!(e.to_string().contains("belongs to a Lane"), "{e}");
