@@ -44,11 +44,17 @@ pub struct PreparedBatch {
     /// The number of the region it was checked against (unique in the process).
     of: u64,
     key: LaneQp,
-    /// The tag of its QP's send queue without the sequence number (each post stamps every
-    /// request's).
+    /// The tag of its QP's send queue without the sequence number (each post stamps the last
+    /// request's; the interior ones' are fixed: `tag::interior`).
     tag: u64,
+    /// Its number among the batches prepared in this process (`NEXT_BATCH`), in its interior
+    /// requests' tags.
+    number: u64,
     wr_id: u64,
 }
+
+/// The number the next prepared batch gets: never reused (a u64 of prepares).
+pub(super) static NEXT_BATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 // SAFETY: the raw pointers are the batch's own allocation (which it owns alone), the links and
 // scatter lists inside it, and UD destinations' address handles, which the lane's member keeps
@@ -133,11 +139,15 @@ impl Lane {
             Ok(m) => m,
             Err(e) => return Err(Rejected::new(e, mr)),
         };
-        if len == 0 || len > m.send.depth as usize {
-            let e =
-                format!("prepare_batch of {len} work requests: between 1 and the send queue's depth, {}", m.send.depth);
+        if len == 0 || len > m.send.depth as usize || len > 1 << tag::INDEX_BITS {
+            let e = format!(
+                "prepare_batch of {len} work requests: between 1 and the send queue's depth, {} (and at most {})",
+                m.send.depth,
+                1u32 << tag::INDEX_BITS
+            );
             return Err(Rejected::new(Error::InvalidArgument(e), mr));
         }
+        let number = NEXT_BATCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let entry = || Entry {
             // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those):
             // all-zero is a valid value. (The scatter lists are written before they are read.)
@@ -155,6 +165,7 @@ impl Lane {
             of: mr.inner().serial(),
             key: qp,
             tag,
+            number,
             wr_id: 0,
         };
         // From here on, `b` frees the allocation however this returns (a panic of `wr` too).
@@ -165,8 +176,8 @@ impl Lane {
                 return Err(Rejected::new(other_region(k), w.mr));
             }
             let last = k + 1 == len;
-            // An interior one's tag; each post stamps its sequence number.
-            let id = if last { 0 } else { tag | tag::INTERIOR };
+            // An interior one's tag, fixed; each post stamps the last one's sequence number.
+            let id = if last { 0 } else { tag::interior(qp.place, number, k as u32) };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
             // points into yet; the reference lives for this call only.
             let lowered = unsafe {
@@ -218,18 +229,6 @@ impl Lane {
         let Some(mr) = b.mr.take() else { return Err(not_armed()) };
         let first = m.send.tail;
         let base = b.entries.as_ptr();
-        // Each request's tag carries its own slot's sequence number (the interior ones with
-        // `INTERIOR`, which retires nothing), so a completion of an earlier post of the batch,
-        // or of an earlier QP at the place, is told apart by the window (`Slots::holds`).
-        let interior = b.tag | tag::INTERIOR;
-        for k in 0..len as usize - 1 {
-            // SAFETY: k < len: an entry within the allocation; one field is written through the
-            // allocation's own pointer.
-            unsafe {
-                std::ptr::addr_of_mut!((*base.add(k)).wr.wr_id)
-                    .write(interior | first.wrapping_add(k as u64) & tag::SEQ_MASK)
-            };
-        }
         // SAFETY: len >= 1 (`prepare_batch`): the last entry is within the allocation; one
         // field is written through the allocation's own pointer.
         unsafe {
@@ -282,7 +281,7 @@ fn batch_refused(m: &mut Member, b: &mut PreparedBatch, ret: i32, bad: *mut ffi:
     let first = m.send.tail;
     m.send.mark_batch(posted);
     m.send.commit(posted);
-    m.orphan = Some((first, posted));
+    m.orphan = Some((first, posted, b.number));
     let flushed = m.set_error().is_ok();
     // Nothing posted from now on can run, whether or not the QP could be moved there.
     m.failed.get_or_insert(Fault::Moved);

@@ -307,10 +307,13 @@ struct Member {
     /// flush then), carries it.
     batch_error: Option<(u32, u32)>,
     /// A batch the provider took only part of (it named the first request it refused): the
-    /// sequence number of its first slot and how many of its requests were posted. Its last
-    /// posted request is an interior one, so that one's completion (a flush: the QP was moved
-    /// to the error state) retires it.
-    orphan: Option<(u64, u32)>,
+    /// sequence number of its first slot, how many of its requests were posted, and its number
+    /// (`PreparedBatch::number`). Its last posted request is an interior one, so that one's
+    /// completion (a flush: the QP was moved to the error state) retires it.
+    orphan: Option<(u64, u32, u64)>,
+    /// The number the first batch prepared for this QP can have (`batch::NEXT_BATCH` when it
+    /// was attached): an interior completion of a lower one is an earlier QP's at the place.
+    batch_floor: u64,
     send: Slots,
     recv: Slots,
     dests: Vec<Dest>,
@@ -321,17 +324,21 @@ impl Member {
         self.mtu != 0
     }
 
-    /// When the batch's interior request with sequence number `seq` (whole) is the last one
-    /// posted of a batch the provider took only part of (`orphan`): the sequence number through
-    /// which it retires.
-    fn orphan_done(&mut self, seq: u64) -> Option<u64> {
-        let (first, posted) = self.orphan?;
-        let last = first.wrapping_add(posted as u64 - 1);
-        if seq != last {
+    /// Whether an interior tag's batch (`tag::interior_parts`) is one of this QP's.
+    fn owns_batch(&self, batch: u64) -> bool {
+        tag::batch_at_or_after(batch, self.batch_floor)
+    }
+
+    /// When the interior request `index` of batch `batch` (as its tag carries them) is the last
+    /// one posted of a batch the provider took only part of (`orphan`): the sequence number
+    /// through which it retires.
+    fn orphan_done(&mut self, batch: u64, index: u32) -> Option<u64> {
+        let (first, posted, number) = self.orphan?;
+        if tag::interior_parts(tag::interior(0, number, 0)).0 != batch || index + 1 != posted {
             return None;
         }
         self.orphan = None;
-        Some(last)
+        Some(first.wrapping_add(posted as u64 - 1))
     }
 
     /// The fields of a batch's own completion: flushed after one of its interior requests
@@ -616,6 +623,7 @@ impl Lane {
             failed,
             batch_error: None,
             orphan: None,
+            batch_floor: batch::NEXT_BATCH.load(std::sync::atomic::Ordering::Relaxed),
             send: Slots::new(send_depth, tag::queue_hi(place as u16, false), send_seq),
             recv: Slots::new(recv_depth, tag::queue_hi(place as u16, true), recv_seq),
             dests: Vec::new(),
@@ -793,12 +801,19 @@ impl Lane {
         if m.qp_num != wc.qp_num {
             return true; // stale: retires nothing
         }
-        let slots = if recv { &mut m.recv } else { &mut m.send };
-        // Outside the window: an earlier QP's at the place, or one handed out twice.
-        let Some(seq) = slots.holds(seq) else { return true };
         // A batch's interior work request retires nothing: its batch retires with its last,
         // or, when only part of it was posted, with this one if it was the last posted.
-        let through = if wc.wr_id & tag::INTERIOR != 0 { m.orphan_done(seq) } else { Some(seq) };
+        let through = if wc.wr_id & tag::INTERIOR != 0 {
+            let (batch, index) = tag::interior_parts(wc.wr_id);
+            if !m.owns_batch(batch) {
+                return true; // an earlier QP's at the place
+            }
+            m.orphan_done(batch, index)
+        } else {
+            // Outside the window: an earlier QP's at the place, or one handed out twice.
+            let slots = if recv { &mut m.recv } else { &mut m.send };
+            slots.holds(seq)
+        };
         let Some(through) = through else { return true };
         let slots = if recv { &mut m.recv } else { &mut m.send };
         drop(slots.retire_through(through));

@@ -377,9 +377,12 @@ impl Lane {
         if m.send.hi != hi || m.qp_num != wc.qp_num {
             return false;
         }
-        // Its own slot's sequence number, stamped at the post: outside the window, it is an
-        // earlier QP's at the place (or handed out twice), and says nothing of this one.
-        let Some(seq) = m.send.holds(wc.wr_id & tag::SEQ_MASK) else { return false };
+        // Its batch's number: one prepared before this QP was attached is an earlier QP's at
+        // the place, and says nothing of this one.
+        let (batch, index) = tag::interior_parts(wc.wr_id);
+        if !m.owns_batch(batch) {
+            return false;
+        }
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             m.failed.get_or_insert(Fault::Completion(wc.status));
             if wc.status != ffi::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
@@ -388,7 +391,7 @@ impl Lane {
         }
         // The last posted request of a batch the provider took only part of: the batch retires
         // with it (through `retire`, which hands the batch out with this completion).
-        if let Some(upto) = m.orphan_done(seq) {
+        if let Some(upto) = m.orphan_done(batch, index) {
             self.retiring = Some(Retiring { place, recv: false, upto, wc: i });
             self.backlog = true;
         }

@@ -15,10 +15,14 @@
 //! window of outstanding work (`Slots::holds`): it retires nothing.
 //!
 //! `INTERIOR` marks the unsignaled work requests of a [`PreparedBatch`](super::PreparedBatch)
-//! before its last. Each carries its own slot's sequence number (stamped at every post), and a
-//! completion of one (an error, or a flush) retires nothing: the batch retires whole with its
-//! last one's (or, when the provider took only part of it, with the last one's it took:
-//! `Member::orphan`).
+//! before its last. Their tags are fixed when the batch is prepared, so a post writes none of
+//! them: below the place, the batch's number (`BATCH_BITS` of a process-wide count of prepared
+//! batches, never reused) and the request's index in the batch (`INDEX_BITS`). A completion of
+//! one (an error, or a flush) retires nothing: the batch retires whole with its last one's (or,
+//! when the provider took only part of it, with the last one's it took: `Member::orphan`, found
+//! by the batch's number and that index). A QP's batches are all prepared after it was attached,
+//! so an interior completion whose batch number is below the QP's first (`Member::batch_floor`)
+//! is an earlier QP's at the place and says nothing of this one.
 
 pub(super) const RECV: u64 = 1 << 63;
 pub(super) const CRATE: u64 = crate::verbs::ring::tag::OURS;
@@ -27,6 +31,30 @@ pub(super) const INTERIOR: u64 = 1 << 61;
 pub(super) const SHIFT: u32 = 45;
 /// The sequence number's bits.
 pub(super) const SEQ_MASK: u64 = (1 << SHIFT) - 1;
+/// An interior tag's index in its batch: the low bits.
+pub(super) const INDEX_BITS: u32 = 16;
+/// An interior tag's batch number: the bits above the index, below the place.
+pub(super) const BATCH_BITS: u32 = SHIFT - INDEX_BITS;
+const BATCH_MASK: u64 = (1 << BATCH_BITS) - 1;
+
+/// The interior tag of request `index` of batch number `batch` at `place`.
+#[inline(always)]
+pub(super) fn interior(place: u16, batch: u64, index: u32) -> u64 {
+    INTERIOR | (place as u64) << SHIFT | (batch & BATCH_MASK) << INDEX_BITS | index as u64 & ((1 << INDEX_BITS) - 1)
+}
+
+/// An interior tag's (batch number modulo 2^`BATCH_BITS`, index in the batch).
+#[inline(always)]
+pub(super) fn interior_parts(wr_id: u64) -> (u64, u32) {
+    ((wr_id & SEQ_MASK) >> INDEX_BITS, (wr_id & ((1 << INDEX_BITS) - 1)) as u32)
+}
+
+/// Whether batch number `batch` (as an interior tag carries it) was prepared at or after the
+/// batch number `floor` (whole): that is, for the QP whose first possible batch is `floor`.
+#[inline(always)]
+pub(super) fn batch_at_or_after(batch: u64, floor: u64) -> bool {
+    batch.wrapping_sub(floor) & BATCH_MASK < 1 << (BATCH_BITS - 1)
+}
 
 /// Bits 63..45 of the ordinary tags of the queue at `place` (its send queue, or its receive
 /// queue: `recv`), as a `u32`: the place, and `RECV` for the receive queue (`Slots::hi`). An
@@ -58,6 +86,25 @@ pub(super) fn decode(wr_id: u64) -> (bool, u16, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interior_tags_name_their_batch_and_index_and_tell_earlier_batches_apart() {
+        for (place, batch, index) in [(0u16, 0u64, 0u32), (65535, (1 << BATCH_BITS) - 1, 65535), (7, 12345, 15)] {
+            let w = interior(place, batch, index);
+            assert_eq!(w & (CRATE | RECV), 0, "{w:#x}");
+            assert_ne!(w & INTERIOR, 0);
+            assert_eq!(decode(w).1, place, "the place survives");
+            assert_eq!(interior_parts(w), (batch, index));
+        }
+        // The batch number wraps in the tag; the floor's test looks half the space ahead.
+        let floor = (1u64 << BATCH_BITS) - 3;
+        for (batch, mine) in
+            [(floor, true), (floor + 2, true), (floor + 5, true), (floor - 1, false), (floor - 1000, false)]
+        {
+            let carried = interior_parts(interior(1, batch, 0)).0;
+            assert_eq!(batch_at_or_after(carried, floor), mine, "batch {batch} against floor {floor}");
+        }
+    }
 
     #[test]
     fn tags_round_trip_and_never_carry_the_convenient_bit() {
