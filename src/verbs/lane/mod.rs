@@ -334,7 +334,7 @@ impl Member {
     /// through which it retires.
     fn orphan_done(&mut self, batch: u64, index: u32) -> Option<u64> {
         let (first, posted, number) = self.orphan?;
-        if tag::interior_parts(tag::interior(0, number, 0)).0 != batch || index + 1 != posted {
+        if tag::carried_batch(number) != batch || index + 1 != posted {
             return None;
         }
         self.orphan = None;

@@ -37,10 +37,16 @@ pub(super) const INDEX_BITS: u32 = 16;
 pub(super) const BATCH_BITS: u32 = SHIFT - INDEX_BITS;
 const BATCH_MASK: u64 = (1 << BATCH_BITS) - 1;
 
+/// Batch number `batch` as an interior tag carries it (modulo 2^`BATCH_BITS`).
+#[inline(always)]
+pub(super) fn carried_batch(batch: u64) -> u64 {
+    batch & BATCH_MASK
+}
+
 /// The interior tag of request `index` of batch number `batch` at `place`.
 #[inline(always)]
 pub(super) fn interior(place: u16, batch: u64, index: u32) -> u64 {
-    INTERIOR | (place as u64) << SHIFT | (batch & BATCH_MASK) << INDEX_BITS | index as u64 & ((1 << INDEX_BITS) - 1)
+    INTERIOR | (place as u64) << SHIFT | carried_batch(batch) << INDEX_BITS | index as u64 & ((1 << INDEX_BITS) - 1)
 }
 
 /// An interior tag's (batch number modulo 2^`BATCH_BITS`, index in the batch).
