@@ -4,7 +4,7 @@
 mod common;
 
 // The examples' own protocol module; its unit tests (request encoding, hostile requests) run here.
-#[path = "../examples/common/mod.rs"]
+#[path = "../examples/perftest/protocol.rs"]
 mod example_protocol;
 
 use std::io::{BufRead, BufReader, Read};
@@ -24,7 +24,7 @@ struct Srv {
 
 impl Srv {
     fn start(args: &[&str]) -> Srv {
-        let mut child = Command::new(example("server"))
+        let mut child = Command::new(example("perf_server"))
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -86,7 +86,7 @@ impl Srv {
 }
 
 fn client(args: &[&str]) -> Output {
-    Command::new(example("client")).args(args).output().expect("run client")
+    Command::new(example("perf_client")).args(args).output().expect("run client")
 }
 
 fn text(o: &Output) -> (String, String) {
@@ -324,7 +324,7 @@ fn bad_arguments_are_refused_clearly() {
     let out = client(&["-a", "10.0.0.1", "-p", "70000"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).1.contains("70000"), "{:?}", text(&out));
-    let out = Command::new(example("server")).arg("--help").output().unwrap();
+    let out = Command::new(example("perf_server")).arg("--help").output().unwrap();
     assert!(out.status.success() && text(&out).0.contains("--port"));
 }
 
@@ -332,7 +332,7 @@ fn bad_arguments_are_refused_clearly() {
 fn server_port_in_use_is_reported() {
     let addr = common::device_addr().to_string();
     let first = Srv::start(&["-a", &addr, "-p", "7606", "--count", "1"]);
-    let out = Command::new(example("server")).args(["-a", &addr, "-p", "7606"]).output().unwrap();
+    let out = Command::new(example("perf_server")).args(["-a", &addr, "-p", "7606"]).output().unwrap();
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("EADDRINUSE") && err.contains("-p"), "{err}");
@@ -345,7 +345,7 @@ fn server_port_in_use_is_reported() {
 fn server_survives_a_killed_client_and_serves_the_next() {
     let addr = common::device_addr().to_string();
     let mut srv = Srv::start(&["-a", &addr, "-p", "7607", "--count", "2", "--timeout", "5"]);
-    let mut victim = Command::new(example("client"))
+    let mut victim = Command::new(example("perf_client"))
         .args(["-a", &addr, "-p", "7607", "--iters", "1000000", "--size", "64"])
         .stdout(Stdio::null())
         .spawn()
@@ -478,7 +478,7 @@ fn unanswered_address_fails_in_bounded_time_with_a_hint() {
     let common::IpV4(a, b, c, _) = common::IpV4::of(common::device_addr());
     let ghost = format!("{a}.{b}.{c}.213");
     let start = Instant::now();
-    let mut child = Command::new(example("client"))
+    let mut child = Command::new(example("perf_client"))
         .args(["-a", &ghost, "-p", "7613", "--timeout", "2"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -545,7 +545,7 @@ fn memlock_limit_too_small_names_ulimit() {
     for dev in std::fs::read_dir("/dev/infiniband").expect("/dev/infiniband").flatten() {
         let _ = Command::new("chmod").arg("666").arg(dev.path()).status();
     }
-    let client_path = example("client");
+    let client_path = example("perf_client");
     let script = format!("ulimit -l 64 && exec {} -a {addr} -p 7614 --size 1048576", client_path.display());
     let out = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", &script])
@@ -738,7 +738,7 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
         "the server",
         Command::new("valgrind")
             .args(["--leak-check=full", "--show-leak-kinds=definite"])
-            .arg(example("server"))
+            .arg(example("perf_server"))
             // Its waits for the client (which starts under valgrind too) are bounded by the
             // watch below; the server exits once it has served its two clients.
             .args(["-a", &addr, "-p", "7615", "--count", "2", "--timeout", "600"]),
@@ -762,7 +762,7 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     } else {
         assert!(warm.status.success(), "the first client, not under valgrind: {:?}", text(&warm));
     }
-    let client = example("client");
+    let client = example("perf_client");
     let (ok, lost, log) = definitely_lost(
         "the client",
         &[client.to_str().unwrap(), "-a", &addr, "-p", "7615", "--timeout", &secs],
@@ -826,7 +826,7 @@ fn shared_server_serves_clients_at_once_and_a_silent_one_delays_nobody() {
     srv.wait_line("1 connected", Duration::from_secs(60));
     let clients: Vec<_> = (0..10)
         .map(|_| {
-            Command::new(example("client"))
+            Command::new(example("perf_client"))
                 .args(["-a", &addr, "-p", "7620", "--iters", "100", "--size", "512", "--timeout", "30"])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())

@@ -1,9 +1,9 @@
 //! The rdma_cm server: listens, accepts each client, and echoes what it sends.
 //!
 //! ```text
-//! cargo run --example server -- -a 0.0.0.0 -p 7471            # serve until Ctrl-C
-//! cargo run --example server -- -a 10.77.0.1 -p 7471 --count 1 # exit after one client
-//! cargo run --example server -- -a 10.77.0.1 --shared          # one thread, one channel, one CQ, one SRQ
+//! cargo run --release --example perf_server -- -a 0.0.0.0 -p 7471            # serve until Ctrl-C
+//! cargo run --release --example perf_server -- -a 10.77.0.1 -p 7471 --count 1 # exit after one client
+//! cargo run --release --example perf_server -- -a 10.77.0.1 --shared          # one thread, one channel, one CQ, one SRQ
 //! ```
 //!
 //! `--shared` serves every client from one thread: one event channel for all connections, one
@@ -24,18 +24,22 @@
 //! of sends are served on a lane (`rdma_cm::verbs::lane`), the crate's fast path and the one for
 //! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
 //! request moves its region into the lane until its completion hands it back
-//! (`common/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
+//! (`perftest/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
 //! `--shared` use the convenient path.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod fast;
+mod protocol;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
-use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
+use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
+use common::{fail, micros, resolve_host, DEFAULT_PORT};
+use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE};
 use rdma_cm::verbs::lane::{self, Lane, Wc};
 use rdma_cm::{
     AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
@@ -773,7 +777,8 @@ mod shared {
     use std::time::{Duration, Instant};
 
     use super::{Args, STOP};
-    use crate::common::{fail, Mode, Request, LEGACY_SIZE};
+    use crate::common::fail;
+    use crate::protocol::{Mode, Request, LEGACY_SIZE};
     use rdma_cm::{
         Accepting, AccessFlags, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connection,
         EventChannel, IdHandle, Listener, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr, SendWr, Server,

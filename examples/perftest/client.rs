@@ -1,12 +1,12 @@
 //! The rdma_cm client: connects, sends a payload, and checks the server's echo byte for byte.
 //!
 //! ```text
-//! cargo run --example client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
-//! cargo run --example client -- -a 10.77.0.1 --mode write --size 65536
-//! cargo run --example client -- -a 10.77.0.1 --mode write --doorbell send   # as on iWARP, on any device
-//! cargo run --example client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
-//! cargo run --example client -- -a 10.77.0.1 --mode fetch-add --iters 1000    # atomics on the server's counter
-//! cargo run --example client -- -a 10.77.0.1 --bw --mode send --size 64 --iters 100000 --post-list 8 --cq-mod 16
+//! cargo run --release --example perf_client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
+//! cargo run --release --example perf_client -- -a 10.77.0.1 --mode write --size 65536
+//! cargo run --release --example perf_client -- -a 10.77.0.1 --mode write --doorbell send   # as on iWARP, on any device
+//! cargo run --release --example perf_client -- -a 10.77.0.1 --mode read --size 4096 --iters 1000   # latency table
+//! cargo run --release --example perf_client -- -a 10.77.0.1 --mode fetch-add --iters 1000    # atomics on the server's counter
+//! cargo run --release --example perf_client -- -a 10.77.0.1 --bw --mode send --size 64 --iters 100000 --post-list 8 --cq-mod 16
 //! ```
 //!
 //! `--bw` streams `--iters` messages one way (sends, or RDMA WRITEs with `--mode write`) and
@@ -28,21 +28,22 @@
 //! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::verbs::lane`),
 //! the crate's fast path and the one for performance-sensitive code: one thread owns the CQ and
 //! the QP, posts and polls take no lock, and each work request moves its region into the lane
-//! until its completion hands it back (`common/fast.rs`; the server does the same on its side).
+//! until its completion hands it back (`perftest/fast.rs`; the server does the same on its side).
 //! The one-shot exchange (`--iters 1`) uses the convenient path (`QueuePair::post_send` and its
 //! waits), which is simpler to read.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod fast;
+mod protocol;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
-use common::{
-    fail, fill_pattern, micros, print_latency_table, resolve_host, Doorbell, Mode, Request, Stopwatch, DEFAULT_PORT,
-    LEGACY_SIZE, MAX_SIZE,
-};
+use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
+use common::{fail, micros, print_latency_table, resolve_host, Stopwatch, DEFAULT_PORT};
+use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE, MAX_SIZE};
 use rdma_cm::verbs::lane::{self, Lane};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr,
