@@ -137,6 +137,10 @@ fn main() {
     // The data path. The lane takes the connection; each work request moves its buffer into
     // the lane, and the completion hands it back. A failed completion names its status and
     // cause (RNR retry exceeded: nobody posted a receive; remote access error: a wrong rkey).
+    // The receive is posted once the connection is up, as the lane takes connected QPs: a
+    // message that comes before it is sent again after the RNR timer. iWARP has no RNR retry,
+    // so there such a message is lost and this wait times out (rdma_cm_s.c posts before
+    // rdma_accept).
     let qp = lane.attach(conn).unwrap_or_else(|e| fail("attaching the QP", e));
     lane.post_recv(qp, RecvWr::new(buf)).unwrap_or_else(|e| fail("ibv_post_recv", e));
     let mut got = lane.wait(STEP_TIMEOUT).and_then(|c| c.ok()).unwrap_or_else(|e| fail("receiving", e));

@@ -92,7 +92,8 @@ fn streaming_client(addr: &str, port: &str, hold: &str) -> (Child, Receiver<Stri
 
 /// Whether a one-message client to `port` succeeds within `timeout` seconds.
 fn connects(addr: &str, port: &str, timeout: &str) -> (bool, String) {
-    let out = run_local(&[&example("perf_client"), "-a", addr, "-p", port, "--timeout", timeout], Duration::from_secs(120));
+    let out =
+        run_local(&[&example("perf_client"), "-a", addr, "-p", port, "--timeout", timeout], Duration::from_secs(120));
     (out.status.success(), text(&out))
 }
 

@@ -261,7 +261,8 @@ fn hostile_private_data_is_rejected_with_a_reason_and_the_server_keeps_serving()
     // Wrong length: InfiniBand's CM pads it with zeros (so the version byte is 0); iWARP's MPA
     // carries the 2 bytes as they are.
     cases.push((b"RC".to_vec(), if common::caps::iwarp() { "shorter" } else { "version" }));
-    let srv = Srv::start("perf_server", &["-a", &addr.to_string(), "-p", "7611", "--count", &(cases.len() + 1).to_string()]);
+    let srv =
+        Srv::start("perf_server", &["-a", &addr.to_string(), "-p", "7611", "--count", &(cases.len() + 1).to_string()]);
     let dst = std::net::SocketAddr::new(addr, 7611);
     // The consumer's reject: IB CM reason 28; iWARP's is an MPA reject, -ECONNRESET.
     let reject = if common::caps::iwarp() { -libc::ECONNRESET } else { 28 };
@@ -518,7 +519,6 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
     assert_eq!(lost, 0, "alloc test leaks:\n{log}");
 }
 
-
 /// `perf_server --shared`: one thread, one event channel, one CQ and one SRQ serve ten clients at
 /// once (every echo checked by the clients), while an eleventh client connects and stays
 /// silent: nobody waits for it, and the server drops it after its --timeout.
@@ -527,7 +527,8 @@ fn examples_and_an_integration_test_have_no_definite_leaks_under_valgrind() {
 fn shared_server_serves_clients_at_once_and_a_silent_one_delays_nobody() {
     use rdma_cm::{Client, ConnParam, QpInit};
     let addr = common::device_addr().to_string();
-    let mut srv = Srv::start("perf_server", &["-a", &addr, "-p", "7620", "--shared", "--count", "11", "--timeout", "30"]);
+    let mut srv =
+        Srv::start("perf_server", &["-a", &addr, "-p", "7620", "--shared", "--count", "11", "--timeout", "30"]);
     // The silent client: connected through the library (legacy protocol), never sends.
     let dst: std::net::SocketAddr = format!("{addr}:7620").parse().unwrap();
     let t = Duration::from_secs(30);

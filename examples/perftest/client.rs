@@ -1,4 +1,7 @@
-//! The rdma_cm client: connects, sends a payload, and checks the server's echo byte for byte.
+//! `perf_client`, the perf tool's client: perftest's latency, bandwidth and rate modes over
+//! rdma_cm, against `perf_server`. Every mode checks the data it moved (the echo byte for byte,
+//! the atomics' values, the stream's count and content). For rdma_cm's steps one by one, read
+//! the teaching pair first (`examples/client.rs`, `examples/server.rs`).
 //!
 //! ```text
 //! cargo run --release --example perf_client -- -a 10.77.0.1 -p 7471                       # 1024 bytes, send/recv
@@ -21,7 +24,8 @@
 //! WRITE, which a reliable connection delivers after the WRITE's data; `--doorbell` chooses.
 //!
 //! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
-//! `harness/demo` runs server and client together there. With `--size 16 --iters 1` it also
+//! the harness's benchmark scripts (`harness/bench-lat`, `bench-rate`, `bench-tools`) run both
+//! sides there beside perftest's own tools. With `--size 16 --iters 1` it also
 //! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
 //! perftest's format, to read next to `ib_send_lat`.
 //!
@@ -41,8 +45,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use common::{fail, micros, print_latency_table, resolve_host, Stopwatch, DEFAULT_PORT};
+use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE, MAX_SIZE};
 use rdma_cm::verbs::lane::{self, Lane};
 use rdma_cm::{
@@ -51,7 +55,9 @@ use rdma_cm::{
 };
 
 #[derive(Parser, Debug)]
-#[command(about = "rdma_cm echo client (send/recv, RDMA WRITE, RDMA READ)")]
+#[command(
+    about = "perf tool client: perftest's latency and bandwidth tables over rdma_cm (send/recv, RDMA WRITE, READ, atomics)"
+)]
 struct Args {
     /// Server address or host name.
     #[arg(short = 'a', long = "addr")]

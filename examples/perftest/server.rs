@@ -1,4 +1,6 @@
-//! The rdma_cm server: listens, accepts each client, and echoes what it sends.
+//! `perf_server`, the perf tool's server: serves `perf_client`'s latency, bandwidth and rate
+//! modes, many clients at once. For rdma_cm's steps one by one, read the teaching pair first
+//! (`examples/server.rs`, `examples/client.rs`).
 //!
 //! ```text
 //! cargo run --release --example perf_server -- -a 0.0.0.0 -p 7471            # serve until Ctrl-C
@@ -11,8 +13,7 @@
 //! echoed in place (send mode, messages up to `--slot` bytes). A silent or dead client delays
 //! nobody: it is dropped after `--timeout` seconds without a message.
 //!
-//! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
-//! `harness/demo` runs server and client together there. The client chooses the mode
+//! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner). The client chooses the mode
 //! (send/write/read), the size and the iteration count and tells the server in the connect
 //! private data; a client without that data (rdma-core's `rdma_client`) gets the 16-byte
 //! exchange of rdma-core's `rdma_server`; a client streaming sends (`client --bw --mode send`)
@@ -37,8 +38,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use common::{fail, micros, resolve_host, DEFAULT_PORT};
+use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE};
 use rdma_cm::verbs::lane::{self, Lane, Wc};
 use rdma_cm::{
@@ -47,7 +48,7 @@ use rdma_cm::{
 };
 
 #[derive(Parser, Debug)]
-#[command(about = "rdma_cm echo server (send/recv, RDMA WRITE, RDMA READ)")]
+#[command(about = "perf tool server: serves perf_client's modes (send/recv, RDMA WRITE, READ, atomics, streams)")]
 struct Args {
     /// Address (or host name) to bind; 0.0.0.0: every RDMA device.
     #[arg(short = 'a', long = "addr", default_value = "0.0.0.0")]
@@ -362,31 +363,19 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
             mr.write_at(0, &READY)?;
             lc.lane.post_send(lc.qp, lane::SendWr::send(mr, 0..4).wr_id(u64::MAX))?;
         }
-        let mut failed = None;
-        let reaped = lc.lane.poll_with(64, |c, region| {
-            if !c.is_ok() {
-                failed.get_or_insert(c);
-                return;
-            }
+        lc.reap_once(64, OP, t, |c, region| {
             if c.queue() == WorkQueue::Send {
-                return; // "ready" was sent; its region is dropped with the completion
+                return Ok(()); // "ready" was sent; its region is dropped here
             }
             if c.byte_len() as usize != size {
                 bad_len += 1;
             }
             got += 1;
-            if let Some(prev) = region.and_then(|mr| latest.replace(mr)) {
+            if let Some(prev) = latest.replace(region) {
                 free.push(prev);
             }
+            Ok(())
         })?;
-        if let Some(c) = failed {
-            return Err(lc.failed(&c, OP));
-        }
-        if reaped == 0 {
-            lc.idle(OP, t)?;
-        } else {
-            lc.progressed();
-        }
     }
     let mut last = vec![0u8; size];
     let mut expected = vec![0u8; size];

@@ -160,12 +160,16 @@ fn build(kind: Kind, name: &str, profile_dir: &Path) {
     }
 }
 
-/// Fails when a source the examples are built from (the library's `src/`, `examples/`) changed
-/// after the example was built: the guest would run an old program.
+/// Fails when a source the example is built from (in the library's `src/` or in `examples/`)
+/// changed after the example was built: the guest would run an old program. Its sources are
+/// those cargo's dep-info beside it lists (`NAME.d`); without one, every file of both folders.
 fn refuse_stale(path: &Path) {
     let built = std::fs::metadata(path).and_then(|m| m.modified()).expect("the example's modification time");
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let newest = ["src", "examples"].iter().filter_map(|d| newest_in(&root.join(d))).max();
+    let newest = match sources_of(path, root) {
+        Some(files) => files.into_iter().filter_map(|f| Some((std::fs::metadata(&f).ok()?.modified().ok()?, f))).max(),
+        None => ["src", "examples"].iter().filter_map(|d| newest_in(&root.join(d))).max(),
+    };
     if let Some((changed, file)) = newest {
         assert!(
             changed <= built,
@@ -175,6 +179,22 @@ fn refuse_stale(path: &Path) {
             file.display()
         );
     }
+}
+
+/// The files under `root`'s `src/` and `examples/` that cargo's dep-info for `path` (`NAME.d`
+/// beside it: "TARGET: SOURCE SOURCE ...", a space in a path escaped as `\ `) lists; `None`
+/// when there is no dep-info or it lists none of them.
+fn sources_of(path: &Path, root: &Path) -> Option<Vec<PathBuf>> {
+    let info = std::fs::read_to_string(path.with_extension("d")).ok()?;
+    let (_, deps) = info.lines().next()?.split_once(": ")?;
+    let (src, examples) = (root.join("src"), root.join("examples"));
+    let files: Vec<PathBuf> = deps
+        .replace("\\ ", "\0")
+        .split(' ')
+        .map(|p| PathBuf::from(p.replace('\0', " ")))
+        .filter(|p| p.starts_with(&src) || p.starts_with(&examples))
+        .collect();
+    (!files.is_empty()).then_some(files)
 }
 
 /// The newest file under `dir` and its modification time.
