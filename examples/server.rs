@@ -1,1076 +1,190 @@
-//! The rdma_cm server: listens, accepts each client, and echoes what it sends.
+//! The rdma_cm server, step by step: listen, accept one client, echo its message, clean up.
 //!
 //! ```text
-//! cargo run --example server -- -a 0.0.0.0 -p 7471            # serve until Ctrl-C
-//! cargo run --example server -- -a 10.77.0.1 -p 7471 --count 1 # exit after one client
-//! cargo run --example server -- -a 10.77.0.1 --shared          # one thread, one channel, one CQ, one SRQ
+//! cargo run --example server                            # listen on every RDMA device, port 7471
+//! cargo run --example server -- -a 10.77.0.1 -p 7471    # the device that has this address
 //! ```
 //!
-//! `--shared` serves every client from one thread: one event channel for all connections, one
-//! completion queue shared by all their QPs, and one shared receive queue whose slots are
-//! echoed in place (send mode, messages up to `--slot` bytes). A silent or dead client delays
-//! nobody: it is dropped after `--timeout` seconds without a message.
+//! Then run `examples/client.rs` against it (`cargo run --example client -- -a 10.77.0.1`).
+//! This is the server half of rdma_cm's teaching pair (`rdma_cm_s.c` in C), one step after the
+//! other, each with the C call it makes and what usually goes wrong there:
 //!
-//! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner);
-//! `harness/demo` runs server and client together there. The client chooses the mode
-//! (send/write/read), the size and the iteration count and tells the server in the connect
-//! private data; a client without that data (rdma-core's `rdma_client`) gets the 16-byte
-//! exchange of rdma-core's `rdma_server`; a client streaming sends (`client --bw --mode send`)
-//! gets a receiver that keeps 512 receives posted and reports what arrived. Clients are served
-//! concurrently, one thread each; a client's failure is logged and never stops the server.
-//! SIGINT/SIGTERM stop it cleanly.
+//! 1. create the listening id, bind it to an address, listen;
+//! 2. wait for a connect request; read the client's `QpInfo` from its private data;
+//! 3. register a buffer, create the QP, accept with our own `QpInfo`;
+//! 4. receive the client's message and send it back;
+//! 5. wait for the client to disconnect; everything is released as it goes out of scope.
 //!
-//! A client's latency table (send, write or read mode, more than one iteration) and its stream
-//! of sends are served on a lane (`rdma_cm::verbs::lane`), the crate's fast path and the one for
-//! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
-//! request moves its region into the lane until its completion hands it back
-//! (`common/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
-//! `--shared` use the convenient path.
+//! It serves one client and exits. It also serves rdma-core's `rdma_client`, which sends no
+//! `QpInfo` and a 16-byte message. Where the machine has no RDMA device, cargo runs it in the
+//! Soft-RoCE guest (harness/runner), and `harness/demo` runs server and client together there.
+//! For latency tables and bandwidth, see the perf tool (`examples/perftest`).
 
-mod common;
-
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::fmt::Display;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
-use common::{fail, fill_pattern, micros, resolve_host, Doorbell, Mode, Request, DEFAULT_PORT, LEGACY_SIZE};
-use rdma_cm::verbs::lane::{self, Lane, Wc};
-use rdma_cm::{
-    AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
-    QueuePair, RecvWr, SendWr, Server, WorkQueue,
-};
+use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
+use rdma_cm::{AccessFlags, CmEventType, ConnParam, Error, MemoryRegion, QpInfo, QpInit, Server};
 
-#[derive(Parser, Debug)]
-#[command(about = "rdma_cm echo server (send/recv, RDMA WRITE, RDMA READ)")]
+#[derive(Parser)]
+#[command(about = "rdma_cm echo server: accepts one client and sends its message back")]
 struct Args {
-    /// Address (or host name) to bind; 0.0.0.0: every RDMA device.
+    /// Address (or host name) to listen on; 0.0.0.0: every RDMA device.
     #[arg(short = 'a', long = "addr", default_value = "0.0.0.0")]
     addr: String,
     /// Port to listen on.
-    #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
+    #[arg(short = 'p', long = "port", default_value_t = 7471)]
     port: u16,
-    /// Exit after serving this many clients (default: serve until SIGINT/SIGTERM).
-    #[arg(long)]
-    count: Option<u32>,
-    /// Listen backlog.
-    #[arg(long, default_value_t = 16)]
-    backlog: i32,
-    /// Seconds any single wait may take (resolution, handshake, each message).
-    #[arg(long, default_value_t = 10)]
-    timeout: u64,
-    /// Seconds a disconnect waits for this host's RDMA port to be ACTIVE again when its link
-    /// is down (rdma_cm::set_disconnect_hold): a CM message sent while the link is down can
-    /// leave the host's CM deaf until the device is re-created. 0: never wait.
-    #[arg(long, default_value_t = 10)]
-    disconnect_hold: u64,
-    /// Serve all clients from one thread, on one event channel, one CQ and one SRQ.
-    #[arg(long)]
-    shared: bool,
-    /// With --shared: receive slots in the SRQ.
-    #[arg(long, default_value_t = 512)]
-    srq_depth: u32,
-    /// With --shared: bytes per receive slot (the largest message a client may send).
-    #[arg(long, default_value_t = 4096)]
-    slot: u32,
-    /// With --shared: most clients connected at once (sizes the shared CQ).
-    #[arg(long, default_value_t = 1024)]
-    max_clients: u32,
-    /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
-    /// as perftest does; default: spin briefly, then sleep on the completion channel (on the
-    /// lane, which has no completion channel: yield the CPU between empty polls, and sleep
-    /// 200 us between them after 1,024 found nothing).
-    #[arg(long)]
-    busy_poll: bool,
 }
 
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
-}
-
-fn install_signal_handlers() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: on_signal only stores to an atomic, which is async-signal-safe; the handler
-        // stays valid for the program's life.
-        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
-    }
-}
+/// How long each step may take once a client is here (handshake, message, disconnect).
+const STEP_TIMEOUT: Duration = Duration::from_secs(10);
+/// What rdma-core's `rdma_client` sends: 16 bytes, and no `QpInfo`.
+const LEGACY_SIZE: u32 = 16;
+/// The largest message a client may announce.
+const MAX_SIZE: u32 = 64 << 20;
 
 fn main() {
     let args = Args::parse();
-    rdma_cm::set_disconnect_hold(Duration::from_secs(args.disconnect_hold));
     if args.port == 0 {
         fail("bad arguments", "port 0 is not a port a client can reach: choose 1..=65535 with -p");
     }
-    install_signal_handlers();
-    let timeout = Duration::from_secs(args.timeout.max(1));
-    let bind = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
+    let addr = resolve(&args.addr, args.port);
 
-    if args.shared {
-        shared::serve_all(&args, bind, timeout);
-        return;
-    }
+    // rdma_create_event_channel + rdma_create_id(RDMA_PS_TCP). Fails when the rdma_cm kernel
+    // module is not loaded (ENODEV, ENOENT: `modprobe rdma_ucm`).
     let server = Server::new().unwrap_or_else(|e| fail("creating the listening id", e));
     println!("[INFO] Created listening ID");
-    let bound = server.bind(bind).unwrap_or_else(|e| fail("binding", e));
-    println!("[INFO] Bound to address {bind}");
-    let listener = bound.listen(args.backlog).unwrap_or_else(|e| fail("listening", e));
+
+    // rdma_bind_addr: EADDRINUSE when another listener has the port; EADDRNOTAVAIL when no
+    // interface has the address (`ip -br addr`). 0.0.0.0 binds every RDMA device.
+    let bound = server.bind(addr).unwrap_or_else(|e| fail("binding", e));
+    println!("[INFO] Bound to address {addr}");
+
+    // rdma_listen: a backlog of 1 is enough for one client.
+    let listener = bound.listen(1).unwrap_or_else(|e| fail("listening", e));
     println!("[INFO] Listening on port {}...", args.port);
 
-    let served = Arc::new(AtomicU32::new(0));
-    let failed = Arc::new(AtomicU32::new(0));
-    let mut workers = Vec::new();
-    let mut accepted = 0u32;
-    while !STOP.load(Ordering::SeqCst) && args.count.is_none_or(|c| accepted < c) {
-        let req = match listener.get_request(Duration::from_millis(500)) {
-            Ok(r) => r,
+    // rdma_get_cm_event until RDMA_CM_EVENT_CONNECT_REQUEST: waits for as long as no client
+    // comes. None comes when the client's address resolution fails on its side (see there).
+    let req = loop {
+        match listener.get_request(Duration::from_secs(3600)) {
+            Ok(req) => break req,
             Err(Error::Timeout { .. }) => continue,
-            Err(e) => {
-                eprintln!("[ERROR] waiting for a connection request: {e}");
-                continue;
-            }
-        };
-        accepted += 1;
-        let peer = req.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
-        println!("[EVENT] Received CONNECT_REQUEST from {peer}");
-        let (served, failed) = (Arc::clone(&served), Arc::clone(&failed));
-        let busy = args.busy_poll;
-        workers.push(std::thread::spawn(move || match serve(req, timeout, busy) {
-            Ok(()) => {
-                served.fetch_add(1, Ordering::SeqCst);
-                println!("[INFO] Client {peer} done");
-            }
-            Err(e) => {
-                failed.fetch_add(1, Ordering::SeqCst);
-                eprintln!("[ERROR] client {peer}: {e}");
-            }
-        }));
-        workers.retain(|w| !w.is_finished());
-    }
-    for w in workers {
-        let _ = w.join();
-    }
-    println!(
-        "[INFO] Server exiting: {} client(s) served, {} failed",
-        served.load(Ordering::SeqCst),
-        failed.load(Ordering::SeqCst)
-    );
-}
-
-/// Serves one client from its request to its disconnect.
-fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), String> {
-    let parsed = match Request::decode(req.private_data()) {
-        Ok(r) => r,
-        Err(why) => {
-            println!("[INFO] Rejecting {:?}: {why}", req.peer_addr());
-            let _ = req.reject(why.as_bytes().get(..100).unwrap_or(why.as_bytes()));
-            return Err(format!("rejected: {why}"));
+            Err(e) => fail("waiting for a connection request", e),
         }
     };
-    let (mode, size, iters, send_doorbell) = match parsed {
-        Some(r) => (r.mode, r.size, r.iters, r.send_doorbell),
+    let peer = req.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
+    println!("[EVENT] Received CONNECT_REQUEST from {peer}");
+
+    // The client's QpInfo (qp_num, psn, rkey, vaddr, len) travels in the request's private
+    // data; its len is the size of the message it will send. Untrusted: a request we cannot
+    // read is rejected (rdma_reject) with the reason, which the client sees.
+    let client = QpInfo::is_present(req.private_data()).then(|| QpInfo::decode(req.private_data()).map(|d| d.0));
+    let size = match client {
+        Some(Ok(info)) if (1..=MAX_SIZE).contains(&info.len) => {
+            println!("[INFO] Client qp_num {}, rkey {:#x}, vaddr {:#x}", info.qp_num, info.rkey, info.vaddr);
+            info.len as usize
+        }
+        Some(Ok(info)) => reject(req, format!("message size {} is outside 1..={MAX_SIZE}", info.len)),
+        Some(Err(e)) => reject(req, e.to_string()),
         None => {
             println!("[INFO] Peer sent no qp_info: rdma-core rdma_client protocol ({LEGACY_SIZE}-byte echo)");
-            (Mode::Send, LEGACY_SIZE, 1, false)
+            LEGACY_SIZE as usize
         }
     };
-    println!("[INFO] Mode {mode}, {size} bytes, {iters} iteration(s)");
-    if mode == Mode::Write {
-        let doorbell = if send_doorbell { Doorbell::Send } else { Doorbell::Imm };
-        println!("[INFO] Each RDMA WRITE is rung with {doorbell}, as the client asked");
-    }
-    let err = |e: Error| e.to_string();
-    let pd = req.alloc_pd().map_err(err)?;
 
-    let t = Instant::now();
-    let access = match mode {
-        Mode::Send | Mode::SendStream => AccessFlags::LOCAL_WRITE,
-        Mode::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-        Mode::Read => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
-        Mode::FetchAdd | Mode::CmpSwap => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
-    };
-    let mut bufs = [
-        MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
-        MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
-    ];
-    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
-    println!("[INFO] Memory registration took {:.1} us ({} bytes, {:?})", micros(t.elapsed()), size, access);
+    // ibv_alloc_pd + ibv_reg_mr on the request's device. ENOMEM here is nearly always the
+    // locked-memory limit: `ulimit -l` (the error says how much it is).
+    let pd = req.alloc_pd().unwrap_or_else(|e| fail("allocating the protection domain", e));
+    let started = Instant::now();
+    let buf = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap_or_else(|e| fail("registering memory", e));
+    println!("[INFO] Memory registration took {:.1} us ({size} bytes)", micros(started));
 
-    let t = Instant::now();
-    // A stream of sends needs receives posted well ahead of it, as ib_send_bw's server does.
-    let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
-    // A client's latency table or stream is served on a lane, the crate's fast path: the QP is
-    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
-    // and the atomics (where the client does everything) use the convenient path.
-    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write | Mode::Read));
-    let lane =
-        if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
-    let init = QpInit::new().max_recv_wr(recv_depth);
-    let init = match &lane {
-        Some(lane) => lane.qp_init_from(init),
-        None => init,
-    };
-    let mut pending = req.create_qp(&pd, init).map_err(err)?;
-    println!(
-        "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / {recv_depth} recv WRs)",
-        micros(t.elapsed()),
-        pending.qp().qp_num()
-    );
+    // ibv_create_cq + rdma_create_qp: the lane (rdma_cm::verbs::lane) owns the completion queue
+    // for both queues of the QP. EINVAL or ENOMEM: more work requests than the device allows
+    // (`ibv_devinfo -v`: max_qp_wr).
+    let ctx = req.context().unwrap_or_else(|e| fail("opening the device", e));
+    let mut lane = Lane::new(&ctx, 32).unwrap_or_else(|e| fail("creating the completion queue", e));
+    let started = Instant::now();
+    let init = lane.qp_init_from(QpInit::new().max_send_wr(16).max_recv_wr(16));
+    let pending = req.create_qp(&pd, init).unwrap_or_else(|e| fail("creating the QP", e));
+    let qp_num = pending.qp().qp_num();
+    println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started));
 
-    let client_region = parsed.and_then(|r| r.info.region());
-    match mode {
-        // The lane posts its receives once it holds the QP; the client's first message waits
-        // for them (the connection's RNR retry, unlimited by default).
-        _ if on_lane => {}
-        Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
-        Mode::SendStream => {
-            // Every receive of the stream lands in the same bytes: only the count, the lengths
-            // and the last message's content are checked.
-            let first: Vec<RecvWr> =
-                (0..iters.min(recv_depth)).map(|k| RecvWr::new(&bufs[0], 0..size as usize).wr_id(k as u64)).collect();
-            pending.post_recv(&first).map_err(err)?
-        }
-        Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
-            pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?
-        }
-    }
-    if mode.is_atomic() {
-        bufs[0].write_at(0, &0u64.to_ne_bytes()).map_err(err)?; // the counter starts at 0
-    }
-    let info = QpInfo {
-        qp_num: pending.qp().qp_num(),
-        psn: 0,
-        rkey: bufs[0].rkey(),
-        vaddr: bufs[0].addr(),
-        len: if mode == Mode::Send { 0 } else { size },
-    };
-    let info =
-        if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };
-    let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
-    // On the lane our receives are posted once connected: a message of the client's that
-    // comes first (a stream's, were it not to wait for "ready") waits 0.64 ms, not 655 ms.
-    let param = if on_lane { param.min_rnr_timer(LANE_MIN_RNR_TIMER) } else { param };
-    let mut conn = pending.accept(&param, timeout).map_err(err)?;
+    // rdma_accept with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One
+    // RDMA READ in flight each way, and retries without end (7) when a message is lost or our
+    // receive is not posted yet. A minimum RNR timer of 0.64 ms (code 12) instead of the CM's
+    // 655 ms: our receive is posted once the connection is up, and a message that comes
+    // before it is sent again after that long. Timeouts here: the client gave up, or its
+    // side of the route is broken.
+    let info = QpInfo { qp_num, psn: 0, rkey: buf.rkey(), vaddr: buf.addr(), len: size as u32 };
+    let param = ConnParam::new()
+        .responder_resources(1)
+        .initiator_depth(1)
+        .retry_count(7)
+        .rnr_retry_count(7)
+        .min_rnr_timer(12)
+        .private_data(&info.encode())
+        .unwrap_or_else(|e| fail("building the accept parameters", e));
+    let conn = pending.accept(&param, STEP_TIMEOUT).unwrap_or_else(|e| fail("accepting", e));
     println!("[EVENT] Connection established");
+    let id = std::sync::Arc::clone(conn.id()); // to read the client's disconnect later
 
-    if let Some(lane) = lane {
-        let mut lc = LaneConn::attach(lane, conn, busy_poll).map_err(err)?;
-        // A 4-byte region for our small sends (doorbell, "done"): a lane has no inline sends.
-        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
-        let [buf, other] = bufs;
-        // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
-        // mode its last RDMA READ of `buf` comes after our last answer.
-        let mut regs = Regions::new(vec![buf, other, ctl, ring]);
-        let result = match (mode, client_region) {
-            (Mode::SendStream, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
-            (Mode::Write, Some(client)) => {
-                lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
-            }
-            (Mode::Read, Some(client)) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
-            (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
-            _ => lane_echo_send(&mut lc, &mut regs, size, iters, timeout),
-        };
-        result.map_err(err)?;
-        // The client disconnects first; wait for it, bounded.
-        match lc.wait_disconnected(timeout) {
-            Ok(()) | Err(Error::Timeout { .. }) => {}
-            Err(e) => return Err(e.to_string()),
-        }
-        println!("[INFO] Disconnected");
-        drop(regs);
-        return Ok(());
-    }
-    conn.qp_mut().set_busy_poll(busy_poll);
+    // The data path. The lane takes the connection; each work request moves its buffer into
+    // the lane, and the completion hands it back. A failed completion names its status and
+    // cause (RNR retry exceeded: nobody posted a receive; remote access error: a wrong rkey).
+    // The receive is posted once the connection is up, as the lane takes connected QPs: a
+    // message that comes before it is sent again after the RNR timer. iWARP has no RNR retry,
+    // so there such a message is lost and this wait times out (rdma_cm_s.c posts before
+    // rdma_accept).
+    let qp = lane.attach(conn).unwrap_or_else(|e| fail("attaching the QP", e));
+    lane.post_recv(qp, RecvWr::new(buf)).unwrap_or_else(|e| fail("ibv_post_recv", e));
+    let mut got = lane.wait(STEP_TIMEOUT).and_then(|c| c.ok()).unwrap_or_else(|e| fail("receiving", e));
+    let n = got.byte_len() as usize;
+    println!("[INFO] Received {n} bytes");
+    let buf = got.take_region().expect("a receive's completion hands its buffer back");
+    lane.post_send(qp, SendWr::send(buf, 0..n)).unwrap_or_else(|e| fail("ibv_post_send", e));
+    lane.wait(STEP_TIMEOUT).and_then(|c| c.ok()).unwrap_or_else(|e| fail("sending the echo", e));
+    println!("[INFO] Sent {n} bytes");
 
-    let result = match mode {
-        Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
-        Mode::SendStream => sink_sends(&mut conn, &mut bufs[0], size, iters, iters.min(recv_depth), timeout),
-        Mode::Write => {
-            let client = client_region.ok_or("no client region")?;
-            echo_write(&mut conn, &bufs[0], &mut ctl, client, send_doorbell, size, iters, timeout)
-        }
-        Mode::Read => {
-            echo_read(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
-        }
-        Mode::FetchAdd | Mode::CmpSwap => check_counter(&mut conn, &mut bufs[0], mode, iters, timeout),
-    };
-    result.map_err(err)?;
-    // The client disconnects first; wait for it, bounded.
-    let deadline = Instant::now() + timeout;
-    while !conn.is_disconnected() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match conn.next_event(left) {
-            Ok(_) => {}
-            Err(Error::Timeout { .. }) => break,
-            Err(e) => return Err(e.to_string()),
-        }
+    // rdma_get_cm_event until RDMA_CM_EVENT_DISCONNECTED: the client disconnects first.
+    match id.channel().get_event_for(id.handle(), STEP_TIMEOUT) {
+        Ok(ev) if ev.event_type() == CmEventType::Disconnected => println!("[EVENT] Client disconnected"),
+        Ok(ev) => println!("[INFO] Expected DISCONNECTED, got {:?}", ev.event_type()),
+        Err(e) => fail("waiting for the client's disconnect", e),
     }
-    println!("[INFO] Disconnected");
-    Ok(())
+    // Teardown, in reverse order of creation, as the values drop: the lane (rdma_disconnect,
+    // rdma_destroy_qp, ibv_destroy_cq), then the buffers (ibv_dereg_mr), the protection domain
+    // (ibv_dealloc_pd), the ids (rdma_destroy_id) and the event channel.
+    drop(lane);
+    println!("[INFO] Server exiting");
 }
 
-/// What a send stream's receiver sends the client once its receives are posted (perftest's
-/// handshake after posting its receives does the same).
-const READY: [u8; 4] = *b"rdy!";
-
-/// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
-const STREAM_RX_DEPTH: u32 = 512;
-
-/// Region numbers on the lane: each work request's `wr_id` is its region's number, so its
-/// completion says where the region goes back ([`Regions`]).
-const BUF: usize = 0; // the client's message, or the target of its (and our) RDMA
-const OTHER: usize = 1; // send mode's second buffer: the next receive while BUF is echoed
-const CTL: usize = 2; // the client's doorbell or "go"
-const RING: usize = 3; // our doorbell or "done"
-
-/// Most bytes a stream's receives take: on the lane each posted receive holds a region of its
-/// own (chunks of one registration), so fewer are posted ahead for huge messages.
-const STREAM_BYTES: usize = 64 << 20;
-
-/// The receiving end of `client --bw --mode send`, on the lane: keeps receives posted (each in
-/// a chunk of its own, up to 16 per doorbell) until `iters` sends have arrived, checks each
-/// length and the last message's content, and answers with the count and the verdict.
-fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
-    const OP: &str = "receiving a stream of sends";
-    let size = size as usize;
-    let depth = STREAM_RX_DEPTH.min((STREAM_BYTES / size).max(1) as u32) as usize;
-    let mut free = MemoryRegion::new(pd, size * depth, AccessFlags::LOCAL_WRITE)?.split(size)?;
-    // The region of the latest message, kept out of the receives to check its content.
-    let mut latest: Option<MemoryRegion> = None;
-    let (mut posted, mut got, mut bad_len) = (0u32, 0u32, 0u32);
-    // "ready", sent once the first receives are posted: the client starts its stream on it.
-    let mut ready = Some(MemoryRegion::new(pd, 4, AccessFlags::LOCAL_WRITE)?);
-    while got < iters {
-        while posted < iters && !free.is_empty() {
-            let n = ((iters - posted) as usize).min(free.len()).min(lane::MAX_LIST);
-            let mut wrs: [Option<lane::RecvWr>; lane::MAX_LIST] = std::array::from_fn(|_| None);
-            for w in &mut wrs[..n] {
-                *w = free.pop().map(|mr| lane::RecvWr::range(mr, 0..size));
-            }
-            posted += lc.lane.post_recv_list(lc.qp, &mut wrs[..n])? as u32;
-        }
-        if let Some(mut mr) = ready.take().filter(|_| posted > 0) {
-            // Over the CM a send that finds no receive posted waits for the receiver's
-            // min_rnr_timer, 655 ms: the client must not start before these receives.
-            mr.write_at(0, &READY)?;
-            lc.lane.post_send(lc.qp, lane::SendWr::send(mr, 0..4).wr_id(u64::MAX))?;
-        }
-        let mut failed = None;
-        let reaped = lc.lane.poll_with(64, |c, region| {
-            if !c.is_ok() {
-                failed.get_or_insert(c);
-                return;
-            }
-            if c.queue() == WorkQueue::Send {
-                return; // "ready" was sent; its region is dropped with the completion
-            }
-            if c.byte_len() as usize != size {
-                bad_len += 1;
-            }
-            got += 1;
-            if let Some(prev) = region.and_then(|mr| latest.replace(mr)) {
-                free.push(prev);
-            }
-        })?;
-        if let Some(c) = failed {
-            return Err(lc.failed(&c, OP));
-        }
-        if reaped == 0 {
-            lc.idle(OP, t)?;
-        } else {
-            lc.progressed();
-        }
+/// `host` as an address: an IP address as it is, a name through rdma_getaddrinfo.
+fn resolve(host: &str, port: u16) -> SocketAddr {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return SocketAddr::new(ip, port);
     }
-    let mut last = vec![0u8; size];
-    let mut expected = vec![0u8; size];
-    fill_pattern(&mut expected, 0);
-    let content = match &mut latest {
-        Some(mr) => mr.read_at(0, &mut last).is_ok() && last == expected,
-        None => false,
-    };
-    let ok = bad_len == 0 && content;
-    println!(
-        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
-        if ok { "lengths and content checked" } else { "MISMATCH" }
-    );
-    let mut answer = MemoryRegion::new(pd, 5, AccessFlags::LOCAL_WRITE)?;
-    answer.write_at(0, &got.to_be_bytes())?;
-    answer.write_at(4, &[ok as u8])?;
-    let mut regs = Regions::new(vec![answer]);
-    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(0)?, 0..5).wr_id(0))?;
-    lane_wait_answer(lc, &mut regs, 0, true, t)?;
-    if !ok {
-        return Err(Error::InvalidArgument(format!(
-            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
-            if content { "matches" } else { "differs" }
-        )));
-    }
-    Ok(())
+    let addrs = rdma_cm::lookup(host, &port.to_string()).unwrap_or_else(|e| fail("bad arguments", e));
+    addrs.into_iter().find(SocketAddr::is_ipv4).unwrap_or_else(|| fail("bad arguments", "no IPv4 address"))
 }
 
-/// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
-/// posted before the echo of this one). Each region is received into, then echoed from, so it
-/// has a receive and a send prepared over it (checked and lowered once); each completion hands
-/// the region back to re-arm the other one. The echo is prepared at `size` bytes, so a message
-/// of another length ends the connection with an error (the client sends `size` bytes every
-/// time; the convenient path's `echo_send` echoes what came).
-fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
-    let size = size as usize;
-    let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
-    lc.lane.post_prepared_recv(&mut ends[0].recv)?;
-    for i in 0..iters {
-        let (cur, next) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
-        // The client's message: its region arms our echo.
-        while !ends[cur].send.is_armed() {
-            lc.reap(1, "waiting for the client's message", t, |c, r| EchoEnd::route(&mut ends, c, r))?;
-        }
-        let n = ends[cur].len;
-        if n != size {
-            return Err(Error::InvalidArgument(format!("the client's message {i} has {n} bytes, expected {size}")));
-        }
-        if i + 1 < iters {
-            lc.lane.post_prepared_recv(&mut ends[next].recv)?;
-        }
-        lc.lane.post_prepared(&mut ends[cur].send)?;
-        // The echo's completion: its region arms the next receive into it.
-        while !ends[cur].recv.is_armed() {
-            match lc.reap(1, "answering the client", t, |c, r| EchoEnd::route(&mut ends, c, r)) {
-                Err(Error::Disconnected { .. }) if i + 1 == iters => break,
-                r => r?,
-            }
-        }
-    }
-    for (end, place) in ends.iter_mut().zip([BUF, OTHER]) {
-        if let Some(region) = end.recv.take_region().or_else(|| end.send.take_region()) {
-            regs.put(place, region);
-        }
-    }
-    println!("[INFO] Echoed {iters} messages of {size} bytes");
-    Ok(())
+/// rdma_reject with the reason as private data (the client prints it), then exits 1.
+fn reject(req: rdma_cm::ConnectRequest, why: String) -> ! {
+    let _ = req.reject(&why.as_bytes()[..why.len().min(100)]);
+    fail("rejected the client", why)
 }
 
-/// One of send mode's two buffers: a receive and a send prepared over one region (`wr_id`
-/// `2k` and `2k + 1` for buffer `k`), and the length of the last message received into it.
-struct EchoEnd {
-    recv: lane::PreparedRecv,
-    send: lane::PreparedSend,
-    len: usize,
+fn micros(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e6
 }
 
-impl EchoEnd {
-    fn new(lc: &mut LaneConn, region: MemoryRegion, k: u64, size: usize) -> Result<EchoEnd, Error> {
-        let mut send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(region, 0..size).wr_id(2 * k + 1))?;
-        let region =
-            send.take_region().ok_or_else(|| Error::InvalidArgument("a prepared send without its region".into()))?;
-        let recv = lc.lane.prepare_recv(lc.qp, lane::RecvWr::range(region, 0..size).wr_id(2 * k))?;
-        Ok(EchoEnd { recv, send, len: 0 })
-    }
-
-    /// A completion's region to the request it arms: a receive's to its buffer's send (and
-    /// the length it brought), a send's to its buffer's receive.
-    #[inline(always)]
-    fn route(ends: &mut [EchoEnd; 2], c: Wc, region: MemoryRegion) -> Result<(), Error> {
-        let end = ends.get_mut((c.wr_id() / 2) as usize).ok_or_else(|| stray(c.wr_id()))?;
-        if c.wr_id() % 2 == 0 {
-            end.len = c.byte_len() as usize;
-            end.send.rearm(region).map_err(Error::from)
-        } else {
-            end.recv.rearm(region).map_err(Error::from)
-        }
-    }
-}
-
-/// A completion the echo did not post.
-#[cold]
-fn stray(wr_id: u64) -> Error {
-    Error::InvalidArgument(format!("a stray completion (wr_id {wr_id})"))
-}
-
-/// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its
-/// immediate data or by a 4-byte send into `CTL`; we write `BUF` back into the client's
-/// region, rung the same way (the doorbell send from `RING`, posted with the WRITE).
-#[allow(clippy::too_many_arguments)]
-fn lane_echo_write(
-    lc: &mut LaneConn,
-    regs: &mut Regions,
-    client: &rdma_cm::RemoteRegion,
-    send_doorbell: bool,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
-    for i in 0..iters {
-        let wc = lc.wait(regs, CTL, "waiting for the client's WRITE", t)?;
-        let rung = if send_doorbell {
-            let mut ring = [0u8; 4];
-            regs.get(CTL)?.read_at(0, &mut ring)?;
-            (wc.byte_len == 4).then_some(u32::from_be_bytes(ring))
-        } else {
-            wc.imm
-        };
-        if rung != Some(i) {
-            return Err(Error::InvalidArgument(format!(
-                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
-                wc.byte_len
-            )));
-        }
-        if i + 1 < iters {
-            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
-        }
-        let write = lane::SendWr::write(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
-        let last = i + 1 == iters;
-        if send_doorbell {
-            // The send's completion retires the unsignaled WRITE before it.
-            regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
-            let ring = lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64);
-            lc.lane.post_send_list(lc.qp, &mut [Some(write.unsignaled()), Some(ring)])?;
-            lane_wait_answer(lc, regs, RING, last, t)?;
-        } else {
-            lc.lane.post_send(lc.qp, write.imm(i))?;
-        }
-        lane_wait_answer(lc, regs, BUF, last, t)?;
-    }
-    Ok(())
-}
-
-/// Read mode's latency table on the lane: on the client's "go" (into `CTL`), RDMA READ its
-/// region into `BUF`, then answer "done" (from `RING`).
-fn lane_echo_read(
-    lc: &mut LaneConn,
-    regs: &mut Regions,
-    client: &rdma_cm::RemoteRegion,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
-    for i in 0..iters {
-        lc.wait(regs, CTL, "waiting for the client's go", t)?;
-        let read = lane::SendWr::read(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
-        lc.lane.post_send(lc.qp, read)?;
-        lc.wait(regs, BUF, "reading the client's region", t)?;
-        if i + 1 < iters {
-            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
-        }
-        regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
-        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
-        lane_wait_answer(lc, regs, RING, i + 1 == iters, t)?;
-    }
-    Ok(())
-}
-
-/// [`wait_answer`] on the lane: waits for region `i` to come back from an answer to the
-/// client; the last answer counts once posted.
-fn lane_wait_answer(lc: &mut LaneConn, regs: &mut Regions, i: usize, last: bool, t: Duration) -> Result<(), Error> {
-    match lc.wait(regs, i, "answering the client", t) {
-        Err(Error::Disconnected { .. }) if last => Ok(()),
-        r => r.map(drop),
-    }
-}
-
-/// The receiving end of `client --bw --mode send`: keeps receives posted until `iters` sends
-/// have arrived (`posted` were posted before accepting), checks each length and the last
-/// message's content, and answers with the count and the verdict (5 bytes, inline).
-fn sink_sends(
-    conn: &mut Connection,
-    buf: &mut MemoryRegion,
-    size: u32,
-    iters: u32,
-    posted: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    let (mut posted, mut got, mut bad_len) = (posted, 0u32, 0u32);
-    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
-    let mut refill: Vec<RecvWr> = Vec::with_capacity(16);
-    while got < iters {
-        let k = qp.wait_queue(WorkQueue::Recv, &mut wcs, t)?;
-        if k == 0 {
-            return Err(Error::Timeout { op: "receiving a stream of sends", timeout: t, addr: None, hint: None });
-        }
-        for wc in &wcs[..k] {
-            if wc.ok()?.byte_len() != size {
-                bad_len += 1;
-            }
-            got += 1;
-        }
-        while posted < iters && posted - got < STREAM_RX_DEPTH {
-            refill.clear();
-            let n = (iters - posted).min(STREAM_RX_DEPTH - (posted - got)).min(16);
-            refill.extend((posted..posted + n).map(|k| RecvWr::new(buf, 0..size as usize).wr_id(k as u64)));
-            qp.post_recv(&refill)?;
-            posted += n;
-        }
-    }
-    // Nothing is posted any more: the bytes are readable.
-    let mut last = vec![0u8; size as usize];
-    buf.read_at(0, &mut last)?;
-    let mut expected = vec![0u8; size as usize];
-    fill_pattern(&mut expected, 0);
-    let ok = bad_len == 0 && last == expected;
-    println!(
-        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
-        if ok { "lengths and content checked" } else { "MISMATCH" }
-    );
-    let mut answer = [0u8; 5];
-    answer[..4].copy_from_slice(&got.to_be_bytes());
-    answer[4] = ok as u8;
-    qp.post_send(&[SendWr::send_inline(&answer).wr_id(u64::MAX)])?;
-    qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
-    if !ok {
-        return Err(Error::InvalidArgument(format!(
-            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
-            if last == expected { "matches" } else { "differs" }
-        )));
-    }
-    Ok(())
-}
-
-fn echo_send(conn: &mut Connection, bufs: &[MemoryRegion; 2], size: u32, iters: u32, t: Duration) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        let cur = (i % 2) as usize;
-        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        let n = wc.byte_len() as usize;
-        if iters == 1 {
-            println!("[INFO] Received {n} bytes");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(&bufs[1 - cur], 0..size as usize).wr_id(i as u64 + 1)])?;
-        }
-        qp.post_send(&[SendWr::send(&bufs[cur], 0..n).wr_id(i as u64)])?;
-        wait_answer(qp, i as u64, i + 1 == iters, t)?;
-        if iters == 1 {
-            println!("[INFO] Sent {n} bytes");
-        }
-    }
-    if iters > 1 {
-        println!("[INFO] Echoed {iters} messages of {size} bytes");
-    }
-    Ok(())
-}
-
-/// Write mode: the client's RDMA WRITE lands in `buf`, rung by its immediate data or by the
-/// 4-byte SEND after it (`send_doorbell`); we write it back into its region, rung the same way.
-#[allow(clippy::too_many_arguments)]
-fn echo_write(
-    conn: &mut Connection,
-    buf: &MemoryRegion,
-    ctl: &mut MemoryRegion,
-    client: rdma_cm::RemoteRegion,
-    send_doorbell: bool,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        let rung = if send_doorbell {
-            let mut ring = [0u8; 4];
-            ctl.read_at(0, &mut ring)?;
-            (wc.byte_len() == 4).then_some(u32::from_be_bytes(ring))
-        } else {
-            wc.imm_data()
-        };
-        if rung != Some(i) {
-            return Err(Error::InvalidArgument(format!(
-                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
-                wc.byte_len()
-            )));
-        }
-        if iters == 1 {
-            println!("[INFO] Received {size} bytes (RDMA WRITE)");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
-        }
-        let write = SendWr::write(buf, 0..size as usize, &client, 0)?;
-        if send_doorbell {
-            // The SEND's completion retires the unsignaled WRITE before it.
-            let ring = i.to_be_bytes();
-            qp.post_send(&[write.unsignaled(), SendWr::send_inline(&ring).wr_id(i as u64)])?;
-        } else {
-            qp.post_send(&[write.imm(i).wr_id(i as u64)])?;
-        }
-        wait_answer(qp, i as u64, i + 1 == iters, t)?;
-        if iters == 1 {
-            println!("[INFO] Sent {size} bytes (RDMA WRITE)");
-        }
-    }
-    Ok(())
-}
-
-/// Read mode: on the client's "go", RDMA READ its region into `buf`, then answer "done" so the
-/// client reads `buf` back.
-fn echo_read(
-    conn: &mut Connection,
-    buf: &MemoryRegion,
-    ctl: &MemoryRegion,
-    client: rdma_cm::RemoteRegion,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        qp.post_send(&[SendWr::read(buf, 0..size as usize, &client, 0)?.wr_id(i as u64)])?;
-        qp.wait_for(WorkQueue::Send, i as u64, t)?;
-        if iters == 1 {
-            println!("[INFO] Received {size} bytes (RDMA READ)");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
-        }
-        qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
-        wait_answer(qp, u64::MAX, i + 1 == iters, t)?;
-    }
-    Ok(())
-}
-
-/// Waits for the completion of an answer to the client (an echo, or read mode's "done").
-/// The last answer counts once posted, as `--shared` counts its echoes: the client may take it
-/// and leave before its acknowledgement reaches us (on a lossy wire a lost ACK is made good only
-/// after the ACK timeout, seconds later), and its disconnect then flushes the send. Whether the
-/// answer arrived intact, the client checks and reports itself.
-fn wait_answer(qp: &mut QueuePair, wr_id: u64, last: bool, t: Duration) -> Result<(), Error> {
-    match qp.wait_for(WorkQueue::Send, wr_id, t) {
-        Err(Error::Disconnected { .. }) if last => Ok(()),
-        r => r.map(drop),
-    }
-}
-
-/// Atomic modes: the client moves our counter with RDMA atomics; on its "done", the counter
-/// must be exactly `iters`.
-fn check_counter(
-    conn: &mut Connection,
-    counter: &mut MemoryRegion,
-    mode: Mode,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    conn.qp_mut().wait_for(WorkQueue::Recv, 0, t)?;
-    let mut v = [0u8; 8];
-    counter.read_at(0, &mut v)?;
-    let n = u64::from_ne_bytes(v);
-    if n != u64::from(iters) {
-        return Err(Error::InvalidArgument(format!("counter is {n} after {iters} {mode}(s)")));
-    }
-    println!("[INFO] Counter is {n} after {iters} {mode}(s)");
-    Ok(())
-}
-
-/// `--shared`: every client from one thread, on one event channel, one CQ and one SRQ.
-mod shared {
-    use std::collections::HashMap;
-    use std::net::SocketAddr;
-    use std::sync::Arc;
-    use std::time::{Duration, Instant};
-
-    use super::{Args, STOP};
-    use crate::common::{fail, Mode, Request, LEGACY_SIZE};
-    use rdma_cm::{
-        Accepting, AccessFlags, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connection,
-        EventChannel, IdHandle, Listener, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr, SendWr, Server,
-        SharedReceiveQueue, WorkCompletion, WorkQueue,
-    };
-
-    /// Send queue depth of each client's QP: one echo in flight per message, a few to spare.
-    const SEND_DEPTH: u32 = 4;
-
-    /// What the whole server shares, made on the first request (it fixes the device).
-    struct Pool {
-        pd: Arc<ProtectionDomain>,
-        cq: Arc<CompletionQueue>,
-        srq: SharedReceiveQueue,
-        slots: Vec<MemoryRegion>,
-    }
-
-    /// One client.
-    struct Client {
-        conn: Connection,
-        peer: String,
-        iters: u32,
-        echoed: u32,
-        /// Bytes of the echo in flight (for the log line).
-        echo_len: usize,
-        /// Slots whose echo is posted and not yet reaped: if the client goes first, its QP's
-        /// drop reaps them, and they go back to the SRQ from here.
-        in_flight: Vec<usize>,
-        last: Instant,
-    }
-
-    struct State {
-        pool: Option<Pool>,
-        accepting: HashMap<IdHandle, (Accepting, String, u32)>,
-        /// Receives that completed for a QP still waiting for its ESTABLISHED (the client may
-        /// send as soon as it has the accept): (slot, bytes), echoed once it is established.
-        early: HashMap<u32, Vec<(usize, usize)>>,
-        clients: HashMap<u32, Client>,
-        by_id: HashMap<IdHandle, u32>,
-        accepted: u32,
-        served: u32,
-        failed: u32,
-    }
-
-    pub(super) fn serve_all(args: &Args, bind: SocketAddr, timeout: Duration) {
-        let ch = EventChannel::new().unwrap_or_else(|e| fail("creating the event channel", e));
-        let server = Server::on_channel(&ch).unwrap_or_else(|e| fail("creating the listening id", e));
-        println!("[INFO] Created listening ID");
-        let bound = server.bind(bind).unwrap_or_else(|e| fail("binding", e));
-        println!("[INFO] Bound to address {bind}");
-        let listener = bound.listen(args.backlog).unwrap_or_else(|e| fail("listening", e));
-        println!(
-            "[INFO] Listening on port {} (shared: one thread, one channel, one CQ, one SRQ of {} x {} bytes)...",
-            args.port, args.srq_depth, args.slot
-        );
-        let mut st = State {
-            pool: None,
-            accepting: HashMap::new(),
-            early: HashMap::new(),
-            clients: HashMap::new(),
-            by_id: HashMap::new(),
-            accepted: 0,
-            served: 0,
-            failed: 0,
-        };
-        let mut wcs = [WorkCompletion::default(); 64];
-        loop {
-            let done = args.count.is_some_and(|c| st.served + st.failed >= c);
-            if STOP.load(std::sync::atomic::Ordering::SeqCst) || done {
-                break;
-            }
-            while let Some(ev) = ch.try_get_event().unwrap_or_else(|e| fail("reading the event channel", e)) {
-                on_event(args, &listener, &mut st, ev);
-            }
-            let Some(pool) = &st.pool else {
-                // Nothing to poll yet: sleep on the channel (bounded, to notice signals).
-                match ch.get_event(Duration::from_millis(200)) {
-                    Ok(ev) => on_event(args, &listener, &mut st, ev),
-                    Err(rdma_cm::Error::Timeout { .. }) => {}
-                    Err(e) => fail("reading the event channel", e),
-                }
-                continue;
-            };
-            let n = pool.cq.wait(&mut wcs, Duration::from_millis(20)).unwrap_or_else(|e| fail("polling the CQ", e));
-            for wc in &wcs[..n] {
-                on_completion(&mut st, wc);
-            }
-            // A client silent for longer than the timeout is dropped; nobody waits for it.
-            let now = Instant::now();
-            let stale: Vec<u32> = st.clients.iter().filter(|(_, c)| now - c.last > timeout).map(|(&q, _)| q).collect();
-            for q in stale {
-                let c = st.clients.remove(&q).expect("listed above");
-                st.by_id.remove(&c.conn.id().handle());
-                eprintln!("[ERROR] client {}: silent for {timeout:?}; dropped", c.peer);
-                st.failed += 1;
-                release(&st, c);
-            }
-        }
-        println!("[INFO] Server exiting: {} client(s) served, {} failed", st.served, st.failed);
-    }
-
-    fn pool(req: &ConnectRequest, args: &Args) -> rdma_cm::Result<Pool> {
-        let ctx = req.context()?;
-        let pd = req.alloc_pd()?;
-        let depth = SEND_DEPTH * args.max_clients + args.srq_depth;
-        let cq = CompletionQueue::new(&ctx, depth)?;
-        let srq = SharedReceiveQueue::new(&pd, args.srq_depth)?;
-        let region = MemoryRegion::new(&pd, args.slot as usize * args.srq_depth as usize, AccessFlags::LOCAL_WRITE)?;
-        let slots = region.split(args.slot as usize)?;
-        let recvs: Vec<RecvWr> =
-            slots.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..args.slot as usize).wr_id(i as u64)).collect();
-        srq.post_recv(&recvs)?;
-        Ok(Pool { pd, cq, srq, slots })
-    }
-
-    fn on_event(args: &Args, listener: &Listener, st: &mut State, ev: CmEvent) {
-        match ev.event_type() {
-            CmEventType::ConnectRequest if ev.listen_id() == Some(listener.handle()) => {
-                st.accepted += 1;
-                let req = match ConnectRequest::from_event(ev) {
-                    Ok(r) => r,
-                    Err(e) => return eprintln!("[ERROR] taking a connection request: {e}"),
-                };
-                let peer = req.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
-                println!("[EVENT] Received CONNECT_REQUEST from {peer}");
-                if let Err(e) = accept(args, st, req, peer.clone()) {
-                    eprintln!("[ERROR] client {peer}: {e}");
-                    st.failed += 1;
-                }
-            }
-            CmEventType::Established => {
-                let Some((acc, peer, iters)) = st.accepting.remove(&ev.id()) else { return };
-                match acc.complete(ev) {
-                    Ok(conn) => {
-                        println!("[EVENT] Connection established ({peer}, {} connected)", st.clients.len() + 1);
-                        let q = conn.qp().qp_num();
-                        st.by_id.insert(conn.id().handle(), q);
-                        st.clients.insert(
-                            q,
-                            Client {
-                                conn,
-                                peer,
-                                iters,
-                                echoed: 0,
-                                echo_len: 0,
-                                in_flight: Vec::new(),
-                                last: Instant::now(),
-                            },
-                        );
-                        // Messages that arrived before the handshake finished get their echo now.
-                        for (slot, n) in st.early.remove(&q).unwrap_or_default() {
-                            echo(st, q, slot, n);
-                        }
-                    }
-                    Err(e) => {
-                        eprintln!("[ERROR] client {peer}: {e}");
-                        st.failed += 1;
-                    }
-                }
-            }
-            CmEventType::Disconnected | CmEventType::DeviceRemoval => {
-                let Some(q) = st.by_id.remove(&ev.id()) else { return };
-                let Some(mut c) = st.clients.remove(&q) else { return };
-                c.conn.handle_event(&ev);
-                if c.echoed == c.iters {
-                    println!("[INFO] Client {} done", c.peer);
-                    st.served += 1;
-                } else {
-                    eprintln!(
-                        "[ERROR] client {}: the peer disconnected after {} of {} messages",
-                        c.peer, c.echoed, c.iters
-                    );
-                    st.failed += 1;
-                }
-                // Dropping it takes its QP off the shared CQ; the others go on.
-                release(st, c);
-            }
-            CmEventType::Rejected | CmEventType::ConnectError | CmEventType::Unreachable => {
-                if let Some((acc, peer, _)) = st.accepting.remove(&ev.id()) {
-                    if let Some(p) = &st.pool {
-                        for (slot, _) in st.early.remove(&acc.qp().qp_num()).unwrap_or_default() {
-                            repost(p, slot);
-                        }
-                    }
-                    eprintln!("[ERROR] client {peer}: {} during the handshake", ev.event_type());
-                    st.failed += 1;
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn accept(args: &Args, st: &mut State, req: ConnectRequest, peer: String) -> Result<(), String> {
-        let parsed = match Request::decode(req.private_data()) {
-            Ok(r) => r,
-            Err(why) => {
-                let _ = req.reject(why.as_bytes().get(..100).unwrap_or(why.as_bytes()));
-                return Err(format!("rejected: {why}"));
-            }
-        };
-        let (mode, size, iters) = parsed.map_or((Mode::Send, LEGACY_SIZE, 1), |r| (r.mode, r.size, r.iters));
-        if mode != Mode::Send || size > args.slot {
-            let why = format!("the shared server echoes send mode up to {} bytes", args.slot);
-            let _ = req.reject(why.as_bytes());
-            return Err(format!("rejected: asked for {mode} of {size} bytes; {why}"));
-        }
-        if st.clients.len() + st.accepting.len() >= args.max_clients as usize {
-            let _ = req.reject(b"server full");
-            return Err("rejected: server full (--max-clients)".into());
-        }
-        if st.pool.is_none() {
-            st.pool = Some(pool(&req, args).map_err(|e| e.to_string())?);
-        }
-        let p = st.pool.as_ref().expect("just made");
-        let init =
-            QpInit::new().max_send_wr(SEND_DEPTH).send_cq(Arc::clone(&p.cq)).recv_cq(Arc::clone(&p.cq)).srq(&p.srq);
-        let pending = req.create_qp(&p.pd, init).map_err(|e| e.to_string())?;
-        let info = QpInfo { qp_num: pending.qp().qp_num(), ..QpInfo::default() };
-        let param = ConnParam::new().private_data(&info.encode()).map_err(|e| e.to_string())?;
-        let acc = pending.start_accept(&param).map_err(|e| e.to_string())?;
-        st.early.insert(acc.qp().qp_num(), Vec::new());
-        st.accepting.insert(acc.handle(), (acc, peer, iters));
-        Ok(())
-    }
-
-    /// Drops a client's connection (its QP reaps its own work) and returns the slots of echoes
-    /// it still had in flight to the SRQ: their completions went with the QP.
-    fn release(st: &State, c: Client) {
-        let Client { conn, in_flight, .. } = c;
-        drop(conn);
-        if let Some(p) = &st.pool {
-            for slot in in_flight {
-                repost(p, slot);
-            }
-        }
-    }
-
-    /// Returns a slot to the SRQ.
-    fn repost(p: &Pool, slot: usize) {
-        let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
-    }
-
-    /// Echoes `n` bytes of `slot` to client `q`, from the slot itself: it returns to the SRQ
-    /// once the send completes.
-    fn echo(st: &mut State, q: u32, slot: usize, n: usize) {
-        let (Some(p), Some(c)) = (&st.pool, st.clients.get_mut(&q)) else { return };
-        c.last = Instant::now();
-        c.echo_len = n;
-        if c.iters == 1 {
-            println!("[INFO] Received {n} bytes");
-        }
-        // Counted once posted: the client may see the echo, and leave, before this loop polls
-        // the send's completion.
-        match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
-            Ok(()) => {
-                c.echoed += 1;
-                c.in_flight.push(slot);
-            }
-            Err(e) => {
-                eprintln!("[ERROR] client {}: {e}", c.peer);
-                repost(p, slot);
-            }
-        }
-    }
-
-    fn on_completion(st: &mut State, wc: &WorkCompletion) {
-        let Some(p) = &st.pool else { return };
-        let slot = wc.wr_id() as usize;
-        match wc.queue() {
-            WorkQueue::Recv => {
-                let n = match wc.ok() {
-                    Ok(wc) => wc.byte_len() as usize,
-                    Err(e) => {
-                        if let Some(c) = st.clients.get(&wc.qp_num()) {
-                            eprintln!("[ERROR] client {}: {e}", c.peer);
-                        }
-                        return repost(p, slot);
-                    }
-                };
-                if st.clients.contains_key(&wc.qp_num()) {
-                    echo(st, wc.qp_num(), slot, n);
-                } else if let Some(early) = st.early.get_mut(&wc.qp_num()) {
-                    early.push((slot, n));
-                } else {
-                    // Its QP is gone: the slot goes back.
-                    repost(p, slot);
-                }
-            }
-            WorkQueue::Send => {
-                if let Some(c) = st.clients.get_mut(&wc.qp_num()) {
-                    c.in_flight.retain(|&s| s != slot);
-                    if wc.is_ok() && c.iters == 1 {
-                        println!("[INFO] Sent {} bytes", c.echo_len);
-                    }
-                }
-                repost(p, slot);
-            }
-        }
-    }
+/// Prints the failed step and the error (its errno and usual cause) on one line; exits 1.
+fn fail(step: &str, e: impl Display) -> ! {
+    eprintln!("error: {step}: {e}");
+    std::process::exit(1)
 }

@@ -161,7 +161,7 @@
 //! what its queues may have outstanding and refuses a QP that could overrun it. One
 //! [`EventChannel`] may carry every connection's events: the event loop reads them
 //! ([`EventChannel::get_event`]) and hands each to its connection, or each blocking step reads
-//! its own ([`EventChannel::get_event_for`]). `examples/server.rs --shared` serves all its
+//! its own ([`EventChannel::get_event_for`]). `examples/perftest/server.rs --shared` (`perf_server`) serves all its
 //! clients that way from one thread; `examples/cmtime.rs` pipelines the setup of many. `Drop` never panics; when
 //! a destroy call fails it prints one line to stderr and leaks the object (and any memory the
 //! device might still reach). [`Connection::disconnect`] and [`ProtectionDomain::close`] return

@@ -24,14 +24,14 @@ use common::example;
 fn server_killed_mid_transfer_fails_the_client_quickly() {
     let t = DeviceTest::start();
     let addr = t.addr.to_string();
-    let mut server = Command::new(example("server"))
+    let mut server = Command::new(example("perf_server"))
         .args(["-a", &addr, "-p", "7701", "--count", "1"])
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
     common::wait_listening(7701, Duration::from_secs(60));
     let started = Instant::now();
-    let mut client = Command::new(example("client"))
+    let mut client = Command::new(example("perf_client"))
         .args(["-a", &addr, "-p", "7701", "--iters", "10000000", "--size", "64", "--timeout", "30"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

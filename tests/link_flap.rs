@@ -52,7 +52,7 @@ fn link_up(netdev: &str) {
 
 /// The example server on `port`, once it listens; its stdout lines.
 fn server(addr: &str, port: &str) -> (Child, Receiver<String>) {
-    let mut s = Command::new(example("server"))
+    let mut s = Command::new(example("perf_server"))
         .args(["-a", addr, "-p", port, "--timeout", "30"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -83,7 +83,7 @@ fn streaming_client(addr: &str, port: &str, hold: &str) -> (Child, Receiver<Stri
         hold,
     ];
     let mut c =
-        Command::new(example("client")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        Command::new(example("perf_client")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let out = common::lines_of(&mut c);
     let err = common::stderr_lines_of(&mut c);
     common::wait_for_line(&out, "[EVENT] Connection established", WITHIN);
@@ -92,7 +92,8 @@ fn streaming_client(addr: &str, port: &str, hold: &str) -> (Child, Receiver<Stri
 
 /// Whether a one-message client to `port` succeeds within `timeout` seconds.
 fn connects(addr: &str, port: &str, timeout: &str) -> (bool, String) {
-    let out = run_local(&[&example("client"), "-a", addr, "-p", port, "--timeout", timeout], Duration::from_secs(120));
+    let out =
+        run_local(&[&example("perf_client"), "-a", addr, "-p", port, "--timeout", timeout], Duration::from_secs(120));
     (out.status.success(), text(&out))
 }
 

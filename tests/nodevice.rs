@@ -26,7 +26,12 @@ fn no_device_is_reported_with_the_fix_by_library_and_examples() {
     assert!(m.contains("no RDMA device found") && m.contains("rdma link") && m.contains("rdma_rxe"), "{m}");
     assert!(matches!(rdma_cm::Server::new(), Err(rdma_cm::Error::NoDevice { .. })));
 
-    for (bin, args) in [("client", vec!["-a", "10.77.0.1"]), ("server", vec!["-p", "7471"])] {
+    for (bin, args) in [
+        ("client", vec!["-a", "10.77.0.1"]),
+        ("server", vec!["-p", "7471"]),
+        ("perf_client", vec!["-a", "10.77.0.1"]),
+        ("perf_server", vec!["-p", "7471"]),
+    ] {
         let out = Command::new(examples::example(bin)).args(&args).output().expect("run the example");
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{bin}: {err}");

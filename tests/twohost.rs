@@ -16,7 +16,7 @@ mod common;
 mod peer;
 
 // The examples' request encoding, for the tests that drive the example server with the API.
-#[path = "../examples/common/mod.rs"]
+#[path = "../examples/perftest/protocol.rs"]
 mod example_protocol;
 
 use std::collections::BTreeMap;
@@ -160,12 +160,13 @@ fn demo_in_every_mode_across_hosts() {
     let p = peer();
     let base = p.resources();
     let a = p.addr.to_string();
-    let srv = p.start("demo-server", &[&example("server"), "-a", &a, "-p", "7801", "--count", "3", "--timeout", "20"]);
+    let srv =
+        p.start("demo-server", &[&example("perf_server"), "-a", &a, "-p", "7801", "--count", "3", "--timeout", "20"]);
     srv.wait_line("Listening on port 7801", Duration::from_secs(60));
     for mode in ["send", "write", "read"] {
         let out = run_local(
             &[
-                &example("client"),
+                &example("perf_client"),
                 "-a",
                 &a,
                 "-p",
@@ -204,13 +205,15 @@ fn soak_under_loss_reordering_and_duplication() {
     for (loss, mode, size, iters) in [("1%", "send", "16384", "200"), ("5%", "write", "16384", "100")] {
         wire.netem("ab", &format!("loss {loss} delay 1ms reorder 25% 50% duplicate 2%"));
         let (b0, a0) = (counters(), p.counters());
-        let srv =
-            p.start("soak-server", &[&example("server"), "-a", &a, "-p", "7802", "--count", "1", "--timeout", "60"]);
+        let srv = p.start(
+            "soak-server",
+            &[&example("perf_server"), "-a", &a, "-p", "7802", "--count", "1", "--timeout", "60"],
+        );
         srv.wait_line("Listening on port 7802", Duration::from_secs(60));
         let start = Instant::now();
         let out = run_local(
             &[
-                &example("client"),
+                &example("perf_client"),
                 "-a",
                 &a,
                 "-p",
@@ -278,11 +281,11 @@ fn corrupted_packets_are_dropped_never_delivered() {
     };
     let (b0, a0) = (parse(sh_local(stages)), parse(p.sh(stages)));
     wire.netem("ab", "corrupt 5%");
-    let srv =
-        p.start("corrupt-server", &[&example("server"), "-a", &a, "-p", "7803", "--count", "1", "--timeout", "60"]);
+    let srv = p
+        .start("corrupt-server", &[&example("perf_server"), "-a", &a, "-p", "7803", "--count", "1", "--timeout", "60"]);
     srv.wait_line("Listening on port 7803", Duration::from_secs(60));
     let out = run_local(
-        &[&example("client"), "-a", &a, "-p", "7803", "--size", "4096", "--iters", "150", "--timeout", "60"],
+        &[&example("perf_client"), "-a", &a, "-p", "7803", "--size", "4096", "--iters", "150", "--timeout", "60"],
         Duration::from_secs(300),
     );
     assert!(out.status.success(), "client under corruption: {}", text(&out));
@@ -316,7 +319,8 @@ fn wire_cut_mid_transfer_fails_within_the_retry_bound_and_recovers() {
     let base = p.resources();
     let wire = Wire::new(&p);
     let a = p.addr.to_string();
-    let srv = p.start("cut-server", &[&example("server"), "-a", &a, "-p", "7804", "--count", "2", "--timeout", "8"]);
+    let srv =
+        p.start("cut-server", &[&example("perf_server"), "-a", &a, "-p", "7804", "--count", "2", "--timeout", "8"]);
     srv.wait_line("Listening on port 7804", Duration::from_secs(60));
     let dst = SocketAddr::new(p.addr, 7804);
     let (run, client) = retry_exhaustion(&wire, dst, 3, None);
@@ -333,7 +337,7 @@ fn wire_cut_mid_transfer_fails_within_the_retry_bound_and_recovers() {
     drop(client);
     wire.clear();
     t.check("after the cut connection was dropped (host B)");
-    let out = run_local(&[&example("client"), "-a", &a, "-p", "7804", "--timeout", "20"], Duration::from_secs(60));
+    let out = run_local(&[&example("perf_client"), "-a", &a, "-p", "7804", "--timeout", "20"], Duration::from_secs(60));
     assert!(out.status.success(), "a new client after the wire is back: {}", text(&out));
     let (rc, sout) = srv.wait(Duration::from_secs(60));
     assert_eq!(rc, 0, "{sout}");
@@ -351,7 +355,8 @@ fn ack_timeout_and_retry_count_set_the_failure_bound() {
     let p = peer();
     let base = p.resources();
     let a = p.addr.to_string();
-    let srv = p.start("bound-server", &[&example("server"), "-a", &a, "-p", "7805", "--count", "2", "--timeout", "5"]);
+    let srv =
+        p.start("bound-server", &[&example("perf_server"), "-a", &a, "-p", "7805", "--count", "2", "--timeout", "5"]);
     srv.wait_line("Listening on port 7805", Duration::from_secs(60));
     let dst = SocketAddr::new(p.addr, 7805);
     let mut runs = Vec::new();
@@ -384,13 +389,14 @@ fn silent_and_killed_peers_are_noticed_and_never_delay_others() {
     let p = peer();
     let base = p.resources();
     let a = p.addr.to_string();
-    let srv = p.start("many-server", &[&example("server"), "-a", &a, "-p", "7807", "--timeout", "30"]);
+    let srv = p.start("many-server", &[&example("perf_server"), "-a", &a, "-p", "7807", "--timeout", "30"]);
     srv.wait_line("Listening on port 7807", Duration::from_secs(60));
     let (mut silent, _lines) = streaming_client(&p, "7807", "4096", "30");
     sh_local(&format!("kill -STOP {}", silent.id()));
     // Another client is served while the silent one holds its connection (the server's --timeout is 30 s).
     let start = Instant::now();
-    let other = run_local(&[&example("client"), "-a", &a, "-p", "7807", "--timeout", "20"], Duration::from_secs(60));
+    let other =
+        run_local(&[&example("perf_client"), "-a", &a, "-p", "7807", "--timeout", "20"], Duration::from_secs(60));
     let took = start.elapsed();
     assert!(other.status.success(), "{}", text(&other));
     eprintln!("measured: another client served in {took:?} while one was silent");

@@ -19,7 +19,7 @@ fn server_host_powered_off_mid_transfer_is_noticed_through_the_clients_timeout()
     let t = DeviceTest::start();
     let p = peer();
     let a = p.addr.to_string();
-    let srv = p.start("server", &[&example("server"), "-a", &a, "-p", "7808", "--timeout", "30"]);
+    let srv = p.start("server", &[&example("perf_server"), "-a", &a, "-p", "7808", "--timeout", "30"]);
     srv.wait_line("Listening on port 7808", Duration::from_secs(60));
     let (mut busy, _lines) = streaming_client(&p, "7808", "65536", "5");
     p.poweroff();

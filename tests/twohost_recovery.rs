@@ -37,7 +37,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     sh_local(&format!(
         "[ -e {trace}/events/ib_mad ] || mount -t tracefs nodev {trace}; echo 1 > {trace}/events/ib_mad/enable; : > {trace}/trace"
     ));
-    let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7806", "--timeout", "5"]);
+    let srv = p.start("flap-server", &[&example("perf_server"), "-a", &a, "-p", "7806", "--timeout", "5"]);
     srv.wait_line("Listening on port 7806", Duration::from_secs(60));
     // The crate holds a disconnect while the link is down (`rdma_cm::cm::hold`): off here, to see
     // what a teardown while down does (the held case is
@@ -56,7 +56,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
     sh_local(&format!("echo 0 > {trace}/events/ib_mad/enable"));
 
     let client = |timeout: &str| {
-        run_local(&[&example("client"), "-a", &a, "-p", "7806", "--timeout", timeout], Duration::from_secs(90))
+        run_local(&[&example("perf_client"), "-a", &a, "-p", "7806", "--timeout", timeout], Duration::from_secs(90))
     };
     let began = std::time::Instant::now();
     let after = client("6");
@@ -88,12 +88,12 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
         }
         // ...and serves a client on its own host right away: its listener and state are fine.
         let (rc, out) = p
-            .start("local-client", &[&example("client"), "-a", &a, "-p", "7806", "--timeout", "20"])
+            .start("local-client", &[&example("perf_client"), "-a", &a, "-p", "7806", "--timeout", "20"])
             .wait(Duration::from_secs(90));
         assert_eq!(rc, 0, "a client on host A, to the same server, after the flap: {out}");
         // Host B's CM is deaf: a fresh listener on B never hears host A's request.
         let b = peer::own_addr();
-        let mut fresh = Command::new(example("server"))
+        let mut fresh = Command::new(example("perf_server"))
             .args(["-a", &b, "-p", "7816", "--count", "1", "--timeout", "5"])
             .stdout(Stdio::piped())
             .spawn()
@@ -101,7 +101,7 @@ fn recovery_after_own_link_flap_mid_transfer_breaks_in_the_kernel_not_in_the_ser
         let lines = common::lines_of(&mut fresh);
         common::wait_for_line(&lines, "Listening on port 7816", Duration::from_secs(30));
         let (rc, out) = p
-            .start("reverse-client", &[&example("client"), "-a", &b, "-p", "7816", "--timeout", "6"])
+            .start("reverse-client", &[&example("perf_client"), "-a", &b, "-p", "7816", "--timeout", "6"])
             .wait(Duration::from_secs(90));
         assert_ne!(rc, 0, "host A connected to a fresh listener on host B: B's CM is not deaf: {out}");
         let heard = lines.try_iter().any(|l| l.contains("CONNECT_REQUEST"));
@@ -221,10 +221,10 @@ fn rping_client(p: &peer::Peer, port: &str) -> std::process::Child {
 /// connection must then work.
 fn connects_after_flap(p: &peer::Peer, port: &str) -> bool {
     let a = p.addr.to_string();
-    let srv = p.start("fresh-server", &[&example("server"), "-a", &a, "-p", port, "--timeout", "5"]);
+    let srv = p.start("fresh-server", &[&example("perf_server"), "-a", &a, "-p", port, "--timeout", "5"]);
     srv.wait_line(&format!("Listening on port {port}"), Duration::from_secs(60));
     let client = |timeout: &str| {
-        run_local(&[&example("client"), "-a", &a, "-p", port, "--timeout", timeout], Duration::from_secs(90))
+        run_local(&[&example("perf_client"), "-a", &a, "-p", port, "--timeout", timeout], Duration::from_secs(90))
     };
     let after = client("10");
     let ok = after.status.success();
@@ -341,7 +341,7 @@ fn mid_transfer_connection_torn_down_after_own_link_is_back() {
     let base = p.resources();
     let wire = Wire::new(&p);
     let a = p.addr.to_string();
-    let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7840", "--timeout", "30"]);
+    let srv = p.start("flap-server", &[&example("perf_server"), "-a", &a, "-p", "7840", "--timeout", "30"]);
     srv.wait_line("Listening on port 7840", Duration::from_secs(60));
     let (mut busy, _lines) = streaming_client(&p, "7840", "65536", "30");
     wire.netem("a", "loss 100%");
@@ -414,7 +414,7 @@ fn own_link_flap_mid_transfer_with_the_disconnect_held() {
     let base = p.resources();
     let wire = Wire::new(&p);
     let a = p.addr.to_string();
-    let srv = p.start("flap-server", &[&example("server"), "-a", &a, "-p", "7860", "--timeout", "30"]);
+    let srv = p.start("flap-server", &[&example("perf_server"), "-a", &a, "-p", "7860", "--timeout", "30"]);
     srv.wait_line("Listening on port 7860", Duration::from_secs(60));
     let (mut busy, _lines) = streaming_client_with(&p, "7860", "65536", "30", &["--disconnect-hold", "60"]);
     let held = common::stderr_lines_of(&mut busy);

@@ -12,7 +12,7 @@ W=/work/wt-flap
 P=$W/harness/peer
 A=$RDMA_PEER_ADDR
 T=/sys/kernel/tracing
-CLIENT=$W/target/debug/examples/client
+CLIENT=$W/target/debug/examples/perf_client
 [ -e $T/events/ib_mad ] || mount -t tracefs nodev $T
 st() { cat /sys/class/infiniband/rxe0/ports/1/state; }
 wait_state() { i=0; while ! st | grep -q "$1"; do i=$((i+1)); [ $i -gt 1200 ] && { echo "port not $1 after 60 s: $(st)"; return 1; }; sleep 0.05; done; }
@@ -75,7 +75,7 @@ case_b() {
 }
 case_d() {
   n=$((n+1)); port=$((7900+n))
-  $P start dsrv$n.$$ -- $W/target/debug/examples/server -a $A -p $port --timeout 30
+  $P start dsrv$n.$$ -- $W/target/debug/examples/perf_server -a $A -p $port --timeout 30
   wait_listen $port
   $CLIENT -a $A -p $port --mode write --size 65536 --iters 10000000 --timeout 30 > /tmp/d.out 2>&1 & pid=$!
   i=0; while ! grep -q 'Connection established' /tmp/d.out; do i=$((i+1)); [ $i -gt 1200 ] && { echo "client not connected"; break; }; sleep 0.05; done

@@ -10,11 +10,12 @@
 //! [`test_binary`] does the same for another integration-test binary (`cargo test --no-run`).
 #![allow(dead_code)] // each test binary uses part of this module
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::{mpsc, Mutex};
 use std::thread;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// How long building one example may take (a fresh target directory on a loaded machine builds
 /// the library and its dependencies first).
@@ -159,12 +160,16 @@ fn build(kind: Kind, name: &str, profile_dir: &Path) {
     }
 }
 
-/// Fails when a source the examples are built from (the library's `src/`, `examples/`) changed
-/// after the example was built: the guest would run an old program.
+/// Fails when a source the example is built from (in the library's `src/` or in `examples/`)
+/// changed after the example was built: the guest would run an old program. Its sources are
+/// those cargo's dep-info beside it lists (`NAME.d`); without one, every file of both folders.
 fn refuse_stale(path: &Path) {
     let built = std::fs::metadata(path).and_then(|m| m.modified()).expect("the example's modification time");
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let newest = ["src", "examples"].iter().filter_map(|d| newest_in(&root.join(d))).max();
+    let newest = match sources_of(path, root) {
+        Some(files) => files.into_iter().filter_map(|f| Some((std::fs::metadata(&f).ok()?.modified().ok()?, f))).max(),
+        None => ["src", "examples"].iter().filter_map(|d| newest_in(&root.join(d))).max(),
+    };
     if let Some((changed, file)) = newest {
         assert!(
             changed <= built,
@@ -174,6 +179,22 @@ fn refuse_stale(path: &Path) {
             file.display()
         );
     }
+}
+
+/// The files under `root`'s `src/` and `examples/` that cargo's dep-info for `path` (`NAME.d`
+/// beside it: "TARGET: SOURCE SOURCE ...", a space in a path escaped as `\ `) lists; `None`
+/// when there is no dep-info or it lists none of them.
+fn sources_of(path: &Path, root: &Path) -> Option<Vec<PathBuf>> {
+    let info = std::fs::read_to_string(path.with_extension("d")).ok()?;
+    let (_, deps) = info.lines().next()?.split_once(": ")?;
+    let (src, examples) = (root.join("src"), root.join("examples"));
+    let files: Vec<PathBuf> = deps
+        .replace("\\ ", "\0")
+        .split(' ')
+        .map(|p| PathBuf::from(p.replace('\0', " ")))
+        .filter(|p| p.starts_with(&src) || p.starts_with(&examples))
+        .collect();
+    (!files.is_empty()).then_some(files)
 }
 
 /// The newest file under `dir` and its modification time.
@@ -190,4 +211,80 @@ fn newest_in(dir: &Path) -> Option<(SystemTime, PathBuf)> {
         }
     }
     newest
+}
+
+/// A running server example whose stdout and stderr are collected; `start` returns once it
+/// prints that it listens.
+pub struct Srv {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Srv {
+    pub fn start(name: &str, args: &[&str]) -> Srv {
+        let mut child = Command::new(example(name))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn server");
+        let (tx, rx) = mpsc::channel();
+        for r in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                for l in BufReader::new(r).lines().map_while(Result::ok) {
+                    if tx.send(l).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        let mut s = Srv { child, lines: rx, seen: vec![] };
+        // A bound, not a pause: in a loaded guest (the valgrind test runs alongside) a server
+        // has been measured taking over 20 s to listen.
+        s.wait_line("Listening on port", Duration::from_secs(120));
+        s
+    }
+
+    pub fn wait_line(&mut self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.seen.iter().any(|l| l.contains(needle)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => panic!("server never printed {needle:?}; it printed:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
+
+    /// Waits for the server to exit (bounded) and returns its status and whole output.
+    pub fn finish(mut self) -> (i32, String) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("server did not exit; output:\n{}", self.seen.join("\n"));
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        // The server has exited: its pipe ends, and the reader thread drops the sender after
+        // the last line. Read to that end (bounded), not for a fixed short while, which a
+        // reader scheduled late would miss the summary lines by.
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(30)) {
+            self.seen.push(l);
+        }
+        (status.code().unwrap_or(-1), self.seen.join("\n"))
+    }
+}
+
+/// A finished process's stdout and stderr, as text.
+pub fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }

@@ -192,7 +192,7 @@ pub fn streaming_client_with(
 ) -> (Child, Receiver<String>) {
     let a = peer.addr.to_string();
     let args = ["-a", &a, "-p", port, "--mode", "write", "--size", size, "--iters", "10000000", "--timeout", timeout];
-    let mut client = Command::new(example("client"))
+    let mut client = Command::new(example("perf_client"))
         .args(args)
         .args(more)
         .stdout(Stdio::piped())

@@ -9,6 +9,14 @@
 //! - a lane has no completion channel: the examples poll it, spinning (`--busy-poll`) or
 //!   yielding and then sleeping between empty polls ([`LaneConn::idle`]), and its connection's
 //!   CM events (the peer's `DISCONNECTED`) are read from the connection's id between polls.
+//!
+//! This module is the tool's only wait loop: every wait of `perf_client` and `perf_server` on a
+//! lane goes through [`LaneConn::next`], [`LaneConn::reap`], [`LaneConn::reap_once`] or
+//! [`LaneConn::wait`], and all of them through [`LaneConn::idle`] after an empty poll. When the
+//! lane's own blocking and spinning waits take over, they replace `idle` and its callers here,
+//! and nothing else in the tool changes.
+
+#![allow(dead_code)] // each side uses part of this module
 
 use std::net::SocketAddr;
 use std::sync::Arc;

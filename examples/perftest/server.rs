@@ -1,0 +1,760 @@
+//! `perf_server`, the perf tool's server: serves `perf_client`'s latency, bandwidth and rate
+//! modes, many clients at once. For rdma_cm's steps one by one, read the teaching pair first
+//! (`examples/server.rs`, `examples/client.rs`).
+//!
+//! ```text
+//! cargo run --release --example perf_server -- -a 0.0.0.0 -p 7471            # serve until Ctrl-C
+//! cargo run --release --example perf_server -- -a 10.77.0.1 -p 7471 --count 1 # exit after one client
+//! cargo run --release --example perf_server -- -a 10.77.0.1 --shared          # one thread, one channel, one CQ, one SRQ
+//! ```
+//!
+//! `--shared` serves every client from one thread: one event channel for all connections, one
+//! completion queue shared by all their QPs, and one shared receive queue whose slots are
+//! echoed in place (send mode, messages up to `--slot` bytes). A silent or dead client delays
+//! nobody: it is dropped after `--timeout` seconds without a message.
+//!
+//! Where the machine has no RDMA device, cargo runs it in the Soft-RoCE guest (harness/runner). The client chooses the mode
+//! (send/write/read), the size and the iteration count and tells the server in the connect
+//! private data; a client without that data (rdma-core's `rdma_client`) gets the 16-byte
+//! exchange of rdma-core's `rdma_server`; a client streaming sends (`client --bw --mode send`)
+//! gets a receiver that keeps 512 receives posted and reports what arrived. Clients are served
+//! concurrently, one thread each; a client's failure is logged and never stops the server.
+//! SIGINT/SIGTERM stop it cleanly.
+//!
+//! A client's latency table (send, write or read mode, more than one iteration) and its stream
+//! of sends are served on a lane (`rdma_cm::verbs::lane`), the crate's fast path and the one for
+//! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
+//! request moves its region into the lane until its completion hands it back
+//! (`perftest/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
+//! `--shared` use the convenient path.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod fast;
+mod protocol;
+mod shared;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use common::{fail, micros, resolve_host, DEFAULT_PORT};
+use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
+use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE};
+use rdma_cm::verbs::lane::{self, Lane, Wc};
+use rdma_cm::{
+    AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
+    QueuePair, RecvWr, SendWr, Server, WorkQueue,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "perf tool server: serves perf_client's modes (send/recv, RDMA WRITE, READ, atomics, streams)")]
+struct Args {
+    /// Address (or host name) to bind; 0.0.0.0: every RDMA device.
+    #[arg(short = 'a', long = "addr", default_value = "0.0.0.0")]
+    addr: String,
+    /// Port to listen on.
+    #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
+    port: u16,
+    /// Exit after serving this many clients (default: serve until SIGINT/SIGTERM).
+    #[arg(long)]
+    count: Option<u32>,
+    /// Listen backlog.
+    #[arg(long, default_value_t = 16)]
+    backlog: i32,
+    /// Seconds any single wait may take (resolution, handshake, each message).
+    #[arg(long, default_value_t = 10)]
+    timeout: u64,
+    /// Seconds a disconnect waits for this host's RDMA port to be ACTIVE again when its link
+    /// is down (rdma_cm::set_disconnect_hold): a CM message sent while the link is down can
+    /// leave the host's CM deaf until the device is re-created. 0: never wait.
+    #[arg(long, default_value_t = 10)]
+    disconnect_hold: u64,
+    /// Serve all clients from one thread, on one event channel, one CQ and one SRQ.
+    #[arg(long)]
+    shared: bool,
+    /// With --shared: receive slots in the SRQ.
+    #[arg(long, default_value_t = 512)]
+    srq_depth: u32,
+    /// With --shared: bytes per receive slot (the largest message a client may send).
+    #[arg(long, default_value_t = 4096)]
+    slot: u32,
+    /// With --shared: most clients connected at once (sizes the shared CQ).
+    #[arg(long, default_value_t = 1024)]
+    max_clients: u32,
+    /// Busy-poll the completion queues while waiting (lowest latency, a core per client),
+    /// as perftest does; default: spin briefly, then sleep on the completion channel (on the
+    /// lane, which has no completion channel: yield the CPU between empty polls, and sleep
+    /// 200 us between them after 1,024 found nothing).
+    #[arg(long)]
+    busy_poll: bool,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: on_signal only stores to an atomic, which is async-signal-safe; the handler
+        // stays valid for the program's life.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    rdma_cm::set_disconnect_hold(Duration::from_secs(args.disconnect_hold));
+    if args.port == 0 {
+        fail("bad arguments", "port 0 is not a port a client can reach: choose 1..=65535 with -p");
+    }
+    install_signal_handlers();
+    let timeout = Duration::from_secs(args.timeout.max(1));
+    let bind = resolve_host(&args.addr, args.port).unwrap_or_else(|e| fail("bad arguments", e));
+
+    if args.shared {
+        shared::serve_all(&args, bind, timeout);
+        return;
+    }
+    let server = Server::new().unwrap_or_else(|e| fail("creating the listening id", e));
+    println!("[INFO] Created listening ID");
+    let bound = server.bind(bind).unwrap_or_else(|e| fail("binding", e));
+    println!("[INFO] Bound to address {bind}");
+    let listener = bound.listen(args.backlog).unwrap_or_else(|e| fail("listening", e));
+    println!("[INFO] Listening on port {}...", args.port);
+
+    let served = Arc::new(AtomicU32::new(0));
+    let failed = Arc::new(AtomicU32::new(0));
+    let mut workers = Vec::new();
+    let mut accepted = 0u32;
+    while !STOP.load(Ordering::SeqCst) && args.count.is_none_or(|c| accepted < c) {
+        let req = match listener.get_request(Duration::from_millis(500)) {
+            Ok(r) => r,
+            Err(Error::Timeout { .. }) => continue,
+            Err(e) => {
+                eprintln!("[ERROR] waiting for a connection request: {e}");
+                continue;
+            }
+        };
+        accepted += 1;
+        let peer = req.peer_addr().map_or_else(|| "?".into(), |a| a.to_string());
+        println!("[EVENT] Received CONNECT_REQUEST from {peer}");
+        let (served, failed) = (Arc::clone(&served), Arc::clone(&failed));
+        let busy = args.busy_poll;
+        workers.push(std::thread::spawn(move || match serve(req, timeout, busy) {
+            Ok(()) => {
+                served.fetch_add(1, Ordering::SeqCst);
+                println!("[INFO] Client {peer} done");
+            }
+            Err(e) => {
+                failed.fetch_add(1, Ordering::SeqCst);
+                eprintln!("[ERROR] client {peer}: {e}");
+            }
+        }));
+        workers.retain(|w| !w.is_finished());
+    }
+    for w in workers {
+        let _ = w.join();
+    }
+    println!(
+        "[INFO] Server exiting: {} client(s) served, {} failed",
+        served.load(Ordering::SeqCst),
+        failed.load(Ordering::SeqCst)
+    );
+}
+
+/// Serves one client from its request to its disconnect.
+fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), String> {
+    let parsed = match Request::decode(req.private_data()) {
+        Ok(r) => r,
+        Err(why) => {
+            println!("[INFO] Rejecting {:?}: {why}", req.peer_addr());
+            let _ = req.reject(why.as_bytes().get(..100).unwrap_or(why.as_bytes()));
+            return Err(format!("rejected: {why}"));
+        }
+    };
+    let (mode, size, iters, send_doorbell) = match parsed {
+        Some(r) => (r.mode, r.size, r.iters, r.send_doorbell),
+        None => {
+            println!("[INFO] Peer sent no qp_info: rdma-core rdma_client protocol ({LEGACY_SIZE}-byte echo)");
+            (Mode::Send, LEGACY_SIZE, 1, false)
+        }
+    };
+    println!("[INFO] Mode {mode}, {size} bytes, {iters} iteration(s)");
+    if mode == Mode::Write {
+        let doorbell = if send_doorbell { Doorbell::Send } else { Doorbell::Imm };
+        println!("[INFO] Each RDMA WRITE is rung with {doorbell}, as the client asked");
+    }
+    let err = |e: Error| e.to_string();
+    let pd = req.alloc_pd().map_err(err)?;
+
+    let t = Instant::now();
+    let access = match mode {
+        Mode::Send | Mode::SendStream => AccessFlags::LOCAL_WRITE,
+        Mode::Write => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        Mode::Read => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        Mode::FetchAdd | Mode::CmpSwap => AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
+    };
+    let mut bufs = [
+        MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
+        MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
+    ];
+    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
+    println!("[INFO] Memory registration took {:.1} us ({} bytes, {:?})", micros(t.elapsed()), size, access);
+
+    let t = Instant::now();
+    // A stream of sends needs receives posted well ahead of it, as ib_send_bw's server does.
+    let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
+    // A client's latency table or stream is served on a lane, the crate's fast path: the QP is
+    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
+    // and the atomics (where the client does everything) use the convenient path.
+    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write | Mode::Read));
+    let lane =
+        if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
+    let init = QpInit::new().max_recv_wr(recv_depth);
+    let init = match &lane {
+        Some(lane) => lane.qp_init_from(init),
+        None => init,
+    };
+    let mut pending = req.create_qp(&pd, init).map_err(err)?;
+    println!(
+        "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / {recv_depth} recv WRs)",
+        micros(t.elapsed()),
+        pending.qp().qp_num()
+    );
+
+    let client_region = parsed.and_then(|r| r.info.region());
+    match mode {
+        // The lane posts its receives once it holds the QP; the client's first message waits
+        // for them (the connection's RNR retry, unlimited by default).
+        _ if on_lane => {}
+        Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
+        Mode::SendStream => {
+            // Every receive of the stream lands in the same bytes: only the count, the lengths
+            // and the last message's content are checked.
+            let first: Vec<RecvWr> =
+                (0..iters.min(recv_depth)).map(|k| RecvWr::new(&bufs[0], 0..size as usize).wr_id(k as u64)).collect();
+            pending.post_recv(&first).map_err(err)?
+        }
+        Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
+            pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?
+        }
+    }
+    if mode.is_atomic() {
+        bufs[0].write_at(0, &0u64.to_ne_bytes()).map_err(err)?; // the counter starts at 0
+    }
+    let info = QpInfo {
+        qp_num: pending.qp().qp_num(),
+        psn: 0,
+        rkey: bufs[0].rkey(),
+        vaddr: bufs[0].addr(),
+        len: if mode == Mode::Send { 0 } else { size },
+    };
+    let info =
+        if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };
+    let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
+    // On the lane our receives are posted once connected: a message of the client's that
+    // comes first (a stream's, were it not to wait for "ready") waits 0.64 ms, not 655 ms.
+    let param = if on_lane { param.min_rnr_timer(LANE_MIN_RNR_TIMER) } else { param };
+    let mut conn = pending.accept(&param, timeout).map_err(err)?;
+    println!("[EVENT] Connection established");
+
+    if let Some(lane) = lane {
+        let mut lc = LaneConn::attach(lane, conn, busy_poll).map_err(err)?;
+        // A 4-byte region for our small sends (doorbell, "done"): a lane has no inline sends.
+        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
+        let [buf, other] = bufs;
+        // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
+        // mode its last RDMA READ of `buf` comes after our last answer.
+        let mut regs = Regions::new(vec![buf, other, ctl, ring]);
+        let result = match (mode, client_region) {
+            (Mode::SendStream, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
+            (Mode::Write, Some(client)) => {
+                lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
+            }
+            (Mode::Read, Some(client)) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
+            (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
+            _ => lane_echo_send(&mut lc, &mut regs, size, iters, timeout),
+        };
+        result.map_err(err)?;
+        // The client disconnects first; wait for it, bounded.
+        match lc.wait_disconnected(timeout) {
+            Ok(()) | Err(Error::Timeout { .. }) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        println!("[INFO] Disconnected");
+        drop(regs);
+        return Ok(());
+    }
+    conn.qp_mut().set_busy_poll(busy_poll);
+
+    let result = match mode {
+        Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
+        Mode::SendStream => sink_sends(&mut conn, &mut bufs[0], size, iters, iters.min(recv_depth), timeout),
+        Mode::Write => {
+            let client = client_region.ok_or("no client region")?;
+            echo_write(&mut conn, &bufs[0], &mut ctl, client, send_doorbell, size, iters, timeout)
+        }
+        Mode::Read => {
+            echo_read(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
+        }
+        Mode::FetchAdd | Mode::CmpSwap => check_counter(&mut conn, &mut bufs[0], mode, iters, timeout),
+    };
+    result.map_err(err)?;
+    // The client disconnects first; wait for it, bounded.
+    let deadline = Instant::now() + timeout;
+    while !conn.is_disconnected() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match conn.next_event(left) {
+            Ok(_) => {}
+            Err(Error::Timeout { .. }) => break,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    println!("[INFO] Disconnected");
+    Ok(())
+}
+
+/// What a send stream's receiver sends the client once its receives are posted (perftest's
+/// handshake after posting its receives does the same).
+const READY: [u8; 4] = *b"rdy!";
+
+/// Receives posted ahead of a client's stream of sends (ib_send_bw's default rx depth).
+const STREAM_RX_DEPTH: u32 = 512;
+
+/// Region numbers on the lane: each work request's `wr_id` is its region's number, so its
+/// completion says where the region goes back ([`Regions`]).
+const BUF: usize = 0; // the client's message, or the target of its (and our) RDMA
+const OTHER: usize = 1; // send mode's second buffer: the next receive while BUF is echoed
+const CTL: usize = 2; // the client's doorbell or "go"
+const RING: usize = 3; // our doorbell or "done"
+
+/// Most bytes a stream's receives take: on the lane each posted receive holds a region of its
+/// own (chunks of one registration), so fewer are posted ahead for huge messages.
+const STREAM_BYTES: usize = 64 << 20;
+
+/// The receiving end of `client --bw --mode send`, on the lane: keeps receives posted (each in
+/// a chunk of its own, up to 16 per doorbell) until `iters` sends have arrived, checks each
+/// length and the last message's content, and answers with the count and the verdict.
+fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+    const OP: &str = "receiving a stream of sends";
+    let size = size as usize;
+    let depth = STREAM_RX_DEPTH.min((STREAM_BYTES / size).max(1) as u32) as usize;
+    let mut free = MemoryRegion::new(pd, size * depth, AccessFlags::LOCAL_WRITE)?.split(size)?;
+    // The region of the latest message, kept out of the receives to check its content.
+    let mut latest: Option<MemoryRegion> = None;
+    let (mut posted, mut got, mut bad_len) = (0u32, 0u32, 0u32);
+    // "ready", sent once the first receives are posted: the client starts its stream on it.
+    let mut ready = Some(MemoryRegion::new(pd, 4, AccessFlags::LOCAL_WRITE)?);
+    while got < iters {
+        while posted < iters && !free.is_empty() {
+            let n = ((iters - posted) as usize).min(free.len()).min(lane::MAX_LIST);
+            let mut wrs: [Option<lane::RecvWr>; lane::MAX_LIST] = std::array::from_fn(|_| None);
+            for w in &mut wrs[..n] {
+                *w = free.pop().map(|mr| lane::RecvWr::range(mr, 0..size));
+            }
+            posted += lc.lane.post_recv_list(lc.qp, &mut wrs[..n])? as u32;
+        }
+        if let Some(mut mr) = ready.take().filter(|_| posted > 0) {
+            // Over the CM a send that finds no receive posted waits for the receiver's
+            // min_rnr_timer, 655 ms: the client must not start before these receives.
+            mr.write_at(0, &READY)?;
+            lc.lane.post_send(lc.qp, lane::SendWr::send(mr, 0..4).wr_id(u64::MAX))?;
+        }
+        lc.reap_once(64, OP, t, |c, region| {
+            if c.queue() == WorkQueue::Send {
+                return Ok(()); // "ready" was sent; its region is dropped here
+            }
+            if c.byte_len() as usize != size {
+                bad_len += 1;
+            }
+            got += 1;
+            if let Some(prev) = latest.replace(region) {
+                free.push(prev);
+            }
+            Ok(())
+        })?;
+    }
+    let mut last = vec![0u8; size];
+    let mut expected = vec![0u8; size];
+    fill_pattern(&mut expected, 0);
+    let content = match &mut latest {
+        Some(mr) => mr.read_at(0, &mut last).is_ok() && last == expected,
+        None => false,
+    };
+    let ok = bad_len == 0 && content;
+    println!(
+        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
+        if ok { "lengths and content checked" } else { "MISMATCH" }
+    );
+    let mut answer = MemoryRegion::new(pd, 5, AccessFlags::LOCAL_WRITE)?;
+    answer.write_at(0, &got.to_be_bytes())?;
+    answer.write_at(4, &[ok as u8])?;
+    let mut regs = Regions::new(vec![answer]);
+    lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(0)?, 0..5).wr_id(0))?;
+    lane_wait_answer(lc, &mut regs, 0, true, t)?;
+    if !ok {
+        return Err(Error::InvalidArgument(format!(
+            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
+            if content { "matches" } else { "differs" }
+        )));
+    }
+    Ok(())
+}
+
+/// Send mode's latency table on the lane: `BUF` and `OTHER` take turns (the next receive is
+/// posted before the echo of this one). Each region is received into, then echoed from, so it
+/// has a receive and a send prepared over it (checked and lowered once); each completion hands
+/// the region back to re-arm the other one. The echo is prepared at `size` bytes, so a message
+/// of another length ends the connection with an error (the client sends `size` bytes every
+/// time; the convenient path's `echo_send` echoes what came).
+fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+    let size = size as usize;
+    let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
+    lc.lane.post_prepared_recv(&mut ends[0].recv)?;
+    for i in 0..iters {
+        let (cur, next) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
+        // The client's message: its region arms our echo.
+        while !ends[cur].send.is_armed() {
+            lc.reap(1, "waiting for the client's message", t, |c, r| EchoEnd::route(&mut ends, c, r))?;
+        }
+        let n = ends[cur].len;
+        if n != size {
+            return Err(Error::InvalidArgument(format!("the client's message {i} has {n} bytes, expected {size}")));
+        }
+        if i + 1 < iters {
+            lc.lane.post_prepared_recv(&mut ends[next].recv)?;
+        }
+        lc.lane.post_prepared(&mut ends[cur].send)?;
+        // The echo's completion: its region arms the next receive into it.
+        while !ends[cur].recv.is_armed() {
+            match lc.reap(1, "answering the client", t, |c, r| EchoEnd::route(&mut ends, c, r)) {
+                Err(Error::Disconnected { .. }) if i + 1 == iters => break,
+                r => r?,
+            }
+        }
+    }
+    for (end, place) in ends.iter_mut().zip([BUF, OTHER]) {
+        if let Some(region) = end.recv.take_region().or_else(|| end.send.take_region()) {
+            regs.put(place, region);
+        }
+    }
+    println!("[INFO] Echoed {iters} messages of {size} bytes");
+    Ok(())
+}
+
+/// One of send mode's two buffers: a receive and a send prepared over one region (`wr_id`
+/// `2k` and `2k + 1` for buffer `k`), and the length of the last message received into it.
+struct EchoEnd {
+    recv: lane::PreparedRecv,
+    send: lane::PreparedSend,
+    len: usize,
+}
+
+impl EchoEnd {
+    fn new(lc: &mut LaneConn, region: MemoryRegion, k: u64, size: usize) -> Result<EchoEnd, Error> {
+        let mut send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(region, 0..size).wr_id(2 * k + 1))?;
+        let region =
+            send.take_region().ok_or_else(|| Error::InvalidArgument("a prepared send without its region".into()))?;
+        let recv = lc.lane.prepare_recv(lc.qp, lane::RecvWr::range(region, 0..size).wr_id(2 * k))?;
+        Ok(EchoEnd { recv, send, len: 0 })
+    }
+
+    /// A completion's region to the request it arms: a receive's to its buffer's send (and
+    /// the length it brought), a send's to its buffer's receive.
+    #[inline(always)]
+    fn route(ends: &mut [EchoEnd; 2], c: Wc, region: MemoryRegion) -> Result<(), Error> {
+        let end = ends.get_mut((c.wr_id() / 2) as usize).ok_or_else(|| stray(c.wr_id()))?;
+        if c.wr_id() % 2 == 0 {
+            end.len = c.byte_len() as usize;
+            end.send.rearm(region).map_err(Error::from)
+        } else {
+            end.recv.rearm(region).map_err(Error::from)
+        }
+    }
+}
+
+/// A completion the echo did not post.
+#[cold]
+fn stray(wr_id: u64) -> Error {
+    Error::InvalidArgument(format!("a stray completion (wr_id {wr_id})"))
+}
+
+/// Write mode's latency table on the lane: the client's WRITE lands in `BUF`, rung by its
+/// immediate data or by a 4-byte send into `CTL`; we write `BUF` back into the client's
+/// region, rung the same way (the doorbell send from `RING`, posted with the WRITE).
+#[allow(clippy::too_many_arguments)]
+fn lane_echo_write(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    client: &rdma_cm::RemoteRegion,
+    send_doorbell: bool,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    for i in 0..iters {
+        let wc = lc.wait(regs, CTL, "waiting for the client's WRITE", t)?;
+        let rung = if send_doorbell {
+            let mut ring = [0u8; 4];
+            regs.get(CTL)?.read_at(0, &mut ring)?;
+            (wc.byte_len == 4).then_some(u32::from_be_bytes(ring))
+        } else {
+            wc.imm
+        };
+        if rung != Some(i) {
+            return Err(Error::InvalidArgument(format!(
+                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
+                wc.byte_len
+            )));
+        }
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        }
+        let write = lane::SendWr::write(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
+        let last = i + 1 == iters;
+        if send_doorbell {
+            // The send's completion retires the unsignaled WRITE before it.
+            regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+            let ring = lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64);
+            lc.lane.post_send_list(lc.qp, &mut [Some(write.unsignaled()), Some(ring)])?;
+            lane_wait_answer(lc, regs, RING, last, t)?;
+        } else {
+            lc.lane.post_send(lc.qp, write.imm(i))?;
+        }
+        lane_wait_answer(lc, regs, BUF, last, t)?;
+    }
+    Ok(())
+}
+
+/// Read mode's latency table on the lane: on the client's "go" (into `CTL`), RDMA READ its
+/// region into `BUF`, then answer "done" (from `RING`).
+fn lane_echo_read(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    client: &rdma_cm::RemoteRegion,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    for i in 0..iters {
+        lc.wait(regs, CTL, "waiting for the client's go", t)?;
+        let read = lane::SendWr::read(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
+        lc.lane.post_send(lc.qp, read)?;
+        lc.wait(regs, BUF, "reading the client's region", t)?;
+        if i + 1 < iters {
+            lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        }
+        regs.get(RING)?.write_at(0, &i.to_be_bytes())?;
+        lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
+        lane_wait_answer(lc, regs, RING, i + 1 == iters, t)?;
+    }
+    Ok(())
+}
+
+/// [`wait_answer`] on the lane: waits for region `i` to come back from an answer to the
+/// client; the last answer counts once posted.
+fn lane_wait_answer(lc: &mut LaneConn, regs: &mut Regions, i: usize, last: bool, t: Duration) -> Result<(), Error> {
+    match lc.wait(regs, i, "answering the client", t) {
+        Err(Error::Disconnected { .. }) if last => Ok(()),
+        r => r.map(drop),
+    }
+}
+
+/// The receiving end of `client --bw --mode send`: keeps receives posted until `iters` sends
+/// have arrived (`posted` were posted before accepting), checks each length and the last
+/// message's content, and answers with the count and the verdict (5 bytes, inline).
+fn sink_sends(
+    conn: &mut Connection,
+    buf: &mut MemoryRegion,
+    size: u32,
+    iters: u32,
+    posted: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    let qp = conn.qp_mut();
+    let (mut posted, mut got, mut bad_len) = (posted, 0u32, 0u32);
+    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
+    let mut refill: Vec<RecvWr> = Vec::with_capacity(16);
+    while got < iters {
+        let k = qp.wait_queue(WorkQueue::Recv, &mut wcs, t)?;
+        if k == 0 {
+            return Err(Error::Timeout { op: "receiving a stream of sends", timeout: t, addr: None, hint: None });
+        }
+        for wc in &wcs[..k] {
+            if wc.ok()?.byte_len() != size {
+                bad_len += 1;
+            }
+            got += 1;
+        }
+        while posted < iters && posted - got < STREAM_RX_DEPTH {
+            refill.clear();
+            let n = (iters - posted).min(STREAM_RX_DEPTH - (posted - got)).min(16);
+            refill.extend((posted..posted + n).map(|k| RecvWr::new(buf, 0..size as usize).wr_id(k as u64)));
+            qp.post_recv(&refill)?;
+            posted += n;
+        }
+    }
+    // Nothing is posted any more: the bytes are readable.
+    let mut last = vec![0u8; size as usize];
+    buf.read_at(0, &mut last)?;
+    let mut expected = vec![0u8; size as usize];
+    fill_pattern(&mut expected, 0);
+    let ok = bad_len == 0 && last == expected;
+    println!(
+        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
+        if ok { "lengths and content checked" } else { "MISMATCH" }
+    );
+    let mut answer = [0u8; 5];
+    answer[..4].copy_from_slice(&got.to_be_bytes());
+    answer[4] = ok as u8;
+    qp.post_send(&[SendWr::send_inline(&answer).wr_id(u64::MAX)])?;
+    qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
+    if !ok {
+        return Err(Error::InvalidArgument(format!(
+            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
+            if last == expected { "matches" } else { "differs" }
+        )));
+    }
+    Ok(())
+}
+
+fn echo_send(conn: &mut Connection, bufs: &[MemoryRegion; 2], size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+    let qp = conn.qp_mut();
+    for i in 0..iters {
+        let cur = (i % 2) as usize;
+        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+        let n = wc.byte_len() as usize;
+        if iters == 1 {
+            println!("[INFO] Received {n} bytes");
+        }
+        if i + 1 < iters {
+            qp.post_recv(&[RecvWr::new(&bufs[1 - cur], 0..size as usize).wr_id(i as u64 + 1)])?;
+        }
+        qp.post_send(&[SendWr::send(&bufs[cur], 0..n).wr_id(i as u64)])?;
+        wait_answer(qp, i as u64, i + 1 == iters, t)?;
+        if iters == 1 {
+            println!("[INFO] Sent {n} bytes");
+        }
+    }
+    if iters > 1 {
+        println!("[INFO] Echoed {iters} messages of {size} bytes");
+    }
+    Ok(())
+}
+
+/// Write mode: the client's RDMA WRITE lands in `buf`, rung by its immediate data or by the
+/// 4-byte SEND after it (`send_doorbell`); we write it back into its region, rung the same way.
+#[allow(clippy::too_many_arguments)]
+fn echo_write(
+    conn: &mut Connection,
+    buf: &MemoryRegion,
+    ctl: &mut MemoryRegion,
+    client: rdma_cm::RemoteRegion,
+    send_doorbell: bool,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    let qp = conn.qp_mut();
+    for i in 0..iters {
+        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+        let rung = if send_doorbell {
+            let mut ring = [0u8; 4];
+            ctl.read_at(0, &mut ring)?;
+            (wc.byte_len() == 4).then_some(u32::from_be_bytes(ring))
+        } else {
+            wc.imm_data()
+        };
+        if rung != Some(i) {
+            return Err(Error::InvalidArgument(format!(
+                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
+                wc.byte_len()
+            )));
+        }
+        if iters == 1 {
+            println!("[INFO] Received {size} bytes (RDMA WRITE)");
+        }
+        if i + 1 < iters {
+            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
+        }
+        let write = SendWr::write(buf, 0..size as usize, &client, 0)?;
+        if send_doorbell {
+            // The SEND's completion retires the unsignaled WRITE before it.
+            let ring = i.to_be_bytes();
+            qp.post_send(&[write.unsignaled(), SendWr::send_inline(&ring).wr_id(i as u64)])?;
+        } else {
+            qp.post_send(&[write.imm(i).wr_id(i as u64)])?;
+        }
+        wait_answer(qp, i as u64, i + 1 == iters, t)?;
+        if iters == 1 {
+            println!("[INFO] Sent {size} bytes (RDMA WRITE)");
+        }
+    }
+    Ok(())
+}
+
+/// Read mode: on the client's "go", RDMA READ its region into `buf`, then answer "done" so the
+/// client reads `buf` back.
+fn echo_read(
+    conn: &mut Connection,
+    buf: &MemoryRegion,
+    ctl: &MemoryRegion,
+    client: rdma_cm::RemoteRegion,
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    let qp = conn.qp_mut();
+    for i in 0..iters {
+        qp.wait_for(WorkQueue::Recv, i as u64, t)?;
+        qp.post_send(&[SendWr::read(buf, 0..size as usize, &client, 0)?.wr_id(i as u64)])?;
+        qp.wait_for(WorkQueue::Send, i as u64, t)?;
+        if iters == 1 {
+            println!("[INFO] Received {size} bytes (RDMA READ)");
+        }
+        if i + 1 < iters {
+            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
+        }
+        qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
+        wait_answer(qp, u64::MAX, i + 1 == iters, t)?;
+    }
+    Ok(())
+}
+
+/// Waits for the completion of an answer to the client (an echo, or read mode's "done").
+/// The last answer counts once posted, as `--shared` counts its echoes: the client may take it
+/// and leave before its acknowledgement reaches us (on a lossy wire a lost ACK is made good only
+/// after the ACK timeout, seconds later), and its disconnect then flushes the send. Whether the
+/// answer arrived intact, the client checks and reports itself.
+fn wait_answer(qp: &mut QueuePair, wr_id: u64, last: bool, t: Duration) -> Result<(), Error> {
+    match qp.wait_for(WorkQueue::Send, wr_id, t) {
+        Err(Error::Disconnected { .. }) if last => Ok(()),
+        r => r.map(drop),
+    }
+}
+
+/// Atomic modes: the client moves our counter with RDMA atomics; on its "done", the counter
+/// must be exactly `iters`.
+fn check_counter(
+    conn: &mut Connection,
+    counter: &mut MemoryRegion,
+    mode: Mode,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
+    conn.qp_mut().wait_for(WorkQueue::Recv, 0, t)?;
+    let mut v = [0u8; 8];
+    counter.read_at(0, &mut v)?;
+    let n = u64::from_ne_bytes(v);
+    if n != u64::from(iters) {
+        return Err(Error::InvalidArgument(format!("counter is {n} after {iters} {mode}(s)")));
+    }
+    println!("[INFO] Counter is {n} after {iters} {mode}(s)");
+    Ok(())
+}
