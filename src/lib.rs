@@ -460,6 +460,7 @@ pub use cm::conn_param::ConnParam;
 pub use cm::connection::{Connection, Disconnecting};
 pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use cm::hold::{disconnect_hold, set_disconnect_hold, DEFAULT_DISCONNECT_HOLD};
+pub use cm::lane_conn::{LaneClient, LaneServer};
 pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use cm::private_data::QpInfo;
 pub use cm::server::{Accepting, Bound, ConnectRequest, Listener, Server, ServerQp};

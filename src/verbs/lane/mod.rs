@@ -46,29 +46,42 @@
 //!   failure among its requests when one failed. Per WRITE, a batch of 16 costs what the raw
 //!   calls do (BENCHMARKS.md).
 //!
+//! - **The whole connection, from before connect to disconnect.** A connection's QP joins the
+//!   lane before the connect or accept ([`RouteResolved::lane_qp`](crate::RouteResolved::lane_qp),
+//!   [`ConnectRequest::lane_qp`](crate::ConnectRequest::lane_qp)): its receives are posted
+//!   before the peer can send, [`ConnParam::min_rnr_timer`](crate::ConnParam::min_rnr_timer)
+//!   is set at RTR, and until the connection is established the lane refuses sends (and RDMA
+//!   and atomics) with an error that says so. Then [`Lane::peer_left`] (non-blocking) and
+//!   [`Lane::disconnect`] (bounded) are one call each; see [`crate::cm::lane_conn`].
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion};
+//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);
 //! let route = Client::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?.resolve_route(t)?;
 //! let pd = route.alloc_pd()?;
 //! let mut lane = Lane::new(&route.context()?, 64)?;
-//! let conn = route.create_qp(&pd, lane.qp_init())?.connect(&ConnParam::new(), t)?;
-//! let qp = lane.attach(conn)?;
+//! let client = route.lane_qp(&mut lane, &pd, QpInit::new())?;
+//! let qp = client.qp();
 //! let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;    // before the connect: in place in time
+//! client.connect(&mut lane, &ConnParam::new(), t)?;
 //! let msg = MemoryRegion::new(&pd, 64, AccessFlags::empty())?;
-//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
 //! lane.post_send(qp, SendWr::send(msg, 0..64).wr_id(2))?;
 //! loop {
-//!     let Some(c) = lane.poll()? else { continue };
+//!     let Some(c) = lane.poll()? else {
+//!         if lane.peer_left(qp)? { break }    // the peer's DISCONNECTED: what was posted flushes
+//!         continue;
+//!     };
 //!     let mut c = c.ok()?;                   // a failed completion is an error
 //!     let region = c.take_region();          // the buffer, back in our hands
 //!     if c.wr_id() == 1 { break }
 //! #   drop(region);
 //! }
+//! lane.disconnect(qp, t)?;
 //! # Ok(()) }
 //! ```
 //!
@@ -154,14 +167,12 @@
 //! # Limits of this version
 //!
 //! No shared receive queue, no inline sends, and a scatter/gather list names pieces of one
-//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A QP is attached
-//! with nothing outstanding on its convenient path, so its first receives are posted once the
-//! connection is established. A peer's send that comes before them is NAKed and waits for the
+//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
+//! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
+//! first receives after the peer may have sent: such a send is NAKed and waits for the
 //! receiving QP's minimum RNR timer, which the CM sets to 655 ms (measured: one such wait
-//! halved the rate of a stream of 10,000 sends). Have the peer wait for a message saying the
-//! receives are posted (the examples' `--bw` send stream does, as perftest's handshake does),
-//! and lower the timer with [`ConnParam::min_rnr_timer`](crate::ConnParam::min_rnr_timer). The
-//! lane polls without sleeping.
+//! halved the rate of a stream of 10,000 sends). Attach before the connect instead
+//! ([`crate::cm::lane_conn`]). The lane polls without sleeping.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -188,6 +199,7 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod lifecycle;
 mod ops;
 mod owner;
 mod poll;
@@ -200,8 +212,8 @@ mod wr;
 pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
-pub use owner::LaneOwner;
 pub(crate) use owner::Sealed;
+pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
 use slots::Slots;
 use wr::*;
@@ -265,6 +277,11 @@ enum Fault {
     /// A lane's wait that ran out found it in the error state with no completion of its own
     /// saying why (on RC, the peer's RDMA access with a bad rkey does this to the responder).
     Silent,
+    /// Not a failure: its connection is not established yet (attached before connect or
+    /// accept). Receives are taken, sends refused; the connect or accept clears it.
+    Connecting,
+    /// Its connect or accept failed (the QP was moved to the error state).
+    ConnectFailed,
 }
 
 /// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).
@@ -362,7 +379,7 @@ impl Member {
         let ret =
             unsafe { ffi::ibv_modify_qp(self.raw.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
         crate::error::check_ibv(ret, "ibv_modify_qp(ERR)")?;
-        self.failed.get_or_insert(Fault::Moved);
+        self.record(Fault::Moved);
         Ok(())
     }
 }
@@ -595,6 +612,8 @@ impl Lane {
             Some(k) => Some(Fault::BeforeAttach(k)),
             None => match qp.state() {
                 Ok(crate::status::QpState::Error) => Some(Fault::Silent),
+                // Attached before its connection exists: receives only, until it does.
+                _ if !owner.lane_connected() => Some(Fault::Connecting),
                 _ => None,
             },
         };
@@ -698,16 +717,6 @@ impl Lane {
     /// [`Error::Call`] when `ibv_modify_qp` fails; [`Error::InvalidArgument`] for an unknown `qp`.
     pub fn set_error(&mut self, qp: LaneQp) -> Result<()> {
         self.member(qp)?.set_error()
-    }
-
-    /// Hands `qp`'s owner to `f` (the CM side's event handling); when `f` says the QP can run
-    /// nothing more (its connection is gone), later posts are refused as after a failure.
-    pub(crate) fn with_owner(&mut self, qp: LaneQp, f: impl FnOnce(&mut dyn std::any::Any) -> bool) -> Result<()> {
-        let m = self.member(qp)?;
-        if f(m.owner.as_any_mut()) {
-            m.failed.get_or_insert(Fault::PeerLeft);
-        }
-        Ok(())
     }
 
     /// Detaches `qp` and destroys it: moves it to the error state, reaps its flushed work for
