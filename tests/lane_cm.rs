@@ -90,8 +90,10 @@ fn before_the_connect_the_lane_takes_receives_and_refuses_sends() {
         assert!(e.to_string().contains("not established"), "{e}");
         assert!(list[0].is_some(), "a refused list keeps its work requests");
         assert_eq!(lane.outstanding(qp).unwrap(), (0, 1));
-        let a = lane.attributes(qp).unwrap();
-        assert_eq!(a.state, QpState::Init, "adopted and in INIT before the connect");
+        // (siw reports no QP state: its ibv_query_qp leaves it 0, RESET.)
+        if !common::caps::iwarp() {
+            assert_eq!(lane.attributes(qp).unwrap().state, QpState::Init, "adopted and in INIT before the connect");
+        }
         lane.disconnect(qp, T).expect("a member that never connected is removed");
         assert!(lane.outstanding(qp).is_err(), "gone from the lane");
         drop((lane, listener));
@@ -129,8 +131,8 @@ fn receives_posted_before_accept_meet_the_clients_first_send() {
             let param = ConnParam::new().rnr_retry_count(0).min_rnr_timer(1);
             s.accept(&mut lane, &param, T).unwrap_or_else(|e| panic!("accept {k}: {e}"));
             let a = lane.attributes(qp).unwrap();
-            assert_eq!(a.state, QpState::ReadyToSend);
             if rnr {
+                assert_eq!(a.state, QpState::ReadyToSend);
                 assert_eq!(a.min_rnr_timer, 1, "server {k}: the RNR timer its accept asked for");
             }
             assert!(a.max_dest_rd_atomic > 1, "server {k}: READ depth {} by default", a.max_dest_rd_atomic);
