@@ -86,7 +86,8 @@
 //!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
 //!           adopt (a verbs QP driven by an id, Link)
 //!           ud_cm, multicast   conn_param   expect   step   private_data
-//!           lane_cm (connections and UD endpoints as a lane's owners; Lane::handle_event)
+//!           lane_cm (connections and UD endpoints as a lane's owners: LaneOwner's hooks)
+//!           lane_conn (LaneClient, LaneServer: a connection on a lane from before the connect)
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  verbs/   libibverbs alone (imports nothing from cm/):

@@ -47,10 +47,18 @@ impl Lane {
     /// the error state: everything it has posted comes back flushed from the lane's polls,
     /// and posts are refused ([`Error::QpInError`]). True from then on.
     ///
+    /// Each call reads the channel (a system call, under the channel's lock): make it while the
+    /// lane is idle, not after every poll. Events of other ids it reads wait in the channel's
+    /// queue, where `poll(2)` on the descriptor does not see them: their owners' reads
+    /// (targeted waits, [`EventChannel::try_get_event`](crate::EventChannel::try_get_event))
+    /// and [`Readiness`](crate::Readiness) look there first.
+    ///
     /// A QP attached without a connection (a [`QueuePair`](crate::QueuePair) or a UD QP) has
     /// no peer to leave: false. An event loop that reads the channel itself (untargeted
-    /// reads such as [`EventChannel::try_get_event`](crate::EventChannel::try_get_event) take
-    /// any connection's events) hands each event to [`Lane::handle_event`] instead.
+    /// reads take any connection's events) hands each event to [`Lane::handle_event`]
+    /// instead. The answer to a disconnect of the peer's is sent here, so a peer waiting in
+    /// its own bounded disconnect ([`Lane::disconnect`], `Connection::disconnect`) waits for
+    /// this side's check.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an unknown `qp`; [`Error::Call`] when reading the
@@ -91,8 +99,11 @@ impl Lane {
     /// connections' CM events for their owners. A QP attached without a connection is only
     /// removed ([`Lane::remove`]).
     ///
-    /// While the id's port is down, the disconnect is first held, bounded, for the port to
-    /// come back (`rdma_cm::cm::hold`), which `timeout` does not count.
+    /// The answer comes when the peer's side reads its CM events (its own
+    /// [`Lane::peer_left`], or its connection's waits): a peer that never looks leaves this
+    /// call to its timeout. While the id's port is down, the disconnect is first held,
+    /// bounded, for the port to come back (`rdma_cm::cm::hold`), which `timeout` does not
+    /// count.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an unknown `qp`; [`Error::Call`] when `rdma_disconnect`
