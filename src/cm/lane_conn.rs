@@ -80,13 +80,14 @@ impl Drop for LaneConn {
 }
 
 /// Hands the adopted QP `qp` of `id` to `lane`, receives only until the connection is
-/// established; with a refusal, the two back when the lane gave them back.
+/// established; with a refusal, the two back when the lane gave them back (boxed: a refusal
+/// is rare, and a QP is large).
 #[allow(clippy::type_complexity)]
 fn attach(
     lane: &mut Lane,
     id: Arc<CmId>,
     qp: QueuePair,
-) -> std::result::Result<LaneQp, (Error, Option<(Arc<CmId>, QueuePair)>)> {
+) -> std::result::Result<LaneQp, Box<(Error, Option<(Arc<CmId>, QueuePair)>)>> {
     let conn = LaneConn { qp, id, established: false, disconnected: false };
     lane.attach(conn).map_err(|r| {
         let (e, back) = r.into_parts();
@@ -98,7 +99,7 @@ fn attach(
             // owners; the other fields are bools.
             unsafe { (std::ptr::read(&c.id), std::ptr::read(&c.qp)) }
         });
-        (e, back)
+        Box::new((e, back))
     })
 }
 
@@ -159,7 +160,10 @@ impl ClientQp {
         }
         match attach(lane, self.id, self.qp) {
             Ok(qp) => Ok(LaneClient { qp }),
-            Err((e, back)) => Err(Rejected::with(e, back.map(|(id, qp)| ClientQp { id, qp, user: true }))),
+            Err(refused) => {
+                let (e, back) = *refused;
+                Err(Rejected::with(e, back.map(|(id, qp)| ClientQp { id, qp, user: true })))
+            }
         }
     }
 }
@@ -280,7 +284,8 @@ impl ServerQp {
         let (asked, private_data) = (self.asked, self.private_data);
         match attach(lane, self.id, self.qp) {
             Ok(qp) => Ok(LaneServer { qp, asked }),
-            Err((e, back)) => {
+            Err(refused) => {
+                let (e, back) = *refused;
                 Err(Rejected::with(e, back.map(|(id, qp)| ServerQp { id, qp, private_data, user: true, asked })))
             }
         }
