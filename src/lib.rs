@@ -86,7 +86,8 @@
 //!           client, server ──► connection (with its closing) ──► cm_qp (rdma_create_qp, Link)
 //!           adopt (a verbs QP driven by an id, Link)
 //!           ud_cm, multicast   conn_param   expect   step   private_data
-//!           lane_cm (connections and UD endpoints as a lane's owners; Lane::handle_event)
+//!           lane_cm (connections and UD endpoints as a lane's owners: LaneOwner's hooks)
+//!           lane_conn (LaneClient, LaneServer: a connection on a lane from before the connect)
 //!           cm_id ◄──► event_channel (an id holds its channel; an event names its id)   addrinfo
 //!  ─────────────────────────────────────────────────────────────────────────────────────────
 //!  verbs/   libibverbs alone (imports nothing from cm/):
@@ -460,6 +461,7 @@ pub use cm::conn_param::ConnParam;
 pub use cm::connection::{Connection, Disconnecting};
 pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
 pub use cm::hold::{disconnect_hold, set_disconnect_hold, DEFAULT_DISCONNECT_HOLD};
+pub use cm::lane_conn::{LaneClient, LaneServer};
 pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use cm::private_data::QpInfo;
 pub use cm::server::{Accepting, Bound, ConnectRequest, Listener, Server, ServerQp};

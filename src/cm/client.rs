@@ -394,15 +394,22 @@ impl ClientQp {
     }
 
     pub(crate) fn start_connect(&self, param: &ConnParam) -> Result<()> {
-        let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
-        raw.qp_num = adopt::qp_num_for(param, &self.qp)?;
-        raw.srq = u8::from(self.qp.srq().is_some());
-        let peer = self.id.peer_addr();
-        // SAFETY: the id is valid with a route and a QP; `raw` and its private data (inside
-        // `param`) outlive the call, which copies them.
-        check_rdma(unsafe { ffi::rdma_connect(self.id.as_raw(), &mut raw) }, "rdma_connect")
-            .map_err(|e| with_opt_addr(e, peer))
+        let qp_num = adopt::qp_num_for(param, &self.qp)?;
+        rdma_connect_with(&self.id, param, qp_num, self.qp.srq().is_some())
     }
+}
+
+/// `rdma_connect` of `id` with `param`, sending `qp_num` (the id's QP: checked by the caller
+/// with `adopt::qp_num_for`).
+pub(crate) fn rdma_connect_with(id: &CmId, param: &ConnParam, qp_num: u32, srq: bool) -> Result<()> {
+    let mut raw = param.raw(MAX_CONNECT_PRIVATE_DATA, "connect private data")?;
+    raw.qp_num = qp_num;
+    raw.srq = u8::from(srq);
+    let peer = id.peer_addr();
+    // SAFETY: the id is valid with a route, and its QP is `qp_num`'s (made by librdmacm, or
+    // adopted); `raw` and its private data (inside `param`) outlive the call, which copies
+    // them.
+    check_rdma(unsafe { ffi::rdma_connect(id.as_raw(), &mut raw) }, "rdma_connect").map_err(|e| with_opt_addr(e, peer))
 }
 
 /// Whether `id`'s device speaks iWARP (whose `rdma_connect` may block, and whose kernel CM
@@ -448,7 +455,7 @@ pub(crate) fn finish_connect(
 
 /// An answered connect's last steps on this side: an adopted QP moved to RTS and the RTU sent
 /// (with the RNR timer set at RTR), or librdmacm's QP given the RNR timer in RTS.
-fn ready_to_send(id: &CmId, qp: &QueuePair, user: bool, min_rnr_timer: Option<u8>) -> Result<()> {
+pub(crate) fn ready_to_send(id: &CmId, qp: &QueuePair, user: bool, min_rnr_timer: Option<u8>) -> Result<()> {
     if crate_drives(id, user) {
         adopt::establish(id, qp, min_rnr_timer)
     } else {

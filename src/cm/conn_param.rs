@@ -18,10 +18,22 @@ pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
 /// Most private data `rdma_reject` carries on IB/RoCE.
 pub const MAX_REJECT_PRIVATE_DATA: usize = 148;
 
-/// Connection parameters for connect and accept. Defaults follow the seed program:
-/// responder_resources and initiator_depth 1, retry and RNR retry counts 7, no private data.
-/// [`ConnParam::from_request`] takes the RDMA READ depths from the request instead, as
-/// `rdma_accept(id, NULL)` does.
+/// Connection parameters for connect and accept. Defaults: the RDMA READ depths
+/// (`responder_resources`, `initiator_depth`) what the device allows
+/// ([`ConnParam::FROM_DEVICE`]), retry and RNR retry counts 7, no private data.
+///
+/// # RDMA READ depths
+///
+/// By default a connection may have as many RDMA READs (and atomics) in flight each way as
+/// both devices allow: on connect, this device's limits (`max_qp_init_rd_atom`,
+/// `max_qp_rd_atom`, which the CM then negotiates down to what the server accepts); on accept,
+/// what the request asks, clamped to this device's limits, as [`ConnParam::from_request`] and
+/// `rdma_accept(id, NULL)` do. With a depth of 1, a batch of READs posted together runs one
+/// at a time, a round trip each. An explicit value (1, as the C seed program and the teaching
+/// examples set, to show the field) is sent as it is; over the device's limit, connect and
+/// accept fail with `EINVAL`. [`Connection::qp`](crate::Connection::qp)'s
+/// [`attributes`](crate::QueuePair::attributes) (`max_rd_atomic`, `max_dest_rd_atomic`) say
+/// what was agreed.
 ///
 /// # Flow control
 ///
@@ -44,8 +56,8 @@ pub struct ConnParam {
 impl Default for ConnParam {
     fn default() -> Self {
         ConnParam {
-            responder_resources: 1,
-            initiator_depth: 1,
+            responder_resources: ConnParam::FROM_DEVICE,
+            initiator_depth: ConnParam::FROM_DEVICE,
             retry_count: 7,
             rnr_retry_count: 7,
             private_data: PrivateData::EMPTY,
@@ -67,13 +79,15 @@ impl ConnParam {
     pub const FROM_DEVICE: u8 = 0xFF;
 
     /// Outstanding RDMA READs (and atomics) the peer may send us; [`ConnParam::FROM_DEVICE`]
-    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
+    /// (the default) lets librdmacm choose. Over the device's limit, connect and accept fail
+    /// with `EINVAL`.
     pub fn responder_resources(mut self, n: u8) -> Self {
         self.responder_resources = n;
         self
     }
     /// Outstanding RDMA READs (and atomics) we may send the peer; [`ConnParam::FROM_DEVICE`]
-    /// lets librdmacm choose. Over the device's limit, connect and accept fail with `EINVAL`.
+    /// (the default) lets librdmacm choose. Over the device's limit, connect and accept fail
+    /// with `EINVAL`.
     pub fn initiator_depth(mut self, n: u8) -> Self {
         self.initiator_depth = n;
         self

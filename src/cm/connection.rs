@@ -375,15 +375,21 @@ impl Disconnecting {
         if !self.awaiting {
             return Ok(());
         }
-        let _expecting = self.id.channel().expecting(self.id.handle());
-        let mut deadline = crate::wait::Deadline::new(timeout);
-        loop {
-            match expect(&self.id, CmEventType::Disconnected, "rdma_disconnect", deadline.left()) {
-                Ok(_) => return Ok(()),
-                Err(Error::UnexpectedEvent { got: CmEventType::TimewaitExit, .. }) => continue,
-                Err(Error::UnexpectedEvent { got: CmEventType::DeviceRemoval, .. }) => return Ok(()),
-                Err(e) => return Err(e),
-            }
+        await_disconnected(&self.id, timeout)
+    }
+}
+
+/// Waits up to `timeout` for `id`'s `DISCONNECTED` (or `DEVICE_REMOVAL`), skipping
+/// `TIMEWAIT_EXIT`.
+pub(crate) fn await_disconnected(id: &CmId, timeout: Duration) -> Result<()> {
+    let _expecting = id.channel().expecting(id.handle());
+    let mut deadline = crate::wait::Deadline::new(timeout);
+    loop {
+        match expect(id, CmEventType::Disconnected, "rdma_disconnect", deadline.left()) {
+            Ok(_) => return Ok(()),
+            Err(Error::UnexpectedEvent { got: CmEventType::TimewaitExit, .. }) => continue,
+            Err(Error::UnexpectedEvent { got: CmEventType::DeviceRemoval, .. }) => return Ok(()),
+            Err(e) => return Err(e),
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod event_channel;
 pub(crate) mod expect;
 pub mod hold;
 mod lane_cm;
+pub mod lane_conn;
 pub mod multicast;
 pub mod private_data;
 pub mod server;

@@ -298,7 +298,7 @@ impl ConnectRequest {
     }
 }
 
-fn reject(id: &CmId, data: &[u8]) -> Result<()> {
+pub(crate) fn reject(id: &CmId, data: &[u8]) -> Result<()> {
     if data.len() > MAX_REJECT_PRIVATE_DATA {
         return Err(too_long("reject private data", data.len(), MAX_REJECT_PRIVATE_DATA));
     }
@@ -372,35 +372,7 @@ impl ServerQp {
     /// # Errors
     /// As for [`ServerQp::accept`], without the waiting.
     pub fn start_accept(self, param: &ConnParam) -> Result<Accepting> {
-        let mut raw = param.raw(MAX_ACCEPT_PRIVATE_DATA, "accept private data")?;
-        raw.qp_num = adopt::qp_num_for(param, &self.qp)?;
-        raw.srq = u8::from(self.qp.srq().is_some());
-        if self.user {
-            // librdmacm moves only its own QP to RTR and RTS inside rdma_accept, resolving
-            // FROM_DEVICE there; an adopted QP reaches RTS first, so resolve it here as
-            // rdma_accept would (the request's value, clamped to the device's limit): the raw
-            // 255 would fail the modify to RTR or RTS with EINVAL.
-            if raw.responder_resources == ConnParam::FROM_DEVICE || raw.initiator_depth == ConnParam::FROM_DEVICE {
-                let limits = self.qp.pd().context().limits()?;
-                let clamp = |asked: u8, limit: u32| asked.min(u8::try_from(limit).unwrap_or(u8::MAX));
-                if raw.responder_resources == ConnParam::FROM_DEVICE {
-                    raw.responder_resources = clamp(self.asked.0, limits.max_qp_rd_atom);
-                }
-                if raw.initiator_depth == ConnParam::FROM_DEVICE {
-                    raw.initiator_depth = clamp(self.asked.1, limits.max_qp_init_rd_atom);
-                }
-            }
-            // With the minimum RNR timer set at RTR, before the accept goes out.
-            adopt::ready(&self.id, &self.qp, &raw, param.min_rnr_timer_value())?;
-        }
-        // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
-        // the call, which copies them.
-        check_rdma(unsafe { ffi::rdma_accept(self.id.as_raw(), &mut raw) }, "rdma_accept")
-            .map_err(|e| with_opt_addr(e, self.id.peer_addr()))?;
-        if !self.user {
-            // librdmacm's QP reached RTS inside rdma_accept, with the CM's timer: set it now.
-            apply_min_rnr_timer(&self.id, &self.qp, param.min_rnr_timer_value())?;
-        }
+        accept_on(&self.id, &self.qp, self.user, self.asked, param)?;
         Ok(Accepting { id: self.id, qp: self.qp, private_data: self.private_data, user: self.user })
     }
 
@@ -411,6 +383,43 @@ impl ServerQp {
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
         reject(&self.id, private_data)
     }
+}
+
+/// `rdma_accept` of the request `id` with its QP `qp`: an adopted one (`user`) is moved to RTR
+/// (with the minimum RNR timer, when given) and RTS first, with `FROM_DEVICE` resolved from
+/// the request's READ depths (`asked`, this side's view) as `rdma_accept` would; librdmacm's
+/// own is given the RNR timer in RTS after.
+pub(crate) fn accept_on(id: &CmId, qp: &QueuePair, user: bool, asked: (u8, u8), param: &ConnParam) -> Result<()> {
+    let mut raw = param.raw(MAX_ACCEPT_PRIVATE_DATA, "accept private data")?;
+    raw.qp_num = adopt::qp_num_for(param, qp)?;
+    raw.srq = u8::from(qp.srq().is_some());
+    if user {
+        // librdmacm moves only its own QP to RTR and RTS inside rdma_accept, resolving
+        // FROM_DEVICE there; an adopted QP reaches RTS first, so resolve it here as
+        // rdma_accept would (the request's value, clamped to the device's limit): the raw
+        // 255 would fail the modify to RTR or RTS with EINVAL.
+        if raw.responder_resources == ConnParam::FROM_DEVICE || raw.initiator_depth == ConnParam::FROM_DEVICE {
+            let limits = qp.pd().context().limits()?;
+            let clamp = |asked: u8, limit: u32| asked.min(u8::try_from(limit).unwrap_or(u8::MAX));
+            if raw.responder_resources == ConnParam::FROM_DEVICE {
+                raw.responder_resources = clamp(asked.0, limits.max_qp_rd_atom);
+            }
+            if raw.initiator_depth == ConnParam::FROM_DEVICE {
+                raw.initiator_depth = clamp(asked.1, limits.max_qp_init_rd_atom);
+            }
+        }
+        // With the minimum RNR timer set at RTR, before the accept goes out.
+        adopt::ready(id, qp, &raw, param.min_rnr_timer_value())?;
+    }
+    // SAFETY: the id is a pending request with a QP; `raw` and its private data outlive
+    // the call, which copies them.
+    check_rdma(unsafe { ffi::rdma_accept(id.as_raw(), &mut raw) }, "rdma_accept")
+        .map_err(|e| with_opt_addr(e, id.peer_addr()))?;
+    if !user {
+        // librdmacm's QP reached RTS inside rdma_accept, with the CM's timer: set it now.
+        apply_min_rnr_timer(id, qp, param.min_rnr_timer_value())?;
+    }
+    Ok(())
 }
 
 /// An accepted request waiting for `ESTABLISHED`.
@@ -461,7 +470,8 @@ impl ConnParam {
     /// `max_qp_init_rd_atom`) by librdmacm, which is what an explicit value over the limit
     /// would fail with (`EINVAL`). The other fields are the defaults (retries 7, no private
     /// data; add it with [`ConnParam::private_data`]); unlike `rdma_accept(id, NULL)`, the
-    /// crate's `flow_control` (1) is sent.
+    /// crate's `flow_control` (1) is sent. Since the depths' default is
+    /// [`ConnParam::FROM_DEVICE`], this is [`ConnParam::new`]; the name says the intent.
     ///
     /// The clamping happens in `rdma_accept` against the values librdmacm stored for the
     /// accepted id, so the parameters follow whichever request they accept; `req` names the

@@ -46,29 +46,42 @@
 //!   failure among its requests when one failed. Per WRITE, a batch of 16 costs what the raw
 //!   calls do (BENCHMARKS.md).
 //!
+//! - **The whole connection, from before connect to disconnect.** A connection's QP joins the
+//!   lane before the connect or accept ([`RouteResolved::lane_qp`](crate::RouteResolved::lane_qp),
+//!   [`ConnectRequest::lane_qp`](crate::ConnectRequest::lane_qp)): its receives are posted
+//!   before the peer can send, [`ConnParam::min_rnr_timer`](crate::ConnParam::min_rnr_timer)
+//!   is set at RTR, and until the connection is established the lane refuses sends (and RDMA
+//!   and atomics) with an error that says so. Then [`Lane::peer_left`] (non-blocking) and
+//!   [`Lane::disconnect`] (bounded) are one call each; see [`crate::cm::lane_conn`].
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion};
+//! use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);
 //! let route = Client::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?.resolve_route(t)?;
 //! let pd = route.alloc_pd()?;
 //! let mut lane = Lane::new(&route.context()?, 64)?;
-//! let conn = route.create_qp(&pd, lane.qp_init())?.connect(&ConnParam::new(), t)?;
-//! let qp = lane.attach(conn)?;
+//! let client = route.lane_qp(&mut lane, &pd, QpInit::new())?;
+//! let qp = client.qp();
 //! let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;    // before the connect: in place in time
+//! client.connect(&mut lane, &ConnParam::new(), t)?;
 //! let msg = MemoryRegion::new(&pd, 64, AccessFlags::empty())?;
-//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
 //! lane.post_send(qp, SendWr::send(msg, 0..64).wr_id(2))?;
 //! loop {
-//!     let Some(c) = lane.poll()? else { continue };
+//!     let Some(c) = lane.poll()? else {
+//!         if lane.peer_left(qp)? { break }    // the peer's DISCONNECTED: what was posted flushes
+//!         continue;
+//!     };
 //!     let mut c = c.ok()?;                   // a failed completion is an error
 //!     let region = c.take_region();          // the buffer, back in our hands
 //!     if c.wr_id() == 1 { break }
 //! #   drop(region);
 //! }
+//! lane.disconnect(qp, t)?;
 //! # Ok(()) }
 //! ```
 //!
@@ -154,14 +167,12 @@
 //! # Limits of this version
 //!
 //! No shared receive queue, no inline sends, and a scatter/gather list names pieces of one
-//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A QP is attached
-//! with nothing outstanding on its convenient path, so its first receives are posted once the
-//! connection is established. A peer's send that comes before them is NAKed and waits for the
+//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
+//! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
+//! first receives after the peer may have sent: such a send is NAKed and waits for the
 //! receiving QP's minimum RNR timer, which the CM sets to 655 ms (measured: one such wait
-//! halved the rate of a stream of 10,000 sends). Have the peer wait for a message saying the
-//! receives are posted (the examples' `--bw` send stream does, as perftest's handshake does),
-//! and lower the timer with [`ConnParam::min_rnr_timer`](crate::ConnParam::min_rnr_timer). The
-//! lane polls without sleeping.
+//! halved the rate of a stream of 10,000 sends). Attach before the connect instead
+//! ([`crate::cm::lane_conn`]). The lane polls without sleeping.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -188,6 +199,7 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod lifecycle;
 mod ops;
 mod owner;
 mod poll;
@@ -195,13 +207,14 @@ mod post;
 mod prepared;
 mod slots;
 mod tag;
+mod teardown;
 mod wr;
 
 pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
-pub use owner::LaneOwner;
 pub(crate) use owner::Sealed;
+pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
 use slots::Slots;
 use wr::*;
@@ -265,6 +278,11 @@ enum Fault {
     /// A lane's wait that ran out found it in the error state with no completion of its own
     /// saying why (on RC, the peer's RDMA access with a bad rkey does this to the responder).
     Silent,
+    /// Not a failure: its connection is not established yet (attached before connect or
+    /// accept). Receives are taken, sends refused; the connect or accept clears it.
+    Connecting,
+    /// Its connect or accept failed (the QP was moved to the error state).
+    ConnectFailed,
 }
 
 /// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).
@@ -362,7 +380,7 @@ impl Member {
         let ret =
             unsafe { ffi::ibv_modify_qp(self.raw.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
         crate::error::check_ibv(ret, "ibv_modify_qp(ERR)")?;
-        self.failed.get_or_insert(Fault::Moved);
+        self.record(Fault::Moved);
         Ok(())
     }
 }
@@ -595,6 +613,8 @@ impl Lane {
             Some(k) => Some(Fault::BeforeAttach(k)),
             None => match qp.state() {
                 Ok(crate::status::QpState::Error) => Some(Fault::Silent),
+                // Attached before its connection exists: receives only, until it does.
+                _ if !owner.lane_connected() => Some(Fault::Connecting),
                 _ => None,
             },
         };
@@ -687,152 +707,6 @@ impl Lane {
     /// [`Error::InvalidArgument`] for an unknown `qp`.
     pub fn qp_num(&mut self, qp: LaneQp) -> Result<u32> {
         Ok(self.member(qp)?.qp_num)
-    }
-}
-
-impl Lane {
-    /// Moves `qp` to the error state: everything it has posted completes (flushed), and posts
-    /// are refused from then on.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `ibv_modify_qp` fails; [`Error::InvalidArgument`] for an unknown `qp`.
-    pub fn set_error(&mut self, qp: LaneQp) -> Result<()> {
-        self.member(qp)?.set_error()
-    }
-
-    /// Hands `qp`'s owner to `f` (the CM side's event handling); when `f` says the QP can run
-    /// nothing more (its connection is gone), later posts are refused as after a failure.
-    pub(crate) fn with_owner(&mut self, qp: LaneQp, f: impl FnOnce(&mut dyn std::any::Any) -> bool) -> Result<()> {
-        let m = self.member(qp)?;
-        if f(m.owner.as_any_mut()) {
-            m.failed.get_or_insert(Fault::PeerLeft);
-        }
-        Ok(())
-    }
-
-    /// Detaches `qp` and destroys it: moves it to the error state, reaps its flushed work for
-    /// up to 2 s (their regions are released: poll until [`Lane::outstanding`] is zero first
-    /// to get them back), then destroys the QP. Completions of other QPs met on the way are
-    /// kept for [`Lane::poll`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for an unknown `qp`. Teardown itself does not fail: what it
-    /// cannot release safely it leaks.
-    pub fn remove(&mut self, qp: LaneQp) -> Result<()> {
-        self.member(qp)?;
-        self.drain(Some(qp.place));
-        let place = qp.place as usize;
-        // The next QP at the place continues its sequence numbers, so no tag this one posted
-        // (a stale completion of it, reaped later) is ever in that QP's window; and the next
-        // QP's handle has another attach number, so this one's handle and prepared work
-        // requests stay refused.
-        if let (Some(Some(m)), Some(next)) = (self.members.get(place), self.next_seq.get_mut(place)) {
-            *next = [m.send.tail, m.recv.tail];
-        }
-        drop(self.members[place].take());
-        Ok(())
-    }
-
-    /// Moves `only` (or every QP) to the error state and reaps their flushed work within the
-    /// bound; completions of other QPs are kept, in order, for later polls.
-    fn drain(&mut self, only: Option<u16>) {
-        self.defer_buffer();
-        let mine = |p: u16| only.is_none_or(|o| o == p);
-        for (p, m) in self.members.iter_mut().enumerate() {
-            if let Some(m) = m {
-                if mine(p as u16) && m.send.outstanding() + m.recv.outstanding() > 0 {
-                    // A QP that cannot be moved there keeps its regions until it is destroyed.
-                    let _ = m.set_error();
-                }
-            }
-        }
-        // The kept completions first (they are older): those of the QPs torn down retire now,
-        // the others stay, in order.
-        let mut others = VecDeque::with_capacity(self.deferred.capacity());
-        for wc in mem::take(&mut self.deferred) {
-            if !self.retire_for_teardown(&wc, &mine) {
-                others.push_back(wc);
-            }
-        }
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
-        loop {
-            let mut left = 0;
-            for (p, m) in self.members.iter().enumerate() {
-                if let Some(m) = m.as_ref().filter(|_| mine(p as u16)) {
-                    left += m.send.outstanding() + m.recv.outstanding();
-                }
-            }
-            if left == 0 || Instant::now() >= deadline {
-                break;
-            }
-            let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
-            // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries; `poll_cq` is its
-            // own context's (`ops`).
-            let got = unsafe { (self.poll_cq)(self.cq_raw.as_ptr(), POLL_BATCH as i32, buf.as_mut_ptr().cast()) };
-            if got < 0 {
-                break;
-            }
-            if got == 0 {
-                std::thread::yield_now();
-            }
-            for slot in &buf[..got as usize] {
-                // SAFETY: the provider initialised the first `got` entries; each is read once.
-                let wc = unsafe { slot.assume_init_read() };
-                if !self.retire_for_teardown(&wc, &mine) {
-                    others.push_back(wc);
-                }
-            }
-        }
-        self.deferred = others;
-        self.backlog = self.holds_backlog();
-    }
-
-    /// Retires what `wc` names when it is a completion of a QP being torn down (the regions are
-    /// dropped: the device is done with them); false for any other completion.
-    fn retire_for_teardown(&mut self, wc: &ffi::ibv_wc, mine: &impl Fn(u16) -> bool) -> bool {
-        if wc.wr_id & tag::CRATE != 0 {
-            return false;
-        }
-        let (recv, place, seq) = tag::decode(wc.wr_id);
-        if !mine(place) {
-            return false;
-        }
-        let Some(Some(m)) = self.members.get_mut(place as usize) else { return true };
-        if m.qp_num != wc.qp_num {
-            return true; // stale: retires nothing
-        }
-        // A batch's interior work request retires nothing: its batch retires with its last,
-        // or, when only part of it was posted, with this one if it was the last posted.
-        let through = if wc.wr_id & tag::INTERIOR != 0 {
-            let (batch, index) = tag::interior_parts(wc.wr_id);
-            if !m.owns_batch(batch) {
-                return true; // an earlier QP's at the place
-            }
-            m.orphan_done(batch, index)
-        } else {
-            // Outside the window: an earlier QP's at the place, or one handed out twice.
-            let slots = if recv { &mut m.recv } else { &mut m.send };
-            slots.holds(seq)
-        };
-        let Some(through) = through else { return true };
-        let slots = if recv { &mut m.recv } else { &mut m.send };
-        drop(slots.retire_through(through));
-        if !recv {
-            m.batch_error = None;
-        }
-        true
-    }
-}
-
-impl Drop for Lane {
-    /// Moves every QP to the error state, reaps their flushes within the bound, then destroys
-    /// them (regions still held then are released with the QP, see the module docs), and only
-    /// then the CQ.
-    fn drop(&mut self) {
-        if self.members.iter().any(Option::is_some) {
-            self.drain(None);
-        }
-        self.members.clear();
     }
 }
 

@@ -206,7 +206,7 @@ impl Lane {
             Ok(m) => m,
             Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
-        if m.recv.free() == 0 || m.failed.is_some() {
+        if (m.recv.free() == 0 || m.failed.is_some()) && m.refuses_recv(1) {
             return Err(Rejected::new(refusal_recv(m), wr.mr));
         }
         let seq = m.recv.tail;
@@ -250,7 +250,7 @@ impl Lane {
         if count == 0 {
             return Ok(0);
         }
-        if count > m.recv.free() || m.failed.is_some() {
+        if (count > m.recv.free() || m.failed.is_some()) && m.refuses_recv(count) {
             return Err(refusal_recv(m));
         }
         let mut raw: [MaybeUninit<ffi::ibv_recv_wr>; MAX_LIST] = [const { MaybeUninit::uninit() }; MAX_LIST];

@@ -412,7 +412,7 @@ impl Lane {
     #[inline(always)]
     pub fn post_prepared_recv(&mut self, p: &mut PreparedRecv) -> Result<()> {
         let m = self.member(p.key)?;
-        if m.recv.free() == 0 || m.failed.is_some() {
+        if (m.recv.free() == 0 || m.failed.is_some()) && m.refuses_recv(1) {
             return Err(refusal_recv(m));
         }
         let Some(mr) = p.mr.take() else { return Err(not_armed()) };

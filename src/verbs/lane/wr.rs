@@ -14,7 +14,7 @@ impl<T> Rejected<T> {
         Rejected { inner: Box::new((error, Some(returned))) }
     }
     #[cold]
-    pub(super) fn with(error: Error, returned: Option<T>) -> Rejected<T> {
+    pub(crate) fn with(error: Error, returned: Option<T>) -> Rejected<T> {
         Rejected { inner: Box::new((error, returned)) }
     }
     #[cold]
@@ -664,6 +664,7 @@ pub(super) fn ud_needs_dest(missing: bool) -> Error {
 #[cold]
 pub(super) fn refusal(m: &Member, op: &'static str) -> Error {
     match m.failed {
+        Some(Fault::Connecting) => super::lifecycle::not_connected(m, op),
         Some(fault) => qp_in_error(m, fault, op),
         None => Error::QueueFull { queue: "send", depth: m.send.depth },
     }
@@ -672,8 +673,8 @@ pub(super) fn refusal(m: &Member, op: &'static str) -> Error {
 #[cold]
 pub(super) fn refusal_recv(m: &Member) -> Error {
     match m.failed {
+        Some(Fault::Connecting) | None => Error::QueueFull { queue: "receive", depth: m.recv.depth },
         Some(fault) => qp_in_error(m, fault, "ibv_post_recv"),
-        None => Error::QueueFull { queue: "receive", depth: m.recv.depth },
     }
 }
 
@@ -700,6 +701,8 @@ pub(super) fn qp_in_error(m: &Member, fault: Fault, op: &'static str) -> Error {
             format!("it was in the error state before it was attached to the lane: {why}")
         }
         Fault::Silent => format!("it went there with no completion saying why: {SILENT}"),
+        Fault::Connecting => "its connection is not established yet".to_string(),
+        Fault::ConnectFailed => "its connect or accept failed".to_string(),
     };
     Error::QpInError { op, addr, cause }
 }
