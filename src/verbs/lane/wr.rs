@@ -700,6 +700,7 @@ pub(super) fn qp_in_error(m: &Member, fault: Fault, op: &'static str) -> Error {
             format!("it was in the error state before it was attached to the lane: {why}")
         }
         Fault::Silent => format!("it went there with no completion saying why: {SILENT}"),
+        Fault::Async(kind) => format!("the device reported {kind} about it"),
     };
     Error::QpInError { op, addr, cause }
 }
