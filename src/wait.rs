@@ -181,6 +181,22 @@ fn no_io() -> Error {
     )
 }
 
+/// A tokio timer of `timeout` on the current runtime (`FOREVER` is some 30 years there).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the runtime has no time driver: tokio panics instead of
+/// failing then, and offers no way to ask first, so that one panic is caught and reported.
+#[cfg(feature = "tokio")]
+pub(crate) fn timer(timeout: Duration) -> Result<tokio::time::Sleep> {
+    std::panic::catch_unwind(|| tokio::time::sleep(timeout)).map_err(|_| {
+        Error::InvalidArgument(
+            "a bounded async wait needs a tokio runtime with its time driver enabled (Builder::enable_time or \
+             enable_all)"
+                .into(),
+        )
+    })
+}
+
 /// Registers `fd` with the current runtime's reactor; the errno on failure (0: no IO driver).
 ///
 /// # Safety

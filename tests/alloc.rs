@@ -2,7 +2,8 @@
 //! 10,000 send/recv round trips and 10,000 RDMA WRITEs on the device, the shared CQ and SRQ
 //! shapes, work requests of several pieces (scatter/gather), and async round trips on tokio
 //! (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in between);
-//! and a wait woken by the peer's disconnect (here for this binary's allocator).
+//! the lane's waits, blocking, busy and async; and a wait woken by the peer's disconnect (here
+//! for this binary's allocator).
 
 mod common;
 
@@ -157,6 +158,98 @@ fn lane_posts_and_polls_allocate_nothing() {
     let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
     assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} rounds on the lane");
     drop((a, b, send, recv, batch, plain));
+    t.finish();
+}
+
+/// The lane's waits allocate nothing per wait, asleep or not: 300 receives, each waited for on a
+/// thread the counter watches (`Lane::wait_with`, and every other one `Lane::spin_with`), while
+/// the main thread sends only once that thread says it is about to wait, so most blocking waits
+/// find the CQ empty, arm it and sleep on its channel (whose events are read, and acknowledged
+/// in batches).
+#[test]
+fn lane_waits_allocate_nothing() {
+    use rdma_cm::verbs::lane::{RecvWr as LRecv, SendWr as LSend};
+    const N: usize = 300;
+    let t = DeviceTest::start();
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut a, mut b) = common::lane::lane_pair(t.addr, spec.clone(), spec, 64);
+    let mut send = a.lane.prepare_send(a.qp, LSend::send(a.mrs.remove(0), 0..64)).unwrap();
+    let mut recv = b.lane.prepare_recv(b.qp, LRecv::range(b.mrs.remove(0), 0..64)).unwrap();
+    let (ready, go) = std::sync::mpsc::channel();
+    ALLOCS.store(0, Ordering::SeqCst);
+    BYTES.store(0, Ordering::SeqCst);
+    let waiter = std::thread::spawn(move || {
+        for i in 0..N {
+            b.lane.post_prepared_recv(&mut recv).unwrap();
+            ready.send(()).unwrap();
+            let mut back = None;
+            let n = watched(|| {
+                let f = |c: rdma_cm::verbs::lane::Wc, mr| back = Some((c.is_ok(), c.byte_len(), mr));
+                if i % 2 == 0 {
+                    b.lane.wait_with(16, T, f)
+                } else {
+                    b.lane.spin_with(16, T, f)
+                }
+            });
+            assert_eq!(n.unwrap(), 1);
+            let (ok, len, mr) = back.unwrap();
+            assert!(ok && len == 64);
+            recv.rearm(mr.unwrap()).unwrap();
+        }
+        (b, recv)
+    });
+    for _ in 0..N {
+        go.recv_timeout(T).expect("the waiter is about to wait");
+        a.lane.post_prepared(&mut send).unwrap();
+        send.rearm(a.lane.wait(T).unwrap().take_region().unwrap()).unwrap();
+    }
+    let (b, recv) = waiter.join().unwrap();
+    let (allocs, bytes) = (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst));
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} waits on the lane");
+    drop((a, b, send, recv));
+    t.finish();
+}
+
+/// The lane's async wait (`Lane::wait_async_with`) allocates nothing per wait either, after a
+/// warm-up that makes the channel's lasting reactor registration: 2,000 send/recv round trips
+/// on a current-thread runtime, each end's completion awaited (asleep on the reactor when it is
+/// not there yet), the timer of each wait and the runtime's parking included.
+#[cfg(feature = "tokio")]
+#[test]
+fn lane_async_waits_allocate_nothing() {
+    use rdma_cm::verbs::lane::{RecvWr as LRecv, SendWr as LSend};
+    const WARM: usize = 100;
+    const N: usize = 2_000;
+    let t = DeviceTest::start();
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut a, mut b) = common::lane::lane_pair(t.addr, spec.clone(), spec, 64);
+    let mut send = a.lane.prepare_send(a.qp, LSend::send(a.mrs.remove(0), 0..64)).unwrap();
+    let mut recv = b.lane.prepare_recv(b.qp, LRecv::range(b.mrs.remove(0), 0..64)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (allocs, bytes) = rt.block_on(async {
+        for i in 0..WARM + N {
+            if i == WARM {
+                ALLOCS.store(0, Ordering::SeqCst);
+                BYTES.store(0, Ordering::SeqCst);
+                WATCH.with(|w| w.set(true));
+            }
+            b.lane.post_prepared_recv(&mut recv).unwrap();
+            a.lane.post_prepared(&mut send).unwrap();
+            let mut back = None;
+            a.lane.wait_async_with(16, T, |c, mr| back = Some((c.is_ok(), mr))).await.unwrap();
+            let (ok, mr) = back.take().unwrap();
+            assert!(ok);
+            send.rearm(mr.unwrap()).unwrap();
+            b.lane.wait_async_with(16, T, |c, mr| back = Some((c.is_ok(), mr))).await.unwrap();
+            let (ok, mr) = back.take().unwrap();
+            assert!(ok);
+            recv.rearm(mr.unwrap()).unwrap();
+        }
+        WATCH.with(|w| w.set(false));
+        (ALLOCS.load(Ordering::SeqCst), BYTES.load(Ordering::SeqCst))
+    });
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} async round trips on the lane");
+    drop((a, b, send, recv));
     t.finish();
 }
 

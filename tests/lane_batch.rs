@@ -12,8 +12,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use common::lane::{
-    after_back_to_init, back_to_init, lane_pair, lane_ud_pair, poll_until_the_closure_panics, posts_fail_naming_none,
-    reap,
+    after_back_to_init, back_to_init, lane_pair, lane_ud_pair, posts_fail_naming_none, reap,
+    wait_until_the_closure_panics,
 };
 use common::{mr_count, pattern, DeviceTest, PairSpec, T};
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
@@ -75,14 +75,10 @@ fn a_batch_posts_under_one_doorbell_and_comes_back_as_one_completion_with_its_re
             assert!(c.is_ok() && c.wr_id() == 9, "{c:?}");
             single.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
         }
-        // With two completions asked for, a poll still hands the batch's one out (and ends).
+        // With two completions asked for, a wait still hands the batch's one out (and ends).
         a.lane.post_batch(&mut batch).unwrap();
         let mut got = Vec::new();
-        let deadline = Instant::now() + T;
-        while got.is_empty() {
-            a.lane.poll_with(2, |c, mr| got.push((c.wr_id(), mr))).unwrap();
-            assert!(Instant::now() < deadline, "no completion within {T:?}");
-        }
+        assert_eq!(a.lane.wait_with(2, T, |c, mr| got.push((c.wr_id(), mr))).unwrap(), 1);
         assert_eq!(got.len(), 1);
         let (id, mr) = got.pop().unwrap();
         assert_eq!(id, 40);
@@ -361,7 +357,7 @@ fn a_batch_behind_unsignaled_requests_retires_them_first_in_order() {
             a.lane.post_batch(&mut small).unwrap();
             let mut seen = Vec::new();
             if round == 1 {
-                poll_until_the_closure_panics(&mut a.lane, 1);
+                wait_until_the_closure_panics(&mut a.lane, 1);
                 seen.push((0, false, false)); // single 0, whose region went with the panic
             }
             for mut c in reap(&mut a.lane, 3 - seen.len()) {
@@ -407,7 +403,7 @@ fn forgetting_panicking_removing_and_dropping_with_a_batch_in_flight() {
         let before = mr_count();
         let mut batch = writes(&mut a.lane, a.qp, mr, &remote);
         a.lane.post_batch(&mut batch).unwrap();
-        poll_until_the_closure_panics(&mut a.lane, 16);
+        wait_until_the_closure_panics(&mut a.lane, 16);
         if let Some(n) = before {
             assert_eq!(mr_count(), Some(n - 1), "the batch's region went with the panic");
         }
@@ -584,7 +580,7 @@ fn a_panic_on_a_batch_polled_one_at_a_time_leaves_nothing_behind() {
         let mut batch =
             writes(&mut a.lane, a.qp, MemoryRegion::new(&a.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap(), &remote);
         a.lane.post_batch(&mut batch).unwrap();
-        poll_until_the_closure_panics(&mut a.lane, 1);
+        wait_until_the_closure_panics(&mut a.lane, 1);
         if let Some(n) = before {
             assert_eq!(mr_count(), Some(n), "the batch's region went with the panic");
         }

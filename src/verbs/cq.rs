@@ -384,6 +384,11 @@ impl CompletionQueue {
         self.async_reg.error(op)
     }
 
+    /// Reads the device's pending asynchronous events, delivering each to what it names.
+    pub(crate) fn refresh_async(&self) -> Result<()> {
+        self.async_reg.refresh()
+    }
+
     /// The last asynchronous event the device reported about this CQ, after reading what is
     /// pending.
     ///
@@ -404,6 +409,15 @@ impl CompletionQueue {
     /// the channel cannot see (`crate::ready`).
     pub(crate) fn has_kept(&self) -> bool {
         self.router().has_kept()
+    }
+
+    /// Arms a lane's CQ for its next completion (`ibv_req_notify_cq`), without the router's
+    /// lock [`CompletionQueue::req_notify`] takes against a resize: a lane's CQ is never
+    /// resized (`resize_locked` refuses it).
+    pub(crate) fn arm_exclusive(&self) -> Result<()> {
+        debug_assert!(self.exclusive, "only a lane's CQ is armed without the lock");
+        // SAFETY: the CQ is valid while `self` lives, and, a lane's, it is never resized.
+        check_ibv(unsafe { ffi::ibv_req_notify_cq(self.as_raw(), 0) }, "ibv_req_notify_cq")
     }
 
     /// Asks for an event on the channel at the next completion (`ibv_req_notify_cq`).
@@ -454,8 +468,22 @@ impl CompletionQueue {
     /// Acks are batched. Call after the descriptor became readable (edge-triggered safe).
     ///
     /// # Errors
-    /// [`Error::Call`] when `ibv_get_cq_event` fails with anything but `EAGAIN`.
+    /// [`Error::Call`] when `ibv_get_cq_event` fails with anything but `EAGAIN`;
+    /// [`Error::InvalidArgument`] for the CQ of a [`Lane`](crate::verbs::lane::Lane), whose
+    /// waits are the only readers of its channel (an event read here would not wake them).
     pub fn drain_events(&self) -> Result<u32> {
+        if self.exclusive {
+            return Err(Error::InvalidArgument(
+                "this CQ belongs to a Lane, whose waits are the only readers of its channel: wait through the lane \
+                 (Lane::wait)"
+                    .into(),
+            ));
+        }
+        self.drain_channel()
+    }
+
+    /// [`CompletionQueue::drain_events`] for every CQ, a lane's included (its waits call this).
+    pub(crate) fn drain_channel(&self) -> Result<u32> {
         self.ensure_nonblocking()?;
         let mut n = 0;
         loop {

@@ -88,18 +88,13 @@ pub fn lane_ud_pair(addr: IpAddr, port: u16, init: QpInit, depth: u32) -> LaneUd
     LaneUdPair { client: LaneSide { lane: lc, qp, pd, mrs: vec![] }, to_server, server_dest, server }
 }
 
-/// Polls `lane` until `n` completions are handed out (bounded by `T`); returns them in order.
+/// Waits on `lane` (`Lane::wait`, up to `T` each) until `n` completions are handed out;
+/// returns them in order.
 pub fn reap(lane: &mut Lane, n: usize) -> Vec<rdma_cm::verbs::lane::Completion> {
-    let deadline = std::time::Instant::now() + T;
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
-        match lane.poll().expect("Lane::poll") {
-            Some(c) => out.push(c),
-            None => {
-                assert!(std::time::Instant::now() < deadline, "only {} of {n} completions within {T:?}", out.len());
-                std::hint::spin_loop();
-            }
-        }
+        let got = out.len();
+        out.push(lane.wait(T).unwrap_or_else(|e| panic!("only {got} of {n} completions: {e}")));
     }
     out
 }
@@ -217,20 +212,14 @@ pub fn posts_fail_naming_none<R>(side: &mut LaneSide, f: impl FnOnce(&mut LaneSi
     with_post_send(side, post_send_naming_none, f)
 }
 
-/// Polls `lane` for up to `max` completions with a closure that panics, again (bounded by `T`)
-/// until a completion reached the closure; asserts that none is handed out without it.
-pub fn poll_until_the_closure_panics(lane: &mut Lane, max: usize) {
-    let deadline = std::time::Instant::now() + T;
-    loop {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            lane.poll_with(max, |c, _| panic!("the caller fails on completion {}", c.wr_id())).unwrap()
-        }));
-        match r {
-            Err(_) => return,
-            Ok(n) => {
-                assert_eq!(n, 0, "a completion was handed out without the closure");
-                assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
-            }
-        }
+/// Waits on `lane` (`Lane::wait_with`, up to `T`) for up to `max` completions with a closure
+/// that panics; asserts that the wait ended in that panic, not with a completion handed out
+/// without the closure or an error.
+pub fn wait_until_the_closure_panics(lane: &mut Lane, max: usize) {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lane.wait_with(max, T, |c, _| panic!("the caller fails on completion {}", c.wr_id()))
+    }));
+    if let Ok(r) = r {
+        panic!("the wait ended without handing a completion to the closure: {r:?}");
     }
 }

@@ -72,11 +72,7 @@
 //! let msg = MemoryRegion::new(&pd, 64, AccessFlags::empty())?;
 //! lane.post_send(qp, SendWr::send(msg, 0..64).wr_id(2))?;
 //! loop {
-//!     let Some(c) = lane.poll()? else {
-//!         if lane.peer_left(qp)? { break }    // the peer's DISCONNECTED: what was posted flushes
-//!         continue;
-//!     };
-//!     let mut c = c.ok()?;                   // a failed completion is an error
+//!     let mut c = lane.wait(t)?.ok()?;       // sleeps until one comes; a failed one is an error
 //!     let region = c.take_region();          // the buffer, back in our hands
 //!     if c.wr_id() == 1 { break }
 //! #   drop(region);
@@ -84,6 +80,26 @@
 //! lane.disconnect(qp, t)?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Waiting
+//!
+//! [`Lane::poll`] and [`Lane::poll_with`] never wait. Three waits do, each bounded by its
+//! timeout ([`FOREVER`](crate::FOREVER) for none), and each with a `_with(max, f)` form that
+//! hands up to `max` completions to a closure as `poll_with` does (to reap a burst without a
+//! [`Completion`] each), beside the plain form that returns one `Completion` as `poll` does.
+//! **[`Lane::wait`] is the one to start with**: it sleeps in the kernel on the CQ's completion
+//! channel while nothing comes, so an idle lane costs no CPU, and only a wait that finds the
+//! CQ empty pays for sleeping (arming the CQ, then `poll(2)` and reading the event: a few
+//! system calls and a wake-up, microseconds); use it for servers, control messages, anything
+//! that idles. [`Lane::spin`] polls without sleeping: it sees a completion within a poll of its
+//! arrival, and burns its core for as long as it waits; use it only on a core given to the
+//! lane when the last microseconds of latency matter (a latency benchmark's ping-pong).
+//! `Lane::wait_async` (feature `tokio`) is `wait` for a lane driven from a tokio task: it
+//! sleeps on the runtime's reactor instead of blocking the thread. All three end with
+//! [`Error::Timeout`] when nothing came, with [`Error::QpInError`] naming a QP the device put
+//! in the error state with no completion of its own saying why (found when the wait runs out,
+//! or at once when the device reports it with a fatal event, as `IBV_EVENT_QP_FATAL`), and
+//! with [`Error::AsyncEvent`] once the CQ overran or the device failed.
 //!
 //! # Why it is sound
 //!
@@ -172,7 +188,7 @@
 //! first receives after the peer may have sent: such a send is NAKed and waits for the
 //! receiving QP's minimum RNR timer, which the CM sets to 655 ms (measured: one such wait
 //! halved the rate of a stream of 10,000 sends). Attach before the connect instead
-//! ([`crate::cm::lane_conn`]). The lane polls without sleeping.
+//! ([`crate::cm::lane_conn`]).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -180,7 +196,7 @@ use std::mem::{self, MaybeUninit};
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdma_sys as ffi;
 
@@ -208,6 +224,7 @@ mod prepared;
 mod slots;
 mod tag;
 mod teardown;
+mod wait;
 mod wr;
 
 pub use batch::PreparedBatch;
@@ -283,6 +300,8 @@ enum Fault {
     Connecting,
     /// Its connect or accept failed (the QP was moved to the error state).
     ConnectFailed,
+    /// The device reported this fatal event about it (or itself failed), as a lane's wait read.
+    Async(crate::status::AsyncEventKind),
 }
 
 /// A UD destination registered with a lane for one of its QPs ([`Lane::add_dest`]).

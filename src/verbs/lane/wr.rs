@@ -703,6 +703,7 @@ pub(super) fn qp_in_error(m: &Member, fault: Fault, op: &'static str) -> Error {
         Fault::Silent => format!("it went there with no completion saying why: {SILENT}"),
         Fault::Connecting => "its connection is not established yet".to_string(),
         Fault::ConnectFailed => "its connect or accept failed".to_string(),
+        Fault::Async(kind) => format!("the device reported {kind} about it"),
     };
     Error::QpInError { op, addr, cause }
 }

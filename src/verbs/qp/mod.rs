@@ -597,6 +597,13 @@ impl QueuePair {
         Ok(self.async_reg.events().last())
     }
 
+    /// The fatal event delivered to this QP so far (or the device's), without reading what is
+    /// pending: one atomic load, for a lane's wait that looks at its members after it read the
+    /// events itself.
+    pub(crate) fn fatal_mark(&self) -> Option<crate::status::AsyncEventKind> {
+        self.async_reg.fatal()
+    }
+
     /// The event that made this QP unusable (a fatal QP event, or the device failing), after
     /// reading what is pending. Once there is one, waits that find nothing to reap fail with
     /// [`Error::AsyncEvent`] instead of sleeping; so they do when one of its CQs overran
