@@ -99,22 +99,27 @@ fn main() {
     let message: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
     data.write_at(0, &message).unwrap_or_else(|e| fail("writing the message", e));
 
-    // ibv_create_cq + rdma_create_qp: the lane (rdma_cm::verbs::lane) owns the completion queue
-    // for both queues of the QP. EINVAL or ENOMEM: more work requests than the device allows
-    // (`ibv_devinfo -v`: max_qp_wr).
+    // ibv_create_cq, then ibv_create_qp and the id's adoption of it (what rdma_create_qp
+    // does): the lane (rdma_cm::verbs::lane) owns the completion queue and the QP. EINVAL or
+    // ENOMEM: more work requests than the device allows (`ibv_devinfo -v`: max_qp_wr).
     let mut lane = Lane::new(&ctx, 32).unwrap_or_else(|e| fail("creating the completion queue", e));
     let started = Instant::now();
-    let init = lane.qp_init_from(QpInit::new().max_send_wr(16).max_recv_wr(16));
-    let pending = route.create_qp(&pd, init).unwrap_or_else(|e| fail("creating the QP", e));
-    let qp_num = pending.qp().qp_num();
+    let init = QpInit::new().max_send_wr(16).max_recv_wr(16);
+    let pending = route.lane_qp(&mut lane, &pd, init).unwrap_or_else(|e| fail("creating the QP", e));
+    let qp = pending.qp();
+    let qp_num = lane.qp_num(qp).unwrap_or_else(|e| fail("reading the QP number", e));
     println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started));
+
+    // ibv_post_recv before rdma_connect, so the echo finds it. The receive moves the buffer
+    // into the lane; its completion hands it back.
+    let info = QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: size as u32 };
+    lane.post_recv(qp, RecvWr::new(back).wr_id(RECV)).unwrap_or_else(|e| fail("ibv_post_recv", e));
 
     // rdma_connect with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One
     // RDMA READ in flight each way, and retries without end (7) when a message is lost or the
     // server's receive is not posted yet. REJECTED: nobody listens on that port (or the server
     // refused our request: its log says why); UNREACHABLE or ETIMEDOUT: the server's host
     // does not answer over RDMA (a firewall on UDP 4791 for RoCE, a host down).
-    let info = QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: size as u32 };
     let param = ConnParam::new()
         .responder_resources(1)
         .initiator_depth(1)
@@ -123,29 +128,26 @@ fn main() {
         .private_data(&info.encode())
         .unwrap_or_else(|e| fail("building the connect parameters", e));
     println!("[INFO] Connecting to {dst}...");
-    let conn = pending.connect(&param, t).unwrap_or_else(|e| fail(&format!("connecting to {dst}"), e));
+    let reply = pending.connect(&mut lane, &param, t).unwrap_or_else(|e| fail(&format!("connecting to {dst}"), e));
     println!("[EVENT] Connection established");
 
     // The server's QpInfo, from the private data of its answer. rdma-core's rdma_server sends
     // none, and answers 16 bytes of its own instead of an echo.
-    let reply = conn.peer_private_data();
-    let legacy = !QpInfo::is_present(reply);
+    let legacy = !QpInfo::is_present(&reply);
     if legacy {
         if size != LEGACY_SIZE {
             fail("the server sent no qp_info (rdma-core rdma_server?)", "it only speaks --size 16");
         }
         println!("[INFO] Server sent no qp_info: rdma-core rdma_server protocol, echo content is not checked");
     } else {
-        let server = QpInfo::decode(reply).unwrap_or_else(|e| fail("reading the server's qp_info", e)).0;
+        let server = QpInfo::decode(&reply).unwrap_or_else(|e| fail("reading the server's qp_info", e)).0;
         println!("[INFO] Server qp_num {}, rkey {:#x}, vaddr {:#x}", server.qp_num, server.rkey, server.vaddr);
     }
 
-    // The data path. The lane takes the connection; each work request moves its buffer into
-    // the lane, and the completion hands it back. The receive goes first, so the echo finds
-    // it. A failed completion names its status and cause (RNR retry exceeded: the server
-    // posted no receive; remote access error: a wrong rkey).
-    let qp = lane.attach(conn).unwrap_or_else(|e| fail("attaching the QP", e));
-    lane.post_recv(qp, RecvWr::new(back).wr_id(RECV)).unwrap_or_else(|e| fail("ibv_post_recv", e));
+    // ibv_post_send; then ibv_get_cq_event + ibv_poll_cq: `wait` sleeps until a completion
+    // comes, the send's and the echo's receive, in either order. A failed completion names
+    // its status and cause (RNR retry exceeded: the server posted no receive; remote access
+    // error: a wrong rkey).
     lane.post_send(qp, SendWr::send(data, 0..size)).unwrap_or_else(|e| fail("ibv_post_send", e));
     let mut echo = None;
     for _ in 0..2 {
@@ -167,9 +169,11 @@ fn main() {
     }
     println!("[INFO] Round-trip completed.");
 
-    // Teardown, in reverse order of creation, as the values drop: the lane (rdma_disconnect,
-    // rdma_destroy_qp, ibv_destroy_cq), then the buffers (ibv_dereg_mr), the protection domain
-    // (ibv_dealloc_pd), the id (rdma_destroy_id) and the event channel.
+    // rdma_disconnect, then RDMA_CM_EVENT_DISCONNECTED from the server; the QP is destroyed
+    // (rdma_destroy_qp). Then teardown, in reverse order of creation, as the values drop: the
+    // lane (ibv_destroy_cq), the buffers (ibv_dereg_mr), the protection domain (ibv_dealloc_pd),
+    // the id (rdma_destroy_id) and the event channel.
+    lane.disconnect(qp, t).unwrap_or_else(|e| fail("disconnecting", e));
     drop(lane);
     println!("[INFO] Disconnected");
 }

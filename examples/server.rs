@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, CmEventType, ConnParam, Error, MemoryRegion, QpInfo, QpInit, Server};
+use rdma_cm::{AccessFlags, ConnParam, Error, MemoryRegion, QpInfo, QpInit, Server};
 
 #[derive(Parser)]
 #[command(about = "rdma_cm echo server: accepts one client and sends its message back")]
@@ -104,45 +104,41 @@ fn main() {
         .unwrap_or_else(|e| fail("registering memory", e));
     println!("[INFO] Memory registration took {:.1} us ({size} bytes)", micros(started));
 
-    // ibv_create_cq + rdma_create_qp: the lane (rdma_cm::verbs::lane) owns the completion queue
-    // for both queues of the QP. EINVAL or ENOMEM: more work requests than the device allows
-    // (`ibv_devinfo -v`: max_qp_wr).
+    // ibv_create_cq, then ibv_create_qp and the id's adoption of it (what rdma_create_qp
+    // does): the lane (rdma_cm::verbs::lane) owns the completion queue and the QP. EINVAL or
+    // ENOMEM: more work requests than the device allows (`ibv_devinfo -v`: max_qp_wr).
     let ctx = req.context().unwrap_or_else(|e| fail("opening the device", e));
     let mut lane = Lane::new(&ctx, 32).unwrap_or_else(|e| fail("creating the completion queue", e));
     let started = Instant::now();
-    let init = lane.qp_init_from(QpInit::new().max_send_wr(16).max_recv_wr(16));
-    let pending = req.create_qp(&pd, init).unwrap_or_else(|e| fail("creating the QP", e));
-    let qp_num = pending.qp().qp_num();
+    let init = QpInit::new().max_send_wr(16).max_recv_wr(16);
+    let pending = req.lane_qp(&mut lane, &pd, init).unwrap_or_else(|e| fail("creating the QP", e));
+    let qp = pending.qp();
+    let qp_num = lane.qp_num(qp).unwrap_or_else(|e| fail("reading the QP number", e));
     println!("[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / 16 recv WRs)", micros(started));
 
-    // rdma_accept with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One
-    // RDMA READ in flight each way, and retries without end (7) when a message is lost or our
-    // receive is not posted yet. A minimum RNR timer of 0.64 ms (code 12) instead of the CM's
-    // 655 ms: our receive is posted once the connection is up, and a message that comes
-    // before it is sent again after that long. Timeouts here: the client gave up, or its
-    // side of the route is broken.
+    // ibv_post_recv before rdma_accept, as rdma_cm_s.c does: the client may send the moment
+    // it is connected, and a message that finds no receive waits for the RNR timer. The
+    // receive moves the buffer into the lane; its completion hands it back.
     let info = QpInfo { qp_num, psn: 0, rkey: buf.rkey(), vaddr: buf.addr(), len: size as u32 };
+    lane.post_recv(qp, RecvWr::new(buf)).unwrap_or_else(|e| fail("ibv_post_recv", e));
+
+    // rdma_accept with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One
+    // RDMA READ in flight each way, and retries without end (7) when a message is lost or a
+    // receive is not posted yet. Timeouts here: the client gave up, or its side of the route
+    // is broken.
     let param = ConnParam::new()
         .responder_resources(1)
         .initiator_depth(1)
         .retry_count(7)
         .rnr_retry_count(7)
-        .min_rnr_timer(12)
         .private_data(&info.encode())
         .unwrap_or_else(|e| fail("building the accept parameters", e));
-    let conn = pending.accept(&param, STEP_TIMEOUT).unwrap_or_else(|e| fail("accepting", e));
+    pending.accept(&mut lane, &param, STEP_TIMEOUT).unwrap_or_else(|e| fail("accepting", e));
     println!("[EVENT] Connection established");
-    let id = std::sync::Arc::clone(conn.id()); // to read the client's disconnect later
 
-    // The data path. The lane takes the connection; each work request moves its buffer into
-    // the lane, and the completion hands it back. A failed completion names its status and
-    // cause (RNR retry exceeded: nobody posted a receive; remote access error: a wrong rkey).
-    // The receive is posted once the connection is up, as the lane takes connected QPs: a
-    // message that comes before it is sent again after the RNR timer. iWARP has no RNR retry,
-    // so there such a message is lost and this wait times out (rdma_cm_s.c posts before
-    // rdma_accept).
-    let qp = lane.attach(conn).unwrap_or_else(|e| fail("attaching the QP", e));
-    lane.post_recv(qp, RecvWr::new(buf)).unwrap_or_else(|e| fail("ibv_post_recv", e));
+    // ibv_get_cq_event + ibv_poll_cq: `wait` sleeps until the receive completes. A failed
+    // completion names its status and cause (RNR retry exceeded: nobody posted a receive;
+    // remote access error: a wrong rkey).
     let mut got = lane.wait(STEP_TIMEOUT).and_then(|c| c.ok()).unwrap_or_else(|e| fail("receiving", e));
     let n = got.byte_len() as usize;
     println!("[INFO] Received {n} bytes");
@@ -151,15 +147,12 @@ fn main() {
     lane.wait(STEP_TIMEOUT).and_then(|c| c.ok()).unwrap_or_else(|e| fail("sending the echo", e));
     println!("[INFO] Sent {n} bytes");
 
-    // rdma_get_cm_event until RDMA_CM_EVENT_DISCONNECTED: the client disconnects first.
-    match id.channel().get_event_for(id.handle(), STEP_TIMEOUT) {
-        Ok(ev) if ev.event_type() == CmEventType::Disconnected => println!("[EVENT] Client disconnected"),
-        Ok(ev) => println!("[INFO] Expected DISCONNECTED, got {:?}", ev.event_type()),
-        Err(e) => fail("waiting for the client's disconnect", e),
-    }
-    // Teardown, in reverse order of creation, as the values drop: the lane (rdma_disconnect,
-    // rdma_destroy_qp, ibv_destroy_cq), then the buffers (ibv_dereg_mr), the protection domain
-    // (ibv_dealloc_pd), the ids (rdma_destroy_id) and the event channel.
+    // rdma_disconnect, then RDMA_CM_EVENT_DISCONNECTED: the client disconnects once it has its
+    // echo; whichever side goes first, both see the event. The QP is destroyed (rdma_destroy_qp).
+    lane.disconnect(qp, STEP_TIMEOUT).unwrap_or_else(|e| fail("disconnecting", e));
+    println!("[EVENT] Client disconnected");
+    // Teardown, in reverse order of creation, as the values drop: the lane (ibv_destroy_cq),
+    // the protection domain (ibv_dealloc_pd), the ids (rdma_destroy_id) and the event channel.
     drop(lane);
     println!("[INFO] Server exiting");
 }

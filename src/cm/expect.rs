@@ -77,7 +77,7 @@ fn expected_hint(expected: CmEventType) -> Option<&'static str> {
             "no answer from the RDMA address resolution: check `ip link`, `rdma link` and the GID table"
         }
         CmEventType::ConnectRequest => "no client connected in time",
-        CmEventType::Established => {
+        CmEventType::Established | CmEventType::ConnectResponse => {
             "the peer did not complete the handshake: is it running and reachable over RDMA (UDP 4791 for RoCEv2)?"
         }
         CmEventType::Disconnected => "the peer did not confirm the disconnect",
