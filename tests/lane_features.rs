@@ -6,7 +6,7 @@ mod common;
 
 use common::lane::{lane_pair, reap};
 use common::{pattern, DeviceTest, PairSpec};
-use rdma_cm::verbs::lane::{RecvWr, SendWr};
+use rdma_cm::verbs::lane::{InlineWr, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Error, MemoryRegion};
 
 const SLOT: usize = 64;
@@ -151,6 +151,120 @@ fn a_prepared_atomic_re_aimed_adds_to_another_counter() {
         let e = add.aim(4096 - 4).unwrap_err();
         assert!(matches!(e, Error::OutOfBounds { len: 8, size: 4096, .. }), "{e:?}");
         drop((a, b, add));
+    }
+    t.finish();
+}
+
+/// An inline send carries the bytes of a plain slice, copied at post time: the slice is
+/// overwritten as soon as the post returns, and the peer still receives what it held. Its
+/// completion carries no region. More than the QP's inline limit is refused naming both.
+#[test]
+fn an_inline_send_carries_a_plain_slice_copied_at_post_time() {
+    let t = DeviceTest::start();
+    {
+        let local = spec(AccessFlags::LOCAL_WRITE);
+        let (mut a, mut b) = lane_pair(t.addr, local.clone(), local, 64);
+        let max = a.lane.max_inline_data(a.qp).unwrap() as usize;
+        assert!(max >= 16, "the lane's QP asked for 64 bytes inline, got {max}");
+        let n = max.min(64);
+        b.lane.post_recv(b.qp, RecvWr::new(b.mrs.remove(0)).wr_id(1)).unwrap();
+        let mut bytes = pattern(n, 42);
+        a.lane.post_inline(a.qp, InlineWr::send(&bytes).wr_id(2)).unwrap();
+        bytes.fill(0xee); // the provider copied them during the post
+        drop(bytes);
+        let sent = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(sent.is_ok() && sent.is_lane() && sent.wr_id() == 2, "{sent:?}");
+        let mut sent = sent;
+        assert!(sent.take_region().is_none(), "an inline send holds no region");
+        let mut got = reap(&mut b.lane, 1).pop().unwrap();
+        assert_eq!((got.wr_id(), got.byte_len() as usize), (1, n), "{got:?}");
+        let mut buf = got.take_region().unwrap();
+        assert_eq!(&buf.as_slice().unwrap()[..n], &pattern(n, 42)[..]);
+        // One byte over the limit: refused before the provider, naming both.
+        let big = vec![1u8; max + 1];
+        let e = a.lane.post_inline(a.qp, InlineWr::send(&big)).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!("{} bytes", max + 1)) && text.contains(&max.to_string()) && text.contains("inline"),
+            "{text}"
+        );
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0), "nothing was taken");
+        drop((a, b, buf));
+    }
+    t.finish();
+}
+
+/// Inline sends take send-queue slots like any other: a queue filled with unsignaled ones
+/// drains (the one that takes the last free slot is signaled), each comes back as its own
+/// completion without a region, and the queue is empty again. An inline WRITE lands its bytes
+/// in the peer's region; one outside the remote region is refused.
+#[test]
+fn unsignaled_inline_sends_fill_the_queue_and_all_retire() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, spec(remote_access()), spec(remote_access()), 64);
+        let depth = 16u64; // QpInit's default send queue
+        for k in 0..depth {
+            let mr = MemoryRegion::new(&b.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            b.lane.post_recv(b.qp, RecvWr::new(mr).wr_id(100 + k)).unwrap();
+        }
+        for k in 0..depth {
+            a.lane.post_inline(a.qp, InlineWr::send(&k.to_ne_bytes()).wr_id(k).unsignaled()).unwrap();
+        }
+        let e = a.lane.post_inline(a.qp, InlineWr::send(b"x")).unwrap_err();
+        assert!(matches!(e, Error::QueueFull { .. }), "{e:?}");
+        let done = reap(&mut a.lane, depth as usize);
+        for (k, c) in done.into_iter().enumerate() {
+            let mut c = c;
+            assert!(c.is_ok() && c.wr_id() == k as u64 && c.take_region().is_none(), "{c:?}");
+            assert_eq!(c.is_signaled(), k as u64 == depth - 1, "only the last slot's asks: {c:?}");
+        }
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0), "every slot retired");
+        for (k, mut r) in reap(&mut b.lane, depth as usize).into_iter().enumerate() {
+            let mut v = [0u8; 8];
+            r.take_region().unwrap().read_at(0, &mut v).unwrap();
+            assert_eq!((r.wr_id(), u64::from_ne_bytes(v)), (100 + k as u64, k as u64));
+        }
+        // An inline WRITE, and one past the end of the remote region.
+        let table = MemoryRegion::new(&b.pd, 256, remote_access()).unwrap();
+        let r = table.remote();
+        a.lane.post_inline(a.qp, InlineWr::write(b"inline write", &r, 100).wr_id(7)).unwrap();
+        let c = reap(&mut a.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 7, "{c:?}");
+        let mut table = table;
+        let mut seen = [0u8; 12];
+        table.read_at(100, &mut seen).unwrap();
+        assert_eq!(&seen, b"inline write");
+        let e = a.lane.post_inline(a.qp, InlineWr::write(b"too far", &r, 250)).unwrap_err();
+        assert!(matches!(e, Error::OutOfBounds { what: "remote region", offset: 250, len: 7, size: 256 }), "{e:?}");
+        drop((a, b, table));
+    }
+    t.finish();
+}
+
+/// An inline datagram on UD reaches its destination, with no region on either side of the
+/// send.
+#[test]
+fn an_inline_datagram_reaches_its_destination() {
+    let t = DeviceTest::start();
+    if !common::require(common::Cap::Ud) {
+        return t.finish();
+    }
+    {
+        let mut p = common::lane::lane_ud_pair(t.addr, 7631, rdma_cm::QpInit::new(), 64);
+        let buf = MemoryRegion::new(&p.server.pd, rdma_cm::GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+        p.server.lane.post_recv(p.server.qp, RecvWr::new(buf).wr_id(1)).unwrap();
+        p.client.lane.post_inline(p.client.qp, InlineWr::send(b"datagram").to(p.to_server).wr_id(2)).unwrap();
+        let c = reap(&mut p.client.lane, 1).pop().unwrap();
+        assert!(c.is_ok() && c.wr_id() == 2, "{c:?}");
+        let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
+        assert_eq!(r.byte_len() as usize, rdma_cm::GRH_LEN + 8);
+        let mut got = [0u8; 8];
+        r.take_region().unwrap().read_at(rdma_cm::GRH_LEN, &mut got).unwrap();
+        assert_eq!(&got, b"datagram");
+        let e = p.client.lane.post_inline(p.client.qp, InlineWr::send(b"nowhere")).unwrap_err();
+        assert!(e.to_string().contains("destination"), "{e}");
+        drop(p);
     }
     t.finish();
 }

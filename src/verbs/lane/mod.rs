@@ -153,7 +153,7 @@
 //!
 //! # Limits of this version
 //!
-//! No shared receive queue, no inline sends, and a scatter/gather list names pieces of one
+//! No shared receive queue, and a scatter/gather list names pieces of one
 //! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A QP is attached
 //! with nothing outstanding on its convenient path, so its first receives are posted once the
 //! connection is established. A peer's send that comes before them is NAKed and waits for the
@@ -188,6 +188,7 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod inline;
 mod ops;
 mod owner;
 mod poll;
@@ -200,6 +201,7 @@ mod wr;
 pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
+pub use inline::InlineWr;
 pub use owner::LaneOwner;
 pub(crate) use owner::Sealed;
 pub use prepared::{PreparedRecv, PreparedSend};
@@ -296,6 +298,8 @@ struct Member {
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
     max_send_sge: u32,
+    /// The most bytes an inline send may carry (`max_inline_data` as the provider granted it).
+    max_inline: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
     mtu: u32,
     /// Why it is in the error state, once that is known (a completion failed or came flushed,
@@ -619,6 +623,7 @@ impl Lane {
             qp_num: qp.qp_num(),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
+            max_inline: qp.max_inline_data(),
             mtu,
             failed,
             batch_error: None,
