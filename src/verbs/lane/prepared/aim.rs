@@ -168,10 +168,10 @@ impl PreparedSend {
             return Err(out_of_region(start, len, b.local_len));
         }
         match self.raw.opcode {
-            IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM | IBV_WR_RDMA_READ => {
-                if b.offset.checked_add(len64).is_none_or(|end| end > b.remote_len) {
-                    return Err(out_of_remote(b.offset, len64, b.remote_len));
-                }
+            IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM | IBV_WR_RDMA_READ
+                if b.offset.checked_add(len64).is_none_or(|end| end > b.remote_len) =>
+            {
+                return Err(out_of_remote(b.offset, len64, b.remote_len));
             }
             IBV_WR_ATOMIC_FETCH_AND_ADD | IBV_WR_ATOMIC_CMP_AND_SWP if len != 8 => {
                 return Err(Error::InvalidArgument(format!("aim_local: an atomic's result takes 8 bytes, not {len}")));
