@@ -268,3 +268,94 @@ fn an_inline_datagram_reaches_its_destination() {
     }
     t.finish();
 }
+
+/// A lane's CQ grows when a QP is attached that it has no room for, keeping the completions it
+/// holds: ten receives complete (the peer's sends all completed, so their completions sit in
+/// the CQ), two are polled, a second QP (created beyond the CQ's room: its own posts are
+/// refused meanwhile) is attached, and the other eight come out after the resize in order,
+/// each once, and nothing more. Both QPs work on afterwards.
+#[test]
+fn attach_grows_the_lanes_cq_keeping_the_completions_it_holds() {
+    let t = DeviceTest::start();
+    if !common::require(common::Cap::CqResize) {
+        return t.finish();
+    }
+    {
+        let local = spec(AccessFlags::LOCAL_WRITE);
+        let (mut a, mut b) = lane_pair(t.addr, local.clone(), local, 32);
+        assert_eq!(a.lane.cq_depth(), 32, "room for one QP of 16 + 16");
+        for k in 0..10u64 {
+            let mr = MemoryRegion::new(&a.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+            a.lane.post_recv(a.qp, RecvWr::new(mr).wr_id(k)).unwrap();
+        }
+        for k in 0..10u8 {
+            b.lane.post_inline(b.qp, InlineWr::send(&[k; 8]).wr_id(k as u64)).unwrap();
+        }
+        // Every send completed: the peer acknowledged each after its receive completed.
+        assert!(reap(&mut b.lane, 10).iter().all(|c| c.is_ok()));
+        for k in 0..2u64 {
+            let c = a.lane.poll().unwrap().expect("a receive that completed");
+            assert_eq!(c.wr_id(), k, "{c:?}");
+        }
+        // A second QP on the lane's CQ, which has no room for it yet.
+        let client = PairSpec { init: a.lane.qp_init(), ..PairSpec::default() };
+        let (mut c, mut d) = common::pair(t.addr, client, PairSpec::default());
+        let e = c.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&c.mrs[0], 0..64)]).unwrap_err();
+        assert!(e.to_string().contains("no room") && e.to_string().contains("Lane::attach"), "{e}");
+        let qc = a.lane.attach(c.conn).map_err(|r| r.into_parts().0).expect("attach grows the CQ");
+        assert!(a.lane.cq_depth() >= 64, "grown to hold both QPs: {}", a.lane.cq_depth());
+        for (k, mut r) in reap(&mut a.lane, 8).into_iter().enumerate() {
+            let k = k as u64 + 2;
+            assert_eq!((r.wr_id(), r.byte_len(), r.is_ok()), (k, 8, true), "{r:?}");
+            let mut got = [0u8; 8];
+            r.take_region().unwrap().read_at(0, &mut got).unwrap();
+            assert_eq!(got, [k as u8; 8]);
+        }
+        assert!(a.lane.poll().unwrap().is_none(), "nothing handed out twice");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (0, 0));
+        // Both QPs work on.
+        d.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&d.mrs[0], 0..64).wr_id(1)]).unwrap();
+        a.lane.post_inline(qc, InlineWr::send(b"grown").wr_id(20)).unwrap();
+        b.lane.post_recv(b.qp, RecvWr::new(b.mrs.remove(0)).wr_id(2)).unwrap();
+        a.lane.post_inline(a.qp, InlineWr::send(b"still").wr_id(21)).unwrap();
+        let mut ids: Vec<u64> = reap(&mut a.lane, 2).iter().map(|c| c.wr_id()).collect();
+        ids.sort();
+        assert_eq!(ids, [20, 21]);
+        d.conn.qp_mut().wait_for(rdma_cm::WorkQueue::Recv, 1, common::T).unwrap();
+        let r = reap(&mut b.lane, 1).pop().unwrap();
+        assert_eq!((r.wr_id(), r.byte_len()), (2, 5));
+        drop((a, b, d));
+    }
+    t.finish();
+}
+
+/// Where the device cannot resize a CQ, an attach the lane's CQ has no room for is refused,
+/// saying so and what depth to create the lane with, and the owner comes back; the lane and
+/// its first QP work on.
+#[test]
+fn attach_that_cannot_grow_the_cq_is_refused_with_the_owner_back() {
+    let t = DeviceTest::start();
+    if common::caps::has(common::Cap::CqResize) {
+        common::caps::skipped("a CQ that cannot grow", "the device resizes CQs, so the lane grows its CQ instead");
+        return t.finish();
+    }
+    {
+        let local = spec(AccessFlags::LOCAL_WRITE);
+        let (mut a, mut b) = lane_pair(t.addr, local.clone(), local, 32);
+        let client = PairSpec { init: a.lane.qp_init(), ..PairSpec::default() };
+        let (c, d) = common::pair(t.addr, client, PairSpec::default());
+        let r = a.lane.attach(c.conn).unwrap_err();
+        let text = r.to_string();
+        assert!(text.contains("ibv_resize_cq") && text.contains("Lane::new(ctx, 64)"), "{text}");
+        let mut conn = r.into_inner().expect("the connection comes back");
+        let e = conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&c.mrs[0], 0..64)]).unwrap_err();
+        assert!(e.to_string().contains("no room"), "{e}");
+        assert_eq!(a.lane.cq_depth(), 32);
+        b.lane.post_recv(b.qp, RecvWr::new(b.mrs.remove(0)).wr_id(1)).unwrap();
+        a.lane.post_inline(a.qp, InlineWr::send(b"on").wr_id(2)).unwrap();
+        assert_eq!(reap(&mut a.lane, 1).pop().unwrap().wr_id(), 2);
+        assert_eq!(reap(&mut b.lane, 1).pop().unwrap().byte_len(), 2);
+        drop((conn, c.mrs, d, a, b));
+    }
+    t.finish();
+}

@@ -188,6 +188,7 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod grow;
 mod inline;
 mod ops;
 mod owner;
@@ -475,6 +476,8 @@ impl Lane {
     /// A lane with a new CQ of `depth` completions on `ctx` (the device of the QPs it will
     /// serve: [`RouteResolved::context`](crate::RouteResolved::context), say). The CQ must
     /// hold what every attached QP may have outstanding: the sum of their queue depths.
+    /// [`Lane::attach`] grows it when it has no room for the QP attached, where the device
+    /// can resize a CQ; where it cannot (siw), size it for every QP the lane will hold.
     ///
     /// # Errors
     /// As for [`CompletionQueue::new`].
@@ -527,13 +530,19 @@ impl Lane {
     /// failure: the lane refuses its posts with the cause ([`Error::QpInError`]), since nothing
     /// posted to it can run.
     ///
+    /// When the lane's CQ has no room for the QP's queues, `attach` grows it first
+    /// (`ibv_resize_cq`, keeping the completions it holds). A QP created beyond the CQ's room
+    /// cannot post on its own until then.
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] (the owner given back) when its QP completes on another CQ,
+    /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
+    /// queues and cannot grow (the device cannot resize a CQ, or not that far: the message
+    /// says what depth to create the lane with), when its QP completes on another CQ,
     /// takes receives from an SRQ, has work outstanding on its convenient path, or had a
     /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
     /// for good).
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
-        match self.check_attach(owner.lane_qp()) {
+        match self.check_attach(owner.lane_qp()).and_then(|()| self.make_room()) {
             Ok(()) => {}
             Err(e) => return Err(Rejected::new(e, owner)),
         }

@@ -138,6 +138,9 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state(op));
         }
+        if self.fenced {
+            return Err(super::fenced(op));
+        }
         if self.ex.is_some_and(|e| e.open) {
             return Err(super::batch::leaked(op));
         }
@@ -280,6 +283,9 @@ impl QueuePair {
         }
         if self.errored {
             return Err(in_error_state("ibv_post_recv"));
+        }
+        if self.fenced {
+            return Err(super::fenced("ibv_post_recv"));
         }
         if let [w] = wrs {
             if w.rest.is_empty() {
