@@ -297,7 +297,13 @@ impl CompletionQueue {
         if router.srqs.iter().any(|e| e.srq.id == srq.id) {
             return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
         }
-        self.reserve(&mut router, srq.depth() as u64)?;
+        if self.exclusive {
+            // A QP a lane's CQ has no room for is fenced until the lane grows the CQ (`reserve`),
+            // but receives posted to an SRQ are not: one it has no room for is refused.
+            router.reserve(srq.depth() as u64, self.depth())?;
+        } else {
+            self.reserve(&mut router, srq.depth() as u64)?;
+        }
         router.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
         Ok(())
     }
