@@ -475,9 +475,8 @@ fn unknown_qp() -> Error {
 impl Lane {
     /// A lane with a new CQ of `depth` completions on `ctx` (the device of the QPs it will
     /// serve: [`RouteResolved::context`](crate::RouteResolved::context), say). The CQ must
-    /// hold what every attached QP may have outstanding: the sum of their queue depths.
-    /// [`Lane::attach`] grows it when it has no room for the QP attached, where the device
-    /// can resize a CQ; where it cannot (siw), size it for every QP the lane will hold.
+    /// hold what every attached QP may have outstanding: the sum of their queue depths
+    /// ([`Lane::attach`] grows it where the device can resize a CQ; siw cannot).
     ///
     /// # Errors
     /// As for [`CompletionQueue::new`].
@@ -530,14 +529,11 @@ impl Lane {
     /// failure: the lane refuses its posts with the cause ([`Error::QpInError`]), since nothing
     /// posted to it can run.
     ///
-    /// When the lane's CQ has no room for the QP's queues, `attach` grows it first
-    /// (`ibv_resize_cq`, keeping the completions it holds). A QP created beyond the CQ's room
-    /// cannot post on its own until then.
+    /// A CQ with no room for its queues is grown first (`ibv_resize_cq`), keeping its completions.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
-    /// queues and cannot grow (the device cannot resize a CQ, or not that far: the message
-    /// says what depth to create the lane with), when its QP completes on another CQ,
+    /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
     /// takes receives from an SRQ, has work outstanding on its convenient path, or had a
     /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
     /// for good).

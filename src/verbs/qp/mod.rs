@@ -226,9 +226,8 @@ pub struct QueuePair {
     /// Reserved capacity on each CQ (released on drop).
     send_reserved: u64,
     recv_reserved: u64,
-    /// It completes on a lane's CQ that had no room for its queues when it was created: its
-    /// own posts are refused (they could overrun the CQ), and the lane grows the CQ when it is
-    /// attached (`Lane::attach`), which is the only way it posts then.
+    /// On a lane's CQ that had no room for it when it was created: its own posts are refused
+    /// (they could overrun the CQ) until `Lane::attach` grows the CQ and posts for it.
     fenced: bool,
     /// The connection is established: sends may be posted, and waits may watch the link.
     connected: bool,
@@ -428,7 +427,6 @@ impl QueuePair {
             send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Send));
             recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Recv));
         }
-        // On a lane's CQ that has no room for it yet, its own posts are refused (`fenced`).
         let fenced = send_cq.overcommitted() || recv_cq.overcommitted();
         let async_reg =
             crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
@@ -677,16 +675,6 @@ impl QueuePair {
 }
 
 /// The refusal of a post to a QP the caller moved to the error state.
-/// The refusal of a post to a QP whose lane's CQ has no room for it yet (`fenced`).
-#[cold]
-fn fenced(op: &'static str) -> Error {
-    Error::InvalidArgument(format!(
-        "{op}: this QP completes on a Lane's CQ that had no room for its queues when it was created, so its own \
-         posts could overrun it: attach it (Lane::attach grows the CQ where the device can), or create the lane \
-         deeper (Lane::new)"
-    ))
-}
-
 fn in_error_state(op: &'static str) -> Error {
     Error::InvalidArgument(format!(
         "{op}: the QP is in the error state (QueuePair::set_error): nothing posted now can run, and a receive \
