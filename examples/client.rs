@@ -112,7 +112,7 @@ fn main() {
 
     // ibv_post_recv before rdma_connect, so the echo finds it. The receive moves the buffer
     // into the lane; its completion hands it back.
-    let info = QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: size as u32 };
+    let info = QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: size as u64 };
     lane.post_recv(qp, RecvWr::new(back).wr_id(RECV)).unwrap_or_else(|e| fail("ibv_post_recv", e));
 
     // rdma_connect with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One

@@ -44,7 +44,7 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 /// What rdma-core's `rdma_client` sends: 16 bytes, and no `QpInfo`.
 const LEGACY_SIZE: u32 = 16;
 /// The largest message a client may announce.
-const MAX_SIZE: u32 = 64 << 20;
+const MAX_SIZE: u64 = 64 << 20;
 
 fn main() {
     let args = Args::parse();
@@ -119,7 +119,7 @@ fn main() {
     // ibv_post_recv before rdma_accept, as rdma_cm_s.c does: the client may send the moment
     // it is connected, and a message that finds no receive waits for the RNR timer. The
     // receive moves the buffer into the lane; its completion hands it back.
-    let info = QpInfo { qp_num, psn: 0, rkey: buf.rkey(), vaddr: buf.addr(), len: size as u32 };
+    let info = QpInfo { qp_num, psn: 0, rkey: buf.rkey(), vaddr: buf.addr(), len: size as u64 };
     lane.post_recv(qp, RecvWr::new(buf)).unwrap_or_else(|e| fail("ibv_post_recv", e));
 
     // rdma_accept with our QpInfo in the private data, then RDMA_CM_EVENT_ESTABLISHED. One

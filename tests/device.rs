@@ -189,7 +189,7 @@ fn rdma_write_with_qp_info_exchange_is_byte_exact() {
         let ctl = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE).unwrap();
         let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
         let info =
-            QpInfo { qp_num: q.qp().qp_num(), psn: 0, rkey: region.rkey(), vaddr: region.addr(), len: max as u32 };
+            QpInfo { qp_num: q.qp().qp_num(), psn: 0, rkey: region.rkey(), vaddr: region.addr(), len: max as u64 };
         for i in 0..SIZES.len() as u64 {
             q.post_recv(&[RecvWr::new(&ctl, 0..16).wr_id(i)]).unwrap();
         }

@@ -246,14 +246,16 @@ fn hostile_private_data_is_rejected_with_a_reason_and_the_server_keeps_serving()
     let mut b = enc;
     b[2] = 9; // QpInfo version
     cases.push((b.to_vec(), "version"));
+    // The request's own bytes follow the QpInfo: version, mode, size.
+    let req = QpInfo::ENCODED_LEN;
     let mut b = enc;
-    b[29] = 7; // mode
+    b[req + 1] = 7; // mode
     cases.push((b.to_vec(), "mode"));
     let mut b = enc;
-    b[30..34].copy_from_slice(&u32::MAX.to_be_bytes()); // absurd size
+    b[req + 2..req + 6].copy_from_slice(&u32::MAX.to_be_bytes()); // absurd size
     cases.push((b.to_vec(), "size"));
     let mut b = enc;
-    b[24..28].copy_from_slice(&16u32.to_be_bytes()); // advertised region smaller than the size
+    b[24..32].copy_from_slice(&16u64.to_be_bytes()); // advertised region smaller than the size
     cases.push((b.to_vec(), "smaller"));
     let mut b = enc;
     b[16..24].copy_from_slice(&u64::MAX.to_be_bytes()); // region wrapping the address space

@@ -270,19 +270,24 @@ fn a_lane_serves_qps_made_without_the_cm() {
         let params = RcParams::new().gid_index(gidx);
         let a = UnconnectedQp::new(&pd, lane.qp_init(), params.clone()).expect("create QP a");
         let b = UnconnectedQp::new(&pd, lane.qp_init(), params).expect("create QP b");
-        // The lane polls its CQ without the CQ's lock: resizing it is refused, and so is
-        // growing it for a new queue.
+        // The lane polls its CQ without the CQ's lock: resizing it from outside is refused, and
+        // a QP it has no room for does not grow it: the QP is created, but its own posts are
+        // refused (they could overrun the CQ) until the lane attaches it and grows the CQ.
         let cq = Arc::clone(a.qp().send_cq());
-        let e = cq.resize(256).expect_err("a lane's CQ is never resized");
+        let e = cq.resize(256).expect_err("a lane's CQ is never resized from outside");
         assert!(e.to_string().contains("belongs to a Lane"), "{e}");
         cq.set_auto_grow(true);
-        let e = UnconnectedQp::new(
+        let mut big = UnconnectedQp::new(
             &pd,
             QpInit::new().max_send_wr(64).max_recv_wr(64).send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq)),
             RcParams::new().gid_index(gidx),
         )
-        .expect_err("no room, and no growing");
-        assert!(e.to_string().contains("belongs to a Lane"), "{e}");
+        .expect("created beyond the CQ's room");
+        assert_eq!(cq.depth(), 128, "not grown by the QP's creation");
+        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let e = big.post_recv(&[RecvWr::new(&mr, 0..64)]).expect_err("its own posts could overrun the CQ");
+        assert!(e.to_string().contains("no room"), "{e}");
+        drop((big, mr));
         // The RC pair, connected by hand: not on iWARP (the UD part below needs UD only).
         if common::require(common::Cap::ConnectWithoutCm) {
             let (ia, ib) = (a.local(), b.local());

@@ -236,8 +236,8 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     }
     let region = match args.mode {
         Mode::Send | Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => QpInfo { qp_num, ..QpInfo::default() },
-        Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size },
-        Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size },
+        Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size.into() },
+        Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size.into() },
     };
     // With --bw the stream is one-sided. A write stream is followed by a single verified round
     // trip (all the server sees); a send stream is checked by the server, with no round trip.

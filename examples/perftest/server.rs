@@ -251,7 +251,7 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         psn: 0,
         rkey: bufs[0].rkey(),
         vaddr: bufs[0].addr(),
-        len: if mode == Mode::Send { 0 } else { size },
+        len: if mode == Mode::Send { 0 } else { size.into() },
     };
     let info =
         if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };

@@ -1,20 +1,25 @@
-//! [`QpInfo`]: the seed program's `qp_info` (qp_num, psn, rkey, vaddr) in a fixed wire layout.
+//! [`QpInfo`]: the seed program's `qp_info` (qp_num, psn, rkey, vaddr, length) in a fixed wire
+//! layout.
 //!
-//! Peers exchange it through the CM private data. The layout is fixed and big-endian:
+//! Peers exchange it through the CM private data. The layout is fixed and big-endian; this is
+//! version 2, whose length is 64 bits (a table over 4 GiB can be advertised):
 //!
 //! | bytes  | field                               |
 //! |--------|-------------------------------------|
 //! | 0..2   | magic `b"RC"`                       |
-//! | 2      | version (1)                         |
+//! | 2      | version (2)                         |
 //! | 3      | reserved, 0                         |
 //! | 4..8   | qp_num (24 bits used)               |
 //! | 8..12  | psn (24 bits used)                  |
 //! | 12..16 | rkey                                |
 //! | 16..24 | vaddr                               |
-//! | 24..28 | length of the advertised region     |
+//! | 24..32 | length of the advertised region     |
 //!
-//! Whatever follows the 28 bytes is the application's. The decoder treats its input as
-//! untrusted: it checks length, magic, version and field ranges, and never indexes or
+//! Whatever follows the 32 bytes is the application's: 24 bytes fit beside it in an RC connect
+//! request (56 bytes of private data), 164 in an accept (196). Version 1, from earlier releases,
+//! is 28 bytes with a 32-bit length at 24..28; it is still decoded (its application bytes
+//! start at 28), and [`QpInfo::encode_v1`] writes it for such a peer. The decoder treats its
+//! input as untrusted: it checks length, magic, version and field ranges, and never indexes or
 //! allocates by a value the peer chose. Note that the CM pads private data with zeros to the
 //! transport maximum, so trailing zeros are normal.
 
@@ -33,32 +38,58 @@ pub struct QpInfo {
     /// The address of the advertised region (0 when none).
     pub vaddr: u64,
     /// The length of the advertised region (0 when none).
-    pub len: u32,
+    pub len: u64,
 }
 
 const MAGIC: [u8; 2] = *b"RC";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+const VERSION_1: u8 = 1;
 
 impl QpInfo {
-    /// Size of the encoded form.
-    pub const ENCODED_LEN: usize = 28;
+    /// Size of the encoded form (version 2).
+    pub const ENCODED_LEN: usize = 32;
+    /// Size of the version 1 form (a 32-bit length), which earlier releases send.
+    pub const ENCODED_LEN_V1: usize = 28;
 
     /// The advertised region, if any.
     pub fn region(&self) -> Option<RemoteRegion> {
-        (self.len > 0).then_some(RemoteRegion { addr: self.vaddr, rkey: self.rkey, len: self.len as u64 })
+        (self.len > 0).then_some(RemoteRegion { addr: self.vaddr, rkey: self.rkey, len: self.len })
     }
 
-    /// Encodes into the fixed layout.
-    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut b = [0u8; Self::ENCODED_LEN];
+    /// The fields both versions share, at 0..24.
+    fn encode_head(&self, b: &mut [u8], version: u8) {
         b[0..2].copy_from_slice(&MAGIC);
-        b[2] = VERSION;
+        b[2] = version;
         b[4..8].copy_from_slice(&self.qp_num.to_be_bytes());
         b[8..12].copy_from_slice(&self.psn.to_be_bytes());
         b[12..16].copy_from_slice(&self.rkey.to_be_bytes());
         b[16..24].copy_from_slice(&self.vaddr.to_be_bytes());
-        b[24..28].copy_from_slice(&self.len.to_be_bytes());
+    }
+
+    /// Encodes into the fixed layout (version 2).
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        self.encode_head(&mut b, VERSION);
+        b[24..32].copy_from_slice(&self.len.to_be_bytes());
         b
+    }
+
+    /// Encodes into the version 1 layout, for a peer of an earlier release (which refuses
+    /// version 2 as an unsupported version).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the length does not fit version 1's 32 bits.
+    pub fn encode_v1(&self) -> Result<[u8; Self::ENCODED_LEN_V1]> {
+        let len = u32::try_from(self.len).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "QpInfo::encode_v1: a region of {} bytes does not fit version 1's 32-bit length (use encode)",
+                self.len
+            ))
+        })?;
+        let mut b = [0u8; Self::ENCODED_LEN_V1];
+        self.encode_head(&mut b, VERSION_1);
+        b[24..28].copy_from_slice(&len.to_be_bytes());
+        Ok(b)
     }
 
     /// Whether `data` starts with this format's magic (a peer of this crate), as opposed to a
@@ -67,32 +98,45 @@ impl QpInfo {
         data.len() >= 2 && data[0..2] == MAGIC
     }
 
-    /// Decodes untrusted bytes; returns the info and the application bytes that follow.
+    /// Decodes untrusted bytes (version 2, or version 1 from a peer of an earlier release);
+    /// returns the info and the application bytes that follow it.
     ///
     /// # Errors
     /// [`Error::PrivateData`] naming what was wrong.
     pub fn decode(data: &[u8]) -> Result<(QpInfo, &[u8])> {
-        if data.len() < Self::ENCODED_LEN {
-            return Err(Error::PrivateData("shorter than the 28-byte qp_info"));
+        if data.len() < 4 {
+            return Err(Error::PrivateData("shorter than the 4-byte qp_info header"));
         }
         if !Self::is_present(data) {
             return Err(Error::PrivateData("no qp_info magic: the peer does not speak this format"));
         }
-        if data[2] != VERSION {
-            return Err(Error::PrivateData("unsupported qp_info version"));
+        let encoded = match data[2] {
+            VERSION => Self::ENCODED_LEN,
+            VERSION_1 => Self::ENCODED_LEN_V1,
+            _ => {
+                return Err(Error::PrivateData(
+                    "unsupported qp_info version (this side reads versions 1 and 2): the peer runs another release",
+                ))
+            }
+        };
+        if data.len() < encoded {
+            return Err(Error::PrivateData(if encoded == Self::ENCODED_LEN {
+                "shorter than the 32-byte qp_info of version 2"
+            } else {
+                "shorter than the 28-byte qp_info of version 1"
+            }));
         }
         if data[3] != 0 {
             return Err(Error::PrivateData("reserved byte is not zero"));
         }
         let u32_at = |i: usize| u32::from_be_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]);
-        let mut v = [0u8; 8];
-        v.copy_from_slice(&data[16..24]);
+        let u64_at = |i: usize| (u32_at(i) as u64) << 32 | u32_at(i + 4) as u64;
         let info = QpInfo {
             qp_num: u32_at(4),
             psn: u32_at(8),
             rkey: u32_at(12),
-            vaddr: u64::from_be_bytes(v),
-            len: u32_at(24),
+            vaddr: u64_at(16),
+            len: if encoded == Self::ENCODED_LEN { u64_at(24) } else { u32_at(24) as u64 },
         };
         if info.qp_num > 0xFF_FFFF || info.qp_num == 0 {
             return Err(Error::PrivateData("qp_num is not a valid 24-bit QP number"));
@@ -100,13 +144,13 @@ impl QpInfo {
         if info.psn > 0xFF_FFFF {
             return Err(Error::PrivateData("psn exceeds 24 bits"));
         }
-        if info.vaddr.checked_add(info.len as u64).is_none() {
+        if info.vaddr.checked_add(info.len).is_none() {
             return Err(Error::PrivateData("advertised region wraps around the address space"));
         }
         if info.len == 0 && (info.rkey != 0 || info.vaddr != 0) {
             return Err(Error::PrivateData("rkey/vaddr given for an empty region"));
         }
-        Ok((info, &data[Self::ENCODED_LEN..]))
+        Ok((info, &data[encoded..]))
     }
 }
 
@@ -121,13 +165,43 @@ mod tests {
     #[test]
     fn round_trip_with_trailing_bytes() {
         let mut buf = [0u8; 56];
-        buf[..28].copy_from_slice(&sample().encode());
-        buf[28] = 9;
+        buf[..32].copy_from_slice(&sample().encode());
+        buf[32] = 9;
         let (info, rest) = QpInfo::decode(&buf).unwrap();
         assert_eq!(info, sample());
-        assert_eq!(rest.len(), 28);
+        assert_eq!(rest.len(), 24);
         assert_eq!(rest[0], 9);
         assert_eq!(info.region().unwrap().len, 4096);
+    }
+
+    #[test]
+    fn a_region_over_4_gib_is_advertised_whole() {
+        let big = QpInfo { len: (5 << 30) + 7, ..sample() };
+        let bytes = big.encode();
+        let (info, rest) = QpInfo::decode(&bytes).unwrap();
+        assert_eq!((info, rest.len()), (big, 0));
+        assert_eq!(info.region().unwrap().len, (5 << 30) + 7);
+        let e = big.encode_v1().unwrap_err().to_string();
+        assert!(e.contains("32-bit") && e.contains(&big.len.to_string()), "{e}");
+    }
+
+    /// A peer of an earlier release sends version 1 (28 bytes, a 32-bit length): it decodes,
+    /// its application bytes start at 28, and a short one says which version it was short of.
+    #[test]
+    fn the_version_1_layout_of_earlier_releases_still_decodes() {
+        let v1 = sample().encode_v1().unwrap();
+        let v2 = sample().encode();
+        assert_eq!((&v1[..2], &v1[3..24]), (&v2[..2], &v2[3..24]), "the versions share all but the version byte");
+        assert_eq!((v1[2], &v1[24..28]), (1, &4096u32.to_be_bytes()[..]));
+        let mut buf = [0u8; 56];
+        buf[..28].copy_from_slice(&v1);
+        buf[28] = 9;
+        let (info, rest) = QpInfo::decode(&buf).unwrap();
+        assert_eq!((info, rest.len(), rest[0]), (sample(), 28, 9));
+        let e = QpInfo::decode(&v1[..27]).unwrap_err().to_string();
+        assert!(e.contains("28-byte") && e.contains("version 1"), "{e}");
+        let e = QpInfo::decode(&sample().encode()[..31]).unwrap_err().to_string();
+        assert!(e.contains("32-byte") && e.contains("version 2"), "{e}");
     }
 
     #[test]
@@ -135,12 +209,13 @@ mod tests {
         let good = sample().encode();
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (vec![], "shorter"),
-            (good[..27].to_vec(), "shorter"),
+            (good[..31].to_vec(), "shorter"),
+            (good[..3].to_vec(), "shorter"),
             (vec![0u8; 56], "magic"),
             (
                 {
                     let mut b = good;
-                    b[2] = 2;
+                    b[2] = 3;
                     b.to_vec()
                 },
                 "version",
@@ -188,7 +263,7 @@ mod tests {
             (
                 {
                     let mut b = good;
-                    b[24..28].copy_from_slice(&[0; 4]);
+                    b[24..32].copy_from_slice(&[0; 8]);
                     b.to_vec()
                 },
                 "empty region",
@@ -212,7 +287,7 @@ mod tests {
                 b[i] ^= 1 << bit;
                 if let Ok((info, _)) = QpInfo::decode(&b) {
                     assert!(info.qp_num <= 0xFF_FFFF && info.psn <= 0xFF_FFFF);
-                    assert!(info.vaddr.checked_add(info.len as u64).is_some());
+                    assert!(info.vaddr.checked_add(info.len).is_some());
                 }
             }
         }
@@ -254,9 +329,10 @@ mod tests {
                 decoded += 1;
                 assert!(info.qp_num > 0 && info.qp_num <= 0xFF_FFFF);
                 assert!(info.psn <= 0xFF_FFFF);
-                assert!(info.vaddr.checked_add(info.len as u64).is_some());
+                assert!(info.vaddr.checked_add(info.len).is_some());
                 assert!(info.len > 0 || (info.rkey == 0 && info.vaddr == 0));
-                assert_eq!(rest.len(), len - QpInfo::ENCODED_LEN);
+                let encoded = if buf[2] == 1 { QpInfo::ENCODED_LEN_V1 } else { QpInfo::ENCODED_LEN };
+                assert_eq!(rest.len(), len - encoded);
                 assert_eq!(QpInfo::decode(&info.encode()).unwrap().0, info, "re-encoding round-trips");
             }
         }

@@ -217,6 +217,34 @@ impl CompletionQueue {
         Ok(())
     }
 
+    /// Whether this is a lane's CQ whose queues may have more completions outstanding than it
+    /// holds (the lane has yet to grow it: see `reserve`).
+    pub(crate) fn overcommitted(&self) -> bool {
+        self.exclusive && self.router().reserved > self.depth() as u64
+    }
+
+    /// The completions its queues may have outstanding (what `reserve` counted).
+    pub(crate) fn reserved(&self) -> u64 {
+        self.router().reserved
+    }
+
+    /// Resizes a lane's CQ to `depth` (`ibv_resize_cq`); the completions in it are kept, in
+    /// order (the provider copies them into the new queue: rxe's `rxe_queue_resize` copies
+    /// from the consumer index to the producer index under the CQ's locks).
+    ///
+    /// # Safety
+    /// No poll of this CQ may run during the call: the caller is the lane that owns it, through
+    /// `&mut Lane` (the lane is its only reader: every other path refuses to poll it).
+    pub(crate) unsafe fn resize_for_lane(&self, depth: u32) -> Result<()> {
+        let _router = self.router();
+        // SAFETY: the CQ is valid while `self` lives; no poll runs (the caller's promise), so
+        // the provider may replace its queue; the lane keeps the same `ibv_cq` and its context's
+        // `poll_cq`, which stay valid across a resize.
+        check_ibv(unsafe { ffi::ibv_resize_cq(self.as_raw(), depth as i32) }, "ibv_resize_cq")?;
+        self.depth.store(depth, Ordering::Release);
+        Ok(())
+    }
+
     /// Lets the CQ grow as queues join it: a QP (or SRQ) that would make its queues' possible
     /// outstanding completions exceed its depth resizes it (`ibv_resize_cq`, to twice the
     /// depth or what is needed, within the device's `max_cqe`) instead of being refused. So a
@@ -234,6 +262,15 @@ impl CompletionQueue {
     /// Reserves room for `n` more outstanding completions (a queue joining), growing the CQ
     /// first when it may ([`CompletionQueue::set_auto_grow`]).
     pub(crate) fn reserve(&self, router: &mut Router, n: u64) -> Result<()> {
+        if self.exclusive {
+            // A lane's CQ is polled without the router's lock, so it is not resized here (a
+            // QP may be created on any thread while the lane polls): the lane grows it when it
+            // attaches the QP, through `&mut Lane`, when none of its polls runs
+            // (`resize_for_lane`). Until then a QP it has no room for is fenced: its own posts
+            // are refused (`QueuePair::create`, `overcommitted`).
+            router.reserved += n;
+            return Ok(());
+        }
         let depth = self.depth();
         if router.reserved + n > depth as u64 && self.auto_grow() {
             let need = router.reserved + n;
@@ -260,7 +297,13 @@ impl CompletionQueue {
         if router.srqs.iter().any(|e| e.srq.id == srq.id) {
             return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
         }
-        self.reserve(&mut router, srq.depth() as u64)?;
+        if self.exclusive {
+            // A QP a lane's CQ has no room for is fenced until the lane grows the CQ (`reserve`),
+            // but receives posted to an SRQ are not: one it has no room for is refused.
+            router.reserve(srq.depth() as u64, self.depth())?;
+        } else {
+            self.reserve(&mut router, srq.depth() as u64)?;
+        }
         router.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
         Ok(())
     }

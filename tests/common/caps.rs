@@ -52,6 +52,10 @@ pub enum Cap {
     /// what a disconnect sent while the link is down breaks, and so what the crate holds a
     /// disconnect back for (`rdma_cm::cm::hold`).
     CmMads,
+    /// Resizing a CQ (`ibv_resize_cq`), which a lane does to grow its CQ as QPs are attached.
+    /// No device attribute says it (siw has no `resize_cq`): it is found by resizing a CQ of
+    /// one entry to two.
+    CqResize,
 }
 
 /// What the device says about itself: the answers `require` needs.
@@ -148,6 +152,11 @@ fn lacks(cap: Cap, d: &Answers) -> Option<String> {
             }
             None
         }
+        Cap::CqResize => {
+            let ctx = rdma_cm::VerbsContext::open(&d.name).unwrap_or_else(|e| panic!("open {}: {e}", d.name));
+            let cq = rdma_cm::CompletionQueue::new(&ctx, 1).unwrap_or_else(|e| panic!("a CQ on {}: {e}", d.name));
+            cq.resize(2).err().map(|e| format!("{} refuses to resize a CQ: {e}", d.name))
+        }
         _ => None,
     }
 }
@@ -165,6 +174,7 @@ fn what(cap: Cap) -> String {
         Cap::ConnectWithoutCm => "an RC connection made without the CM".into(),
         Cap::RemoteWriteError => "an RDMA WRITE's remote access error in the WRITE's own completion".into(),
         Cap::CmMads => "CM MADs on QP1 (its CM speaks TCP)".into(),
+        Cap::CqResize => "resizing a CQ".into(),
     }
 }
 

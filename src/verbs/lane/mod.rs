@@ -182,7 +182,7 @@
 //!
 //! # Limits of this version
 //!
-//! No shared receive queue, no inline sends, and a scatter/gather list names pieces of one
+//! No shared receive queue, and a scatter/gather list names pieces of one
 //! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
 //! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
 //! first receives after the peer may have sent: such a send is NAKed and waits for the
@@ -215,6 +215,8 @@ use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
+mod grow;
+mod inline;
 mod lifecycle;
 mod ops;
 mod owner;
@@ -230,6 +232,7 @@ mod wr;
 pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
+pub use inline::InlineWr;
 pub(crate) use owner::Sealed;
 pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
@@ -333,6 +336,8 @@ struct Member {
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
     max_send_sge: u32,
+    /// The most bytes an inline send may carry (`max_inline_data` as the provider granted it).
+    max_inline: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
     mtu: u32,
     /// Why it is in the error state, once that is known (a completion failed or came flushed,
@@ -507,7 +512,8 @@ fn unknown_qp() -> Error {
 impl Lane {
     /// A lane with a new CQ of `depth` completions on `ctx` (the device of the QPs it will
     /// serve: [`RouteResolved::context`](crate::RouteResolved::context), say). The CQ must
-    /// hold what every attached QP may have outstanding: the sum of their queue depths.
+    /// hold what every attached QP may have outstanding: the sum of their queue depths
+    /// ([`Lane::attach`] grows it where the device can resize a CQ; siw cannot).
     ///
     /// # Errors
     /// As for [`CompletionQueue::new`].
@@ -560,13 +566,16 @@ impl Lane {
     /// failure: the lane refuses its posts with the cause ([`Error::QpInError`]), since nothing
     /// posted to it can run.
     ///
+    /// A CQ with no room for its queues is grown first (`ibv_resize_cq`), keeping its completions.
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] (the owner given back) when its QP completes on another CQ,
+    /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
+    /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
     /// takes receives from an SRQ, has work outstanding on its convenient path, or had a
     /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
     /// for good).
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
-        match self.check_attach(owner.lane_qp()) {
+        match self.check_attach(owner.lane_qp()).and_then(|()| self.make_room()) {
             Ok(()) => {}
             Err(e) => return Err(Rejected::new(e, owner)),
         }
@@ -658,6 +667,7 @@ impl Lane {
             qp_num: qp.qp_num(),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
+            max_inline: qp.max_inline_data(),
             mtu,
             failed,
             batch_error: None,

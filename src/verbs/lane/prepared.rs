@@ -9,6 +9,11 @@
 //! [`PreparedSend::rearm`] puts it back into the prepared request, which refuses any other
 //! region: the request's scatter list was checked against that one.
 //!
+//! A prepared RDMA WRITE, READ or atomic is re-aimed at another offset of the remote region it
+//! was checked against ([`PreparedSend::aim`], a compare and two stores), and its one piece at
+//! another range of its region ([`PreparedSend::aim_local`]): a one-sided store reads another
+//! slot each time with one request.
+//!
 //! ```text
 //! let mut send = lane.prepare_send(qp, SendWr::write(mr, 0..64, &remote, 0))?;  // checked once
 //! loop {
@@ -19,6 +24,8 @@
 //! ```
 
 use super::*;
+
+mod aim;
 
 const SIGNALED_FLAG: u32 = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
 
@@ -52,6 +59,8 @@ pub struct PreparedSend {
     /// (also in `raw.send_flags` between posts).
     flags: u32,
     wr_id: u64,
+    /// Where it may be re-aimed ([`PreparedSend::aim`], [`PreparedSend::aim_local`]).
+    bounds: aim::Bounds,
 }
 
 // SAFETY: the raw pointers in `raw` are its scatter list (its own `sge`, which it owns alone),
@@ -93,9 +102,17 @@ impl<T> Sges<T> {
         self.0.as_ptr()
     }
     fn get(&self) -> &T {
-        // SAFETY: allocated and initialised by `new`, freed only by drop; written by nobody
-        // after `new` (the provider only reads a scatter list).
+        // SAFETY: allocated and initialised by `new`, freed only by drop; written only through
+        // `get_mut`, whose `&mut self` no shared borrow outlives (the provider only reads a
+        // scatter list, and only during a post).
         unsafe { self.0.as_ref() }
+    }
+    /// The list, to re-aim a request ([`PreparedSend::aim_local`]).
+    fn get_mut(&mut self) -> &mut T {
+        // SAFETY: allocated and initialised by `new`, freed only by drop, owned by `self` alone:
+        // `&mut self` makes this the only reference. The provider holds no pointer into it
+        // between posts (`ibv_post_send` copies the scatter list before it returns).
+        unsafe { self.0.as_mut() }
     }
 }
 
@@ -349,6 +366,7 @@ impl Lane {
         let flags = wr.flags | if wr.signaled { SIGNALED_FLAG } else { 0 };
         raw.send_flags = flags;
         let of = wr.mr.inner().serial();
+        let bounds = aim::Bounds::of(&wr, m);
         Ok(PreparedSend {
             raw,
             sge,
@@ -357,6 +375,7 @@ impl Lane {
             tag: tag::encode(qp.place, 0, false),
             flags,
             wr_id: wr.wr_id,
+            bounds,
             mr: Some(wr.mr),
         })
     }

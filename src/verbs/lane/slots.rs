@@ -83,6 +83,21 @@ impl Slots {
         unsafe { std::ptr::write(&mut s.mr, Some(mr)) };
         s.wr_id = wr_id;
     }
+    /// Stores the `wr_id` of a work request that holds no region (an inline send: the provider
+    /// copied its bytes) at `tail`, uncommitted, as `put` does.
+    #[inline(always)]
+    pub(super) fn put_none(&mut self, wr_id: u64) {
+        let i = self.index(self.tail);
+        debug_assert!(i < self.slots.len());
+        // SAFETY: `slots.len()` is `mask + 1` (`Slots::new`), so `i`, masked, is in bounds. The
+        // slot is free, as in `put` (whose argument holds here: the value overwritten is not
+        // dropped, at worst a leak).
+        unsafe {
+            let s = self.slots.get_unchecked_mut(i);
+            std::ptr::write(&mut s.mr, None);
+            s.wr_id = wr_id;
+        }
+    }
     /// Takes back the region `put` at `tail` (uncommitted: the provider did not take its work
     /// request).
     #[cold]

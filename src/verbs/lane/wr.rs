@@ -157,6 +157,10 @@ pub struct SendWr {
     /// The remote address (RDMA and atomics) and key.
     pub(super) remote_addr: u64,
     pub(super) rkey: u32,
+    /// The remote region's length and the offset aimed at in it (RDMA and atomics): what a
+    /// prepared request re-aims within ([`PreparedSend::aim`]).
+    pub(super) remote_len: u64,
+    pub(super) remote_offset: u64,
     /// An atomic's operands.
     pub(super) compare_add: u64,
     pub(super) swap: u64,
@@ -196,6 +200,8 @@ impl SendWr {
             imm: 0,
             remote_addr: 0,
             rkey: 0,
+            remote_len: 0,
+            remote_offset: 0,
             compare_add: 0,
             swap: 0,
             sge: [const { MaybeUninit::uninit() }; MAX_SGE],
@@ -275,6 +281,7 @@ impl SendWr {
             Some(end) if end <= remote.len => {
                 self.remote_addr = remote.addr.wrapping_add(offset);
                 self.rkey = remote.rkey;
+                (self.remote_len, self.remote_offset) = (remote.len, offset);
             }
             _ => self.defect = Some(Defect::OutOfRemote { offset, len: self.total, size: remote.len }),
         }
@@ -291,6 +298,7 @@ impl SendWr {
                     self.defect = Some(Defect::Unaligned(addr));
                 }
                 (self.remote_addr, self.rkey, self.compare_add, self.swap) = (addr, remote.rkey, compare_add, swap);
+                (self.remote_len, self.remote_offset) = (remote.len, offset);
             }
             _ => self.defect = Some(Defect::OutOfRemote { offset, len: 8, size: remote.len }),
         }

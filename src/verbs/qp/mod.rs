@@ -226,6 +226,9 @@ pub struct QueuePair {
     /// Reserved capacity on each CQ (released on drop).
     send_reserved: u64,
     recv_reserved: u64,
+    /// On a lane's CQ that had no room for it when it was created: its own posts are refused
+    /// (they could overrun the CQ) until `Lane::attach` grows the CQ and posts for it.
+    fenced: bool,
     /// The connection is established: sends may be posted, and waits may watch the link.
     connected: bool,
     /// A UD QP: its sends are datagrams, each naming an address handle.
@@ -424,6 +427,7 @@ impl QueuePair {
             send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Send));
             recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Recv));
         }
+        let fenced = send_cq.overcommitted() || recv_cq.overcommitted();
         let async_reg =
             crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
         if let Some(l) = &link {
@@ -441,6 +445,7 @@ impl QueuePair {
             recv_slot: Slot { index: recv_index },
             send_reserved,
             recv_reserved,
+            fenced,
             // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
             connected: init.datagrams,
             datagrams: init.datagrams,
@@ -715,6 +720,7 @@ impl QueuePair {
             recv_slot: self.recv_slot,
             send_reserved: self.send_reserved,
             recv_reserved: self.recv_reserved,
+            fenced: self.fenced,
             connected: self.connected,
             datagrams: self.datagrams,
             ex: self.ex,

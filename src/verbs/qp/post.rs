@@ -138,6 +138,9 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state(op));
         }
+        if self.fenced {
+            return Err(fenced(op));
+        }
         if self.ex.is_some_and(|e| e.open) {
             return Err(super::batch::leaked(op));
         }
@@ -281,6 +284,9 @@ impl QueuePair {
         if self.errored {
             return Err(in_error_state("ibv_post_recv"));
         }
+        if self.fenced {
+            return Err(fenced("ibv_post_recv"));
+        }
         if let [w] = wrs {
             if w.rest.is_empty() {
                 return self.post_recv_one(w);
@@ -348,4 +354,14 @@ impl QueuePair {
         let ret = unsafe { ffi::ibv_post_recv(self.raw.as_ptr(), &mut wr, &mut bad) };
         self.commit_posted(&mut q, ret, bad, &wr, 1, false, "ibv_post_recv")
     }
+}
+
+/// The refusal of a post to a QP whose lane's CQ has no room for it yet (`fenced`).
+#[cold]
+fn fenced(op: &'static str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: this QP completes on a Lane's CQ that had no room for its queues when it was created, so its own \
+         posts could overrun it: attach it (Lane::attach grows the CQ where the device can), or create the lane \
+         deeper (Lane::new)"
+    ))
 }
