@@ -316,7 +316,7 @@ impl ClientQp {
     pub fn connect(self, param: &ConnParam, timeout: Duration) -> Result<Connection> {
         let start = Instant::now();
         let _expecting = self.id.channel().expecting(self.id.handle());
-        let this = if is_iwarp(&self.id) { self.start_connect_within(param, timeout)? } else { self.started(param)? };
+        let this = if self.id.is_iwarp() { self.start_connect_within(param, timeout)? } else { self.started(param)? };
         // The event's wait gets what the call left of the timeout.
         let left = timeout.saturating_sub(start.elapsed());
         let ev = expect(&this.id, connected_event(&this.id, this.user), "rdma_connect", left)?;
@@ -412,21 +412,10 @@ pub(crate) fn rdma_connect_with(id: &CmId, param: &ConnParam, qp_num: u32, srq: 
     check_rdma(unsafe { ffi::rdma_connect(id.as_raw(), &mut raw) }, "rdma_connect").map_err(|e| with_opt_addr(e, peer))
 }
 
-/// Whether `id`'s device speaks iWARP (whose `rdma_connect` may block, and whose kernel CM
-/// moves a connecting QP to RTS itself).
-pub(crate) fn is_iwarp(id: &CmId) -> bool {
-    // SAFETY: the id has a resolved route, so `verbs` is set (or null, checked) and stays
-    // valid while the id lives, as does its device; both are read as plain data.
-    unsafe {
-        let verbs = (*id.as_raw()).verbs;
-        !verbs.is_null() && (*(*verbs).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
-    }
-}
-
 /// Whether the crate moves the client's QP to RTS and completes the handshake itself: a
 /// QP the id adopted, on InfiniBand's CM. On iWARP the kernel's CM does both for any QP.
 fn crate_drives(id: &CmId, user: bool) -> bool {
-    user && !is_iwarp(id)
+    user && !id.is_iwarp()
 }
 
 /// The event that answers a connect: librdmacm turns the CM's `CONNECT_RESPONSE` into
@@ -556,7 +545,7 @@ impl ClientQp {
     pub async fn connect_async(self, param: &ConnParam) -> Result<Connection> {
         let _expecting = self.id.channel().expecting(self.id.handle());
         let this =
-            if is_iwarp(&self.id) { self.start_connect_off_runtime(*param).await? } else { self.started(param)? };
+            if self.id.is_iwarp() { self.start_connect_off_runtime(*param).await? } else { self.started(param)? };
         let ev = expect_async(&this.id, connected_event(&this.id, this.user), "rdma_connect").await?;
         finish_connect(this.id, this.qp, this.user, &ev, param.min_rnr_timer_value())
     }

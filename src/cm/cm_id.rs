@@ -101,6 +101,18 @@ impl IdHandle {
 }
 
 impl CmId {
+    /// Whether this id's device speaks iWARP (whose `rdma_connect` may block, and whose
+    /// kernel CM moves a connecting QP to RTS itself). False before the id has a device.
+    pub(crate) fn is_iwarp(&self) -> bool {
+        // SAFETY: the id is valid while `self` lives. Its `verbs` is null until the id is bound
+        // to a device (checked), and once set stays valid while the id lives, as does its
+        // device; both are read as plain data.
+        unsafe {
+            let verbs = (*self.as_raw()).verbs;
+            !verbs.is_null() && (*(*verbs).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
+        }
+    }
+
     /// Creates an RC id (`rdma_create_id`, `RDMA_PS_TCP`) on `channel`.
     ///
     /// # Errors

@@ -194,7 +194,7 @@ pub(crate) fn too_long(what: &str, len: usize, max: usize) -> Error {
 /// RTS-to-RTS `ibv_modify_qp`; nothing when unset or on iWARP.
 pub(crate) fn apply_min_rnr_timer(id: &CmId, qp: &QueuePair, code: Option<u8>) -> Result<()> {
     let Some(code) = code else { return Ok(()) };
-    if crate::cm::client::is_iwarp(id) {
+    if id.is_iwarp() {
         return Ok(());
     }
     // SAFETY: ibv_qp_attr is plain old data; zero is valid.

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cm::adopt;
-use crate::cm::client::{connected_event, is_iwarp, rdma_connect_with, ready_to_send, ClientQp, RouteResolved};
+use crate::cm::client::{connected_event, rdma_connect_with, ready_to_send, ClientQp, RouteResolved};
 use crate::cm::cm_id::CmId;
 use crate::cm::conn_param::ConnParam;
 use crate::cm::event_channel::{CmEventType, PrivateData};
@@ -203,7 +203,7 @@ impl LaneConn {
         let start = Instant::now();
         let _expecting = self.id.channel().expecting(self.id.handle());
         let qp_num = adopt::qp_num_for(param, &self.qp)?;
-        if is_iwarp(&self.id) {
+        if self.id.is_iwarp() {
             connect_off_thread(&self.id, param, qp_num, timeout)?;
         } else {
             rdma_connect_with(&self.id, param, qp_num, false)?;
