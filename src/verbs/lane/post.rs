@@ -17,13 +17,19 @@ impl Lane {
     /// the flush retires it, and the QP is moved to the error state).
     #[inline(always)]
     pub fn post_send(&mut self, qp: LaneQp, wr: SendWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+        // Without drop glue until its region is taken out: no unwinding path then needs the
+        // request's address, so the compiler keeps its fields in registers (a request some
+        // path may drop in place is kept in memory, each field stored as it is built). Every
+        // path below takes it back (`into_inner`); were a panic to unwind through here, the
+        // region would be leaked, which is safe.
+        let wr = mem::ManuallyDrop::new(wr);
         let m = match self.member(qp) {
             Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
         };
         let free = m.send.free();
         if free == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
+            return Err(Rejected::new(refusal(m, "ibv_post_send"), mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
@@ -32,22 +38,25 @@ impl Lane {
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
         let id = tag::encode(qp.place, seq, false);
         if let Err(e) = wr.lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
-            return Err(Rejected::new(e, wr.mr));
+            return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr));
         }
+        let SendWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
+        // The region goes into the slot at `tail` before the call, committed: nothing but `m`
+        // is then held across the call. When the provider did not take the request, the slot
+        // is emptied again (`refused_after_put`).
+        m.send.put(0, mr, wr_id);
+        m.send.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`); `raw` is one NULL-terminated work
         // request over `sge`, both alive for the call; the constructors and `lower` checked
-        // every piece against the region (bounds, access, PD), and the region moves into the
-        // slot below, so it stays allocated and out of Rust's reach until a completion retires
-        // the slot.
+        // every piece against the region (bounds, access, PD), and the region sits in the
+        // slot, so it stays allocated and out of Rust's reach until a completion retires the
+        // slot.
         let ret = unsafe { m.provider_post_send(&mut raw, &mut bad) };
         if ret == 0 {
-            m.send.put(0, wr.mr, wr.wr_id);
-            m.send.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        let named = std::ptr::eq(bad, &raw);
-        post_failed_one(m, ret, named, (wr.wr_id, wr.mr), true)
+        Err(refused_after_put(m, ret, std::ptr::eq(bad, &raw), true))
     }
 
     /// Posts the work requests `wrs` yields (at most [`MAX_LIST`], and at most the queue's free
@@ -201,36 +210,40 @@ impl Lane {
     /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
     /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
     #[inline(always)]
-    pub fn post_recv(&mut self, qp: LaneQp, mut wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+        // Without drop glue until its region is taken out, as in `post_send`.
+        let wr = mem::ManuallyDrop::new(wr);
         let m = match self.member(qp) {
             Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
         };
         if m.recv.free() == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal_recv(m), wr.mr));
+            return Err(Rejected::new(refusal_recv(m), mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.recv.tail;
         let num_sge = match wr.lower(m) {
             Ok(n) => n,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
         };
+        let RecvWr { mr, mut sge, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
         let mut raw = ffi::ibv_recv_wr {
             wr_id: tag::encode(qp.place, seq, true),
             next: std::ptr::null_mut(),
-            sg_list: &mut wr.sge,
+            sg_list: &mut sge,
             num_sge,
         };
+        // Into the slot before the call, committed, as in `post_send`.
+        m.recv.put(0, mr, wr_id);
+        m.recv.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
-        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region moves into
-        // the slot below, out of Rust's reach until its completion.
+        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region sits in
+        // the slot, out of Rust's reach until its completion.
         let ret = unsafe { m.provider_post_recv(&mut raw, &mut bad) };
         if ret == 0 {
-            m.recv.put(0, wr.mr, wr.wr_id);
-            m.recv.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), false)
+        Err(refused_after_put(m, ret, std::ptr::eq(bad, &raw), false))
     }
 
     /// Posts up to [`MAX_LIST`] receives in one `ibv_post_recv`, as
@@ -312,5 +325,25 @@ impl Drop for Staging<'_> {
         if self.k != 0 {
             self.m.send.release_staged(self.k);
         }
+    }
+}
+
+/// The refusal of a single work request whose region was put into the slot at `tail` and
+/// committed before the provider's call: when the provider named it (it did not take it), the
+/// slot is emptied again (`tail` put back) and the region comes back; otherwise it may run, so
+/// it stays in its slot until the flush retires it, and the QP is moved to the error state.
+#[cold]
+#[inline(never)]
+fn refused_after_put(m: &mut Member, ret: i32, named: bool, send: bool) -> Rejected<MemoryRegion> {
+    let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
+    if !named {
+        return Rejected::kept(post_list_failed(m, ret, false, op));
+    }
+    let slots = if send { &mut m.send } else { &mut m.recv };
+    slots.tail = slots.tail.wrapping_sub(1);
+    match slots.unput() {
+        Some(mr) => Rejected::new(Error::call(op, ret, None), mr),
+        // Never: the post put it there, and nothing took it since.
+        None => Rejected::kept(Error::call(op, ret, None)),
     }
 }

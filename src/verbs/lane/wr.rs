@@ -126,8 +126,10 @@ pub(super) enum Defect {
 }
 
 impl Defect {
-    #[cold]
-    #[inline(never)]
+    /// Inlined, so that the defect's fields go to the (cold) error constructors as values: a
+    /// call that took the defect's address would keep the whole work request holding it in
+    /// memory on the post's common path, each field stored as it is built.
+    #[inline(always)]
     pub(super) fn error(self, op: &str) -> Error {
         match self {
             Defect::Bad(why) => bad_request(op, why),
@@ -242,6 +244,12 @@ impl SendWr {
     }
 
     /// A request of the pieces `ranges`.
+    ///
+    /// Piece `k` of `ranges` goes to entry `k` of the scatter list (a piece refused leaves its
+    /// entry unwritten, and the request carries its defect, so it is never posted): with
+    /// `ranges` known where it is built, every index is a constant and the compiler keeps the
+    /// list in registers until the post writes it out. The checks, and the defect reported, are
+    /// `push`'s for each piece in order, then those of the list as a whole.
     #[inline(always)]
     fn gather(mr: MemoryRegion, opcode: u32, writes: bool, ranges: &[Range<usize>]) -> SendWr {
         let mut w = Self::start(mr, opcode, writes);
@@ -249,15 +257,26 @@ impl SendWr {
             w.defect = Some(Defect::Bad("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)"));
             return w;
         }
-        for r in ranges {
-            w.push(r);
+        let (addr, lkey, size) = (w.mr.addr(), w.mr.lkey(), w.mr.len() as u64);
+        // The pieces written, and whether one of them is empty.
+        let (mut written, mut empty) = (0u8, false);
+        for (entry, range) in w.sge.iter_mut().zip(ranges) {
+            match piece(range) {
+                Err(why) => w.defect = Some(Defect::Bad(why)),
+                Ok((start, len)) if start + len as u64 > size => {
+                    w.defect = Some(Defect::OutOfRegion { offset: start, len, size })
+                }
+                Ok((start, len)) => {
+                    entry.write(ffi::ibv_sge { addr: addr + start, length: len, lkey });
+                    w.total += len as u64;
+                    written += 1;
+                    empty |= len == 0;
+                }
+            }
         }
-        if w.n > 1
-            && w.sge[..w.n as usize].iter().any(|p| {
-                // SAFETY: the first `n` entries were written by `push`.
-                unsafe { p.assume_init_ref() }.length == 0
-            })
-        {
+        // Without a defect every piece was written: entries `..n` are initialised.
+        w.n = written;
+        if written > 1 && empty {
             w.defect = Some(Defect::Bad(
                 "a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)",
             ));
@@ -598,21 +617,25 @@ pub(super) fn list_too_long(k: u32, free: u32) -> Error {
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn out_of_remote(offset: u64, len: u64, size: u64) -> Error {
     Error::OutOfBounds { what: "remote region", offset, len, size }
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn out_of_region(offset: u64, len: u32, size: u64) -> Error {
     Error::OutOfBounds { what: "memory region", offset, len: len as u64, size }
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn bad_request(op: &str, why: &str) -> Error {
     Error::InvalidArgument(format!("{op}: {why}"))
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn unaligned_atomic(addr: u64) -> Error {
     Error::InvalidArgument(format!(
         "post_send: an atomic's target {addr:#x} is not 8-byte aligned (the device would fail it)"
@@ -637,6 +660,7 @@ pub(super) fn other_pd() -> Error {
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn needs_local_write() -> Error {
     Error::InvalidArgument(
         "post: the device writes this region (receive, RDMA READ target or atomic result): register it with LOCAL_WRITE"
