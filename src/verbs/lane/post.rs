@@ -1,6 +1,15 @@
 use super::*;
 
 impl Lane {
+    /// `member` without building its error: `None` for a `qp` this lane does not hold.
+    #[inline(always)]
+    fn member_or_none(&mut self, qp: LaneQp) -> Option<&mut Member> {
+        match self.members.get_mut(qp.place as usize) {
+            Some(Some(m)) if m.key.attach == qp.attach => Some(m),
+            _ => None,
+        }
+    }
+
     /// Posts one send-queue work request. Its region moves into the lane until the completion
     /// that retires it hands it back.
     ///
@@ -23,22 +32,24 @@ impl Lane {
         // path below takes it back (`into_inner`); were a panic to unwind through here, the
         // region would be leaked, which is safe.
         let wr = mem::ManuallyDrop::new(wr);
-        let m = match self.member(qp) {
-            Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
+        // Every refusal below builds its error out of line, where the region is handed over
+        // (`unknown_qp_back`, `refused_back`, `Refusal::rejected`): no call is made on the way
+        // while the region is in hand, so the compiler keeps it in a scratch register.
+        let Some(m) = self.member_or_none(qp) else {
+            return Err(unknown_qp_back(mem::ManuallyDrop::into_inner(wr).mr));
         };
         let free = m.send.free();
         if free == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal(m, "ibv_post_send"), mem::ManuallyDrop::into_inner(wr).mr));
+            return Err(refused_back(m, true, mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
         // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
         // is a valid value.
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
-        let id = tag::encode(qp.place, seq, false);
-        if let Err(e) = wr.lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
-            return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr));
+        let id = m.send.tag(seq);
+        if let Err(r) = wr.check_lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
+            return Err(r.rejected("post_send", mem::ManuallyDrop::into_inner(wr).mr));
         }
         let SendWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
         // The region goes into the slot at `tail` before the call, committed: nothing but `m`
@@ -213,25 +224,20 @@ impl Lane {
     pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
         // Without drop glue until its region is taken out, as in `post_send`.
         let wr = mem::ManuallyDrop::new(wr);
-        let m = match self.member(qp) {
-            Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
+        let Some(m) = self.member_or_none(qp) else {
+            return Err(unknown_qp_back(mem::ManuallyDrop::into_inner(wr).mr));
         };
         if m.recv.free() == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal_recv(m), mem::ManuallyDrop::into_inner(wr).mr));
+            return Err(refused_back(m, false, mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.recv.tail;
-        let num_sge = match wr.lower(m) {
+        let num_sge = match wr.check(m) {
             Ok(n) => n,
-            Err(e) => return Err(Rejected::new(e, mem::ManuallyDrop::into_inner(wr).mr)),
+            Err(r) => return Err(r.rejected("post_recv", mem::ManuallyDrop::into_inner(wr).mr)),
         };
         let RecvWr { mr, mut sge, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
-        let mut raw = ffi::ibv_recv_wr {
-            wr_id: tag::encode(qp.place, seq, true),
-            next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge,
-        };
+        let mut raw =
+            ffi::ibv_recv_wr { wr_id: m.recv.tag(seq), next: std::ptr::null_mut(), sg_list: &mut sge, num_sge };
         // Into the slot before the call, committed, as in `post_send`.
         m.recv.put(0, mr, wr_id);
         m.recv.tail = seq.wrapping_add(1);
@@ -346,4 +352,19 @@ fn refused_after_put(m: &mut Member, ret: i32, named: bool, send: bool) -> Rejec
         // Never: the post put it there, and nothing took it since.
         None => Rejected::kept(Error::call(op, ret, None)),
     }
+}
+
+/// The refusal of a post for a `LaneQp` the lane does not hold, with its region.
+#[cold]
+#[inline(never)]
+fn unknown_qp_back(mr: MemoryRegion) -> Rejected<MemoryRegion> {
+    Rejected::new(unknown_qp(), mr)
+}
+
+/// The refusal of a post to a full queue (the send queue: `send`) or a QP in error, with its
+/// region.
+#[cold]
+#[inline(never)]
+fn refused_back(m: &Member, send: bool, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+    Rejected::new(if send { refusal(m, "ibv_post_send") } else { refusal_recv(m) }, mr)
 }

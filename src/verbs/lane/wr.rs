@@ -141,6 +141,47 @@ impl Defect {
     }
 }
 
+/// Why a post refuses a work request, found by `check_lower` (a [`SendWr`]) or `check` (a
+/// [`RecvWr`]): as values, so that the error, and the `Rejected` that hands the region back,
+/// are built out of line (`Refusal::rejected`) where the region is passed, never kept across a
+/// call on the post's path.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Refusal {
+    Defect(Defect),
+    OtherPd,
+    TooManyPieces { n: u32, max: u32 },
+    UdNeedsDest { missing: bool },
+    NotThisQpsDest,
+    TooLong { len: u64, mtu: u32 },
+    NoRoomForGrh(u32),
+}
+
+impl Refusal {
+    /// The error a post of `op` reports for it.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn error(self, op: &str) -> Error {
+        match self {
+            Refusal::Defect(d) => d.error(op),
+            Refusal::OtherPd => other_pd(),
+            Refusal::TooManyPieces { n, max } => too_many_pieces(n as usize, max),
+            Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
+            Refusal::NotThisQpsDest => {
+                Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())
+            }
+            Refusal::TooLong { len, mtu } => too_long(len, mtu),
+            Refusal::NoRoomForGrh(len) => no_room_for_grh(len),
+        }
+    }
+
+    /// The error, with `mr` handed back.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn rejected(self, op: &str, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+        Rejected::new(self.error(op), mr)
+    }
+}
+
 /// A send-queue work request of a lane: a send, an RDMA WRITE or READ, or an atomic, whose
 /// local memory is pieces of one [`MemoryRegion`], moved into the lane when it is posted.
 ///
@@ -447,16 +488,31 @@ impl SendWr {
         out: &mut ffi::ibv_send_wr,
         sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
     ) -> Result<()> {
+        self.check_lower(m, wr_id, signaled, out, sge).map_err(|r| r.error("post_send"))
+    }
+
+    /// `lower`, saying why it refuses as a `Refusal`: a value, whose error is built out of line
+    /// (`Refusal::rejected`), so that no call is made on the post's path while the region is
+    /// in hand.
+    #[inline(always)]
+    pub(super) fn check_lower(
+        &self,
+        m: &Member,
+        wr_id: u64,
+        signaled: bool,
+        out: &mut ffi::ibv_send_wr,
+        sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
+    ) -> std::result::Result<(), Refusal> {
         if let Some(d) = self.defect {
-            return Err(d.error("post_send"));
+            return Err(Refusal::Defect(d));
         }
         if !self.mr.inner().on_pd(&m.pd) {
-            return Err(other_pd());
+            return Err(Refusal::OtherPd);
         }
         let n = self.n as u32;
         if n > 1 {
             if n > m.max_send_sge {
-                return Err(too_many_pieces(n as usize, m.max_send_sge));
+                return Err(Refusal::TooManyPieces { n, max: m.max_send_sge });
             }
             *sge = self.sge;
         } else {
@@ -465,7 +521,7 @@ impl SendWr {
         if m.is_ud() {
             out.wr.ud = self.lower_ud(m)?;
         } else if self.dest.is_some() {
-            return Err(ud_needs_dest(false));
+            return Err(Refusal::UdNeedsDest { missing: false });
         }
         match self.opcode {
             IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM | IBV_WR_RDMA_READ => {
@@ -493,24 +549,28 @@ impl SendWr {
 
     /// A UD send's destination, checked with its size.
     #[inline(always)]
-    fn lower_ud(&self, m: &Member) -> Result<ffi::ud_t> {
-        let (true, Some(d)) = (self.is_send(), self.dest) else { return Err(ud_needs_dest(self.dest.is_none())) };
+    fn lower_ud(&self, m: &Member) -> std::result::Result<ffi::ud_t, Refusal> {
+        let (true, Some(d)) = (self.is_send(), self.dest) else {
+            return Err(Refusal::UdNeedsDest { missing: self.dest.is_none() });
+        };
         let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp == m.key) else {
-            return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
+            return Err(Refusal::NotThisQpsDest);
         };
         if self.total > m.mtu as u64 {
-            return Err(too_long(self.total, m.mtu));
+            return Err(Refusal::TooLong { len: self.total, mtu: m.mtu });
         }
         Ok(ffi::ud_t { ah: dest.ah, remote_qpn: dest.qpn, remote_qkey: dest.qkey })
     }
 }
 
 /// A receive of a lane: the device writes the message into its region, moved into the lane
-/// when it is posted. Built already lowered, as [`SendWr`] is.
+/// when it is posted. Built already lowered, as [`SendWr`] is; its range is checked against
+/// the region when it is posted (`check`), where each check is one compare and branch.
 pub struct RecvWr {
     pub(super) mr: MemoryRegion,
+    /// The range as given: `sge` names it only once `check` has found it in the region.
+    pub(super) range: Range<usize>,
     pub(super) sge: ffi::ibv_sge,
-    pub(super) defect: Option<Defect>,
     pub(super) wr_id: u64,
 }
 
@@ -519,7 +579,7 @@ impl fmt::Debug for RecvWr {
         f.debug_struct("RecvWr")
             .field("len", &self.sge.length)
             .field("wr_id", &self.wr_id)
-            .field("defect", &self.defect)
+            .field("defect", &self.defect())
             .finish()
     }
 }
@@ -536,24 +596,30 @@ impl RecvWr {
     /// A receive into `mr[range]`.
     #[inline(always)]
     pub fn range(mr: MemoryRegion, range: Range<usize>) -> RecvWr {
-        let mut defect = None;
-        let size = mr.len() as u64;
-        let (start, len) = match piece(&range) {
-            Ok((start, len)) if start + len as u64 <= size => (start, len),
-            Ok((start, len)) => {
-                defect = Some(Defect::OutOfRegion { offset: start, len, size });
-                (0, 0)
-            }
-            Err(why) => {
-                defect = Some(Defect::Bad(why));
-                (0, 0)
-            }
+        // Its scatter entry as a raw program writes it; meaningful once `check` has found the
+        // range in the region (a receive that fails it is never posted).
+        let sge = ffi::ibv_sge {
+            addr: mr.addr().wrapping_add(range.start as u64),
+            length: range.end.wrapping_sub(range.start) as u32,
+            lkey: mr.lkey(),
         };
-        if !mr.access().contains(AccessFlags::LOCAL_WRITE) {
-            defect = Some(Defect::NeedsLocalWrite);
+        RecvWr { mr, range, sge, wr_id: 0 }
+    }
+
+    /// Why it cannot be posted on any QP, if it cannot: without `LOCAL_WRITE` the device
+    /// cannot write the region; else the range's defect. (`check` finds the same, in the same
+    /// order.)
+    #[inline(always)]
+    fn defect(&self) -> Option<Defect> {
+        if !self.mr.access().contains(AccessFlags::LOCAL_WRITE) {
+            return Some(Defect::NeedsLocalWrite);
         }
-        let sge = ffi::ibv_sge { addr: mr.addr() + start, length: len, lkey: mr.lkey() };
-        RecvWr { mr, sge, defect, wr_id: 0 }
+        let size = self.mr.len() as u64;
+        match piece(&self.range) {
+            Err(why) => Some(Defect::Bad(why)),
+            Ok((start, len)) if start + len as u64 > size => Some(Defect::OutOfRegion { offset: start, len, size }),
+            Ok(_) => None,
+        }
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -572,15 +638,21 @@ impl RecvWr {
     /// GRH); returns the scatter count.
     #[inline(always)]
     pub(super) fn lower(&self, m: &Member) -> Result<i32> {
-        if let Some(d) = self.defect {
-            return Err(d.error("post_recv"));
+        self.check(m).map_err(|r| r.error("post_recv"))
+    }
+
+    /// `lower`, saying why it refuses as a `Refusal` (see `SendWr::check_lower`).
+    #[inline(always)]
+    pub(super) fn check(&self, m: &Member) -> std::result::Result<i32, Refusal> {
+        if let Some(d) = self.defect() {
+            return Err(Refusal::Defect(d));
         }
         if !self.mr.inner().on_pd(&m.pd) {
-            return Err(other_pd());
+            return Err(Refusal::OtherPd);
         }
         let len = self.sge.length;
         if m.is_ud() && (len as usize) < GRH_LEN {
-            return Err(no_room_for_grh(len));
+            return Err(Refusal::NoRoomForGrh(len));
         }
         Ok((len != 0) as i32)
     }
