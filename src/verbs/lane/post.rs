@@ -101,9 +101,12 @@ impl Lane {
         // The slots filled so far, released if the iterator panics (its `next`, or its drop).
         let mut staging = Staging { m, k: 0 };
         for w in wrs {
+            // Without drop glue until its region is taken out, as in `post_send`.
+            let w = mem::ManuallyDrop::new(w);
             let (m, k) = (&mut *staging.m, staging.k);
             if k as usize == MAX_LIST || k == free {
                 staging.k = 0;
+                let w = mem::ManuallyDrop::into_inner(w);
                 return Err(unstage(staging.m, k, (w.wr_id, w.mr), list_too_long(k, free)));
             }
             // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
@@ -111,11 +114,12 @@ impl Lane {
                 base.add(k as usize).write(mem::zeroed());
                 &mut *base.add(k as usize)
             };
-            let id = tag::encode(qp.place, seq.wrapping_add(k as u64), false);
+            let id = m.send.tag(seq.wrapping_add(k as u64));
             // The one that takes the last free slot is signaled, so a full queue drains.
-            if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+            if let Err(r) = w.check_lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
                 staging.k = 0;
-                return Err(unstage(staging.m, k, (w.wr_id, w.mr), e));
+                let w = mem::ManuallyDrop::into_inner(w);
+                return Err(unstage(staging.m, k, (w.wr_id, w.mr), r.error("post_send")));
             }
             let i = k as usize;
             if k > 0 {
@@ -124,7 +128,8 @@ impl Lane {
             }
             // Staged: the slot holds it from here on; committed below once the provider took it.
             // Counted, so that a panic of the iterator's `next` releases it.
-            m.send.put(k, w.mr, w.wr_id);
+            let SendWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(w);
+            m.send.put(k, mr, wr_id);
             staging.k = k + 1;
         }
         // The iterator is done (and dropped): no user code runs from here on.
