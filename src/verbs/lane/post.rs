@@ -373,3 +373,74 @@ fn unknown_qp_back(mr: MemoryRegion) -> Rejected<MemoryRegion> {
 fn refused_back(m: &Member, send: bool, mr: MemoryRegion) -> Rejected<MemoryRegion> {
     Rejected::new(if send { refusal(m, "ibv_post_send") } else { refusal_recv(m) }, mr)
 }
+
+/// Why a post refuses a work request, found by `check_lower` (a [`SendWr`]) or `check` (a
+/// [`RecvWr`]): as values, so that the error, and the `Rejected` that hands the region back,
+/// are built out of line (`Refusal::rejected`) where the region is passed, never kept across a
+/// call on the post's path.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Refusal {
+    Defect(Defect),
+    OtherPd,
+    TooManyPieces { n: u32, max: u32 },
+    UdNeedsDest { missing: bool },
+    NotThisQpsDest,
+    TooLong { len: u64, mtu: u32 },
+    NoRoomForGrh(u32),
+}
+
+impl Refusal {
+    /// The error a post of `op` reports for it.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn error(self, op: &str) -> Error {
+        match self {
+            Refusal::Defect(d) => d.error(op),
+            Refusal::OtherPd => other_pd(),
+            Refusal::TooManyPieces { n, max } => too_many_pieces(n as usize, max),
+            Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
+            Refusal::NotThisQpsDest => {
+                Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())
+            }
+            Refusal::TooLong { len, mtu } => too_long(len, mtu),
+            Refusal::NoRoomForGrh(len) => no_room_for_grh(len),
+        }
+    }
+
+    /// The error, with `mr` handed back.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn rejected(self, op: &str, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+        Rejected::new(self.error(op), mr)
+    }
+}
+
+/// Gives back the `k` staged (uncommitted) work requests of a list that is not posted, and
+/// `w`, with `error`.
+#[cold]
+#[inline(never)]
+fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Error) -> RejectedList {
+    let mut returned = m.send.take_staged(0, k);
+    returned.push(w);
+    RejectedList { error, returned }
+}
+
+/// A list of `k` staged work requests the provider refused from `named` on (`None`: it did not
+/// say, so all are kept as posted and the QP goes to the error state).
+#[cold]
+#[inline(never)]
+fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
+    let posted = named.map_or(k, |p| p as u32);
+    let returned = m.send.take_staged(posted, k);
+    m.send.commit(posted);
+    RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
+}
+
+#[cold]
+fn list_too_long(k: u32, free: u32) -> Error {
+    if k == free {
+        Error::QueueFull { queue: "send", depth: free }
+    } else {
+        Error::InvalidArgument(format!("post_send_iter: more than {MAX_LIST} work requests in one list"))
+    }
+}
