@@ -8,12 +8,20 @@
 //! cargo bench --bench instr -- write-crate 2000     # one variant, without valgrind (a smoke run)
 //! ```
 //!
-//! Variants: `send-raw`, `send-crate` (post a receive on one end, post a send on the other, poll
-//! both completions), `write-raw`, `write-crate` (post an RDMA WRITE, poll its completion) and
-//! `write4-raw`, `write4-crate` (an RDMA WRITE gathered from four 16-byte pieces of one region,
-//! as `post_poll/write_4sge` in `benches/datapath.rs`, on a QP created with `max_send_sge` 4).
-//! `raw` makes the same `rdma-sys` calls directly on the same QP and CQs, as
-//! `benches/datapath.rs` does. The measured code lives in the `instr_*` functions (unmangled, so
+//! Each operation comes as `raw` (the same `rdma-sys` calls made directly, as
+//! `benches/datapath.rs` does), `crate` (the path the crate teaches: a lane,
+//! [`rdma_cm::verbs::lane`], per side, one work request per post, whose CQ serves both queues of
+//! its QP) and `queue` (the convenient path: `QueuePair::post_send` and its polls, measured so
+//! that the table shows the cost it had). The operations: `send-*` (post a receive on one end,
+//! post a send on the other, poll both completions), `write-*` (post an RDMA WRITE, poll its
+//! completion), `write4-*` (an RDMA WRITE gathered from four 16-byte pieces of one region, as
+//! `post_poll/write_4sge` in `benches/datapath.rs`, on a QP created with `max_send_sge` 4),
+//! `fadd-*` (an atomic fetch-and-add into the peer's first 8 bytes, the original value into 8
+//! bytes of the local region), `ud-*` (a 64-byte datagram to the peer's UD QP, into a receive
+//! with room for the GRH: post receive, post send, poll both) and `batch-*` (16 RDMA WRITEs of
+//! 64 bytes in one post under one doorbell, the last one signaled, then one poll that reaps
+//! them; counted per WRITE by the harness; `batch-crate` posts them with `post_send_iter`).
+//! The measured code lives in the `instr_*` functions (unmangled, so
 //! callgrind's `--toggle-collect=instr_*` finds them); everything else (connection setup, the
 //! pause that lets the device complete the work) is not counted. Before polling, the loop waits
 //! outside the measured functions until the device is likely done, so almost every poll finds
@@ -24,16 +32,7 @@
 //! After a warm-up (which also resolves the lazy symbol bindings), the counters are zeroed with
 //! callgrind's `ZERO_STATS` client request, so only the N measured iterations count.
 //!
-//! The fast path, [`rdma_cm::verbs::lane`], has a `-lane` variant of each (`send-lane`, `write-lane`,
-//! `write4-lane`): the same operations through a lane per side, whose CQ serves both queues of
-//! its QP. Three more operations come as `raw`, `crate` and `lane`: `fadd-*` (an atomic
-//! fetch-and-add into the peer's first 8 bytes, the original value into 8 bytes of the local
-//! region), `ud-*` (a 64-byte datagram to the peer's UD QP, into a receive with room for the
-//! GRH: post receive, post send, poll both) and `batch-*` (16 RDMA WRITEs of 64 bytes in one
-//! post under one doorbell, the last one signaled, then one poll that reaps them; counted per
-//! WRITE by the harness).
-//!
-//! Each lane operation has a `-prep` variant too: the same work through prepared work requests
+//! Each operation has a `-prep` variant too: the same work through prepared work requests
 //! ([`rdma_cm::verbs::lane::PreparedSend`]: checked and lowered once before the loop, posted with
 //! `post_prepared`, re-armed with the region each completion hands back). `batch-prep` is a
 //! [`rdma_cm::verbs::lane::PreparedBatch`]: the sixteen WRITEs over one region, posted with
@@ -58,9 +57,9 @@ use rdma_cm::{
 
 /// Every variant, as `main` takes them.
 const VARIANTS: &str =
-    "send-raw, send-crate, send-lane, write-raw, write-crate, write-lane, write4-raw, write4-crate, \
-     write4-lane, fadd-raw, fadd-crate, fadd-lane, ud-raw, ud-crate, ud-lane, batch-raw, batch-crate, batch-lane, \
-     xwrite-raw, xwrite-crate, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
+    "send-raw, send-queue, send-crate, write-raw, write-queue, write-crate, write4-raw, write4-queue, \
+     write4-crate, fadd-raw, fadd-queue, fadd-crate, ud-raw, ud-queue, ud-crate, batch-raw, batch-queue, batch-crate, \
+     xwrite-raw, xwrite-queue, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
      batch4-raw, batch4-prep, fbatch-raw, fbatch-prep, ubatch-raw, ubatch-prep";
 
 /// How long the loop lets the device work before it polls (not counted).
@@ -157,7 +156,7 @@ const PIECES: [std::ops::Range<usize>; 4] = [0..16, 1024..1040, 2048..2064, 3072
 /// The crate: posts one RDMA WRITE gathered from `PIECES` of `mr` to the start of `remote`.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_crate_post_write4(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+pub fn instr_queue_post_write4(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
     let pieces = PIECES.map(|r| (mr, r));
     qp.post_send(&[SendWr::write_sg(&pieces, remote, 0).unwrap()]).unwrap();
 }
@@ -165,28 +164,28 @@ pub fn instr_crate_post_write4(qp: &mut QueuePair, mr: &MemoryRegion, remote: &R
 /// The crate: posts one send of `mr[0..len]`.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_crate_post_send(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
+pub fn instr_queue_post_send(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
     qp.post_send(&[SendWr::send(mr, 0..len)]).unwrap();
 }
 
 /// The crate: posts one RDMA WRITE of `mr[0..len]` to the start of `remote`.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_crate_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
+pub fn instr_queue_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
     qp.post_send(&[SendWr::write(mr, 0..len, remote, 0).unwrap()]).unwrap();
 }
 
 /// The crate: posts one receive into `mr[0..len]`.
 #[no_mangle]
 #[inline(never)]
-pub fn instr_crate_post_recv(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
+pub fn instr_queue_post_recv(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
     qp.post_recv(&[RecvWr::new(mr, 0..len)]).unwrap();
 }
 
 /// The crate: one poll of `queue` for one entry; whether it found one (a success).
 #[no_mangle]
 #[inline(never)]
-pub fn instr_crate_poll(qp: &mut QueuePair, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
+pub fn instr_queue_poll(qp: &mut QueuePair, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
     let n = qp.poll_queue(queue, wcs).unwrap();
     if n == 1 {
         assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
@@ -220,11 +219,11 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
             settle_and_poll(empties, || instr_raw_poll(scq));
             settle_and_poll(empties, || instr_raw_poll(rcq));
         }
-        "send-crate" => {
-            instr_crate_post_recv(b.conn.qp_mut(), &b.mrs[0], LEN as usize);
-            instr_crate_post_send(a.conn.qp_mut(), &a.mrs[0], LEN as usize);
-            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
-            settle_and_poll(empties, || instr_crate_poll(b.conn.qp_mut(), WorkQueue::Recv, &mut wcs));
+        "send-queue" => {
+            instr_queue_post_recv(b.conn.qp_mut(), &b.mrs[0], LEN as usize);
+            instr_queue_post_send(a.conn.qp_mut(), &a.mrs[0], LEN as usize);
+            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+            settle_and_poll(empties, || instr_queue_poll(b.conn.qp_mut(), WorkQueue::Recv, &mut wcs));
         }
         "write-raw" => {
             let op = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
@@ -232,18 +231,18 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
             let scq = a.conn.qp().send_cq();
             settle_and_poll(empties, || instr_raw_poll(scq));
         }
-        "write-crate" => {
-            instr_crate_post_write(a.conn.qp_mut(), &a.mrs[0], LEN as usize, remote);
-            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+        "write-queue" => {
+            instr_queue_post_write(a.conn.qp_mut(), &a.mrs[0], LEN as usize, remote);
+            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
         }
         "write4-raw" => {
             instr_raw_post_write4(a.conn.qp(), &a.mrs[0], remote);
             let scq = a.conn.qp().send_cq();
             settle_and_poll(empties, || instr_raw_poll(scq));
         }
-        "write4-crate" => {
-            instr_crate_post_write4(a.conn.qp_mut(), &a.mrs[0], remote);
-            settle_and_poll(empties, || instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+        "write4-queue" => {
+            instr_queue_post_write4(a.conn.qp_mut(), &a.mrs[0], remote);
+            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
         }
         other => panic!("unknown variant {other:?}: {VARIANTS}"),
     }
@@ -311,18 +310,18 @@ mod lane_bench {
     /// The runner of `variant`, when it is one of this module's.
     pub fn runner(variant: &str) -> Option<Run> {
         Some(match variant {
-            "send-lane" => send_lane,
-            "write-lane" => write_lane,
-            "write4-lane" => write4_lane,
+            "send-crate" => send_lane,
+            "write-crate" => write_lane,
+            "write4-crate" => write4_lane,
             "fadd-raw" => |n| fadd(n, Path::Raw),
-            "fadd-crate" => |n| fadd(n, Path::Crate),
-            "fadd-lane" => fadd_lane,
+            "fadd-queue" => |n| fadd(n, Path::Queue),
+            "fadd-crate" => fadd_lane,
             "ud-raw" => |n| ud(n, Path::Raw),
-            "ud-crate" => |n| ud(n, Path::Crate),
-            "ud-lane" => ud_lane,
+            "ud-queue" => |n| ud(n, Path::Queue),
+            "ud-crate" => ud_lane,
             "batch-raw" => |n| batch(n, Path::Raw),
-            "batch-crate" => |n| batch(n, Path::Crate),
-            "batch-lane" => batch_lane,
+            "batch-queue" => |n| batch(n, Path::Queue),
+            "batch-crate" => batch_lane,
             "send-prep" => send_prep,
             "write-prep" => |n| one_prep(n, "write-prep", 1, |mr, remote| LSend::write(mr, 0..LEN, remote, 0)),
             "write4-prep" => |n| one_prep(n, "write4-prep", 4, |mr, remote| LSend::write_sg(mr, &PIECES, remote, 0)),
@@ -347,7 +346,7 @@ mod lane_bench {
     #[derive(Clone, Copy, PartialEq)]
     enum Path {
         Raw,
-        Crate,
+        Queue,
     }
 
     /// Runs `iteration` 200 times to warm up, zeroes the counters, runs it `n` times.
@@ -582,7 +581,7 @@ mod lane_bench {
     /// `mr[4096..4104]`.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_post_fadd(qp: &mut QueuePair, mr: &MemoryRegion, counter: &RemoteRegion) {
+    pub fn instr_queue_post_fadd(qp: &mut QueuePair, mr: &MemoryRegion, counter: &RemoteRegion) {
         qp.post_send(&[SendWr::fetch_add(mr, 4096..4104, counter, 0, 1).unwrap()]).unwrap();
     }
 
@@ -622,21 +621,21 @@ mod lane_bench {
     /// The crate: posts one datagram of `mr[0..LEN]` to `dest`.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_post_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+    pub fn instr_queue_post_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
         qp.post_send(&[rdma_cm::UdSendWr::send(dest, mr, 0..LEN)]).unwrap();
     }
 
     /// The crate: posts one receive of `len` bytes of `mr` on a UD QP.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_post_recv_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, len: usize) {
+    pub fn instr_queue_post_recv_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, len: usize) {
         qp.post_recv(&[rdma_cm::RecvWr::new(mr, 0..len)]).unwrap();
     }
 
     /// The crate: one poll of a UD QP's `queue` for one entry; whether it found one.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_poll_ud(qp: &mut rdma_cm::UdQp, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
+    pub fn instr_queue_poll_ud(qp: &mut rdma_cm::UdQp, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
         let n = qp.poll_queue(queue, wcs).unwrap();
         if n == 1 {
             assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
@@ -686,7 +685,7 @@ mod lane_bench {
     /// The crate: posts `BATCH` RDMA WRITEs of `mr[0..LEN]` in one call, the last one signaled.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_post_batch(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
+    pub fn instr_queue_post_batch(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
         let wrs: [SendWr<'_>; BATCH] = std::array::from_fn(|k| {
             let w = SendWr::write(mr, 0..LEN, remote, 0).unwrap().wr_id(k as u64);
             if k + 1 < BATCH {
@@ -701,7 +700,7 @@ mod lane_bench {
     /// The crate: one poll of the send queue for up to `BATCH` entries; how many it found.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_crate_poll_batch(qp: &mut QueuePair, wcs: &mut [WorkCompletion; BATCH]) -> usize {
+    pub fn instr_queue_poll_batch(qp: &mut QueuePair, wcs: &mut [WorkCompletion; BATCH]) -> usize {
         let n = qp.poll_queue(WorkQueue::Send, wcs).unwrap();
         assert!(wcs[..n].iter().all(|w| w.is_ok()));
         n
@@ -721,7 +720,7 @@ mod lane_bench {
     fn send_lane(n: u64) {
         let (mut a, mut b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
         let (mut sbuf, mut rbuf) = (Some(a.mrs.remove(0)), Some(b.mrs.remove(0)));
-        measure("send-lane", n, |empties| {
+        measure("send-crate", n, |empties| {
             instr_lane_post_recv(&mut b.lane, b.qp, rbuf.take().unwrap(), LEN);
             instr_lane_post_send(&mut a.lane, a.qp, sbuf.take().unwrap());
             poll_lane(empties, &mut a.lane, &mut sbuf);
@@ -733,7 +732,7 @@ mod lane_bench {
         let (mut a, b) = rc_lanes(1, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
         let remote = b.mrs[0].remote();
         let mut buf = Some(a.mrs.remove(0));
-        measure("write-lane", n, |empties| {
+        measure("write-crate", n, |empties| {
             instr_lane_post_write(&mut a.lane, a.qp, buf.take().unwrap(), &remote);
             poll_lane(empties, &mut a.lane, &mut buf);
         });
@@ -743,7 +742,7 @@ mod lane_bench {
         let (mut a, b) = rc_lanes(4, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
         let remote = b.mrs[0].remote();
         let mut buf = Some(a.mrs.remove(0));
-        measure("write4-lane", n, |empties| {
+        measure("write4-crate", n, |empties| {
             instr_lane_post_write4(&mut a.lane, a.qp, buf.take().unwrap(), &remote);
             poll_lane(empties, &mut a.lane, &mut buf);
         });
@@ -757,15 +756,15 @@ mod lane_bench {
         let (mut a, b) = pair(common::device_addr(), s.clone(), s);
         let counter = RemoteRegion { len: 8, ..b.mrs[0].remote() };
         let mut wcs = [WorkCompletion::default(); 1];
-        let name = if path == Path::Raw { "fadd-raw" } else { "fadd-crate" };
+        let name = if path == Path::Raw { "fadd-raw" } else { "fadd-queue" };
         measure(name, n, |empties| {
             if path == Path::Raw {
                 instr_raw_post_fadd(a.conn.qp(), &a.mrs[0], &counter);
                 let scq = a.conn.qp().send_cq();
                 settle_and_poll(empties, || super::instr_raw_poll(scq));
             } else {
-                instr_crate_post_fadd(a.conn.qp_mut(), &a.mrs[0], &counter);
-                settle_and_poll(empties, || super::instr_crate_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
+                instr_queue_post_fadd(a.conn.qp_mut(), &a.mrs[0], &counter);
+                settle_and_poll(empties, || super::instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
             }
         });
     }
@@ -774,7 +773,7 @@ mod lane_bench {
         let (mut a, b) = rc_lanes(1, ATOMIC);
         let counter = RemoteRegion { len: 8, ..b.mrs[0].remote() };
         let mut buf = Some(a.mrs.remove(0));
-        measure("fadd-lane", n, |empties| {
+        measure("fadd-crate", n, |empties| {
             instr_lane_post_fadd(&mut a.lane, a.qp, buf.take().unwrap(), &counter);
             poll_lane(empties, &mut a.lane, &mut buf);
         });
@@ -786,7 +785,7 @@ mod lane_bench {
         let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
         let rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
         let mut wcs = [WorkCompletion::default(); 1];
-        let name = if path == Path::Raw { "ud-raw" } else { "ud-crate" };
+        let name = if path == Path::Raw { "ud-raw" } else { "ud-queue" };
         measure(name, n, |empties| {
             if path == Path::Raw {
                 instr_raw_post_recv_ud(server.qp().as_raw(), &rbuf, (GRH_LEN + LEN) as u32);
@@ -795,10 +794,10 @@ mod lane_bench {
                 settle_and_poll(empties, || super::instr_raw_poll(scq));
                 settle_and_poll(empties, || super::instr_raw_poll(rcq));
             } else {
-                instr_crate_post_recv_ud(server.qp_mut(), &rbuf, GRH_LEN + LEN);
-                instr_crate_post_ud(client.qp_mut(), &sbuf, &to_server);
-                settle_and_poll(empties, || instr_crate_poll_ud(client.qp_mut(), WorkQueue::Send, &mut wcs));
-                settle_and_poll(empties, || instr_crate_poll_ud(server.qp_mut(), WorkQueue::Recv, &mut wcs));
+                instr_queue_post_recv_ud(server.qp_mut(), &rbuf, GRH_LEN + LEN);
+                instr_queue_post_ud(client.qp_mut(), &sbuf, &to_server);
+                settle_and_poll(empties, || instr_queue_poll_ud(client.qp_mut(), WorkQueue::Send, &mut wcs));
+                settle_and_poll(empties, || instr_queue_poll_ud(server.qp_mut(), WorkQueue::Recv, &mut wcs));
             }
         });
     }
@@ -808,7 +807,7 @@ mod lane_bench {
             lane::lane_ud_pair(common::device_addr(), 7493, QpInit::new(), 64);
         let mut sbuf = Some(MemoryRegion::new(&client.pd, LEN, AccessFlags::LOCAL_WRITE).unwrap());
         let mut rbuf = Some(MemoryRegion::new(&server.pd, GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap());
-        measure("ud-lane", n, |empties| {
+        measure("ud-crate", n, |empties| {
             instr_lane_post_recv(&mut server.lane, server.qp, rbuf.take().unwrap(), GRH_LEN + LEN);
             instr_lane_post_ud(&mut client.lane, client.qp, sbuf.take().unwrap(), to_server);
             poll_lane(empties, &mut client.lane, &mut sbuf);
@@ -821,15 +820,15 @@ mod lane_bench {
         let (mut a, b) = pair(common::device_addr(), s.clone(), s);
         let remote = b.mrs[0].remote();
         let mut wcs = [WorkCompletion::default(); BATCH];
-        let name = if path == Path::Raw { "batch-raw" } else { "batch-crate" };
+        let name = if path == Path::Raw { "batch-raw" } else { "batch-queue" };
         measure(name, n, |empties| {
             if path == Path::Raw {
                 instr_raw_post_batch(a.conn.qp(), &a.mrs[0], &remote);
                 let scq = a.conn.qp().send_cq();
                 settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
             } else {
-                instr_crate_post_batch(a.conn.qp_mut(), &a.mrs[0], &remote);
-                settle_and_poll(empties, || instr_crate_poll_batch(a.conn.qp_mut(), &mut wcs) == 1);
+                instr_queue_post_batch(a.conn.qp_mut(), &a.mrs[0], &remote);
+                settle_and_poll(empties, || instr_queue_poll_batch(a.conn.qp_mut(), &mut wcs) == 1);
             }
         });
     }
@@ -1066,7 +1065,7 @@ mod lane_bench {
         for (k, c) in chunks.into_iter().enumerate() {
             mrs[k] = Some(c);
         }
-        measure("batch-lane", n, |empties| {
+        measure("batch-crate", n, |empties| {
             instr_lane_post_batch(&mut a.lane, a.qp, &mut mrs, &remote);
             let mut got = 0;
             settle_and_poll(empties, || {
@@ -1077,12 +1076,12 @@ mod lane_bench {
     }
 }
 
-/// The extended verbs' rows: `xwrite-raw`, `xwrite-crate` post one RDMA WRITE as a
+/// The extended verbs' rows: `xwrite-raw`, `xwrite-queue` post one RDMA WRITE as a
 /// batch of one (`ibv_wr_start`, `ibv_wr_rdma_write`, `ibv_wr_set_sge`, `ibv_wr_complete`; the
-/// crate: `start_batch`, `add`, `complete`) on a QP made by `ibv_create_qp_ex`, and poll its
+/// convenient path: `start_batch`, `add`, `complete`) on a QP made by `ibv_create_qp_ex`, and poll its
 /// completion through `ibv_start_poll`/`ibv_end_poll` on a CQ made by `ibv_create_cq_ex` (the
-/// crate: `CompletionQueue::poll_extended`). The raw poll reads what a user of the extended
-/// API needs at least (status, `wr_id`, QP number, length); the crate's reads every field of a
+/// convenient path: `CompletionQueue::poll_extended`). The raw poll reads what a user of the extended
+/// API needs at least (status, `wr_id`, QP number, length); the convenient path's reads every field of a
 /// `WorkCompletion`. The pair is verbs-only (`UnconnectedQp`), so that the CQ can be made
 /// extended before the QP.
 mod extended {
@@ -1139,7 +1138,7 @@ mod extended {
     /// The crate: one RDMA WRITE of `mr[0..len]` to the start of `remote`, as a batch of one.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_xcrate_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
+    pub fn instr_xqueue_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
         let mut batch = qp.start_batch().unwrap();
         batch.add(&SendWr::write(mr, 0..len, remote, 0).unwrap()).unwrap();
         batch.complete().unwrap();
@@ -1148,7 +1147,7 @@ mod extended {
     /// The crate: one extended poll for one entry; whether it found one (a success).
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_xcrate_poll(cq: &CompletionQueue, out: &mut [ExtendedCompletion; 1]) -> bool {
+    pub fn instr_xqueue_poll(cq: &CompletionQueue, out: &mut [ExtendedCompletion; 1]) -> bool {
         let n = cq.poll_extended(out).unwrap();
         if n == 1 {
             assert!(out[0].is_ok(), "{:?}", out[0]);
@@ -1190,9 +1189,9 @@ mod extended {
                 instr_xraw_post_write(&a, &mr, LEN, &remote);
                 settle_and_poll(empties, || instr_xraw_poll(&cq));
             }
-            "xwrite-crate" => {
-                instr_xcrate_post_write(&mut a, &mr, LEN as usize, &remote);
-                settle_and_poll(empties, || instr_xcrate_poll(&cq, &mut out));
+            "xwrite-queue" => {
+                instr_xqueue_post_write(&mut a, &mr, LEN as usize, &remote);
+                settle_and_poll(empties, || instr_xqueue_poll(&cq, &mut out));
             }
             other => panic!("unknown variant {other:?}: {}", super::VARIANTS),
         };

@@ -132,8 +132,9 @@
 //!   completion, (b) when a later signaled completion of the same RC or UD queue retires it
 //!   (queues complete in order), (c) when the provider said it did not take the work request
 //!   (`bad_wr` pointing into the list), or (d) when its QP was destroyed successfully. (A post
-//!   moves a region into its slot just before the provider's call, uncommitted; a list whose
-//!   later entry fails its checks takes the ones moved so far back before any call.) A post
+//!   moves a region into its slot just before the provider's call, and takes it back only when
+//!   the provider names that request as refused; a list whose later entry fails its checks
+//!   takes the ones moved so far back before any call.) A post
 //!   that fails without saying how far it got keeps every region and moves the QP to the error
 //!   state, so the flush retires them.
 //! - **`mem::forget` is safe.** Forgetting the lane, a [`Completion`] or a work request leaks

@@ -186,11 +186,20 @@ impl Lane {
         // completion of the convenient path or of a batch's interior request has a bit set
         // that no queue's `hi` has, and goes to `unmatched` (through `start_rest`).
         let hi = tag::hi_of(wc.wr_id);
-        let (place, recv) = (hi as u16, wc.wr_id & tag::RECV != 0);
+        let place = hi as u16;
         let Some(Some(m)) = self.members.get_mut(place as usize) else { return Start::Unmatched };
         let m = &mut **m;
-        let slots = if recv { &mut m.recv } else { &mut m.send };
-        if slots.hi != hi || m.qp_num != wc.qp_num {
+        // The queue whose `hi` the tag carries whole (the send queue's has no `RECV`, the
+        // receive queue's has it): two compares at most, where selecting by the bit and then
+        // comparing takes more.
+        let (slots, recv) = if m.send.hi == hi {
+            (&mut m.send, false)
+        } else if m.recv.hi == hi {
+            (&mut m.recv, true)
+        } else {
+            return Start::Unmatched;
+        };
+        if m.qp_num != wc.qp_num {
             return Start::Unmatched;
         }
         // The common case: it names the oldest outstanding slot (its sequence number's 45

@@ -1,6 +1,15 @@
 use super::*;
 
 impl Lane {
+    /// `member` without building its error: `None` for a `qp` this lane does not hold.
+    #[inline(always)]
+    fn member_or_none(&mut self, qp: LaneQp) -> Option<&mut Member> {
+        match self.members.get_mut(qp.place as usize) {
+            Some(Some(m)) if m.key.attach == qp.attach => Some(m),
+            _ => None,
+        }
+    }
+
     /// Posts one send-queue work request. Its region moves into the lane until the completion
     /// that retires it hands it back.
     ///
@@ -17,37 +26,48 @@ impl Lane {
     /// the flush retires it, and the QP is moved to the error state).
     #[inline(always)]
     pub fn post_send(&mut self, qp: LaneQp, wr: SendWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
-        let m = match self.member(qp) {
-            Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+        // Without drop glue until its region is taken out: no unwinding path then needs the
+        // request's address, so the compiler keeps its fields in registers (a request some
+        // path may drop in place is kept in memory, each field stored as it is built). Every
+        // path below takes it back (`into_inner`); were a panic to unwind through here, the
+        // region would be leaked, which is safe.
+        let wr = mem::ManuallyDrop::new(wr);
+        // Every refusal below builds its error out of line, where the region is handed over
+        // (`unknown_qp_back`, `refused_back`, `Refusal::rejected`): no call is made on the way
+        // while the region is in hand, so the compiler keeps it in a scratch register.
+        let Some(m) = self.member_or_none(qp) else {
+            return Err(unknown_qp_back(mem::ManuallyDrop::into_inner(wr).mr));
         };
         let free = m.send.free();
         if free == 0 || m.failed.is_some() {
-            return Err(Rejected::new(refusal(m, "ibv_post_send"), wr.mr));
+            return Err(refused_back(m, true, mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.send.tail;
         let mut sge: [MaybeUninit<ffi::ibv_sge>; MAX_SGE] = [const { MaybeUninit::uninit() }; MAX_SGE];
         // SAFETY: ibv_send_wr is plain old data (integers, pointers, unions of those): all-zero
         // is a valid value.
         let mut raw: ffi::ibv_send_wr = unsafe { mem::zeroed() };
-        let id = tag::encode(qp.place, seq, false);
-        if let Err(e) = wr.lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
-            return Err(Rejected::new(e, wr.mr));
+        let id = m.send.tag(seq);
+        if let Err(r) = wr.check_lower(m, id, wr.signaled || free == 1, &mut raw, &mut sge) {
+            return Err(r.rejected("post_send", mem::ManuallyDrop::into_inner(wr).mr));
         }
+        let SendWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
+        // The region goes into the slot at `tail` before the call, committed: nothing but `m`
+        // is then held across the call. When the provider did not take the request, the slot
+        // is emptied again (`refused_after_put`).
+        m.send.put(0, mr, wr_id);
+        m.send.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (its owner is in `m`); `raw` is one NULL-terminated work
         // request over `sge`, both alive for the call; the constructors and `lower` checked
-        // every piece against the region (bounds, access, PD), and the region moves into the
-        // slot below, so it stays allocated and out of Rust's reach until a completion retires
-        // the slot.
+        // every piece against the region (bounds, access, PD), and the region sits in the
+        // slot, so it stays allocated and out of Rust's reach until a completion retires the
+        // slot.
         let ret = unsafe { m.provider_post_send(&mut raw, &mut bad) };
         if ret == 0 {
-            m.send.put(0, wr.mr, wr.wr_id);
-            m.send.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        let named = std::ptr::eq(bad, &raw);
-        post_failed_one(m, ret, named, (wr.wr_id, wr.mr), true)
+        Err(refused_after_put(m, ret, std::ptr::eq(bad, &raw), true))
     }
 
     /// Posts the work requests `wrs` yields (at most [`MAX_LIST`], and at most the queue's free
@@ -81,9 +101,12 @@ impl Lane {
         // The slots filled so far, released if the iterator panics (its `next`, or its drop).
         let mut staging = Staging { m, k: 0 };
         for w in wrs {
+            // Without drop glue until its region is taken out, as in `post_send`.
+            let w = mem::ManuallyDrop::new(w);
             let (m, k) = (&mut *staging.m, staging.k);
             if k as usize == MAX_LIST || k == free {
                 staging.k = 0;
+                let w = mem::ManuallyDrop::into_inner(w);
                 return Err(unstage(staging.m, k, (w.wr_id, w.mr), list_too_long(k, free)));
             }
             // SAFETY: k < MAX_LIST: within `raw`; all-zero is a valid ibv_send_wr.
@@ -91,11 +114,12 @@ impl Lane {
                 base.add(k as usize).write(mem::zeroed());
                 &mut *base.add(k as usize)
             };
-            let id = tag::encode(qp.place, seq.wrapping_add(k as u64), false);
+            let id = m.send.tag(seq.wrapping_add(k as u64));
             // The one that takes the last free slot is signaled, so a full queue drains.
-            if let Err(e) = w.lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
+            if let Err(r) = w.check_lower(m, id, w.signaled || k + 1 == free, r, &mut sge[k as usize]) {
                 staging.k = 0;
-                return Err(unstage(staging.m, k, (w.wr_id, w.mr), e));
+                let w = mem::ManuallyDrop::into_inner(w);
+                return Err(unstage(staging.m, k, (w.wr_id, w.mr), r.error("post_send")));
             }
             let i = k as usize;
             if k > 0 {
@@ -104,7 +128,8 @@ impl Lane {
             }
             // Staged: the slot holds it from here on; committed below once the provider took it.
             // Counted, so that a panic of the iterator's `next` releases it.
-            m.send.put(k, w.mr, w.wr_id);
+            let SendWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(w);
+            m.send.put(k, mr, wr_id);
             staging.k = k + 1;
         }
         // The iterator is done (and dropped): no user code runs from here on.
@@ -201,36 +226,35 @@ impl Lane {
     /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
     /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
     #[inline(always)]
-    pub fn post_recv(&mut self, qp: LaneQp, mut wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
-        let m = match self.member(qp) {
-            Ok(m) => m,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+    pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
+        // Without drop glue until its region is taken out, as in `post_send`.
+        let wr = mem::ManuallyDrop::new(wr);
+        let Some(m) = self.member_or_none(qp) else {
+            return Err(unknown_qp_back(mem::ManuallyDrop::into_inner(wr).mr));
         };
         if (m.recv.free() == 0 || m.failed.is_some()) && m.refuses_recv(1) {
-            return Err(Rejected::new(refusal_recv(m), wr.mr));
+            return Err(refused_back(m, false, mem::ManuallyDrop::into_inner(wr).mr));
         }
         let seq = m.recv.tail;
-        let num_sge = match wr.lower(m) {
+        let num_sge = match wr.check(m) {
             Ok(n) => n,
-            Err(e) => return Err(Rejected::new(e, wr.mr)),
+            Err(r) => return Err(r.rejected("post_recv", mem::ManuallyDrop::into_inner(wr).mr)),
         };
-        let mut raw = ffi::ibv_recv_wr {
-            wr_id: tag::encode(qp.place, seq, true),
-            next: std::ptr::null_mut(),
-            sg_list: &mut wr.sge,
-            num_sge,
-        };
+        let RecvWr { mr, mut sge, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
+        let mut raw =
+            ffi::ibv_recv_wr { wr_id: m.recv.tag(seq), next: std::ptr::null_mut(), sg_list: &mut sge, num_sge };
+        // Into the slot before the call, committed, as in `post_send`.
+        m.recv.put(0, mr, wr_id);
+        m.recv.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
-        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region moves into
-        // the slot below, out of Rust's reach until its completion.
+        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region sits in
+        // the slot, out of Rust's reach until its completion.
         let ret = unsafe { m.provider_post_recv(&mut raw, &mut bad) };
         if ret == 0 {
-            m.recv.put(0, wr.mr, wr.wr_id);
-            m.recv.tail = seq.wrapping_add(1);
             return Ok(());
         }
-        post_failed_one(m, ret, std::ptr::eq(bad, &raw), (wr.wr_id, wr.mr), false)
+        Err(refused_after_put(m, ret, std::ptr::eq(bad, &raw), false))
     }
 
     /// Posts up to [`MAX_LIST`] receives in one `ibv_post_recv`, as
@@ -312,5 +336,111 @@ impl Drop for Staging<'_> {
         if self.k != 0 {
             self.m.send.release_staged(self.k);
         }
+    }
+}
+
+/// The refusal of a single work request whose region was put into the slot at `tail` and
+/// committed before the provider's call: when the provider named it (it did not take it), the
+/// slot is emptied again (`tail` put back) and the region comes back; otherwise it may run, so
+/// it stays in its slot until the flush retires it, and the QP is moved to the error state.
+#[cold]
+#[inline(never)]
+fn refused_after_put(m: &mut Member, ret: i32, named: bool, send: bool) -> Rejected<MemoryRegion> {
+    let op = if send { "ibv_post_send" } else { "ibv_post_recv" };
+    if !named {
+        return Rejected::kept(post_list_failed(m, ret, false, op));
+    }
+    let slots = if send { &mut m.send } else { &mut m.recv };
+    slots.tail = slots.tail.wrapping_sub(1);
+    match slots.unput() {
+        Some(mr) => Rejected::new(Error::call(op, ret, None), mr),
+        // Never: the post put it there, and nothing took it since.
+        None => Rejected::kept(Error::call(op, ret, None)),
+    }
+}
+
+/// The refusal of a post for a `LaneQp` the lane does not hold, with its region.
+#[cold]
+#[inline(never)]
+fn unknown_qp_back(mr: MemoryRegion) -> Rejected<MemoryRegion> {
+    Rejected::new(unknown_qp(), mr)
+}
+
+/// The refusal of a post to a full queue (the send queue: `send`) or a QP in error, with its
+/// region.
+#[cold]
+#[inline(never)]
+fn refused_back(m: &Member, send: bool, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+    Rejected::new(if send { refusal(m, "ibv_post_send") } else { refusal_recv(m) }, mr)
+}
+
+/// Why a post refuses a work request, found by `check_lower` (a [`SendWr`]) or `check` (a
+/// [`RecvWr`]): as values, so that the error, and the `Rejected` that hands the region back,
+/// are built out of line (`Refusal::rejected`) where the region is passed, never kept across a
+/// call on the post's path.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Refusal {
+    Defect(Defect),
+    OtherPd,
+    TooManyPieces { n: u32, max: u32 },
+    UdNeedsDest { missing: bool },
+    NotThisQpsDest,
+    TooLong { len: u64, mtu: u32 },
+    NoRoomForGrh(u32),
+}
+
+impl Refusal {
+    /// The error a post of `op` reports for it.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn error(self, op: &str) -> Error {
+        match self {
+            Refusal::Defect(d) => d.error(op),
+            Refusal::OtherPd => other_pd(),
+            Refusal::TooManyPieces { n, max } => too_many_pieces(n as usize, max),
+            Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
+            Refusal::NotThisQpsDest => {
+                Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())
+            }
+            Refusal::TooLong { len, mtu } => too_long(len, mtu),
+            Refusal::NoRoomForGrh(len) => no_room_for_grh(len),
+        }
+    }
+
+    /// The error, with `mr` handed back.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn rejected(self, op: &str, mr: MemoryRegion) -> Rejected<MemoryRegion> {
+        Rejected::new(self.error(op), mr)
+    }
+}
+
+/// Gives back the `k` staged (uncommitted) work requests of a list that is not posted, and
+/// `w`, with `error`.
+#[cold]
+#[inline(never)]
+fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Error) -> RejectedList {
+    let mut returned = m.send.take_staged(0, k);
+    returned.push(w);
+    RejectedList { error, returned }
+}
+
+/// A list of `k` staged work requests the provider refused from `named` on (`None`: it did not
+/// say, so all are kept as posted and the QP goes to the error state).
+#[cold]
+#[inline(never)]
+fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
+    let posted = named.map_or(k, |p| p as u32);
+    let returned = m.send.take_staged(posted, k);
+    m.send.commit(posted);
+    RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
+}
+
+#[cold]
+fn list_too_long(k: u32, free: u32) -> Error {
+    if k == free {
+        Error::QueueFull { queue: "send", depth: free }
+    } else {
+        Error::InvalidArgument(format!("post_send_iter: more than {MAX_LIST} work requests in one list"))
     }
 }

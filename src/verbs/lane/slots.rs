@@ -22,6 +22,9 @@ pub(super) struct Slots {
     /// `RECV` for the receive queue. An ordinary completion's tag carries it whole, so the poll
     /// finds the queue and compares one word; a batch's interior tag (`INTERIOR`) never does.
     pub(super) hi: u32,
+    /// `hi` where a tag carries it (bits 63..45), so that a post's tag is this and the
+    /// sequence number's low 45 bits (`tag`): `tag::encode` of the queue, read once.
+    tag_hi: u64,
 }
 
 struct Slot {
@@ -42,7 +45,14 @@ impl Slots {
             head: start,
             tail: start,
             hi,
+            tag_hi: (hi as u64) << tag::SHIFT,
         }
+    }
+    /// The tag of this queue's work request numbered `seq`: `tag::encode` of its place and
+    /// queue, with `hi` read whole.
+    #[inline(always)]
+    pub(super) fn tag(&self, seq: u64) -> u64 {
+        self.tag_hi | seq & tag::SEQ_MASK
     }
     #[inline(always)]
     pub(super) fn outstanding(&self) -> u32 {
@@ -241,6 +251,16 @@ impl Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_queues_tags_are_its_places_and_queues() {
+        for (place, recv) in [(0u16, false), (0, true), (65535, false), (65535, true), (7, true)] {
+            let s = Slots::new(4, tag::queue_hi(place, recv), 0);
+            for seq in [0, 1, tag::SEQ_MASK, tag::SEQ_MASK + 1, u64::MAX] {
+                assert_eq!(s.tag(seq), tag::encode(place, seq, recv), "{place} {recv} {seq:#x}");
+            }
+        }
+    }
 
     #[test]
     fn slots_refuse_sequence_numbers_outside_the_window_across_the_45_bit_wrap() {

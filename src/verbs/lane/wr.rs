@@ -1,3 +1,4 @@
+use super::post::Refusal;
 use super::*;
 
 /// A refused post: the error, and what is given back (the work request's region, for a post
@@ -126,8 +127,10 @@ pub(super) enum Defect {
 }
 
 impl Defect {
-    #[cold]
-    #[inline(never)]
+    /// Inlined, so that the defect's fields go to the (cold) error constructors as values: a
+    /// call that took the defect's address would keep the whole work request holding it in
+    /// memory on the post's common path, each field stored as it is built.
+    #[inline(always)]
     pub(super) fn error(self, op: &str) -> Error {
         match self {
             Defect::Bad(why) => bad_request(op, why),
@@ -248,6 +251,12 @@ impl SendWr {
     }
 
     /// A request of the pieces `ranges`.
+    ///
+    /// Piece `k` of `ranges` goes to entry `k` of the scatter list (a piece refused leaves its
+    /// entry unwritten, and the request carries its defect, so it is never posted): with
+    /// `ranges` known where it is built, every index is a constant and the compiler keeps the
+    /// list in registers until the post writes it out. The checks, and the defect reported, are
+    /// `push`'s for each piece in order, then those of the list as a whole.
     #[inline(always)]
     fn gather(mr: MemoryRegion, opcode: u32, writes: bool, ranges: &[Range<usize>]) -> SendWr {
         let mut w = Self::start(mr, opcode, writes);
@@ -255,15 +264,26 @@ impl SendWr {
             w.defect = Some(Defect::Bad("a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)"));
             return w;
         }
-        for r in ranges {
-            w.push(r);
+        let (addr, lkey, size) = (w.mr.addr(), w.mr.lkey(), w.mr.len() as u64);
+        // The pieces written, and whether one of them is empty.
+        let (mut written, mut empty) = (0u8, false);
+        for (entry, range) in w.sge.iter_mut().zip(ranges) {
+            match piece(range) {
+                Err(why) => w.defect = Some(Defect::Bad(why)),
+                Ok((start, len)) if start + len as u64 > size => {
+                    w.defect = Some(Defect::OutOfRegion { offset: start, len, size })
+                }
+                Ok((start, len)) => {
+                    entry.write(ffi::ibv_sge { addr: addr + start, length: len, lkey });
+                    w.total += len as u64;
+                    written += 1;
+                    empty |= len == 0;
+                }
+            }
         }
-        if w.n > 1
-            && w.sge[..w.n as usize].iter().any(|p| {
-                // SAFETY: the first `n` entries were written by `push`.
-                unsafe { p.assume_init_ref() }.length == 0
-            })
-        {
+        // Without a defect every piece was written: entries `..n` are initialised.
+        w.n = written;
+        if written > 1 && empty {
             w.defect = Some(Defect::Bad(
                 "a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)",
             ));
@@ -436,16 +456,31 @@ impl SendWr {
         out: &mut ffi::ibv_send_wr,
         sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
     ) -> Result<()> {
+        self.check_lower(m, wr_id, signaled, out, sge).map_err(|r| r.error("post_send"))
+    }
+
+    /// `lower`, saying why it refuses as a `Refusal`: a value, whose error is built out of line
+    /// (`Refusal::rejected`), so that no call is made on the post's path while the region is
+    /// in hand.
+    #[inline(always)]
+    pub(super) fn check_lower(
+        &self,
+        m: &Member,
+        wr_id: u64,
+        signaled: bool,
+        out: &mut ffi::ibv_send_wr,
+        sge: &mut [MaybeUninit<ffi::ibv_sge>; MAX_SGE],
+    ) -> std::result::Result<(), Refusal> {
         if let Some(d) = self.defect {
-            return Err(d.error("post_send"));
+            return Err(Refusal::Defect(d));
         }
         if !self.mr.inner().on_pd(&m.pd) {
-            return Err(other_pd());
+            return Err(Refusal::OtherPd);
         }
         let n = self.n as u32;
         if n > 1 {
             if n > m.max_send_sge {
-                return Err(too_many_pieces(n as usize, m.max_send_sge));
+                return Err(Refusal::TooManyPieces { n, max: m.max_send_sge });
             }
             *sge = self.sge;
         } else {
@@ -454,7 +489,7 @@ impl SendWr {
         if m.is_ud() {
             out.wr.ud = self.lower_ud(m)?;
         } else if self.dest.is_some() {
-            return Err(ud_needs_dest(false));
+            return Err(Refusal::UdNeedsDest { missing: false });
         }
         match self.opcode {
             IBV_WR_RDMA_WRITE | IBV_WR_RDMA_WRITE_WITH_IMM | IBV_WR_RDMA_READ => {
@@ -482,24 +517,28 @@ impl SendWr {
 
     /// A UD send's destination, checked with its size.
     #[inline(always)]
-    fn lower_ud(&self, m: &Member) -> Result<ffi::ud_t> {
-        let (true, Some(d)) = (self.is_send(), self.dest) else { return Err(ud_needs_dest(self.dest.is_none())) };
+    fn lower_ud(&self, m: &Member) -> std::result::Result<ffi::ud_t, Refusal> {
+        let (true, Some(d)) = (self.is_send(), self.dest) else {
+            return Err(Refusal::UdNeedsDest { missing: self.dest.is_none() });
+        };
         let Some(dest) = m.dests.get(d.index as usize).filter(|_| d.qp == m.key) else {
-            return Err(Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into()));
+            return Err(Refusal::NotThisQpsDest);
         };
         if self.total > m.mtu as u64 {
-            return Err(too_long(self.total, m.mtu));
+            return Err(Refusal::TooLong { len: self.total, mtu: m.mtu });
         }
         Ok(ffi::ud_t { ah: dest.ah, remote_qpn: dest.qpn, remote_qkey: dest.qkey })
     }
 }
 
 /// A receive of a lane: the device writes the message into its region, moved into the lane
-/// when it is posted. Built already lowered, as [`SendWr`] is.
+/// when it is posted. Built already lowered, as [`SendWr`] is; its range is checked against
+/// the region when it is posted (`check`), where each check is one compare and branch.
 pub struct RecvWr {
     pub(super) mr: MemoryRegion,
+    /// The range as given: `sge` names it only once `check` has found it in the region.
+    pub(super) range: Range<usize>,
     pub(super) sge: ffi::ibv_sge,
-    pub(super) defect: Option<Defect>,
     pub(super) wr_id: u64,
 }
 
@@ -508,7 +547,7 @@ impl fmt::Debug for RecvWr {
         f.debug_struct("RecvWr")
             .field("len", &self.sge.length)
             .field("wr_id", &self.wr_id)
-            .field("defect", &self.defect)
+            .field("defect", &self.defect())
             .finish()
     }
 }
@@ -525,24 +564,30 @@ impl RecvWr {
     /// A receive into `mr[range]`.
     #[inline(always)]
     pub fn range(mr: MemoryRegion, range: Range<usize>) -> RecvWr {
-        let mut defect = None;
-        let size = mr.len() as u64;
-        let (start, len) = match piece(&range) {
-            Ok((start, len)) if start + len as u64 <= size => (start, len),
-            Ok((start, len)) => {
-                defect = Some(Defect::OutOfRegion { offset: start, len, size });
-                (0, 0)
-            }
-            Err(why) => {
-                defect = Some(Defect::Bad(why));
-                (0, 0)
-            }
+        // Its scatter entry as a raw program writes it; meaningful once `check` has found the
+        // range in the region (a receive that fails it is never posted).
+        let sge = ffi::ibv_sge {
+            addr: mr.addr().wrapping_add(range.start as u64),
+            length: range.end.wrapping_sub(range.start) as u32,
+            lkey: mr.lkey(),
         };
-        if !mr.access().contains(AccessFlags::LOCAL_WRITE) {
-            defect = Some(Defect::NeedsLocalWrite);
+        RecvWr { mr, range, sge, wr_id: 0 }
+    }
+
+    /// Why it cannot be posted on any QP, if it cannot: without `LOCAL_WRITE` the device
+    /// cannot write the region; else the range's defect. (`check` finds the same, in the same
+    /// order.)
+    #[inline(always)]
+    fn defect(&self) -> Option<Defect> {
+        if !self.mr.access().contains(AccessFlags::LOCAL_WRITE) {
+            return Some(Defect::NeedsLocalWrite);
         }
-        let sge = ffi::ibv_sge { addr: mr.addr() + start, length: len, lkey: mr.lkey() };
-        RecvWr { mr, sge, defect, wr_id: 0 }
+        let size = self.mr.len() as u64;
+        match piece(&self.range) {
+            Err(why) => Some(Defect::Bad(why)),
+            Ok((start, len)) if start + len as u64 > size => Some(Defect::OutOfRegion { offset: start, len, size }),
+            Ok(_) => None,
+        }
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -561,66 +606,46 @@ impl RecvWr {
     /// GRH); returns the scatter count.
     #[inline(always)]
     pub(super) fn lower(&self, m: &Member) -> Result<i32> {
-        if let Some(d) = self.defect {
-            return Err(d.error("post_recv"));
+        self.check(m).map_err(|r| r.error("post_recv"))
+    }
+
+    /// `lower`, saying why it refuses as a `Refusal` (see `SendWr::check_lower`).
+    #[inline(always)]
+    pub(super) fn check(&self, m: &Member) -> std::result::Result<i32, Refusal> {
+        if let Some(d) = self.defect() {
+            return Err(Refusal::Defect(d));
         }
         if !self.mr.inner().on_pd(&m.pd) {
-            return Err(other_pd());
+            return Err(Refusal::OtherPd);
         }
         let len = self.sge.length;
         if m.is_ud() && (len as usize) < GRH_LEN {
-            return Err(no_room_for_grh(len));
+            return Err(Refusal::NoRoomForGrh(len));
         }
         Ok((len != 0) as i32)
     }
 }
 
-/// Gives back the `k` staged (uncommitted) work requests of a list that is not posted, and
-/// `w`, with `error`.
 #[cold]
 #[inline(never)]
-pub(super) fn unstage(m: &mut Member, k: u32, w: (u64, MemoryRegion), error: Error) -> RejectedList {
-    let mut returned = m.send.take_staged(0, k);
-    returned.push(w);
-    RejectedList { error, returned }
-}
-
-/// A list of `k` staged work requests the provider refused from `named` on (`None`: it did not
-/// say, so all are kept as posted and the QP goes to the error state).
-#[cold]
-#[inline(never)]
-pub(super) fn list_refused(m: &mut Member, ret: i32, named: Option<usize>, k: u32) -> RejectedList {
-    let posted = named.map_or(k, |p| p as u32);
-    let returned = m.send.take_staged(posted, k);
-    m.send.commit(posted);
-    RejectedList { error: post_list_failed(m, ret, named.is_some(), "ibv_post_send"), returned }
-}
-
-#[cold]
-pub(super) fn list_too_long(k: u32, free: u32) -> Error {
-    if k == free {
-        Error::QueueFull { queue: "send", depth: free }
-    } else {
-        Error::InvalidArgument(format!("post_send_iter: more than {MAX_LIST} work requests in one list"))
-    }
-}
-
-#[cold]
 pub(super) fn out_of_remote(offset: u64, len: u64, size: u64) -> Error {
     Error::OutOfBounds { what: "remote region", offset, len, size }
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn out_of_region(offset: u64, len: u32, size: u64) -> Error {
     Error::OutOfBounds { what: "memory region", offset, len: len as u64, size }
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn bad_request(op: &str, why: &str) -> Error {
     Error::InvalidArgument(format!("{op}: {why}"))
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn unaligned_atomic(addr: u64) -> Error {
     Error::InvalidArgument(format!(
         "post_send: an atomic's target {addr:#x} is not 8-byte aligned (the device would fail it)"
@@ -645,6 +670,7 @@ pub(super) fn other_pd() -> Error {
 }
 
 #[cold]
+#[inline(never)]
 pub(super) fn needs_local_write() -> Error {
     Error::InvalidArgument(
         "post: the device writes this region (receive, RDMA READ target or atomic result): register it with LOCAL_WRITE"
