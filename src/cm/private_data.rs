@@ -13,7 +13,8 @@
 //! let info = QpInfo { rkey: r.rkey, vaddr: r.addr, len: r.len, ..QpInfo::default() };
 //! let param = ConnParam::new().private_data(&info.encode())?; // for `server.accept`
 //! // ...and the client decodes what `client.connect` returned.
-//! let (info, app_bytes) = QpInfo::decode(&info.encode())?;
+//! # let reply = info.encode();
+//! let (info, app_bytes) = QpInfo::decode(&reply)?;
 //! let remote = info.region().expect("a region was advertised"); // for SendWr::read / SendWr::write
 //! # let _ = (param, app_bytes, remote);
 //! # Ok(()) }
