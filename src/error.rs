@@ -1,5 +1,19 @@
 //! The crate's one error type, and the helpers that turn each C error convention into it.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{Client, Error};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! match Client::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t) {
+//!     Ok(_) => println!("resolved"),
+//!     Err(Error::Timeout { op, .. }) => println!("{op} timed out: is 10.77.0.1 reachable over RDMA?"),
+//!     Err(e) => return Err(e), // its message names what failed and the usual cause
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! librdmacm and libibverbs report failure in four different ways, and crates that mixed them
 //! up printed "os error 1" for "no RDMA device". Each convention gets exactly one helper here:
 //!

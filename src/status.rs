@@ -3,6 +3,15 @@
 //! on nothing else in the crate, so the error type can name these without importing the object
 //! modules.
 //!
+//! ```no_run
+//! use rdma_cm::status::{AsyncEventKind, WcStatus};
+//!
+//! let s = WcStatus::from_raw(12); // IBV_WC_RETRY_EXC_ERR, as a completion reports it
+//! println!("{s:?}: {}", s.hint().unwrap_or("no usual cause known"));
+//! let k = AsyncEventKind::from_raw(1); // IBV_EVENT_QP_FATAL
+//! println!("{} is fatal: {}", k.name(), k.is_fatal());
+//! ```
+//!
 //! rdma-sys binds `ibv_event_type` as a Rust enum, so reading a value the library adds later
 //! through it would be undefined behaviour: the crate reads the raw integer and turns it into
 //! [`AsyncEventKind`], with [`AsyncEventKind::Other`] for what it does not know.

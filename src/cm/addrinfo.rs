@@ -1,6 +1,19 @@
 //! Host and service names to RDMA addresses: [`lookup`] and [`lookup_passive`] wrap
 //! `rdma_getaddrinfo`, which resolves names the way `getaddrinfo` does (and, where the ibacm
 //! service runs, asks it for InfiniBand routes), for the reliable-connected port space.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{lookup, lookup_passive, Client, Server};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let dst = lookup("server.example", "7471")?[0]; // where to connect
+//! let route = Client::new()?.resolve_addr(None, dst, Duration::from_secs(5))?;
+//! let here = lookup_passive(None, "7471")?[0]; // where to listen: the wildcard address
+//! let listener = Server::new()?.bind(here)?.listen(16)?;
+//! # let _ = (route, listener);
+//! # Ok(()) }
+//! ```
 
 use std::ffi::{CStr, CString};
 use std::net::SocketAddr;

@@ -1,7 +1,27 @@
-//! The client's typestates: [`Client`] → [`AddrResolved`] → [`RouteResolved`] → [`ClientQp`]
-//! → [`Connection`], the event-loop steps between them ([`ResolvingAddr`], [`ResolvingRoute`],
-//! [`Connecting`]), and their async twins (feature `tokio`). See [`crate::cm::connection`] for
-//! the whole state machine.
+//! Connecting to a server: the client's typestates [`Client`] → [`AddrResolved`] →
+//! [`RouteResolved`] → [`ClientQp`] → [`Connection`] (or, with a lane, [`LaneClient`](crate::LaneClient)),
+//! the event-loop steps between them ([`ResolvingAddr`], [`ResolvingRoute`], [`Connecting`]),
+//! and their async twins (feature `tokio`). See [`crate::cm::connection`] for the whole state
+//! machine.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::verbs::lane::Lane;
+//! use rdma_cm::{Client, ConnParam, QpInit};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let addr = Client::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?;
+//! let route = addr.resolve_route(t)?; // the device and port the connection will use
+//! let pd = route.alloc_pd()?;
+//! let mut lane = Lane::new(&route.context()?, 64)?;
+//! let client = route.lane_qp(&mut lane, &pd, QpInit::new())?;
+//! let qp = client.qp();
+//! let reply = client.connect(&mut lane, &ConnParam::new(), t)?; // the server's private data
+//! println!("connected; the server sent {} bytes", reply.len());
+//! lane.disconnect(qp, t)?;
+//! # Ok(()) }
+//! ```
 
 use std::borrow::Borrow;
 use std::net::SocketAddr;

@@ -1,5 +1,21 @@
 //! [`CmId`]: an owned `rdma_cm_id`, and how a [`VerbsContext`] comes from one.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::Client;
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let client = Client::new()?;
+//! client.id().set_tos(32)?; // options go on the id before the address is resolved
+//! let route = client.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?.resolve_route(t)?;
+//! let id = route.id();
+//! println!("{:?} -> {:?} on port {}", id.local_addr(), id.peer_addr(), id.port_num());
+//! let ctx = route.context()?; // the device the route goes through, for PDs and lanes
+//! println!("device {}", ctx.device_name());
+//! # Ok(()) }
+//! ```
+//!
 //! A `CmId` holds a clone of its [`EventChannel`], so the channel cannot be destroyed under it.
 //! Dropping a `CmId` calls `rdma_destroy_id`, which waits for the acks of the events reported
 //! for the id; this crate acks every event before handing it out (see [`crate::cm::event_channel`]),

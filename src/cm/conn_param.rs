@@ -1,5 +1,20 @@
 //! [`ConnParam`]: the parameters of `rdma_connect` and `rdma_accept` (depths, retries, private
 //! data), and the private-data limits of RC.
+//!
+//! ```no_run
+//! use rdma_cm::ConnParam;
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let param = ConnParam::new()
+//!     .initiator_depth(4) // RDMA READs and atomics this side keeps in flight
+//!     .responder_resources(4) // the peer's READs and atomics this side serves
+//!     .rnr_retry_count(7) // retry without end while the peer has no receive posted
+//!     .min_rnr_timer(12) // a lane connection sets this RNR delay at RTR
+//!     .private_data(b"hello")?; // up to 56 bytes on a connect, 196 on an accept
+//! // then `client.connect(&mut lane, &param, t)` or `server.accept(&mut lane, &param, t)`
+//! # let _ = param;
+//! # Ok(()) }
+//! ```
 
 use rdma_sys as ffi;
 

@@ -1,5 +1,22 @@
 //! [`EventChannel`]: the file descriptor on which librdmacm reports connection events.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{ConnectRequest, EventChannel, Server};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let channel = EventChannel::new()?; // one descriptor for the events of many ids
+//! let listener = Server::on_channel(&channel)?.bind("0.0.0.0:7471".parse().unwrap())?.listen(16)?;
+//! // An event loop: wait on the channel (or put its descriptor in epoll) and route each event.
+//! let ev = channel.get_event(Duration::from_secs(5))?;
+//! println!("{:?} for {:?}", ev.event_type(), ev.id());
+//! if ev.listen_id() == Some(listener.handle()) {
+//!     let req = ConnectRequest::from_event(ev)?; // a client wants in: accept or reject it
+//!     println!("request from {:?}", req.peer_addr());
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! # Acking
 //!
 //! `rdma_destroy_id` blocks until every event it reported for that id has been acked with

@@ -1,5 +1,14 @@
 //! A disconnect held back while the id's own port is down.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{disconnect_hold, set_disconnect_hold};
+//!
+//! // Hold disconnects at most 2 s per link-down, then send them anyway.
+//! set_disconnect_hold(Duration::from_secs(2));
+//! assert_eq!(disconnect_hold(), Duration::from_secs(2));
+//! ```
+//!
 //! `rdma_disconnect` makes the kernel's CM send a message (a DREQ) on the port's QP1. Sent while
 //! the port is down, that send fails, and on the Linux kernels this crate is tested on (Debian's
 //! 6.1 and 6.12, Soft-RoCE) the failure leaves the host's CM deaf: the MAD layer puts QP1 back

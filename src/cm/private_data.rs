@@ -1,6 +1,25 @@
 //! [`QpInfo`]: the seed program's `qp_info` (qp_num, psn, rkey, vaddr, length) in a fixed wire
 //! layout.
 //!
+//! ```no_run
+//! use std::sync::Arc;
+//! use rdma_cm::{AccessFlags, ConnParam, MemoryRegion, ProtectionDomain, QpInfo};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! # let pd: Arc<ProtectionDomain> = unimplemented!();
+//! // The server advertises a region in its accept's private data...
+//! let table = MemoryRegion::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
+//! let r = table.remote();
+//! let info = QpInfo { rkey: r.rkey, vaddr: r.addr, len: r.len, ..QpInfo::default() };
+//! let param = ConnParam::new().private_data(&info.encode())?; // for `server.accept`
+//! // ...and the client decodes what `client.connect` returned.
+//! # let reply = info.encode();
+//! let (info, app_bytes) = QpInfo::decode(&reply)?;
+//! let remote = info.region().expect("a region was advertised"); // for SendWr::read / SendWr::write
+//! # let _ = (param, app_bytes, remote);
+//! # Ok(()) }
+//! ```
+//!
 //! Peers exchange it through the CM private data. The layout is fixed and big-endian; this is
 //! version 2, whose length is 64 bits (a table over 4 GiB can be advertised):
 //!

@@ -1,6 +1,27 @@
-//! The server's typestates: [`Server`] → [`Bound`] → [`Listener`] → [`ConnectRequest`] →
-//! [`ServerQp`] → [`Connection`], the event-loop step [`Accepting`], and their async twins
+//! Accepting connections: the server's typestates [`Server`] → [`Bound`] → [`Listener`] →
+//! [`ConnectRequest`] → [`ServerQp`] → [`Connection`] (or, with a lane,
+//! [`LaneServer`](crate::LaneServer)), the event-loop step [`Accepting`], and their async twins
 //! (feature `tokio`). See [`crate::cm::connection`] for the whole state machine.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::verbs::lane::{Lane, RecvWr};
+//! use rdma_cm::{AccessFlags, ConnParam, MemoryRegion, QpInit, Server, FOREVER};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let listener = Server::new()?.bind("0.0.0.0:7471".parse().unwrap())?.listen(16)?;
+//! let req = listener.get_request(FOREVER)?; // one client's connect request
+//! let pd = req.alloc_pd()?;
+//! let mut lane = Lane::new(&req.context()?, 64)?;
+//! let server = req.lane_qp(&mut lane, &pd, QpInit::new())?;
+//! let qp = server.qp();
+//! lane.post_recv(qp, RecvWr::new(MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?))?;
+//! server.accept(&mut lane, &ConnParam::new(), Duration::from_secs(5))?;
+//! let mut c = lane.wait(FOREVER)?.ok()?; // the client's first message
+//! let mut msg = c.take_region().expect("a receive hands its region back");
+//! println!("got {:?}", &msg.as_slice()?[..c.byte_len() as usize]);
+//! # Ok(()) }
+//! ```
 
 use std::borrow::Borrow;
 use std::net::SocketAddr;

@@ -2,6 +2,21 @@
 //! [`UdEndpoint`] on the client, [`UdServer`] → [`UdListener`] → [`UdRequest`] →
 //! [`UdServerQp`] → [`UdEndpoint`] on the server. See [`crate::verbs::ud`] for the picture and the
 //! data path.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use rdma_cm::{QpInit, UdClient};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let t = Duration::from_secs(5);
+//! let route = UdClient::new()?.resolve_addr(None, "10.77.0.1:7471".parse().unwrap(), t)?.resolve_route(t)?;
+//! let pd = route.alloc_pd()?;
+//! let mut endpoint = route.create_qp(&pd, QpInit::new())?;
+//! let dest = endpoint.connect(b"hello", t)?; // the server's QP number, QKey and address handle
+//! println!("the server's QP is {:#x}", dest.qpn());
+//! // datagrams go to `dest` on a lane (`Lane::attach(endpoint)`): see crate::verbs::ud
+//! # Ok(()) }
+//! ```
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -2,6 +2,19 @@
 //! made of; [`UdParam`], the `ud` parameters of a connection-manager event (the peer's address,
 //! QP number and QKey); and [`Grh`], the 40-byte header in front of every UD receive.
 //!
+//! ```no_run
+//! use rdma_cm::{AddressHandle, AhAttr, ProtectionDomain, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let ctx = VerbsContext::open("rxe0")?;
+//! let pd = ProtectionDomain::new(&ctx)?;
+//! let peer = ctx.gid_table(1)?[0].gid; // in practice: the peer's GID, learnt out of band
+//! let ah = AddressHandle::new(&pd, &AhAttr::global(peer, 1, 1))?; // source GID index 1, port 1
+//! println!("to {:?} through port {}", ah.attr().dgid(), ah.attr().port_num());
+//! // With the CM, `UdEndpoint::connect` and multicast joins make the handle themselves.
+//! # Ok(()) }
+//! ```
+//!
 //! An address handle is made from:
 //!
 //! - the `ud` parameters of a UD `ESTABLISHED` event (the answer to a UD "connect") or of a

@@ -3,6 +3,22 @@
 //! [`AsFd`] for event loops (and `AsyncEvents::next_async` under the `tokio` feature); each
 //! event is also delivered to the object it names, when this crate owns it.
 //!
+//! ```no_run
+//! use rdma_cm::{VerbsContext, FOREVER};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let ctx = VerbsContext::open("rxe0")?;
+//! let mut events = ctx.async_events()?; // also an `AsFd`, for an event loop
+//! loop {
+//!     let ev = events.next(FOREVER)?;
+//!     println!("{:?} on {:?}", ev.kind, ev.element); // e.g. PortActive on Port(1)
+//!     if ev.kind.is_fatal() {
+//!         break;
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! # Delivery to objects
 //!
 //! Every QP, CQ and SRQ this crate creates registers with its context, keyed by its raw handle,

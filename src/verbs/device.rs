@@ -2,6 +2,18 @@
 //! one (`ibv_context`). What the device reports on its own (port changes, QP and CQ errors, SRQ
 //! limits) comes from [`VerbsContext::async_events`]: see [`crate::verbs::async_event`].
 //!
+//! ```no_run
+//! use rdma_cm::{devices, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! for d in devices()? {
+//!     let ctx = VerbsContext::open(&d.name)?;
+//!     let limits = ctx.limits()?;
+//!     println!("{}: {:?}, queues up to {} work requests", d.name, ctx.transport(), limits.max_qp_wr);
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! This is the bottom of the verbs layer: protection domains, memory regions, completion
 //! queues, shared receive queues and queue pairs are built on a context and know nothing of
 //! connection management. A context comes from [`VerbsContext::open`] (by device name, from

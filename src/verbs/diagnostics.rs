@@ -1,5 +1,15 @@
 //! Environment checks: what `cargo run --example doctor` prints, as a library.
 //!
+//! ```no_run
+//! use rdma_cm::verbs::diagnostics::diagnose;
+//!
+//! let report = diagnose(1 << 20); // the checks, for a program that registers 1 MiB
+//! print!("{report}"); // each check, and the fix of each one that failed
+//! if report.healthy() {
+//!     println!("addresses to use: {:?}", report.usable_addrs());
+//! }
+//! ```
+//!
 //! Most RDMA trouble is environment trouble. [`diagnose`] asks each device through verbs
 //! (`ibv_query_port`, `ibv_query_gid_ex`) and falls back to sysfs where a device cannot be
 //! opened, reads procfs and the process limits, and returns a [`Report`] of checks, each with

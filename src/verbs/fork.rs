@@ -1,5 +1,18 @@
 //! `fork()` and registered memory.
 //!
+//! ```no_run
+//! use rdma_cm::{fork_init, ForkStatus};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! // In a program that forks: before the first region is registered.
+//! match fork_init()? {
+//!     ForkStatus::Unneeded => {} // the kernel copies pinned pages at fork(): nothing to do
+//!     ForkStatus::Enabled => println!("libibverbs keeps registered ranges out of children"),
+//!     ForkStatus::Disabled => println!("do not fork while regions exist"),
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! A registered region's pages are pinned for the device. What a child process made by
 //! `fork()` sees of them depends on the kernel, and [`fork_status`] says which case this
 //! process is in:

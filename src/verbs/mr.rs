@@ -1,5 +1,19 @@
 //! [`MemoryRegion`]: an owned, registered buffer, and [`RemoteRegion`]: a peer's.
 //!
+//! ```no_run
+//! use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let pd = ProtectionDomain::new(&VerbsContext::open("rxe0")?)?;
+//! let mut mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)?;
+//! mr.write_at(0, b"hello")?; // fill it while no work request uses it
+//! let remote = mr.remote(); // address, rkey, length: what a peer needs to READ it
+//! println!("lkey {:#x}, rkey {:#x}, {} bytes", mr.lkey(), remote.rkey, remote.len);
+//! // Posting moves it into a lane (`lane.post_send(qp, SendWr::send(mr, 0..5))`);
+//! // the completion hands it back (`completion.take_region()`).
+//! # Ok(()) }
+//! ```
+//!
 //! # Soundness
 //!
 //! A `MemoryRegion` owns its memory (page-aligned, zero-initialised) and is a handle to a

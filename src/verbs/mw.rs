@@ -1,5 +1,20 @@
 //! Memory windows: revocable remote access to a part of a memory region.
 //!
+//! ```no_run
+//! use rdma_cm::{AccessFlags, MemoryRegion, MemoryWindow, QueuePair, WindowType};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! # let qp: &mut QueuePair = unimplemented!();
+//! let pd = qp.pd().clone();
+//! let mr = MemoryRegion::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
+//! let mw = MemoryWindow::new(&pd, WindowType::Two)?;
+//! // Grant the peer READs of the first 4 KiB only, until the window is invalidated.
+//! let bound = qp.bind_window(mw, &mr, 0..4096, AccessFlags::REMOTE_READ, 7)?;
+//! let remote = bound.remote(); // send this to the peer
+//! # let _ = remote;
+//! # Ok(()) }
+//! ```
+//!
 //! A region's own rkey opens all of it for as long as it lives. A [`MemoryWindow`] is
 //! allocated on a protection domain and bound to a range of a region with chosen remote rights;
 //! its rkey then grants exactly that range and those rights, until the window is invalidated

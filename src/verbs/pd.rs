@@ -1,5 +1,17 @@
 //! [`ProtectionDomain`]: an owned `ibv_pd`.
 //!
+//! ```no_run
+//! use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let ctx = VerbsContext::open("rxe0")?;
+//! let pd = ProtectionDomain::new(&ctx)?; // an Arc: regions and QPs hold it
+//! let mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//! // With the CM, `route.alloc_pd()` or `request.alloc_pd()` gives a PD on the connection's device.
+//! # let _ = mr;
+//! # Ok(()) }
+//! ```
+//!
 //! A PD holds the [`VerbsContext`] it was allocated on, so the context (and the id that keeps
 //! it open) outlives it. Memory regions and queue pairs hold an `Arc` of their PD, so the PD is
 //! deallocated only after all of them are gone.

@@ -3,6 +3,21 @@
 //! text form rdma-core's `ibv_rc_pingpong`, `ibv_ud_pingpong` and `ibv_srq_pingpong` send over
 //! TCP, so programs of this crate can talk to theirs.
 //!
+//! ```no_run
+//! use rdma_cm::{PeerInfo, UdQp};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! # let qp: UdQp = unimplemented!();
+//! let mine = qp.local(Some(1))?; // LID, QP number, PSN and GID (index 1) of this side
+//! let wire = mine.to_wire()?; // the text ibv_ud_pingpong sends over TCP
+//! // ... send `wire` to the peer over TCP, and read its message into `theirs` ...
+//! # let theirs = wire;
+//! let peer = PeerInfo::from_wire(&theirs)?;
+//! let dest = qp.dest_to(&peer, Some(1), 0, 0x11111111)?; // where this side's sends go
+//! # let _ = dest;
+//! # Ok(()) }
+//! ```
+//!
 //! # The pingpong wire form
 //!
 //! Each side sends `LLLL:QQQQQQ:PPPPPP:GGGG…G` and a NUL: the LID as 4 hex digits, the QP

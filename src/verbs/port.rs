@@ -1,6 +1,20 @@
 //! Ports and GID tables, typed: what `ibv_query_port` and `ibv_query_gid_ex` report for an open
 //! [`VerbsContext`].
 //!
+//! ```no_run
+//! use rdma_cm::VerbsContext;
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let ctx = VerbsContext::open("rxe0")?;
+//! for p in ctx.ports()? {
+//!     println!("port {}: {:?}, MTU {}", p.port, p.state, p.active_mtu);
+//!     for g in ctx.gid_table(p.port)? {
+//!         println!("  GID index {}: {:?} {:?} on {:?}", g.index, g.gid_type, g.gid.ipv4(), g.netdev);
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! On RoCE every IP address of the netdev under a port appears in the port's GID table, once
 //! per GID type (RoCE v1 and v2); the *index* of an entry is what tools such as perftest take
 //! as `-x`, and what an address handle names. [`VerbsContext::gid_table`] lists the valid

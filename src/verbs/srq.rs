@@ -1,6 +1,18 @@
 //! [`SharedReceiveQueue`]: receives posted once, consumed by whichever attached QP a message
 //! arrives on (`ibv_create_srq`).
 //!
+//! ```no_run
+//! use rdma_cm::{ProtectionDomain, QpInit, SharedReceiveQueue, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let pd = ProtectionDomain::new(&VerbsContext::open("rxe0")?)?;
+//! let srq = SharedReceiveQueue::new(&pd, 1024)?; // one pool of receives for many QPs
+//! let init = QpInit::new().srq(&srq); // each QP made with this takes its receives from `srq`
+//! srq.arm_limit(64)?; // an async event when fewer than 64 receives are left
+//! # let _ = init;
+//! # Ok(()) }
+//! ```
+//!
 //! # Ownership of in-flight memory
 //!
 //! As on a QP, posting a receive moves a handle of its region into a slot the SRQ holds until

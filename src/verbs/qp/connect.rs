@@ -3,6 +3,23 @@
 //! [`PeerInfo`] (QP number, PSN, LID or GID), exchanged by any means: a TCP socket as rdma-core's
 //! `ibv_rc_pingpong` does, a file, a channel between two threads.
 //!
+//! ```no_run
+//! use rdma_cm::verbs::lane::Lane;
+//! use rdma_cm::{PeerInfo, ProtectionDomain, RcParams, UnconnectedQp, VerbsContext};
+//!
+//! # fn main() -> rdma_cm::Result<()> {
+//! let ctx = VerbsContext::open("rxe0")?;
+//! let pd = ProtectionDomain::new(&ctx)?;
+//! let mut lane = Lane::new(&ctx, 64)?;
+//! let q = UnconnectedQp::new(&pd, lane.qp_init(), RcParams::new())?; // completes on the lane's CQ
+//! let wire = q.local().to_wire()?; // send it to the peer (over TCP, as ibv_rc_pingpong does)
+//! # let theirs = wire;
+//! let qp = q.connect(&PeerInfo::from_wire(&theirs)?)?; // the peer's answer: INIT → RTR → RTS
+//! let qp = lane.attach(qp)?; // from now on, post and wait on the lane
+//! # let _ = qp;
+//! # Ok(()) }
+//! ```
+//!
 //! ```text
 //! UnconnectedQp::new(pd, init, RcParams)   ibv_create_qp (RESET), then INIT (port, access)
 //!   │ local() → PeerInfo                  (send it to the peer; receive the peer's)
