@@ -12,9 +12,9 @@
 //!   is still wanted). Between two slices of a wait ([`PEER_CHECK`]) it asks
 //!   [`Lane::peer_left`] whether the peer has gone.
 //!
-//! Every wait of `perf_client` and `perf_server` on a lane goes through [`LaneConn::next`],
-//! [`LaneConn::reap`], [`LaneConn::reap_once`] or [`LaneConn::wait`], and all of them through
-//! [`LaneConn::reap_once`]'s one call of the lane's wait.
+//! Every wait of `perf_client` and `perf_server` on a lane goes through [`LaneConn::reap`],
+//! [`LaneConn::reap_once`] or [`LaneConn::wait`], and all of them through one call of the
+//! lane's wait, in [`LaneConn::reap_once`].
 
 #![allow(dead_code)] // each side uses part of this module
 
@@ -102,8 +102,8 @@ impl LaneConn {
 
     /// Waits up to `t` (without a completion) until `want` completions came, each successful,
     /// handing each to `f` with its region: the loop of prepared requests, whose completions
-    /// re-arm them ([`Lane::poll_with`]: nothing is materialised, and the CQ is asked for no
-    /// more than is still wanted).
+    /// re-arm them ([`Lane::wait_with`], [`Lane::spin_with`]: nothing is materialised, and the
+    /// CQ is asked for no more than is still wanted).
     #[inline(always)]
     pub fn reap(
         &mut self,
