@@ -108,9 +108,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     connections: u32,
     /// Busy-poll the completion queues while waiting (lowest latency, a whole core), as
-    /// perftest does; default: spin briefly, then sleep on the completion channel (on the
-    /// lane, which has no completion channel: yield the CPU between empty polls, and sleep
-    /// 200 us between them after 1,024 found nothing).
+    /// perftest does (on the lane, `Lane::spin_with`); default: spin briefly, then sleep on
+    /// the completion channel (on the lane, `Lane::wait_with`: sleep on it at once).
     #[arg(long)]
     busy_poll: bool,
 }

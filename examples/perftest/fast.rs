@@ -6,15 +6,15 @@
 //! - a work request *moves* its [`MemoryRegion`] into the lane, and the completion that retires
 //!   it hands it back: [`Regions`] numbers the regions, each work request carries its region's
 //!   number as `wr_id`, so every completion knows where its region goes back;
-//! - a lane has no completion channel: the examples poll it, spinning (`--busy-poll`) or
-//!   yielding and then sleeping between empty polls ([`LaneConn::idle`]), and its connection's
-//!   CM events (the peer's `DISCONNECTED`) are read from the connection's id between polls.
+//! - the tool waits with the lane's own waits: by default [`Lane::wait_with`], which sleeps on
+//!   the CQ's completion channel, and with `--busy-poll` [`Lane::spin_with`], which polls
+//!   without sleeping; both hand over every completion the CQ holds once one came (up to what
+//!   is still wanted). Between two slices of a wait ([`PEER_CHECK`]) it asks
+//!   [`Lane::peer_left`] whether the peer has gone.
 //!
-//! This module is the tool's only wait loop: every wait of `perf_client` and `perf_server` on a
-//! lane goes through [`LaneConn::next`], [`LaneConn::reap`], [`LaneConn::reap_once`] or
-//! [`LaneConn::wait`], and all of them through [`LaneConn::idle`] after an empty poll. When the
-//! lane's own blocking and spinning waits take over, they replace `idle` and its callers here,
-//! and nothing else in the tool changes.
+//! Every wait of `perf_client` and `perf_server` on a lane goes through [`LaneConn::reap`],
+//! [`LaneConn::reap_once`] or [`LaneConn::wait`], and all of them through one call of the
+//! lane's wait, in [`LaneConn::reap_once`].
 
 #![allow(dead_code)] // each side uses part of this module
 
@@ -22,21 +22,18 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdma_cm::verbs::lane::{Completion, Lane, LaneQp, Wc};
+use rdma_cm::verbs::lane::{Lane, LaneQp, Wc};
 use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 
-/// Empty polls between two looks at the clock and at the CM events (every 16 once sleeping):
-/// reading the clock is a system call in the project's guest, and the CM's channel is one too.
-const SPINS_PER_CHECK: u32 = 1024;
+/// The longest the lane's wait runs before the tool asks [`Lane::peer_left`] (a read of the
+/// CM's channel, a system call) whether the peer has gone: a peer that leaves while this side
+/// waits for a receive is noticed within this long. A completion ends the wait at once.
+pub const PEER_CHECK: Duration = Duration::from_millis(100);
 
 /// The minimum RNR timer code of a lane's QP (12: 0.64 ms; `ConnParam::min_rnr_timer`), on
 /// both examples: its receives are posted once it is connected, and a message that comes
 /// before them waits this long before it is sent again (the CM's own value is 655 ms).
 pub const LANE_MIN_RNR_TIMER: u8 = 12;
-
-/// Without `--busy-poll`: the pause between two empty polls once [`SPINS_PER_CHECK`] of them
-/// found nothing (before that, each yields the CPU).
-const IDLE_SLEEP: Duration = Duration::from_micros(200);
 
 /// What ends a [`LaneConn::reap`] early: the first failed completion's error, else the first
 /// error of its closure.
@@ -71,80 +68,18 @@ pub struct LaneConn {
     id: Arc<CmId>,
     peer: Option<SocketAddr>,
     busy_poll: bool,
-    /// The peer's `DISCONNECTED` (or a device removal) was seen.
+    /// The peer's `DISCONNECTED` (or a device removal) was seen by [`LaneConn::wait_disconnected`].
     gone: bool,
-    /// Empty polls since the last completion, and when the first of them was counted.
-    idle: (u32, Option<Instant>),
 }
 
 impl LaneConn {
     /// Hands `conn` (whose QP was created with `lane`'s [`Lane::qp_init_from`]) to `lane`.
-    /// `busy_poll`: spin between empty polls; otherwise yield the CPU between them.
+    /// `busy_poll`: wait with [`Lane::spin_with`]; otherwise with [`Lane::wait_with`].
     pub fn attach(mut lane: Lane, conn: Connection, busy_poll: bool) -> Result<LaneConn, Error> {
         let id = Arc::clone(conn.id());
         let peer = conn.peer_addr();
         let qp = lane.attach(conn).map_err(Error::from)?;
-        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false, idle: (0, None) })
-    }
-
-    /// Reads the connection's pending CM events and feeds them to the lane (a `DISCONNECTED`
-    /// moves the QP to the error state, which flushes what is posted).
-    fn events(&mut self) -> Result<(), Error> {
-        while let Some(ev) = self.id.channel().try_get_event_for(self.id.handle())? {
-            self.lane.handle_event(self.qp, &ev)?;
-            if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) {
-                self.gone = true;
-            }
-        }
-        Ok(())
-    }
-
-    /// A completion came: the wait for the next one starts afresh.
-    pub fn progressed(&mut self) {
-        self.idle = (0, None);
-    }
-
-    /// Called after each empty poll: spins (or, without `busy_poll`, yields, and sleeps once
-    /// [`SPINS_PER_CHECK`] polls found nothing), and every [`SPINS_PER_CHECK`] polls (every 16
-    /// while sleeping) looks at the CM events and the clock. Errors when the peer left or when
-    /// nothing came for `t`. Busy-polling, it only counts between two looks and does not
-    /// pause: as in perftest's loop, the next poll comes at once (`PAUSE` alone takes about
-    /// 140 cycles on recent x86 cores). Inlined, so an empty busy poll costs the loop a count.
-    #[inline]
-    pub fn idle(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
-        // Wrapping: 1,024 divides 2^32, so the schedule holds past the wrap (a wait that long
-        // has a timeout far longer than the examples' default).
-        self.idle.0 = self.idle.0.wrapping_add(1);
-        if self.busy_poll && self.idle.0 % SPINS_PER_CHECK != 0 {
-            return Ok(());
-        }
-        self.idle_rest(op, t)
-    }
-
-    /// [`LaneConn::idle`] when it does more than count.
-    #[inline(never)]
-    fn idle_rest(&mut self, op: &'static str, t: Duration) -> Result<(), Error> {
-        // Sleeping, the clock and the events are looked at every 16 polls (3.2 ms).
-        let sleeping = !self.busy_poll && self.idle.0 >= SPINS_PER_CHECK;
-        if self.idle.0 % if sleeping { 16 } else { SPINS_PER_CHECK } == 0 {
-            self.events()?;
-            if self.gone {
-                return Err(Error::Disconnected { op, addr: self.peer });
-            }
-            let now = Instant::now();
-            if now >= *self.idle.1.get_or_insert(now + t) {
-                let hint = Some("the peer stopped answering: is it alive, and is its side still running?");
-                return Err(Error::Timeout { op, timeout: t, addr: self.peer, hint });
-            }
-        }
-        if sleeping {
-            // Idle for a while (a WRITE stream's target, a peer thinking): sleep between polls,
-            // as a blocking wait would, instead of taking a core from the transport.
-            std::thread::sleep(IDLE_SLEEP);
-        } else if !self.busy_poll {
-            std::thread::yield_now();
-        }
-        Ok(())
+        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false })
     }
 
     /// A failed completion as the error that explains it: the peer's departure when that is
@@ -158,29 +93,17 @@ impl LaneConn {
 
     /// A failed completion's error `e` as the error that explains it (see [`LaneConn::failed`]).
     fn failed_as(&mut self, e: Error, op: &'static str) -> Error {
-        let _ = self.events();
-        if self.gone {
+        if self.gone || self.lane.peer_left(self.qp).unwrap_or(false) {
             Error::Disconnected { op, addr: self.peer }
         } else {
             e
         }
     }
 
-    /// Waits up to `t` (without a completion) for the next completion; it succeeded.
-    pub fn next(&mut self, op: &'static str, t: Duration) -> Result<Completion, Error> {
-        loop {
-            if let Some(c) = self.lane.poll()? {
-                self.progressed();
-                return if c.is_ok() { Ok(c) } else { Err(self.failed(&c, op)) };
-            }
-            self.idle(op, t)?;
-        }
-    }
-
     /// Waits up to `t` (without a completion) until `want` completions came, each successful,
     /// handing each to `f` with its region: the loop of prepared requests, whose completions
-    /// re-arm them ([`Lane::poll_with`]: nothing is materialised, and the CQ is asked for no
-    /// more than is still wanted).
+    /// re-arm them ([`Lane::wait_with`], [`Lane::spin_with`]: nothing is materialised, and the
+    /// CQ is asked for no more than is still wanted).
     #[inline(always)]
     pub fn reap(
         &mut self,
@@ -196,11 +119,12 @@ impl LaneConn {
         Ok(())
     }
 
-    /// One poll of [`LaneConn::reap`] (up to `max` completions), for a loop that has more to do
-    /// between polls (a stream posts): hands each successful completion to `f` with its
-    /// region, and returns how many completions came. Errors with the first failed
-    /// completion's error, else the first error of `f`, once the poll has handed out all it
-    /// got; waits ([`LaneConn::idle`]) when nothing came, and otherwise starts the wait afresh.
+    /// One wait of [`LaneConn::reap`] (up to `max` completions), for a loop that has more to do
+    /// between waits (a stream posts): waits up to `t` for a completion, hands each successful
+    /// completion to `f` with its region, and returns how many completions came (at least
+    /// one). Errors with the first failed completion's error, else the first error of `f`,
+    /// once the wait has handed out all it got; with [`Error::Disconnected`] when the peer
+    /// left, and [`Error::Timeout`] when nothing came in time.
     #[inline(always)]
     pub fn reap_once(
         &mut self,
@@ -212,7 +136,7 @@ impl LaneConn {
         self.poll_once(max, op, t, &mut f)
     }
 
-    /// [`LaneConn::reap_once`] with `f` borrowed: `reap` lends it to each poll. It is called
+    /// [`LaneConn::reap_once`] with `f` borrowed: `reap` lends it to each wait. It is called
     /// as `F` itself, not through the `&mut F` closure impl, which the compiler left out of
     /// line (callgrind: 54 more instructions per echo, two calls).
     #[inline(always)]
@@ -227,7 +151,7 @@ impl LaneConn {
         // out of the poll's way (a completion that succeeds, and that `f` takes, touches it
         // not at all), so the completion stays in registers.
         let mut fault = None;
-        let n = self.lane.poll_with(max, |c, region| {
+        let mut each = |c: Wc, region: Option<MemoryRegion>| {
             if !c.is_ok() {
                 note_failed(&mut fault, c.error());
             } else if let Some(r) = region {
@@ -235,16 +159,45 @@ impl LaneConn {
                     note_refused(&mut fault, e);
                 }
             }
-        })?;
-        if n == 0 {
-            self.idle(op, t)?;
-            return Ok(0);
-        }
-        self.progressed();
+        };
+        // The wait runs in slices of PEER_CHECK, so that a peer that left is noticed; counted,
+        // not timed (a look at the clock is a system call in the project's guest).
+        let mut waited = Duration::ZERO;
+        let n = loop {
+            let slice = PEER_CHECK.min(t.saturating_sub(waited));
+            let got = if self.busy_poll {
+                self.lane.spin_with(max, slice, &mut each)
+            } else {
+                self.lane.wait_with(max, slice, &mut each)
+            };
+            match got {
+                Ok(n) => break n,
+                Err(Error::Timeout { .. }) => {
+                    waited += slice;
+                    self.still_there(op, t, waited)?;
+                }
+                Err(e) => return Err(self.failed_as(e, op)),
+            }
+        };
         match fault {
             Some(fault) => Err(self.fault(fault, op)),
             None => Ok(n),
         }
+    }
+
+    /// After a slice of a wait that found nothing: errors when the peer left, or when the
+    /// wait has lasted `t` (`waited`).
+    #[cold]
+    #[inline(never)]
+    fn still_there(&mut self, op: &'static str, t: Duration, waited: Duration) -> Result<(), Error> {
+        if self.lane.peer_left(self.qp)? {
+            return Err(Error::Disconnected { op, addr: self.peer });
+        }
+        if waited >= t {
+            let hint = Some("the peer stopped answering: is it alive, and is its side still running?");
+            return Err(Error::Timeout { op, timeout: t, addr: self.peer, hint });
+        }
+        Ok(())
     }
 
     /// The error a [`LaneConn::reap_once`] ends with.
@@ -260,34 +213,31 @@ impl LaneConn {
     /// completion comes first), and returns what its completion said.
     pub fn wait(&mut self, regs: &mut Regions, i: usize, op: &'static str, t: Duration) -> Result<Done, Error> {
         while !regs.is_back(i) {
-            let (c, region) = self.next(op, t)?.into_parts();
-            regs.put_back(&c, region);
+            self.reap_once(4, op, t, |c, region| {
+                regs.put_back(&c, Some(region));
+                Ok(())
+            })?;
         }
         Ok(regs.done[i])
     }
 
-    /// Whether the peer disconnected.
-    pub fn is_disconnected(&self) -> bool {
-        self.gone
-    }
-
-    /// Disconnects: the lane flushes and destroys the QP (handing back nothing still posted)
-    /// and dropping the connection sends the CM's disconnect; then waits up to `t` for the
-    /// id's `DISCONNECTED`, unless the peer left first.
+    /// Disconnects ([`Lane::disconnect`]): the lane flushes and destroys the QP (handing back
+    /// nothing still posted), sends the CM's disconnect unless the peer left first, and waits
+    /// up to `t` for its answer.
     pub fn disconnect(mut self, t: Duration) -> Result<(), Error> {
-        self.lane.remove(self.qp)?;
-        self.wait_disconnected(t)
+        self.lane.disconnect(self.qp, t)
     }
 
     /// Waits up to `t` for the connection's `DISCONNECTED` (the peer's, or the answer to ours).
     pub fn wait_disconnected(&mut self, t: Duration) -> Result<(), Error> {
+        // A wait that ended with the peer's departure read its event already.
+        self.gone = self.gone || self.lane.peer_left(self.qp)?;
         let deadline = Instant::now() + t;
         while !self.gone {
             let left = deadline.saturating_duration_since(Instant::now());
             let ev = self.id.channel().get_event_for(self.id.handle(), left)?;
-            // After `disconnect` the QP has left the lane, which then refuses the event: the
-            // connection answered the peer already, on its drop.
-            let _ = self.lane.handle_event(self.qp, &ev);
+            // The lane answers the peer's disconnect and moves the QP to the error state.
+            self.lane.handle_event(self.qp, &ev)?;
             if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) {
                 self.gone = true;
             }

@@ -226,25 +226,27 @@ mod tests {
     #[test]
     fn legacy_and_hostile_requests() {
         assert_eq!(Request::decode(&[0u8; 56]).unwrap(), None, "rdma_client sends zeros");
+        // The request's own fields follow the QP's (mode, size, iterations, doorbell).
+        let o = QpInfo::ENCODED_LEN;
         let good = req(Mode::Write).encode();
         let mut b = good;
-        b[29] = 9;
+        b[o + 1] = 9;
         assert!(Request::decode(&b).unwrap_err().contains("mode"));
         let mut b = good;
-        b[30..34].copy_from_slice(&(MAX_SIZE + 1).to_be_bytes());
+        b[o + 2..o + 6].copy_from_slice(&(MAX_SIZE + 1).to_be_bytes());
         assert!(Request::decode(&b).unwrap_err().contains("size"));
         let mut b = good;
-        b[30..34].copy_from_slice(&0u32.to_be_bytes());
+        b[o + 2..o + 6].copy_from_slice(&0u32.to_be_bytes());
         assert!(Request::decode(&b).is_err());
         let mut b = good;
-        b[34..38].copy_from_slice(&0u32.to_be_bytes());
+        b[o + 6..o + 10].copy_from_slice(&0u32.to_be_bytes());
         assert!(Request::decode(&b).unwrap_err().contains("iterations"));
         let mut b = good;
-        b[30..34].copy_from_slice(&4096u32.to_be_bytes());
+        b[o + 2..o + 6].copy_from_slice(&4096u32.to_be_bytes());
         assert!(Request::decode(&b).unwrap_err().contains("smaller"));
-        assert!(Request::decode(&good[..30]).is_err());
+        assert!(Request::decode(&good[..o + 2]).is_err());
         let mut b = good;
-        b[38] = 2;
+        b[o + 10] = 2;
         assert!(Request::decode(&b).unwrap_err().contains("doorbell"));
     }
 }
