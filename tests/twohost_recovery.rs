@@ -352,7 +352,7 @@ fn mid_transfer_connection_torn_down_after_own_link_is_back() {
     link_down();
     // rxe retries the WRITEs in flight on the down link, and fails them: wait (bounded) until
     // the client's QP is in the error state, as the running client's would be.
-    let qp_err = |s: &str| s.lines().any(|l| l.contains("comm client") && l.contains("state ERR"));
+    let qp_err = |s: &str| s.lines().any(|l| l.contains("comm perf_client") && l.contains("state ERR"));
     let mut qps = String::new();
     let errored = std::time::Instant::now() + Duration::from_secs(60);
     while std::time::Instant::now() < errored && !qp_err(&qps) {
