@@ -459,7 +459,8 @@ impl CompletionQueue {
     /// resized (`resize_locked` refuses it).
     pub(crate) fn arm_exclusive(&self) -> Result<()> {
         debug_assert!(self.exclusive, "only a lane's CQ is armed without the lock");
-        // SAFETY: the CQ is valid while `self` lives, and, a lane's, it is never resized.
+        // SAFETY: the CQ is valid while `self` lives. A lane's is resized only by the lane's
+        // attach, which holds the lane (`&mut`) that every arm goes through: never during one.
         check_ibv(unsafe { ffi::ibv_req_notify_cq(self.as_raw(), 0) }, "ibv_req_notify_cq")
     }
 
@@ -527,26 +528,36 @@ impl CompletionQueue {
 
     /// [`CompletionQueue::drain_events`] for every CQ, a lane's included (its waits call this).
     pub(crate) fn drain_channel(&self) -> Result<u32> {
-        self.ensure_nonblocking()?;
         let mut n = 0;
-        loop {
-            let mut cq = std::ptr::null_mut();
-            let mut cq_ctx = std::ptr::null_mut();
-            // SAFETY: channel valid; out-pointers valid. The fd is non-blocking, so this
-            // returns -1/EAGAIN instead of waiting when no event is pending.
-            let ret = unsafe { ffi::ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut cq_ctx) };
-            if ret != 0 {
-                let e = errno();
-                if e == libc::EAGAIN || e == libc::EWOULDBLOCK {
-                    return Ok(n);
-                }
-                return Err(Error::call("ibv_get_cq_event", e, None));
-            }
+        while self.take_event()? {
             n += 1;
-            if self.unacked.fetch_add(1, Ordering::AcqRel) + 1 >= ACK_BATCH {
-                self.ack_pending();
-            }
         }
+        Ok(n)
+    }
+
+    /// Reads one event from the channel if one is pending, without blocking; whether there
+    /// was one. Enough for a lane's blocking wait once `poll(2)` said the channel is
+    /// readable: the lane's CQ is the channel's only one and raises at most one event per
+    /// arming, so a second read would only find the channel empty, at the cost of a system
+    /// call.
+    pub(crate) fn take_event(&self) -> Result<bool> {
+        self.ensure_nonblocking()?;
+        let mut cq = std::ptr::null_mut();
+        let mut cq_ctx = std::ptr::null_mut();
+        // SAFETY: channel valid; out-pointers valid. The fd is non-blocking, so this
+        // returns -1/EAGAIN instead of waiting when no event is pending.
+        let ret = unsafe { ffi::ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut cq_ctx) };
+        if ret != 0 {
+            let e = errno();
+            if e == libc::EAGAIN || e == libc::EWOULDBLOCK {
+                return Ok(false);
+            }
+            return Err(Error::call("ibv_get_cq_event", e, None));
+        }
+        if self.unacked.fetch_add(1, Ordering::AcqRel) + 1 >= ACK_BATCH {
+            self.ack_pending();
+        }
+        Ok(true)
     }
 
     fn ack_pending(&self) {

@@ -172,7 +172,15 @@ impl Lane {
             match woke {
                 None => expired = true,
                 // The readiness was cleared: read every event, so the next wake-up is a new one.
-                Some(_) => drop(self.cq.drain_channel()?),
+                // The event disarmed the CQ, and the completion that raised it is there: poll
+                // before arming again (an arm is a system call on Soft-RoCE and siw).
+                Some(_) => {
+                    self.cq.drain_channel()?;
+                    let n = self.poll_with(max, &mut f)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                }
             }
         }
         self.ran_out(OP, timeout)
@@ -212,8 +220,14 @@ impl Lane {
             if read_events {
                 self.cq.refresh_async()?;
             }
-            if fds[0].revents != 0 {
-                self.cq.drain_channel()?;
+            // One read takes the event that woke us (the CQ raises one per arming). It
+            // disarmed the CQ, and the completion that raised it is there: poll before arming
+            // again (an arm is a system call on Soft-RoCE and siw).
+            if fds[0].revents != 0 && self.cq.take_event()? {
+                let n = self.poll_with(max, &mut *f)?;
+                if n > 0 {
+                    return Ok(n);
+                }
             }
         }
         self.ran_out(OP, timeout)
