@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{fail, micros, print_latency_table, resolve_host, Stopwatch, DEFAULT_PORT};
-use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
+use fast::{LaneConn, Regions, INLINE_LAT, LANE_MIN_RNR_TIMER};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE, MAX_SIZE};
 use rdma_cm::verbs::lane::{self, Lane};
 use rdma_cm::{
@@ -213,6 +213,8 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     let send_depth = if args.bw { args.tx_depth } else { 16 };
     let lane = if on_lane { Some(Lane::new(&ctx, send_depth + 16)?) } else { None };
     let init = QpInit::new().max_send_wr(send_depth);
+    // Send mode's latency table sends small messages inline, as ib_send_lat does.
+    let init = if on_lane && !args.bw && args.mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
     let init = match &lane {
         Some(lane) => lane.qp_init_from(init),
         None => init,
@@ -459,7 +461,7 @@ fn run_on_lane(
     for i in 0..iters {
         let one = iters == 1;
         let n = if let Some(p) = ping.as_mut() {
-            fill_pattern(p.send.as_mut_slice()?, i);
+            fill_pattern(p.message()?, i);
             let start = clock.now();
             let n = p.round_trip(lc, one, t)?;
             rtts.push(clock.since(start));
@@ -522,33 +524,62 @@ fn check_echo(got: &[u8], i: u32, expected: &mut [u8]) -> Result<(), Error> {
 
 /// Send mode's ping-pong on prepared requests: the receive for the echo over `BACK`, the send
 /// over `DATA`, each checked and lowered once; a round trip posts both and reaps both, each
-/// completion handing its region back to re-arm its request.
+/// completion handing its region back to re-arm its request. A message that fits the QP's
+/// inline limit (up to [`INLINE_LAT`] bytes, as `ib_send_lat`) is sent inline from `inline`
+/// instead, signaled once in [`fast::SIGNAL_EVERY`]: the round trip then waits for the echo
+/// alone.
 struct PreparedPingPong {
     send: lane::PreparedSend,
     recv: lane::PreparedRecv,
     size: usize,
+    inline: Option<Vec<u8>>,
 }
 
 impl PreparedPingPong {
     fn new(lc: &mut LaneConn, regs: &mut Regions, size: usize) -> Result<PreparedPingPong, Error> {
         let recv = lc.lane.prepare_recv(lc.qp, lane::RecvWr::range(regs.take(BACK)?, 0..size).wr_id(BACK as u64))?;
         let send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(regs.take(DATA)?, 0..size).wr_id(DATA as u64))?;
-        Ok(PreparedPingPong { send, recv, size })
+        let inline = if lc.fits_inline(size)? { Some(vec![0; size]) } else { None };
+        Ok(PreparedPingPong { send, recv, size, inline })
+    }
+
+    /// The bytes the next round trip sends.
+    fn message(&mut self) -> Result<&mut [u8], Error> {
+        match self.inline.as_mut() {
+            Some(msg) => Ok(msg),
+            None => self.send.as_mut_slice(),
+        }
     }
 
     /// One round trip; the bytes the echo brought.
     fn round_trip(&mut self, lc: &mut LaneConn, log: bool, t: Duration) -> Result<usize, Error> {
         lc.lane.post_prepared_recv(&mut self.recv)?;
-        lc.lane.post_prepared(&mut self.send)?;
+        let inline = match &self.inline {
+            Some(msg) => lc.send_inline(msg, DATA as u64).map(|()| true)?,
+            None => lc.lane.post_prepared(&mut self.send).map(|()| false)?,
+        };
         let (send, recv, mut n) = (&mut self.send, &mut self.recv, 0);
-        lc.reap(2, "waiting for the echo", t, |c, region| match c.wr_id() as usize {
+        let mut each = |c: lane::Wc, region| match c.wr_id() as usize {
             BACK => {
                 n = c.byte_len() as usize;
                 recv.rearm(region).map_err(Error::from)
             }
             DATA => send.rearm(region).map_err(Error::from),
             other => Err(stray(other)),
-        })?;
+        };
+        if inline {
+            // The inline send's completions (one in SIGNAL_EVERY) carry no region, and reach
+            // no callback: the echo is what the round trip waits for.
+            let mut echoed = false;
+            while !echoed {
+                lc.reap_once(2, "waiting for the echo", t, |c, region| {
+                    echoed |= c.wr_id() as usize == BACK;
+                    each(c, region)
+                })?;
+            }
+        } else {
+            lc.reap(2, "waiting for the echo", t, &mut each)?;
+        }
         if log {
             say!("[INFO] Sent {} bytes", self.size);
             say!("[INFO] Received {n} bytes");

@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdma_cm::verbs::lane::{Lane, LaneQp, Wc};
+use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, Wc};
 use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
 
 /// The longest the lane's wait runs before the tool asks [`Lane::peer_left`] (a read of the
@@ -34,6 +34,17 @@ pub const PEER_CHECK: Duration = Duration::from_millis(100);
 /// both examples: its receives are posted once it is connected, and a message that comes
 /// before them waits this long before it is sent again (the CM's own value is 655 ms).
 pub const LANE_MIN_RNR_TIMER: u8 = 12;
+
+/// The largest message send mode's ping-pong sends inline (the QP is created for it), as
+/// `ib_send_lat` does by default on RC: the provider copies it at the post, so the send holds
+/// no region and can go unsignaled.
+pub const INLINE_LAT: u32 = 236;
+
+/// Send mode's inline ping-pong signals one send in this many, as perftest's latency tests
+/// signal one in `cq_mod`: a round trip then sleeps (or spins) for the echo alone, not for its
+/// own send's completion too. Half the send queue (16), so a signaled completion is reaped
+/// long before the queue could fill.
+pub const SIGNAL_EVERY: u64 = 8;
 
 /// What ends a [`LaneConn::reap`] early: the first failed completion's error, else the first
 /// error of its closure.
@@ -70,6 +81,8 @@ pub struct LaneConn {
     busy_poll: bool,
     /// The peer's `DISCONNECTED` (or a device removal) was seen by [`LaneConn::wait_disconnected`].
     gone: bool,
+    /// Inline sends posted ([`LaneConn::send_inline`]): which of them is signaled.
+    inline_sent: u64,
 }
 
 impl LaneConn {
@@ -79,7 +92,23 @@ impl LaneConn {
         let id = Arc::clone(conn.id());
         let peer = conn.peer_addr();
         let qp = lane.attach(conn).map_err(Error::from)?;
-        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false })
+        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false, inline_sent: 0 })
+    }
+
+    /// Whether a message of `len` bytes goes inline on this QP ([`LaneConn::send_inline`]).
+    pub fn fits_inline(&mut self, len: usize) -> Result<bool, Error> {
+        Ok(len <= self.lane.max_inline_data(self.qp)? as usize)
+    }
+
+    /// Sends `data` inline, signaled once in [`SIGNAL_EVERY`] sends (the lane signals the one
+    /// that takes the send queue's last slot anyway). Its completion, when it has one, carries
+    /// no region: [`LaneConn::reap`]'s callback never sees it.
+    #[inline(always)]
+    pub fn send_inline(&mut self, data: &[u8], wr_id: u64) -> Result<(), Error> {
+        self.inline_sent = self.inline_sent.wrapping_add(1);
+        let wr = InlineWr::send(data).wr_id(wr_id);
+        let wr = if self.inline_sent % SIGNAL_EVERY == 0 { wr } else { wr.unsignaled() };
+        self.lane.post_inline(self.qp, wr)
     }
 
     /// A failed completion as the error that explains it: the peer's departure when that is

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{fail, micros, resolve_host, DEFAULT_PORT};
-use fast::{LaneConn, Regions, LANE_MIN_RNR_TIMER};
+use fast::{LaneConn, Regions, INLINE_LAT, LANE_MIN_RNR_TIMER};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE};
 use rdma_cm::verbs::lane::{self, Lane, Wc};
 use rdma_cm::{
@@ -214,6 +214,8 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     let lane =
         if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
     let init = QpInit::new().max_recv_wr(recv_depth);
+    // Send mode's latency table echoes small messages inline, as ib_send_lat does.
+    let init = if on_lane && mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
     let init = match &lane {
         Some(lane) => lane.qp_init_from(init),
         None => init,
@@ -409,10 +411,14 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
 /// has a receive and a send prepared over it (checked and lowered once); each completion hands
 /// the region back to re-arm the other one. The echo is prepared at `size` bytes, so a message
 /// of another length ends the connection with an error (the client sends `size` bytes every
-/// time; the convenient path's `echo_send` echoes what came).
+/// time; the convenient path's `echo_send` echoes what came). A message that fits the QP's
+/// inline limit is echoed inline instead ([`LaneConn::send_inline`]), as `ib_send_lat` does: its
+/// region goes straight back to its receive, and the echo's completion is not waited for.
 fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
     let size = size as usize;
     let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
+    // A message that fits the QP's inline limit is echoed inline (LaneConn::send_inline).
+    let inline = lc.fits_inline(size)?;
     lc.lane.post_prepared_recv(&mut ends[0].recv)?;
     for i in 0..iters {
         let (cur, next) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
@@ -426,6 +432,14 @@ fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, 
         }
         if i + 1 < iters {
             lc.lane.post_prepared_recv(&mut ends[next].recv)?;
+        }
+        if inline {
+            // Copied by the provider at the post: the region is ours again at once, for the
+            // next receive into it, and the send (signaled one in SIGNAL_EVERY) is not waited for.
+            lc.send_inline(ends[cur].send.as_slice()?, 2 * cur as u64 + 1)?;
+            let region = ends[cur].send.take_region().ok_or_else(|| stray(2 * cur as u64 + 1))?;
+            ends[cur].recv.rearm(region)?;
+            continue;
         }
         lc.lane.post_prepared(&mut ends[cur].send)?;
         // The echo's completion: its region arms the next receive into it.
