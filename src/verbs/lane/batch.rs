@@ -1,13 +1,13 @@
 //! A prepared batch: send-queue work requests over one region, lowered once, posted under one
 //! doorbell, and retired whole by one completion.
 //!
-//! A list of [`PreparedSend`]s posted with [`Lane::post_prepared_list`] moves one region per
+//! A list of [`PreparedSend`](crate::verbs::lane::PreparedSend)s posted with [`Lane::post_prepared_list`] moves one region per
 //! request and hands out one completion per request (the unsignaled ones too, when the last one's
 //! completion retires them). When the requests are pieces of one buffer (a stream of WRITEs, a
 //! scatter of a message over several remote places), all of that is bookkeeping the device does
 //! not need. A [`PreparedBatch`] holds the region once: [`Lane::post_batch`] moves it into the
 //! lane, stamps the last request's tag and rings one doorbell; the last request is the batch's
-//! only signaled one, and its completion hands the region back with one [`Wc`], whose status is
+//! only signaled one, and its completion hands the region back with one [`Wc`](crate::verbs::lane::Wc), whose status is
 //! the batch's (the first failure among its requests, when one failed).
 //!
 //! Why it is sound: the batch's requests were each checked against the region when it was
@@ -20,7 +20,17 @@
 //! flushes come) carry `tag::INTERIOR`, which retires nothing.
 
 use super::prepared::{armed_accessors, disarmed, not_armed, rearm};
-use super::*;
+use super::wr::{post_list_failed, refusal};
+use super::{tag, Fault, Lane, LaneQp, Member, Rejected, SendWr};
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::wr::MAX_SGE;
+use rdma_sys as ffi;
+use std::fmt;
+use std::mem;
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
 
 /// One work request of a batch and its scatter list, side by side in the batch's allocation.
 struct Entry {
@@ -32,9 +42,9 @@ struct Entry {
 /// ([`Lane::prepare_batch`]) and posted together any number of times ([`Lane::post_batch`]):
 /// one `ibv_post_send`, one doorbell, one completion.
 ///
-/// It holds its region while it is armed, as [`PreparedSend`] does: a post moves the region
+/// It holds its region while it is armed, as [`PreparedSend`](crate::verbs::lane::PreparedSend) does: a post moves the region
 /// into the lane, and the completion of the batch's last request hands it back (beside one
-/// [`Wc`] for the whole batch), to [`PreparedBatch::rearm`] it with.
+/// [`Wc`](crate::verbs::lane::Wc) for the whole batch), to [`PreparedBatch::rearm`] it with.
 pub struct PreparedBatch {
     /// The requests, linked in order, each over its own `sge`: one allocation
     /// (`Box::into_raw`), so the links stay valid wherever the batch moves; freed by Drop.
@@ -207,7 +217,7 @@ impl Lane {
     }
 
     /// Posts the batch `b` in one `ibv_post_send` (one doorbell): its region moves into the lane
-    /// until the completion of its last request hands it back, with one [`Wc`] for the batch
+    /// until the completion of its last request hands it back, with one [`Wc`](crate::verbs::lane::Wc) for the batch
     /// (its status is the first failure among the batch's requests, when one failed).
     ///
     /// # Errors

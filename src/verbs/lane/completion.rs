@@ -1,4 +1,13 @@
-use super::*;
+use super::LaneQp;
+use crate::error::Error;
+use crate::error::Result;
+use crate::status::WcOpcode;
+use crate::status::WcStatus;
+use crate::status::WorkQueue;
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::wc::WorkCompletion;
+use rdma_sys as ffi;
+use std::fmt;
 
 /// The fields of an `ibv_wc` after its `wr_id`, as the provider wrote them, decoded only when
 /// asked.
@@ -19,7 +28,7 @@ pub(super) struct Fields {
 }
 
 impl Fields {
-    /// The fields of `wc`, read one by one: where the caller of [`Lane::poll_with`] reads only
+    /// The fields of `wc`, read one by one: where the caller of [`Lane::poll_with`](crate::verbs::lane::Lane::poll_with) reads only
     /// some of them, the others are never loaded (a copy of the whole would be kept in memory).
     #[inline(always)]
     pub(super) fn of(wc: &ffi::ibv_wc) -> Fields {
@@ -47,9 +56,9 @@ pub(super) const RECV: u8 = 1;
 pub(super) const SIGNALED: u8 = 2;
 pub(super) const LANE: u8 = 4;
 
-/// A completion as [`Lane::poll_with`] hands it out: the completion's fields as the provider
+/// A completion as [`Lane::poll_with`](crate::verbs::lane::Lane::poll_with) hands it out: the completion's fields as the provider
 /// wrote them (decoded by the accessors), and nothing to drop. The region of its work request
-/// comes beside it. [`Completion`] is the two together, as [`Lane::poll`] returns them.
+/// comes beside it. [`Completion`] is the two together, as [`Lane::poll`](crate::verbs::lane::Lane::poll) returns them.
 #[derive(Clone, Copy)]
 pub struct Wc {
     pub(super) wr_id: u64,
@@ -60,7 +69,7 @@ pub struct Wc {
     pub(super) flags: u8,
 }
 
-/// A completion reaped by [`Lane::poll`]: its fields ([`Wc`], whose accessors it shares) and the
+/// A completion reaped by [`Lane::poll`](crate::verbs::lane::Lane::poll): its fields ([`Wc`], whose accessors it shares) and the
 /// work request's region, handed back ([`Completion::take_region`]).
 pub struct Completion {
     wc: Wc,
@@ -145,7 +154,7 @@ impl Wc {
     }
 
     /// Whether it came from a work request posted through the lane (false: through the
-    /// convenient path of a QP made with [`Lane::qp_init`]; it carries no region).
+    /// convenient path of a QP made with [`Lane::qp_init`](crate::verbs::lane::Lane::qp_init); it carries no region).
     #[inline]
     pub fn is_lane(&self) -> bool {
         self.flags & LANE != 0

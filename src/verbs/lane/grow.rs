@@ -12,7 +12,9 @@
 //! Where the device cannot resize a CQ (siw has no `resize_cq`: `EOPNOTSUPP`), the attach is
 //! refused, saying so and what depth the lane needs, and the owner is handed back.
 
-use super::*;
+use super::Lane;
+use crate::error::Error;
+use crate::error::Result;
 
 impl Lane {
     /// Grows the CQ when its QPs (the one being attached included) may have more completions

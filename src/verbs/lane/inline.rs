@@ -18,12 +18,18 @@
 //! # Ok(()) }
 //! ```
 
-use super::*;
+use super::wr::{post_list_failed, refusal, too_long, ud_needs_dest, Defect};
+use super::{tag, DestKey, Lane, LaneQp, Member};
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::mr::RemoteRegion;
 use ffi::ibv_wr_opcode::*;
+use rdma_sys as ffi;
+use std::mem;
 
 /// A send or RDMA WRITE whose bytes, a borrowed slice, the provider copies at post time
 /// ([`Lane::post_inline`]): no region needed. At most the QP's `max_inline_data` bytes
-/// ([`QpInit::max_inline_data`]; [`QueuePair::max_inline_data`] says what the provider granted).
+/// ([`QpInit::max_inline_data`](crate::QpInit::max_inline_data); [`QueuePair::max_inline_data`](crate::QueuePair::max_inline_data) says what the provider granted).
 #[derive(Debug)]
 pub struct InlineWr<'a> {
     data: &'a [u8],
@@ -89,7 +95,7 @@ impl<'a> InlineWr<'a> {
         self
     }
 
-    /// Asks for no completion on success, as [`SendWr::unsignaled`] does: the next signaled
+    /// Asks for no completion on success, as [`SendWr::unsignaled`](crate::verbs::lane::SendWr::unsignaled) does: the next signaled
     /// completion of the queue retires its slot.
     #[inline(always)]
     pub fn unsignaled(mut self) -> InlineWr<'a> {
@@ -170,7 +176,7 @@ impl Lane {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for more bytes than the QP's inline limit (naming both; ask
-    /// for more with [`QpInit::max_inline_data`], or send from a region), a destination or
+    /// for more with [`QpInit::max_inline_data`](crate::QpInit::max_inline_data), or send from a region), a destination or
     /// operation the QP's type does not have, or an unknown `qp`; [`Error::OutOfBounds`] for a
     /// WRITE outside the remote region; [`Error::MessageTooLong`] for a datagram over the
     /// MTU; [`Error::QueueFull`]; [`Error::QpInError`]; [`Error::Call`] when `ibv_post_send`

@@ -194,7 +194,6 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::mem::{self, MaybeUninit};
-use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
@@ -202,17 +201,14 @@ use std::time::Duration;
 use rdma_sys as ffi;
 
 use crate::error::{Error, Result};
-use crate::status::{WcOpcode, WcStatus, WorkQueue};
-use crate::verbs::ah::{UdDest, GRH_LEN};
+use crate::verbs::ah::UdDest;
 use crate::verbs::cq::CompletionQueue;
 use crate::verbs::device::VerbsContext;
-use crate::verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
+use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::connect::KnownError;
 use crate::verbs::qp::{QpInit, QueuePair};
 use crate::verbs::ring::Hold;
-use crate::verbs::wc::WorkCompletion;
-use crate::verbs::wr::{rejected_from, MAX_SGE};
 
 mod batch;
 mod completion;
@@ -238,7 +234,6 @@ pub(crate) use owner::Sealed;
 pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
 use slots::Slots;
-use wr::*;
 pub use wr::{RecvWr, Rejected, RejectedList, SendWr};
 
 /// The most work requests one [`Lane::post_send_list`] or [`Lane::post_recv_list`] posts: one
@@ -742,7 +737,7 @@ impl Lane {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::wr::piece;
 
     #[test]
     fn pieces_refuse_reversed_and_huge_ranges() {

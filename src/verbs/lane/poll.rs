@@ -1,4 +1,9 @@
-use super::*;
+use super::wr::poll_failed;
+use super::{tag, Completion, Fault, Fields, Lane, Retiring, Wc, LANE, POLL_BATCH, RECV, SIGNALED};
+use crate::error::Result;
+use crate::status::WorkQueue;
+use crate::verbs::mr::MemoryRegion;
+use rdma_sys as ffi;
 
 impl Lane {
     /// Hands out the next completion without waiting, with the region of its work request
@@ -8,7 +13,7 @@ impl Lane {
     /// nothing (stale ones, a batch's interior ones). [`Lane::poll_with`] is the fast way to do the same.
     ///
     /// # Errors
-    /// [`Error::Call`] when `ibv_poll_cq` fails.
+    /// [`Error::Call`](crate::Error::Call) when `ibv_poll_cq` fails.
     #[inline(always)]
     pub fn poll(&mut self) -> Result<Option<Completion>> {
         let mut out = None;
@@ -29,7 +34,7 @@ impl Lane {
     /// is, and a loop that reaps a burst does best to ask for the whole burst in one call.
     ///
     /// # Errors
-    /// [`Error::Call`] when `ibv_poll_cq` fails (after handing out what was reaped before).
+    /// [`Error::Call`](crate::Error::Call) when `ibv_poll_cq` fails (after handing out what was reaped before).
     #[inline(always)]
     pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         // The common case, straight-line: nothing is buffered, retiring or deferred, so the

@@ -1,4 +1,16 @@
-use super::*;
+use super::wr::{
+    no_room_for_grh, other_pd, post_list_failed, refusal, refusal_recv, too_long, too_many_pieces, ud_needs_dest,
+    Defect,
+};
+use super::{tag, unknown_qp, Lane, LaneQp, Member, RecvWr, Rejected, RejectedList, SendWr, MAX_LIST};
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::wr::rejected_from;
+use crate::verbs::wr::MAX_SGE;
+use rdma_sys as ffi;
+use std::mem;
+use std::mem::MaybeUninit;
 
 impl Lane {
     /// `member` without building its error: `None` for a `qp` this lane does not hold.
@@ -223,7 +235,7 @@ impl Lane {
     /// # Errors
     /// The region comes back with the error when it was not posted: [`Error::QueueFull`];
     /// [`Error::OutOfBounds`]; [`Error::InvalidArgument`] for a region of another protection
-    /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`]-byte GRH,
+    /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`](crate::GRH_LEN)-byte GRH,
     /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
     #[inline(always)]
     pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {

@@ -23,7 +23,17 @@
 //! }
 //! ```
 
-use super::*;
+use super::wr::{post_failed_one, post_list_failed, refusal, refusal_recv};
+use super::{tag, Lane, LaneQp, Member, RecvWr, Rejected, SendWr};
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::wr::MAX_SGE;
+use rdma_sys as ffi;
+use std::fmt;
+use std::mem;
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
 
 mod aim;
 

@@ -1,6 +1,7 @@
 //! One work queue's slots in a lane: the regions of posted work requests, in posting order.
 
-use super::*;
+use super::tag;
+use crate::verbs::mr::MemoryRegion;
 
 /// One work queue's slots: the regions of posted work requests, in posting order.
 pub(super) struct Slots {

@@ -14,8 +14,13 @@
 
 use std::os::fd::AsRawFd;
 
-use super::*;
+use super::wr::qp_in_error;
+use super::{Completion, Fault, Lane, Wc};
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::mr::MemoryRegion;
 use crate::wait::{poll_readable, pollfd, Deadline};
+use std::time::Duration;
 
 /// Empty polls a busy-poll wait makes between two looks at the clock (the coarse clock, read
 /// from the vDSO without a system call; still, at some 20 ns a look, not worth paying per

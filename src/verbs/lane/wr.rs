@@ -1,5 +1,18 @@
 use super::post::Refusal;
-use super::*;
+use super::{DestKey, Fault, Member};
+use crate::error::Error;
+use crate::error::Result;
+use crate::status::WcStatus;
+use crate::verbs::ah::GRH_LEN;
+use crate::verbs::mr::AccessFlags;
+use crate::verbs::mr::MemoryRegion;
+use crate::verbs::mr::RemoteRegion;
+use crate::verbs::qp::connect::KnownError;
+use crate::verbs::wr::MAX_SGE;
+use rdma_sys as ffi;
+use std::fmt;
+use std::mem::MaybeUninit;
+use std::ops::Range;
 
 /// A refused post: the error, and what is given back (the work request's region, for a post
 /// the provider did not take; `None` when it may have: the lane then keeps the region until the
@@ -61,7 +74,7 @@ impl<T> std::error::Error for Rejected<T> {
     }
 }
 
-/// A refused [`Lane::post_send_iter`]: the error, and the regions (with their `wr_id`s) of
+/// A refused [`Lane::post_send_iter`](crate::verbs::lane::Lane::post_send_iter): the error, and the regions (with their `wr_id`s) of
 /// the work requests it took from the iterator and did not post, in order. Regions the
 /// provider may have taken are not among them: the lane keeps those until the flush retires
 /// them.
@@ -332,7 +345,7 @@ impl SendWr {
     }
 
     /// Sends the concatenation of `ranges` of `mr`, in order (at most [`MAX_SGE`], and at most
-    /// the QP's [`QpInit::max_send_sge`]).
+    /// the QP's [`QpInit::max_send_sge`](crate::QpInit::max_send_sge)).
     #[inline]
     pub fn send_sg(mr: MemoryRegion, ranges: &[Range<usize>]) -> SendWr {
         Self::gather(mr, IBV_WR_SEND, false, ranges)
@@ -409,8 +422,8 @@ impl SendWr {
     }
 
     /// Asks for no completion on success: the next signaled completion of the queue retires
-    /// it (and hands its region back, as a [`Completion`] whose
-    /// [`is_signaled`](Wc::is_signaled) is false). The work request that takes the
+    /// it (and hands its region back, as a [`Completion`](crate::verbs::lane::Completion) whose
+    /// [`is_signaled`](crate::verbs::lane::Wc::is_signaled) is false). The work request that takes the
     /// queue's last free slot is signaled whatever it asks, so a full queue always drains.
     #[inline(always)]
     pub fn unsignaled(mut self) -> SendWr {
@@ -424,7 +437,7 @@ impl SendWr {
         self
     }
 
-    /// Addresses a send to a UD destination registered with [`Lane::add_dest`] (required on a
+    /// Addresses a send to a UD destination registered with [`Lane::add_dest`](crate::verbs::lane::Lane::add_dest) (required on a
     /// UD QP, refused on RC).
     #[inline(always)]
     pub fn to(mut self, dest: DestKey) -> SendWr {

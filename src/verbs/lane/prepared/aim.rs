@@ -20,8 +20,14 @@
 //! request into its queue during `ibv_post_send`, so what a posted request is aimed at is
 //! already the device's, and the next post takes the new aim.
 
-use super::*;
+use super::PreparedSend;
+use crate::error::Error;
+use crate::error::Result;
+use crate::verbs::lane::wr::{bad_request, out_of_region, out_of_remote, piece, too_long, unaligned_atomic};
+use crate::verbs::lane::{Member, SendWr};
 use ffi::ibv_wr_opcode::*;
+use rdma_sys as ffi;
+use std::ops::Range;
 
 /// What a prepared send-queue request was checked against, kept to re-aim it.
 pub(super) struct Bounds {
