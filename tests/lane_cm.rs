@@ -277,3 +277,47 @@ fn an_attached_connection_answers_peer_left_and_disconnect() {
     }
     t.finish();
 }
+
+/// The server's usual end, on a connection made through the lane: `wait_peer_left` returns
+/// false once its bound has passed while the client stays, and true once the client
+/// disconnects; posts are refused from then on, and the server's own disconnect only destroys.
+#[test]
+fn wait_peer_left_is_bounded_and_sees_the_clients_disconnect() {
+    let t = DeviceTest::start();
+    {
+        let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(1).unwrap();
+        let dst = listener.local_addr().unwrap();
+        let (go, leave) = mpsc::channel::<()>();
+        let client = thread::spawn(move || {
+            let mut lane = lane_on(t.addr, 16);
+            let (client, _pd) = lane_client(&mut lane, dst, None);
+            let qp = client.qp();
+            client.connect(&mut lane, &ConnParam::new(), T).expect("connect");
+            leave.recv_timeout(T).expect("the server's go-ahead to leave");
+            lane.disconnect(qp, T).expect("the client's disconnect, answered");
+        });
+        let ctx = listener.context().unwrap();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, init()).unwrap();
+        let qp = s.qp();
+        s.accept(&mut lane, &ConnParam::new(), T).expect("accept");
+        let bound = Duration::from_millis(300);
+        let start = Instant::now();
+        assert!(!lane.wait_peer_left(qp, bound).expect("Lane::wait_peer_left"), "the client has not left");
+        let waited = start.elapsed();
+        assert!(
+            waited >= bound && waited < bound + Duration::from_secs(5),
+            "waited {waited:?} on a bound of {bound:?}"
+        );
+        go.send(()).unwrap();
+        assert!(lane.wait_peer_left(qp, T).expect("Lane::wait_peer_left"), "the client's disconnect not seen in {T:?}");
+        assert!(lane.peer_left(qp).unwrap(), "peer_left agrees");
+        let e = lane.post_send(qp, SendWr::send(message(&pd, 1), 0..LEN)).expect_err("a send after the peer left");
+        assert!(e.to_string().contains("left") || e.to_string().contains("disconnect"), "the refusal says why: {e}");
+        lane.disconnect(qp, Duration::from_secs(1)).expect("the peer left: nothing to wait for");
+        client.join().unwrap();
+        drop(lane);
+    }
+    t.finish();
+}

@@ -4,7 +4,7 @@
 
 use std::any::Any;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cm::adopt;
 use crate::cm::cm_id::CmId;
@@ -13,7 +13,7 @@ use crate::cm::event_channel::CmEvent;
 use crate::cm::expect::is_peer_gone;
 use crate::cm::lane_conn::LaneConn;
 use crate::cm::ud_cm::UdEndpoint;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::verbs::lane::{LaneEvent, LaneOwner, Sealed};
 use crate::verbs::qp::QueuePair;
 
@@ -29,6 +29,28 @@ pub(crate) fn read_departure(id: &CmId, qp: &mut QueuePair) -> Result<bool> {
         }
     }
     Ok(qp.peer_left())
+}
+
+/// [`read_departure`], waiting up to `timeout` for the departure; whether the peer has left.
+/// Other events of `id` that come meanwhile are read and dropped, as `read_departure` drops
+/// them.
+pub(crate) fn wait_departure(id: &CmId, qp: &mut QueuePair, timeout: Duration) -> Result<bool> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if read_departure(id, qp)? {
+            return Ok(true);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        match id.channel().get_event_for(id.handle(), left) {
+            Ok(ev) if is_peer_gone(&ev) => qp.peer_gone(),
+            Ok(_) => {}
+            Err(Error::Timeout { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// An event of `id` read by the caller's loop: a departure is answered, as in
@@ -79,6 +101,9 @@ impl LaneOwner for Connection {
     fn lane_peer_left(&mut self) -> Result<bool> {
         read_departure(&self.id, &mut self.qp)
     }
+    fn lane_wait_peer_left(&mut self, timeout: Duration) -> Result<bool> {
+        wait_departure(&self.id, &mut self.qp, timeout)
+    }
     fn lane_event(&mut self, ev: &dyn Any) -> bool {
         take_event(&self.id, &mut self.qp, ev)
     }
@@ -109,6 +134,12 @@ impl LaneOwner for LaneConn {
             return Ok(false);
         }
         read_departure(&self.id, &mut self.qp)
+    }
+    fn lane_wait_peer_left(&mut self, timeout: Duration) -> Result<bool> {
+        if !self.established {
+            return Ok(false);
+        }
+        wait_departure(&self.id, &mut self.qp, timeout)
     }
     fn lane_event(&mut self, ev: &dyn Any) -> bool {
         self.established && take_event(&self.id, &mut self.qp, ev)

@@ -75,6 +75,28 @@ impl Lane {
         Ok(left)
     }
 
+    /// [`Lane::peer_left`], waiting up to `timeout` for the peer to leave: true once it has
+    /// (its `DISCONNECTED` answered, the QP in the error state), false when the time ran out
+    /// first. The usual end of a server's side: wait for the client to leave, then
+    /// [`Lane::disconnect`], which then only destroys. It blocks on the connection's CM
+    /// events, not on the CQ: completions that come meanwhile stay for the next poll. A QP
+    /// attached without a connection, or not connected yet, returns false at once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unknown `qp`; [`Error::Call`] when reading the
+    /// channel fails.
+    pub fn wait_peer_left(&mut self, qp: LaneQp, timeout: Duration) -> Result<bool> {
+        let m = self.member(qp)?;
+        if m.failed == Some(Fault::PeerLeft) {
+            return Ok(true);
+        }
+        let left = m.owner.lane_wait_peer_left(timeout)?;
+        if left {
+            m.record(Fault::PeerLeft);
+        }
+        Ok(left)
+    }
+
     /// Hands `qp`'s connection an event of its id that the caller's own event loop read (a
     /// [`CmEvent`](crate::CmEvent)): a `DISCONNECTED` is answered and moves the QP to the error
     /// state, so its posted work flushes and later posts are refused, as [`Lane::peer_left`]

@@ -58,6 +58,16 @@ pub trait LaneOwner: Sealed + Send + 'static {
     fn lane_peer_left(&mut self) -> Result<bool> {
         Ok(false)
     }
+    /// [`LaneOwner::lane_peer_left`], waiting up to `timeout` for the peer to leave: true
+    /// once it has, false when the time ran out first. Without a connection, false at once.
+    ///
+    /// # Errors
+    /// When reading the events fails.
+    #[doc(hidden)]
+    fn lane_wait_peer_left(&mut self, timeout: Duration) -> Result<bool> {
+        let _ = timeout;
+        Ok(false)
+    }
     /// An event of the QP's driver, read by the caller's own event loop (a [`LaneEvent`]);
     /// true when it says the peer left (answered, and the QP moved to the error state).
     #[doc(hidden)]
