@@ -29,12 +29,10 @@
 //! talks to rdma-core's `rdma_server`. With `--iters N > 1` it prints a latency table in
 //! perftest's format, to read next to `ib_send_lat`.
 //!
-//! The latency table (`--iters N > 1`, every mode) and `--bw` run on a lane (`rdma_cm::verbs::lane`),
-//! the crate's fast path and the one for performance-sensitive code: one thread owns the CQ and
-//! the QP, posts and polls take no lock, and each work request moves its region into the lane
-//! until its completion hands it back (`perftest/fast.rs`; the server does the same on its side).
-//! The one-shot exchange (`--iters 1`) uses the convenient path (`QueuePair::post_send` and its
-//! waits), which is simpler to read.
+//! Every mode runs on a lane (`rdma_cm::verbs::lane`), the crate's data path: one thread owns
+//! the CQ and the QP, which joins the lane before the connect (`RouteResolved::lane_qp`), posts
+//! and polls take no lock, and each work request moves its region into the lane until its
+//! completion hands it back (`perftest/fast.rs`; the server does the same on its side).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -46,13 +44,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{fail, micros, print_latency_table, resolve_host, Stopwatch, DEFAULT_PORT};
-use fast::{LaneConn, Regions, INLINE_LAT, LANE_MIN_RNR_TIMER};
+use fast::{LaneConn, Regions, INLINE_LAT};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE, MAX_SIZE};
 use rdma_cm::verbs::lane::{self, Lane};
-use rdma_cm::{
-    AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr, RemoteRegion,
-    SendWr, WorkQueue,
-};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RemoteRegion};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -125,10 +120,8 @@ macro_rules! say {
     };
 }
 
-mod oneshot;
 mod stream;
 
-use oneshot::{atomic_step, round_trip_read, round_trip_send, round_trip_write};
 use stream::stream;
 
 fn main() {
@@ -200,46 +193,36 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         // `back` takes the value each atomic found.
         Mode::FetchAdd | Mode::CmpSwap => (AccessFlags::LOCAL_WRITE, AccessFlags::LOCAL_WRITE),
     };
-    let mut data = MemoryRegion::new(&pd, size, data_access)?;
-    let mut back = MemoryRegion::new(&pd, size, back_access)?;
-    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
+    let data = MemoryRegion::new(&pd, size, data_access)?;
+    let back = MemoryRegion::new(&pd, size, back_access)?;
+    let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
     say!("[INFO] Memory registration took {:.1} us (2 x {size} bytes)", micros(started.elapsed()));
 
-    // The latency table and the rate mode run on a lane, the crate's fast path: the QP is
-    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
-    // uses the convenient path, `QueuePair::post_send` and its waits.
-    let on_lane = args.bw || args.iters > 1;
+    // Every mode runs on a lane (rdma_cm::verbs::lane): the QP joins it before the connect, so
+    // the receives that the server's first messages need are in place before it can send.
     let started = Instant::now();
     let send_depth = if args.bw { args.tx_depth } else { 16 };
-    let lane = if on_lane { Some(Lane::new(&ctx, send_depth + 16)?) } else { None };
+    let mut lane = Lane::new(&ctx, send_depth + 16)?;
     let init = QpInit::new().max_send_wr(send_depth);
     // Send mode's latency table sends small messages inline, as ib_send_lat does.
-    let init = if on_lane && !args.bw && args.mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
-    let init = match &lane {
-        Some(lane) => lane.qp_init_from(init),
-        None => init,
-    };
-    let mut pending = steps.time(|| route.create_qp(&pd, init))?;
-    let qp_num = pending.qp().qp_num();
+    let init = if !args.bw && args.mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
+    let client = steps.time(|| route.lane_qp(&mut lane, &pd, init))?;
+    let qp = client.qp();
+    let qp_num = lane.qp_num(qp)?;
     say!(
         "[INFO] QP creation took {:.1} us (qp_num {qp_num}, {send_depth} send / 16 recv WRs)",
         micros(started.elapsed())
     );
+    // A 4-byte region for our small sends (write mode's send doorbell, read mode's "go", the
+    // atomics' "done").
+    let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE)?;
 
-    // Post the first receive before connecting, so the server's first message finds it. (On
-    // the lane, receives are posted once it holds the QP: the server's first message, a send
-    // stream's "ready", may have to wait for it; see LANE_MIN_RNR_TIMER.)
-    match args.mode {
-        _ if on_lane => {}
-        Mode::Send => pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)])?,
-        Mode::Write | Mode::Read => pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)])?,
-        Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => {} // the server sends nothing
-    }
     let region = match args.mode {
         Mode::Send | Mode::FetchAdd | Mode::CmpSwap | Mode::SendStream => QpInfo { qp_num, ..QpInfo::default() },
         Mode::Write => QpInfo { qp_num, psn: 0, rkey: back.rkey(), vaddr: back.addr(), len: args.size.into() },
         Mode::Read => QpInfo { qp_num, psn: 0, rkey: data.rkey(), vaddr: data.addr(), len: args.size.into() },
     };
+    let mut regs = Regions::new(vec![data, back, ctl, ring]);
     // With --bw the stream is one-sided. A write stream is followed by a single verified round
     // trip (all the server sees); a send stream is checked by the server, with no round trip.
     let send_stream = args.bw && args.mode == Mode::Send;
@@ -253,15 +236,16 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     } else {
         Request { info: region, mode: args.mode, size: size as u32, iters, send_doorbell }
     };
+    if send_stream {
+        // The server's "ready" lands in `ring`, its answer to the stream (its count and
+        // verdict) in `ctl`: posted before the connect, so "ready", sent as soon as the
+        // server's receives are posted, finds them.
+        lane.post_recv(qp, lane::RecvWr::new(regs.take(RING)?).wr_id(RING as u64))?;
+        lane.post_recv(qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    }
     say!("[INFO] Connecting to {dst} (mode {}, {} bytes, {} iteration(s))...", args.mode, args.size, args.iters);
     let param = ConnParam::new().private_data(&req.encode())?;
-    // On the lane our receives are posted once connected: a message of the server's that
-    // comes first waits 0.64 ms before it is sent again, not the CM's 655 ms.
-    let param = if on_lane { param.min_rnr_timer(LANE_MIN_RNR_TIMER) } else { param };
-    let mut conn = steps.time(|| pending.connect(&param, t))?;
-    if !on_lane {
-        conn.qp_mut().set_busy_poll(args.busy_poll);
-    }
+    let theirs = steps.time(|| client.connect(&mut lane, &param, t))?;
     say!("[EVENT] Connection established");
     let u = steps.current();
     say!(
@@ -269,11 +253,7 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
         u[0], u[1], u[2], u[3], u[4]
     );
 
-    let server = if QpInfo::is_present(conn.peer_private_data()) {
-        Some(QpInfo::decode(conn.peer_private_data())?.0)
-    } else {
-        None
-    };
+    let server = if QpInfo::is_present(&theirs) { Some(QpInfo::decode(&theirs)?.0) } else { None };
     if server.is_none() {
         if args.mode != Mode::Send || args.size != LEGACY_SIZE || args.iters != 1 {
             return Err(Error::InvalidArgument(format!(
@@ -284,65 +264,13 @@ fn run(args: &Args, dst: SocketAddr, src: Option<SocketAddr>, t: Duration, steps
     }
     let server_region = server.and_then(|s| s.region());
 
-    if let Some(lane) = lane {
-        let mut lc = LaneConn::attach(lane, conn, args.busy_poll)?;
-        // A 4-byte region for our small sends (write mode's send doorbell, read mode's "go",
-        // the atomics' "done"): a lane has no inline sends.
-        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE)?;
-        let mut regs = Regions::new(vec![data, back, ctl, ring]);
-        let target = if args.mode != Mode::Send { Some(need(server_region)?) } else { None };
-        run_on_lane(args, &mut lc, &mut regs, &pd, target, send_doorbell, iters, t)?;
-        steps.time(|| lc.disconnect(t))?;
-        say!("[INFO] Disconnected");
-        // Teardown: the lane (QP, CQ), regions, PD, then the id and its channel.
-        steps.time(|| drop((regs, pd, ctx)));
-        return Ok(());
-    }
-    let mut rtts = Vec::with_capacity(iters as usize);
-    let clock = Stopwatch::calibrate();
-    let mut expected = vec![0u8; size];
-    let mut got = vec![0u8; size];
-    for i in 0..iters {
-        fill_pattern(data.as_mut_slice()?, i);
-        let one = iters == 1;
-        let start = clock.now();
-        let n = match args.mode {
-            Mode::Send | Mode::SendStream => round_trip_send(&mut conn, &data, &back, i, one, t)?,
-            Mode::Write => {
-                let server = need(server_region)?;
-                round_trip_write(&mut conn, &data, &mut ctl, server, send_doorbell, i, iters, one, t)?
-            }
-            Mode::Read => round_trip_read(&mut conn, &back, &ctl, need(server_region)?, i, iters, one, t)?,
-            Mode::FetchAdd | Mode::CmpSwap => {
-                atomic_step(&mut conn, &mut back, need(server_region)?, args.mode, i, one, t)?
-            }
-        };
-        rtts.push(clock.since(start));
-        if n != size {
-            return Err(Error::InvalidArgument(format!("echo has {n} bytes, sent {size}")));
-        }
-        if server.is_some() && !args.mode.is_atomic() {
-            back.read_at(0, &mut got)?;
-            check_echo(&got, i, &mut expected)?;
-        }
-    }
-    if args.mode.is_atomic() {
-        // "done": the server checks its counter now.
-        let qp = conn.qp_mut();
-        qp.post_send(&[SendWr::send_inline(&iters.to_be_bytes()).wr_id(u64::MAX)])?;
-        qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
-        say!("[INFO] Atomics verified: {iters} x {} returned the expected values", args.mode);
-    } else if server.is_some() {
-        say!("[INFO] Echo verified: {iters} x {size} bytes match");
-    }
-    say!("[INFO] Round-trip completed.");
-    if iters > 1 {
-        print_latency_table(size as u32, &mut rtts);
-    }
-    steps.time(|| conn.disconnect(t))?;
+    let mut lc = LaneConn::new(lane, qp, Some(dst), args.busy_poll);
+    let target = if args.mode != Mode::Send { Some(need(server_region)?) } else { None };
+    run_on_lane(args, &mut lc, &mut regs, &pd, target, send_doorbell, iters, server.is_some(), t)?;
+    steps.time(|| lc.disconnect(t))?;
     say!("[INFO] Disconnected");
-    // Teardown: QP, CQs, regions, PD, then the id and its channel.
-    steps.time(|| drop((data, back, ctl, pd, ctx)));
+    // Teardown: the lane (QP, CQ), regions, PD, then the id and its channel.
+    steps.time(|| drop((regs, pd, ctx)));
     Ok(())
 }
 
@@ -407,16 +335,14 @@ fn run_on_lane(
     target: Option<RemoteRegion>,
     send_doorbell: bool,
     iters: u32,
+    verify: bool,
     t: Duration,
 ) -> Result<(), Error> {
     let size = regs.get(DATA)?.len();
     let send_stream = args.bw && args.mode == Mode::Send;
     if send_stream {
-        // The server's "ready" lands in `ring`, its answer to the stream (its count and verdict)
-        // in `ctl`. The stream starts on "ready", when the server's receives are posted: a
-        // send that finds none waits for the server's min_rnr_timer, 655 ms over the CM.
-        lc.lane.post_recv(lc.qp, lane::RecvWr::new(regs.take(RING)?).wr_id(RING as u64))?;
-        lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+        // The stream starts on "ready", when the server's receives are posted (ours, for
+        // "ready" and for its answer, were posted before the connect).
         let n = match lc.wait(regs, RING, "waiting for the server's receives to be posted", t) {
             Ok(done) => done.byte_len as usize,
             Err(Error::Timeout { op, timeout, addr, .. }) => {
@@ -465,7 +391,7 @@ fn run_on_lane(
             let start = clock.now();
             let n = p.round_trip(lc, one, t)?;
             rtts.push(clock.since(start));
-            if n == size {
+            if verify && n == size {
                 p.recv.read_at(0, &mut got)?;
                 check_echo(&got, i, &mut expected)?;
             }
@@ -480,7 +406,7 @@ fn run_on_lane(
                 (_, None) => unreachable!("one-sided modes have the server's region"),
             };
             rtts.push(clock.since(start));
-            if !args.mode.is_atomic() && n == size {
+            if verify && !args.mode.is_atomic() && n == size {
                 regs.get(BACK)?.read_at(0, &mut got)?;
                 check_echo(&got, i, &mut expected)?;
             }
@@ -499,7 +425,7 @@ fn run_on_lane(
         lc.lane.post_send(lc.qp, lane::SendWr::send(regs.take(RING)?, 0..4).wr_id(RING as u64))?;
         lc.wait(regs, RING, "telling the server we are done", t)?;
         say!("[INFO] Atomics verified: {iters} x {} returned the expected values", args.mode);
-    } else {
+    } else if verify {
         say!("[INFO] Echo verified: {iters} x {size} bytes match");
     }
     say!("[INFO] Round-trip completed.");

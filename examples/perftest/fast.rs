@@ -19,11 +19,10 @@
 #![allow(dead_code)] // each side uses part of this module
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, Wc};
-use rdma_cm::{CmEventType, CmId, Connection, Error, MemoryRegion};
+use rdma_cm::{Connection, Error, MemoryRegion};
 
 /// The longest the lane's wait runs before the tool asks [`Lane::peer_left`] (a read of the
 /// CM's channel, a system call) whether the peer has gone: a peer that leaves while this side
@@ -73,10 +72,8 @@ fn note_refused(fault: &mut Option<Fault>, e: Error) {
 /// A connection whose QP a lane owns, with what the examples wait on: completions, bounded,
 /// and the peer's departure.
 pub struct LaneConn {
-    // Field order is drop order: the lane (and the connection in it) before the id.
     pub lane: Lane,
     pub qp: LaneQp,
-    id: Arc<CmId>,
     peer: Option<SocketAddr>,
     busy_poll: bool,
     /// The peer's `DISCONNECTED` (or a device removal) was seen by [`LaneConn::wait_disconnected`].
@@ -89,10 +86,15 @@ impl LaneConn {
     /// Hands `conn` (whose QP was created with `lane`'s [`Lane::qp_init_from`]) to `lane`.
     /// `busy_poll`: wait with [`Lane::spin_with`]; otherwise with [`Lane::wait_with`].
     pub fn attach(mut lane: Lane, conn: Connection, busy_poll: bool) -> Result<LaneConn, Error> {
-        let id = Arc::clone(conn.id());
         let peer = conn.peer_addr();
         let qp = lane.attach(conn).map_err(Error::from)?;
-        Ok(LaneConn { lane, qp, id, peer, busy_poll, gone: false, inline_sent: 0 })
+        Ok(LaneConn::new(lane, qp, peer, busy_poll))
+    }
+
+    /// `lane`'s connection `qp` to `peer` (made with `lane_qp`, connected or accepted).
+    /// `busy_poll`: wait with [`Lane::spin_with`]; otherwise with [`Lane::wait_with`].
+    pub fn new(lane: Lane, qp: LaneQp, peer: Option<SocketAddr>, busy_poll: bool) -> LaneConn {
+        LaneConn { lane, qp, peer, busy_poll, gone: false, inline_sent: 0 }
     }
 
     /// Whether a message of `len` bytes goes inline on this QP ([`LaneConn::send_inline`]).
@@ -257,21 +259,14 @@ impl LaneConn {
         self.lane.disconnect(self.qp, t)
     }
 
-    /// Waits up to `t` for the connection's `DISCONNECTED` (the peer's, or the answer to ours).
+    /// Waits up to `t` for the peer to disconnect ([`Lane::wait_peer_left`]).
     pub fn wait_disconnected(&mut self, t: Duration) -> Result<(), Error> {
-        // A wait that ended with the peer's departure read its event already.
-        self.gone = self.gone || self.lane.peer_left(self.qp)?;
-        let deadline = Instant::now() + t;
-        while !self.gone {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ev = self.id.channel().get_event_for(self.id.handle(), left)?;
-            // The lane answers the peer's disconnect and moves the QP to the error state.
-            self.lane.handle_event(self.qp, &ev)?;
-            if matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval) {
-                self.gone = true;
-            }
+        self.gone = self.gone || self.lane.wait_peer_left(self.qp, t)?;
+        if self.gone {
+            return Ok(());
         }
-        Ok(())
+        let hint = Some("the peer did not disconnect: is it still running?");
+        Err(Error::Timeout { op: "waiting for the peer to disconnect", timeout: t, addr: self.peer, hint })
     }
 }
 
