@@ -1,8 +1,9 @@
-//! The latency and rate modes' data path: a connection attached to a [`Lane`], the crate's
-//! fast path (`rdma_cm::verbs::lane`). What the examples teach about it:
+//! The perf tool's data path: a connection on a [`Lane`], the crate's data path
+//! (`rdma_cm::verbs::lane`). What the tool shows of it:
 //!
-//! - the QP is created with the lane's CQ ([`Lane::qp_init_from`]) and, once connected,
-//!   handed to the lane ([`Lane::attach`] takes the [`Connection`]);
+//! - the QP joins the lane before the connect or accept (`RouteResolved::lane_qp`,
+//!   `ConnectRequest::lane_qp`), so the receives the peer's first messages need are posted
+//!   before it can send;
 //! - a work request *moves* its [`MemoryRegion`] into the lane, and the completion that retires
 //!   it hands it back: [`Regions`] numbers the regions, each work request carries its region's
 //!   number as `wr_id`, so every completion knows where its region goes back;
@@ -28,11 +29,6 @@ use rdma_cm::{Connection, Error, MemoryRegion};
 /// CM's channel, a system call) whether the peer has gone: a peer that leaves while this side
 /// waits for a receive is noticed within this long. A completion ends the wait at once.
 pub const PEER_CHECK: Duration = Duration::from_millis(100);
-
-/// The minimum RNR timer code of a lane's QP (12: 0.64 ms; `ConnParam::min_rnr_timer`), on
-/// both examples: its receives are posted once it is connected, and a message that comes
-/// before them waits this long before it is sent again (the CM's own value is 655 ms).
-pub const LANE_MIN_RNR_TIMER: u8 = 12;
 
 /// The largest message send mode's ping-pong sends inline (the QP is created for it), as
 /// `ib_send_lat` does by default on RC: the provider copies it at the post, so the send holds

@@ -21,12 +21,12 @@
 //! concurrently, one thread each; a client's failure is logged and never stops the server.
 //! SIGINT/SIGTERM stop it cleanly.
 //!
-//! A client's latency table (send, write or read mode, more than one iteration) and its stream
-//! of sends are served on a lane (`rdma_cm::verbs::lane`), the crate's fast path and the one for
-//! performance-sensitive code: the client's thread owns the CQ and the QP, and each work
+//! Each client is served on a lane (`rdma_cm::verbs::lane`), the crate's data path: the
+//! client's thread owns the CQ and the QP, which joins the lane before the accept (so the
+//! receive for the client's first message is in place before it can send), and each work
 //! request moves its region into the lane until its completion hands it back
-//! (`perftest/fast.rs`). The one-shot exchange, the atomics (the client's RDMA does the work) and
-//! `--shared` use the convenient path.
+//! (`perftest/fast.rs`). `--shared` (one thread, one CQ and one SRQ for every client) still uses
+//! `QueuePair`'s own posts and polls.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -40,12 +40,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{fail, micros, resolve_host, DEFAULT_PORT};
-use fast::{LaneConn, Regions, INLINE_LAT, LANE_MIN_RNR_TIMER};
+use fast::{LaneConn, Regions, INLINE_LAT};
 use protocol::{fill_pattern, Doorbell, Mode, Request, LEGACY_SIZE};
 use rdma_cm::verbs::lane::{self, Lane, Wc};
 use rdma_cm::{
-    AccessFlags, ConnParam, ConnectRequest, Connection, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit,
-    QueuePair, RecvWr, SendWr, Server, WorkQueue,
+    AccessFlags, ConnParam, ConnectRequest, Error, MemoryRegion, ProtectionDomain, QpInfo, QpInit, Server, WorkQueue,
 };
 
 #[derive(Parser, Debug)]
@@ -201,54 +200,33 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
         MemoryRegion::new(&pd, size as usize, access).map_err(err)?,
     ];
-    let mut ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
+    let ctl = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).map_err(err)?;
     println!("[INFO] Memory registration took {:.1} us ({} bytes, {:?})", micros(t.elapsed()), size, access);
 
+    // Every mode is served on a lane (rdma_cm::verbs::lane): the QP joins it before the
+    // accept, so the receive the client's first message needs is posted before it can send.
     let t = Instant::now();
     // A stream of sends needs receives posted well ahead of it, as ib_send_bw's server does.
     let recv_depth = if mode == Mode::SendStream { STREAM_RX_DEPTH } else { 16 };
-    // A client's latency table or stream is served on a lane, the crate's fast path: the QP is
-    // created with the lane's CQ and handed to the lane once connected. The one-shot exchange
-    // and the atomics (where the client does everything) use the convenient path.
-    let on_lane = mode == Mode::SendStream || (iters > 1 && matches!(mode, Mode::Send | Mode::Write | Mode::Read));
-    let lane =
-        if on_lane { Some(Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?) } else { None };
+    let mut lane = Lane::new(&req.context().map_err(err)?, 16 + recv_depth).map_err(err)?;
     let init = QpInit::new().max_recv_wr(recv_depth);
-    // Send mode's latency table echoes small messages inline, as ib_send_lat does.
-    let init = if on_lane && mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
-    let init = match &lane {
-        Some(lane) => lane.qp_init_from(init),
-        None => init,
-    };
-    let mut pending = req.create_qp(&pd, init).map_err(err)?;
+    // Send mode echoes small messages inline, as ib_send_lat does.
+    let init = if mode == Mode::Send { init.max_inline_data(INLINE_LAT) } else { init };
+    let peer = req.peer_addr();
+    let client_region = parsed.and_then(|r| r.info.region());
+    let server = req.lane_qp(&mut lane, &pd, init).map_err(err)?;
+    let qp = server.qp();
+    let qp_num = lane.qp_num(qp).map_err(err)?;
     println!(
-        "[INFO] QP creation took {:.1} us (qp_num {}, 16 send / {recv_depth} recv WRs)",
-        micros(t.elapsed()),
-        pending.qp().qp_num()
+        "[INFO] QP creation took {:.1} us (qp_num {qp_num}, 16 send / {recv_depth} recv WRs)",
+        micros(t.elapsed())
     );
 
-    let client_region = parsed.and_then(|r| r.info.region());
-    match mode {
-        // The lane posts its receives once it holds the QP; the client's first message waits
-        // for them (the connection's RNR retry, unlimited by default).
-        _ if on_lane => {}
-        Mode::Send => pending.post_recv(&[RecvWr::new(&bufs[0], 0..size as usize).wr_id(0)]).map_err(err)?,
-        Mode::SendStream => {
-            // Every receive of the stream lands in the same bytes: only the count, the lengths
-            // and the last message's content are checked.
-            let first: Vec<RecvWr> =
-                (0..iters.min(recv_depth)).map(|k| RecvWr::new(&bufs[0], 0..size as usize).wr_id(k as u64)).collect();
-            pending.post_recv(&first).map_err(err)?
-        }
-        Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
-            pending.post_recv(&[RecvWr::new(&ctl, 0..64).wr_id(0)]).map_err(err)?
-        }
-    }
     if mode.is_atomic() {
         bufs[0].write_at(0, &0u64.to_ne_bytes()).map_err(err)?; // the counter starts at 0
     }
     let info = QpInfo {
-        qp_num: pending.qp().qp_num(),
+        qp_num,
         psn: 0,
         rkey: bufs[0].rkey(),
         vaddr: bufs[0].addr(),
@@ -256,66 +234,48 @@ fn serve(req: ConnectRequest, timeout: Duration, busy_poll: bool) -> Result<(), 
     };
     let info =
         if matches!(mode, Mode::Send | Mode::SendStream) { QpInfo { rkey: 0, vaddr: 0, len: 0, ..info } } else { info };
+    // A 4-byte region for our small sends (doorbell, "done").
+    let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
+    let [buf, other] = bufs;
+    // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
+    // mode its last RDMA READ of `buf` comes after our last answer.
+    let mut regs = Regions::new(vec![buf, other, ctl, ring]);
+    let mut lc = LaneConn::new(lane, qp, peer, busy_poll);
+    // The receive for the client's first message, before the accept: its echo's, or its
+    // doorbell, "go" or "done" (a send stream waits for our "ready", sent once its receives
+    // are posted).
+    let ends = match mode {
+        Mode::Send => Some(EchoEnd::arm(&mut lc, &mut regs, size as usize).map_err(err)?),
+        Mode::SendStream => None,
+        Mode::Write | Mode::Read | Mode::FetchAdd | Mode::CmpSwap => {
+            let first = lane::RecvWr::range(regs.take(CTL).map_err(err)?, 0..64).wr_id(CTL as u64);
+            lc.lane.post_recv(lc.qp, first).map_err(|e| err(e.into()))?;
+            None
+        }
+    };
     let param = ConnParam::new().private_data(&info.encode()).map_err(err)?;
-    // On the lane our receives are posted once connected: a message of the client's that
-    // comes first (a stream's, were it not to wait for "ready") waits 0.64 ms, not 655 ms.
-    let param = if on_lane { param.min_rnr_timer(LANE_MIN_RNR_TIMER) } else { param };
-    let mut conn = pending.accept(&param, timeout).map_err(err)?;
+    server.accept(&mut lc.lane, &param, timeout).map_err(err)?;
     println!("[EVENT] Connection established");
 
-    if let Some(lane) = lane {
-        let mut lc = LaneConn::attach(lane, conn, busy_poll).map_err(err)?;
-        // A 4-byte region for our small sends (doorbell, "done"): a lane has no inline sends.
-        let ring = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).map_err(err)?;
-        let [buf, other] = bufs;
-        // Numbered as BUF, OTHER, CTL and RING. They outlive the client's disconnect: in read
-        // mode its last RDMA READ of `buf` comes after our last answer.
-        let mut regs = Regions::new(vec![buf, other, ctl, ring]);
-        let result = match (mode, client_region) {
-            (Mode::SendStream, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
-            (Mode::Write, Some(client)) => {
-                lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
-            }
-            (Mode::Read, Some(client)) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
-            (Mode::Write | Mode::Read, None) => return Err("no client region".into()),
-            _ => lane_echo_send(&mut lc, &mut regs, size, iters, timeout),
-        };
-        result.map_err(err)?;
-        // The client disconnects first; wait for it, bounded.
-        match lc.wait_disconnected(timeout) {
-            Ok(()) | Err(Error::Timeout { .. }) => {}
-            Err(e) => return Err(e.to_string()),
+    let result = match (mode, client_region, ends) {
+        (Mode::SendStream, _, _) => lane_sink(&mut lc, &pd, size, iters, timeout),
+        (Mode::Write, Some(client), _) => {
+            lane_echo_write(&mut lc, &mut regs, &client, send_doorbell, size, iters, timeout)
         }
-        println!("[INFO] Disconnected");
-        drop(regs);
-        return Ok(());
-    }
-    conn.qp_mut().set_busy_poll(busy_poll);
-
-    let result = match mode {
-        Mode::Send => echo_send(&mut conn, &bufs, size, iters, timeout),
-        Mode::SendStream => sink_sends(&mut conn, &mut bufs[0], size, iters, iters.min(recv_depth), timeout),
-        Mode::Write => {
-            let client = client_region.ok_or("no client region")?;
-            echo_write(&mut conn, &bufs[0], &mut ctl, client, send_doorbell, size, iters, timeout)
-        }
-        Mode::Read => {
-            echo_read(&mut conn, &bufs[0], &ctl, client_region.ok_or("no client region")?, size, iters, timeout)
-        }
-        Mode::FetchAdd | Mode::CmpSwap => check_counter(&mut conn, &mut bufs[0], mode, iters, timeout),
+        (Mode::Read, Some(client), _) => lane_echo_read(&mut lc, &mut regs, &client, size, iters, timeout),
+        (Mode::Write | Mode::Read, None, _) => return Err("no client region".into()),
+        (Mode::FetchAdd | Mode::CmpSwap, _, _) => lane_check_counter(&mut lc, &mut regs, mode, iters, timeout),
+        (Mode::Send, _, Some(ends)) => lane_echo_send(&mut lc, &mut regs, ends, size, iters, timeout),
+        (Mode::Send, _, None) => unreachable!("send mode arms its echo before the accept"),
     };
     result.map_err(err)?;
     // The client disconnects first; wait for it, bounded.
-    let deadline = Instant::now() + timeout;
-    while !conn.is_disconnected() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match conn.next_event(left) {
-            Ok(_) => {}
-            Err(Error::Timeout { .. }) => break,
-            Err(e) => return Err(e.to_string()),
-        }
+    match lc.wait_disconnected(timeout) {
+        Ok(()) | Err(Error::Timeout { .. }) => {}
+        Err(e) => return Err(e.to_string()),
     }
     println!("[INFO] Disconnected");
+    drop((lc, regs));
     Ok(())
 }
 
@@ -411,15 +371,20 @@ fn lane_sink(lc: &mut LaneConn, pd: &Arc<ProtectionDomain>, size: u32, iters: u3
 /// has a receive and a send prepared over it (checked and lowered once); each completion hands
 /// the region back to re-arm the other one. The echo is prepared at `size` bytes, so a message
 /// of another length ends the connection with an error (the client sends `size` bytes every
-/// time; the convenient path's `echo_send` echoes what came). A message that fits the QP's
+/// time; the rdma-core client's 16 bytes too). A message that fits the QP's
 /// inline limit is echoed inline instead ([`LaneConn::send_inline`]), as `ib_send_lat` does: its
 /// region goes straight back to its receive, and the echo's completion is not waited for.
-fn lane_echo_send(lc: &mut LaneConn, regs: &mut Regions, size: u32, iters: u32, t: Duration) -> Result<(), Error> {
+fn lane_echo_send(
+    lc: &mut LaneConn,
+    regs: &mut Regions,
+    mut ends: [EchoEnd; 2],
+    size: u32,
+    iters: u32,
+    t: Duration,
+) -> Result<(), Error> {
     let size = size as usize;
-    let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
     // A message that fits the QP's inline limit is echoed inline (LaneConn::send_inline).
     let inline = lc.fits_inline(size)?;
-    lc.lane.post_prepared_recv(&mut ends[0].recv)?;
     for i in 0..iters {
         let (cur, next) = if i % 2 == 0 { (0, 1) } else { (1, 0) };
         // The client's message: its region arms our echo.
@@ -468,6 +433,14 @@ struct EchoEnd {
 }
 
 impl EchoEnd {
+    /// Send mode's two ends over `BUF` and `OTHER`, the first one's receive posted: before
+    /// the accept, so the client's first message finds it.
+    fn arm(lc: &mut LaneConn, regs: &mut Regions, size: usize) -> Result<[EchoEnd; 2], Error> {
+        let mut ends = [EchoEnd::new(lc, regs.take(BUF)?, 0, size)?, EchoEnd::new(lc, regs.take(OTHER)?, 1, size)?];
+        lc.lane.post_prepared_recv(&mut ends[0].recv)?;
+        Ok(ends)
+    }
+
     fn new(lc: &mut LaneConn, region: MemoryRegion, k: u64, size: usize) -> Result<EchoEnd, Error> {
         let mut send = lc.lane.prepare_send(lc.qp, lane::SendWr::send(region, 0..size).wr_id(2 * k + 1))?;
         let region =
@@ -509,7 +482,7 @@ fn lane_echo_write(
     iters: u32,
     t: Duration,
 ) -> Result<(), Error> {
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    // The first receive into `CTL` was posted before the accept.
     for i in 0..iters {
         let wc = lc.wait(regs, CTL, "waiting for the client's WRITE", t)?;
         let rung = if send_doorbell {
@@ -554,7 +527,7 @@ fn lane_echo_read(
     iters: u32,
     t: Duration,
 ) -> Result<(), Error> {
-    lc.lane.post_recv(lc.qp, lane::RecvWr::range(regs.take(CTL)?, 0..64).wr_id(CTL as u64))?;
+    // The first receive into `CTL` was posted before the accept.
     for i in 0..iters {
         lc.wait(regs, CTL, "waiting for the client's go", t)?;
         let read = lane::SendWr::read(regs.take(BUF)?, 0..size as usize, client, 0).wr_id(BUF as u64);
@@ -570,8 +543,11 @@ fn lane_echo_read(
     Ok(())
 }
 
-/// [`wait_answer`] on the lane: waits for region `i` to come back from an answer to the
-/// client; the last answer counts once posted.
+/// Waits for region `i` to come back from an answer to the client (an echo, or read mode's
+/// "done"). The last answer counts once posted: the client may take it and leave before its
+/// acknowledgement reaches us (on a lossy wire a lost ACK is made good only after the ACK
+/// timeout, seconds later), and its disconnect then flushes the send. Whether the answer
+/// arrived intact, the client checks and reports itself.
 fn lane_wait_answer(lc: &mut LaneConn, regs: &mut Regions, i: usize, last: bool, t: Duration) -> Result<(), Error> {
     match lc.wait(regs, i, "answering the client", t) {
         Err(Error::Disconnected { .. }) if last => Ok(()),
@@ -579,191 +555,12 @@ fn lane_wait_answer(lc: &mut LaneConn, regs: &mut Regions, i: usize, last: bool,
     }
 }
 
-/// The receiving end of `client --bw --mode send`: keeps receives posted until `iters` sends
-/// have arrived (`posted` were posted before accepting), checks each length and the last
-/// message's content, and answers with the count and the verdict (5 bytes, inline).
-fn sink_sends(
-    conn: &mut Connection,
-    buf: &mut MemoryRegion,
-    size: u32,
-    iters: u32,
-    posted: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    let (mut posted, mut got, mut bad_len) = (posted, 0u32, 0u32);
-    let mut wcs = [rdma_cm::WorkCompletion::default(); 16];
-    let mut refill: Vec<RecvWr> = Vec::with_capacity(16);
-    while got < iters {
-        let k = qp.wait_queue(WorkQueue::Recv, &mut wcs, t)?;
-        if k == 0 {
-            return Err(Error::Timeout { op: "receiving a stream of sends", timeout: t, addr: None, hint: None });
-        }
-        for wc in &wcs[..k] {
-            if wc.ok()?.byte_len() != size {
-                bad_len += 1;
-            }
-            got += 1;
-        }
-        while posted < iters && posted - got < STREAM_RX_DEPTH {
-            refill.clear();
-            let n = (iters - posted).min(STREAM_RX_DEPTH - (posted - got)).min(16);
-            refill.extend((posted..posted + n).map(|k| RecvWr::new(buf, 0..size as usize).wr_id(k as u64)));
-            qp.post_recv(&refill)?;
-            posted += n;
-        }
-    }
-    // Nothing is posted any more: the bytes are readable.
-    let mut last = vec![0u8; size as usize];
-    buf.read_at(0, &mut last)?;
-    let mut expected = vec![0u8; size as usize];
-    fill_pattern(&mut expected, 0);
-    let ok = bad_len == 0 && last == expected;
-    println!(
-        "[INFO] Received a stream of {got} messages of {size} bytes ({})",
-        if ok { "lengths and content checked" } else { "MISMATCH" }
-    );
-    let mut answer = [0u8; 5];
-    answer[..4].copy_from_slice(&got.to_be_bytes());
-    answer[4] = ok as u8;
-    qp.post_send(&[SendWr::send_inline(&answer).wr_id(u64::MAX)])?;
-    qp.wait_for(WorkQueue::Send, u64::MAX, t)?;
-    if !ok {
-        return Err(Error::InvalidArgument(format!(
-            "the stream arrived damaged: {bad_len} message(s) of the wrong length, last message content {}",
-            if last == expected { "matches" } else { "differs" }
-        )));
-    }
-    Ok(())
-}
-
-fn echo_send(conn: &mut Connection, bufs: &[MemoryRegion; 2], size: u32, iters: u32, t: Duration) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        let cur = (i % 2) as usize;
-        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        let n = wc.byte_len() as usize;
-        if iters == 1 {
-            println!("[INFO] Received {n} bytes");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(&bufs[1 - cur], 0..size as usize).wr_id(i as u64 + 1)])?;
-        }
-        qp.post_send(&[SendWr::send(&bufs[cur], 0..n).wr_id(i as u64)])?;
-        wait_answer(qp, i as u64, i + 1 == iters, t)?;
-        if iters == 1 {
-            println!("[INFO] Sent {n} bytes");
-        }
-    }
-    if iters > 1 {
-        println!("[INFO] Echoed {iters} messages of {size} bytes");
-    }
-    Ok(())
-}
-
-/// Write mode: the client's RDMA WRITE lands in `buf`, rung by its immediate data or by the
-/// 4-byte SEND after it (`send_doorbell`); we write it back into its region, rung the same way.
-#[allow(clippy::too_many_arguments)]
-fn echo_write(
-    conn: &mut Connection,
-    buf: &MemoryRegion,
-    ctl: &mut MemoryRegion,
-    client: rdma_cm::RemoteRegion,
-    send_doorbell: bool,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        let wc = qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        let rung = if send_doorbell {
-            let mut ring = [0u8; 4];
-            ctl.read_at(0, &mut ring)?;
-            (wc.byte_len() == 4).then_some(u32::from_be_bytes(ring))
-        } else {
-            wc.imm_data()
-        };
-        if rung != Some(i) {
-            return Err(Error::InvalidArgument(format!(
-                "expected the client's doorbell for iteration {i}, got {rung:?} ({} bytes)",
-                wc.byte_len()
-            )));
-        }
-        if iters == 1 {
-            println!("[INFO] Received {size} bytes (RDMA WRITE)");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
-        }
-        let write = SendWr::write(buf, 0..size as usize, &client, 0)?;
-        if send_doorbell {
-            // The SEND's completion retires the unsignaled WRITE before it.
-            let ring = i.to_be_bytes();
-            qp.post_send(&[write.unsignaled(), SendWr::send_inline(&ring).wr_id(i as u64)])?;
-        } else {
-            qp.post_send(&[write.imm(i).wr_id(i as u64)])?;
-        }
-        wait_answer(qp, i as u64, i + 1 == iters, t)?;
-        if iters == 1 {
-            println!("[INFO] Sent {size} bytes (RDMA WRITE)");
-        }
-    }
-    Ok(())
-}
-
-/// Read mode: on the client's "go", RDMA READ its region into `buf`, then answer "done" so the
-/// client reads `buf` back.
-fn echo_read(
-    conn: &mut Connection,
-    buf: &MemoryRegion,
-    ctl: &MemoryRegion,
-    client: rdma_cm::RemoteRegion,
-    size: u32,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    let qp = conn.qp_mut();
-    for i in 0..iters {
-        qp.wait_for(WorkQueue::Recv, i as u64, t)?;
-        qp.post_send(&[SendWr::read(buf, 0..size as usize, &client, 0)?.wr_id(i as u64)])?;
-        qp.wait_for(WorkQueue::Send, i as u64, t)?;
-        if iters == 1 {
-            println!("[INFO] Received {size} bytes (RDMA READ)");
-        }
-        if i + 1 < iters {
-            qp.post_recv(&[RecvWr::new(ctl, 0..64).wr_id(i as u64 + 1)])?;
-        }
-        qp.post_send(&[SendWr::send_inline(&i.to_be_bytes()).wr_id(u64::MAX)])?;
-        wait_answer(qp, u64::MAX, i + 1 == iters, t)?;
-    }
-    Ok(())
-}
-
-/// Waits for the completion of an answer to the client (an echo, or read mode's "done").
-/// The last answer counts once posted, as `--shared` counts its echoes: the client may take it
-/// and leave before its acknowledgement reaches us (on a lossy wire a lost ACK is made good only
-/// after the ACK timeout, seconds later), and its disconnect then flushes the send. Whether the
-/// answer arrived intact, the client checks and reports itself.
-fn wait_answer(qp: &mut QueuePair, wr_id: u64, last: bool, t: Duration) -> Result<(), Error> {
-    match qp.wait_for(WorkQueue::Send, wr_id, t) {
-        Err(Error::Disconnected { .. }) if last => Ok(()),
-        r => r.map(drop),
-    }
-}
-
-/// Atomic modes: the client moves our counter with RDMA atomics; on its "done", the counter
-/// must be exactly `iters`.
-fn check_counter(
-    conn: &mut Connection,
-    counter: &mut MemoryRegion,
-    mode: Mode,
-    iters: u32,
-    t: Duration,
-) -> Result<(), Error> {
-    conn.qp_mut().wait_for(WorkQueue::Recv, 0, t)?;
+/// Atomic modes: the client moves our counter (`BUF`) with RDMA atomics; on its "done" (into
+/// `CTL`, whose receive was posted before the accept), the counter must be exactly `iters`.
+fn lane_check_counter(lc: &mut LaneConn, regs: &mut Regions, mode: Mode, iters: u32, t: Duration) -> Result<(), Error> {
+    lc.wait(regs, CTL, "waiting for the client's done", t)?;
     let mut v = [0u8; 8];
-    counter.read_at(0, &mut v)?;
+    regs.get(BUF)?.read_at(0, &mut v)?;
     let n = u64::from_ne_bytes(v);
     if n != u64::from(iters) {
         return Err(Error::InvalidArgument(format!("counter is {n} after {iters} {mode}(s)")));
