@@ -964,3 +964,29 @@ fn a_member_set_to_error_before_its_connect_stays_failed() {
     }
     t.finish();
 }
+
+/// A disconnect whose member's last send was unsignaled (it ran, and so leaves no completion,
+/// not even a flush): the teardown waits for it once, for the 2 s its docs give, and the
+/// disconnect as a whole keeps to that and its own timeout (the peer is not answering here, so
+/// it times out), rather than waiting for the same slot a second time when it removes the QP.
+#[test]
+fn a_disconnect_after_an_unsignaled_send_waits_for_its_flush_once() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = connected(&t, init(), 16);
+        b.lane.post_recv(b.qp, RecvWr::new(recv_buf(&b.pd)).wr_id(1)).unwrap();
+        a.lane.post_send(a.qp, SendWr::send(message(&a.pd, 1), 0..LEN).wr_id(2).unsignaled()).unwrap();
+        assert!(reap(&mut b.lane, 1)[0].is_ok(), "the unsignaled send ran");
+        assert_eq!(a.lane.outstanding(a.qp).unwrap(), (1, 0));
+        let timeout = Duration::from_millis(500);
+        let start = Instant::now();
+        let r = a.lane.disconnect(a.qp, timeout);
+        let took = start.elapsed();
+        assert!(r.as_ref().is_err_and(is_timeout), "the peer does not answer: {r:?}");
+        assert!(took < Duration::from_secs(2) + timeout + Duration::from_millis(800), "the disconnect took {took:?}");
+        until_peer_left(&mut b.lane, b.qp);
+        b.lane.disconnect(b.qp, T).unwrap();
+        drop((a, b));
+    }
+    t.finish();
+}

@@ -29,8 +29,15 @@ impl Lane {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an unknown `qp`. Teardown itself does not fail: what it
     /// cannot release safely it leaks.
     pub fn remove(&mut self, qp: LaneQp) -> Result<()> {
+        self.remove_by(qp, Instant::now() + DRAIN_TIMEOUT)
+    }
+
+    /// [`Lane::remove`], its flushed work reaped until `reaped_by` (and one poll after it, for
+    /// what came meanwhile): a disconnect, which reaped the flush before it told the peer,
+    /// gives its own deadline, so the slots that never complete are waited for once.
+    pub(super) fn remove_by(&mut self, qp: LaneQp, reaped_by: Instant) -> Result<()> {
         self.member(qp)?;
-        self.drain(Some(qp.place));
+        self.drain(Some(qp.place), reaped_by);
         let place = qp.place as usize;
         // The next QP at the place continues its sequence numbers, so no tag this one posted
         // (a stale completion of it, reaped later) is ever in that QP's window; and the next
@@ -43,9 +50,10 @@ impl Lane {
         Ok(())
     }
 
-    /// Moves `only` (or every QP) to the error state and reaps their flushed work within the
-    /// bound; completions of other QPs are kept, in order, for later polls.
-    pub(super) fn drain(&mut self, only: Option<u16>) {
+    /// Moves `only` (or every QP) to the error state and reaps their flushed work until
+    /// `deadline`, and polls once more after it (so a deadline already passed still takes what
+    /// came meanwhile); completions of other QPs are kept, in order, for later polls.
+    pub(super) fn drain(&mut self, only: Option<u16>, deadline: Instant) {
         self.defer_buffer();
         let mine = |p: u16| only.is_none_or(|o| o == p);
         for (p, m) in self.members.iter_mut().enumerate() {
@@ -64,7 +72,6 @@ impl Lane {
                 others.push_back(wc);
             }
         }
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
         loop {
             let mut left = 0;
             for (p, m) in self.members.iter().enumerate() {
@@ -72,9 +79,11 @@ impl Lane {
                     left += m.send.outstanding() + m.recv.outstanding();
                 }
             }
-            if left == 0 || Instant::now() >= deadline {
+            if left == 0 {
                 break;
             }
+            // Past the deadline, this is the last pass: one more poll of the CQ.
+            let last = Instant::now() >= deadline;
             let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
             // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries; `poll_cq` is its
             // own context's (`ops`).
@@ -91,6 +100,9 @@ impl Lane {
                 if !self.retire_for_teardown(&wc, &mine) {
                     others.push_back(wc);
                 }
+            }
+            if last {
+                break;
             }
         }
         self.deferred = others;
@@ -140,7 +152,7 @@ impl Drop for Lane {
     /// then the CQ.
     fn drop(&mut self) {
         if self.members.iter().any(Option::is_some) {
-            self.drain(None);
+            self.drain(None, Instant::now() + DRAIN_TIMEOUT);
         }
         self.members.clear();
     }
