@@ -32,9 +32,9 @@ impl Lane {
         self.remove_by(qp, Instant::now() + DRAIN_TIMEOUT)
     }
 
-    /// [`Lane::remove`], its flushed work reaped until `reaped_by` (and one poll after it, for
-    /// what came meanwhile): a disconnect, which reaped the flush before it told the peer,
-    /// gives its own deadline, so the slots that never complete are waited for once.
+    /// [`Lane::remove`], its flushed work reaped until `reaped_by`, then what the CQ holds: a
+    /// disconnect, which reaped the flush before it told the peer, gives its own deadline, so
+    /// the slots that never complete (unsignaled sends that ran) are waited for once.
     pub(super) fn remove_by(&mut self, qp: LaneQp, reaped_by: Instant) -> Result<()> {
         self.member(qp)?;
         self.drain(Some(qp.place), reaped_by);
@@ -51,8 +51,8 @@ impl Lane {
     }
 
     /// Moves `only` (or every QP) to the error state and reaps their flushed work until
-    /// `deadline`, and polls once more after it (so a deadline already passed still takes what
-    /// came meanwhile); completions of other QPs are kept, in order, for later polls.
+    /// `deadline`, then what the CQ holds (so a deadline already passed still takes what came
+    /// meanwhile); completions of other QPs are kept, in order, for later polls.
     pub(super) fn drain(&mut self, only: Option<u16>, deadline: Instant) {
         self.defer_buffer();
         let mine = |p: u16| only.is_none_or(|o| o == p);
@@ -72,6 +72,8 @@ impl Lane {
                 others.push_back(wc);
             }
         }
+        // Past the deadline, the CQ is emptied once: at most its depth, a batch at a time.
+        let mut after = self.cq.depth() as usize / POLL_BATCH + 1;
         loop {
             let mut left = 0;
             for (p, m) in self.members.iter().enumerate() {
@@ -82,7 +84,6 @@ impl Lane {
             if left == 0 {
                 break;
             }
-            // Past the deadline, this is the last pass: one more poll of the CQ.
             let last = Instant::now() >= deadline;
             let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
             // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries; `poll_cq` is its
@@ -102,7 +103,10 @@ impl Lane {
                 }
             }
             if last {
-                break;
+                after -= 1;
+                if got < POLL_BATCH as i32 || after == 0 {
+                    break;
+                }
             }
         }
         self.deferred = others;
