@@ -1137,3 +1137,50 @@ fn a_half_retired_completion_survives_the_cq_growing() {
     }
     t.finish();
 }
+
+/// The peer sends a burst and disconnects at once: every receive posted comes back exactly
+/// once, those the burst filled first (in order, whole) and the rest flushed, and nothing
+/// more; the departure is seen with one call.
+#[test]
+fn every_receive_comes_back_once_when_the_peer_leaves_mid_burst() {
+    const POSTED: u64 = 8;
+    const SENT: u8 = 4;
+    let t = DeviceTest::start();
+    {
+        let spec = init().max_send_wr(8).max_recv_wr(8);
+        let (a, mut b) = connected(&t, spec, 32);
+        for k in 0..POSTED {
+            b.lane.post_recv(b.qp, RecvWr::new(recv_buf(&b.pd)).wr_id(k)).unwrap();
+        }
+        let leaving = thread::spawn(move || {
+            let mut a = a;
+            for k in 0..SENT {
+                a.lane.post_inline(a.qp, InlineWr::send(&[k; 32]).wr_id(k as u64)).unwrap();
+            }
+            let r = a.lane.disconnect(a.qp, T);
+            (r, a)
+        });
+        until_peer_left(&mut b.lane, b.qp);
+        let got = reap(&mut b.lane, POSTED as usize);
+        let ids: Vec<u64> = got.iter().map(|c| c.wr_id()).collect();
+        assert_eq!(ids, (0..POSTED).collect::<Vec<_>>(), "each receive once, in order");
+        let filled = got.iter().take_while(|c| c.status() == WcStatus::Success).count();
+        assert!(filled <= SENT as usize, "{filled} filled by {SENT} sends");
+        for (k, mut c) in got.into_iter().enumerate() {
+            let mut r = c.take_region().expect("each with its region");
+            if k < filled {
+                assert_eq!(c.byte_len(), 32);
+                assert_eq!(&r.as_slice().unwrap()[..32], &[k as u8; 32]);
+            } else {
+                assert_eq!(c.status(), WcStatus::WrFlushErr, "receive {k} after the filled ones: {c:?}");
+            }
+        }
+        assert!(b.lane.poll().unwrap().is_none(), "nothing more");
+        assert_eq!(b.lane.outstanding(b.qp).unwrap(), (0, 0));
+        let (r, a) = leaving.join().unwrap();
+        r.expect("the leaving side's disconnect, answered by peer_left");
+        b.lane.disconnect(b.qp, T).unwrap();
+        drop((a, b));
+    }
+    t.finish();
+}
