@@ -21,6 +21,7 @@ mod common;
 mod asynchronous;
 mod drop;
 mod events;
+mod lane_paths;
 mod multicast;
 mod poll;
 mod post;

@@ -136,10 +136,13 @@ impl Lane {
         // In the error state first, so nothing more runs and the flush is reaped before the
         // peer is told (a QP that cannot be moved there keeps its regions until destroyed).
         let _ = self.member(qp)?.set_error();
-        self.drain(Some(qp.place));
+        // One deadline for both reaps: the removal takes what came meanwhile, and does not wait
+        // again for slots that never complete (unsignaled sends that ran before the error).
+        let reaped_by = start + super::DRAIN_TIMEOUT;
+        self.drain(Some(qp.place), reaped_by);
         let left = timeout.saturating_sub(start.elapsed());
         let r = self.member(qp)?.owner.lane_disconnect(left);
-        self.remove(qp)?;
+        self.remove_by(qp, reaped_by)?;
         r
     }
 

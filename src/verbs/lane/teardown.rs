@@ -29,8 +29,15 @@ impl Lane {
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an unknown `qp`. Teardown itself does not fail: what it
     /// cannot release safely it leaks.
     pub fn remove(&mut self, qp: LaneQp) -> Result<()> {
+        self.remove_by(qp, Instant::now() + DRAIN_TIMEOUT)
+    }
+
+    /// [`Lane::remove`], its flushed work reaped until `reaped_by`, then what the CQ holds: a
+    /// disconnect, which reaped the flush before it told the peer, gives its own deadline, so
+    /// the slots that never complete (unsignaled sends that ran) are waited for once.
+    pub(super) fn remove_by(&mut self, qp: LaneQp, reaped_by: Instant) -> Result<()> {
         self.member(qp)?;
-        self.drain(Some(qp.place));
+        self.drain(Some(qp.place), reaped_by);
         let place = qp.place as usize;
         // The next QP at the place continues its sequence numbers, so no tag this one posted
         // (a stale completion of it, reaped later) is ever in that QP's window; and the next
@@ -43,9 +50,10 @@ impl Lane {
         Ok(())
     }
 
-    /// Moves `only` (or every QP) to the error state and reaps their flushed work within the
-    /// bound; completions of other QPs are kept, in order, for later polls.
-    pub(super) fn drain(&mut self, only: Option<u16>) {
+    /// Moves `only` (or every QP) to the error state and reaps their flushed work until
+    /// `deadline`, then what the CQ holds (so a deadline already passed still takes what came
+    /// meanwhile); completions of other QPs are kept, in order, for later polls.
+    pub(super) fn drain(&mut self, only: Option<u16>, deadline: Instant) {
         self.defer_buffer();
         let mine = |p: u16| only.is_none_or(|o| o == p);
         for (p, m) in self.members.iter_mut().enumerate() {
@@ -64,7 +72,8 @@ impl Lane {
                 others.push_back(wc);
             }
         }
-        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        // Past the deadline, the CQ is emptied once: at most its depth, a batch at a time.
+        let mut after = self.cq.depth() as usize / POLL_BATCH + 1;
         loop {
             let mut left = 0;
             for (p, m) in self.members.iter().enumerate() {
@@ -72,9 +81,10 @@ impl Lane {
                     left += m.send.outstanding() + m.recv.outstanding();
                 }
             }
-            if left == 0 || Instant::now() >= deadline {
+            if left == 0 {
                 break;
             }
+            let last = Instant::now() >= deadline;
             let mut buf: [MaybeUninit<ffi::ibv_wc>; POLL_BATCH] = [const { MaybeUninit::uninit() }; POLL_BATCH];
             // SAFETY: the CQ is alive; `buf` has room for POLL_BATCH entries; `poll_cq` is its
             // own context's (`ops`).
@@ -90,6 +100,12 @@ impl Lane {
                 let wc = unsafe { slot.assume_init_read() };
                 if !self.retire_for_teardown(&wc, &mine) {
                     others.push_back(wc);
+                }
+            }
+            if last {
+                after -= 1;
+                if got < POLL_BATCH as i32 || after == 0 {
+                    break;
                 }
             }
         }
@@ -140,7 +156,7 @@ impl Drop for Lane {
     /// then the CQ.
     fn drop(&mut self) {
         if self.members.iter().any(Option::is_some) {
-            self.drain(None);
+            self.drain(None, Instant::now() + DRAIN_TIMEOUT);
         }
         self.members.clear();
     }
