@@ -301,12 +301,10 @@ impl Lane {
         let queues = Arc::clone(m.owner.lane_qp().queues_handle());
         match posted {
             Posted::Ok => {
+                let mut mw = mw;
                 if mw.kind() == WindowType::Two {
-                    // SAFETY: the window is valid and owned here by value: nothing else reads
-                    // or writes its `rkey` now. The provider copied the key it had into the
-                    // bind at the post; from now on the window has the new one (type 1
-                    // windows are updated by `ibv_bind_mw` itself), which the next bind names.
-                    unsafe { (*mw.as_raw()).rkey = rkey };
+                    // Type 1 windows are updated by `ibv_bind_mw` itself.
+                    mw.record_rkey(rkey);
                 }
                 Ok(BoundWindow::new(mw, hold, rkey, addr, len, rights, &queues))
             }
