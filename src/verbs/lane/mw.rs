@@ -132,6 +132,23 @@ impl fmt::Debug for BindWr {
 /// - A type 2 window's rkey changes with each bind: the bind names the window's key and the
 ///   next one (`ibv_inc_rkey`), and once the provider took it the window records the new one,
 ///   which the next bind names (rxe fails a bind that names a stale key).
+///
+/// An invalidation takes the bound window, and a release takes the invalidation: neither can be
+/// asked twice.
+///
+/// ```compile_fail,E0382
+/// # fn f(lane: &mut rdma_cm::verbs::lane::Lane, qp: rdma_cm::LaneQp, w: rdma_cm::BoundWindow) {
+/// let inv = lane.invalidate_window(qp, w, 1).unwrap();
+/// let again = lane.invalidate_window(qp, w, 2); // error[E0382]: use of moved value `w`
+/// # }
+/// ```
+///
+/// ```compile_fail,E0382
+/// # fn f(lane: &mut rdma_cm::verbs::lane::Lane, inv: rdma_cm::verbs::lane::Invalidating) {
+/// let mw = lane.window_unbound(inv);
+/// let again = lane.window_unbound(inv); // error[E0382]: use of moved value `inv`
+/// # }
+/// ```
 pub struct Invalidating {
     /// Still holding its region (`MemoryWindow::held`): dropped, the window is deallocated
     /// first.
