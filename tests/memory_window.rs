@@ -116,6 +116,36 @@ fn memory_window_type1_grants_its_range_until_unbound() {
     revoked_write_changes_nothing(WindowType::One);
 }
 
+/// One window bound, invalidated and bound again: each bind gives it a new rkey, the new one
+/// opens the new range, and the old one opens nothing. (A type 2 bind names the window's
+/// current key; before the window recorded the key of its last bind, rxe failed the second
+/// bind with `MW_BIND_ERR`.)
+#[test]
+fn memory_window_bound_again_gets_a_new_rkey() {
+    let t = DeviceTest::start();
+    for kind in [WindowType::Two, WindowType::One] {
+        let Some((mut c, mut s)) = window_pair(&t, kind) else { return t.finish() };
+        let w = bind(&mut s, kind, WIN, AccessFlags::REMOTE_WRITE, 1);
+        let old = w.remote();
+        let mw = s.conn.qp_mut().invalidate_window(w, 2).map_err(|e| e.error).expect("invalidate");
+        s.conn.qp_mut().wait_for(WorkQueue::Send, 2, T).expect("the invalidation completes");
+        let again = s.conn.qp_mut().bind_window(mw, &s.mrs[0], 16384..20480, AccessFlags::REMOTE_WRITE, 3).unwrap();
+        let wc = s.conn.qp_mut().wait_for(WorkQueue::Send, 3, T).expect("the second bind of one window succeeds");
+        assert_eq!(wc.opcode(), Some(WcOpcode::BindMw));
+        assert_ne!(again.rkey(), old.rkey, "{kind}: a new rkey with each bind");
+        let data = pattern(4096, 5);
+        assert_eq!(client_write(&mut c, &data, &again.remote(), 0, 10), Ok(()), "{kind}: through the new rkey");
+        let mw = s.conn.qp_mut().invalidate_window(again, 4).map_err(|e| e.error).expect("invalidate");
+        s.conn.qp_mut().wait_for(WorkQueue::Send, 4, T).expect("the invalidation completes");
+        assert_eq!(client_write(&mut c, &pattern(4096, 6), &old, 0, 11), Err(WcStatus::RemAccessErr));
+        let all = contents(&mut s);
+        assert_eq!(&all[16384..20480], &data[..]);
+        assert_eq!(all.iter().filter(|&&b| b != 0).count(), data.iter().filter(|&&b| b != 0).count(), "nowhere else");
+        drop((mw, c, s));
+    }
+    t.finish();
+}
+
 /// A window's rights hold everywhere; its range is enforced by the device only up to the
 /// region it is bound in on rxe: a write through the window's rkey outside the window but
 /// inside the region succeeds there (measured on rxe/6.1; the kernel checks the access against

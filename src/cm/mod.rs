@@ -228,6 +228,7 @@ pub(crate) mod expect;
 pub mod hold;
 mod lane_cm;
 pub mod lane_conn;
+mod lane_mcast;
 pub mod multicast;
 pub mod private_data;
 pub mod server;

@@ -17,6 +17,11 @@
 //!
 //! This is what rdma-core's `mckey` does; `examples/mckey.rs` is it, flag for flag.
 //!
+//! On a [`Lane`](crate::verbs::lane::Lane): create the QP with the lane's CQ
+//! (`lane.qp_init_from(init)`), attach the endpoint ([`Lane::attach`](crate::verbs::lane::Lane::attach)),
+//! and join with [`Multicast::join_on`], which also registers the group's destination with
+//! the lane for its sends.
+//!
 //! The QP comes before the join, so librdmacm attaches it when the `MULTICAST_JOIN` event
 //! arrives: joining from an id without a QP does not compile.
 //!

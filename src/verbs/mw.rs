@@ -197,6 +197,18 @@ impl MemoryWindow {
         unsafe { (*self.raw.as_ptr()).rkey }
     }
 
+    /// Records `rkey` as the key a type 2 window has now, once the provider took a bind that
+    /// gives it that key. A type 2 bind names the window's key and the next one
+    /// (`ibv_inc_rkey`); the library does not update `ibv_mw::rkey` for it (as `ibv_bind_mw`
+    /// does for type 1), so the next bind would name the stale key, which rxe fails with
+    /// `MW_BIND_ERR` (measured on rxe/6.1).
+    pub(crate) fn record_rkey(&mut self, rkey: u32) {
+        // SAFETY: the window is valid while `self` lives, and `&mut self` excludes every
+        // reader of `rkey` (`current_rkey` takes `&self`); the provider copied the key into
+        // the bind when it was posted, and reads this one at the next.
+        unsafe { (*self.raw.as_ptr()).rkey = rkey };
+    }
+
     /// Checks a bind of this window to `mr[range]` with `rights`, before anything is posted.
     pub(crate) fn check_bind(
         &self,

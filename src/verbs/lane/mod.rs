@@ -53,6 +53,12 @@
 //!   is set at RTR, and until the connection is established the lane refuses sends (and RDMA
 //!   and atomics) with an error that says so. Then [`Lane::peer_left`] (non-blocking) and
 //!   [`Lane::disconnect`] (bounded) are one call each; see [`crate::cm::lane_conn`].
+//! - **Memory windows and multicast**, each through an entry point of its own (the ordinary
+//!   post is untouched): [`Lane::bind_window`] moves the region into the bind's slot and
+//!   returns the bound window, [`Lane::invalidate_window`] and [`Lane::window_unbound`] take
+//!   it back (see [`Invalidating`]); a [`McastEndpoint`](crate::McastEndpoint) made with the
+//!   lane's CQ is attached like any UD endpoint, and joins groups with
+//!   [`Multicast::join_on`](crate::Multicast::join_on).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -215,6 +221,7 @@ mod completion;
 mod grow;
 mod inline;
 mod lifecycle;
+mod mw;
 mod ops;
 mod owner;
 mod poll;
@@ -230,6 +237,7 @@ pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
 use completion::{Fields, LANE, RECV, SIGNALED};
 pub use inline::InlineWr;
+pub use mw::{BindWr, Invalidating};
 pub(crate) use owner::Sealed;
 pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};

@@ -527,6 +527,12 @@ impl QueuePair {
         lock(&self.queues)
     }
 
+    /// The queues' shared handle: what a memory window bound through this QP recognises it by
+    /// ([`BoundWindow`](crate::BoundWindow)), whichever path posted the bind.
+    pub(crate) fn queues_handle(&self) -> &Arc<Mutex<Queues>> {
+        &self.queues
+    }
+
     /// Send-queue work requests posted and not yet retired (including ones the provider refused
     /// in a partly failed post, until the head passes them).
     pub fn outstanding_sends(&self) -> usize {

@@ -73,6 +73,11 @@ impl QueuePair {
         };
         self.commit_one(&mut q, ret, "bind memory window")?;
         drop(q);
+        let mut mw = mw;
+        if mw.kind() == WindowType::Two {
+            // The next bind names this key (type 1 windows are updated by `ibv_bind_mw`).
+            mw.record_rkey(rkey);
+        }
         let hold = Hold::new(mr.inner(), writes);
         Ok(BoundWindow::new(mw, hold, rkey, addr, len, rights, &self.queues))
     }
