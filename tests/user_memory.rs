@@ -360,7 +360,10 @@ fn attack_pod_views_with_bad_alignment_or_length_are_refused_naming_both_numbers
         let e = chunks[1].as_slice_of::<u64>().unwrap_err();
         assert!(matches!(e, Error::TypedView { addr, len: 12, size: 8, align: 8, .. } if addr == base + 12), "{e:?}");
         let text = e.to_string();
-        assert!(text.contains("not a multiple of 8") && text.contains("alignment") && text.contains("4 bytes"), "{text}");
+        assert!(
+            text.contains("not a multiple of 8") && text.contains("alignment") && text.contains("4 bytes"),
+            "{text}"
+        );
         assert!(matches!(chunks[1].as_mut_slice_of::<u32>(), Ok(s) if s.len() == 3), "4-aligned, 3 words");
         // Aligned, but 12 bytes are no whole number of u64s.
         let e = chunks[0].as_mut_slice_of::<u64>().unwrap_err();
@@ -472,7 +475,12 @@ fn attack_vec_forgotten_while_registered_is_leaked_not_freed() {
     }
     let t = DeviceTest::start();
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "attack_vec_forgotten_while_registered_is_leaked_not_freed", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "attack_vec_forgotten_while_registered_is_leaked_not_freed",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, "1")
         .output()
         .expect("run the child");
@@ -527,6 +535,98 @@ fn attack_mmap_given_back_while_a_work_request_holds_it_is_refused() {
         assert_eq!(m.at(), at);
         assert!(m[..] == pattern(4096, 11)[..]);
         drop((c, s));
+    }
+    t.finish();
+}
+
+/// A `Vec` registered at a chosen I/O virtual address (`register_at`, `ibv_reg_mr_iova2`):
+/// the region says that address, a peer READs and WRITEs it there, its own lane sends from it
+/// through that address, and the `Vec` comes back intact where it was. Soft-iWARP ignores the
+/// address asked for (its driver keeps the virtual one): on an iWARP device whose READ at the
+/// chosen address fails, the test says so and skips.
+#[test]
+fn vec_registered_at_a_chosen_io_address_is_addressed_there() {
+    const IOVA: u64 = 0x7e57_0000_1000;
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lanes(&t);
+        let buf = Vec::<u8>::filled(&pattern(N, 12));
+        let at = buf.at();
+        // The kernel maps whole pages: the address must lie as far into its page as the buffer.
+        let iova = IOVA + (at % 4096) as u64;
+        let e = MemoryRegion::register_at(&b.pd, buf, remote(), iova + 1).unwrap_err();
+        let text = e.to_string();
+        let (off, boff) = ((at + 1) % 4096, at % 4096);
+        assert!(
+            text.contains(&format!("{off} bytes into its page")) && text.contains(&format!("{boff} bytes")),
+            "{text}"
+        );
+        let buf = Vec::<u8>::filled(&pattern(N, 12));
+        let (at, extra) = (buf.at(), buf.extra());
+        let iova = IOVA + (at % 4096) as u64;
+        let mr = MemoryRegion::register_at(&b.pd, buf, remote(), iova).unwrap();
+        assert_eq!((mr.addr(), mr.remote().addr, mr.len()), (iova, iova, N));
+        assert_ne!(at as u64, iova);
+        let peer = mr.remote();
+        // The peer READs it at the chosen address.
+        let (rdst, _, _) = registered::<Vec<u8>>(&a, &vec![0u8; N], AccessFlags::LOCAL_WRITE);
+        a.lane.post_send(a.qp, SendWr::read(rdst, 0..N, &peer, 0).wr_id(1)).unwrap();
+        let mut c = reap(&mut a.lane, 1).pop().unwrap();
+        if !c.is_ok() && common::caps::iwarp() {
+            let why = format!(
+                "{} ignores it: a READ at {IOVA:#x} completed with {:?}",
+                common::caps::device_under_test(),
+                c.status()
+            );
+            common::skipped("a region at a chosen I/O address", &why);
+            drop((c, mr, a, b));
+            return t.finish();
+        }
+        assert!(c.is_ok() && c.wr_id() == 1, "{c:?}");
+        let rdst: Vec<u8> = c.take_region().unwrap().into_buffer_as().unwrap();
+        assert!(rdst == pattern(N, 12), "the READ at the chosen address read the buffer");
+        // The peer WRITEs its second half there.
+        let (wsrc, _, _) = registered::<Vec<u8>>(&a, &pattern(N / 2, 13), AccessFlags::LOCAL_WRITE);
+        a.lane.post_send(a.qp, SendWr::write(wsrc, 0..N / 2, &peer, (N / 2) as u64).wr_id(2)).unwrap();
+        drop(done(&mut a.lane, 2));
+        // Its own lane sends from it (the scatter/gather entry says the chosen address).
+        let (dst, _, _) = registered::<Vec<u8>>(&a, &vec![0u8; N], AccessFlags::LOCAL_WRITE);
+        a.lane.post_recv(a.qp, RecvWr::new(dst).wr_id(3)).unwrap();
+        b.lane.post_send(b.qp, SendWr::send(mr, 0..N).wr_id(4)).unwrap();
+        let want = [&pattern(N, 12)[..N / 2], &pattern(N / 2, 13)[..]].concat();
+        let mr = done(&mut b.lane, 4);
+        let got: Vec<u8> = done(&mut a.lane, 3).into_buffer_as().unwrap();
+        assert!(got == want, "the send from the chosen address carried the buffer");
+        back_intact::<Vec<u8>>(mr, at, extra, &want, "registered at a chosen address");
+        // An address range that wraps is refused before the library is called.
+        let e = MemoryRegion::register_at(&b.pd, vec![0u8; 16], AccessFlags::LOCAL_WRITE, u64::MAX - 8).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("address space")), "{e}");
+        drop((a, b));
+    }
+    t.finish();
+}
+
+/// Relaxed ordering (`IBV_ACCESS_RELAXED_ORDERING`) is an optional access flag: a device
+/// without it (a software one has no PCIe writes to reorder) ignores it, and the region works
+/// as any other; the region says it was asked for.
+#[test]
+fn vec_registered_with_relaxed_ordering_works_as_any_other() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lanes(&t);
+        let access = remote() | AccessFlags::RELAXED_ORDERING;
+        let (target, at, extra) = registered::<Vec<u8>>(&b, &pattern(N, 14), access);
+        assert!(target.access().contains(AccessFlags::RELAXED_ORDERING));
+        let peer = target.remote();
+        let (wsrc, _, _) = registered::<Vec<u8>>(&a, &pattern(N, 15), access);
+        a.lane.post_send(a.qp, SendWr::write(wsrc, 0..N, &peer, 0).wr_id(1)).unwrap();
+        drop(done(&mut a.lane, 1));
+        let (rdst, _, _) = registered::<Vec<u8>>(&a, &vec![0u8; N], access);
+        a.lane.post_send(a.qp, SendWr::read(rdst, 0..N, &peer, 0).wr_id(2)).unwrap();
+        let got: Vec<u8> = done(&mut a.lane, 2).into_buffer_as().unwrap();
+        assert!(got == pattern(N, 15));
+        back_intact::<Vec<u8>>(target, at, extra, &pattern(N, 15), "registered with relaxed ordering");
+        drop((a, b));
     }
     t.finish();
 }

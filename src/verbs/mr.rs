@@ -161,6 +161,9 @@ pub(crate) struct Registration {
     registered: bool,
     buf: NonNull<u8>,
     len: usize,
+    /// The address the device knows the buffer by: its virtual address, or the I/O virtual
+    /// address chosen at registration ([`MemoryRegion::register_at`]).
+    iova: u64,
     /// The buffer's owner, type-erased (one box per registration: registering is not the data
     /// path). `None` once given back, or leaked after a failed deregistration. Dropped after
     /// `Drop::drop` has deregistered the MR (fields drop after it).
@@ -245,7 +248,7 @@ impl MrInner {
         };
         // SAFETY: the MR is registered for as long as the registration exists; lkey is immutable.
         let lkey = unsafe { (*reg.mr.as_ptr()).lkey };
-        let addr = reg.buf.as_ptr() as u64 + offset as u64;
+        let addr = reg.iova + offset as u64;
         let (access, pd) = (reg.access, Arc::as_ptr(&reg.pd) as usize);
         let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
         Arc::new(MrInner { part, writers: AtomicUsize::new(0), addr, len, lkey, access, pd, serial })
@@ -323,7 +326,7 @@ impl MemoryRegion {
         if len == 0 {
             return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
         }
-        Self::register_owner(pd, PageAligned::zeroed(len)?, NEW_OWNER, access)
+        Self::register_owner(pd, PageAligned::zeroed(len)?, NEW_OWNER, access, None)
     }
 
     /// Maps `len` zeroed bytes in 2 MiB huge pages ([`Mapping::huge_pages`]) and registers them
@@ -349,7 +352,34 @@ impl MemoryRegion {
     /// [`Error::InvalidArgument`] for a buffer of 0 bytes (empty, or of a zero-sized element
     /// type); otherwise as for [`MemoryRegion::new`]. The buffer is dropped on failure.
     pub fn register<B: StableBuffer>(pd: &Arc<ProtectionDomain>, buf: B, access: AccessFlags) -> Result<MemoryRegion> {
-        Self::register_owner(pd, buf, std::any::type_name::<B>(), access)
+        Self::register_owner(pd, buf, std::any::type_name::<B>(), access, None)
+    }
+
+    /// [`MemoryRegion::register`] at a chosen I/O virtual address (`ibv_reg_mr_iova2`): the
+    /// device, and so work requests and peers, address the region's first byte as `iova`
+    /// instead of its virtual address. [`MemoryRegion::addr`] and [`MemoryRegion::remote`] then
+    /// say `iova`, and the lane's scatter/gather entries use it. A peer can be given the same
+    /// addresses whatever memory backs them, e.g. 0-based offsets (`iova` 0).
+    ///
+    /// Not every device honours it: Soft-iWARP (siw) ignores the address asked for (its kernel
+    /// driver documents the argument as "not used by siw") and keeps addressing the region by
+    /// its virtual address, so work requests at `iova` fail there with an access error.
+    ///
+    /// The kernel maps whole pages, so `iova` must lie as far into its page as the buffer's
+    /// first byte lies into its own (`iova % page == addr % page`); for a page-aligned buffer
+    /// such as a [`Mapping`], any page-aligned `iova`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the two offsets in a page differ (naming both), or when
+    /// `iova + len` passes the end of the 64-bit address space; otherwise as for
+    /// [`MemoryRegion::register`].
+    pub fn register_at<B: StableBuffer>(
+        pd: &Arc<ProtectionDomain>,
+        buf: B,
+        access: AccessFlags,
+        iova: u64,
+    ) -> Result<MemoryRegion> {
+        Self::register_owner(pd, buf, std::any::type_name::<B>(), access, Some(iova))
     }
 
     fn register_owner<B: StableBuffer>(
@@ -357,6 +387,7 @@ impl MemoryRegion {
         buf: B,
         owner_type: &'static str,
         access: AccessFlags,
+        iova: Option<u64>,
     ) -> Result<MemoryRegion> {
         let access = access.effective();
         let len = buf.stable_len();
@@ -365,16 +396,41 @@ impl MemoryRegion {
                 "{owner_type} of 0 bytes cannot be registered (it is empty, or its elements are zero-sized)"
             )));
         }
+        if let Some(iova) = iova {
+            if iova.checked_add(len as u64).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "a region of {len} bytes at I/O address {iova:#x} passes the end of the address space"
+                )));
+            }
+        }
         // The owner goes to where it stays before its address is taken, so that every access
         // derives from a pointer taken from it in place; moving the box later moves no byte
         // (the trait's promise), nor does moving the owner out of it when it is given back.
         let mut owner = Box::new(buf);
         let ptr = NonNull::new(owner.stable_mut_ptr())
             .ok_or_else(|| Error::InvalidArgument(format!("{owner_type} gave a NULL address to register")))?;
+        if let Some(iova) = iova {
+            // The kernel maps whole pages: it refuses (with a bare EINVAL) an I/O address whose
+            // offset in its page differs from the buffer's.
+            // SAFETY: sysconf has no preconditions.
+            let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+            let (at, off) = (ptr.as_ptr() as u64 % page, iova % page);
+            if at != off {
+                return Err(Error::InvalidArgument(format!(
+                    "I/O address {iova:#x} is {off} bytes into its page, but the buffer starts {at} bytes into \
+                     its page of {page}: the two offsets must be equal"
+                )));
+            }
+        }
         // SAFETY: pd is valid; `ptr` points to `len` bytes that `owner` owns and nothing else
         // reaches (StableBuffer's contract), which stay where they are until `owner` is dropped:
         // the registration drops it only after ibv_dereg_mr succeeds, and leaks it otherwise.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32) };
+        let mr = unsafe {
+            match iova {
+                None => ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32),
+                Some(iova) => ffi::ibv_reg_mr_iova2(pd.as_raw(), ptr.as_ptr().cast(), len, iova, access.bits()),
+            }
+        };
         let Some(mr) = NonNull::new(mr) else {
             // (errno is read before `owner` is dropped, whose free may change it.)
             return Err(reg_error(len, errno()));
@@ -384,6 +440,7 @@ impl MemoryRegion {
             registered: true,
             buf: ptr,
             len,
+            iova: iova.unwrap_or(ptr.as_ptr() as u64),
             owner: Some(owner),
             owner_type,
             access,
@@ -507,7 +564,8 @@ impl MemoryRegion {
         unsafe { (*self.inner.reg().mr.as_ptr()).rkey }
     }
 
-    /// The region's virtual address, as a peer addresses it.
+    /// The region's address as the device, work requests and peers address it: its virtual
+    /// address, or the I/O virtual address it was registered at ([`MemoryRegion::register_at`]).
     #[inline]
     pub fn addr(&self) -> u64 {
         self.inner.addr()
