@@ -630,3 +630,48 @@ fn vec_registered_with_relaxed_ordering_works_as_any_other() {
     }
     t.finish();
 }
+
+/// What a file truncated under its registered mapping means (the mapping's maker promised it
+/// would not be, since `MmapOptions::map_mut` is unsafe; this pins what happens when the
+/// promise is broken): a mapping that reaches past the file's end is refused by the
+/// registration (the kernel cannot pin pages the file does not have); once registered, the
+/// pages are pinned, so a truncation leaves the device working on pages the file no longer has
+/// (a peer's WRITE and READ still complete, and read back what was written), while the CPU
+/// would get SIGBUS touching them: this test never does.
+#[test]
+fn mmap_of_a_file_truncated_while_registered_keeps_the_device_on_its_pinned_pages() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, b) = lanes(&t);
+        let path = format!("/dev/shm/rdma-cm-user-memory-truncated-{}", std::process::id());
+        let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        // A mapping of two pages over a file of half a page: the second page has nothing to pin.
+        file.set_len((N / 2) as u64).unwrap();
+        // SAFETY: the file is this test's own, and nothing touches the mapping's bytes past the
+        // file's end (the registration below fails before any access).
+        let short = unsafe { memmap2::MmapOptions::new().len(2 * N).map_mut(&file) }.unwrap();
+        let e = MemoryRegion::register(&b.pd, short, remote()).unwrap_err();
+        assert_eq!(e.errno(), Some(libc::EFAULT), "{e}");
+        // A whole file, registered, then truncated to nothing.
+        file.set_len(N as u64).unwrap();
+        // SAFETY: the file is this test's own; after the truncation below, the mapping's bytes
+        // are never touched by the CPU (it is given back and dropped unread).
+        let m = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.unwrap();
+        let target = MemoryRegion::register(&b.pd, m, remote()).unwrap();
+        let peer = target.remote();
+        file.set_len(0).unwrap();
+        let (wsrc, _, _) = registered::<Vec<u8>>(&a, &pattern(N, 16), AccessFlags::LOCAL_WRITE);
+        a.lane.post_send(a.qp, SendWr::write(wsrc, 0..N, &peer, 0).wr_id(1)).unwrap();
+        drop(done(&mut a.lane, 1));
+        let (rdst, _, _) = registered::<Vec<u8>>(&a, &vec![0u8; N], AccessFlags::LOCAL_WRITE);
+        a.lane.post_send(a.qp, SendWr::read(rdst, 0..N, &peer, 0).wr_id(2)).unwrap();
+        let got: Vec<u8> = done(&mut a.lane, 2).into_buffer_as().unwrap();
+        assert!(got == pattern(N, 16), "the device reads back what it wrote, in the pinned pages");
+        assert_eq!(file.metadata().unwrap().len(), 0, "the file itself stays empty");
+        let m: memmap2::MmapMut = target.into_buffer_as().unwrap();
+        drop(m); // unmapped without a touch
+        drop((a, b));
+    }
+    t.finish();
+}
