@@ -43,6 +43,14 @@
 //! and a region can outlive any borrow (`mem::forget` is safe, and a region forgotten while
 //! registered keeps the device's access to the memory). With ownership, forgetting leaks, and a
 //! leak is safe.
+//!
+//! # Heap buffers and `fork()`
+//!
+//! Registration pins whole pages. A `Vec` or a boxed slice shares its first and last pages
+//! with other allocations, and on a kernel older than 5.13 with libibverbs' fork support on
+//! ([`ForkStatus::Enabled`](crate::ForkStatus::Enabled)) those whole pages are kept out of a
+//! forked child, neighbours included. A program that forks on such a kernel registers a
+//! [`Mapping`] instead, which has pages of its own. See [`crate::verbs::fork`].
 
 use std::ptr::NonNull;
 
