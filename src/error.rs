@@ -90,6 +90,45 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// No huge pages were left for a mapping of 2 MiB pages ([`crate::Mapping::huge_pages`]).
+    #[error("mmap of {len} bytes in 2 MiB huge pages failed: {}: the kernel's pool has {} of {} huge pages free (HugePages_Free/HugePages_Total in /proc/meminfo); reserve more with `sysctl vm.nr_hugepages=N` (/proc/sys/vm/nr_hugepages)", Errno(.source), Count(*.free), Count(*.total))]
+    HugePages {
+        /// Bytes that were to be mapped (whole huge pages).
+        len: usize,
+        /// The pool's size (`HugePages_Total`), when `/proc/meminfo` says it.
+        total: Option<u64>,
+        /// Free pages in the pool (`HugePages_Free`), when `/proc/meminfo` says it.
+        free: Option<u64>,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A region was asked to give back its buffer as a type other than the one registered.
+    #[error("the memory region holds {held}, not {wanted}: ask for the type that was registered")]
+    WrongBuffer {
+        /// What the region holds (a type name, or how the crate allocated it).
+        held: &'static str,
+        /// The type asked for.
+        wanted: &'static str,
+    },
+
+    /// A typed view of a region was refused: its address is not aligned for the element type,
+    /// or its length is no whole number of elements.
+    #[error("the {len} bytes at {addr:#x} cannot be viewed as [{ty}]: {}", ViewWhy(*.addr, *.len, *.size, *.align))]
+    TypedView {
+        /// The element type.
+        ty: &'static str,
+        /// The region's address.
+        addr: u64,
+        /// The region's length in bytes.
+        len: usize,
+        /// The element's size in bytes.
+        size: usize,
+        /// The element's alignment in bytes.
+        align: usize,
+    },
+
     /// A connection-manager event other than the expected one arrived.
     #[error("{op}: expected {expected} but got {got}{}{}{}", Status(*.status), AddrCtx(.addr), Hint(.hint))]
     UnexpectedEvent {
@@ -243,7 +282,9 @@ impl Error {
     /// The errno behind this error, when there is one.
     pub fn errno(&self) -> Option<i32> {
         match self {
-            Error::Call { source, .. } | Error::MemLock { source, .. } => source.raw_os_error(),
+            Error::Call { source, .. } | Error::MemLock { source, .. } | Error::HugePages { source, .. } => {
+                source.raw_os_error()
+            }
             Error::Timeout { .. } => Some(libc::ETIMEDOUT),
             Error::NoDevice { .. } | Error::WildcardAddress { .. } => Some(libc::ENODEV),
             _ => None,
@@ -464,6 +505,39 @@ impl fmt::Display for Status {
             0 => Ok(()),
             s if s < 0 => write!(f, " (status {})", errno_name(-s)),
             s => write!(f, " (status {s})"),
+        }
+    }
+}
+
+struct Count(Option<u64>);
+impl fmt::Display for Count {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("?"),
+        }
+    }
+}
+
+/// Which check a typed view failed: (address, length, element size, element alignment).
+struct ViewWhy(u64, usize, usize, usize);
+impl fmt::Display for ViewWhy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ViewWhy(addr, len, size, align) = *self;
+        if size == 0 {
+            f.write_str("the element type is zero-sized")
+        } else if align > 1 && addr % align as u64 != 0 {
+            write!(
+                f,
+                "the address is not a multiple of {align}, the element's alignment ({} bytes past one)",
+                addr % align as u64
+            )
+        } else {
+            write!(
+                f,
+                "the length {len} is not a multiple of {size}, the element's size ({} bytes left over)",
+                len % size
+            )
         }
     }
 }

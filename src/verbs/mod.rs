@@ -135,6 +135,7 @@
 
 pub mod ah;
 pub mod async_event;
+pub mod buffer;
 pub mod cq;
 pub mod device;
 pub mod diagnostics;

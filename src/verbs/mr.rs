@@ -16,7 +16,10 @@
 //!
 //! # Soundness
 //!
-//! A `MemoryRegion` owns its memory (page-aligned, zero-initialised) and is a handle to a
+//! A `MemoryRegion` owns its memory, either allocated by [`MemoryRegion::new`] (page-aligned,
+//! zero-initialised) or given by the caller to [`MemoryRegion::register`] (any
+//! [`StableBuffer`]: a `Vec`, a boxed slice, a [`Mapping`] of huge pages, a file mapping),
+//! which holds it until [`MemoryRegion::into_buffer_as`] gives it back. It is a handle to a
 //! shared inner value. When a work request that uses the region is posted, the queue pair
 //! stores a clone of that handle in its slot table until the work request's completion is
 //! reaped: one clone per work request that names the region, however many of its pieces
@@ -55,6 +58,7 @@
 //!   or `REMOTE_ATOMIC` memory at any time; the latter is only ever copied, never referenced.
 
 use std::alloc::{self, Layout};
+use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,6 +68,7 @@ use bitflags::bitflags;
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
+use crate::verbs::buffer::{Mapping, StableBuffer};
 use crate::verbs::pd::ProtectionDomain;
 
 bitflags! {
@@ -104,67 +109,106 @@ impl AccessFlags {
     }
 }
 
-/// Page alignment of every region's buffer.
+/// Page alignment of the buffers [`MemoryRegion::new`] allocates.
 const ALIGN: usize = 4096;
 
-/// Who allocated a region's memory, and so how it is freed.
-#[derive(Clone, Copy)]
-enum Alloc {
-    /// `MemoryRegion::new`: page-aligned, from the global allocator with this layout.
-    Aligned(Layout),
-    /// `MemoryRegion::register`: a `Box<[u8]>` given by the caller.
-    Boxed,
+/// What [`MemoryRegion::new`] allocates: zeroed, page-aligned bytes from the global allocator.
+struct PageAligned {
+    ptr: NonNull<u8>,
+    layout: Layout,
 }
 
-/// One registration: the ibv_mr and the memory behind it. Freed when its last holder goes.
+// SAFETY: the allocation is owned by this value alone, like a `Box<[u8]>`'s.
+unsafe impl Send for PageAligned {}
+
+impl PageAligned {
+    fn zeroed(len: usize) -> Result<PageAligned> {
+        let layout = Layout::from_size_align(len, ALIGN)
+            .map_err(|_| Error::InvalidArgument(format!("memory region size {len} is too large")))?;
+        // SAFETY: the caller checked `len > 0`, so the layout has non-zero size.
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
+            .ok_or_else(|| Error::call("alloc", libc::ENOMEM, None))?;
+        Ok(PageAligned { ptr, layout })
+    }
+}
+
+impl Drop for PageAligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout, freed only here.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+// SAFETY: the bytes are a heap allocation this value owns alone and frees once, in Drop; moving
+// it moves the pointer only. Bytes have no invalid patterns.
+unsafe impl StableBuffer for PageAligned {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn stable_len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+/// What [`Error::WrongBuffer`] says a region made by [`MemoryRegion::new`] holds.
+const NEW_OWNER: &str = "memory allocated by MemoryRegion::new (no buffer of the caller's)";
+
+/// One registration: the ibv_mr and the memory behind it, whose owner it holds. Freed when its
+/// last holder goes.
 pub(crate) struct Registration {
     mr: NonNull<ffi::ibv_mr>,
+    /// Whether `mr` is still registered (cleared by the one `deregister` that runs).
+    registered: bool,
     buf: NonNull<u8>,
     len: usize,
-    alloc: Alloc,
+    /// The address the device knows the buffer by: its virtual address, or the I/O virtual
+    /// address chosen at registration ([`MemoryRegion::register_at`]).
+    iova: u64,
+    /// The buffer's owner, type-erased (one box per registration: registering is not the data
+    /// path). `None` once given back, or leaked after a failed deregistration. Dropped after
+    /// `Drop::drop` has deregistered the MR (fields drop after it).
+    owner: Option<Box<dyn Any + Send>>,
+    /// The owner's type name, for [`Error::WrongBuffer`].
+    owner_type: &'static str,
     access: AccessFlags,
-    // Dropped after the MR is deregistered and the buffer freed (Drop::drop runs first).
+    // Dropped after the MR is deregistered (Drop::drop runs first).
     pd: Arc<ProtectionDomain>,
 }
 
 // SAFETY: the buffer is only touched through `&mut MemoryRegion` with a unique chunk handle, or
-// by the device; ibv_mr is deregistered once, in Drop. Moving or sharing it between threads is
-// therefore fine.
+// by the device; ibv_mr is deregistered once. The owner is `Send`, and is only ever moved out
+// (given back) or dropped, never accessed through `&Registration`. Moving or sharing it between
+// threads is therefore fine.
 unsafe impl Send for Registration {}
-// SAFETY: `&Registration` gives access only to immutable fields (keys, address, length).
+// SAFETY: `&Registration` gives access only to immutable fields (keys, address, length), never to
+// the owner.
 unsafe impl Sync for Registration {}
 
 impl Registration {
-    /// Frees the buffer.
-    ///
-    /// # Safety
-    /// The MR must be deregistered, and the buffer freed only once.
-    unsafe fn free_buffer(&self) {
-        match self.alloc {
-            // SAFETY: allocated with this layout in MemoryRegion::new (caller: once, unmapped).
-            Alloc::Aligned(layout) => unsafe { alloc::dealloc(self.buf.as_ptr(), layout) },
-            Alloc::Boxed => {
-                let raw = std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len);
-                // SAFETY: the pointer and length came from Box::into_raw of a Box<[u8]>.
-                drop(unsafe { Box::from_raw(raw) })
-            }
+    /// Deregisters the MR, once. When that fails the device may still reach the memory, so the
+    /// owner is leaked (never dropped, never given back) and the error returned.
+    fn deregister(&mut self) -> Result<()> {
+        if !std::mem::replace(&mut self.registered, false) {
+            return Ok(());
         }
+        // SAFETY: the MR is deregistered exactly once (the flag); every chunk, and so every
+        // posted work request (which holds a chunk), is gone (we are being dropped or given
+        // back by the last holder), so the device has no pending use of it.
+        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+        if ret != 0 {
+            std::mem::forget(self.owner.take());
+        }
+        crate::error::check_ibv(ret, "ibv_dereg_mr")
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        // SAFETY: the MR is deregistered exactly once; every chunk (and so every posted work
-        // request, which holds a chunk) is gone, so the device has no pending use of it.
-        let ret = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
-        if ret != 0 {
-            // The device may still map the pages: leak them rather than free them.
-            crate::error::report_leak("ibv_dereg_mr", ret);
-            return;
+        if let Err(e) = self.deregister() {
+            // The device may still map the pages: the owner was leaked rather than dropped.
+            crate::error::report_leak("ibv_dereg_mr", e.errno().unwrap_or(libc::EIO));
         }
-        // SAFETY: deregistered just now, so the device can no longer reach the buffer; this is
-        // the only place (besides into_buffer, which skips Drop) that frees it.
-        unsafe { self.free_buffer() };
+        // The owner (if any) drops with the fields, after deregistration.
     }
 }
 
@@ -204,7 +248,7 @@ impl MrInner {
         };
         // SAFETY: the MR is registered for as long as the registration exists; lkey is immutable.
         let lkey = unsafe { (*reg.mr.as_ptr()).lkey };
-        let addr = reg.buf.as_ptr() as u64 + offset as u64;
+        let addr = reg.iova + offset as u64;
         let (access, pd) = (reg.access, Arc::as_ptr(&reg.pd) as usize);
         let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
         Arc::new(MrInner { part, writers: AtomicUsize::new(0), addr, len, lkey, access, pd, serial })
@@ -279,88 +323,186 @@ impl MemoryRegion {
     /// [`Error::InvalidArgument`] for `len == 0`; [`Error::MemLock`] when the locked-memory
     /// limit is too small; [`Error::Call`] when `ibv_reg_mr` fails otherwise.
     pub fn new(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
-        let access = access.effective();
         if len == 0 {
             return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
         }
-        let layout = Layout::from_size_align(len, ALIGN)
-            .map_err(|_| Error::InvalidArgument(format!("memory region size {len} is too large")))?;
-        // SAFETY: layout has non-zero size.
-        let buf = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
-            .ok_or_else(|| Error::call("alloc", libc::ENOMEM, None))?;
-        // SAFETY: pd is valid; buf points to `len` bytes we own, which stay allocated until the
-        // MR is deregistered (Registration::drop frees them only after ibv_dereg_mr succeeds).
-        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), buf.as_ptr().cast(), len, access.bits() as i32) };
+        Self::register_owner(pd, PageAligned::zeroed(len)?, NEW_OWNER, access, None)
+    }
+
+    /// Maps `len` zeroed bytes in 2 MiB huge pages ([`Mapping::huge_pages`]) and registers them
+    /// with `access`: as [`MemoryRegion::new`], in far fewer pages for the device to translate.
+    /// [`MemoryRegion::into_buffer_as::<Mapping>`](MemoryRegion::into_buffer_as) gives the
+    /// mapping back.
+    ///
+    /// # Errors
+    /// [`Error::HugePages`] when the kernel has too few free huge pages (see
+    /// `/proc/sys/vm/nr_hugepages`); otherwise as for [`MemoryRegion::new`].
+    pub fn with_huge_pages(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::register(pd, Mapping::huge_pages(len)?, access)
+    }
+
+    /// Registers a buffer the caller owns, in place (zero-copy): a `Vec<u8>`, a `Box<[u8]>`, a
+    /// [`Mapping`], with the features `bytemuck` and `memmap2` a `Vec<T>`/`Box<[T]>` of `Pod`
+    /// `T` or a `memmap2::MmapMut`, or any other [`StableBuffer`]. The region owns it, so
+    /// nothing can free, grow or unmap it while the device may use it, until
+    /// [`MemoryRegion::into_buffer_as`] gives it back, at the same address. Of a `Vec`, its
+    /// `len` bytes are registered; its capacity is kept for when it comes back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer of 0 bytes (empty, or of a zero-sized element
+    /// type); otherwise as for [`MemoryRegion::new`]. The buffer is dropped on failure.
+    pub fn register<B: StableBuffer>(pd: &Arc<ProtectionDomain>, buf: B, access: AccessFlags) -> Result<MemoryRegion> {
+        Self::register_owner(pd, buf, std::any::type_name::<B>(), access, None)
+    }
+
+    /// [`MemoryRegion::register`] at a chosen I/O virtual address (`ibv_reg_mr_iova2`): the
+    /// device, and so work requests and peers, address the region's first byte as `iova`
+    /// instead of its virtual address. [`MemoryRegion::addr`] and [`MemoryRegion::remote`] then
+    /// say `iova`, and the lane's scatter/gather entries use it. A peer can be given the same
+    /// addresses whatever memory backs them, e.g. 0-based offsets (`iova` 0).
+    ///
+    /// Not every device honours it: Soft-iWARP (siw) ignores the address asked for (its kernel
+    /// driver documents the argument as "not used by siw") and keeps addressing the region by
+    /// its virtual address, so work requests at `iova` fail there with an access error.
+    ///
+    /// The kernel maps whole pages, so `iova` must lie as far into its page as the buffer's
+    /// first byte lies into its own (`iova % page == addr % page`); for a page-aligned buffer
+    /// such as a [`Mapping`], any page-aligned `iova`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the two offsets in a page differ (naming both), or when
+    /// `iova + len` passes the end of the 64-bit address space; otherwise as for
+    /// [`MemoryRegion::register`].
+    pub fn register_at<B: StableBuffer>(
+        pd: &Arc<ProtectionDomain>,
+        buf: B,
+        access: AccessFlags,
+        iova: u64,
+    ) -> Result<MemoryRegion> {
+        Self::register_owner(pd, buf, std::any::type_name::<B>(), access, Some(iova))
+    }
+
+    fn register_owner<B: StableBuffer>(
+        pd: &Arc<ProtectionDomain>,
+        buf: B,
+        owner_type: &'static str,
+        access: AccessFlags,
+        iova: Option<u64>,
+    ) -> Result<MemoryRegion> {
+        let access = access.effective();
+        let len = buf.stable_len();
+        if len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{owner_type} of 0 bytes cannot be registered (it is empty, or its elements are zero-sized)"
+            )));
+        }
+        if let Some(iova) = iova {
+            if iova.checked_add(len as u64).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "a region of {len} bytes at I/O address {iova:#x} passes the end of the address space"
+                )));
+            }
+        }
+        // The owner goes to where it stays before its address is taken, so that every access
+        // derives from a pointer taken from it in place; moving the box later moves no byte
+        // (the trait's promise), nor does moving the owner out of it when it is given back.
+        let mut owner = Box::new(buf);
+        let ptr = NonNull::new(owner.stable_mut_ptr())
+            .ok_or_else(|| Error::InvalidArgument(format!("{owner_type} gave a NULL address to register")))?;
+        if let Some(iova) = iova {
+            // The kernel maps whole pages: it refuses (with a bare EINVAL) an I/O address whose
+            // offset in its page differs from the buffer's.
+            // SAFETY: sysconf has no preconditions.
+            let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+            let (at, off) = (ptr.as_ptr() as u64 % page, iova % page);
+            if at != off {
+                return Err(Error::InvalidArgument(format!(
+                    "I/O address {iova:#x} is {off} bytes into its page, but the buffer starts {at} bytes into \
+                     its page of {page}: the two offsets must be equal"
+                )));
+            }
+        }
+        // SAFETY: pd is valid; `ptr` points to `len` bytes that `owner` owns and nothing else
+        // reaches (StableBuffer's contract), which stay where they are until `owner` is dropped:
+        // the registration drops it only after ibv_dereg_mr succeeds, and leaks it otherwise.
+        let mr = unsafe {
+            match iova {
+                None => ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32),
+                Some(iova) => ffi::ibv_reg_mr_iova2(pd.as_raw(), ptr.as_ptr().cast(), len, iova, access.bits()),
+            }
+        };
         let Some(mr) = NonNull::new(mr) else {
-            let e = errno();
-            // SAFETY: registration failed, so nothing else refers to `buf`; free it once.
-            unsafe { alloc::dealloc(buf.as_ptr(), layout) };
-            return Err(reg_error(len, e));
+            // (errno is read before `owner` is dropped, whose free may change it.)
+            return Err(reg_error(len, errno()));
         };
         Ok(Self::from_registration(Registration {
             mr,
-            buf,
+            registered: true,
+            buf: ptr,
             len,
-            alloc: Alloc::Aligned(layout),
+            iova: iova.unwrap_or(ptr.as_ptr() as u64),
+            owner: Some(owner),
+            owner_type,
             access,
             pd: Arc::clone(pd),
         }))
     }
 
-    /// Registers a buffer the caller already has (e.g. pre-faulted, or reused across
-    /// registrations). The region owns it until [`MemoryRegion::into_buffer`] gives it back.
+    /// Deregisters the region and gives back the `Box<[u8]>` given to
+    /// [`MemoryRegion::register`]: [`MemoryRegion::into_buffer_as`] for that type.
     ///
     /// # Errors
-    /// As for [`MemoryRegion::new`]; the buffer is dropped on failure.
-    pub fn register(pd: &Arc<ProtectionDomain>, buf: Box<[u8]>, access: AccessFlags) -> Result<MemoryRegion> {
-        let access = access.effective();
-        let len = buf.len();
-        if len == 0 {
-            return Err(Error::InvalidArgument("memory region size must be at least 1 byte".into()));
-        }
-        let raw = Box::into_raw(buf);
-        // SAFETY: Box::into_raw never returns NULL.
-        let ptr = unsafe { NonNull::new_unchecked(raw.cast::<u8>()) };
-        // SAFETY: pd is valid; `ptr` points to `len` bytes we now own, which stay allocated until
-        // the MR is deregistered (Registration frees them only after ibv_dereg_mr succeeds).
-        let mr = unsafe { ffi::ibv_reg_mr(pd.as_raw(), ptr.as_ptr().cast(), len, access.bits() as i32) };
-        let Some(mr) = NonNull::new(mr) else {
-            let e = errno();
-            // SAFETY: registration failed; `raw` came from Box::into_raw and is rebuilt once.
-            drop(unsafe { Box::from_raw(raw) });
-            return Err(reg_error(len, e));
-        };
-        Ok(Self::from_registration(Registration { mr, buf: ptr, len, alloc: Alloc::Boxed, access, pd: Arc::clone(pd) }))
+    /// As for [`MemoryRegion::into_buffer_as`] (without the region back).
+    pub fn into_buffer(self) -> Result<Box<[u8]>> {
+        self.into_buffer_as::<Box<[u8]>>().map_err(Error::from)
     }
 
-    /// Deregisters the region and returns the buffer given to [`MemoryRegion::register`].
+    /// Deregisters the region and gives back the buffer given to [`MemoryRegion::register`]
+    /// (or the [`Mapping`] of [`MemoryRegion::with_huge_pages`]), as it was: the same
+    /// address, length and capacity, holding what the device and Rust code last wrote.
     ///
     /// # Errors
-    /// [`Error::InFlight`] while a work request uses it; [`Error::InvalidArgument`] for a
-    /// region made by [`MemoryRegion::new`] (its memory is page-aligned, not a `Box`) or for a
-    /// chunk whose siblings still exist; [`Error::Call`] when `ibv_dereg_mr` fails (the buffer
-    /// is then leaked, as the device may still map it).
-    pub fn into_buffer(self) -> Result<Box<[u8]>> {
+    /// Each refusal gives the region back ([`IntoBufferError::into_region`]), untouched:
+    /// [`Error::InFlight`] while a work request holds the region; [`Error::WrongBuffer`] when
+    /// `B` is not the type registered (a region of [`MemoryRegion::new`] holds none of the
+    /// caller's); [`Error::InvalidArgument`] for a chunk whose siblings still exist (they
+    /// share the registration). [`Error::Call`] when `ibv_dereg_mr` fails: the device may
+    /// still reach the memory, so the buffer is leaked, and nothing is given back.
+    pub fn into_buffer_as<B: StableBuffer>(mut self) -> std::result::Result<B, IntoBufferError> {
+        let refuse = |error: Error, region: MemoryRegion| IntoBufferError { error, region: Some(region) };
         let outstanding = self.outstanding();
-        let reg = match Arc::try_unwrap(self.inner).map_err(|_| Error::InFlight { outstanding })?.part {
+        let Some(inner) = Arc::get_mut(&mut self.inner) else {
+            return Err(refuse(Error::InFlight { outstanding }, self));
+        };
+        let reg = match &mut inner.part {
             Part::Whole(reg) => reg,
-            Part::Chunk { .. } => {
-                return Err(Error::InvalidArgument("into_buffer needs a whole region, not a chunk of one".into()))
+            Part::Chunk { reg, .. } => {
+                let siblings = Arc::strong_count(reg) - 1;
+                match Arc::get_mut(reg) {
+                    Some(reg) => reg,
+                    None => {
+                        let msg = format!(
+                            "into_buffer_as needs the whole registration, and {siblings} other chunk(s) of it still \
+                             exist: drop them first"
+                        );
+                        return Err(refuse(Error::InvalidArgument(msg), self));
+                    }
+                }
             }
         };
-        if !matches!(reg.alloc, Alloc::Boxed) {
-            return Err(Error::InvalidArgument("into_buffer needs a region made by MemoryRegion::register".into()));
+        if !reg.owner.as_ref().is_some_and(|o| o.is::<B>()) {
+            let (held, wanted) = (reg.owner_type, std::any::type_name::<B>());
+            return Err(refuse(Error::WrongBuffer { held, wanted }, self));
         }
-        let reg = std::mem::ManuallyDrop::new(reg);
-        // SAFETY: we own the registration's last handle, so no work request uses the MR; it is
-        // deregistered exactly once (Drop will not run).
-        let ret = unsafe { ffi::ibv_dereg_mr(reg.mr.as_ptr()) };
-        // SAFETY: `reg` is never used again; moving the PD handle out releases it.
-        drop(unsafe { std::ptr::read(&reg.pd) });
-        crate::error::check_ibv(ret, "ibv_dereg_mr")?;
-        // SAFETY: deregistered, so the device cannot reach the memory; rebuilt exactly once from
-        // the pointer and length Box::into_raw gave us.
-        Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(reg.buf.as_ptr(), reg.len)) })
+        if let Err(error) = reg.deregister() {
+            return Err(IntoBufferError { error, region: None });
+        }
+        let owner = reg.owner.take().and_then(|o| o.downcast::<B>().ok());
+        // Checked above: the owner is there and of type `B`.
+        owner.map(|b| *b).ok_or(IntoBufferError {
+            error: Error::InvalidArgument("the region's buffer was already given back".into()),
+            region: None,
+        })
     }
 
     /// Splits the region into chunks of `chunk_len` bytes (the last may be shorter), each
@@ -422,7 +564,8 @@ impl MemoryRegion {
         unsafe { (*self.inner.reg().mr.as_ptr()).rkey }
     }
 
-    /// The region's virtual address, as a peer addresses it.
+    /// The region's address as the device, work requests and peers address it: its virtual
+    /// address, or the I/O virtual address it was registered at ([`MemoryRegion::register_at`]).
     #[inline]
     pub fn addr(&self) -> u64 {
         self.inner.addr()
@@ -539,6 +682,62 @@ impl MemoryRegion {
     }
 }
 
+/// Typed views: the region's bytes as a slice of plain-old-data `T` (feature `bytemuck`).
+#[cfg(feature = "bytemuck")]
+impl MemoryRegion {
+    /// The region as `&[T]`: [`MemoryRegion::as_slice`], typed. The same rules hold: allowed
+    /// while posted work only reads the region, refused while the device may write it or a
+    /// peer may.
+    ///
+    /// # Errors
+    /// As for [`MemoryRegion::as_slice`], and [`Error::TypedView`] when the region's address
+    /// is not a multiple of `T`'s alignment or its length is not a multiple of `T`'s size (or
+    /// `T` is zero-sized); the error names both numbers.
+    pub fn as_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&[T]> {
+        let (addr, len) = (self.addr(), self.len());
+        let bytes = self.as_slice()?;
+        check_view::<T>(bytes.as_ptr(), addr, len)?;
+        bytemuck::try_cast_slice(bytes).map_err(|_| view_error::<T>(addr, len))
+    }
+
+    /// The region as `&mut [T]`: [`MemoryRegion::as_mut_slice`], typed. Refused while any
+    /// work request holds the region, or a peer may write it.
+    ///
+    /// # Errors
+    /// As for [`MemoryRegion::as_mut_slice`], and [`Error::TypedView`] as for
+    /// [`MemoryRegion::as_slice_of`].
+    pub fn as_mut_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
+        let (addr, len) = (self.addr(), self.len());
+        let bytes = self.as_mut_slice()?;
+        check_view::<T>(bytes.as_ptr(), addr, len)?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|_| view_error::<T>(addr, len))
+    }
+}
+
+/// Whether `len` bytes at `ptr` (the region's address `addr`, as a peer sees it) can be viewed
+/// as `[T]`. The alignment is the local pointer's (what a reference needs); it equals `addr`
+/// modulo any alignment, except for a region at a chosen I/O address.
+#[cfg(feature = "bytemuck")]
+fn check_view<T>(ptr: *const u8, addr: u64, len: usize) -> Result<()> {
+    let (size, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
+    if size == 0 || (ptr as usize) % align != 0 || len % size != 0 {
+        let addr = if (ptr as usize) % align != 0 { ptr as u64 } else { addr };
+        return Err(view_error::<T>(addr, len));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "bytemuck")]
+fn view_error<T>(addr: u64, len: usize) -> Error {
+    Error::TypedView {
+        ty: std::any::type_name::<T>(),
+        addr,
+        len,
+        size: std::mem::size_of::<T>(),
+        align: std::mem::align_of::<T>(),
+    }
+}
+
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryRegion")
@@ -548,6 +747,52 @@ impl fmt::Debug for MemoryRegion {
             .field("access", &self.access())
             .field("outstanding", &self.outstanding())
             .finish()
+    }
+}
+
+/// A refused [`MemoryRegion::into_buffer_as`]: the error, and the region, given back untouched
+/// (`None` only when deregistration failed, and the buffer was leaked).
+pub struct IntoBufferError {
+    error: Error,
+    region: Option<MemoryRegion>,
+}
+
+impl IntoBufferError {
+    /// The error.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+    /// The region, still registered and holding its buffer.
+    pub fn into_region(self) -> Option<MemoryRegion> {
+        self.region
+    }
+    /// The error and the region.
+    pub fn into_parts(self) -> (Error, Option<MemoryRegion>) {
+        (self.error, self.region)
+    }
+}
+
+impl From<IntoBufferError> for Error {
+    fn from(e: IntoBufferError) -> Error {
+        e.error
+    }
+}
+
+impl fmt::Debug for IntoBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IntoBufferError").field("error", &self.error).field("region", &self.region).finish()
+    }
+}
+
+impl fmt::Display for IntoBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl std::error::Error for IntoBufferError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
     }
 }
 

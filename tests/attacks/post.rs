@@ -785,7 +785,7 @@ fn odd_arguments_are_errors_not_panics() {
     assert!(MemoryRegion::new(&pd, usize::MAX, AccessFlags::LOCAL_WRITE).is_err());
     assert!(MemoryRegion::new(&pd, isize::MAX as usize - 4095, AccessFlags::LOCAL_WRITE).is_err());
     assert!(MemoryRegion::new(&pd, 64, AccessFlags::from_bits_retain(u32::MAX)).is_err());
-    assert!(MemoryRegion::register(&pd, Vec::new().into_boxed_slice(), AccessFlags::LOCAL_WRITE).is_err());
+    assert!(MemoryRegion::register(&pd, Vec::<u8>::new().into_boxed_slice(), AccessFlags::LOCAL_WRITE).is_err());
     let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
     let mut b = [0u8; 2];
     assert!(matches!(mr.read_at(usize::MAX, &mut b), Err(Error::OutOfBounds { .. })));
