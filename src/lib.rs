@@ -157,7 +157,7 @@ pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQue
 pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
 pub use verbs::extended::{ExtendedCompletion, SendOps};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
-pub use verbs::lane::{Lane, LaneQp};
+pub use verbs::lane::{Lane, LaneQp, LaneSrq};
 pub use verbs::mr::{AccessFlags, MemoryRegion, RemoteRegion};
 pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;
