@@ -189,7 +189,7 @@
 //!
 //! # Limits of this version
 //!
-//! A shared receive queue ([`Lane::create_srq`], see [`srq`](self::srq)) takes receives of
+//! A shared receive queue ([`Lane::create_srq`], see [`srq`]) takes receives of
 //! one piece, and a scatter/gather list names pieces of one
 //! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
 //! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
