@@ -3,13 +3,17 @@
 //! its region back; a QP removed while the SRQ holds receives leaves them posted (and a
 //! message it had taken still comes back); the lane's drop with receives on its SRQ releases
 //! everything, after the SRQ; the SRQ's refusals say what was wrong; a replayed or forged
-//! completion retires nothing; the limit event comes when receives run low. Reading a region
-//! while the SRQ holds it does not compile (the `compile_fail` example in the module's docs).
+//! completion retires nothing; the limit event comes when receives run low; posting and polling
+//! allocate nothing. Reading a region while the SRQ holds it does not compile (the
+//! `compile_fail` example in the module's docs).
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::Instant;
@@ -23,6 +27,49 @@ use rdma_cm::{
 };
 
 const LEN: usize = 64;
+
+/// Counts the allocations made while `watched` runs its closure, on that thread (as
+/// tests/alloc.rs does).
+struct Counting;
+
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    // const-initialised and without a destructor: reading it never allocates.
+    static WATCH: Cell<bool> = const { Cell::new(false) };
+}
+
+// SAFETY: every call forwards to the system allocator unchanged; the counter is an atomic.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: forwarded; `p` came from System.alloc with `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        if WATCH.with(|w| w.get()) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: forwarded.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn watched<R>(f: impl FnOnce() -> R) -> R {
+    WATCH.with(|w| w.set(true));
+    let r = f();
+    WATCH.with(|w| w.set(false));
+    r
+}
 
 fn recv_buf(pd: &Arc<ProtectionDomain>) -> MemoryRegion {
     MemoryRegion::new(pd, 4096, AccessFlags::LOCAL_WRITE).unwrap()
@@ -101,9 +148,15 @@ fn connect(addr: IpAddr, n: usize, depth: u32, wr_ids: std::ops::Range<u64>) -> 
 
 /// Client `c` sends the messages of `seeds`, and waits for their completions.
 fn send_all(clients: &mut Clients, c: usize, seeds: &[u8]) {
+    let sized: Vec<(u8, usize)> = seeds.iter().map(|&s| (s, LEN)).collect();
+    send_sized(clients, c, &sized);
+}
+
+/// Client `c` sends the messages of `seeds`, each of its length, and waits for their completions.
+fn send_sized(clients: &mut Clients, c: usize, seeds: &[(u8, usize)]) {
     let (qp, pd) = clients.qps[c].clone();
-    for &s in seeds {
-        clients.lane.post_send(qp, SendWr::send(message(&pd, s), 0..LEN).wr_id(s as u64)).unwrap();
+    for &(s, len) in seeds {
+        clients.lane.post_send(qp, SendWr::send(message(&pd, s), 0..len).wr_id(s as u64)).unwrap();
     }
     for done in reap(&mut clients.lane, seeds.len()) {
         assert_eq!(done.status(), WcStatus::Success, "client {c}'s send {}", done.wr_id());
@@ -187,8 +240,9 @@ fn clients_share_one_srq_on_a_server_lane() {
 
 /// A QP removed while the SRQ holds receives leaves them posted: nothing comes back with the
 /// removal, and the other client's messages take them. A message the removed QP had taken, not
-/// yet reaped, still comes back: it retires its own slot and hands its region back, naming no
-/// QP (the QP is gone) but its number. The removed QP's handle is refused from then on.
+/// yet reaped (met by the removal while it reaps the QP's own send), still comes back: it
+/// retires its own slot and hands its region back, naming no QP (the QP is gone) but its
+/// number. The removed QP's handle is refused from then on.
 #[test]
 fn a_qp_removed_with_srq_receives_in_flight_leaves_them_posted() {
     let t = DeviceTest::start();
@@ -197,6 +251,10 @@ fn a_qp_removed_with_srq_receives_in_flight_leaves_them_posted() {
         let (gone, stays) = (server.qps[0], server.qps[1]);
         let gone_num = server.lane.qp_num(gone).unwrap();
         send_all(&mut clients, 0, &[7]);
+        // A send of the QP's own, which the client has no receive for (retried, on InfiniBand
+        // and RoCE, until the removal flushes it), so the removal reaps the CQ while the
+        // client's message waits there.
+        server.lane.post_send(gone, SendWr::send(message(&server.pd, 9), 0..LEN)).unwrap();
         server.lane.remove(gone).expect("Lane::remove");
         assert_eq!(server.lane.srq_users(server.srq).unwrap(), 1);
         assert_eq!(server.lane.srq_outstanding(server.srq).unwrap(), 4, "the removal hands back no receive");
@@ -298,7 +356,8 @@ fn srq_refusals_say_what_was_wrong() {
 /// (a completion handed out again), a sequence number not posted yet, and an SRQ the lane does
 /// not have. The three are made real through the raw escape hatch: receives posted on the
 /// lane's SRQ directly with those tags (the layout the `srq` module documents:
-/// `RECV(63) | INTERIOR(61) | index(60..45) | seq(44..0)`), consumed before the lane's own.
+/// `RECV(63) | INTERIOR(61) | index(60..45) | seq(44..0)`), consumed before the lane's own,
+/// each by a message of its own length, so the completion handed out is seen to be the lane's.
 #[test]
 fn a_replayed_or_forged_srq_completion_retires_nothing() {
     const SRQ_TAG: u64 = 1 << 63 | 1 << 61;
@@ -330,9 +389,11 @@ fn a_replayed_or_forged_srq_completion_retires_nothing() {
         post_raw(SRQ_TAG | 9); // receive 9: not posted yet
         post_raw(SRQ_TAG | 5 << 45 | 8); // an SRQ index the lane never made
         server.lane.post_srq_recv(srq, RecvWr::new(recv_buf(&server.pd)).wr_id(200)).unwrap();
-        send_all(&mut clients, 0, &[50, 51, 52, 53]);
+        // The raw receives take 32, 33 and 34 bytes; the lane's own, 64.
+        send_sized(&mut clients, 0, &[(50, 32), (51, 33), (52, 34), (53, LEN)]);
         let mut done = reap(&mut server.lane, 1).pop().unwrap();
         assert_eq!((done.wr_id(), done.qp()), (200, Some(qp)), "only the lane's own receive is handed out: {done:?}");
+        assert_eq!(done.byte_len(), LEN as u32, "its own completion, not a raw receive's: {done:?}");
         assert_eq!(&done.take_region().unwrap().as_slice().unwrap()[..LEN], &pattern(LEN, 53)[..]);
         assert!(server.lane.poll().unwrap().is_none());
         assert_eq!(server.lane.srq_outstanding(srq).unwrap(), 0);
@@ -359,6 +420,50 @@ fn the_srq_limit_event_comes_when_receives_run_low() {
             thread::yield_now();
         }
         drop((clients, server));
+    }
+    t.finish();
+}
+
+/// Posting to the lane's SRQ (alone and as a list) and polling its completions allocate
+/// nothing: 1,000 messages from a client, each received into a region posted to the SRQ and
+/// posted again when it comes back.
+#[test]
+fn srq_posts_and_polls_allocate_nothing() {
+    const N: usize = 1000;
+    let t = DeviceTest::start();
+    {
+        let (mut clients, mut server) = connect(t.addr, 1, 4, 0..0);
+        let (cqp, cpd) = clients.qps[0].clone();
+        let mut msg = Some(message(&cpd, 1));
+        let mut buf = Some(recv_buf(&server.pd));
+        // Polls `lane` (watched) until one completion comes: its region.
+        fn one(lane: &mut Lane) -> MemoryRegion {
+            let mut back = None;
+            let deadline = Instant::now() + T;
+            while watched(|| lane.poll_with(16, |c, mr| back = Some((c.is_ok(), mr)))).unwrap() == 0 {
+                assert!(Instant::now() < deadline, "no completion within {T:?}");
+            }
+            let (ok, mr) = back.unwrap();
+            assert!(ok);
+            mr.expect("the region, back")
+        }
+        ALLOCS.store(0, Ordering::Relaxed);
+        for k in 0..N {
+            let b = RecvWr::new(buf.take().unwrap()).wr_id(k as u64);
+            if k % 2 == 0 {
+                watched(|| server.lane.post_srq_recv(server.srq, b)).unwrap();
+            } else {
+                let mut list = [Some(b)];
+                assert_eq!(watched(|| server.lane.post_srq_recv_list(server.srq, &mut list)).unwrap(), 1);
+            }
+            let m = SendWr::send(msg.take().unwrap(), 0..LEN);
+            watched(|| clients.lane.post_send(cqp, m)).unwrap();
+            buf = Some(one(&mut server.lane));
+            msg = Some(one(&mut clients.lane));
+        }
+        let allocs = ALLOCS.load(Ordering::Relaxed);
+        assert_eq!(allocs, 0, "{allocs} allocations in {N} receives through the lane's SRQ");
+        drop((clients, server, msg, buf));
     }
     t.finish();
 }

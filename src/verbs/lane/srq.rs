@@ -326,6 +326,11 @@ impl Srqs {
         Some(found.map(|s| s.key.index).ok_or(()))
     }
 
+    /// Whether no SRQ holds a receive.
+    pub(super) fn idle(&self) -> bool {
+        self.list.iter().flatten().all(|s| s.t.outstanding == 0)
+    }
+
     /// Notes that `qp` (QP number `qp_num`) takes its receives from SRQ `index`.
     pub(super) fn joined(&mut self, index: u16, qp_num: u32, qp: LaneQp) {
         if let Some(Some(s)) = self.list.get_mut(index as usize) {
