@@ -19,11 +19,11 @@ use std::thread;
 use std::time::Instant;
 
 use common::lane::{lane_on, reap};
-use common::{mr_count, pattern, DeviceTest, T};
+use common::{mr_count, pattern, require, Cap, DeviceTest, T};
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, Server, SharedReceiveQueue,
-    WcStatus, WorkQueue,
+    UdClient, UdServer, WcStatus, WorkQueue, GRH_LEN,
 };
 
 const LEN: usize = 64;
@@ -464,6 +464,88 @@ fn srq_posts_and_polls_allocate_nothing() {
         let allocs = ALLOCS.load(Ordering::Relaxed);
         assert_eq!(allocs, 0, "{allocs} allocations in {N} receives through the lane's SRQ");
         drop((clients, server, msg, buf));
+    }
+    t.finish();
+}
+
+/// Two UD endpoints of a server lane take their receives from one SRQ: each client's
+/// datagrams land there, each completion naming the endpoint it arrived on, the payload after
+/// the GRH. UD needs a device that has it (not iWARP).
+#[test]
+fn ud_endpoints_share_one_srq() {
+    const N: usize = 2;
+    const M: usize = 3;
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return;
+    }
+    {
+        let addr = t.addr;
+        let listener = UdServer::new().unwrap().listen(SocketAddr::new(addr, 0), 8).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = thread::spawn(move || {
+            let mut side: Option<(Lane, Arc<ProtectionDomain>, LaneSrq)> = None;
+            let mut qps = Vec::new();
+            for _ in 0..N {
+                let req = listener.get_request(T).unwrap();
+                let (lane, pd, srq) = side.get_or_insert_with(|| {
+                    let ctx = req.context().unwrap();
+                    let pd = ProtectionDomain::new(&ctx).unwrap();
+                    let mut lane = Lane::new(&ctx, 64).unwrap();
+                    let srq = lane.create_srq(&pd, 8).unwrap();
+                    for k in 0..(N * M) as u64 {
+                        let buf = MemoryRegion::new(&pd, GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
+                        lane.post_srq_recv(srq, RecvWr::new(buf).wr_id(k)).unwrap();
+                    }
+                    (lane, pd, srq)
+                });
+                let init = lane.srq_qp_init(*srq, QpInit::new().max_send_wr(4)).unwrap();
+                let ep = req.create_qp(pd, init).unwrap().accept(&[]).unwrap();
+                qps.push(lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach a UD endpoint on the SRQ"));
+            }
+            let (lane, pd, srq) = side.unwrap();
+            (lane, pd, srq, qps, listener)
+        });
+        let mut lane = lane_on(addr, 64);
+        let mut clients = Vec::new();
+        for _ in 0..N {
+            let route = UdClient::new()
+                .unwrap()
+                .resolve_addr(None, SocketAddr::new(addr, port), T)
+                .unwrap()
+                .resolve_route(T)
+                .unwrap();
+            let pd = route.alloc_pd().unwrap();
+            let mut ep = route.create_qp(&pd, lane.qp_init_from(QpInit::new())).unwrap();
+            let dest = ep.connect(&[], T).unwrap();
+            let qp = lane.attach(ep).map_err(|r| r.into_parts().0).unwrap();
+            let to = lane.add_dest(qp, &dest).unwrap();
+            clients.push((qp, to, pd));
+        }
+        let (mut slane, spd, srq, sqps, listener) = server.join().unwrap();
+        assert_eq!(slane.srq_users(srq).unwrap(), N as u32);
+        for (c, (qp, to, pd)) in clients.iter().enumerate() {
+            for k in 0..M {
+                let wr = SendWr::send(message(pd, (c * 16 + k) as u8), 0..LEN).to(*to).wr_id(k as u64);
+                lane.post_send(*qp, wr).unwrap();
+            }
+        }
+        for done in reap(&mut lane, N * M) {
+            assert_eq!(done.status(), WcStatus::Success);
+        }
+        let mut next = [0usize; N];
+        for mut done in reap(&mut slane, N * M) {
+            assert!(done.is_srq() && done.is_ok(), "{done:?}");
+            let c = sqps.iter().position(|q| Some(*q) == done.qp()).expect("one of the server's endpoints");
+            assert_eq!(done.byte_len(), (GRH_LEN + LEN) as u32);
+            let mut buf = done.take_region().unwrap();
+            let payload = &buf.as_slice().unwrap()[GRH_LEN..GRH_LEN + LEN];
+            assert_eq!(payload, &pattern(LEN, (c * 16 + next[c]) as u8)[..], "client {c}'s datagram {}", next[c]);
+            next[c] += 1;
+        }
+        assert_eq!(next, [M; N]);
+        assert_eq!(slane.srq_outstanding(srq).unwrap(), 0);
+        drop((lane, clients, slane, spd, listener));
     }
     t.finish();
 }
