@@ -151,7 +151,7 @@ impl Wc {
     }
 
     /// Whether it is a receive posted to one of the lane's shared receive queues
-    /// ([`Lane::post_srq_recv`]).
+    /// ([`Lane::post_srq_recv`](super::Lane::post_srq_recv)).
     #[inline]
     pub fn is_srq(&self) -> bool {
         self.flags & SRQ != 0
