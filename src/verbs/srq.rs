@@ -410,6 +410,19 @@ impl SharedReceiveQueue {
         Ok(self.inner.async_reg.events().last())
     }
 
+    /// Keeps `mr` until the SRQ is destroyed: a region a lane's slot held for a receive posted
+    /// to this SRQ ([`crate::verbs::lane::LaneSrq`]), handed over when the lane goes. It takes
+    /// a slot that no completion retires (not posted here), released with the slots after
+    /// `ibv_destroy_srq` succeeds and leaked when it fails; with no slot free (never: the lane
+    /// posts at most `depth` receives), the region is leaked.
+    pub(crate) fn park(&self, mr: crate::verbs::mr::MemoryRegion) {
+        let mut slots = self.inner.slots();
+        match slots.free.pop() {
+            Some(i) => slots.slots[i as usize]._hold = Some(Hold::new(mr.inner(), false)),
+            None => mem::forget(mr),
+        }
+    }
+
     /// Whether `ev` is this SRQ's limit event.
     pub fn is_limit_event(&self, ev: &AsyncEvent) -> bool {
         ev.is_srq_limit() && ev.element == crate::verbs::device::AsyncElement::Srq(self.as_raw() as usize)

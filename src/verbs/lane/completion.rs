@@ -55,6 +55,8 @@ impl Fields {
 pub(super) const RECV: u8 = 1;
 pub(super) const SIGNALED: u8 = 2;
 pub(super) const LANE: u8 = 4;
+/// A receive of one of the lane's shared receive queues.
+pub(super) const SRQ: u8 = 8;
 
 /// A completion as [`Lane::poll_with`](crate::verbs::lane::Lane::poll_with) hands it out: the completion's fields as the provider
 /// wrote them (decoded by the accessors), and nothing to drop. The region of its work request
@@ -141,10 +143,18 @@ impl Wc {
     }
 
     /// The QP it belongs to (`None` for a completion of the convenient path of a QP that is
-    /// not attached: see [`Wc::qp_num`]).
+    /// not attached, or of an SRQ receive taken by a QP removed from the lane since: see
+    /// [`Wc::qp_num`]).
     #[inline]
     pub fn qp(&self) -> Option<LaneQp> {
-        self.is_lane().then_some(LaneQp { attach: self.attach, place: self.place })
+        (self.is_lane() && self.attach != 0).then_some(LaneQp { attach: self.attach, place: self.place })
+    }
+
+    /// Whether it is a receive posted to one of the lane's shared receive queues
+    /// ([`Lane::post_srq_recv`](super::Lane::post_srq_recv)).
+    #[inline]
+    pub fn is_srq(&self) -> bool {
+        self.flags & SRQ != 0
     }
 
     /// The QP number.

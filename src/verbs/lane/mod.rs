@@ -189,7 +189,8 @@
 //!
 //! # Limits of this version
 //!
-//! No shared receive queue, and a scatter/gather list names pieces of one
+//! A shared receive queue ([`Lane::create_srq`], see [`srq`]) takes receives of
+//! one piece, and a scatter/gather list names pieces of one
 //! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
 //! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
 //! first receives after the peer may have sent: such a send is NAKed and waits for the
@@ -228,6 +229,7 @@ mod poll;
 mod post;
 mod prepared;
 mod slots;
+pub mod srq;
 mod tag;
 mod teardown;
 mod wait;
@@ -242,6 +244,7 @@ pub(crate) use owner::Sealed;
 pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
 use slots::Slots;
+pub use srq::LaneSrq;
 pub use wr::{RecvWr, Rejected, RejectedList, SendWr};
 
 /// The most work requests one [`Lane::post_send_list`] or [`Lane::post_recv_list`] posts: one
@@ -490,6 +493,9 @@ pub struct Lane {
     backlog: bool,
     /// Completions reaped while another QP was torn down, in order: handed out first.
     deferred: VecDeque<ffi::ibv_wc>,
+    /// Its shared receive queues (`srq`): dropped after the members (whose QPs take receives
+    /// from them), before the CQ.
+    srqs: srq::Srqs,
     // Dropped after the members (whose QPs use it), in declaration order after Drop::drop.
     cq: Arc<CompletionQueue>,
 }
@@ -537,6 +543,7 @@ impl Lane {
             retiring: None,
             backlog: false,
             deferred: VecDeque::with_capacity(depth as usize),
+            srqs: srq::Srqs::default(),
             cq,
         })
     }
@@ -575,7 +582,7 @@ impl Lane {
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
     /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
-    /// takes receives from an SRQ, has work outstanding on its convenient path, or had a
+    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), has work outstanding on its convenient path, or had a
     /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
     /// for good).
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
@@ -584,10 +591,15 @@ impl Lane {
             Err(e) => return Err(Rejected::new(e, owner)),
         }
         let mtu = owner.lane_ud_mtu().map_or(0, |m| m.max(1));
-        self.attach_checked(Box::new(owner), mtu).map_err(|(e, o)| {
+        let (srq, qp_num) = (self.srqs.of(owner.lane_qp()), owner.lane_qp().qp_num());
+        let key = self.attach_checked(Box::new(owner), mtu).map_err(|(e, o)| {
             let back = o.into_any().downcast::<T>().ok().map(|b| *b);
             Rejected::with(e, back)
-        })
+        })?;
+        if let Some(Ok(index)) = srq {
+            self.srqs.joined(index, qp_num, key);
+        }
+        Ok(key)
     }
 
     /// What `attach` refuses, checked on the QP before the owner is boxed.
@@ -597,8 +609,12 @@ impl Lane {
                 "attach: the QP completes on another CQ than the lane's: create it with Lane::qp_init".into(),
             ));
         }
-        if qp.srq().is_some() {
-            return Err(Error::InvalidArgument("attach: a lane does not serve QPs on a shared receive queue".into()));
+        if let Some(Err(())) = self.srqs.of(qp) {
+            return Err(Error::InvalidArgument(
+                "attach: the QP takes its receives from an SRQ that is not this lane's: make it with \
+                 Lane::srq_qp_init of a Lane::create_srq"
+                    .into(),
+            ));
         }
         if qp.batch_leaked() {
             return Err(Error::InvalidArgument(

@@ -192,7 +192,7 @@ impl Lane {
         // that no queue's `hi` has, and goes to `unmatched` (through `start_rest`).
         let hi = tag::hi_of(wc.wr_id);
         let place = hi as u16;
-        let Some(Some(m)) = self.members.get_mut(place as usize) else { return Start::Unmatched };
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return Start::unmatched(wc.wr_id) };
         let m = &mut **m;
         // The queue whose `hi` the tag carries whole (the send queue's has no `RECV`, the
         // receive queue's has it): two compares at most, where selecting by the bit and then
@@ -202,7 +202,7 @@ impl Lane {
         } else if m.recv.hi == hi {
             (&mut m.recv, true)
         } else {
-            return Start::Unmatched;
+            return Start::unmatched(wc.wr_id);
         };
         if m.qp_num != wc.qp_num {
             return Start::Unmatched;
@@ -233,6 +233,7 @@ impl Lane {
             Start::Handed => (true, f),
             Start::Nothing => (false, f),
             Start::Unmatched => self.unmatched(i, f),
+            Start::Srq => self.srq_with(i, f),
             Start::Rare { place, recv, seq } => self.start_rare(place, recv, seq, i, f),
         }
     }
@@ -455,7 +456,23 @@ enum Start {
     Nothing,
     /// Its tag matches no member.
     Unmatched,
+    /// Its tag is an SRQ receive's (`srq::is_srq`).
+    Srq,
     /// A member's, in one of `start_rare`'s cases.
     /// `seq` is the low 45 bits of its sequence number, as its tag carries them.
     Rare { place: u16, recv: bool, seq: u64 },
+}
+
+impl Start {
+    /// A completion whose tag matched no member's queue: an SRQ receive's, or one for
+    /// `unmatched`. Reached only where the tag matched no queue, so a QP's own completions
+    /// never test it.
+    #[inline(always)]
+    fn unmatched(wr_id: u64) -> Start {
+        if super::srq::is_srq(wr_id) {
+            Start::Srq
+        } else {
+            Start::Unmatched
+        }
+    }
 }

@@ -5,6 +5,10 @@
 //!     RECV  0    INTERIOR  place (16)    sequence number (45)
 //! ```
 //!
+//! A receive of one of the lane's shared receive queues has `RECV` and `INTERIOR` both set (no
+//! other tag has: an interior tag is a send's), the SRQ's index in place of the place, and the
+//! SRQ's own sequence number (see [`srq`](super::srq)).
+//!
 //! Bit 62 is the convenient path's tag bit (`ring::tag::OURS`); it is clear here, so a
 //! completion of the convenient path on a lane's CQ is told apart and routed the usual way.
 //!

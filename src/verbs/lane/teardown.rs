@@ -45,6 +45,10 @@ impl Lane {
         // requests stay refused.
         if let (Some(Some(m)), Some(next)) = (self.members.get(place), self.next_seq.get_mut(place)) {
             *next = [m.send.tail, m.recv.tail];
+            // A QP on an SRQ leaves it: a completion of it met later names no LaneQp.
+            if m.owner.lane_qp().srq().is_some() {
+                self.srqs.left(m.qp_num, m.key, m.owner.lane_qp());
+            }
         }
         drop(self.members[place].take());
         Ok(())
@@ -116,7 +120,9 @@ impl Lane {
     /// Retires what `wc` names when it is a completion of a QP being torn down (the regions are
     /// dropped: the device is done with them); false for any other completion.
     fn retire_for_teardown(&mut self, wc: &ffi::ibv_wc, mine: &impl Fn(u16) -> bool) -> bool {
-        if wc.wr_id & tag::CRATE != 0 {
+        // An SRQ receive's completion (of this QP or another) is kept for the next poll,
+        // which retires its SRQ slot and hands its region out.
+        if wc.wr_id & tag::CRATE != 0 || super::srq::is_srq(wc.wr_id) {
             return false;
         }
         let (recv, place, seq) = tag::decode(wc.wr_id);

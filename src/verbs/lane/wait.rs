@@ -305,7 +305,8 @@ impl Lane {
         self.cq.refresh_async()?;
         self.async_failure(op, true)?;
         self.check_silent_errors(op)?;
-        let idle = self.members.iter().flatten().all(|m| m.send.outstanding() + m.recv.outstanding() == 0);
+        let idle =
+            self.members.iter().flatten().all(|m| m.send.outstanding() + m.recv.outstanding() == 0) && self.srqs.idle();
         Err(Error::Timeout { op, timeout, addr: None, hint: Some(if idle { NOTHING_POSTED } else { NOTHING_CAME }) })
     }
 

@@ -719,6 +719,12 @@ pub(super) fn refusal(m: &Member, op: &'static str) -> Error {
 
 #[cold]
 pub(super) fn refusal_recv(m: &Member) -> Error {
+    if m.recv.depth == 0 && m.owner.lane_qp().srq().is_some() {
+        return Error::InvalidArgument(
+            "post_recv: this QP takes its receives from a shared receive queue: post them with Lane::post_srq_recv"
+                .into(),
+        );
+    }
     match m.failed {
         Some(Fault::Connecting) | None => Error::QueueFull { queue: "receive", depth: m.recv.depth },
         Some(fault) => qp_in_error(m, fault, "ibv_post_recv"),
