@@ -62,7 +62,7 @@ use crate::error::{errno, Error, Result};
 /// back.
 ///
 /// Implemented for `Vec<u8>` and `Box<[u8]>`, and, with the feature `bytemuck`, for `Vec<T>` and
-/// `Box<[T]>` of any [`bytemuck::Pod`] `T` (which covers `u8`); for [`Mapping`]; with the
+/// `Box<[T]>` of any `bytemuck::Pod` `T` (which covers `u8`); for [`Mapping`]; with the
 /// feature `memmap2`, for `memmap2::MmapMut`. For a `Vec`, the `len` initialised elements are
 /// registered, and its spare capacity is kept as it is, unregistered.
 ///
