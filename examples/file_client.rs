@@ -67,7 +67,7 @@ fn main() {
     let mut buf = Some(
         MemoryRegion::new(&pd, args.chunk, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering memory", e)),
     );
-    let mut lane = Lane::new(&ctx, 4).unwrap_or_else(|e| fail("creating the completion queue", e));
+    let mut lane = Lane::new(&ctx, 8).unwrap_or_else(|e| fail("creating the completion queue", e));
     let init = QpInit::new().max_send_wr(4).max_recv_wr(1);
     let pending = route.lane_qp(&mut lane, &pd, init).unwrap_or_else(|e| fail("creating the QP", e));
     let qp = pending.qp();

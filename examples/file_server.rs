@@ -11,18 +11,22 @@
 //! memmap2 -- -a 10.77.0.1 -o copy.bin`). Each client connects, finds the file's address, rkey
 //! and length in the accept's private data (a `QpInfo`), READs what it wants, and disconnects.
 //!
-//! Put the file on tmpfs (`/dev/shm`). Registration pins the file's pages for as long as it
-//! lasts, and kernels from 6.5 on refuse long-term pins of shared mappings of most file
-//! systems (ext4, xfs, ...) whose pins may write; tmpfs is exempt. This server registers for
-//! remote READ only, so its pins are not for writing, but a kernel that refuses anyway says
-//! `EFAULT` (or `EOPNOTSUPP`), and the error then names this cause.
+//! Registration pins the file's pages for as long as it lasts. Kernels from 6.5 on refuse
+//! long-term pins *for writing* of shared mappings on file systems that track dirty pages
+//! (ext4, xfs, ...); tmpfs (`/dev/shm`, where the tests put their files) is exempt. This server
+//! registers for remote READ only, so it pins for reading, and that is allowed: measured on
+//! Soft-RoCE with Linux 6.12, a file on ext4 registers and serves with `REMOTE_READ`, while the
+//! same file registered with `LOCAL_WRITE` is refused (`EFAULT`). If a kernel refuses anyway
+//! (`EFAULT`, `EOPNOTSUPP`), the error names this cause: put the file on tmpfs.
 //!
 //! **Do not truncate or shrink the file while it is served.** The mapping's maker promises that
-//! (`MmapOptions::map_mut` is `unsafe`). Measured on Soft-RoCE (Linux 6.1, tmpfs): the pinned
-//! pages stay with the device after a truncation. A client's READ still completes and returns
-//! the old bytes, which the file no longer holds, and this process would get `SIGBUS` if it
-//! touched the mapping past the new end (it never does). Appending is harmless: clients see
-//! the length the file had when it was mapped.
+//! (`MmapOptions::map_mut` is `unsafe`). Measured on Soft-RoCE (Linux 6.1, tmpfs): truncated
+//! while registered, the pinned pages stay with the device, and a client's READ still completes
+//! from pages the file no longer holds (what it returns is no longer the file); this process
+//! would get `SIGBUS` if it touched the mapping past the new end (it never does). Truncated
+//! before a client comes (the mapping is registered anew for each), the registration is refused
+//! (`EFAULT`) and the client rejected. Appending is harmless: clients see the length the file
+//! had when it was mapped.
 
 use std::fmt::Display;
 use std::fs::OpenOptions;
@@ -105,7 +109,8 @@ fn main() {
         // `into_buffer_as` gives it back, so nothing can unmap it while the device may read it.
         // REMOTE_READ is what lets a peer READ it; without it the client's READ completes with
         // a remote access error. No LOCAL_WRITE and no REMOTE_WRITE: the device never writes
-        // the file, and the pages are pinned for reading only.
+        // the file, so the pages are pinned for reading only, which kernels from 6.5 on allow
+        // on any file system (a writable pin of an ext4 file is refused there: see the header).
         let pd = req.alloc_pd().unwrap_or_else(|e| fail("allocating the protection domain", e));
         let map = mapped.take().expect("given back after each client");
         let mr = match MemoryRegion::register(&pd, map, AccessFlags::REMOTE_READ) {
@@ -116,7 +121,7 @@ fn main() {
         // A QP on the lane, as in examples/server.rs. This side posts nothing: the client's
         // READs are served by the device, with no work request and no completion here.
         let ctx = req.context().unwrap_or_else(|e| fail("opening the device", e));
-        let mut lane = Lane::new(&ctx, 4).unwrap_or_else(|e| fail("creating the completion queue", e));
+        let mut lane = Lane::new(&ctx, 8).unwrap_or_else(|e| fail("creating the completion queue", e));
         let init = QpInit::new().max_send_wr(1).max_recv_wr(1);
         let pending = req.lane_qp(&mut lane, &pd, init).unwrap_or_else(|e| fail("creating the QP", e));
         let qp = pending.qp();
