@@ -97,6 +97,12 @@ fn features() -> Vec<&'static str> {
     if cfg!(feature = "tokio") {
         f.push("tokio");
     }
+    if cfg!(feature = "bytemuck") {
+        f.push("bytemuck");
+    }
+    if cfg!(feature = "memmap2") {
+        f.push("memmap2");
+    }
     f
 }
 
