@@ -177,6 +177,8 @@ where
     B: StableBuffer + std::ops::DerefMut<Target = [u8]>,
     M: criterion::measurement::Measurement,
 {
+    let at = buf.as_ptr() as usize;
+    eprintln!("{kind}/{size}: {} KiB of its mapping in transparent huge pages", thp_kib(at));
     let mut buf = Some(buf);
     g.bench_function(BenchmarkId::new(format!("raw_{kind}"), size), |b| {
         let p = buf.as_mut().unwrap();
@@ -215,6 +217,23 @@ fn prefaulted(len: usize, huge: bool) -> Mapping {
     };
     m.fill(1);
     m
+}
+
+/// The `AnonHugePages` of the mapping holding `addr` (/proc/self/smaps): how much of it the
+/// kernel backs with transparent huge pages, which make pinning it cheaper.
+fn thp_kib(addr: usize) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
+            let (lo, hi) = range.split_once('-').unwrap();
+            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap_or(0), usize::from_str_radix(hi, 16).unwrap_or(0));
+            inside = (lo..hi).contains(&addr);
+        } else if let Some(v) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
+            return v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
+        }
+    }
+    0
 }
 
 /// Bytes of free 2 MiB huge pages, from /proc/meminfo.
