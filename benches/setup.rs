@@ -5,6 +5,8 @@
 //! ```text
 //! cargo bench --bench setup            # on a machine with a device (else in the guest)
 //! harness/bench                        # everything, plus the rdma-core/perftest comparison
+//! RDMA_VM_HUGEPAGES=160 cargo bench --bench setup -- 'mr_pages|mr_kinds'
+//!                                      # 4 KiB beside 2 MiB pages up to 256 MiB (see mr_pages)
 //! ```
 
 mod common;
@@ -19,7 +21,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rdma_cm::ffi;
 use rdma_cm::ffi::rdma_cm_event_type::*;
 use rdma_cm::{
-    AccessFlags, Client, CmId, CompletionQueue, ConnParam, EventChannel, MemoryRegion, ProtectionDomain, QpInit, Server,
+    AccessFlags, Client, CmId, CompletionQueue, ConnParam, EventChannel, Mapping, MemoryRegion, ProtectionDomain,
+    QpInit, Server, StableBuffer, HUGE_PAGE_SIZE,
 };
 
 fn pd_alloc(c: &mut Criterion) {
@@ -163,6 +166,119 @@ fn mr_reg(c: &mut Criterion) {
             })
         });
     }
+    g.finish();
+}
+
+/// Registers `buf` (reg + dereg per iteration) as `raw_{kind}/{size}`, the same `ibv_reg_mr` and
+/// `ibv_dereg_mr` on its bytes, beside `rdma_cm_{kind}/{size}`, `MemoryRegion::register` and
+/// `into_buffer_as` back to the same buffer.
+fn reg_pair<B, M>(g: &mut criterion::BenchmarkGroup<'_, M>, pd: &Arc<ProtectionDomain>, kind: &str, size: &str, buf: B)
+where
+    B: StableBuffer + std::ops::DerefMut<Target = [u8]>,
+    M: criterion::measurement::Measurement,
+{
+    let at = buf.as_ptr() as usize;
+    eprintln!("{kind}/{size}: {} KiB of its mapping in transparent huge pages", thp_kib(at));
+    let mut buf = Some(buf);
+    g.bench_function(BenchmarkId::new(format!("raw_{kind}"), size), |b| {
+        let p = buf.as_mut().unwrap();
+        let len = p.len();
+        b.iter(|| {
+            // SAFETY: `p` is a live buffer of `len` bytes; the MR is deregistered at once.
+            unsafe {
+                let mr =
+                    ffi::ibv_reg_mr(pd.as_raw(), p.as_mut_ptr().cast(), len, AccessFlags::LOCAL_WRITE.bits() as i32);
+                assert!(!mr.is_null(), "ibv_reg_mr {kind} {size}");
+                assert_eq!(ffi::ibv_dereg_mr(mr), 0);
+            }
+        })
+    });
+    g.bench_function(BenchmarkId::new(format!("rdma_cm_{kind}"), size), |b| {
+        b.iter(|| {
+            let mr = MemoryRegion::register(pd, buf.take().unwrap(), AccessFlags::LOCAL_WRITE).unwrap();
+            buf = Some(mr.into_buffer_as::<B>().unwrap());
+        })
+    });
+}
+
+/// A mapping of `len` bytes, every page written once (so the figure is registration alone):
+/// in 2 MiB huge pages, or in 4 KiB pages with transparent huge pages refused for it (else the
+/// kernel may back a large anonymous mapping with 2 MiB pages anyway).
+fn prefaulted(len: usize, huge: bool) -> Mapping {
+    let mut m = if huge {
+        Mapping::huge_pages(len).expect("huge pages (RDMA_VM_HUGEPAGES sets the guest's pool)")
+    } else {
+        let mut m = Mapping::anonymous(len).unwrap();
+        // SAFETY: the range is the mapping's own, whole pages from its page-aligned start;
+        // advice changes how the kernel backs it, not its contents.
+        let ret = unsafe { libc::madvise(m.as_mut_ptr().cast(), m.mapped_len(), libc::MADV_NOHUGEPAGE) };
+        assert_eq!(ret, 0, "madvise(MADV_NOHUGEPAGE)");
+        m
+    };
+    m.fill(1);
+    m
+}
+
+/// The `AnonHugePages` of the mapping holding `addr` (/proc/self/smaps): how much of it the
+/// kernel backs with transparent huge pages, which make pinning it cheaper.
+fn thp_kib(addr: usize) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
+            let (lo, hi) = range.split_once('-').unwrap();
+            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap_or(0), usize::from_str_radix(hi, 16).unwrap_or(0));
+            inside = (lo..hi).contains(&addr);
+        } else if let Some(v) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
+            return v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
+        }
+    }
+    0
+}
+
+/// Bytes of free 2 MiB huge pages, from /proc/meminfo.
+fn huge_bytes_free() -> usize {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let free: usize =
+        info.lines().find_map(|l| l.strip_prefix("HugePages_Free:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    free * HUGE_PAGE_SIZE
+}
+
+/// What 2 MiB huge pages save: registration of the same sizes in 4 KiB pages (`*_4KiB`) and in
+/// huge pages (`*_2MiB`), raw beside the crate. Sizes the huge-page pool cannot hold are skipped
+/// for both (the guest reserves 128 MiB; `RDMA_VM_HUGEPAGES=160` holds 256 MiB).
+fn mr_pages(c: &mut Criterion) {
+    let route = route(7904);
+    let pd = route.alloc_pd().unwrap();
+    let mut g = c.benchmark_group("mr_pages");
+    g.sample_size(10);
+    for (name, len) in
+        [("64KiB", 64usize << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20), ("64MiB", 64 << 20), ("256MiB", 256 << 20)]
+    {
+        let free = huge_bytes_free();
+        if len.next_multiple_of(HUGE_PAGE_SIZE) > free {
+            eprintln!("mr_pages/{name}: skipped, {free} bytes of huge pages free (RDMA_VM_HUGEPAGES raises the pool)");
+            continue;
+        }
+        reg_pair(&mut g, &pd, "4KiB", name, prefaulted(len, false));
+        reg_pair(&mut g, &pd, "2MiB", name, prefaulted(len, true));
+    }
+    g.finish();
+}
+
+/// The crate ÷ raw for each kind of caller-owned buffer at 1 MiB, pre-faulted.
+fn mr_kinds(c: &mut Criterion) {
+    let route = route(7905);
+    let pd = route.alloc_pd().unwrap();
+    let mut g = c.benchmark_group("mr_kinds");
+    g.sample_size(10);
+    let len = 1 << 20;
+    reg_pair(&mut g, &pd, "vec", "1MiB", vec![1u8; len]);
+    reg_pair(&mut g, &pd, "box", "1MiB", vec![1u8; len].into_boxed_slice());
+    let mut m = Mapping::anonymous(len).unwrap();
+    m.fill(1);
+    reg_pair(&mut g, &pd, "mapping", "1MiB", m);
+    reg_pair(&mut g, &pd, "huge_mapping", "1MiB", prefaulted(len, true));
     g.finish();
 }
 
@@ -394,6 +510,6 @@ fn connect(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = criterion();
-    targets = pd_alloc, cq_create, qp_create, cm_id_create, mr_reg, connect
+    targets = pd_alloc, cq_create, qp_create, cm_id_create, mr_reg, mr_pages, mr_kinds, connect
 }
 criterion_main!(benches);
