@@ -23,7 +23,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, Wc};
-use rdma_cm::{Connection, Error, MemoryRegion};
+use rdma_cm::{Error, MemoryRegion};
 
 /// The longest the lane's wait runs before the tool asks [`Lane::peer_left`] (a read of the
 /// CM's channel, a system call) whether the peer has gone: a peer that leaves while this side
@@ -79,14 +79,6 @@ pub struct LaneConn {
 }
 
 impl LaneConn {
-    /// Hands `conn` (whose QP was created with `lane`'s [`Lane::qp_init_from`]) to `lane`.
-    /// `busy_poll`: wait with [`Lane::spin_with`]; otherwise with [`Lane::wait_with`].
-    pub fn attach(mut lane: Lane, conn: Connection, busy_poll: bool) -> Result<LaneConn, Error> {
-        let peer = conn.peer_addr();
-        let qp = lane.attach(conn).map_err(Error::from)?;
-        Ok(LaneConn::new(lane, qp, peer, busy_poll))
-    }
-
     /// `lane`'s connection `qp` to `peer` (made with `lane_qp`, connected or accepted).
     /// `busy_poll`: wait with [`Lane::spin_with`]; otherwise with [`Lane::wait_with`].
     pub fn new(lane: Lane, qp: LaneQp, peer: Option<SocketAddr>, busy_poll: bool) -> LaneConn {
