@@ -192,7 +192,11 @@ fn an_srq_receive_naming_one_region_thrice_holds_it_until_delivered() {
             let pd = route.alloc_pd().unwrap();
             let mut mr = MemoryRegion::new(&pd, 96, LW).unwrap();
             mr.as_mut_slice().unwrap().copy_from_slice(&sent);
-            let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+            // The server checks its receive and counts regions between the request and its
+            // accept, which can outlast `T` on a loaded machine. The CM retries its request
+            // for about a minute, so waiting that long loses nothing.
+            let patient = Duration::from_secs(60);
+            let conn = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), patient).unwrap();
             ((conn, mr), pd)
         };
         c.0.qp_mut().post_send(&[SendWr::send(&c.1, 0..96).wr_id(1)]).unwrap();
