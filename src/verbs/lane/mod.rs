@@ -107,6 +107,13 @@
 //! or at once when the device reports it with a fatal event, as `IBV_EVENT_QP_FATAL`), and
 //! with [`Error::AsyncEvent`] once the CQ overran or the device failed.
 //!
+//! A thread that waits on other things too (CM events, sockets, several lanes) waits on the
+//! lane's CQ in its own loop instead: [`Lane::cq`] goes into a
+//! [`Readiness`](crate::Readiness) set (or any `poll(2)`/`epoll` loop, by its descriptor), and
+//! [`Lane::arm`] makes it readable at the next completion. Arm, poll until [`Lane::poll`]
+//! returns `None`, wait, and when it is ready arm and poll again: a completion that came
+//! before the arming raises no event, and the poll after it finds that one.
+//!
 //! # Why it is sound
 //!
 //! - **The device never writes memory Rust code can reach.** While a work request is posted,
