@@ -589,9 +589,7 @@ impl Lane {
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
     /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
-    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), has work outstanding on its convenient path, or had a
-    /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
-    /// for good).
+    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), or has work outstanding on its convenient path.
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
         match self.check_attach(owner.lane_qp()).and_then(|()| self.make_room()) {
             Ok(()) => {}
@@ -620,13 +618,6 @@ impl Lane {
             return Err(Error::InvalidArgument(
                 "attach: the QP takes its receives from an SRQ that is not this lane's: make it with \
                  Lane::srq_qp_init of a Lane::create_srq"
-                    .into(),
-            ));
-        }
-        if qp.batch_leaked() {
-            return Err(Error::InvalidArgument(
-                "attach: a WrBatch of this QP was leaked (mem::forget) before complete() or its drop: the provider's \
-                 send queue may still be locked by it, so a post through the lane would wait for ever"
                     .into(),
             ));
         }
