@@ -160,6 +160,7 @@ pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, IntoBufferError, MemoryRegion, RemoteRegion};
 pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
+pub use verbs::odp::{Advice, AdviseFlags, ImplicitOdpRegion, OdpCaps, OdpOps};
 pub use verbs::pd::ProtectionDomain;
 pub use verbs::peer::PeerInfo;
 pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};

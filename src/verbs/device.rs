@@ -44,6 +44,7 @@ use crate::error::{check_ibv, errno, Error, Result};
 pub use crate::status::AsyncEventKind;
 use crate::verbs::hub::Hub;
 pub use crate::verbs::hub::{AsyncElement, AsyncEvent};
+use crate::verbs::odp::OdpCaps;
 
 /// An RDMA device found by `ibv_get_device_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,7 +140,8 @@ unsafe impl Send for VerbsContext {}
 // SAFETY: see the Send impl.
 unsafe impl Sync for VerbsContext {}
 
-/// Device limits that matter when sizing queues and buffers (from `ibv_query_device`).
+/// Device limits that matter when sizing queues and buffers, and capabilities that decide what
+/// memory may be registered (from `ibv_query_device_ex`).
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct DeviceLimits {
@@ -163,6 +165,9 @@ pub struct DeviceLimits {
     pub max_srq_sge: u32,
     /// Largest scatter list of an RDMA READ (`max_sge_rd`; 0 when the device does not say).
     pub max_sge_rd: u32,
+    /// On-demand paging: whether regions may be registered without pinning their pages, and
+    /// which operations may use them (see [`crate::verbs::odp`]).
+    pub odp: OdpCaps,
 }
 
 /// The transport a device speaks (its verbs device's `transport_type`): what it can do
@@ -251,15 +256,20 @@ impl VerbsContext {
         }
     }
 
-    /// Queries the device's limits.
+    /// Queries the device's limits and capabilities.
     ///
     /// # Errors
-    /// [`Error::Call`] when `ibv_query_device` fails.
+    /// [`Error::Call`] when `ibv_query_device_ex` fails.
     pub fn limits(&self) -> Result<DeviceLimits> {
-        // SAFETY: ibv_device_attr is plain old data; all-zero is a valid value.
-        let mut a: ffi::ibv_device_attr = unsafe { mem::zeroed() };
-        // SAFETY: context open; `a` is a valid out-pointer of the right type.
-        check_ibv(unsafe { ffi::ibv_query_device(self.as_raw(), &mut a) }, "ibv_query_device")?;
+        // SAFETY: ibv_device_attr_ex is plain old data; all-zero is a valid value (and what the
+        // extended fields stay when the provider answers only the basic query).
+        let mut x: ffi::ibv_device_attr_ex = unsafe { mem::zeroed() };
+        // SAFETY: context open; no input (NULL, as the header allows); `x` is a valid
+        // out-pointer of the type whose size rdma-sys's inline passes to the provider. A
+        // provider without the extended query gets the basic one, into `orig_attr`.
+        let ret = unsafe { ffi::ibv_query_device_ex(self.as_raw(), std::ptr::null(), &mut x) };
+        check_ibv(ret, "ibv_query_device_ex")?;
+        let a = &x.orig_attr;
         Ok(DeviceLimits {
             max_qp_wr: a.max_qp_wr.max(0) as u32,
             max_sge: a.max_sge.max(0) as u32,
@@ -271,6 +281,7 @@ impl VerbsContext {
             max_srq_wr: a.max_srq_wr.max(0) as u32,
             max_srq_sge: a.max_srq_sge.max(0) as u32,
             max_sge_rd: a.max_sge_rd.max(0) as u32,
+            odp: OdpCaps::from_attr(&x),
         })
     }
 

@@ -145,6 +145,7 @@ pub mod lane;
 pub(crate) mod link;
 pub mod mr;
 pub mod mw;
+pub mod odp;
 pub mod pd;
 pub mod peer;
 pub mod port;

@@ -87,6 +87,9 @@ bitflags! {
         const REMOTE_ATOMIC = 1 << 3;
         /// Memory-window binding is allowed.
         const MW_BIND = 1 << 4;
+        /// On-demand paging: the pages are not pinned; the device faults them in at first touch
+        /// (see [`crate::verbs::odp`]). Refused where the device has no ODP.
+        const ON_DEMAND = 1 << 6;
         /// Relaxed ordering of PCI writes.
         const RELAXED_ORDERING = 1 << 20;
     }
@@ -395,6 +398,9 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument(format!(
                 "{owner_type} of 0 bytes cannot be registered (it is empty, or its elements are zero-sized)"
             )));
+        }
+        if access.contains(AccessFlags::ON_DEMAND) {
+            crate::verbs::odp::check_registration(pd, access, false)?;
         }
         if let Some(iova) = iova {
             if iova.checked_add(len as u64).is_none() {
