@@ -525,10 +525,7 @@ fn bad_rkey_write_fails_the_writer_and_marks_no_other_object() {
     assert_eq!(wc.wr_id(), 9, "{wc:?}");
     let e = if common::caps::iwarp_context(&ctx) {
         assert!(wc.is_ok(), "on iWARP the write completes at the writer (TCP took it): {wc:?}");
-        assert!(
-            c.lane.wait_peer_left(c.qp, T).unwrap(),
-            "the writer's connection was not torn down within {T:?}"
-        );
+        assert!(c.lane.wait_peer_left(c.qp, T).unwrap(), "the writer's connection was not torn down within {T:?}");
         "write completed (SUCCESS), then the connection was torn down".to_string()
     } else {
         let e = wc.error().expect("the write fails at the writer");

@@ -12,8 +12,8 @@ use common::lane::{lane_on, reap};
 use common::{pattern, require, Cap, DeviceTest, T};
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{
-    AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, ProtectionDomain, QpInit, UdClient,
-    UdDest, UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
+    AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest,
+    UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
 };
 
 /// A UD server on `port` in a thread: accepts one request, attaches its endpoint to a lane of
