@@ -311,9 +311,10 @@ fn user_qp_connects_through_the_event_loop_steps() {
 /// RESET for adoption refuses the verbs-only connect, naming why.
 // needs: a way to hand a lane an `UnconnectedQp` still in INIT, before any id exists (say
 // `Lane::attach` of an `UnconnectedQp`, with `RouteResolved::adopt_qp` taking its `LaneQp`),
-// or `ClientQp::into_lane` taking a QP with receives posted on its own path: the receive this
-// test posts before the id exists, and the RESET QP's refusal of one, are posts on the QP's
-// own path (`UnconnectedQp::post_recv`), the convenient path, which the lane has no way to make.
+// or `ClientQp::into_lane` taking a QP with receives posted on its own path: the client's
+// receive posted before the id exists, its completion, and the RESET QP's refusal of one, are
+// the QP's own path (`UnconnectedQp::post_recv`, `QueuePair::wait_for`), the convenient path,
+// which the lane has no way to make. The server's side is on a lane.
 #[test]
 fn an_unconnected_qp_in_init_is_adopted_with_its_receives() {
     let t = DeviceTest::start();
@@ -325,13 +326,15 @@ fn an_unconnected_qp_in_init_is_adopted_with_its_receives() {
     let srv = thread::spawn(move || {
         let req = listener.get_request(T).unwrap();
         let pd = req.alloc_pd().unwrap();
+        let mut lane = Lane::new(&req.context().unwrap(), 64).unwrap();
         let mut mr = MemoryRegion::new(&pd, 256, AccessFlags::LOCAL_WRITE).unwrap();
-        let q = req.create_qp(&pd, QpInit::new()).unwrap();
-        let mut conn = q.accept(&ConnParam::new(), T).expect("server: accept");
+        let q = req.create_qp(&pd, lane.qp_init()).unwrap();
+        let conn = q.accept(&ConnParam::new(), T).expect("server: accept");
+        let qp = lane.attach(conn).map_err(|r| r.into_parts().0).expect("server: attach");
         mr.as_mut_slice().unwrap()[..200].copy_from_slice(&pattern(200, 5));
-        conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&mr, 0..200).wr_id(7)]).unwrap();
-        conn.qp_mut().wait_for(WorkQueue::Send, 7, T).expect("server: send");
-        conn.disconnect(T).expect("server: disconnect");
+        lane.post_send(qp, SendWr::send(mr, 0..200).wr_id(7)).unwrap();
+        assert_eq!(next_ok(&mut lane, "server: send").wr_id(), 7);
+        lane.disconnect(qp, T).expect("server: disconnect");
     });
     let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
     let ctx = route.context().unwrap();
