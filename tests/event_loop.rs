@@ -383,8 +383,8 @@ fn event_loop_steps_hand_their_state_back() {
         assert_eq!(&done[0].take_region().unwrap().as_slice().unwrap()[..4], b"ping");
         assert_eq!((done[1].wr_id(), done[1].qp()), (20 + k as u64, Some(*c)));
     }
-    for (s, _, _) in &sv {
-        lane.remove(*s).unwrap();
+    for (s, _, _) in sv {
+        lane.remove(s).unwrap();
     }
     drop((server_pds, stale));
     for (c, _, _) in cl {
