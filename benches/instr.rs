@@ -59,7 +59,7 @@ use rdma_cm::{
 const VARIANTS: &str =
     "send-raw, send-queue, send-crate, write-raw, write-queue, write-crate, write4-raw, write4-queue, \
      write4-crate, fadd-raw, fadd-queue, fadd-crate, ud-raw, ud-queue, ud-crate, batch-raw, batch-queue, batch-crate, \
-     xwrite-raw, xwrite-queue, send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
+     send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
      batch4-raw, batch4-prep, fbatch-raw, fbatch-prep, ubatch-raw, ubatch-prep";
 
 /// How long the loop lets the device work before it polls (not counted).
@@ -256,9 +256,6 @@ fn main() {
         return;
     };
     let n: u64 = args.get(1).map(|s| s.parse().expect("N: a number")).unwrap_or(2000);
-    if variant.starts_with('x') {
-        return extended::main(variant, n);
-    }
     if let Some(run) = lane_bench::runner(variant) {
         run(n);
         return;
@@ -1073,137 +1070,5 @@ mod lane_bench {
                 got == BATCH
             });
         });
-    }
-}
-
-/// The extended verbs' rows: `xwrite-raw`, `xwrite-queue` post one RDMA WRITE as a
-/// batch of one (`ibv_wr_start`, `ibv_wr_rdma_write`, `ibv_wr_set_sge`, `ibv_wr_complete`; the
-/// convenient path: `start_batch`, `add`, `complete`) on a QP made by `ibv_create_qp_ex`, and poll its
-/// completion through `ibv_start_poll`/`ibv_end_poll` on a CQ made by `ibv_create_cq_ex` (the
-/// convenient path: `CompletionQueue::poll_extended`). The raw poll reads what a user of the extended
-/// API needs at least (status, `wr_id`, QP number, length); the convenient path's reads every field of a
-/// `WorkCompletion`. The pair is verbs-only (`UnconnectedQp`), so that the CQ can be made
-/// extended before the QP.
-mod extended {
-    use std::net::IpAddr;
-    use std::sync::Arc;
-
-    use rdma_cm::ffi;
-    use rdma_cm::{
-        AccessFlags, CompletionQueue, ExtendedCompletion, GidType, MemoryRegion, ProtectionDomain, QpInit, QueuePair,
-        RcParams, RemoteRegion, SendWr, UnconnectedQp, VerbsContext,
-    };
-
-    use super::{callgrind_zero_stats, settle_and_poll};
-
-    /// Raw: one signaled RDMA WRITE of `mr[0..len]` to the start of `remote`, as a batch of one.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_xraw_post_write(qp: &QueuePair, mr: &MemoryRegion, len: u32, remote: &RemoteRegion) {
-        // SAFETY: the QP was made extended (QpInit::extended), so it has an ibv_qp_ex whose
-        // calls are set; no batch is open on it; the region outlives the completion, which the
-        // loop reaps before the next post; the WRITE's wr_id (0) is not the crate's tag.
-        unsafe {
-            let x = ffi::ibv_qp_to_qp_ex(qp.as_raw());
-            ffi::ibv_wr_start(x);
-            (*x).wr_id = 0;
-            (*x).wr_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            ffi::ibv_wr_rdma_write(x, remote.rkey, remote.addr);
-            ffi::ibv_wr_set_sge(x, mr.lkey(), mr.addr(), len);
-            assert_eq!(ffi::ibv_wr_complete(x), 0);
-        }
-    }
-
-    /// Raw: one extended poll section for one completion; whether it found one (a success).
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_xraw_poll(cq: &CompletionQueue) -> bool {
-        let x = cq.as_raw().cast::<ffi::ibv_cq_ex>();
-        let mut attr = ffi::ibv_poll_cq_attr { comp_mask: 0 };
-        // SAFETY: the CQ was made by ibv_create_cq_ex (an ibv_cq_ex begins with its ibv_cq),
-        // with the standard fields; nothing else polls it; the section is closed below.
-        unsafe {
-            let r = ffi::ibv_start_poll(x, &mut attr);
-            if r == libc::ENOENT {
-                return false;
-            }
-            assert_eq!(r, 0, "ibv_start_poll");
-            assert_eq!((*x).status, ffi::ibv_wc_status::IBV_WC_SUCCESS);
-            std::hint::black_box(((*x).wr_id, ffi::ibv_wc_read_qp_num(x), ffi::ibv_wc_read_byte_len(x)));
-            ffi::ibv_end_poll(x);
-        }
-        true
-    }
-
-    /// The crate: one RDMA WRITE of `mr[0..len]` to the start of `remote`, as a batch of one.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_xqueue_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
-        let mut batch = qp.start_batch().unwrap();
-        batch.add(&SendWr::write(mr, 0..len, remote, 0).unwrap()).unwrap();
-        batch.complete().unwrap();
-    }
-
-    /// The crate: one extended poll for one entry; whether it found one (a success).
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_xqueue_poll(cq: &CompletionQueue, out: &mut [ExtendedCompletion; 1]) -> bool {
-        let n = cq.poll_extended(out).unwrap();
-        if n == 1 {
-            assert!(out[0].is_ok(), "{:?}", out[0]);
-        }
-        n == 1
-    }
-
-    /// The RoCE v2 GID index of the device's IPv4 address.
-    fn gid_index(ctx: &VerbsContext, addr: IpAddr) -> u8 {
-        let e = ctx
-            .gid_table(1)
-            .expect("gid table")
-            .into_iter()
-            .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == GidType::RoceV2)
-            .expect("a RoCE v2 GID of the device's address");
-        u8::try_from(e.index).expect("a GID index under 256")
-    }
-
-    pub fn main(variant: &str, n: u64) {
-        let name = rdma_cm::devices().expect("devices").into_iter().next().expect("a device").name;
-        let ctx = VerbsContext::open(&name).expect("open the device");
-        let gidx = gid_index(&ctx, super::common::device_addr());
-        let pd = ProtectionDomain::new(&ctx).unwrap();
-        let cq = CompletionQueue::new_extended(&ctx, 64, false).expect("an extended CQ");
-        let init = QpInit::new().extended().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
-        let params = RcParams::new().gid_index(gidx);
-        let a = UnconnectedQp::new(&pd, init, params.clone()).expect("an extended QP");
-        let b = UnconnectedQp::new(&pd, QpInit::new(), params).unwrap();
-        let (ia, ib) = (a.local(), b.local());
-        let (mut a, _b) = (a.connect(&ib).unwrap(), b.connect(&ia).unwrap());
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let (mr, target) =
-            (MemoryRegion::new(&pd, 8192, access).unwrap(), MemoryRegion::new(&pd, 8192, access).unwrap());
-        let remote = target.remote();
-        const LEN: u32 = 64;
-        let mut out = [ExtendedCompletion::default(); 1];
-        let mut once = |empties: &mut u64| match variant {
-            "xwrite-raw" => {
-                instr_xraw_post_write(&a, &mr, LEN, &remote);
-                settle_and_poll(empties, || instr_xraw_poll(&cq));
-            }
-            "xwrite-queue" => {
-                instr_xqueue_post_write(&mut a, &mr, LEN as usize, &remote);
-                settle_and_poll(empties, || instr_xqueue_poll(&cq, &mut out));
-            }
-            other => panic!("unknown variant {other:?}: {}", super::VARIANTS),
-        };
-        let mut warm = 0;
-        for _ in 0..200 {
-            once(&mut warm);
-        }
-        let mut empties = 0;
-        callgrind_zero_stats();
-        for _ in 0..n {
-            once(&mut empties);
-        }
-        println!("instr: variant {variant} iterations {n} empty_polls {empties}");
     }
 }

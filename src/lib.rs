@@ -156,7 +156,6 @@ pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEven
 pub use verbs::buffer::{Mapping, StableBuffer, HUGE_PAGE_SIZE};
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
-pub use verbs::extended::{ExtendedCompletion, SendOps};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, IntoBufferError, MemoryRegion, RemoteRegion};
@@ -164,7 +163,7 @@ pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
 pub use verbs::pd::ProtectionDomain;
 pub use verbs::peer::PeerInfo;
 pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
-pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp, WrBatch};
+pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp};
 pub use verbs::qp_attr::{QpAttributes, QpState};
 pub use verbs::srq::SharedReceiveQueue;
 pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};

@@ -9,16 +9,17 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::{CompletionQueue, EventChannel, Readiness, WorkCompletion};
+//! use rdma_cm::{EventChannel, Readiness};
+//! use rdma_cm::verbs::lane::Lane;
 //!
 //! #[derive(Clone, Copy, PartialEq, Debug)]
-//! enum Source { Cm, Cq, Stdin }
+//! enum Source { Cm, Lane, Stdin }
 //!
-//! # fn f(ch: &EventChannel, cq: &CompletionQueue) -> rdma_cm::Result<()> {
+//! # fn f(ch: &EventChannel, lane: &mut Lane) -> rdma_cm::Result<()> {
 //! let stdin = std::io::stdin();
-//! let mut ready = Readiness::new().channel(ch, Source::Cm).cq(cq, Source::Cq).fd(&stdin, Source::Stdin);
-//! let mut wcs = [WorkCompletion::default(); 16];
-//! cq.req_notify(false)?; // a CQ reports a completion only once armed
+//! let cq = lane.cq();
+//! let mut ready = Readiness::new().channel(ch, Source::Cm).cq(&cq, Source::Lane).fd(&stdin, Source::Stdin);
+//! lane.arm()?; // a CQ reports a completion only once armed
 //! loop {
 //!     for source in ready.wait(Duration::from_secs(1))? {
 //!         match source {
@@ -27,13 +28,10 @@
 //!                     println!("{:?}", ev.event_type()); // or hand it to its connection
 //!                 }
 //!             }
-//!             Source::Cq => {
-//!                 cq.drain_events()?;     // read (and batch-ack) the channel's events
-//!                 cq.req_notify(false)?;  // re-arm before polling, so nothing is missed
-//!                 loop {
-//!                     let n = cq.poll(&mut wcs)?;
-//!                     for wc in &wcs[..n] { println!("{:?}", wc.status()); }
-//!                     if n < wcs.len() { break; }
+//!             Source::Lane => {
+//!                 lane.arm()?; // read the event and re-arm before polling, so nothing is missed
+//!                 while let Some(c) = lane.poll()? {
+//!                     println!("{:?}", c.status()); // and take its region back
 //!                 }
 //!             }
 //!             Source::Stdin => return Ok(()),
@@ -52,12 +50,12 @@
 //!   is also reported ready, without waiting, when the crate's own targeted waits kept events on
 //!   it that an untargeted read would return: those are no longer in the kernel's queue, so
 //!   `poll(2)` alone would not see them.
-//! - a [`CompletionQueue`]: ready when its completion channel has an event, that is, only after
-//!   [`CompletionQueue::req_notify`] armed it and a completion arrived. Arm it before the first
-//!   wait; when it is ready, [`CompletionQueue::drain_events`], re-arm, then
-//!   [`CompletionQueue::poll`] until it returns fewer than asked (a completion that arrives
-//!   between the drain and the re-arm would otherwise wait for the next one). A CQ is also
-//!   reported ready, without waiting, when a QP's own poll kept completions for the CQ's poll.
+//! - a [`CompletionQueue`], such as a lane's ([`Lane::cq`](crate::verbs::lane::Lane::cq)):
+//!   ready when its completion channel has an event, that is, only after it was armed and a
+//!   completion arrived. For a lane: [`Lane::arm`](crate::verbs::lane::Lane::arm) before the
+//!   first wait; when it is ready, `arm` again, then [`Lane::poll`](crate::verbs::lane::Lane::poll)
+//!   until it returns `None` (a completion that arrives between the event and the re-arm would
+//!   otherwise wait for the next one).
 //! - an [`AsyncEvents`] source: call [`AsyncEvents::try_next`] until it returns `None`.
 //! - a descriptor of the caller's ([`Readiness::fd`], [`Readiness::fd_writable`]): as `poll(2)`
 //!   reports it. A hang-up or an error on it counts as ready, so the read that follows sees it.

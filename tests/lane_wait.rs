@@ -334,3 +334,49 @@ fn the_async_wait_is_send(lane: &mut Lane) {
     send(&lane.wait_async(T));
     send(&lane.wait_async_with(4, T, |_, _| {}));
 }
+
+/// A lane in a caller's own loop: its CQ in a `Readiness` set is not ready before it is armed
+/// (even with a completion in it), becomes ready at the completion that comes after
+/// `Lane::arm`, and once armed and polled empty it is quiet again. Nothing is lost: the
+/// completion that came before the arming is found by the poll after it.
+#[test]
+fn an_armed_lane_in_a_readiness_set_is_ready_at_its_next_completion_and_loses_none() {
+    let t = DeviceTest::start();
+    {
+        let (mut a, mut b) = lane_pair(t.addr, plain(), plain(), 64);
+        let cq = b.lane.cq();
+        let mut ready = rdma_cm::Readiness::new().cq(&cq, "lane");
+        // Before any arming: a completion in the CQ makes nothing ready.
+        for k in 0..2u64 {
+            b.lane.post_recv(b.qp, RecvWr::new(b.mrs.remove(0)).wr_id(10 + k)).unwrap();
+        }
+        let mut msgs = (a.mrs.remove(0), a.mrs.remove(0));
+        msgs.0.write_at(0, &pattern(64, 1)).unwrap();
+        msgs.1.write_at(0, &pattern(64, 2)).unwrap();
+        a.lane.post_send(a.qp, SendWr::send(msgs.0, 0..64).wr_id(1)).unwrap();
+        let sent = a.lane.wait(T).unwrap();
+        assert!(sent.is_ok(), "{sent:?}");
+        assert_eq!(ready.wait(Duration::ZERO).unwrap().count(), 0, "ready before the CQ was armed");
+        // Arm, then poll: the completion from before the arming is there.
+        b.lane.arm().unwrap();
+        let mut first = b.lane.poll().unwrap().expect("the completion that came before the arming");
+        assert_eq!((first.wr_id(), first.byte_len()), (10, 64));
+        assert_eq!(&first.take_region().unwrap().as_slice().unwrap()[..64], &pattern(64, 1)[..]);
+        assert!(b.lane.poll().unwrap().is_none());
+        assert_eq!(ready.wait(Duration::ZERO).unwrap().count(), 0, "ready with nothing new");
+        // The next completion makes it ready.
+        a.lane.post_send(a.qp, SendWr::send(msgs.1, 0..64).wr_id(2)).unwrap();
+        let woke: Vec<_> = ready.wait(T).unwrap().collect();
+        assert_eq!(woke, ["lane"], "the completion after the arming makes the lane's CQ ready");
+        b.lane.arm().unwrap();
+        let mut second = b.lane.poll().unwrap().expect("the completion that made it ready");
+        assert_eq!((second.wr_id(), second.byte_len()), (11, 64));
+        assert_eq!(&second.take_region().unwrap().as_slice().unwrap()[..64], &pattern(64, 2)[..]);
+        assert!(b.lane.poll().unwrap().is_none());
+        assert_eq!(ready.wait(Duration::ZERO).unwrap().count(), 0, "quiet once armed and drained");
+        assert!(a.lane.wait(T).unwrap().is_ok());
+        drop(ready);
+        drop((cq, a, b));
+    }
+    t.finish();
+}

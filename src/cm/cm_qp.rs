@@ -83,7 +83,6 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
         )));
     }
     let block_self_mcast_lb = init.block_self_mcast_lb;
-    let ops = init.send_ops;
     QueuePair::create(
         pd,
         init,
@@ -92,8 +91,6 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
             let _lock = id.channel().lock();
             if block_self_mcast_lb {
                 create_qp_blocking_loopback(id, pd, attr)?;
-            } else if !ops.is_empty() {
-                create_qp_extended(id, pd, attr, ops)?;
             } else {
                 crate::error::clear_errno();
                 // SAFETY: id, PD and CQs are valid and on one device context (checked above and
@@ -108,28 +105,6 @@ pub(crate) fn create_qp_on(id: &Arc<CmId>, pd: &Arc<ProtectionDomain>, init: QpI
         },
         Some(Arc::new(CmLink(Arc::clone(id))) as Arc<dyn Link>),
     )
-}
-
-/// Creates the id's QP through `rdma_create_qp_ex` for the extended send path (`ops`; see
-/// `crate::verbs::extended`). Called with the id's channel lock held.
-fn create_qp_extended(
-    id: &CmId,
-    pd: &ProtectionDomain,
-    attr: &mut ffi::ibv_qp_init_attr,
-    ops: crate::verbs::extended::SendOps,
-) -> Result<()> {
-    let mut ex = crate::verbs::extended::qp_init_attr_ex(attr, pd, ops);
-    crate::error::clear_errno();
-    // SAFETY: the id, PD and CQs are valid and on one device context (the caller checked);
-    // `ex` is fully initialised and only read during the call; the caller holds the id's
-    // channel lock, so no event processing reads id->qp meanwhile.
-    if unsafe { ffi::rdma_create_qp_ex(id.as_raw(), &mut ex) } != 0 {
-        let device = pd.context().device_name();
-        return Err(crate::verbs::extended::refused("rdma_create_qp_ex", errno(), &device, ops));
-    }
-    // librdmacm's rdma_create_qp_ex copied the capabilities it got back into `ex`.
-    attr.cap = ex.cap;
-    Ok(())
 }
 
 /// Creates the id's QP through `rdma_create_qp_ex` with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`.

@@ -54,9 +54,6 @@ pub struct CompletionQueue {
     /// Grows (`ibv_resize_cq`) when a queue joining it would otherwise be refused.
     auto_grow: AtomicBool,
     router: Mutex<Router>,
-    /// The CQ as `ibv_cq_ex`, when it was made by `ibv_create_cq_ex`, and the fields its
-    /// completions carry (`ibv_create_cq_wc_flags`): see [`crate::verbs::extended`].
-    ex: Option<(NonNull<ffi::ibv_cq_ex>, u64)>,
     /// Whether the channel's descriptor was made non-blocking (done at first use, to keep two
     /// syscalls off CQ creation).
     nonblocking: AtomicBool,
@@ -74,7 +71,7 @@ pub struct CompletionQueue {
 }
 
 // SAFETY: CQ verbs (poll, req_notify, get/ack events, destroy) are thread-safe in libibverbs;
-// the extended poll (start/next/end) runs only under the routing table's lock; the counters are
+// the counters are
 // atomics, and destruction happens once, in Drop, with no other reference.
 unsafe impl Send for CompletionQueue {}
 // SAFETY: see the Send impl.
@@ -103,17 +100,15 @@ impl CompletionQueue {
                 return Err(e);
             }
         };
-        Ok(Arc::new(CompletionQueue::from_parts(ctx, raw, channel, depth, None)))
+        Ok(Arc::new(CompletionQueue::from_parts(ctx, raw, channel, depth)))
     }
 
-    /// The value owning a CQ just created as `raw` on `channel` (`ex`: made by
-    /// `ibv_create_cq_ex`, with the fields its completions carry).
+    /// The value owning a CQ just created as `raw` on `channel`.
     pub(crate) fn from_parts(
         ctx: &VerbsContext,
         raw: NonNull<ffi::ibv_cq>,
         channel: NonNull<ffi::ibv_comp_channel>,
         depth: u32,
-        ex: Option<(NonNull<ffi::ibv_cq_ex>, u64)>,
     ) -> CompletionQueue {
         CompletionQueue {
             raw,
@@ -121,7 +116,6 @@ impl CompletionQueue {
             depth: AtomicU32::new(depth),
             auto_grow: AtomicBool::new(false),
             router: Mutex::new(Router::default()),
-            ex,
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
             async_reg: crate::verbs::hub::Registration::new(
@@ -134,12 +128,6 @@ impl CompletionQueue {
             exclusive: false,
             ctx: ctx.clone(),
         }
-    }
-
-    /// The CQ as `ibv_cq_ex` and the fields its completions carry, when it was made by
-    /// [`CompletionQueue::new_extended`].
-    pub(crate) fn extended(&self) -> Option<(NonNull<ffi::ibv_cq_ex>, u64)> {
-        self.ex
     }
 
     /// A CQ for a [`Lane`](crate::verbs::lane::Lane): as [`CompletionQueue::new`], and every

@@ -139,7 +139,6 @@ pub mod buffer;
 pub mod cq;
 pub mod device;
 pub mod diagnostics;
-pub mod extended;
 pub mod fork;
 pub(crate) mod hub;
 pub mod lane;

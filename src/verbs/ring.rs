@@ -251,14 +251,6 @@ impl<H> Ring<H> {
         self.tail += staged;
         self.skip_void();
     }
-    /// Voids the last `n` committed work requests (an aborted batch's), releasing their holds.
-    pub(crate) fn revoke_last(&mut self, n: u64) {
-        for seq in self.tail - n.min(self.tail - self.head)..self.tail {
-            drop(self.take(seq));
-            self.slot(seq).void = true;
-        }
-        self.skip_void();
-    }
     /// Retires void slots at the head: nothing before them is outstanding any more.
     #[inline(always)]
     fn skip_void(&mut self) {

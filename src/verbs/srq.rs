@@ -21,7 +21,7 @@
 //! completion names its slot and which posting of that slot it is (the slot's count of
 //! postings, 29 bits of it, in its `wr_id`), and retires that slot only while that same posting
 //! is outstanding. A completion handed out again (a device that replays a lap of its CQ, as
-//! rdma-core 44's Soft-RoCE extended poll could) names an earlier posting of its slot and
+//! rdma-core 44's Soft-RoCE does after an extended poll's end) names an earlier posting of its slot and
 //! retires nothing: it would have to be 2^29 postings of that one slot old to match, and a CQ
 //! holds far fewer completions than that. The table is allocated once, at creation; posting and retiring allocate nothing.
 //!

@@ -107,6 +107,13 @@
 //! or at once when the device reports it with a fatal event, as `IBV_EVENT_QP_FATAL`), and
 //! with [`Error::AsyncEvent`] once the CQ overran or the device failed.
 //!
+//! A thread that waits on other things too (CM events, sockets, several lanes) waits on the
+//! lane's CQ in its own loop instead: [`Lane::cq`] goes into a
+//! [`Readiness`](crate::Readiness) set (or any `poll(2)`/`epoll` loop, by its descriptor), and
+//! [`Lane::arm`] makes it readable at the next completion. Arm, poll until [`Lane::poll`]
+//! returns `None`, wait, and when it is ready arm and poll again: a completion that came
+//! before the arming raises no event, and the poll after it finds that one.
+//!
 //! # Why it is sound
 //!
 //! - **The device never writes memory Rust code can reach.** While a work request is posted,
@@ -582,9 +589,7 @@ impl Lane {
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
     /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
-    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), has work outstanding on its convenient path, or had a
-    /// [`WrBatch`](crate::WrBatch) leaked while open (the provider's send queue may be locked
-    /// for good).
+    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), or has work outstanding on its convenient path.
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
         match self.check_attach(owner.lane_qp()).and_then(|()| self.make_room()) {
             Ok(()) => {}
@@ -613,13 +618,6 @@ impl Lane {
             return Err(Error::InvalidArgument(
                 "attach: the QP takes its receives from an SRQ that is not this lane's: make it with \
                  Lane::srq_qp_init of a Lane::create_srq"
-                    .into(),
-            ));
-        }
-        if qp.batch_leaked() {
-            return Err(Error::InvalidArgument(
-                "attach: a WrBatch of this QP was leaked (mem::forget) before complete() or its drop: the provider's \
-                 send queue may still be locked by it, so a post through the lane would wait for ever"
                     .into(),
             ));
         }

@@ -13,11 +13,13 @@
 //! no event a wait sleeps for can be taken from it.
 
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 
 use super::wr::qp_in_error;
 use super::{Completion, Fault, Lane, Wc};
 use crate::error::Error;
 use crate::error::Result;
+use crate::verbs::cq::CompletionQueue;
 use crate::verbs::mr::MemoryRegion;
 use crate::wait::{poll_readable, pollfd, Deadline};
 use std::time::Duration;
@@ -111,6 +113,47 @@ impl Lane {
             return Ok(n);
         }
         self.spin_until_some(max, timeout, &mut f)
+    }
+
+    /// The lane's completion queue, to wait on beside other sources: put it in a
+    /// [`Readiness`](crate::Readiness) set ([`Readiness::cq`](crate::Readiness::cq)). Its
+    /// descriptor is readable once [`Lane::arm`] armed it and a completion came. The lane
+    /// stays the CQ's only reader: the CQ's own polls and event reads refuse a lane's CQ, so
+    /// this handle can only be waited on.
+    pub fn cq(&self) -> Arc<CompletionQueue> {
+        Arc::clone(&self.cq)
+    }
+
+    /// Makes the lane's CQ descriptor ([`Lane::cq`]) readable at the next completion, for a
+    /// loop that waits on it itself: reads (and acknowledges) the events that made it
+    /// readable, then arms the CQ (`ibv_req_notify_cq`). Poll until [`Lane::poll`] returns
+    /// `None` after arming and before waiting: a completion that came before the arming
+    /// raised no event, and only a poll finds it.
+    ///
+    /// ```no_run
+    /// # fn f(lane: &mut rdma_cm::verbs::lane::Lane, ch: &rdma_cm::EventChannel) -> rdma_cm::Result<()> {
+    /// use std::time::Duration;
+    /// let cq = lane.cq();
+    /// let mut ready = rdma_cm::Readiness::new().cq(&cq, "lane").channel(ch, "cm");
+    /// loop {
+    ///     lane.arm()?;
+    ///     while let Some(c) = lane.poll()? {
+    ///         println!("{:?} {}", c.status(), c.wr_id()); // and take its region back
+    ///     }
+    ///     for source in ready.wait(Duration::from_secs(1))? {
+    ///         if source == "cm" {
+    ///             while let Some(ev) = ch.try_get_event()? { println!("{:?}", ev.event_type()); }
+    ///         }
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Call`] when reading the channel or arming the CQ fails.
+    pub fn arm(&mut self) -> Result<()> {
+        self.cq.drain_channel()?;
+        self.cq.arm_exclusive()
     }
 
     /// [`Lane::wait`] for async code: sleeps on the CQ's completion channel through tokio's

@@ -285,14 +285,10 @@ impl UnconnectedQp {
         }
         let mut init = init;
         init.datagrams = false;
-        let ops = init.send_ops;
         let qp = QueuePair::create(
             pd,
             init,
             |attr| {
-                if !ops.is_empty() {
-                    return crate::verbs::extended::create_qp_ex(pd, attr, ops);
-                }
                 // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
                 // QueuePair::create); attr is fully initialised.
                 check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")
@@ -313,8 +309,7 @@ impl UnconnectedQp {
         Ok(UnconnectedQp { qp, params, local, link_layer: port.link_layer, reset: false })
     }
 
-    /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`, or
-    /// `ibv_create_qp_ex` for the extended send path of [`QpInit::extended_ops`]; its CQs are
+    /// Creates an RC QP on `pd` with `init`'s capabilities (`ibv_create_qp`; its CQs are
     /// made on the PD's context unless `init` names them) and leaves it in RESET, for a
     /// connection-manager id to adopt (`RouteResolved::adopt_qp`, `ConnectRequest::adopt_qp`),
     /// which moves it to INIT with the CM's port, P_Key and access rights. This is `rping -q`'s
@@ -326,21 +321,14 @@ impl UnconnectedQp {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for empty queues, or CQs or an SRQ of another device or PD;
-    /// [`Error::Call`] when `ibv_create_qp` fails (with the device-limits hint);
-    /// [`Error::Unsupported`] when the provider has no extended QP for the operations asked.
+    /// [`Error::Call`] when `ibv_create_qp` fails (with the device-limits hint).
     pub fn new_reset(pd: &Arc<ProtectionDomain>, init: QpInit) -> Result<UnconnectedQp> {
         let mut init = init;
         init.datagrams = false;
-        let ops = init.send_ops;
         let qp = QueuePair::create(
             pd,
             init,
             |attr| {
-                // The extended send path, when asked for (`QpInit::extended_ops`), as `new`
-                // makes it: the QP is created once, so the choice is made here.
-                if !ops.is_empty() {
-                    return crate::verbs::extended::create_qp_ex(pd, attr, ops);
-                }
                 // SAFETY: the PD and the CQs in `attr` are valid and on one context (checked by
                 // QueuePair::create); attr is fully initialised.
                 check_ptr(unsafe { ffi::ibv_create_qp(pd.as_raw(), attr) }, "ibv_create_qp")

@@ -83,13 +83,11 @@ use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
 use crate::wait::lock;
 
-mod batch;
 pub mod connect;
 mod post;
 mod wait;
 mod window;
 
-pub use batch::WrBatch;
 pub use connect::{RcParams, UnconnectedQp};
 
 /// How long Drop waits for flushed completions before destroying the QP anyway.
@@ -113,8 +111,6 @@ pub struct QpInit {
     /// Create the QP with `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB` (set by the multicast layer
     /// only): it does not receive the multicast datagrams it sends itself.
     pub(crate) block_self_mcast_lb: bool,
-    /// `ibv_create_qp_ex`'s `send_ops_flags` ([`QpInit::extended`]); empty for a classic QP.
-    pub(crate) send_ops: crate::verbs::extended::SendOps,
 }
 
 impl Default for QpInit {
@@ -130,7 +126,6 @@ impl Default for QpInit {
             srq: None,
             datagrams: false,
             block_self_mcast_lb: false,
-            send_ops: crate::verbs::extended::SendOps::empty(),
         }
     }
 }
@@ -233,8 +228,6 @@ pub struct QueuePair {
     connected: bool,
     /// A UD QP: its sends are datagrams, each naming an address handle.
     datagrams: bool,
-    /// The extended send path (`ibv_qp_ex`), when the QP was created for it.
-    ex: Option<batch::Extended>,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
     /// The caller moved the QP to the error state ([`QueuePair::set_error`]): nothing posted
@@ -378,7 +371,6 @@ impl QueuePair {
                 return Err(e);
             }
         };
-        let ex = batch::Extended::of(raw, init.send_ops);
         // SAFETY: raw is a valid QP; qp_num is immutable.
         let qp_num = unsafe { (*raw.as_ptr()).qp_num };
         // The QP takes what was asked, or less if the provider says so (it may allow more: the
@@ -449,7 +441,6 @@ impl QueuePair {
             // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
             connected: init.datagrams,
             datagrams: init.datagrams,
-            ex,
             peer_left: false,
             errored: false,
             closing: false,
@@ -729,7 +720,6 @@ impl QueuePair {
             fenced: self.fenced,
             connected: self.connected,
             datagrams: self.datagrams,
-            ex: self.ex,
             peer_left: self.peer_left,
             errored: self.errored,
             closing: self.closing,

@@ -51,8 +51,7 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Checks one send-queue work request as every post does (the classic list and the
-    /// extended batch alike): its kind against the QP's, inline data against the QP's limit,
+    /// Checks one send-queue work request as every post does: its kind against the QP's, inline data against the QP's limit,
     /// every piece against its region (PD, bounds, `LOCAL_WRITE` where the device writes it),
     /// and immediate data only where the operation carries it.
     #[inline(always)]
@@ -140,9 +139,6 @@ impl QueuePair {
         }
         if self.fenced {
             return Err(fenced(op));
-        }
-        if self.ex.is_some_and(|e| e.open) {
-            return Err(super::batch::leaked(op));
         }
         Ok(())
     }
