@@ -684,8 +684,9 @@ fn connect_nobody_answers_returns_at_its_timeout_and_the_teardown_is_bounded() {
     let e = client.connect(&mut lane, &ConnParam::new(), bound).expect_err("nobody answers there");
     let took = start.elapsed();
     assert!(matches!(e, Error::Timeout { op: "rdma_connect", .. }), "{e:?}");
-    // The bound and 1 s of slack; a doubled wait (6 s) exceeds it.
-    assert!(took < bound + std::time::Duration::from_secs(1), "connect returned after {took:?} (bound {bound:?}): {e}");
+    // The bound and 3 s of slack, as for the convenient path's twin (measured 4.97 s on a loaded
+    // host); a doubled wait (6 s) exceeds it.
+    assert!(took < bound + std::time::Duration::from_secs(3), "connect returned after {took:?} (bound {bound:?}): {e}");
     eprintln!("measured: connect returned after {took:?} with a {bound:?} bound");
     // The failed connect left the QP on the lane, in ERR, refusing posts.
     let refused = lane.post_recv(qp, RecvWr::new(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap()));
