@@ -6,51 +6,82 @@ mod common;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::thread;
 
+use common::lane::{lane_on, reap};
 use common::{pattern, require, Cap, DeviceTest, T};
+use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{
-    AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, QpInit, RecvWr, UdClient, UdDest,
-    UdEndpoint, UdSendWr, UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
+    AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest,
+    UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
 };
 
-/// A UD server on `port` in a thread: accepts one request, receives `count` datagrams of up
-/// to `size` bytes, and echoes each back to its sender (address handle made from the
+/// A UD server on `port` in a thread: accepts one request, attaches its endpoint to a lane of
+/// its own, posts `count` receives of up to `size` bytes (then says so on `posted`), receives
+/// `count` datagrams, and echoes each back to its sender (address handle made from the
 /// datagram). Sends on `ready` once it listens; returns what it received.
-fn echo_server(addr: IpAddr, port: u16, size: usize, count: usize, ready: mpsc::Sender<()>) -> Vec<Vec<u8>> {
+fn echo_server(
+    addr: IpAddr,
+    port: u16,
+    size: usize,
+    count: usize,
+    ready: mpsc::Sender<()>,
+    posted: mpsc::Sender<()>,
+) -> Vec<Vec<u8>> {
     let l = UdServer::new().unwrap().listen(SocketAddr::new(addr, port), 8).unwrap();
     ready.send(()).unwrap();
     let req = l.get_request(T).unwrap();
     let pd = req.alloc_pd().unwrap();
-    let mut bufs = MemoryRegion::new(&pd, count * (GRH_LEN + size), AccessFlags::LOCAL_WRITE)
-        .unwrap()
-        .split(GRH_LEN + size)
-        .unwrap();
-    let mut sq = req.create_qp(&pd, QpInit::new().max_send_wr(count as u32).max_recv_wr(count as u32)).unwrap();
-    for (i, b) in bufs.iter().enumerate() {
-        sq.post_recv(&[RecvWr::new(b, 0..GRH_LEN + size).wr_id(i as u64)]).unwrap();
+    let mut lane = Lane::new(&req.context().unwrap(), 4 * count as u32).unwrap();
+    let init = lane.qp_init_from(QpInit::new().max_send_wr(count as u32).max_recv_wr(count as u32));
+    let ep = req.create_qp(&pd, init).unwrap().accept(&[]).unwrap();
+    let port_num = ep.qp().port_num();
+    let qp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach the server's endpoint");
+    for i in 0..count {
+        let buf = MemoryRegion::new(&pd, GRH_LEN + size, AccessFlags::LOCAL_WRITE).unwrap();
+        lane.post_recv(qp, RecvWr::new(buf).wr_id(i as u64)).unwrap();
     }
-    let mut ep = sq.accept(&[]).unwrap();
+    posted.send(()).unwrap();
     let mut got = vec![];
-    for (i, buf) in bufs.iter_mut().enumerate() {
-        let wc = ep.qp_mut().wait_for(WorkQueue::Recv, i as u64, T).unwrap();
-        let d = Datagram::parse(&wc, buf, 0).unwrap();
-        let dest = UdDest::reply_to(ep.qp(), &d, RDMA_UDP_QKEY).unwrap();
-        let payload = buf.as_slice().unwrap()[d.payload()].to_vec();
-        got.push(payload);
+    for i in 0..count {
+        let mut c = lane.wait(T).expect("a datagram").ok().expect("received");
+        assert_eq!((c.wr_id(), c.queue()), (i as u64, WorkQueue::Recv), "the receives complete in order");
+        let mut buf = c.take_region().unwrap();
+        let wc = c.work_completion();
+        let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
+        let grh = d.grh().expect("RoCE datagrams carry a GRH");
+        let ah = AddressHandle::reply_to(&pd, port_num, &wc, grh).unwrap();
+        let to = lane.add_dest(qp, &UdDest::new(ah, d.src_qp(), RDMA_UDP_QKEY)).unwrap();
+        got.push(buf.as_slice().unwrap()[d.payload()].to_vec());
         let len = d.len();
-        ep.qp_mut().post_send(&[UdSendWr::send(&dest, buf, GRH_LEN..GRH_LEN + len).wr_id(100 + i as u64)]).unwrap();
-        ep.qp_mut().wait_for(WorkQueue::Send, 100 + i as u64, T).unwrap();
+        lane.post_send(qp, SendWr::send(buf, GRH_LEN..GRH_LEN + len).to(to).wr_id(100 + i as u64)).unwrap();
+        let sent = lane.wait(T).expect("the echo's completion");
+        assert!(sent.is_ok() && sent.wr_id() == 100 + i as u64, "{sent:?}");
     }
     got
 }
 
-fn client(addr: IpAddr, port: u16) -> UdEndpoint {
+/// A UD client of `port`, not connected yet, its endpoint made with `lane`'s CQ.
+fn client(lane: &Lane, addr: IpAddr, port: u16) -> (rdma_cm::UdEndpoint, std::sync::Arc<ProtectionDomain>) {
     let route =
         UdClient::new().unwrap().resolve_addr(None, SocketAddr::new(addr, port), T).unwrap().resolve_route(T).unwrap();
     let pd = route.alloc_pd().unwrap();
-    route.create_qp(&pd, QpInit::new()).unwrap()
+    (route.create_qp(&pd, lane.qp_init()).unwrap(), pd)
+}
+
+/// The echo server in a thread: its handle, and the word that its receives are posted.
+#[allow(clippy::type_complexity)]
+fn start_echo(
+    addr: IpAddr,
+    port: u16,
+    size: usize,
+    count: usize,
+) -> (thread::JoinHandle<Vec<Vec<u8>>>, mpsc::Receiver<()>) {
+    let (ready, listening) = mpsc::channel();
+    let (posted, receives) = mpsc::channel();
+    let server = thread::spawn(move || echo_server(addr, port, size, count, ready, posted));
+    listening.recv_timeout(T).unwrap();
+    (server, receives)
 }
 
 #[test]
@@ -60,74 +91,92 @@ fn ud_connect_send_and_echo_with_grh_and_bytes_checked() {
         return;
     }
     let (port, size, count) = (7301, 512, 4);
-    let (tx, rx) = mpsc::channel();
-    let addr = t.addr;
-    let server = thread::spawn(move || echo_server(addr, port, size, count, tx));
-    rx.recv_timeout(T).unwrap();
-    let mut ep = client(t.addr, port);
-    let pd = Arc::clone(ep.qp().pd());
+    let (server, receives) = start_echo(t.addr, port, size, count);
+    let mut lane = lane_on(t.addr, 64);
+    let (mut ep, pd) = client(&lane, t.addr, port);
     assert!(ep.qp().mtu() >= 1024, "rxe's active MTU: {}", ep.qp().mtu());
     assert_eq!(ep.qp().qkey(), RDMA_UDP_QKEY);
-    let mut out = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut back = MemoryRegion::new(&pd, GRH_LEN + size, AccessFlags::LOCAL_WRITE).unwrap();
     let dest = ep.connect(b"hello", T).unwrap();
     assert_eq!(dest.qkey(), RDMA_UDP_QKEY, "the server's QKey comes with the ESTABLISHED event");
     assert_ne!(dest.qpn(), 0);
+    let qp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach the client's endpoint");
+    let to_server = lane.add_dest(qp, &dest).unwrap();
+    receives.recv_timeout(T).expect("the server's receives are posted");
+    let mut out = Some(MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap());
+    let mut back = Some(MemoryRegion::new(&pd, GRH_LEN + size, AccessFlags::LOCAL_WRITE).unwrap());
     for i in 0..count {
         let msg = pattern(size - i, i as u8);
-        out.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(&msg);
-        ep.qp_mut().post_recv(&[RecvWr::new(&back, 0..GRH_LEN + size).wr_id(50)]).unwrap();
-        ep.qp_mut().post_send(&[UdSendWr::send(&dest, &out, 0..msg.len()).imm(7).wr_id(1)]).unwrap();
-        ep.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
-        let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 50, T).unwrap();
-        let d = Datagram::parse(&wc, &mut back, 0).unwrap();
-        assert_eq!(d.payload(), GRH_LEN..GRH_LEN + msg.len(), "the payload follows the 40-byte GRH area");
-        assert_eq!(d.src_qp(), dest.qpn(), "the echo comes from the server's QP");
-        assert!(wc.has_grh(), "RoCE datagrams carry a GRH");
-        assert_eq!(d.src_ip(), Some(t.addr), "the sender's address from the GRH");
-        assert_eq!(&back.as_slice().unwrap()[d.payload()], &msg[..], "echo {i} differs");
+        let mut o = out.take().unwrap();
+        o.as_mut_slice().unwrap()[..msg.len()].copy_from_slice(&msg);
+        lane.post_recv(qp, RecvWr::new(back.take().unwrap()).wr_id(50)).unwrap();
+        lane.post_send(qp, SendWr::send(o, 0..msg.len()).imm(7).to(to_server).wr_id(1)).unwrap();
+        for mut c in reap(&mut lane, 2) {
+            assert!(c.is_ok(), "{c:?}");
+            let mut region = c.take_region().unwrap();
+            if c.wr_id() == 1 {
+                out = Some(region);
+                continue;
+            }
+            assert_eq!((c.wr_id(), c.queue()), (50, WorkQueue::Recv));
+            let wc = c.work_completion();
+            let d = Datagram::parse(&wc, &mut region, 0).unwrap();
+            assert_eq!(d.payload(), GRH_LEN..GRH_LEN + msg.len(), "the payload follows the 40-byte GRH area");
+            assert_eq!(d.src_qp(), dest.qpn(), "the echo comes from the server's QP");
+            assert!(wc.has_grh(), "RoCE datagrams carry a GRH");
+            assert_eq!(d.src_ip(), Some(t.addr), "the sender's address from the GRH");
+            assert_eq!(&region.as_slice().unwrap()[d.payload()], &msg[..], "echo {i} differs");
+            back = Some(region);
+        }
     }
     let got = server.join().unwrap();
     for (i, g) in got.iter().enumerate() {
         assert_eq!(g, &pattern(size - i, i as u8), "server got message {i} wrong");
     }
-    drop((ep, out, back, dest, pd));
+    drop((lane, out, back, dest, pd));
     t.finish();
 }
 
+/// A datagram one byte over the MTU is refused before anything is posted, naming both sizes,
+/// and its region comes back; exactly the MTU goes.
 #[test]
 fn a_datagram_over_the_mtu_is_refused_before_posting() {
     let t = DeviceTest::start();
     if !require(Cap::Ud) {
         return;
     }
-    let (tx, rx) = mpsc::channel();
-    let addr = t.addr;
-    let server = thread::spawn(move || echo_server(addr, 7302, 16, 1, tx));
-    rx.recv_timeout(T).unwrap();
-    let mut ep = client(t.addr, 7302);
+    let (server, receives) = start_echo(t.addr, 7302, 16, 1);
+    let mut lane = lane_on(t.addr, 64);
+    let (mut ep, pd) = client(&lane, t.addr, 7302);
     let mtu = ep.qp().mtu() as usize;
-    let pd = Arc::clone(ep.qp().pd());
     let big = MemoryRegion::new(&pd, mtu + 1, AccessFlags::LOCAL_WRITE).unwrap();
     let dest = ep.connect(&[], T).unwrap();
-    let e = ep.qp_mut().post_send(&[UdSendWr::send(&dest, &big, 0..mtu + 1)]).unwrap_err();
+    let qp: LaneQp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach");
+    let to = lane.add_dest(qp, &dest).unwrap();
+    let (e, big) = lane.post_send(qp, SendWr::send(big, 0..mtu + 1).to(to)).unwrap_err().into_parts();
     match &e {
         Error::MessageTooLong { len, mtu: m } => assert_eq!((*len as usize, *m as usize), (mtu + 1, mtu)),
         e => panic!("expected MessageTooLong, got {e}"),
     }
     let m = e.to_string();
     assert!(m.contains(&format!("{}", mtu + 1)) && m.contains(&format!("{mtu}")), "{m}");
-    assert_eq!(ep.qp().outstanding_sends(), 0, "nothing was posted");
+    assert_eq!(lane.outstanding(qp).unwrap(), (0, 0), "nothing was posted");
+    let big = big.expect("the refused datagram's region comes back");
     // Exactly the MTU goes (the server echoes it: 16 bytes fit its buffer, so send 16).
-    ep.qp_mut().post_recv(&[RecvWr::new(&big, 0..GRH_LEN + 16).wr_id(2)]).unwrap();
+    receives.recv_timeout(T).expect("the server's receive is posted");
+    lane.post_recv(qp, RecvWr::range(big, 0..GRH_LEN + 16).wr_id(2)).unwrap();
     let small = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE).unwrap();
-    ep.qp_mut().post_send(&[UdSendWr::send(&dest, &small, 0..16).wr_id(1)]).unwrap();
-    ep.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap();
+    lane.post_send(qp, SendWr::send(small, 0..16).to(to).wr_id(1)).unwrap();
+    let mut done = reap(&mut lane, 2);
+    done.sort_by_key(|c| c.wr_id());
+    assert!(done.iter().all(|c| c.is_ok()), "{done:?}");
+    assert_eq!((done[1].wr_id(), done[1].byte_len() as usize), (2, GRH_LEN + 16), "the echo");
     server.join().unwrap();
-    drop((ep, big, small, dest, pd));
+    drop((lane, done, dest, pd));
     t.finish();
 }
 
+/// A UD receive without room for the 40-byte GRH is refused, naming both, and its region comes
+/// back; exactly 40 bytes takes an empty datagram.
 #[test]
 fn a_receive_without_room_for_the_grh_is_refused() {
     let t = DeviceTest::start();
@@ -135,33 +184,43 @@ fn a_receive_without_room_for_the_grh_is_refused() {
         return;
     }
     let (tx, rx) = mpsc::channel();
+    let (posted_tx, posted) = mpsc::channel();
     let addr = t.addr;
     let server = thread::spawn(move || {
         let l = UdServer::new().unwrap().listen(SocketAddr::new(addr, 7303), 8).unwrap();
         tx.send(()).unwrap();
         let req = l.get_request(T).unwrap();
         let pd = req.alloc_pd().unwrap();
+        let mut lane = Lane::new(&req.context().unwrap(), 64).unwrap();
+        let ep = req.create_qp(&pd, lane.qp_init()).unwrap().accept(&[]).unwrap();
+        let qp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach");
         let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut sq = req.create_qp(&pd, QpInit::new()).unwrap();
-        let e = sq.post_recv(&[RecvWr::new(&mr, 0..GRH_LEN - 1)]).unwrap_err();
+        let (e, mr) = lane.post_recv(qp, RecvWr::range(mr, 0..GRH_LEN - 1)).unwrap_err().into_parts();
         let m = e.to_string();
         assert!(m.contains("39 bytes") && m.contains("40-byte GRH"), "{m}");
-        assert_eq!(sq.qp().outstanding_recvs(), 0);
+        assert_eq!(lane.outstanding(qp).unwrap(), (0, 0));
         // Exactly 40 bytes takes an empty datagram.
-        sq.post_recv(&[RecvWr::new(&mr, 0..GRH_LEN).wr_id(3)]).unwrap();
-        let mut ep = sq.accept(&[]).unwrap();
-        let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap();
-        let mut mr = mr;
-        let d = Datagram::parse(&wc, &mut mr, 0).unwrap();
+        let mr = mr.expect("the refused receive's region comes back");
+        lane.post_recv(qp, RecvWr::range(mr, 0..GRH_LEN).wr_id(3)).unwrap();
+        posted_tx.send(()).unwrap();
+        let mut c = lane.wait(T).expect("the empty datagram").ok().expect("received");
+        assert_eq!(c.wr_id(), 3);
+        let mut mr = c.take_region().unwrap();
+        let d = Datagram::parse(&c.work_completion(), &mut mr, 0).unwrap();
         assert!(d.is_empty());
     });
     rx.recv_timeout(T).unwrap();
-    let mut ep = client(t.addr, 7303);
+    let mut lane = lane_on(t.addr, 64);
+    let (mut ep, pd) = client(&lane, t.addr, 7303);
     let dest = ep.connect(&[], T).unwrap();
-    ep.qp_mut().post_send(&[UdSendWr::send_inline(&dest, &[]).wr_id(1)]).unwrap();
-    ep.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
+    let qp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach");
+    let to = lane.add_dest(qp, &dest).unwrap();
+    posted.recv_timeout(T).expect("the server's receive is posted");
+    lane.post_inline(qp, InlineWr::send(&[]).to(to).wr_id(1)).unwrap();
+    let sent = lane.wait(T).unwrap();
+    assert!(sent.is_ok() && sent.wr_id() == 1, "{sent:?}");
     server.join().unwrap();
-    drop((ep, dest));
+    drop((lane, dest, pd));
     t.finish();
 }
 
@@ -175,9 +234,10 @@ fn an_address_handle_for_an_unreachable_gid() {
     if !require(Cap::Ud) {
         return;
     }
-    let mut ep = client(t.addr, 7304);
-    let pd = Arc::clone(ep.qp().pd());
+    let mut lane = lane_on(t.addr, 64);
+    let (ep, pd) = client(&lane, t.addr, 7304);
     let port = ep.qp().port_num();
+    let qp = lane.attach(ep).map_err(|r| r.into_parts().0).expect("attach");
     let refused: [(&str, Gid, u8, i32, &str); 3] = [
         (
             "an IPv6 GID without a route",
@@ -208,10 +268,12 @@ fn an_address_handle_for_an_unreachable_gid() {
     let ah = AddressHandle::new(&pd, &AhAttr::global(nowhere, 1, port)).unwrap();
     assert_eq!(ah.attr().dgid(), nowhere);
     let dest = UdDest::new(ah, 0x1234, RDMA_UDP_QKEY);
-    ep.qp_mut().post_send(&[UdSendWr::send_inline(&dest, b"anyone?").wr_id(9)]).unwrap();
-    let wc = ep.qp_mut().wait_for(WorkQueue::Send, 9, T).unwrap();
-    assert!(wc.is_ok(), "{:?}", wc.status());
-    drop((ep, pd, dest));
+    let to = lane.add_dest(qp, &dest).unwrap();
+    lane.post_inline(qp, InlineWr::send(b"anyone?").to(to).wr_id(9)).unwrap();
+    let c = lane.wait(T).unwrap();
+    assert_eq!(c.wr_id(), 9);
+    assert!(c.is_ok(), "{:?}", c.status());
+    drop((lane, pd, dest));
     t.finish();
 }
 
@@ -223,7 +285,8 @@ fn connecting_to_nobody_is_rejected_clearly() {
     if !require(Cap::Ud) {
         return;
     }
-    let mut ep = client(t.addr, 7305);
+    let lane = lane_on(t.addr, 64);
+    let (mut ep, pd) = client(&lane, t.addr, 7305);
     let started = std::time::Instant::now();
     let e = ep.connect(&[], T).unwrap_err();
     let m = e.to_string();
@@ -235,6 +298,6 @@ fn connecting_to_nobody_is_rejected_clearly() {
     }
     assert!(m.contains("nobody listens there") && m.contains("7305"), "{m}");
     assert!(started.elapsed() < T, "answered within the bound");
-    drop(ep);
+    drop((ep, pd, lane));
     t.finish();
 }
