@@ -92,7 +92,9 @@ fn init(a: &Args) -> QpInit {
 /// `n` buffers of `len` bytes.
 fn regions(pd: &Arc<ProtectionDomain>, len: usize, n: u32) -> Vec<MemoryRegion> {
     (0..n)
-        .map(|_| MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering buffers", e)))
+        .map(|_| {
+            MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering buffers", e))
+        })
         .collect()
 }
 
@@ -158,8 +160,8 @@ fn server(a: &Args) {
         return;
     }
     // Ping-pong: answer each datagram; the first one names the client.
-    let mut send = MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE)
-        .unwrap_or_else(|e| fail("registering", e));
+    let mut send =
+        MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
     let mut dest: Option<DestKey> = None;
     // The client's next datagram may complete here before our answer's send does.
     let mut early: Option<Completion> = None;
@@ -243,10 +245,10 @@ fn client(a: &Args, dst: SocketAddr) {
         println!("---------------------------------------------------------------------------------------");
         return;
     }
-    let mut send = MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE)
-        .unwrap_or_else(|e| fail("registering", e));
-    let mut recv = MemoryRegion::new(&pd, a.size + GRH_LEN, AccessFlags::LOCAL_WRITE)
-        .unwrap_or_else(|e| fail("registering", e));
+    let mut send =
+        MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
+    let mut recv =
+        MemoryRegion::new(&pd, a.size + GRH_LEN, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
     let mut rtts = Vec::with_capacity(a.iters as usize);
     let clock = common::Stopwatch::calibrate();
     for k in 0..(a.iters + WARMUP) as u64 {

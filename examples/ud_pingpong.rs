@@ -104,8 +104,9 @@ fn main() {
             reach(&peer).unwrap_or_else(|e| die(e));
             peer
         }
-        (None, Some(l)) => pingpong::server_exchange(l, 1, |theirs| reach(&theirs[0]).map(|()| vec![me]))
-            .unwrap_or_else(|e| die(e))[0],
+        (None, Some(l)) => {
+            pingpong::server_exchange(l, 1, |theirs| reach(&theirs[0]).map(|()| vec![me])).unwrap_or_else(|e| die(e))[0]
+        }
         (None, None) => unreachable!("a server always has its listener"),
     };
     pingpong::print_remote(&peer);

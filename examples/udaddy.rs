@@ -144,7 +144,9 @@ fn qp_init(count: usize) -> QpInit {
 
 /// `count` receive buffers and as many send buffers (one, at least, for the QP's checks).
 fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, Vec<MemoryRegion>)> {
-    let regions = |len| (0..a.count).map(|_| MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE)).collect::<rdma_cm::Result<Vec<_>>>();
+    let regions = |len| {
+        (0..a.count).map(|_| MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE)).collect::<rdma_cm::Result<Vec<_>>>()
+    };
     Ok((regions(a.size + GRH_LEN)?, regions(a.size.max(1))?))
 }
 
@@ -156,10 +158,7 @@ fn verify_mtu(mtu: u32, a: &Args) {
 
 /// Posts a receive on each buffer, its `wr_id` its index, through `post` (the QP's receive
 /// queue, or the SRQ).
-fn post_recvs(
-    post: &mut dyn FnMut(RecvWr) -> Result<(), Rejected<MemoryRegion>>,
-    recv: Vec<MemoryRegion>,
-) {
+fn post_recvs(post: &mut dyn FnMut(RecvWr) -> Result<(), Rejected<MemoryRegion>>, recv: Vec<MemoryRegion>) {
     for (i, b) in recv.into_iter().enumerate() {
         if let Err(e) = post(RecvWr::new(b).wr_id(i as u64)) {
             fail(&format!("failed to post receives: {e}"));
