@@ -14,10 +14,12 @@
 //! ends are this example.
 //!
 //! What happens, as in `udaddy`: each client id resolves the server's address and route,
-//! creates a UD QP, posts `message_count` receives of `message_size` + 40 bytes (the GRH) and
-//! asks the server for its QP (`rdma_connect` on a UD id); the `ESTABLISHED` event gives the
-//! server's QP number, QKey and address. The server creates a QP and posts receives for each
-//! request and accepts it. The client then sends `message_count` datagrams (send with
+//! creates a UD QP, asks the server for its QP (`rdma_connect` on a UD id; the `ESTABLISHED`
+//! event gives the server's QP number, QKey and address) and posts `message_count` receives of
+//! `message_size` + 40 bytes (the GRH), before it sends anything the server would answer. The server creates a QP and posts receives for each
+//! request and accepts it (the receives go to a shared receive queue of the connection's lane,
+//! which the QP takes them from: the lane takes a UD server's QP only once accepted, and a
+//! datagram that finds no receive is lost). The client then sends `message_count` datagrams (send with
 //! immediate: its QP number), unsignaled; the server receives them, makes an address handle
 //! from the first datagram's completion and GRH, and replies with `message_count` signaled
 //! sends to the QP number in the immediate data; the client receives the replies. Unlike
