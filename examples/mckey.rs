@@ -32,9 +32,10 @@ use std::process::exit;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{
-    AccessFlags, Datagram, EventChannel, JoinKind, McastClient, McastEndpoint, MemoryRegion, Multicast, PortSpace,
-    ProtectionDomain, QpInit, RecvWr, UdSendWr, WorkCompletion, WorkQueue, GRH_LEN,
+    AccessFlags, Datagram, EventChannel, JoinKind, McastClient, MemoryRegion, Multicast, PortSpace, ProtectionDomain,
+    QpInit, GRH_LEN,
 };
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -145,112 +146,111 @@ fn pattern(i: usize) -> u8 {
     (i as u32).wrapping_mul(131).wrapping_add(7) as u8
 }
 
-/// One id's resources: the endpoint, its receive buffers (one region per posted receive, each
-/// `message_size` + 40 bytes), the send buffer, and the membership.
+/// One id's resources: the membership, the lane (the CQ and the endpoint's QP), the key of the
+/// group's destination on the lane, and the send buffers not posted (a send moves its buffer
+/// into the lane; its completion hands it back). The receive buffers (`message_size` + 40
+/// bytes each) are in the lane, posted.
 struct Node {
     // Dropped first: leaves the group (the endpoint's QP may go before or after; see
     // rdma_cm::cm::multicast).
     mc: Option<Multicast>,
-    ep: McastEndpoint,
-    recv: Vec<MemoryRegion>,
-    send: MemoryRegion,
+    lane: Lane,
+    qp: LaneQp,
+    to_group: DestKey,
+    qp_num: u32,
+    group: IpAddr,
+    send: Vec<MemoryRegion>,
 }
 
-fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, MemoryRegion)> {
-    let slot = a.size + GRH_LEN;
-    let recv = if a.count > 0 && !a.sender {
-        MemoryRegion::new(pd, a.count * slot, AccessFlags::LOCAL_WRITE)?.split(slot)?
-    } else {
-        vec![]
-    };
-    let mut send = MemoryRegion::new(pd, a.size.max(1), AccessFlags::LOCAL_WRITE)?;
-    for (i, b) in send.as_mut_slice()?.iter_mut().enumerate() {
-        *b = pattern(i);
+/// The receive buffers (receivers only) and the send buffers, one per send the queue holds.
+fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, Vec<MemoryRegion>)> {
+    let receives = if a.sender { 0 } else { a.count };
+    let recv = (0..receives)
+        .map(|_| MemoryRegion::new(pd, a.size + GRH_LEN, AccessFlags::LOCAL_WRITE))
+        .collect::<rdma_cm::Result<Vec<_>>>()?;
+    let mut send = Vec::with_capacity(a.count);
+    for _ in 0..a.count.max(1) {
+        let mut m = MemoryRegion::new(pd, a.size.max(1), AccessFlags::LOCAL_WRITE)?;
+        for (i, b) in m.as_mut_slice()?.iter_mut().enumerate() {
+            *b = pattern(i);
+        }
+        send.push(m);
     }
     Ok((recv, send))
 }
 
 /// Sends `count` datagrams to the group (imm: our QP number, as `mckey`), each signaled, and
-/// reaps their completions.
+/// reaps their completions, each of which hands its buffer back for the next send.
 fn post_sends(node: &mut Node, a: &Args) {
-    let Some(mc) = &node.mc else { return };
-    let dest = mc.dest().clone();
-    let qpn = node.ep.qp().qp_num();
-    let depth = a.count.max(1); // the send queue is this deep (as mckey makes it)
-    let mut wcs = [WorkCompletion::default(); 8];
     let mut posted = 0;
     let mut done = 0;
     while done < a.count {
-        while posted < a.count && posted - done < depth {
-            let wr = UdSendWr::send(&dest, &node.send, 0..a.size).imm(qpn).wr_id(posted as u64);
-            if let Err(e) = node.ep.qp_mut().post_send(&[wr]) {
+        while posted < a.count {
+            let Some(buf) = node.send.pop() else { break };
+            let wr = SendWr::send(buf, 0..a.size).to(node.to_group).imm(node.qp_num).wr_id(posted as u64);
+            if let Err(e) = node.lane.post_send(node.qp, wr) {
                 fail(&format!("failed to post sends: {e}"));
             }
             posted += 1;
         }
-        let n = node
-            .ep
-            .qp_mut()
-            .wait_queue(WorkQueue::Send, &mut wcs, WAIT)
-            .unwrap_or_else(|e| fail(&format!("mckey: failed polling CQ: {e}")));
-        if n == 0 {
-            fail(&format!("mckey: no send completion within {WAIT:?} ({done} of {} done)", a.count));
+        let mut c = match node.lane.wait(WAIT) {
+            Ok(c) => c,
+            Err(rdma_cm::Error::Timeout { .. }) => {
+                fail(&format!("mckey: no send completion within {WAIT:?} ({done} of {} done)", a.count))
+            }
+            Err(e) => fail(&format!("mckey: failed polling CQ: {e}")),
+        };
+        if !c.is_ok() {
+            fail(&format!("mckey: send failed: {}", c.status()));
         }
-        if let Some(wc) = wcs[..n].iter().find(|wc| !wc.is_ok()) {
-            fail(&format!("mckey: send failed: {}", wc.status()));
-        }
-        done += n;
+        node.send.extend(c.take_region());
+        done += 1;
     }
 }
 
 /// Reaps `count` receives and checks each datagram; under `--verify`, its bytes too. Returns
 /// how many were checked.
 fn poll_recvs(node: &mut Node, a: &Args) -> usize {
-    let mut wcs = [WorkCompletion::default(); 8];
-    let mut done = 0;
-    let group = node.ep.group();
-    while done < a.count {
-        let n = node
-            .ep
-            .qp_mut()
-            .wait_queue(WorkQueue::Recv, &mut wcs, WAIT)
-            .unwrap_or_else(|e| fail(&format!("mckey: failed polling CQ: {e}")));
-        if n == 0 {
-            fail(&format!("mckey: no datagram within {WAIT:?} ({done} of {} received)", a.count));
+    let group = node.group;
+    for done in 0..a.count {
+        let mut c = match node.lane.wait(WAIT) {
+            Ok(c) => c,
+            Err(rdma_cm::Error::Timeout { .. }) => {
+                fail(&format!("mckey: no datagram within {WAIT:?} ({done} of {} received)", a.count))
+            }
+            Err(e) => fail(&format!("mckey: failed polling CQ: {e}")),
+        };
+        let Some(mut buf) = c.take_region() else { continue };
+        let d = Datagram::parse(&c.work_completion(), &mut buf, 0)
+            .unwrap_or_else(|e| fail(&format!("mckey: bad datagram: {e}")));
+        if d.len() != a.size {
+            fail(&format!("mckey: datagram {} has {} bytes, not {}", c.wr_id(), d.len(), a.size));
         }
-        for wc in &wcs[..n] {
-            let Some(buf) = node.recv.get_mut(wc.wr_id() as usize) else { continue };
-            let d = Datagram::parse(wc, buf, 0).unwrap_or_else(|e| fail(&format!("mckey: bad datagram: {e}")));
-            if d.len() != a.size {
-                fail(&format!("mckey: datagram {} has {} bytes, not {}", wc.wr_id(), d.len(), a.size));
-            }
-            if d.imm_data() != Some(d.src_qp()) {
-                fail(&format!(
-                    "mckey: datagram {} carries immediate data {:?}, not its sender's QP number {}",
-                    wc.wr_id(),
-                    d.imm_data(),
-                    d.src_qp()
-                ));
-            }
-            let to = d.grh().and_then(|g| g.dgid());
-            let to_group = match (to, group) {
-                (Some(g), IpAddr::V4(v4)) => g.ipv4() == Some(v4),
-                (Some(g), IpAddr::V6(v6)) => g.to_ipv6() == v6,
-                (None, _) => false,
-            };
-            if !to_group {
-                fail(&format!("mckey: datagram {} was not sent to the group {group} ({to:?})", wc.wr_id()));
-            }
-            if a.verify {
-                let bytes = buf.as_slice().unwrap_or_else(|e| fail(&format!("mckey: receive buffer: {e}")));
-                if bytes[d.payload()].iter().enumerate().any(|(i, b)| *b != pattern(i)) {
-                    fail(&format!("mckey: datagram {} has the wrong bytes", wc.wr_id()));
-                }
+        if d.imm_data() != Some(d.src_qp()) {
+            fail(&format!(
+                "mckey: datagram {} carries immediate data {:?}, not its sender's QP number {}",
+                c.wr_id(),
+                d.imm_data(),
+                d.src_qp()
+            ));
+        }
+        let to = d.grh().and_then(|g| g.dgid());
+        let to_group = match (to, group) {
+            (Some(g), IpAddr::V4(v4)) => g.ipv4() == Some(v4),
+            (Some(g), IpAddr::V6(v6)) => g.to_ipv6() == v6,
+            (None, _) => false,
+        };
+        if !to_group {
+            fail(&format!("mckey: datagram {} was not sent to the group {group} ({to:?})", c.wr_id()));
+        }
+        if a.verify {
+            let bytes = buf.as_slice().unwrap_or_else(|e| fail(&format!("mckey: receive buffer: {e}")));
+            if bytes[d.payload()].iter().enumerate().any(|(i, b)| *b != pattern(i)) {
+                fail(&format!("mckey: datagram {} has the wrong bytes", c.wr_id()));
             }
         }
-        done += n;
     }
-    done
+    a.count
 }
 
 fn main() {
@@ -280,16 +280,21 @@ fn main() {
         let pd = r.alloc_pd().unwrap_or_else(|e| fail(&format!("mckey: unable to allocate PD: {e}")));
         let (recv, send) = buffers(&pd, &a).unwrap_or_else(|e| fail(&format!("mckey: failed to create messages: {e}")));
         let n = a.count.max(1) as u32;
-        let mut ep = r
+        let ctx = r.context().unwrap_or_else(|e| fail(&format!("mckey: {e}")));
+        let mut lane = Lane::new(&ctx, 2 * n).unwrap_or_else(|e| fail(&format!("mckey: unable to create CQ: {e}")));
+        let ep = r
             .loopback(a.loopback)
-            .create_qp(&pd, QpInit::new().max_send_wr(n).max_recv_wr(n))
+            .create_qp(&pd, lane.qp_init_from(QpInit::new().max_send_wr(n).max_recv_wr(n)))
             .unwrap_or_else(|e| fail(&format!("mckey: unable to create QP: {e}")));
-        for (i, b) in recv.iter().enumerate() {
-            if let Err(e) = ep.qp_mut().post_recv(&[RecvWr::new(b, 0..a.size + GRH_LEN).wr_id(i as u64)]) {
+        let (qp_num, group) = (ep.qp().qp_num(), ep.group());
+        let qp = lane.attach(ep).unwrap_or_else(|e| fail(&format!("mckey: unable to create QP: {e}")));
+        // Receives first, so the group's first datagrams have somewhere to land.
+        for (i, b) in recv.into_iter().enumerate() {
+            if let Err(e) = lane.post_recv(qp, RecvWr::new(b).wr_id(i as u64)) {
                 fail(&format!("failed to post receives: {e}"));
             }
         }
-        let mc = ep.join(kind, WAIT).unwrap_or_else(|e| match &e {
+        let (mc, to_group) = Multicast::join_on(&mut lane, qp, group, kind, WAIT).unwrap_or_else(|e| match &e {
             rdma_cm::Error::UnexpectedEvent { got, status, .. } => {
                 println!("mckey: event: RDMA_CM_EVENT_{got}, error: {status}");
                 fail(&format!("mckey: {e}"))
@@ -298,7 +303,7 @@ fn main() {
         });
         let attr = *mc.dest().ah().attr();
         println!("mckey: joined dgid: {} mlid 0x{:x} sl {}", attr.dgid().to_ipv6(), attr.dlid(), attr.sl());
-        nodes.push(Node { mc: Some(mc), ep, recv, send });
+        nodes.push(Node { mc: Some(mc), lane, qp, to_group, qp_num, group, send });
     }
     if a.count > 0 {
         if a.sender {

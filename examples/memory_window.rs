@@ -20,9 +20,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
+use rdma_cm::verbs::lane::{BindWr, Lane, RecvWr, SendWr};
 use rdma_cm::{
-    AccessFlags, Client, ConnParam, Error, MemoryRegion, MemoryWindow, QpInit, RecvWr, RemoteRegion, SendWr, Server,
-    WindowType, WorkQueue,
+    AccessFlags, Client, ConnParam, Error, MemoryRegion, MemoryWindow, QpInit, RemoteRegion, Server, WindowType,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -69,14 +69,19 @@ fn run(at: SocketAddr, kind: WindowType) -> rdma_cm::Result<()> {
     let client = thread::spawn(move || client(at, done_rx));
     let req = listener.get_request(T)?;
     let pd = req.alloc_pd()?;
-    let mut region = MemoryRegion::new(&pd, REGION, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
+    let region = MemoryRegion::new(&pd, REGION, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
     let mut msg = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE)?;
-    let mut conn = req.create_qp(&pd, QpInit::new())?.accept(&ConnParam::new(), T)?;
+    let mut lane = Lane::new(&req.context()?, 16)?;
+    let pending = req.lane_qp(&mut lane, &pd, QpInit::new())?;
+    let qp = pending.qp();
+    pending.accept(&mut lane, &ConnParam::new(), T)?;
     println!("[SERVER] connected; region of {REGION} bytes, rkey {:#x} (no remote rights)", region.rkey());
 
+    // The bind moves the region into the lane; its completion hands it back, but the bound
+    // window keeps the region's bytes out of reach while the peer may write them.
     let mw = MemoryWindow::new(&pd, kind)?;
-    let window = conn.qp_mut().bind_window(mw, &region, WINDOW, AccessFlags::REMOTE_WRITE, 1)?;
-    conn.qp_mut().wait_for(WorkQueue::Send, 1, T)?;
+    let window = lane.bind_window(qp, BindWr::new(mw, region, WINDOW, AccessFlags::REMOTE_WRITE).wr_id(1))?;
+    let mut region = next(&mut lane, 1)?.expect("the bind's completion hands the region back");
     let remote = window.remote();
     println!(
         "[SERVER] {kind:?} window bound at offset {} ({} bytes), rkey {:#x}",
@@ -87,14 +92,16 @@ fn run(at: SocketAddr, kind: WindowType) -> rdma_cm::Result<()> {
     wire[8..12].copy_from_slice(&remote.rkey.to_be_bytes());
     wire[12..].copy_from_slice(&(remote.len as u32).to_be_bytes());
     msg.write_at(0, &wire)?;
-    conn.qp_mut().post_send(&[SendWr::send(&msg, 0..16).wr_id(2)])?;
-    conn.qp_mut().wait_for(WorkQueue::Send, 2, T)?;
+    lane.post_send(qp, SendWr::send(msg, 0..16).wr_id(2))?;
+    let msg = next(&mut lane, 2)?.expect("a send's completion hands its region back");
     // The client says it wrote (a send of its own), then the server revokes.
-    conn.qp_mut().post_recv(&[RecvWr::new(&msg, 0..16).wr_id(3)])?;
-    conn.qp_mut().wait_for(WorkQueue::Recv, 3, T)?;
+    lane.post_recv(qp, RecvWr::new(msg).wr_id(3))?;
+    next(&mut lane, 3)?;
     println!("[SERVER] the client wrote through the window; revoking it");
-    let _unbound = conn.qp_mut().invalidate_window(window, 4).map_err(|e| e.error)?;
-    conn.qp_mut().wait_for(WorkQueue::Send, 4, T)?;
+    let revoking = lane.invalidate_window(qp, window, 4).map_err(|e| e.error)?;
+    next(&mut lane, 4)?;
+    // The invalidation's completion has been handed out: the window lets the region go.
+    let _unbound = lane.window_unbound(revoking)?;
     println!("[SERVER] window revoked");
     let _ = done_tx.send(());
     client.join().expect("client thread")?;
@@ -114,12 +121,13 @@ fn client(at: SocketAddr, revoked: mpsc::Receiver<()>) -> rdma_cm::Result<()> {
     let pd = route.alloc_pd()?;
     let mut buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
     let msg = MemoryRegion::new(&pd, 16, AccessFlags::LOCAL_WRITE)?;
-    let mut pending = route.create_qp(&pd, QpInit::new())?;
-    pending.post_recv(&[RecvWr::new(&msg, 0..16).wr_id(1)])?;
-    let mut conn = pending.connect(&ConnParam::new(), T)?;
-    conn.qp_mut().wait_for(WorkQueue::Recv, 1, T)?;
+    let mut lane = Lane::new(&route.context()?, 16)?;
+    let pending = route.lane_qp(&mut lane, &pd, QpInit::new())?;
+    let qp = pending.qp();
+    lane.post_recv(qp, RecvWr::new(msg).wr_id(1))?;
+    pending.connect(&mut lane, &ConnParam::new(), T)?;
+    let mut msg = next(&mut lane, 1)?.expect("a receive's completion hands its region back");
     let mut wire = [0u8; 16];
-    let mut msg = msg;
     msg.read_at(0, &mut wire)?;
     let addr = u64::from_be_bytes(wire[..8].try_into().expect("8 bytes"));
     let rkey = u32::from_be_bytes(wire[8..12].try_into().expect("4 bytes"));
@@ -127,15 +135,15 @@ fn client(at: SocketAddr, revoked: mpsc::Receiver<()>) -> rdma_cm::Result<()> {
     let window = RemoteRegion::new(addr, rkey, len as u64);
     println!("[CLIENT] got window {addr:#x}+{len} rkey {rkey:#x}");
     buf.write_at(0, &[0xab; 4096])?;
-    conn.qp_mut().post_send(&[SendWr::write(&buf, 0..4096, &window, 0)?.wr_id(2)])?;
-    conn.qp_mut().wait_for(WorkQueue::Send, 2, T)?;
+    lane.post_send(qp, SendWr::write(buf, 0..4096, &window, 0).wr_id(2))?;
+    let mut buf = next(&mut lane, 2)?.expect("a WRITE's completion hands its region back");
     println!("[CLIENT] wrote 4096 bytes through the window");
-    conn.qp_mut().post_send(&[SendWr::send(&msg, 0..1).wr_id(3)])?;
-    conn.qp_mut().wait_for(WorkQueue::Send, 3, T)?;
+    lane.post_send(qp, SendWr::send(msg, 0..1).wr_id(3))?;
+    next(&mut lane, 3)?;
     revoked.recv_timeout(T).map_err(|_| Error::InvalidArgument("the server did not revoke the window".into()))?;
     buf.write_at(0, &[0xcd; 4096])?;
-    conn.qp_mut().post_send(&[SendWr::write(&buf, 0..4096, &window, 0)?.wr_id(4)])?;
-    match conn.qp_mut().wait_for(WorkQueue::Send, 4, T) {
+    lane.post_send(qp, SendWr::write(buf, 0..4096, &window, 0).wr_id(4))?;
+    match lane.wait(T)?.ok() {
         Err(Error::WorkCompletion { status, .. }) => {
             println!("[CLIENT] write after revocation refused: {status}");
             Ok(())
@@ -143,4 +151,14 @@ fn client(at: SocketAddr, revoked: mpsc::Receiver<()>) -> rdma_cm::Result<()> {
         Ok(_) => Err(Error::InvalidArgument("a write through a revoked window succeeded".into())),
         Err(e) => Err(e),
     }
+}
+
+/// Waits for the next completion, which must be the successful one of `wr_id` (each side has
+/// one work request in flight at a time), and hands back its region (an invalidation has none).
+fn next(lane: &mut Lane, wr_id: u64) -> rdma_cm::Result<Option<MemoryRegion>> {
+    let mut c = lane.wait(T)?.ok()?;
+    if c.wr_id() != wr_id {
+        return Err(Error::InvalidArgument(format!("completion {} came, waiting for {wr_id}", c.wr_id())));
+    }
+    Ok(c.take_region())
 }

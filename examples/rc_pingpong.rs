@@ -1,7 +1,7 @@
 //! RC ping-pong over verbs alone, without the connection manager: rdma-core's
 //! `ibv_rc_pingpong` (rdma-core 44), with its flags, its TCP exchange of `LLLL:QQQQQQ:PPPPPP:GID`
-//! messages and its output, written with this crate's [`UnconnectedQp`]. It interoperates with
-//! `ibv_rc_pingpong` both ways.
+//! messages and its output, written with this crate's [`UnconnectedQp`] and its
+//! [`Lane`](rdma_cm::verbs::lane::Lane). It interoperates with `ibv_rc_pingpong` both ways.
 //!
 //! ```text
 //! cargo run --example rc_pingpong -- -g 1                      # server (no host), TCP port 18515
@@ -18,10 +18,12 @@
 //! received into; the server checks what it received last and prints `invalid data in page N`
 //! for each page whose first byte is not). Both sides need the same `-s`, `-m` and `-n`.
 //!
-//! What happens, as in `ibv_rc_pingpong`: each side creates an RC QP, moves it to INIT, posts
-//! `rx_depth` receives and sends its address (LID, QP number, a random PSN, the GID of `-g`);
-//! the server connects its QP (RTR, RTS) with the client's before it answers, the client once
-//! it has the answer, and sends first. Each side then sends one message per message received
+//! What happens, as in `ibv_rc_pingpong`: each side creates an RC QP, moves it to INIT and
+//! sends its address (LID, QP number, a random PSN, the GID of `-g`); the server connects its
+//! QP (RTR, RTS) with the client's and posts `rx_depth` receives before it answers, the client
+//! does the same once it has the answer, and sends first. (`ibv_rc_pingpong` posts its
+//! receives in INIT; here the lane takes the QP once connected, and each receive moves a
+//! buffer of its own into it, handed back by its completion.) Each side then sends one message per message received
 //! until it has sent and received `iters`, and prints the rate. Unlike `ibv_rc_pingpong`, every
 //! wait is bounded (60 s for the exchange, 20 s without a completion), and the peer's message
 //! is checked before any of it is used.
@@ -29,11 +31,9 @@
 mod pingpong;
 
 use clap::Parser;
-use pingpong::{die, Args, RECV_WRID, SEND_WRID};
-use rdma_cm::{
-    AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QueuePair, RcParams, RecvWr, SendWr, UnconnectedQp,
-    WorkCompletion,
-};
+use pingpong::{die, Args, OneQp};
+use rdma_cm::verbs::lane::Lane;
+use rdma_cm::{AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RcParams, UnconnectedQp};
 
 fn main() {
     let args = Args::parse();
@@ -47,8 +47,15 @@ fn main() {
     };
     let ctx = pingpong::open_device(args.ib_dev.as_deref());
     let pd = ProtectionDomain::new(&ctx).unwrap_or_else(|e| die(format!("Couldn't allocate PD: {e}")));
-    let mut rmr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
-        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    // The lane owns the CQ, and the QP once it is connected; each receive moves its own buffer
+    // into it, so there is one buffer per receive (and one more: the last one received stays out).
+    let lane = Lane::new(&ctx, args.rx_depth + 1).unwrap_or_else(|e| die(format!("Couldn't create CQ: {e}")));
+    let spare: Vec<MemoryRegion> = (0..=args.rx_depth)
+        .map(|_| {
+            MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
+                .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")))
+        })
+        .collect();
     let mut smr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
         .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
     {
@@ -67,21 +74,23 @@ fn main() {
     if let Some(g) = args.gid_idx {
         params = params.gid_index(g);
     }
-    let init = QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth);
-    let mut qp = UnconnectedQp::new(&pd, init, params).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
-    let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..size as usize).wr_id(RECV_WRID)).collect();
-    qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
-    let routs = args.rx_depth;
+    let init = lane.qp_init_from(QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth));
+    let qp = UnconnectedQp::new(&pd, init, params).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
     let me = qp.local();
     pingpong::print_local(&me);
 
-    // The QP can send only once `connect` has moved it to RTS: the server connects inside the
-    // exchange, before it answers; the client after.
-    let mut slot = Some(qp);
-    let mut connected: Option<QueuePair> = None;
-    let mut connect = |peer: &PeerInfo| -> Result<(), String> {
-        let q = slot.take().ok_or("connected twice")?;
-        connected = Some(q.connect(peer).map_err(|e| format!("Couldn't connect to remote QP: {e}"))?);
+    // `connect` moves the QP to RTR and RTS, hands it to the lane and posts the receives: the
+    // server does it inside the exchange, before it answers, so its receives are in place
+    // before the client can send; the client after, before it sends first.
+    let mut slot = Some((qp, lane, spare));
+    let mut one: Option<OneQp> = None;
+    let connect = |peer: &PeerInfo| -> Result<(), String> {
+        let (q, mut lane, spare) = slot.take().ok_or("connected twice")?;
+        let q = q.connect(peer).map_err(|e| format!("Couldn't connect to remote QP: {e}"))?;
+        let qp = lane.attach(q).map_err(|e| format!("Couldn't attach the QP to the lane: {e}"))?;
+        let mut o = OneQp { lane, qp, dest: None, send: Some(smr), size: size as usize, spare };
+        o.post_recvs(args.rx_depth as usize).map_err(|e| format!("Couldn't post receive: {e}"))?;
+        one = Some(o);
         Ok(())
     };
     let peer = match (&args.host, listener) {
@@ -95,41 +104,21 @@ fn main() {
         (None, None) => unreachable!("a server always has its listener"),
     };
     pingpong::print_remote(&peer);
-    let qp = connected.unwrap_or_else(|| die("not connected"));
+    let mut one = one.unwrap_or_else(|| die("not connected"));
 
-    let send = [SendWr::send(&smr, 0..size as usize).wr_id(SEND_WRID)];
-    let mut one = One { qp, recvs: &recvs, send };
-    let elapsed =
+    let routs = args.rx_depth;
+    let (elapsed, last) =
         pingpong::run(&mut one, args.iters, args.rx_depth, routs, args.host.is_some(), "is the peer still running?");
     pingpong::print_figures(size, args.iters, elapsed);
-    // Dropping the QP flushes the receives still posted and releases the regions.
+    // Dropping the lane flushes the receives still posted and releases their buffers.
     drop(one);
-    drop(recvs);
     if args.chk && args.host.is_none() {
+        let mut rmr = last.unwrap_or_else(|| die("no message received"));
         let r = rmr.as_slice().unwrap_or_else(|e| die(e));
         for (page, i) in (0..r.len()).step_by(pingpong::page_size()).enumerate() {
             if r[i] != 0 {
                 println!("invalid data in page {page}");
             }
         }
-    }
-}
-
-/// The QP, its receives and its send, for the shared loop ([`pingpong::run`]).
-struct One<'a> {
-    qp: QueuePair,
-    recvs: &'a [RecvWr<'a>],
-    send: [SendWr<'a>; 1],
-}
-
-impl pingpong::OneQp for One<'_> {
-    fn wait(&mut self, out: &mut [WorkCompletion], timeout: std::time::Duration) -> rdma_cm::Result<usize> {
-        self.qp.wait(out, timeout)
-    }
-    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()> {
-        self.qp.post_recv(&self.recvs[..n])
-    }
-    fn post_send(&mut self) -> rdma_cm::Result<()> {
-        self.qp.post_send(&self.send)
     }
 }

@@ -20,12 +20,14 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::exit;
+use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
+use rdma_cm::verbs::lane::{Completion, DestKey, Lane, RecvWr, SendWr, Wc};
 use rdma_cm::{
-    AccessFlags, Datagram, MemoryRegion, QpInit, RecvWr, UdClient, UdDest, UdEndpoint, UdSendWr, UdServer,
-    WorkCompletion, WorkQueue, GRH_LEN,
+    AccessFlags, AddressHandle, Datagram, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer,
+    WorkQueue, GRH_LEN,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -87,12 +89,20 @@ fn init(a: &Args) -> QpInit {
     }
 }
 
-/// Receive buffers: one region of `size` + 40 bytes per receive slot.
-fn recv_bufs(ep: &UdEndpoint, a: &Args, n: u32) -> Vec<MemoryRegion> {
-    let slot = a.size + GRH_LEN;
-    MemoryRegion::new(ep.qp().pd(), slot * n as usize, AccessFlags::LOCAL_WRITE)
-        .and_then(|m| m.split(slot))
-        .unwrap_or_else(|e| fail("registering receive buffers", e))
+/// `n` buffers of `len` bytes.
+fn regions(pd: &Arc<ProtectionDomain>, len: usize, n: u32) -> Vec<MemoryRegion> {
+    (0..n)
+        .map(|_| {
+            MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering buffers", e))
+        })
+        .collect()
+}
+
+/// The next completion: spinning under `--busy-poll` (as perftest's waits do), else sleeping on
+/// the CQ's channel. A failed completion is an error.
+fn next(lane: &mut Lane, busy: bool, what: &str) -> Completion {
+    let c = if busy { lane.spin(T) } else { lane.wait(T) };
+    c.and_then(Completion::ok).unwrap_or_else(|e| fail(what, e))
 }
 
 fn main() {
@@ -110,55 +120,72 @@ fn server(a: &Args) {
     println!("listening on port {}", a.port);
     let req = l.get_request(Duration::from_secs(120)).unwrap_or_else(|e| fail("waiting for the client", e));
     let pd = req.alloc_pd().unwrap_or_else(|e| fail("ibv_alloc_pd", e));
-    let mut sq = req.create_qp(&pd, init(a)).unwrap_or_else(|e| fail("creating the QP", e));
+    let ctx = req.context().unwrap_or_else(|e| fail("opening the device", e));
+    let mut lane = Lane::new(&ctx, 2 * RX_DEPTH).unwrap_or_else(|e| fail("creating the CQ", e));
+    // The client sends the moment it has our answer, and a datagram that finds no receive is
+    // dropped: the receives go up before the accept, on a shared receive queue the lane owns
+    // (the lane takes the QP only once accepted).
     let depth = if a.bw { RX_DEPTH } else { 1 };
-    let slot = a.size + GRH_LEN;
-    let mut bufs = MemoryRegion::new(&pd, slot * depth as usize, AccessFlags::LOCAL_WRITE)
-        .and_then(|m| m.split(slot))
-        .unwrap_or_else(|e| fail("registering receive buffers", e));
-    for (i, b) in bufs.iter().enumerate() {
-        sq.post_recv(&[RecvWr::new(b, 0..slot).wr_id(i as u64)]).unwrap_or_else(|e| fail("posting receives", e));
+    let srq = lane.create_srq(&pd, depth).unwrap_or_else(|e| fail("creating the SRQ", e));
+    for (i, b) in regions(&pd, a.size + GRH_LEN, depth).into_iter().enumerate() {
+        lane.post_srq_recv(srq, RecvWr::new(b).wr_id(i as u64)).unwrap_or_else(|e| fail("posting receives", e));
     }
-    let mut ep = sq.accept(&[]).unwrap_or_else(|e| fail("accepting", e));
-    ep.qp_mut().set_busy_poll(a.busy_poll);
-    let mut wcs = [WorkCompletion::default(); 16];
+    let init = lane.srq_qp_init(srq, init(a)).unwrap_or_else(|e| fail("creating the QP", e));
+    let sq = req.create_qp(&pd, init).unwrap_or_else(|e| fail("creating the QP", e));
+    let ep = sq.accept(&[]).unwrap_or_else(|e| fail("accepting", e));
+    let (port, qkey) = (ep.qp().port_num(), ep.qp().qkey());
+    let qp = lane.attach(ep).unwrap_or_else(|e| fail("attaching the QP to the lane", e));
     if a.bw {
         // Count arrivals until the stream goes quiet for 2 s after the first datagram.
         let mut got = 0u64;
         let mut idle = T;
+        let mut back = Vec::with_capacity(16);
         loop {
-            let n = ep.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, idle).unwrap_or_else(|e| fail("receiving", e));
-            if n == 0 {
-                break;
+            let mut take = |wc: Wc, mr: Option<MemoryRegion>| {
+                got += u64::from(wc.is_ok());
+                back.extend(mr.map(|m| (wc.wr_id(), m)));
+            };
+            let r = if a.busy_poll { lane.spin_with(16, idle, &mut take) } else { lane.wait_with(16, idle, &mut take) };
+            match r {
+                Ok(_) => {}
+                Err(rdma_cm::Error::Timeout { .. }) => break,
+                Err(e) => fail("receiving", e),
             }
             idle = Duration::from_secs(2);
-            for wc in &wcs[..n] {
-                let i = wc.wr_id() as usize;
-                if wc.is_ok() {
-                    got += 1;
-                }
-                ep.qp_mut()
-                    .post_recv(&[RecvWr::new(&bufs[i], 0..slot).wr_id(i as u64)])
-                    .unwrap_or_else(|e| fail("reposting", e));
+            for (i, b) in back.drain(..) {
+                lane.post_srq_recv(srq, RecvWr::new(b).wr_id(i)).unwrap_or_else(|e| fail("reposting", e));
             }
         }
         println!("received {got} datagrams");
         return;
     }
     // Ping-pong: answer each datagram; the first one names the client.
-    let send =
+    let mut send =
         MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
-    let mut dest: Option<UdDest> = None;
+    let mut dest: Option<DestKey> = None;
+    // The client's next datagram may complete here before our answer's send does.
+    let mut early: Option<Completion> = None;
     for k in 0..(a.iters + WARMUP) as u64 {
-        let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 0, T).unwrap_or_else(|e| fail("receiving", e));
+        let mut got = early.take().unwrap_or_else(|| next(&mut lane, a.busy_poll, "receiving"));
+        let mut buf = got.take_region().unwrap_or_else(|| fail("receiving", "a completion without its buffer"));
         if dest.is_none() {
-            let d = Datagram::parse(&wc, &mut bufs[0], 0).unwrap_or_else(|e| fail("reading the datagram", e));
-            dest = Some(UdDest::reply_to(ep.qp(), &d, ep.qp().qkey()).unwrap_or_else(|e| fail("reply AH", e)));
+            let wc = got.work_completion();
+            let d = Datagram::parse(&wc, &mut buf, 0).unwrap_or_else(|e| fail("reading the datagram", e));
+            let grh = d.grh().unwrap_or_else(|| fail("reply AH", "the datagram carried no GRH"));
+            let ah = AddressHandle::reply_to(&pd, port, &wc, grh).unwrap_or_else(|e| fail("reply AH", e));
+            let key = lane.add_dest(qp, &UdDest::new(ah, d.src_qp(), qkey));
+            dest = Some(key.unwrap_or_else(|e| fail("reply AH", e)));
         }
-        ep.qp_mut().post_recv(&[RecvWr::new(&bufs[0], 0..slot).wr_id(0)]).unwrap_or_else(|e| fail("reposting", e));
-        let to = dest.as_ref().expect("set above");
-        ep.qp_mut().post_send(&[UdSendWr::send(to, &send, 0..a.size).wr_id(k)]).unwrap_or_else(|e| fail("sending", e));
-        ep.qp_mut().wait_for(WorkQueue::Send, k, T).unwrap_or_else(|e| fail("send completion", e));
+        lane.post_srq_recv(srq, RecvWr::new(buf).wr_id(0)).unwrap_or_else(|e| fail("reposting", e));
+        let to = dest.expect("set above");
+        lane.post_send(qp, SendWr::send(send, 0..a.size).to(to).wr_id(k)).unwrap_or_else(|e| fail("sending", e));
+        send = loop {
+            let mut c = next(&mut lane, a.busy_poll, "send completion");
+            if c.queue() == WorkQueue::Send {
+                break c.take_region().unwrap_or_else(|| fail("send completion", "without its buffer"));
+            }
+            early = Some(c);
+        };
     }
 }
 
@@ -168,37 +195,42 @@ fn client(a: &Args, dst: SocketAddr) {
         .and_then(|r| r.resolve_route(T))
         .unwrap_or_else(|e| fail("resolving", e));
     let pd = route.alloc_pd().unwrap_or_else(|e| fail("ibv_alloc_pd", e));
-    let mut ep = route.create_qp(&pd, init(a)).unwrap_or_else(|e| fail("creating the QP", e));
-    let send =
-        MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
-    let bufs = recv_bufs(&ep, a, 1);
-    let slot = a.size + GRH_LEN;
-    if !a.bw {
-        ep.qp_mut().post_recv(&[RecvWr::new(&bufs[0], 0..slot).wr_id(0)]).unwrap_or_else(|e| fail("posting", e));
-    }
+    let ctx = route.context().unwrap_or_else(|e| fail("opening the device", e));
+    let mut lane = Lane::new(&ctx, 2 * TX_DEPTH).unwrap_or_else(|e| fail("creating the CQ", e));
+    let mut ep = route.create_qp(&pd, lane.qp_init_from(init(a))).unwrap_or_else(|e| fail("creating the QP", e));
     let to = ep.connect(&[], T).unwrap_or_else(|e| fail("connecting", e));
-    ep.qp_mut().set_busy_poll(a.busy_poll);
-    let qp = ep.qp_mut();
+    let qp = lane.attach(ep).unwrap_or_else(|e| fail("attaching the QP to the lane", e));
+    let to = lane.add_dest(qp, &to).unwrap_or_else(|e| fail("connecting", e));
     if a.bw {
+        // A send moves its buffer into the lane until a completion retires it (an unsignaled
+        // one with the next signaled one): one buffer per send in flight.
+        let mut free = regions(&pd, a.size.max(1), TX_DEPTH);
         let n = a.iters;
-        let mut wcs = [WorkCompletion::default(); 16];
         let (mut posted, mut done) = (0u32, 0u32);
+        let mut failed = None;
         let start = Instant::now();
         while done < n {
-            while posted < n && posted - done < TX_DEPTH {
-                let mut wr = UdSendWr::send(&to, &send, 0..a.size).wr_id(posted as u64);
+            while posted < n {
+                let Some(buf) = free.pop() else { break };
+                let mut wr = SendWr::send(buf, 0..a.size).to(to).wr_id(posted as u64);
                 if posted % SIGNAL_EVERY != SIGNAL_EVERY - 1 && posted != n - 1 {
                     wr = wr.unsignaled();
                 }
-                qp.post_send(&[wr]).unwrap_or_else(|e| fail("sending", e));
+                lane.post_send(qp, wr).unwrap_or_else(|e| fail("sending", e));
                 posted += 1;
             }
-            let k = qp.wait_queue(WorkQueue::Send, &mut wcs, T).unwrap_or_else(|e| fail("send completions", e));
-            if k == 0 {
-                fail("streaming", "no send completion within 30 s");
-            }
-            for wc in &wcs[..k] {
-                done = wc.ok().unwrap_or_else(|e| fail("send", e)).wr_id() as u32 + 1;
+            let mut back = |wc: Wc, mr: Option<MemoryRegion>| {
+                failed = failed.take().or(wc.error());
+                free.extend(mr);
+            };
+            let k = if a.busy_poll {
+                lane.spin_with(TX_DEPTH as usize, T, &mut back)
+            } else {
+                lane.wait_with(TX_DEPTH as usize, T, &mut back)
+            };
+            done += k.unwrap_or_else(|e| fail("send completions", e)) as u32;
+            if let Some(e) = failed.take() {
+                fail("send", e);
             }
         }
         let secs = start.elapsed().as_secs_f64();
@@ -213,16 +245,29 @@ fn client(a: &Args, dst: SocketAddr) {
         println!("---------------------------------------------------------------------------------------");
         return;
     }
+    let mut send =
+        MemoryRegion::new(&pd, a.size.max(1), AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
+    let mut recv =
+        MemoryRegion::new(&pd, a.size + GRH_LEN, AccessFlags::LOCAL_WRITE).unwrap_or_else(|e| fail("registering", e));
     let mut rtts = Vec::with_capacity(a.iters as usize);
     let clock = common::Stopwatch::calibrate();
     for k in 0..(a.iters + WARMUP) as u64 {
+        // The receive goes up before the send, so the answer always has one.
+        lane.post_recv(qp, RecvWr::new(recv).wr_id(0)).unwrap_or_else(|e| fail("posting", e));
         let start = clock.now();
-        qp.post_send(&[UdSendWr::send(&to, &send, 0..a.size).wr_id(k)]).unwrap_or_else(|e| fail("sending", e));
-        qp.wait_for(WorkQueue::Recv, 0, T).unwrap_or_else(|e| fail("receiving the answer", e));
-        let rtt = clock.since(start);
-        // The next receive goes up before the next send, so the answer always has one.
-        qp.post_recv(&[RecvWr::new(&bufs[0], 0..slot).wr_id(0)]).unwrap_or_else(|e| fail("posting", e));
-        qp.wait_for(WorkQueue::Send, k, T).unwrap_or_else(|e| fail("send completion", e));
+        lane.post_send(qp, SendWr::send(send, 0..a.size).to(to).wr_id(k)).unwrap_or_else(|e| fail("sending", e));
+        // The answer's and the send's completions, in either order, each with its buffer.
+        let (mut sent, mut answer, mut rtt) = (None, None, Duration::ZERO);
+        while sent.is_none() || answer.is_none() {
+            let mut c = next(&mut lane, a.busy_poll, "receiving the answer");
+            if c.queue() == WorkQueue::Recv {
+                rtt = clock.since(start);
+                answer = c.take_region();
+            } else {
+                sent = c.take_region();
+            }
+        }
+        (send, recv) = (sent.expect("the send's buffer"), answer.expect("the receive's buffer"));
         if k >= WARMUP as u64 {
             rtts.push(rtt);
         }

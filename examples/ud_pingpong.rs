@@ -1,8 +1,8 @@
 //! UD ping-pong over verbs alone, without the connection manager: rdma-core's
 //! `ibv_ud_pingpong` (rdma-core 44), with its flags, its TCP exchange of
 //! `LLLL:QQQQQQ:PPPPPP:GID` messages and its output, written with this crate's
-//! [`UdQp::new`](rdma_cm::UdQp::new) (a UD QP from a port and a Q_Key). It interoperates with
-//! `ibv_ud_pingpong` both ways.
+//! [`UdQp::new`](rdma_cm::UdQp::new) (a UD QP from a port and a Q_Key) on a
+//! [`Lane`](rdma_cm::verbs::lane::Lane). It interoperates with `ibv_ud_pingpong` both ways.
 //!
 //! ```text
 //! cargo run --example ud_pingpong -- -g 1                      # server (no host), TCP port 18515
@@ -19,9 +19,11 @@
 //! `-s` and `-n`.
 //!
 //! What happens, as in `ibv_ud_pingpong`: each side creates a UD QP with Q_Key `0x11111111`
-//! (INIT, RTR, RTS at once), posts `rx_depth` receives of `size` + 40 bytes (the GRH) and
-//! sends its address; the server makes its address handle for the client before it answers,
-//! the client once it has the answer, and sends first. Each side sends one datagram per
+//! (INIT, RTR, RTS at once) and sends its address; the server makes its address handle for
+//! the client and posts `rx_depth` receives of `size` + 40 bytes (the GRH) before it answers,
+//! the client does the same once it has the answer, and sends first. (`ibv_ud_pingpong` posts
+//! its receives first; here the lane takes the QP with its destination, and each receive moves
+//! a buffer of its own into it, handed back by its completion.) Each side sends one datagram per
 //! datagram received until it has sent and received `iters`. Every wait is bounded (60 s for
 //! the exchange, 20 s without a completion: a lost datagram ends the run with that error,
 //! where `ibv_ud_pingpong` would spin forever).
@@ -29,11 +31,9 @@
 mod pingpong;
 
 use clap::Parser;
-use pingpong::{die, Args, RECV_WRID, SEND_WRID};
-use rdma_cm::{
-    AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RecvWr, UdDest, UdQp, UdSendWr, WorkCompletion,
-    GRH_LEN,
-};
+use pingpong::{die, Args, OneQp};
+use rdma_cm::verbs::lane::Lane;
+use rdma_cm::{AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, UdQp, GRH_LEN};
 
 /// `ibv_ud_pingpong`'s Q_Key.
 const QKEY: u32 = 0x1111_1111;
@@ -50,14 +50,22 @@ fn main() {
     };
     let ctx = pingpong::open_device(args.ib_dev.as_deref());
     let pd = ProtectionDomain::new(&ctx).unwrap_or_else(|e| die(format!("Couldn't allocate PD: {e}")));
-    let init = QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth);
-    let mut qp = UdQp::new(&pd, init, args.ib_port, QKEY).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
+    // The lane owns the CQ, and the QP once the peer's address handle is made; each receive
+    // moves its own buffer into it, so there is one buffer per receive (and one more: the last
+    // one received stays out).
+    let lane = Lane::new(&ctx, args.rx_depth + 1).unwrap_or_else(|e| die(format!("Couldn't create CQ: {e}")));
+    let init = lane.qp_init_from(QpInit::new().max_send_wr(1).max_recv_wr(args.rx_depth));
+    let qp = UdQp::new(&pd, init, args.ib_port, QKEY).unwrap_or_else(|e| die(format!("Couldn't create QP: {e}")));
     if size > qp.mtu() {
         die(format!("Requested size larger than port MTU ({})", qp.mtu()));
     }
     let rlen = GRH_LEN + size as usize;
-    let mut rmr = MemoryRegion::new(&pd, rlen, AccessFlags::LOCAL_WRITE)
-        .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
+    let spare: Vec<MemoryRegion> = (0..=args.rx_depth)
+        .map(|_| {
+            MemoryRegion::new(&pd, rlen, AccessFlags::LOCAL_WRITE)
+                .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")))
+        })
+        .collect();
     let mut smr = MemoryRegion::new(&pd, size as usize, AccessFlags::LOCAL_WRITE)
         .unwrap_or_else(|e| die(format!("Couldn't register MR: {e}")));
     {
@@ -72,35 +80,40 @@ fn main() {
             }
         }
     }
-    let recvs: Vec<RecvWr> = (0..args.rx_depth).map(|_| RecvWr::new(&rmr, 0..rlen).wr_id(RECV_WRID)).collect();
-    qp.post_recv(&recvs).unwrap_or_else(|e| die(format!("Couldn't post receive: {e}")));
-    let routs = args.rx_depth;
     let me = qp.local(args.gid_idx).unwrap_or_else(|e| die(format!("Couldn't get port info: {e}")));
     pingpong::print_local(&me);
 
-    let dest_of = |peer: &PeerInfo| -> Result<UdDest, String> {
-        qp.dest_to(peer, args.gid_idx, args.sl, QKEY).map_err(|e| format!("Failed to create AH: {e}"))
+    // `reach` makes the address handle for the peer, hands the QP to the lane with it and posts
+    // the receives: the server does it inside the exchange, before it answers, so its receives
+    // are in place before the client can send; the client after, before it sends first.
+    let mut slot = Some((qp, lane, spare));
+    let mut one: Option<OneQp> = None;
+    let reach = |peer: &PeerInfo| -> Result<(), String> {
+        let (q, mut lane, spare) = slot.take().ok_or("reached twice")?;
+        let dest = q.dest_to(peer, args.gid_idx, args.sl, QKEY).map_err(|e| format!("Failed to create AH: {e}"))?;
+        let qp = lane.attach(q).map_err(|e| format!("Couldn't attach the QP to the lane: {e}"))?;
+        let dest = lane.add_dest(qp, &dest).map_err(|e| format!("Failed to create AH: {e}"))?;
+        let mut o = OneQp { lane, qp, dest: Some(dest), send: Some(smr), size: size as usize, spare };
+        o.post_recvs(args.rx_depth as usize).map_err(|e| format!("Couldn't post receive: {e}"))?;
+        one = Some(o);
+        Ok(())
     };
-    let mut dest = None;
     let peer = match (&args.host, listener) {
         (Some(host), _) => {
             let peer = pingpong::client_exchange(host, args.port, &[me]).unwrap_or_else(|e| die(e))[0];
-            dest = Some(dest_of(&peer).unwrap_or_else(|e| die(e)));
+            reach(&peer).unwrap_or_else(|e| die(e));
             peer
         }
-        (None, Some(l)) => pingpong::server_exchange(l, 1, |theirs| {
-            dest = Some(dest_of(&theirs[0])?);
-            Ok(vec![me])
-        })
-        .unwrap_or_else(|e| die(e))[0],
+        (None, Some(l)) => {
+            pingpong::server_exchange(l, 1, |theirs| reach(&theirs[0]).map(|()| vec![me])).unwrap_or_else(|e| die(e))[0]
+        }
         (None, None) => unreachable!("a server always has its listener"),
     };
     pingpong::print_remote(&peer);
-    let dest = dest.unwrap_or_else(|| die("no address handle"));
+    let mut one = one.unwrap_or_else(|| die("no address handle"));
 
-    let send = [UdSendWr::send(&dest, &smr, 0..size as usize).wr_id(SEND_WRID)];
-    let mut one = One { qp, recvs: &recvs, send };
-    let elapsed = pingpong::run(
+    let routs = args.rx_depth;
+    let (elapsed, last) = pingpong::run(
         &mut one,
         args.iters,
         args.rx_depth,
@@ -109,34 +122,15 @@ fn main() {
         "a datagram was lost, or the peer is gone",
     );
     pingpong::print_figures(size, args.iters, elapsed);
-    // Dropping the QP flushes the receives still posted and releases the regions.
+    // Dropping the lane flushes the receives still posted and releases their buffers.
     drop(one);
-    drop(recvs);
     if args.chk && args.host.is_none() {
+        let mut rmr = last.unwrap_or_else(|| die("no datagram received"));
         let r = rmr.as_slice().unwrap_or_else(|e| die(e));
         for (page, i) in (0..size as usize).step_by(pingpong::page_size()).enumerate() {
             if r[GRH_LEN + i] != 0 {
                 println!("invalid data in page {page}");
             }
         }
-    }
-}
-
-/// The QP, its receives and its send, for the shared loop ([`pingpong::run`]).
-struct One<'a> {
-    qp: UdQp,
-    recvs: &'a [RecvWr<'a>],
-    send: [UdSendWr<'a>; 1],
-}
-
-impl pingpong::OneQp for One<'_> {
-    fn wait(&mut self, out: &mut [WorkCompletion], timeout: std::time::Duration) -> rdma_cm::Result<usize> {
-        self.qp.wait(out, timeout)
-    }
-    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()> {
-        self.qp.post_recv(&self.recvs[..n])
-    }
-    fn post_send(&mut self) -> rdma_cm::Result<()> {
-        self.qp.post_send(&self.send)
     }
 }

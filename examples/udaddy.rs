@@ -14,10 +14,12 @@
 //! ends are this example.
 //!
 //! What happens, as in `udaddy`: each client id resolves the server's address and route,
-//! creates a UD QP, posts `message_count` receives of `message_size` + 40 bytes (the GRH) and
-//! asks the server for its QP (`rdma_connect` on a UD id); the `ESTABLISHED` event gives the
-//! server's QP number, QKey and address. The server creates a QP and posts receives for each
-//! request and accepts it. The client then sends `message_count` datagrams (send with
+//! creates a UD QP, asks the server for its QP (`rdma_connect` on a UD id; the `ESTABLISHED`
+//! event gives the server's QP number, QKey and address) and posts `message_count` receives of
+//! `message_size` + 40 bytes (the GRH), before it sends anything the server would answer. The server creates a QP and posts receives for each
+//! request and accepts it (the receives go to a shared receive queue of the connection's lane,
+//! which the QP takes them from: the lane takes a UD server's QP only once accepted, and a
+//! datagram that finds no receive is lost). The client then sends `message_count` datagrams (send with
 //! immediate: its QP number), unsignaled; the server receives them, makes an address handle
 //! from the first datagram's completion and GRH, and replies with `message_count` signaled
 //! sends to the QP number in the immediate data; the client receives the replies. Unlike
@@ -31,9 +33,10 @@ use std::process::exit;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, Rejected, SendWr};
 use rdma_cm::{
-    AccessFlags, Datagram, EventChannel, MemoryRegion, PortSpace, ProtectionDomain, QpInit, RecvWr, UdClient, UdDest,
-    UdEndpoint, UdSendWr, UdServer, WorkCompletion, WorkQueue, GRH_LEN,
+    AccessFlags, AddressHandle, Datagram, EventChannel, MemoryRegion, PortSpace, ProtectionDomain, QpInit, UdClient,
+    UdDest, UdServer, WorkQueue, GRH_LEN,
 };
 
 const PORT: u16 = 7174;
@@ -121,13 +124,19 @@ fn pattern(k: usize, i: usize) -> u8 {
     (i as u32).wrapping_mul(131).wrapping_add(k as u32 * 17 + 3) as u8
 }
 
-/// One connection's resources: the endpoint, its receive buffers (one region per posted
-/// receive, each `message_size` + 40 bytes), the send buffer, and where replies go.
+/// One connection's resources: its lane (the CQ and the endpoint's QP), the send buffers (one
+/// per datagram: a send moves its buffer into the lane), and where replies go. The receive
+/// buffers (`message_size` + 40 bytes each) are in the lane, posted.
 struct Node {
-    ep: UdEndpoint,
-    recv: Vec<MemoryRegion>,
-    send: MemoryRegion,
-    dest: Option<UdDest>,
+    lane: Lane,
+    qp: LaneQp,
+    /// The QP's number, port, QKey and PD, for the reply's address handle and the immediate data.
+    qp_num: u32,
+    port: u8,
+    qkey: u32,
+    pd: Arc<ProtectionDomain>,
+    send: Vec<MemoryRegion>,
+    dest: Option<DestKey>,
 }
 
 fn qp_init(count: usize) -> QpInit {
@@ -135,15 +144,12 @@ fn qp_init(count: usize) -> QpInit {
     QpInit::new().max_send_wr(n).max_recv_wr(n)
 }
 
-fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, MemoryRegion)> {
-    let slot = a.size + GRH_LEN;
-    let recv = if a.count > 0 {
-        MemoryRegion::new(pd, a.count * slot, AccessFlags::LOCAL_WRITE)?.split(slot)?
-    } else {
-        vec![]
+/// `count` receive buffers and as many send buffers (one, at least, for the QP's checks).
+fn buffers(pd: &Arc<ProtectionDomain>, a: &Args) -> rdma_cm::Result<(Vec<MemoryRegion>, Vec<MemoryRegion>)> {
+    let regions = |len| {
+        (0..a.count).map(|_| MemoryRegion::new(pd, len, AccessFlags::LOCAL_WRITE)).collect::<rdma_cm::Result<Vec<_>>>()
     };
-    let send = MemoryRegion::new(pd, a.size.max(1), AccessFlags::LOCAL_WRITE)?;
-    Ok((recv, send))
+    Ok((regions(a.size + GRH_LEN)?, regions(a.size.max(1))?))
 }
 
 fn verify_mtu(mtu: u32, a: &Args) {
@@ -152,29 +158,31 @@ fn verify_mtu(mtu: u32, a: &Args) {
     }
 }
 
-fn post_recvs(post: &mut dyn FnMut(&[RecvWr<'_>]) -> rdma_cm::Result<()>, recv: &[MemoryRegion], size: usize) {
-    for (i, b) in recv.iter().enumerate() {
-        if let Err(e) = post(&[RecvWr::new(b, 0..size + GRH_LEN).wr_id(i as u64)]) {
+/// Posts a receive on each buffer, its `wr_id` its index, through `post` (the QP's receive
+/// queue, or the SRQ).
+fn post_recvs(post: &mut dyn FnMut(RecvWr) -> Result<(), Rejected<MemoryRegion>>, recv: Vec<MemoryRegion>) {
+    for (i, b) in recv.into_iter().enumerate() {
+        if let Err(e) = post(RecvWr::new(b).wr_id(i as u64)) {
             fail(&format!("failed to post receives: {e}"));
         }
     }
 }
 
 /// Sends `count` datagrams to the node's destination (imm: our QP number), as `udaddy`'s
-/// post_sends: signaled on the server, unsignaled on the client.
+/// post_sends: signaled on the server, unsignaled on the client (which does not wait for
+/// them: the lane hands their buffers back whenever it retires them, and keeps them until then).
 fn post_sends(node: &mut Node, a: &Args, signaled: bool) {
-    let Some(dest) = node.dest.clone() else { return };
-    if a.verify {
-        let bytes = node.send.as_mut_slice().unwrap_or_else(|e| fail(&format!("udaddy: send buffer: {e}")));
-        for (i, b) in bytes.iter_mut().enumerate() {
-            *b = pattern(0, i);
+    let Some(dest) = node.dest else { return };
+    for (k, mut buf) in std::mem::take(&mut node.send).into_iter().enumerate() {
+        if a.verify {
+            let bytes = buf.as_mut_slice().unwrap_or_else(|e| fail(&format!("udaddy: send buffer: {e}")));
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = pattern(0, i);
+            }
         }
-    }
-    let qpn = node.ep.qp().qp_num();
-    for k in 0..a.count {
-        let wr = UdSendWr::send(&dest, &node.send, 0..a.size).imm(qpn).wr_id(1000 + k as u64);
+        let wr = SendWr::send(buf, 0..a.size).to(dest).imm(node.qp_num).wr_id(1000 + k as u64);
         let wr = if signaled { wr } else { wr.unsignaled() };
-        if let Err(e) = node.ep.qp_mut().post_send(&[wr]) {
+        if let Err(e) = node.lane.post_send(node.qp, wr) {
             fail(&format!("failed to post sends: {e}"));
         }
     }
@@ -183,47 +191,47 @@ fn post_sends(node: &mut Node, a: &Args, signaled: bool) {
 /// Reaps `count` completions of `queue`, as `udaddy`'s poll_cqs; on the server the first
 /// receive gives the reply address. Under `--verify` every received message is checked.
 fn poll(node: &mut Node, a: &Args, queue: WorkQueue, reply: bool) -> usize {
-    let mut wcs = [WorkCompletion::default(); 8];
-    let mut done = 0;
     let mut verified = 0;
+    let mut done = 0;
     while done < a.count {
-        let n = node
-            .ep
-            .qp_mut()
-            .wait_queue(queue, &mut wcs, WAIT)
-            .unwrap_or_else(|e| fail(&format!("udaddy: failed polling CQ: {e}")));
-        if n == 0 {
-            fail(&format!("udaddy: no completion within {WAIT:?} ({done} of {} done)", a.count));
+        let mut c = match node.lane.wait(WAIT) {
+            Ok(c) => c,
+            Err(rdma_cm::Error::Timeout { .. }) => {
+                fail(&format!("udaddy: no completion within {WAIT:?} ({done} of {} done)", a.count))
+            }
+            Err(e) => fail(&format!("udaddy: failed polling CQ: {e}")),
+        };
+        if !c.is_ok() {
+            fail(&format!("udaddy: completion failed: {}", c.status()));
         }
-        for wc in &wcs[..n] {
-            if !wc.is_ok() {
-                fail(&format!("udaddy: completion failed: {}", wc.status()));
-            }
-            if queue != WorkQueue::Recv {
-                continue;
-            }
-            let Some(buf) = node.recv.get_mut(wc.wr_id() as usize) else { continue };
-            let d = Datagram::parse(wc, buf, 0).unwrap_or_else(|e| fail(&format!("udaddy: bad datagram: {e}")));
-            if reply && node.dest.is_none() {
-                // udaddy answers the QP number in the immediate data (its own), with its QKey.
-                let qkey = node.ep.qp().qkey();
-                let mut dest = UdDest::reply_to(node.ep.qp(), &d, qkey)
-                    .unwrap_or_else(|e| fail(&format!("udaddy: failed to create reply AH: {e}")));
-                if let Some(qpn) = d.imm_data() {
-                    dest = UdDest::new(Arc::clone(dest.ah()), qpn, qkey);
-                }
-                node.dest = Some(dest);
-            }
-            if a.verify {
-                let bytes = buf.as_slice().unwrap_or_else(|e| fail(&format!("udaddy: receive buffer: {e}")));
-                let p = &bytes[d.payload()];
-                if p.len() != a.size || p.iter().enumerate().any(|(i, b)| *b != pattern(0, i)) {
-                    fail(&format!("udaddy: message {} has the wrong bytes ({} bytes)", wc.wr_id(), p.len()));
-                }
-                verified += 1;
-            }
+        // The client's unsignaled sends come back too, when the lane retires them.
+        if c.queue() != queue {
+            continue;
         }
-        done += n;
+        done += 1;
+        if queue != WorkQueue::Recv {
+            continue;
+        }
+        let Some(mut buf) = c.take_region() else { continue };
+        let d = Datagram::parse(&c.work_completion(), &mut buf, 0)
+            .unwrap_or_else(|e| fail(&format!("udaddy: bad datagram: {e}")));
+        if reply && node.dest.is_none() {
+            // udaddy answers the QP number in the immediate data (its own), with its QKey.
+            let grh = d.grh().unwrap_or_else(|| fail("udaddy: failed to create reply AH: the datagram has no GRH"));
+            let ah = AddressHandle::reply_to(&node.pd, node.port, &c.work_completion(), grh)
+                .unwrap_or_else(|e| fail(&format!("udaddy: failed to create reply AH: {e}")));
+            let dest = UdDest::new(ah, d.imm_data().unwrap_or(d.src_qp()), node.qkey);
+            let key = node.lane.add_dest(node.qp, &dest);
+            node.dest = Some(key.unwrap_or_else(|e| fail(&format!("udaddy: failed to create reply AH: {e}"))));
+        }
+        if a.verify {
+            let bytes = buf.as_slice().unwrap_or_else(|e| fail(&format!("udaddy: receive buffer: {e}")));
+            let p = &bytes[d.payload()];
+            if p.len() != a.size || p.iter().enumerate().any(|(i, b)| *b != pattern(0, i)) {
+                fail(&format!("udaddy: message {} has the wrong bytes ({} bytes)", c.wr_id(), p.len()));
+            }
+            verified += 1;
+        }
     }
     verified
 }
@@ -246,12 +254,19 @@ fn client(a: &Args, dst: SocketAddr) {
         verify_mtu(route.mtu().unwrap_or_else(|e| fail(&format!("udaddy: {e}"))), a);
         let pd = route.alloc_pd().unwrap_or_else(|e| fail(&format!("udaddy: unable to allocate PD: {e}")));
         let (recv, send) = buffers(&pd, a).unwrap_or_else(|e| fail(&format!("udaddy: failed to create messages: {e}")));
+        let ctx = route.context().unwrap_or_else(|e| fail(&format!("udaddy: {e}")));
+        let mut lane = Lane::new(&ctx, 2 * a.count.max(1) as u32)
+            .unwrap_or_else(|e| fail(&format!("udaddy: unable to create CQ: {e}")));
         let mut ep = route
-            .create_qp(&pd, qp_init(a.count))
+            .create_qp(&pd, lane.qp_init_from(qp_init(a.count)))
             .unwrap_or_else(|e| fail(&format!("udaddy: unable to create QP: {e}")));
-        post_recvs(&mut |w| ep.qp_mut().post_recv(w), &recv, a.size);
         let dest = ep.connect(&[], WAIT).unwrap_or_else(|e| event_fail(e));
-        nodes.push(Node { ep, recv, send, dest: Some(dest) });
+        // The server sends only once our datagrams reached it: receives posted now are in time.
+        let (qp_num, port, qkey) = (ep.qp().qp_num(), ep.qp().port_num(), ep.qp().qkey());
+        let qp = lane.attach(ep).unwrap_or_else(|e| fail(&format!("udaddy: unable to create QP: {e}")));
+        post_recvs(&mut |w| lane.post_recv(qp, w), recv);
+        let dest = lane.add_dest(qp, &dest).unwrap_or_else(|e| fail(&format!("udaddy: {e}")));
+        nodes.push(Node { lane, qp, qp_num, port, qkey, pd, send, dest: Some(dest) });
     }
     if a.count > 0 {
         println!("initiating data transfers");
@@ -299,11 +314,23 @@ fn server(a: &Args) {
         verify_mtu(req.mtu().unwrap_or_else(|e| fail(&format!("udaddy: {e}"))), a);
         let pd = req.alloc_pd().unwrap_or_else(|e| fail(&format!("udaddy: unable to allocate PD: {e}")));
         let (recv, send) = buffers(&pd, a).unwrap_or_else(|e| fail(&format!("udaddy: failed to create messages: {e}")));
-        let mut sq =
-            req.create_qp(&pd, qp_init(a.count)).unwrap_or_else(|e| fail(&format!("udaddy: unable to create QP: {e}")));
-        post_recvs(&mut |w| sq.post_recv(w), &recv, a.size);
+        let ctx = req.context().unwrap_or_else(|e| fail(&format!("udaddy: {e}")));
+        let mut lane = Lane::new(&ctx, 2 * a.count.max(1) as u32)
+            .unwrap_or_else(|e| fail(&format!("udaddy: unable to create CQ: {e}")));
+        // The client sends the moment it has our answer, and a datagram that finds no receive
+        // is dropped: the receives must be posted before the accept. The lane takes the QP only
+        // once accepted (an endpoint), so they go to a shared receive queue the lane owns,
+        // which the QP takes its receives from.
+        let srq = lane
+            .create_srq(&pd, a.count.max(1) as u32)
+            .unwrap_or_else(|e| fail(&format!("udaddy: unable to create SRQ: {e}")));
+        post_recvs(&mut |w| lane.post_srq_recv(srq, w), recv);
+        let init = lane.srq_qp_init(srq, qp_init(a.count)).unwrap_or_else(|e| fail(&format!("udaddy: {e}")));
+        let sq = req.create_qp(&pd, init).unwrap_or_else(|e| fail(&format!("udaddy: unable to create QP: {e}")));
         let ep = sq.accept(&[]).unwrap_or_else(|e| fail(&format!("udaddy: failure accepting: {e}")));
-        nodes.push(Node { ep, recv, send, dest: None });
+        let (qp_num, port, qkey) = (ep.qp().qp_num(), ep.qp().port_num(), ep.qp().qkey());
+        let qp = lane.attach(ep).unwrap_or_else(|e| fail(&format!("udaddy: failure accepting: {e}")));
+        nodes.push(Node { lane, qp, qp_num, port, qkey, pd, send, dest: None });
     }
     if a.count > 0 {
         println!("receiving data transfers");

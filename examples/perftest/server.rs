@@ -25,8 +25,8 @@
 //! client's thread owns the CQ and the QP, which joins the lane before the accept (so the
 //! receive for the client's first message is in place before it can send), and each work
 //! request moves its region into the lane until its completion hands it back
-//! (`perftest/fast.rs`). `--shared` (one thread, one CQ and one SRQ for every client) still uses
-//! `QueuePair`'s own posts and polls.
+//! (`perftest/fast.rs`). `--shared` serves every client on one lane, whose SRQ
+//! (`Lane::create_srq`) feeds all their QPs (`perftest/shared.rs`).
 
 #[path = "../common/mod.rs"]
 mod common;

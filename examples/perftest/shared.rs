@@ -8,34 +8,34 @@ use std::time::{Duration, Instant};
 use super::{Args, STOP};
 use crate::common::fail;
 use crate::protocol::{Mode, Request, LEGACY_SIZE};
+use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr, Wc};
 use rdma_cm::{
-    Accepting, AccessFlags, CmEvent, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connection, EventChannel,
-    IdHandle, Listener, MemoryRegion, ProtectionDomain, QpInfo, QpInit, RecvWr, SendWr, Server, SharedReceiveQueue,
-    WorkCompletion, WorkQueue,
+    Accepting, AccessFlags, CmEvent, CmEventType, ConnParam, ConnectRequest, EventChannel, IdHandle, Listener,
+    MemoryRegion, ProtectionDomain, QpInfo, QpInit, Server, WorkQueue,
 };
 
 /// Send queue depth of each client's QP: one echo in flight per message, a few to spare.
 const SEND_DEPTH: u32 = 4;
 
-/// What the whole server shares, made on the first request (it fixes the device).
+/// What the whole server shares, made on the first request (it fixes the device): one lane
+/// (its CQ, every client's QP once established, and the SRQ). The SRQ's slots are regions that
+/// move between the SRQ and the echoes: each receive hands its slot back with its completion,
+/// the echo sends from it, and the send's completion hands it back to be posted again.
 struct Pool {
     pd: Arc<ProtectionDomain>,
-    cq: Arc<CompletionQueue>,
-    srq: SharedReceiveQueue,
-    slots: Vec<MemoryRegion>,
+    lane: Lane,
+    srq: LaneSrq,
 }
 
 /// One client.
 struct Client {
-    conn: Connection,
+    qp: LaneQp,
+    id: IdHandle,
     peer: String,
     iters: u32,
     echoed: u32,
     /// Bytes of the echo in flight (for the log line).
     echo_len: usize,
-    /// Slots whose echo is posted and not yet reaped: if the client goes first, its QP's
-    /// drop reaps them, and they go back to the SRQ from here.
-    in_flight: Vec<usize>,
     last: Instant,
 }
 
@@ -43,8 +43,10 @@ struct State {
     pool: Option<Pool>,
     accepting: HashMap<IdHandle, (Accepting, String, u32)>,
     /// Receives that completed for a QP still waiting for its ESTABLISHED (the client may
-    /// send as soon as it has the accept): (slot, bytes), echoed once it is established.
-    early: HashMap<u32, Vec<(usize, usize)>>,
+    /// send as soon as it has the accept): (slot, its region, bytes), echoed once it is
+    /// established.
+    early: HashMap<u32, Vec<(u64, MemoryRegion, usize)>>,
+    /// By QP number: what a completion names.
     clients: HashMap<u32, Client>,
     by_id: HashMap<IdHandle, u32>,
     accepted: u32,
@@ -73,7 +75,7 @@ pub(super) fn serve_all(args: &Args, bind: SocketAddr, timeout: Duration) {
         served: 0,
         failed: 0,
     };
-    let mut wcs = [WorkCompletion::default(); 64];
+    let mut got: Vec<(Wc, Option<MemoryRegion>)> = Vec::with_capacity(64);
     loop {
         let done = args.count.is_some_and(|c| st.served + st.failed >= c);
         if STOP.load(std::sync::atomic::Ordering::SeqCst) || done {
@@ -82,7 +84,7 @@ pub(super) fn serve_all(args: &Args, bind: SocketAddr, timeout: Duration) {
         while let Some(ev) = ch.try_get_event().unwrap_or_else(|e| fail("reading the event channel", e)) {
             on_event(args, &listener, &mut st, ev);
         }
-        let Some(pool) = &st.pool else {
+        let Some(pool) = &mut st.pool else {
             // Nothing to poll yet: sleep on the channel (bounded, to notice signals).
             match ch.get_event(Duration::from_millis(200)) {
                 Ok(ev) => on_event(args, &listener, &mut st, ev),
@@ -91,19 +93,25 @@ pub(super) fn serve_all(args: &Args, bind: SocketAddr, timeout: Duration) {
             }
             continue;
         };
-        let n = pool.cq.wait(&mut wcs, Duration::from_millis(20)).unwrap_or_else(|e| fail("polling the CQ", e));
-        for wc in &wcs[..n] {
-            on_completion(&mut st, wc);
+        match pool.lane.wait_with(64, Duration::from_millis(20), |wc, mr| got.push((wc, mr))) {
+            Ok(_) | Err(rdma_cm::Error::Timeout { .. }) => {}
+            // One client's QP failed with no completion saying why: the others go on (its
+            // client is dropped when it goes silent, or leaves).
+            Err(e @ rdma_cm::Error::QpInError { .. }) => eprintln!("[ERROR] {e}"),
+            Err(e) => fail("polling the CQ", e),
+        }
+        for (wc, mr) in got.drain(..) {
+            on_completion(&mut st, &wc, mr);
         }
         // A client silent for longer than the timeout is dropped; nobody waits for it.
         let now = Instant::now();
         let stale: Vec<u32> = st.clients.iter().filter(|(_, c)| now - c.last > timeout).map(|(&q, _)| q).collect();
         for q in stale {
             let c = st.clients.remove(&q).expect("listed above");
-            st.by_id.remove(&c.conn.id().handle());
+            st.by_id.remove(&c.id);
             eprintln!("[ERROR] client {}: silent for {timeout:?}; dropped", c.peer);
             st.failed += 1;
-            release(&st, c);
+            release(&mut st, c);
         }
     }
     println!("[INFO] Server exiting: {} client(s) served, {} failed", st.served, st.failed);
@@ -112,15 +120,14 @@ pub(super) fn serve_all(args: &Args, bind: SocketAddr, timeout: Duration) {
 fn pool(req: &ConnectRequest, args: &Args) -> rdma_cm::Result<Pool> {
     let ctx = req.context()?;
     let pd = req.alloc_pd()?;
-    let depth = SEND_DEPTH * args.max_clients + args.srq_depth;
-    let cq = CompletionQueue::new(&ctx, depth)?;
-    let srq = SharedReceiveQueue::new(&pd, args.srq_depth)?;
+    // The SRQ grows the CQ by its own depth; each client's QP, by its send queue.
+    let mut lane = Lane::new(&ctx, SEND_DEPTH * args.max_clients)?;
+    let srq = lane.create_srq(&pd, args.srq_depth)?;
     let region = MemoryRegion::new(&pd, args.slot as usize * args.srq_depth as usize, AccessFlags::LOCAL_WRITE)?;
-    let slots = region.split(args.slot as usize)?;
-    let recvs: Vec<RecvWr> =
-        slots.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..args.slot as usize).wr_id(i as u64)).collect();
-    srq.post_recv(&recvs)?;
-    Ok(Pool { pd, cq, srq, slots })
+    for (i, m) in region.split(args.slot as usize)?.into_iter().enumerate() {
+        lane.post_srq_recv(srq, RecvWr::new(m).wr_id(i as u64))?;
+    }
+    Ok(Pool { pd, lane, srq })
 }
 
 fn on_event(args: &Args, listener: &Listener, st: &mut State, ev: CmEvent) {
@@ -140,26 +147,21 @@ fn on_event(args: &Args, listener: &Listener, st: &mut State, ev: CmEvent) {
         }
         CmEventType::Established => {
             let Some((acc, peer, iters)) = st.accepting.remove(&ev.id()) else { return };
-            match acc.complete(ev) {
-                Ok(conn) => {
+            let Some(p) = &mut st.pool else { return };
+            // The connection is made: the lane takes it (its receives already come from the SRQ).
+            let attached = acc.complete(ev).map_err(|e| e.to_string()).and_then(|conn| {
+                let id = conn.id().handle();
+                p.lane.attach(conn).map(|qp| (qp, id)).map_err(|e| e.to_string())
+            });
+            match attached {
+                Ok((qp, id)) => {
                     println!("[EVENT] Connection established ({peer}, {} connected)", st.clients.len() + 1);
-                    let q = conn.qp().qp_num();
-                    st.by_id.insert(conn.id().handle(), q);
-                    st.clients.insert(
-                        q,
-                        Client {
-                            conn,
-                            peer,
-                            iters,
-                            echoed: 0,
-                            echo_len: 0,
-                            in_flight: Vec::new(),
-                            last: Instant::now(),
-                        },
-                    );
+                    let q = p.lane.qp_num(qp).expect("just attached");
+                    st.by_id.insert(id, q);
+                    st.clients.insert(q, Client { qp, id, peer, iters, echoed: 0, echo_len: 0, last: Instant::now() });
                     // Messages that arrived before the handshake finished get their echo now.
-                    for (slot, n) in st.early.remove(&q).unwrap_or_default() {
-                        echo(st, q, slot, n);
+                    for (slot, mr, n) in st.early.remove(&q).unwrap_or_default() {
+                        echo(st, q, slot, mr, n);
                     }
                 }
                 Err(e) => {
@@ -170,8 +172,10 @@ fn on_event(args: &Args, listener: &Listener, st: &mut State, ev: CmEvent) {
         }
         CmEventType::Disconnected | CmEventType::DeviceRemoval => {
             let Some(q) = st.by_id.remove(&ev.id()) else { return };
-            let Some(mut c) = st.clients.remove(&q) else { return };
-            c.conn.handle_event(&ev);
+            let Some(c) = st.clients.remove(&q) else { return };
+            if let Some(p) = &mut st.pool {
+                let _ = p.lane.handle_event(c.qp, &ev);
+            }
             if c.echoed == c.iters {
                 println!("[INFO] Client {} done", c.peer);
                 st.served += 1;
@@ -182,14 +186,14 @@ fn on_event(args: &Args, listener: &Listener, st: &mut State, ev: CmEvent) {
                 );
                 st.failed += 1;
             }
-            // Dropping it takes its QP off the shared CQ; the others go on.
+            // Removing it takes its QP off the shared CQ; the others go on.
             release(st, c);
         }
         CmEventType::Rejected | CmEventType::ConnectError | CmEventType::Unreachable => {
             if let Some((acc, peer, _)) = st.accepting.remove(&ev.id()) {
-                if let Some(p) = &st.pool {
-                    for (slot, _) in st.early.remove(&acc.qp().qp_num()).unwrap_or_default() {
-                        repost(p, slot);
+                if let Some(p) = &mut st.pool {
+                    for (slot, mr, _) in st.early.remove(&acc.qp().qp_num()).unwrap_or_default() {
+                        repost(p, slot, mr);
                     }
                 }
                 eprintln!("[ERROR] client {peer}: {} during the handshake", ev.event_type());
@@ -221,8 +225,11 @@ fn accept(args: &Args, st: &mut State, req: ConnectRequest, peer: String) -> Res
     if st.pool.is_none() {
         st.pool = Some(pool(&req, args).map_err(|e| e.to_string())?);
     }
-    let p = st.pool.as_ref().expect("just made");
-    let init = QpInit::new().max_send_wr(SEND_DEPTH).send_cq(Arc::clone(&p.cq)).recv_cq(Arc::clone(&p.cq)).srq(&p.srq);
+    let p = st.pool.as_mut().expect("just made");
+    // The QP completes on the lane's CQ and takes its receives from the lane's SRQ from the
+    // start; the lane takes the QP itself once established (the accept runs on the shared
+    // channel, without blocking).
+    let init = p.lane.srq_qp_init(p.srq, QpInit::new().max_send_wr(SEND_DEPTH)).map_err(|e| e.to_string())?;
     let pending = req.create_qp(&p.pd, init).map_err(|e| e.to_string())?;
     let info = QpInfo { qp_num: pending.qp().qp_num(), ..QpInfo::default() };
     let param = ConnParam::new().private_data(&info.encode()).map_err(|e| e.to_string())?;
@@ -232,27 +239,25 @@ fn accept(args: &Args, st: &mut State, req: ConnectRequest, peer: String) -> Res
     Ok(())
 }
 
-/// Drops a client's connection (its QP reaps its own work) and returns the slots of echoes
-/// it still had in flight to the SRQ: their completions went with the QP.
-fn release(st: &State, c: Client) {
-    let Client { conn, in_flight, .. } = c;
-    drop(conn);
-    if let Some(p) = &st.pool {
-        for slot in in_flight {
-            repost(p, slot);
+/// Removes a client's QP from the lane. The echoes it still had in flight are flushed: their
+/// completions come out of a later poll, and their slots go back to the SRQ from there.
+fn release(st: &mut State, c: Client) {
+    if let Some(p) = &mut st.pool {
+        if let Err(e) = p.lane.remove(c.qp) {
+            eprintln!("[ERROR] client {}: removing its QP: {e}", c.peer);
         }
     }
 }
 
 /// Returns a slot to the SRQ.
-fn repost(p: &Pool, slot: usize) {
-    let _ = p.srq.post_recv(&[RecvWr::new(&p.slots[slot], 0..p.slots[slot].len()).wr_id(slot as u64)]);
+fn repost(p: &mut Pool, slot: u64, mr: MemoryRegion) {
+    let _ = p.lane.post_srq_recv(p.srq, RecvWr::new(mr).wr_id(slot));
 }
 
 /// Echoes `n` bytes of `slot` to client `q`, from the slot itself: it returns to the SRQ
 /// once the send completes.
-fn echo(st: &mut State, q: u32, slot: usize, n: usize) {
-    let (Some(p), Some(c)) = (&st.pool, st.clients.get_mut(&q)) else { return };
+fn echo(st: &mut State, q: u32, slot: u64, mr: MemoryRegion, n: usize) {
+    let (Some(p), Some(c)) = (&mut st.pool, st.clients.get_mut(&q)) else { return };
     c.last = Instant::now();
     c.echo_len = n;
     if c.iters == 1 {
@@ -260,49 +265,46 @@ fn echo(st: &mut State, q: u32, slot: usize, n: usize) {
     }
     // Counted once posted: the client may see the echo, and leave, before this loop polls
     // the send's completion.
-    match c.conn.qp_mut().post_send(&[SendWr::send(&p.slots[slot], 0..n).wr_id(slot as u64)]) {
-        Ok(()) => {
-            c.echoed += 1;
-            c.in_flight.push(slot);
-        }
+    match p.lane.post_send(c.qp, SendWr::send(mr, 0..n).wr_id(slot)) {
+        Ok(()) => c.echoed += 1,
         Err(e) => {
             eprintln!("[ERROR] client {}: {e}", c.peer);
-            repost(p, slot);
+            let (_, back) = e.into_parts();
+            if let Some(mr) = back {
+                repost(p, slot, mr);
+            }
         }
     }
 }
 
-fn on_completion(st: &mut State, wc: &WorkCompletion) {
-    let Some(p) = &st.pool else { return };
-    let slot = wc.wr_id() as usize;
+fn on_completion(st: &mut State, wc: &Wc, mr: Option<MemoryRegion>) {
+    let (Some(p), Some(mr)) = (&mut st.pool, mr) else { return };
+    let slot = wc.wr_id();
     match wc.queue() {
         WorkQueue::Recv => {
-            let n = match wc.ok() {
-                Ok(wc) => wc.byte_len() as usize,
-                Err(e) => {
-                    if let Some(c) = st.clients.get(&wc.qp_num()) {
-                        eprintln!("[ERROR] client {}: {e}", c.peer);
-                    }
-                    return repost(p, slot);
+            if let Some(e) = wc.error() {
+                if let Some(c) = st.clients.get(&wc.qp_num()) {
+                    eprintln!("[ERROR] client {}: {e}", c.peer);
                 }
-            };
+                return repost(p, slot, mr);
+            }
+            let n = wc.byte_len() as usize;
             if st.clients.contains_key(&wc.qp_num()) {
-                echo(st, wc.qp_num(), slot, n);
+                echo(st, wc.qp_num(), slot, mr, n);
             } else if let Some(early) = st.early.get_mut(&wc.qp_num()) {
-                early.push((slot, n));
+                early.push((slot, mr, n));
             } else {
                 // Its QP is gone: the slot goes back.
-                repost(p, slot);
+                repost(p, slot, mr);
             }
         }
         WorkQueue::Send => {
             if let Some(c) = st.clients.get_mut(&wc.qp_num()) {
-                c.in_flight.retain(|&s| s != slot);
                 if wc.is_ok() && c.iters == 1 {
                     println!("[INFO] Sent {} bytes", c.echo_len);
                 }
             }
-            repost(p, slot);
+            repost(p, slot, mr);
         }
     }
 }

@@ -24,7 +24,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use rdma_cm::{devices, PeerInfo, VerbsContext, WorkCompletion};
+use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::{devices, MemoryRegion, PeerInfo, VerbsContext};
 
 /// How long the server waits for a client, and each side for the other's messages.
 pub const EXCHANGE_WAIT: Duration = Duration::from_secs(60);
@@ -229,22 +230,57 @@ pub const RECV_WRID: u64 = 1;
 /// See [`RECV_WRID`].
 pub const SEND_WRID: u64 = 2;
 
-/// The one QP an rc or ud ping-pong drives: its wait, its receives (re-posted `n` at a time) and
-/// its one send.
-pub trait OneQp {
-    /// Waits for completions, at most `timeout`.
-    fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> rdma_cm::Result<usize>;
-    /// Posts `n` more receives.
-    fn post_recvs(&mut self, n: usize) -> rdma_cm::Result<()>;
-    /// Posts the send.
-    fn post_send(&mut self) -> rdma_cm::Result<()>;
+/// The one QP an rc or ud ping-pong drives, on its lane: the message it sends (in the lane
+/// while its send is posted, handed back by the send's completion) and the receive buffers
+/// not posted (each receive moves its own buffer into the lane; its completion hands it back).
+pub struct OneQp {
+    pub lane: Lane,
+    pub qp: LaneQp,
+    /// Where the sends go on UD; `None` on RC.
+    pub dest: Option<DestKey>,
+    /// The message, while no send of it is posted.
+    pub send: Option<MemoryRegion>,
+    /// Bytes sent from it.
+    pub size: usize,
+    /// Receive buffers not posted.
+    pub spare: Vec<MemoryRegion>,
+}
+
+impl OneQp {
+    /// Posts `n` receives, each on a buffer of [`OneQp::spare`].
+    pub fn post_recvs(&mut self, n: usize) -> Result<(), String> {
+        for _ in 0..n {
+            let mr = self.spare.pop().ok_or("no receive buffer left to post")?;
+            self.lane.post_recv(self.qp, RecvWr::new(mr).wr_id(RECV_WRID)).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Posts the send of the message (to [`OneQp::dest`] on UD).
+    fn post_send(&mut self) -> Result<(), String> {
+        let mr = self.send.take().ok_or("the last send has not completed")?;
+        let mut wr = SendWr::send(mr, 0..self.size).wr_id(SEND_WRID);
+        if let Some(d) = self.dest {
+            wr = wr.to(d);
+        }
+        self.lane.post_send(self.qp, wr).map_err(|e| e.to_string())
+    }
 }
 
 /// rdma-core's rc/ud ping-pong loop: the client sends first; each side sends again once its
 /// last send and a receive have completed, re-posting receives when one or none is left of the
 /// `rx_depth` (`routs` posted now), until `iters` of each. Returns the time from the first
-/// send. `idle` ends the message printed when no completion comes for [`IDLE_WAIT`].
-pub fn run(qp: &mut impl OneQp, iters: u32, rx_depth: u32, mut routs: u32, client: bool, idle: &str) -> Duration {
+/// send, and the buffer the last message landed in (kept out of the receive queue, so
+/// [`OneQp::spare`] needs one buffer more than `rx_depth - routs`). `idle` ends the message
+/// printed when no completion comes for [`IDLE_WAIT`].
+pub fn run(
+    qp: &mut OneQp,
+    iters: u32,
+    rx_depth: u32,
+    mut routs: u32,
+    client: bool,
+    idle: &str,
+) -> (Duration, Option<MemoryRegion>) {
     let mut pending = RECV_WRID;
     if client {
         qp.post_send().unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
@@ -252,35 +288,41 @@ pub fn run(qp: &mut impl OneQp, iters: u32, rx_depth: u32, mut routs: u32, clien
     }
     let start = Instant::now();
     let (mut rcnt, mut scnt) = (0u32, 0u32);
-    let mut wcs = [WorkCompletion::default(); 16];
+    let mut last = None;
     while rcnt < iters || scnt < iters {
-        let n = qp.wait(&mut wcs, IDLE_WAIT).unwrap_or_else(|e| die(format!("poll CQ failed: {e}")));
-        if n == 0 {
-            die(format!("no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: {idle}"));
+        let mut c = match qp.lane.wait(IDLE_WAIT) {
+            Ok(c) => c,
+            Err(rdma_cm::Error::Timeout { .. }) => {
+                die(format!("no completion for {IDLE_WAIT:?} after {scnt} sends and {rcnt} receives: {idle}"))
+            }
+            Err(e) => die(format!("poll CQ failed: {e}")),
+        };
+        if !c.is_ok() {
+            die(format!("Failed status {} ({}) for wr_id {}", c.status(), c.status().to_raw(), c.wr_id()));
         }
-        for wc in &wcs[..n] {
-            if !wc.is_ok() {
-                die(format!("Failed status {} ({}) for wr_id {}", wc.status(), wc.status().to_raw(), wc.wr_id()));
+        match c.wr_id() {
+            SEND_WRID => {
+                qp.send = c.take_region();
+                scnt += 1;
             }
-            match wc.wr_id() {
-                SEND_WRID => scnt += 1,
-                RECV_WRID => {
-                    routs -= 1;
-                    if routs <= 1 {
-                        let more = (rx_depth - routs) as usize;
-                        qp.post_recvs(more).unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
-                        routs += more as u32;
-                    }
-                    rcnt += 1;
+            RECV_WRID => {
+                // The buffer received into before this one goes back to the spares.
+                qp.spare.extend(std::mem::replace(&mut last, c.take_region()));
+                routs -= 1;
+                if routs <= 1 {
+                    let more = (rx_depth - routs) as usize;
+                    qp.post_recvs(more).unwrap_or_else(|e| die(format!("Couldn't post receive ({routs}): {e}")));
+                    routs += more as u32;
                 }
-                other => die(format!("Completion for unknown wr_id {other}")),
+                rcnt += 1;
             }
-            pending &= !wc.wr_id();
-            if scnt < iters && pending == 0 {
-                qp.post_send().unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
-                pending = RECV_WRID | SEND_WRID;
-            }
+            other => die(format!("Completion for unknown wr_id {other}")),
+        }
+        pending &= !c.wr_id();
+        if scnt < iters && pending == 0 {
+            qp.post_send().unwrap_or_else(|e| die(format!("Couldn't post send: {e}")));
+            pending = RECV_WRID | SEND_WRID;
         }
     }
-    start.elapsed()
+    (start.elapsed(), last)
 }
