@@ -1133,7 +1133,7 @@ fn scatter_gather_limits_are_checked_before_posting() {
     let mut got = ok(&mut s.lane);
     assert_eq!((got.wr_id(), got.byte_len()), (1, 16));
     s.lane.post_recv(s.qp, RecvWr::new(got.take_region().unwrap()).wr_id(3)).unwrap();
-    c.lane.post_send(c.qp, SendWr::send_sg(mr, &[0..0]).wr_id(4)).unwrap();
+    c.lane.post_send(c.qp, SendWr::send_sg(mr, std::slice::from_ref(&(0..0))).wr_id(4)).unwrap();
     assert_eq!(ok(&mut c.lane).wr_id(), 4);
     let got = ok(&mut s.lane);
     assert_eq!((got.wr_id(), got.byte_len()), (3, 0), "one empty piece: an empty message");
