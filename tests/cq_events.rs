@@ -28,12 +28,18 @@ fn readable(cq: &CompletionQueue, within: Duration) -> bool {
 /// `drain_events` refuses it: the lane's waits are its readers, and none runs here); how many.
 fn count_events(cq: &CompletionQueue) -> u32 {
     let raw = cq.as_raw();
+    let fd = cq.as_raw_fd();
+    // SAFETY: `fd` is the open descriptor of the CQ's channel (`cq` lives); F_GETFL and F_SETFL
+    // change only its flags. The crate makes it non-blocking itself before its first read.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    assert!(flags >= 0 && unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } == 0, "fcntl");
     let mut n = 0;
     // SAFETY: `raw` is the live CQ `cq` holds, made with a completion channel (its descriptor is
-    // the one `readable` polls), which the crate sets non-blocking: `ibv_get_cq_event` fails
-    // with EAGAIN once none is pending instead of blocking. Each event read names this CQ (the
-    // channel's only one) and is acknowledged at once, so the CQ's destruction, which waits
-    // for every event read to be acknowledged, never waits for these.
+    // the one `readable` polls), now non-blocking: `ibv_get_cq_event` fails with EAGAIN once
+    // none is pending instead of blocking. Each event read names this CQ (the channel's only
+    // one) and is acknowledged at once, so the CQ's destruction, which waits for every event
+    // read to be acknowledged, never waits for these.
     unsafe {
         let channel = (*raw).channel;
         assert!(!channel.is_null(), "the CQ has a completion channel");

@@ -295,7 +295,7 @@ fn rdma_write_with_immediate_data_delivers_the_value() {
     let mut got = vec![0u8; 4096];
     s.mrs[0].read_at(0, &mut got).unwrap();
     assert_eq!(got, want, "the WRITE's bytes");
-    drop((c, s));
+    drop((c, s, wc));
     t.finish();
 }
 
@@ -454,7 +454,7 @@ fn min_rnr_timer_is_each_sides_and_a_send_waits_for_its_receive() {
     assert_eq!(&buf.as_slice().unwrap()[..64], &pattern(64, 4)[..]);
     let sent = c.lane.wait(T).expect("client: the send completes");
     assert!(sent.is_ok() && sent.wr_id() == 1, "{sent:?}");
-    drop((c, s, buf));
+    drop((c, s, buf, sent));
     t.finish();
 }
 
@@ -504,7 +504,7 @@ fn peer_that_leaves_flushes_the_survivors_receive_quickly() {
     assert!(buf.as_mut_slice().is_ok());
     let r = s.lane.post_recv(s.qp, RecvWr::new(buf)).unwrap_err();
     assert!(matches!(r.error(), Error::QpInError { .. }), "posts are refused once the peer left: {r}");
-    drop(s);
+    drop((s, r));
     t.finish();
 }
 
@@ -613,7 +613,8 @@ fn hundred_connections_through_one_event_channel() {
         seen[idx] = true;
     }
     assert!(seen.iter().all(|&s| s));
-    drop(clane);
+    // (The client QPs' capabilities hold the client lane's CQ.)
+    drop((clane, cinit));
     drop(slane);
     t.finish();
 }
@@ -969,7 +970,7 @@ fn rdma_write_gathered_from_3_pieces() {
     let r = c.lane.post_send(c.qp, SendWr::write_sg(src, &pieces, &remote, 8192 - 1070)).unwrap_err();
     assert!(matches!(r.error(), Error::OutOfBounds { what: "remote region", len: 1071, .. }), "{r:?}");
     assert!(r.into_inner().is_some(), "the refused WRITE's region comes back");
-    drop((c, s));
+    drop((c, s, m, got));
     t.finish();
 }
 
@@ -1157,7 +1158,7 @@ fn scatter_gather_limits_are_checked_before_posting() {
     }
     invalid(&SharedReceiveQueue::with_sge(&pd, 4, 0).map(drop).unwrap_err(), "with_sge(0)");
     invalid(&SharedReceiveQueue::with_sge(&pd, 4, MAX_SGE as u32 + 1).map(drop).unwrap_err(), "MAX_SGE");
-    drop((pd, foreign, other_pd, got));
+    drop((pd, foreign, other_pd, got, list));
     drop((c, s));
     t.finish();
 }
@@ -1361,6 +1362,6 @@ fn spinning_waits_complete_time_out_and_see_the_peer_leaving() {
     assert!(c.lane.wait_peer_left(c.qp, T).unwrap(), "the spinning side noticed the peer leaving");
     let r = c.lane.post_recv(c.qp, RecvWr::new(wc.take_region().unwrap())).unwrap_err();
     assert!(matches!(r.error(), Error::QpInError { .. }), "{r}");
-    drop((c, cm, r));
+    drop((c, cm, sm, r));
     t.finish();
 }
