@@ -73,7 +73,7 @@ type LaneEnd = (Lane, LaneQp, Arc<ProtectionDomain>);
 /// A connected pair whose QPs are attached to a lane each: (client, server, the server lane's
 /// CQ).
 fn lanes(t: &DeviceTest) -> (LaneEnd, LaneEnd, Arc<CompletionQueue>) {
-    let (mut la, mut lb) = (lane_on(t.addr, 16), lane_on(t.addr, 16));
+    let (mut la, mut lb) = (lane_on(t.addr, 64), lane_on(t.addr, 64));
     let spec = PairSpec { mr_sizes: vec![], ..PairSpec::default() };
     let (c, s) = pair(t.addr, PairSpec { init: la.qp_init(), ..spec.clone() }, PairSpec { init: lb.qp_init(), ..spec });
     let cq = Arc::clone(s.conn.qp().recv_cq());

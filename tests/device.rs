@@ -169,7 +169,7 @@ fn send_recv_is_byte_exact_at_1b_1k_64k_1m() {
     let t = DeviceTest::start();
     let max = *SIZES.last().unwrap();
     let spec = PairSpec { mr_sizes: vec![max], ..PairSpec::default() };
-    let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 16);
+    let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 64);
     let (mut msg, mut buf) = (c.mrs.remove(0), s.mrs.remove(0));
     for (i, &n) in SIZES.iter().enumerate() {
         let want = pattern(n, i as u8);
@@ -205,7 +205,7 @@ fn rdma_write_with_qp_info_exchange_is_byte_exact() {
     let srv = thread::spawn(move || {
         let req = listener.get_request(T).unwrap();
         let pd = req.alloc_pd().unwrap();
-        let mut lane = lane_on(addr, 16);
+        let mut lane = lane_on(addr, 64);
         let region = MemoryRegion::new(&pd, max, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).unwrap();
         let q = req.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
         let qp = q.qp();
@@ -225,7 +225,7 @@ fn rdma_write_with_qp_info_exchange_is_byte_exact() {
     });
     let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
     let pd = route.alloc_pd().unwrap();
-    let mut lane = Lane::new(&route.context().unwrap(), 16).unwrap();
+    let mut lane = Lane::new(&route.context().unwrap(), 64).unwrap();
     let mut src = MemoryRegion::new(&pd, max, client.access).unwrap();
     let mut sig = MemoryRegion::new(&pd, 4, AccessFlags::LOCAL_WRITE).unwrap();
     let q = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -280,7 +280,7 @@ fn rdma_write_with_immediate_data_delivers_the_value() {
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         ..PairSpec::default()
     };
-    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 16);
+    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 64);
     // The WRITE with immediate consumes a receive, which takes no bytes.
     let slot = MemoryRegion::new(&s.pd, 16, AccessFlags::LOCAL_WRITE).unwrap();
     s.lane.post_recv(s.qp, RecvWr::range(slot, 0..0).wr_id(5)).unwrap();
@@ -309,7 +309,7 @@ fn rdma_read_is_byte_exact() {
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
         ..PairSpec::default()
     };
-    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 16);
+    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 64);
     let remote = s.mrs[0].remote();
     let mut dst = c.mrs.remove(0);
     for (i, &n) in SIZES.iter().enumerate() {
@@ -399,7 +399,7 @@ fn receive_queue_exhaustion_gives_rnr_error() {
     }
     // The accepting side sets how often the connecting side retries on RNR.
     let spec_s = PairSpec { param: ConnParam::new().rnr_retry_count(0), ..PairSpec::default() };
-    let (mut c, s) = lane_pair(t.addr, PairSpec::default(), spec_s, 16);
+    let (mut c, s) = lane_pair(t.addr, PairSpec::default(), spec_s, 64);
     // The server posted no receive.
     c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..8).wr_id(1)).unwrap();
     let mut wc = reap(&mut c.lane, 1).pop().unwrap();
@@ -430,7 +430,7 @@ fn min_rnr_timer_is_each_sides_and_a_send_waits_for_its_receive() {
     drop((c, s));
     let spec_c = PairSpec { param: ConnParam::new().min_rnr_timer(3), ..PairSpec::default() };
     let spec_s = PairSpec { param: ConnParam::new().min_rnr_timer(1), ..PairSpec::default() };
-    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 16);
+    let (mut c, mut s) = lane_pair(t.addr, spec_c, spec_s, 64);
     assert_eq!(c.lane.attributes(c.qp).unwrap().min_rnr_timer, 3, "client");
     assert_eq!(s.lane.attributes(s.qp).unwrap().min_rnr_timer, 1, "server");
     let counter = format!("/sys/class/infiniband/{}/ports/1/hw_counters/rcvd_rnr_err", device_under_test());
@@ -461,7 +461,7 @@ fn min_rnr_timer_is_each_sides_and_a_send_waits_for_its_receive() {
 #[test]
 fn message_larger_than_receive_buffer_fails_cleanly() {
     let t = DeviceTest::start();
-    let (mut c, mut s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 16);
+    let (mut c, mut s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 64);
     s.lane.post_recv(s.qp, RecvWr::range(s.mrs.remove(0), 0..16).wr_id(7)).unwrap();
     c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..64).wr_id(1)).unwrap();
     let mut got = reap(&mut s.lane, 1).pop().unwrap();
@@ -487,7 +487,7 @@ fn message_larger_than_receive_buffer_fails_cleanly() {
 #[test]
 fn peer_that_leaves_flushes_the_survivors_receive_quickly() {
     let t = DeviceTest::start();
-    let (c, mut s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 16);
+    let (c, mut s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 64);
     s.lane.post_recv(s.qp, RecvWr::range(s.mrs.remove(0), 0..64).wr_id(3)).unwrap();
     let start = Instant::now();
     drop(c); // the client goes away without sending
@@ -513,7 +513,7 @@ fn panic_with_work_in_flight_releases_everything() {
     let t = DeviceTest::start();
     let addr = t.addr;
     let r = std::panic::catch_unwind(move || {
-        let (mut c, mut s) = lane_pair(addr, PairSpec::default(), PairSpec::default(), 16);
+        let (mut c, mut s) = lane_pair(addr, PairSpec::default(), PairSpec::default(), 64);
         for side in [&mut c, &mut s] {
             let mr = side.mrs.remove(0);
             side.lane.post_recv(side.qp, RecvWr::new(mr).wr_id(1)).unwrap();
@@ -533,6 +533,11 @@ fn panic_with_work_in_flight_releases_everything() {
 fn hundred_connections_through_one_event_channel() {
     const N: usize = 100;
     let t = DeviceTest::start();
+    // Each QP maps its queues in the provider's library: 2N QPs hold at least as many as 2N
+    // one-entry CQs, which Soft-iWARP's library cannot map in one process.
+    if !require(Cap::CompletionQueues(2 * N)) {
+        return;
+    }
     // One lane per side, each CQ with room for all of its QPs' queues (2 + 2 deep each).
     let (mut slane, mut clane) = (lane_on(t.addr, 8 * N as u32), lane_on(t.addr, 8 * N as u32));
     let init = QpInit::new().max_send_wr(2).max_recv_wr(2);
@@ -794,7 +799,7 @@ fn atomics_fetch_add_and_compare_swap_on_the_peer() {
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC,
         ..PairSpec::default()
     };
-    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 16);
+    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 64);
     s.mrs[0].write_at(8, &100u64.to_ne_bytes()).unwrap();
     let remote = s.mrs[0].remote();
     let mut result = Some(c.mrs.remove(0));
@@ -945,7 +950,7 @@ fn rdma_write_gathered_from_3_pieces() {
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         ..PairSpec::default()
     };
-    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 16);
+    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 64);
     let remote = s.mrs[0].remote();
     // WRITE: 64 + 1000 + 7 bytes gathered, out of order within the region, landing at offset
     // 512 of the peer's region.
@@ -988,7 +993,7 @@ fn rdma_read_scattered_into_3_pieces() {
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
         ..PairSpec::default()
     };
-    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 16);
+    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 64);
     let remote = s.mrs[0].remote();
     let src = pattern(8192, 5);
     s.mrs[0].write_at(0, &src).unwrap();
@@ -1074,7 +1079,7 @@ fn scatter_gather_limits_are_checked_before_posting() {
     let t = DeviceTest::start();
     let cspec =
         PairSpec { mr_sizes: vec![4096, 4096, 4096], init: QpInit::new().max_send_sge(2), ..PairSpec::default() };
-    let (mut c, mut s) = lane_pair(t.addr, cspec, PairSpec::default(), 16);
+    let (mut c, mut s) = lane_pair(t.addr, cspec, PairSpec::default(), 64);
     let invalid = |e: &Error, needle: &str| match e {
         Error::InvalidArgument(m) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
         other => panic!("expected InvalidArgument mentioning {needle:?}, got {other:?}"),
@@ -1227,7 +1232,7 @@ fn ipv6_end_to_end_and_the_ipv6_only_option() {
         assert_eq!(a6.to_string(), expected, "the guest's IPv6 address is the GID found");
     }
     // A connection over IPv6, its QPs on lanes of the device at that address; data checked.
-    let (mut la, mut lb) = (lane_on(IpAddr::V6(a6), 16), lane_on(IpAddr::V6(a6), 16));
+    let (mut la, mut lb) = (lane_on(IpAddr::V6(a6), 64), lane_on(IpAddr::V6(a6), 64));
     let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
     let (cspec, sspec) = (PairSpec { init: la.qp_init(), ..spec.clone() }, PairSpec { init: lb.qp_init(), ..spec });
     let (c, s) = pair(IpAddr::V6(a6), cspec, sspec);
@@ -1306,7 +1311,7 @@ fn ipv6_end_to_end_and_the_ipv6_only_option() {
 fn spinning_waits_complete_time_out_and_see_the_peer_leaving() {
     let t = DeviceTest::start();
     let spec = PairSpec { mr_sizes: vec![64, 64], ..PairSpec::default() };
-    let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 16);
+    let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 64);
     // Each side's message and receive regions, between posts.
     let mut cm = (Some(c.mrs.remove(0)), Some(c.mrs.remove(0)));
     let mut sm = (Some(s.mrs.remove(0)), Some(s.mrs.remove(0)));

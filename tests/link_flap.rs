@@ -313,7 +313,7 @@ fn async_disconnect_body() {
     eprintln!("measured: the link came up {up_after:?} in, and the held disconnect_async ended {took:?} in");
     drop((c.mrs, c.pd, s));
     // The host's CM still hears: a new connection works end to end (its QPs on lanes).
-    let (mut c, mut s) = common::lane::lane_pair(t.addr, common::PairSpec::default(), common::PairSpec::default(), 16);
+    let (mut c, mut s) = common::lane::lane_pair(t.addr, common::PairSpec::default(), common::PairSpec::default(), 64);
     s.lane.post_recv(s.qp, RecvWr::new(s.mrs.remove(0)).wr_id(1)).unwrap();
     c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..64).wr_id(1)).unwrap();
     let sent = common::lane::reap(&mut c.lane, 1).pop().unwrap();
