@@ -320,6 +320,6 @@ fn async_disconnect_body() {
     assert!(sent.is_ok() && sent.wr_id() == 1, "{sent:?}");
     let got = common::lane::reap(&mut s.lane, 1).pop().unwrap();
     assert!(got.is_ok() && got.wr_id() == 1 && got.byte_len() == 64, "{got:?}");
-    drop((c, s));
+    drop((c, s, sent, got));
     t.finish();
 }
