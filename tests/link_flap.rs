@@ -270,13 +270,11 @@ fn an_async_disconnect_is_held_off_the_runtimes_thread() {
 
 #[cfg(feature = "tokio")]
 fn async_disconnect_body() {
-    use rdma_cm::{SendWr, WorkQueue};
-    const T: Duration = common::T;
+    use rdma_cm::verbs::lane::{RecvWr, SendWr};
     let t = DeviceTest::start();
     let netdev = netdev();
     rdma_cm::set_disconnect_hold(Duration::from_secs(60));
-    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
-    let (c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
+    let (c, mut s) = common::pair(t.addr, common::PairSpec::default(), common::PairSpec::default());
     link_down(&netdev);
     let start = std::time::Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -314,12 +312,14 @@ fn async_disconnect_body() {
     );
     eprintln!("measured: the link came up {up_after:?} in, and the held disconnect_async ended {took:?} in");
     drop((c.mrs, c.pd, s));
-    // The host's CM still hears: a new connection works end to end.
-    let spec_s = common::PairSpec { pre_recv: vec![(1, 4096)], ..common::PairSpec::default() };
-    let (mut c, mut s) = common::pair(t.addr, common::PairSpec::default(), spec_s);
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
-    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
-    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 64);
-    drop((c, s));
+    // The host's CM still hears: a new connection works end to end (its QPs on lanes).
+    let (mut c, mut s) = common::lane::lane_pair(t.addr, common::PairSpec::default(), common::PairSpec::default(), 64);
+    s.lane.post_recv(s.qp, RecvWr::new(s.mrs.remove(0)).wr_id(1)).unwrap();
+    c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..64).wr_id(1)).unwrap();
+    let sent = common::lane::reap(&mut c.lane, 1).pop().unwrap();
+    assert!(sent.is_ok() && sent.wr_id() == 1, "{sent:?}");
+    let got = common::lane::reap(&mut s.lane, 1).pop().unwrap();
+    assert!(got.is_ok() && got.wr_id() == 1 && got.byte_len() == 64, "{got:?}");
+    drop((c, s, sent, got));
     t.finish();
 }
