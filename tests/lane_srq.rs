@@ -8,17 +8,17 @@
 //! `compile_fail` example in the module's docs).
 
 mod common;
+#[path = "common/counting.rs"]
+mod counting;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::Instant;
 
 use common::lane::{lane_on, reap};
+use counting::watched;
 use common::{mr_count, pattern, require, Cap, DeviceTest, T};
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
 use rdma_cm::{
@@ -27,49 +27,6 @@ use rdma_cm::{
 };
 
 const LEN: usize = 64;
-
-/// Counts the allocations made while `watched` runs its closure, on that thread (as
-/// tests/alloc.rs does).
-struct Counting;
-
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    // const-initialised and without a destructor: reading it never allocates.
-    static WATCH: Cell<bool> = const { Cell::new(false) };
-}
-
-// SAFETY: every call forwards to the system allocator unchanged; the counter is an atomic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if WATCH.with(|w| w.get()) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: forwarded; `p` came from System.alloc with `l`.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        if WATCH.with(|w| w.get()) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: forwarded.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn watched<R>(f: impl FnOnce() -> R) -> R {
-    WATCH.with(|w| w.set(true));
-    let r = f();
-    WATCH.with(|w| w.set(false));
-    r
-}
 
 fn recv_buf(pd: &Arc<ProtectionDomain>) -> MemoryRegion {
     MemoryRegion::new(pd, 4096, AccessFlags::LOCAL_WRITE).unwrap()
@@ -447,7 +404,7 @@ fn srq_posts_and_polls_allocate_nothing() {
             assert!(ok);
             mr.expect("the region, back")
         }
-        ALLOCS.store(0, Ordering::Relaxed);
+        counting::reset();
         for k in 0..N {
             let b = RecvWr::new(buf.take().unwrap()).wr_id(k as u64);
             if k % 2 == 0 {
@@ -461,7 +418,7 @@ fn srq_posts_and_polls_allocate_nothing() {
             buf = Some(one(&mut server.lane));
             msg = Some(one(&mut clients.lane));
         }
-        let allocs = ALLOCS.load(Ordering::Relaxed);
+        let (allocs, _) = counting::counts();
         assert_eq!(allocs, 0, "{allocs} allocations in {N} receives through the lane's SRQ");
         drop((clients, server, msg, buf));
     }
