@@ -1,4 +1,6 @@
-//! The async path (feature `tokio`) and the non-blocking descriptors, on the device.
+//! The async path (feature `tokio`) and the non-blocking descriptors, on the device: async
+//! connect and accept with the data path on lanes (`Lane::wait_async`, cancel-safe), lanes
+//! awaited across runtimes, two QPs of one lane awaited together, a forgotten wait.
 
 mod common;
 
@@ -6,10 +8,10 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use common::{DeviceTest, T};
-use rdma_cm::{
-    AccessFlags, Client, CmEventType, ConnParam, EventChannel, MemoryRegion, QpInit, RecvWr, SendWr, Server, WorkQueue,
-};
+use common::lane::{lane_pair, LaneSide};
+use common::{DeviceTest, PairSpec, T};
+use rdma_cm::verbs::lane::{Completion, Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::{AccessFlags, Client, CmEventType, ConnParam, EventChannel, MemoryRegion, QpInit, Server, WorkQueue};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
@@ -19,6 +21,16 @@ async fn within<F: std::future::Future>(f: F) -> F::Output {
     tokio::time::timeout(T, f).await.expect("no progress within the test's bound")
 }
 
+/// Hands `conn` (connected, with `lane`'s CQ) to `lane`.
+fn attach(lane: &mut Lane, conn: rdma_cm::Connection) -> LaneQp {
+    lane.attach(conn).map_err(|r| r.into_parts().0).expect("Lane::attach")
+}
+
+/// Async connect and accept, each side's connection then attached to a lane of its own; an
+/// echo through `Lane::wait_async`. The client first cancels a wait for a receive that has not
+/// arrived (the future is dropped at its timer): the receive stays posted, its region in the
+/// lane, and the echo lands in it later. Each side's disconnect is a blocking call, run off the
+/// runtime's one thread.
 #[test]
 fn async_connect_accept_ping_pong_and_cancelled_receive() {
     let t = DeviceTest::start();
@@ -29,44 +41,64 @@ fn async_connect_accept_ping_pong_and_cancelled_receive() {
         let server = tokio::spawn(async move {
             let req = within(listener.get_request_async()).await.unwrap();
             let pd = req.alloc_pd().unwrap();
+            let mut lane = Lane::new(&req.context().unwrap(), 16).unwrap();
             let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
-            q.post_recv(&[RecvWr::new(&buf, 0..4096).wr_id(0)]).unwrap();
-            let mut conn = within(q.accept_async(&ConnParam::new())).await.unwrap();
-            let wc = within(conn.qp_mut().wait_for_async(WorkQueue::Recv, 0)).await.unwrap();
-            conn.qp_mut().post_send(&[SendWr::send(&buf, 0..wc.byte_len() as usize).wr_id(1)]).unwrap();
-            within(conn.qp_mut().wait_for_async(WorkQueue::Send, 1)).await.unwrap();
-            while !conn.is_disconnected() {
-                within(conn.next_event_async()).await.unwrap();
-            }
-            drop((conn, buf, pd));
+            let q = req.create_qp(&pd, lane.qp_init()).unwrap();
+            let conn = within(q.accept_async(&ConnParam::new())).await.unwrap();
+            let qp = attach(&mut lane, conn);
+            lane.post_recv(qp, RecvWr::new(buf).wr_id(0)).unwrap();
+            let mut got = within(lane.wait_async(T)).await.unwrap().ok().unwrap();
+            assert_eq!((got.wr_id(), got.queue()), (0, WorkQueue::Recv));
+            let buf = got.take_region().unwrap();
+            lane.post_send(qp, SendWr::send(buf, 0..got.byte_len() as usize).wr_id(1)).unwrap();
+            let sent = within(lane.wait_async(T)).await.unwrap().ok().unwrap();
+            assert_eq!((sent.wr_id(), sent.queue()), (1, WorkQueue::Send));
+            // The client's disconnect, waited for off the runtime's thread.
+            tokio::task::spawn_blocking(move || {
+                assert!(lane.wait_peer_left(qp, T).unwrap(), "the client's disconnect was not seen within {T:?}");
+                lane.disconnect(qp, T).unwrap();
+                drop((lane, sent, pd));
+            })
+            .await
+            .unwrap();
         });
         let route = within(Client::new().unwrap().resolve_addr_async(None, dst, T)).await.unwrap();
         let route = within(route.resolve_route_async(T)).await.unwrap();
         let pd = route.alloc_pd().unwrap();
+        let mut lane = Lane::new(&route.context().unwrap(), 16).unwrap();
         let mut ping = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut pong = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
-        let q = route.create_qp(&pd, QpInit::new()).unwrap();
-        let mut conn = within(q.connect_async(&ConnParam::new())).await.unwrap();
+        let pong = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
+        let q = route.create_qp(&pd, lane.qp_init()).unwrap();
+        let conn = within(q.connect_async(&ConnParam::new())).await.unwrap();
+        let qp = attach(&mut lane, conn);
 
         // Cancel a wait for a receive that has not arrived: the future is dropped, the receive
         // stays posted and keeps the region.
-        conn.qp_mut().post_recv(&[RecvWr::new(&pong, 0..512).wr_id(5)]).unwrap();
-        let cancelled =
-            tokio::time::timeout(Duration::from_millis(200), conn.qp_mut().wait_for_async(WorkQueue::Recv, 5)).await;
-        assert!(cancelled.is_err(), "nothing was sent yet, so the wait must time out");
-        assert_eq!(pong.outstanding(), 1, "the cancelled wait left the receive (and its region) with the QP");
-        assert!(matches!(pong.as_slice(), Err(rdma_cm::Error::InFlight { .. })));
+        lane.post_recv(qp, RecvWr::new(pong).wr_id(5)).unwrap();
+        let cancelled = tokio::time::timeout(Duration::from_millis(200), lane.wait_async(T)).await;
+        assert!(cancelled.is_err(), "nothing was sent yet, so the wait must time out: {cancelled:?}");
+        assert_eq!(lane.outstanding(qp).unwrap(), (0, 1), "the cancelled wait left the receive (and its region) in the lane");
 
         ping.as_mut_slice().unwrap().copy_from_slice(&common::pattern(512, 77));
-        conn.qp_mut().post_send(&[SendWr::send(&ping, 0..512).wr_id(6)]).unwrap();
-        within(conn.qp_mut().wait_for_async(WorkQueue::Send, 6)).await.unwrap();
-        let wc = within(conn.qp_mut().wait_for_async(WorkQueue::Recv, 5)).await.unwrap();
-        assert_eq!(wc.byte_len(), 512);
+        lane.post_send(qp, SendWr::send(ping, 0..512).wr_id(6)).unwrap();
+        let mut done: Vec<Completion> = Vec::new();
+        while done.len() < 2 {
+            done.push(within(lane.wait_async(T)).await.unwrap().ok().unwrap());
+        }
+        done.sort_by_key(|c| c.wr_id());
+        let recv = &mut done[0];
+        assert_eq!((recv.wr_id(), recv.queue(), recv.byte_len()), (5, WorkQueue::Recv, 512));
+        let mut pong = recv.take_region().expect("the receive's region comes back");
         assert_eq!(pong.as_slice().unwrap(), &common::pattern(512, 77)[..], "the echo landed in live memory");
-        within(conn.disconnect_async()).await.unwrap();
+        assert_eq!((done[1].wr_id(), done[1].queue()), (6, WorkQueue::Send));
+        let lane = tokio::task::spawn_blocking(move || {
+            lane.disconnect(qp, T).unwrap();
+            lane
+        })
+        .await
+        .unwrap();
         server.await.unwrap();
-        drop((ping, pong, pd));
+        drop((done, pong, lane, pd));
     });
     t.finish();
 }
@@ -128,34 +160,46 @@ fn a_runtime_without_io_is_an_error_not_a_panic() {
     t.finish();
 }
 
-/// One async round trip: the server's receive and the client's send, awaited on the current
-/// runtime (each wait sleeps on the reactor until its completion arrives).
-async fn async_round_trip(c: &mut common::Side, s: &mut common::Side, i: u64) {
-    s.conn.qp_mut().post_recv(&[RecvWr::new(&s.mrs[0], 0..64).wr_id(i)]).unwrap();
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(i)]).unwrap();
-    let wc = within(s.conn.qp_mut().wait_for_async(WorkQueue::Recv, i)).await.unwrap();
-    assert_eq!((wc.wr_id(), wc.byte_len()), (i, 64));
-    let wc = within(c.conn.qp_mut().wait_for_async(WorkQueue::Send, i)).await.unwrap();
-    assert_eq!(wc.wr_id(), i);
+/// A lane pair and the regions that travel between each side and its lane.
+struct Pair {
+    c: LaneSide,
+    s: LaneSide,
+    /// The client's message and the server's receive buffer, while in our hands.
+    msg: Option<MemoryRegion>,
+    buf: Option<MemoryRegion>,
 }
 
-/// The CQ and CM channel descriptors (the QP's waits watch both) stay registered with each
-/// runtime that waited on them, from its first async wait on; waits on another runtime (while
-/// the first one lives, idle, and after it is gone) use that runtime's own lasting
-/// registration instead of sleeping on a reactor nobody drives, and the first runtime's
-/// registration still serves it afterwards.
+/// One async round trip: the server's receive and the client's send, awaited on the current
+/// runtime (each wait sleeps on the reactor until its completion arrives).
+async fn async_round_trip(p: &mut Pair, i: u64) {
+    p.s.lane.post_recv(p.s.qp, RecvWr::range(p.buf.take().unwrap(), 0..64).wr_id(i)).unwrap();
+    p.c.lane.post_send(p.c.qp, SendWr::send(p.msg.take().unwrap(), 0..64).wr_id(i)).unwrap();
+    let mut c = within(p.s.lane.wait_async(T)).await.unwrap();
+    assert_eq!((c.wr_id(), c.queue(), c.byte_len()), (i, WorkQueue::Recv, 64));
+    p.buf = c.take_region();
+    let mut c = within(p.c.lane.wait_async(T)).await.unwrap();
+    assert_eq!((c.wr_id(), c.queue()), (i, WorkQueue::Send));
+    p.msg = c.take_region();
+}
+
+/// A lane's CQ channel stays registered with each runtime that waited on it, from its first
+/// async wait on; waits on another runtime (while the first one lives, idle, and after it is
+/// gone) use that runtime's own lasting registration instead of sleeping on a reactor nobody
+/// drives, and the first runtime's registration still serves it afterwards.
 #[test]
 fn async_waits_work_across_runtimes() {
     let t = DeviceTest::start();
-    let spec = common::PairSpec { mr_sizes: vec![4096], ..common::PairSpec::default() };
-    let (mut c, mut s) = common::pair(t.addr, spec.clone(), spec);
+    let spec = PairSpec { mr_sizes: vec![4096], ..PairSpec::default() };
+    let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 64);
+    let (msg, buf) = (c.mrs.pop(), s.mrs.pop());
+    let mut p = Pair { c, s, msg, buf };
     let first = rt();
     let second = rt();
     let mut i = 0;
     for r in [&first, &second, &first, &second] {
         r.block_on(async {
             for _ in 0..50 {
-                async_round_trip(&mut c, &mut s, i).await;
+                async_round_trip(&mut p, i).await;
                 i += 1;
             }
         });
@@ -163,140 +207,157 @@ fn async_waits_work_across_runtimes() {
     drop(first);
     second.block_on(async {
         for _ in 0..50 {
-            async_round_trip(&mut c, &mut s, i).await;
+            async_round_trip(&mut p, i).await;
             i += 1;
         }
     });
-    drop((c, s));
+    drop(p);
     t.finish();
 }
 
-/// Two client QPs sharing one CQ (send and receive), each with its server connection; the
-/// server sends one message to each when told to.
-struct SharedCqPair {
-    c: Vec<rdma_cm::Connection>,
-    mrs: Vec<MemoryRegion>,
+/// Two client QPs on one lane (one CQ for both), each with its server connection (the server's
+/// two on a lane of their own); the server sends one message to each when told to.
+struct SharedLanePair {
+    lane: Lane,
+    qps: [LaneQp; 2],
+    /// Each QP's receive buffer, while in our hands.
+    bufs: [Option<MemoryRegion>; 2],
+    ctx: rdma_cm::VerbsContext,
     go: std::sync::mpsc::Sender<u64>,
     server: std::thread::JoinHandle<()>,
-    _cq: std::sync::Arc<rdma_cm::CompletionQueue>,
 }
 
-fn shared_cq_pair(addr: std::net::IpAddr) -> SharedCqPair {
-    use std::sync::Arc;
+fn shared_lane_pair(addr: std::net::IpAddr) -> SharedLanePair {
     let listener = Server::new().unwrap().bind(SocketAddr::new(addr, 0)).unwrap().listen(4).unwrap();
     let dst = listener.local_addr().unwrap();
     let (go, told) = std::sync::mpsc::channel::<u64>();
     let server = std::thread::spawn(move || {
-        let mut conns: Vec<_> = (0..2)
+        let ctx = listener.context().unwrap();
+        let pd = rdma_cm::ProtectionDomain::new(&ctx).unwrap();
+        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut conns: Vec<(LaneQp, Option<MemoryRegion>)> = (0..2)
             .map(|_| {
-                let req = listener.get_request(T).unwrap();
-                let pd = req.alloc_pd().unwrap();
-                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-                (req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap(), mr)
+                let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+                let qp = s.qp();
+                s.accept(&mut lane, &ConnParam::new(), T).unwrap();
+                (qp, Some(MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap()))
             })
             .collect();
         // Each word from the test: one message to each client, with that wr_id.
         while let Ok(i) = told.recv_timeout(T) {
-            for (conn, mr) in &mut conns {
-                conn.qp_mut().post_send(&[SendWr::send(mr, 0..64).wr_id(i)]).unwrap();
-                conn.qp_mut().wait_for(WorkQueue::Send, i, T).unwrap();
+            for (qp, mr) in &mut conns {
+                lane.post_send(*qp, SendWr::send(mr.take().unwrap(), 0..64).wr_id(i)).unwrap();
+            }
+            for mut c in common::lane::reap(&mut lane, 2) {
+                assert!(c.is_ok() && c.wr_id() == i, "{c:?}");
+                let (_, mr) = conns.iter_mut().find(|(qp, _)| Some(*qp) == c.qp()).expect("one of the two");
+                *mr = c.take_region();
             }
         }
+        drop(lane);
     });
-    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-    let ctx = route.context().unwrap();
-    let pd = route.alloc_pd().unwrap();
-    let cq = rdma_cm::CompletionQueue::new(&ctx, 64).unwrap();
-    let init = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
-    let q1 = route.create_qp(&pd, init()).unwrap();
-    let route2 = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-    let q2 = route2.create_qp(&pd, init()).unwrap();
-    let c = [q1, q2].into_iter().map(|q| q.connect(&ConnParam::new(), T).unwrap()).collect();
-    let mrs = (0..2).map(|_| MemoryRegion::new(&pd, 64 * 16, AccessFlags::LOCAL_WRITE).unwrap()).collect();
-    SharedCqPair { c, mrs, go, server, _cq: cq }
+    let ctx = rdma_cm::VerbsContext::cm_for_addr(addr).unwrap();
+    let pd = rdma_cm::ProtectionDomain::new(&ctx).unwrap();
+    let mut lane = Lane::new(&ctx, 64).unwrap();
+    let qps = [0, 1].map(|_| {
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let c = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+        let qp = c.qp();
+        c.connect(&mut lane, &ConnParam::new(), T).unwrap();
+        qp
+    });
+    let bufs = [0, 1].map(|_| Some(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap()));
+    SharedLanePair { lane, qps, bufs, ctx, go, server }
 }
 
-impl SharedCqPair {
+impl SharedLanePair {
     fn post_recvs(&mut self, i: u64) {
-        for (c, mr) in self.c.iter_mut().zip(&self.mrs) {
-            let at = (i % 16) as usize * 64;
-            c.qp_mut().post_recv(&[RecvWr::new(mr, at..at + 64).wr_id(i)]).unwrap();
+        for (qp, buf) in self.qps.iter().zip(&mut self.bufs) {
+            self.lane.post_recv(*qp, RecvWr::new(buf.take().unwrap()).wr_id(i)).unwrap();
         }
     }
+
+    /// Takes one of round `i`'s receives back: which QP it came on.
+    fn took(&mut self, c: rdma_cm::Result<Completion>, i: u64) -> usize {
+        let mut c = c.unwrap_or_else(|e| panic!("round {i}: no receive: {e}"));
+        assert_eq!((c.wr_id(), c.queue(), c.byte_len()), (i, WorkQueue::Recv, 64), "round {i}");
+        let k = self.qps.iter().position(|qp| Some(*qp) == c.qp()).expect("one of the lane's two QPs");
+        assert!(self.bufs[k].is_none(), "round {i}: QP {k}'s receive came back twice");
+        self.bufs[k] = c.take_region();
+        k
+    }
+
+    /// Waits (asleep, once both QPs' receives are posted) for both QPs' receives of round `i`,
+    /// telling the server to send only once the first wait has been polled.
+    async fn both(&mut self, i: u64) {
+        let go = self.go.clone();
+        let (first, ()) = tokio::join!(within(self.lane.wait_async(T)), async { go.send(i).unwrap() });
+        let second = within(self.lane.wait_async(T)).await;
+        let mut seen = [self.took(first, i), self.took(second, i)];
+        seen.sort();
+        assert_eq!(seen, [0, 1], "round {i}: one receive on each QP");
+    }
+
     fn finish(self) {
         drop(self.go);
         self.server.join().unwrap();
+        drop((self.lane, self.ctx));
     }
 }
 
-/// On a runtime other than the one whose wait registered the CQ's
-/// descriptor first, each wait registered the descriptor for itself; two QPs sharing the CQ,
-/// awaited together there, made the second wait fail at once with `AsyncFd::register`
-/// `EEXIST`. Both must sleep and both must complete.
+/// Two QPs completing on one CQ, awaited together on a runtime other than the one whose wait
+/// registered the CQ's descriptor first: with one registration per wait, the second wait failed
+/// at once with `AsyncFd::register` `EEXIST`. On a lane the two QPs share its CQ: each wait
+/// sleeps before the server sends, and both QPs' receives are handed out, on either runtime.
 #[test]
-fn two_qps_sharing_a_cq_are_awaited_together_on_a_second_runtime() {
+fn two_qps_on_one_lane_are_awaited_together_on_a_second_runtime() {
     let t = DeviceTest::start();
-    let mut p = shared_cq_pair(t.addr);
+    let mut p = shared_lane_pair(t.addr);
     let (first, second) = (rt(), rt());
     for (i, r) in [(0, &first), (1, &second), (2, &first), (3, &second)] {
         p.post_recvs(i);
-        let go = p.go.clone();
-        let [c1, c2] = &mut p.c[..] else { unreachable!() };
-        r.block_on(async {
-            // Both waits are polled (and sleep) before the server is told to send.
-            let (a, b, ()) = tokio::join!(
-                within(c1.qp_mut().wait_for_async(WorkQueue::Recv, i)),
-                within(c2.qp_mut().wait_for_async(WorkQueue::Recv, i)),
-                async { go.send(i).unwrap() }
-            );
-            assert_eq!(a.expect("the first QP's wait").byte_len(), 64, "round {i}");
-            assert_eq!(b.expect("the second QP's wait, on the same CQ").byte_len(), 64, "round {i}");
-        });
+        r.block_on(p.both(i));
     }
     p.finish();
     t.finish();
 }
 
-/// A boxed wait polled once and then forgotten (`mem::forget` never runs
-/// its drop) left its registration of the CQ's descriptor behind, and every later wait of that
-/// CQ that had to sleep on that runtime failed with `EEXIST`. The same shape on an async-event
-/// source's descriptor.
+/// A boxed wait polled once and then forgotten (`mem::forget` never runs its drop) left its
+/// registration of the CQ's descriptor behind, and every later wait of that CQ that had to
+/// sleep on that runtime failed with `EEXIST`. The same shape on an async-event source's
+/// descriptor.
 #[test]
 fn a_forgotten_wait_leaves_no_registration_behind() {
     let t = DeviceTest::start();
-    let mut p = shared_cq_pair(t.addr);
+    let mut p = shared_lane_pair(t.addr);
     let (first, second) = (rt(), rt());
     p.post_recvs(0);
     // The first runtime's registration exists; the forgotten wait is on the second.
     first.block_on(async {
-        let cut = tokio::time::timeout(Duration::from_millis(50), p.c[0].qp_mut().wait_for_async(WorkQueue::Recv, 0));
+        let cut = tokio::time::timeout(Duration::from_millis(50), p.lane.wait_async(T));
         assert!(cut.await.is_err(), "nothing was sent yet");
     });
     second.block_on(async {
-        let mut f = Box::pin(p.c[0].qp_mut().wait_for_async(WorkQueue::Recv, 0));
+        let mut f = Box::pin(p.lane.wait_async(T));
         assert!(tokio::time::timeout(Duration::from_millis(50), &mut f).await.is_err(), "it sleeps");
         std::mem::forget(f);
     });
     p.go.send(0).unwrap();
     second.block_on(async {
-        for c in &mut p.c {
-            let wc = within(c.qp_mut().wait_for_async(WorkQueue::Recv, 0)).await.expect("no EEXIST after the forget");
-            assert_eq!(wc.byte_len(), 64);
+        let mut seen = vec![];
+        for _ in 0..2 {
+            let c = within(p.lane.wait_async(T)).await;
+            assert!(c.is_ok(), "no EEXIST after the forget: {c:?}");
+            seen.push(p.took(c, 0));
         }
+        seen.sort();
+        assert_eq!(seen, [0, 1]);
         // And a wait that must sleep again (the next message is sent once it sleeps).
         p.post_recvs(1);
-        let go = p.go.clone();
-        let [c1, c2] = &mut p.c[..] else { unreachable!() };
-        let (a, b, ()) = tokio::join!(
-            within(c1.qp_mut().wait_for_async(WorkQueue::Recv, 1)),
-            within(c2.qp_mut().wait_for_async(WorkQueue::Recv, 1)),
-            async { go.send(1).unwrap() }
-        );
-        assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+        p.both(1).await;
     });
     // An async-event source: a forgotten next_async, then another that must sleep.
-    let ctx = p.c[0].qp().pd().context().clone();
-    let mut events = ctx.async_events().unwrap();
+    let mut events = p.ctx.async_events().unwrap();
     second.block_on(async {
         let mut f = Box::pin(events.next_async());
         assert!(tokio::time::timeout(Duration::from_millis(50), &mut f).await.is_err(), "no device event");
@@ -304,7 +365,7 @@ fn a_forgotten_wait_leaves_no_registration_behind() {
         let r = tokio::time::timeout(Duration::from_millis(100), events.next_async()).await;
         assert!(r.is_err(), "the second wait sleeps until the bound (no EEXIST): {r:?}");
     });
-    drop((events, ctx));
+    drop(events);
     p.finish();
     t.finish();
 }
@@ -327,8 +388,7 @@ fn a_connect_nobody_answers_leaves_the_runtime_free_and_is_given_up_at_its_timer
         let route = within(route.resolve_route_async(T)).await.unwrap();
         let pd = route.alloc_pd().unwrap();
         let rx = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut q = route.create_qp(&pd, QpInit::new()).unwrap();
-        q.post_recv(&[RecvWr::new(&rx, 0..64).wr_id(1)]).unwrap();
+        let q = route.create_qp(&pd, QpInit::new()).unwrap();
         let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
         let ticker = tokio::spawn({
             let ticks = ticks.clone();
