@@ -1,5 +1,5 @@
-//! `Readiness`: one thread waiting on a CM event channel, a CQ and a descriptor of its own
-//! together (`src/ready.rs`), on the device. The descriptor-only cases are the module's unit
+//! `Readiness`: one thread waiting on a CM event channel, a lane's CQ and a descriptor of its
+//! own together (`src/ready.rs`), on the device. The descriptor-only cases are the module's unit
 //! tests.
 
 mod common;
@@ -12,9 +12,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{DeviceTest, T};
+use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr};
 use rdma_cm::{
-    AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, ConnectRequest, EventChannel, MemoryRegion, QpInit,
-    Readiness, RecvWr, SendWr, Server, WcStatus, WorkCompletion, WorkQueue,
+    AccessFlags, Client, CmEventType, ConnParam, ConnectRequest, EventChannel, MemoryRegion, ProtectionDomain, QpInit,
+    Readiness, Server, WcStatus, WorkQueue,
 };
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -24,10 +25,11 @@ enum Src {
     Own,
 }
 
-/// The client's thread waits on its channel, its CQ and a socket of its own with one
-/// `Readiness`: it sees the channel ready with `ESTABLISHED` (and nothing else), then the CQ
-/// ready with the server's send (and nothing else), then a bounded wait with nothing ready,
-/// then its own socket. The server sends only when told, so each step has one cause.
+/// The client's thread waits on its channel, its lane's CQ (`Lane::cq`, armed with
+/// `Lane::arm`) and a socket of its own with one `Readiness`: it sees the channel ready with
+/// `ESTABLISHED` (and nothing else), then the CQ ready with the server's send (and nothing
+/// else), then a bounded wait with nothing ready (the arming read the CQ's event), then its own
+/// socket. The server sends only when told, so each step has one cause.
 #[test]
 fn one_thread_sees_the_connect_event_then_the_completion_then_nothing() {
     let t = DeviceTest::start();
@@ -35,27 +37,31 @@ fn one_thread_sees_the_connect_event_then_the_completion_then_nothing() {
     let dst = listener.local_addr().expect("the listener has an address");
     let (go, told) = mpsc::channel::<()>();
     let srv = thread::spawn(move || {
+        let ctx = listener.context().expect("server: the device's context");
+        let pd = ProtectionDomain::new(&ctx).expect("server: a PD");
+        let mut lane = Lane::new(&ctx, 16).expect("server: Lane::new");
         let req = listener.get_request(T).expect("server: get_request");
-        let pd = req.alloc_pd().expect("server: alloc_pd");
-        let mut conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).expect("server: accept");
+        let s = req.lane_qp(&mut lane, &pd, QpInit::new()).expect("server: lane_qp");
+        let qp = s.qp();
+        s.accept(&mut lane, &ConnParam::new(), T).expect("server: accept");
         told.recv_timeout(T).expect("server: the client never asked for the send");
-        conn.qp_mut().post_send(&[SendWr::send_inline(b"ready?").wr_id(9)]).expect("server: post_send");
-        let wc = conn.qp_mut().wait_for(WorkQueue::Send, 9, T).expect("server: the send's completion");
-        assert_eq!(wc.status(), WcStatus::Success, "server: the send failed");
+        lane.post_inline(qp, InlineWr::send(b"ready?").wr_id(9)).expect("server: post_inline");
+        let c = lane.wait(T).expect("server: the send's completion");
+        assert_eq!((c.status(), c.wr_id()), (WcStatus::Success, 9), "server: the send failed");
         told.recv_timeout(T).expect("server: the client never said it was done");
-        conn.disconnect(T).expect("server: disconnect");
+        lane.disconnect(qp, T).expect("server: disconnect");
     });
 
     let ch = EventChannel::new().unwrap();
     let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-    let cq = CompletionQueue::new(&route.context().unwrap(), 64).unwrap();
+    let mut lane = Lane::new(&route.context().unwrap(), 64).unwrap();
     let pd = route.alloc_pd().unwrap();
-    let mut buf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut q = route.create_qp(&pd, QpInit::new().send_cq(cq.clone()).recv_cq(cq.clone())).unwrap();
-    q.post_recv(&[RecvWr::new(&buf, 0..64).wr_id(1)]).unwrap();
-    cq.req_notify(false).unwrap();
+    let buf = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let q = route.create_qp(&pd, lane.qp_init()).unwrap();
+    lane.arm().unwrap();
     let connecting = q.start(&ConnParam::new()).unwrap();
     let (own, mut own_peer) = UnixStream::pair().unwrap();
+    let cq = lane.cq();
     let mut set = Readiness::new().channel(&ch, Src::Cm).cq(&cq, Src::Cq).fd(&own, Src::Own);
 
     // 1. The connect: the channel, alone.
@@ -65,21 +71,23 @@ fn one_thread_sees_the_connect_event_then_the_completion_then_nothing() {
     assert_eq!(ev.event_type(), CmEventType::Established);
     let conn = connecting.complete(ev).expect("ESTABLISHED completes the connect");
     assert!(ch.try_get_event().unwrap().is_none(), "the channel is drained");
+    // The connection joins the lane, and its receive is posted before the server is told to send.
+    let qp = lane.attach(conn).map_err(|r| r.into_parts().0).expect("Lane::attach");
+    lane.post_recv(qp, RecvWr::new(buf).wr_id(1)).unwrap();
 
     // 2. The completion: the CQ, alone.
     go.send(()).unwrap();
     let ready: Vec<Src> = set.wait(T).unwrap().collect();
     assert_eq!(ready, [Src::Cq], "the receive's completion, and nothing else");
-    assert!(cq.drain_events().unwrap() >= 1, "the CQ's channel held an event");
-    cq.req_notify(false).unwrap();
-    let mut wcs = [WorkCompletion::default(); 4];
-    let n = cq.poll(&mut wcs).unwrap();
-    assert_eq!(n, 1, "one completion: the receive");
-    let wc = &wcs[0];
-    assert_eq!((wc.status(), wc.queue(), wc.wr_id(), wc.byte_len()), (WcStatus::Success, WorkQueue::Recv, 1, 6));
+    lane.arm().unwrap();
+    let mut c = lane.poll().unwrap().expect("the CQ was reported ready: a completion");
+    assert_eq!((c.status(), c.queue(), c.wr_id(), c.byte_len()), (WcStatus::Success, WorkQueue::Recv, 1, 6));
+    assert!(lane.poll().unwrap().is_none(), "one completion: the receive");
+    let mut buf = c.take_region().expect("the receive's region comes back");
     assert_eq!(&buf.as_slice().unwrap()[..6], b"ready?");
 
-    // 3. Nothing is ready: a bounded wait returns nothing, after its timeout.
+    // 3. Nothing is ready (the arming read the CQ's event): a bounded wait returns nothing,
+    // after its timeout.
     let timeout = Duration::from_millis(200);
     let start = Instant::now();
     let ready = set.wait(timeout).unwrap();
@@ -93,9 +101,9 @@ fn one_thread_sees_the_connect_event_then_the_completion_then_nothing() {
 
     drop(set);
     go.send(()).unwrap();
-    conn.disconnect(T).expect("client: disconnect");
+    lane.disconnect(qp, T).expect("client: disconnect");
     srv.join().expect("server thread panicked");
-    drop((buf, pd, cq, ch));
+    drop((buf, lane, cq, pd, ch));
     t.finish();
 }
 
