@@ -28,73 +28,92 @@ use example_protocol::{fill_pattern, Mode, Request};
 use peer::{
     counters, delta, example, peer, run_local, sh_local, streaming_client, text, wait_until, Wire, NOTICE, SLACK,
 };
-use rdma_cm::{
-    AccessFlags, Client, ConnParam, Connection, Error, MemoryRegion, QpInfo, QpInit, RecvWr, SendWr, WcStatus,
-    WorkQueue,
-};
+use rdma_cm::verbs::lane::{Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInfo, QpInit, WcStatus, WorkQueue};
 
 // ---------------------------------------------------------------------------------------------
 // A client built on the API, against the example server (send mode), for the retry bounds.
 
 struct ApiClient {
-    conn: Connection,
-    data: MemoryRegion,
-    back: MemoryRegion,
+    /// The connection's QP is on it, from before the connect.
+    lane: Lane,
+    qp: LaneQp,
+    /// The message and the echo's buffer, while in our hands (not posted).
+    data: Option<MemoryRegion>,
+    back: Option<MemoryRegion>,
     next: u64,
 }
 
 impl ApiClient {
     /// Connects to the example server at `dst` (send mode, `size`-byte messages) with the given
-    /// retry count and, when given, the ACK timeout exponent (`CmId::set_ack_timeout`).
+    /// retry count and, when given, the ACK timeout exponent (`CmId::set_ack_timeout`). The
+    /// first echo's receive is posted on the lane before the connect.
     fn connect(dst: SocketAddr, size: usize, retry: u8, ack_timeout: Option<u8>) -> ApiClient {
         let t = Duration::from_secs(20);
         let route = Client::new().unwrap().resolve_addr(None, dst, t).unwrap().resolve_route(t).unwrap();
         let pd = route.alloc_pd().unwrap();
+        let mut lane = Lane::new(&route.context().unwrap(), 64).unwrap();
         let data = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap();
         let back = MemoryRegion::new(&pd, size, AccessFlags::LOCAL_WRITE).unwrap();
         if let Some(exp) = ack_timeout {
             route.id().set_ack_timeout(exp).unwrap();
         }
-        let mut pending = route.create_qp(&pd, QpInit::new()).unwrap();
-        pending.post_recv(&[RecvWr::new(&back, 0..size).wr_id(0)]).unwrap();
+        let pending = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+        let qp = pending.qp();
+        lane.post_recv(qp, RecvWr::range(back, 0..size).wr_id(0)).unwrap();
         let req = Request {
-            info: QpInfo { qp_num: pending.qp().qp_num(), ..QpInfo::default() },
+            info: QpInfo { qp_num: lane.qp_num(qp).unwrap(), ..QpInfo::default() },
             mode: Mode::Send,
             size: size as u32,
             iters: 1_000_000,
             send_doorbell: false,
         };
         let param = ConnParam::new().retry_count(retry).private_data(&req.encode()).unwrap();
-        let conn = pending.connect(&param, t).unwrap();
-        ApiClient { conn, data, back, next: 0 }
+        pending.connect(&mut lane, &param, t).unwrap();
+        ApiClient { lane, qp, data: Some(data), back: None, next: 0 }
     }
 
     /// One verified echo.
     fn round_trip(&mut self) {
-        let (i, t, size) = (self.next, Duration::from_secs(20), self.data.len());
-        fill_pattern(self.data.as_mut_slice().unwrap(), i as u32);
-        let qp = self.conn.qp_mut();
+        let t = Duration::from_secs(20);
+        let i = self.next;
+        let mut data = self.data.take().unwrap();
+        let size = data.len();
+        fill_pattern(data.as_mut_slice().unwrap(), i as u32);
         if i > 0 {
-            qp.post_recv(&[RecvWr::new(&self.back, 0..size).wr_id(i)]).unwrap();
+            self.lane.post_recv(self.qp, RecvWr::range(self.back.take().unwrap(), 0..size).wr_id(i)).unwrap();
         }
-        qp.post_send(&[SendWr::send(&self.data, 0..size).wr_id(i)]).unwrap();
-        qp.wait_for(WorkQueue::Send, i, t).unwrap();
-        qp.wait_for(WorkQueue::Recv, i, t).unwrap();
+        self.lane.post_send(self.qp, SendWr::send(data, 0..size).wr_id(i)).unwrap();
+        // The send's completion and the echo's, in either order.
+        for _ in 0..2 {
+            let mut c = self.lane.wait(t).unwrap().ok().unwrap();
+            assert_eq!(c.wr_id(), i, "echo {i}: {c:?}");
+            let region = c.take_region();
+            match c.queue() {
+                WorkQueue::Send => self.data = region,
+                WorkQueue::Recv => self.back = region,
+            }
+        }
+        let back = self.back.as_mut().expect("the echo's buffer is back");
         let (mut got, mut want) = (vec![0u8; size], vec![0u8; size]);
-        self.back.read_at(0, &mut got).unwrap();
+        back.read_at(0, &mut got).unwrap();
         fill_pattern(&mut want, i as u32);
         assert!(got == want, "echo {i} differs");
+        assert!(self.data.is_some(), "echo {i}: the message is back");
         self.next += 1;
     }
 
     /// Posts one send and waits for its completion: the status and how long it took.
     fn send_until_failure(&mut self, within: Duration) -> (Error, Duration) {
-        let (id, size) = (1 << 40, self.data.len());
-        let qp = self.conn.qp_mut();
+        let id = 1 << 40;
+        let data = self.data.take().unwrap();
+        let size = data.len();
         let start = Instant::now();
-        qp.post_send(&[SendWr::send(&self.data, 0..size).wr_id(id)]).unwrap();
-        let e = qp.wait_for(WorkQueue::Send, id, within).expect_err("a send on a cut wire completed");
-        (e, start.elapsed())
+        self.lane.post_send(self.qp, SendWr::send(data, 0..size).wr_id(id)).unwrap();
+        let c = self.lane.wait(within).expect("the send on a cut wire completes, failed");
+        let took = start.elapsed();
+        assert_eq!((c.wr_id(), c.queue()), (id, WorkQueue::Send), "{c:?}");
+        (c.ok().expect_err("a send on a cut wire completed"), took)
     }
 }
 
@@ -120,7 +139,7 @@ fn retry_exhaustion(wire: &Wire, dst: SocketAddr, retry: u8, ack: Option<u8>) ->
     assert!(retry < 7, "rxe retries forever with retry_count 7");
     let mut c = ApiClient::connect(dst, 64, retry, ack);
     // The ACK timeout exponent and retry count, as the device holds them (`ibv_query_qp`).
-    let attrs = c.conn.qp().attributes().unwrap();
+    let attrs = c.lane.attributes(c.qp).unwrap();
     let timeout_exp = attrs.ack_timeout;
     assert_eq!(attrs.retry_count, retry, "the retry count set through ConnParam reaches the QP");
     if let Some(a) = ack {
