@@ -209,8 +209,7 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
     const N: u64 = 5_000;
     let t = DeviceTest::start();
     {
-        let listener =
-            Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+        let listener = Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
         let dst = listener.local_addr().unwrap();
         let client = std::thread::spawn(move || {
             let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
@@ -289,6 +288,7 @@ fn lane_scatter_gather_posts_and_polls_allocate_nothing() {
         // Where READs scatter into fewer than three pieces (siw: max_sge_rd 1), the same 180
         // bytes into one: the READ's allocations are still counted.
         let read_three = [1000..1100, 3000..3010, 2000..2070];
+        #[allow(clippy::single_range_in_vec_init)] // one piece: a list of one range
         let read_one = [1000..1180];
         let read_pieces: &[_] = if common::caps::has(common::Cap::ReadScatter(3)) { &read_three } else { &read_one };
         let mut mr = Some(c.mrs.remove(0));

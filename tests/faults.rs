@@ -316,7 +316,13 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
                 let pd = route.alloc_pd().unwrap();
                 let mut lane = Lane::new(&route.context().unwrap(), 2 * DEPTH as u32).unwrap();
                 let mut slots: Vec<Option<MemoryRegion>> =
-                    MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap().into_iter().map(Some).collect();
+                    MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE)
+                        .unwrap()
+                        .split(SLOT)
+                        .unwrap()
+                        .into_iter()
+                        .map(Some)
+                        .collect();
                 let client = route.lane_qp(&mut lane, &pd, init()).unwrap();
                 let qp = client.qp();
                 client.connect(&mut lane, &ConnParam::new().private_data(&[conn_no]).unwrap(), T).unwrap();

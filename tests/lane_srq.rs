@@ -18,8 +18,8 @@ use std::thread;
 use std::time::Instant;
 
 use common::lane::{lane_on, reap};
-use counting::watched;
 use common::{mr_count, pattern, require, Cap, DeviceTest, T};
+use counting::watched;
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, Server, SharedReceiveQueue,

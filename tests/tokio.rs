@@ -77,7 +77,11 @@ fn async_connect_accept_ping_pong_and_cancelled_receive() {
         lane.post_recv(qp, RecvWr::new(pong).wr_id(5)).unwrap();
         let cancelled = tokio::time::timeout(Duration::from_millis(200), lane.wait_async(T)).await;
         assert!(cancelled.is_err(), "nothing was sent yet, so the wait must time out: {cancelled:?}");
-        assert_eq!(lane.outstanding(qp).unwrap(), (0, 1), "the cancelled wait left the receive (and its region) in the lane");
+        assert_eq!(
+            lane.outstanding(qp).unwrap(),
+            (0, 1),
+            "the cancelled wait left the receive (and its region) in the lane"
+        );
 
         ping.as_mut_slice().unwrap().copy_from_slice(&common::pattern(512, 77));
         lane.post_send(qp, SendWr::send(ping, 0..512).wr_id(6)).unwrap();
