@@ -214,7 +214,7 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
         let client = std::thread::spawn(move || {
             let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
             let pd = route.alloc_pd().unwrap();
-            let mut lane = Lane::new(&route.context().unwrap(), 16).unwrap();
+            let mut lane = Lane::new(&route.context().unwrap(), 32).unwrap();
             let c = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
             let qp = c.qp();
             c.connect(&mut lane, &ConnParam::new(), T).unwrap();

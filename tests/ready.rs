@@ -39,7 +39,7 @@ fn one_thread_sees_the_connect_event_then_the_completion_then_nothing() {
     let srv = thread::spawn(move || {
         let ctx = listener.context().expect("server: the device's context");
         let pd = ProtectionDomain::new(&ctx).expect("server: a PD");
-        let mut lane = Lane::new(&ctx, 16).expect("server: Lane::new");
+        let mut lane = Lane::new(&ctx, 32).expect("server: Lane::new");
         let req = listener.get_request(T).expect("server: get_request");
         let s = req.lane_qp(&mut lane, &pd, QpInit::new()).expect("server: lane_qp");
         let qp = s.qp();

@@ -41,7 +41,7 @@ fn async_connect_accept_ping_pong_and_cancelled_receive() {
         let server = tokio::spawn(async move {
             let req = within(listener.get_request_async()).await.unwrap();
             let pd = req.alloc_pd().unwrap();
-            let mut lane = Lane::new(&req.context().unwrap(), 16).unwrap();
+            let mut lane = Lane::new(&req.context().unwrap(), 32).unwrap();
             let buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
             let q = req.create_qp(&pd, lane.qp_init()).unwrap();
             let conn = within(q.accept_async(&ConnParam::new())).await.unwrap();
@@ -65,7 +65,7 @@ fn async_connect_accept_ping_pong_and_cancelled_receive() {
         let route = within(Client::new().unwrap().resolve_addr_async(None, dst, T)).await.unwrap();
         let route = within(route.resolve_route_async(T)).await.unwrap();
         let pd = route.alloc_pd().unwrap();
-        let mut lane = Lane::new(&route.context().unwrap(), 16).unwrap();
+        let mut lane = Lane::new(&route.context().unwrap(), 32).unwrap();
         let mut ping = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
         let pong = MemoryRegion::new(&pd, 512, AccessFlags::LOCAL_WRITE).unwrap();
         let q = route.create_qp(&pd, lane.qp_init()).unwrap();
@@ -238,7 +238,7 @@ fn shared_lane_pair(addr: std::net::IpAddr) -> SharedLanePair {
     let server = std::thread::spawn(move || {
         let ctx = listener.context().unwrap();
         let pd = rdma_cm::ProtectionDomain::new(&ctx).unwrap();
-        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut lane = Lane::new(&ctx, 64).unwrap();
         let mut conns: Vec<(LaneQp, Option<MemoryRegion>)> = (0..2)
             .map(|_| {
                 let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
