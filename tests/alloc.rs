@@ -202,14 +202,16 @@ fn lane_async_waits_allocate_nothing() {
 /// A lane with a shared receive queue allocates nothing either: the server's QP takes its
 /// receives from the lane's SRQ; each message lands in the SRQ's region, whose completion (on
 /// the lane's one CQ) names the QP, and the server echoes it from that same region on the QP's
-/// send queue (polled through the same CQ) before posting the region to the SRQ again.
+/// send queue (polled through the same CQ) before posting the region to the SRQ again. The
+/// client keeps one receive posted ahead (two regions in turn), so each echo finds one.
 #[test]
 fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
     use rdma_cm::{Client, ConnParam, ProtectionDomain, QpInit, Server};
     const N: u64 = 5_000;
     let t = DeviceTest::start();
     {
-        let listener = Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+        let listener =
+            Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
         let dst = listener.local_addr().unwrap();
         let client = std::thread::spawn(move || {
             let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
@@ -217,9 +219,11 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
             let mut lane = Lane::new(&route.context().unwrap(), 32).unwrap();
             let c = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
             let qp = c.qp();
+            let region = || MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+            // The first echo's receive, posted before the connect.
+            lane.post_recv(qp, LRecv::range(region(), 0..64).wr_id(0)).unwrap();
             c.connect(&mut lane, &ConnParam::new(), T).unwrap();
-            let mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-            (lane, qp, mr, pd)
+            (lane, qp, region(), region(), pd)
         });
         let ctx = listener.context().unwrap();
         let pd = ProtectionDomain::new(&ctx).unwrap();
@@ -230,9 +234,9 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
         let sqp = s.qp();
         s.accept(&mut slane, &ConnParam::new(), T).unwrap();
         let server_qpn = slane.qp_num(sqp).unwrap();
-        let (mut clane, cqp, mr, cpd) = client.join().unwrap();
+        let (mut clane, cqp, mr, next_recv, cpd) = client.join().unwrap();
         let mut slot = Some(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap());
-        let mut mr = Some(mr);
+        let (mut mr, mut next_recv) = (Some(mr), Some(next_recv));
         reset();
         for i in 0..N {
             let r = slot.take().unwrap();
@@ -241,21 +245,24 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
             watched(|| clane.post_send(cqp, LSend::send(m, 0..64).wr_id(i))).unwrap();
             let (wc, m) = one(&mut clane);
             assert_eq!(wc.queue(), WorkQueue::Send);
+            mr = Some(m);
             let (wc, r) = one(&mut slane);
             assert_eq!((wc.queue(), wc.wr_id(), wc.qp_num(), wc.is_srq()), (WorkQueue::Recv, i, server_qpn, true));
-            // The echo, from the slot, polled through the lane's CQ.
+            // The echo, from the slot, polled through the lane's CQ; the client's receive for
+            // the next one posted meanwhile.
             watched(|| slane.post_send(sqp, LSend::send(r, 0..64).wr_id(i))).unwrap();
-            watched(|| clane.post_recv(cqp, LRecv::range(m, 2048..2112).wr_id(i + 1))).unwrap();
+            let n = next_recv.take().unwrap();
+            watched(|| clane.post_recv(cqp, LRecv::range(n, 0..64).wr_id(i + 1))).unwrap();
             let (wc, r) = one(&mut slane);
             assert_eq!((wc.queue(), wc.qp()), (WorkQueue::Send, Some(sqp)));
             slot = Some(r);
-            let (wc, m) = one(&mut clane);
-            assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i + 1, 64));
-            mr = Some(m);
+            let (wc, n) = one(&mut clane);
+            assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i, 64));
+            next_recv = Some(n);
         }
         let (allocs, bytes) = counts();
         assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations on a lane with an SRQ");
-        drop((clane, mr, cpd));
+        drop((clane, mr, next_recv, cpd));
         drop((slane, slot, pd, ctx, listener));
     }
     t.finish();
