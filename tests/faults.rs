@@ -288,18 +288,25 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
     let t = DeviceTest::start();
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
     let dst = listener.local_addr().unwrap();
+    // Each connection's lane, PD and slots (one registration, split into 16) are made before
+    // any client connects, so the accepts, one after another, do only what needs the request.
+    let ctx = listener.context().unwrap();
+    let prepared: Vec<_> = (0..10)
+        .map(|_| {
+            let pd = ProtectionDomain::new(&ctx).unwrap();
+            let lane = Lane::new(&ctx, 2 * DEPTH as u32).unwrap();
+            let slots = MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap();
+            (pd, lane, slots)
+        })
+        .collect();
     let receivers = thread::spawn(move || {
-        let ctx = listener.context().unwrap();
         let mut handles = vec![];
-        for _ in 0..10 {
+        for (pd, mut lane, slots) in prepared {
             let req = listener.get_request(T).unwrap();
             let conn_no = u64::from(req.private_data()[0]);
-            let pd = ProtectionDomain::new(&ctx).unwrap();
-            let mut lane = Lane::new(&ctx, 2 * DEPTH as u32).unwrap();
             let s = req.lane_qp(&mut lane, &pd, init()).unwrap();
             let qp = s.qp();
-            // One registration, split into 16 slots, each posted as a receive before the accept.
-            let slots = MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap();
+            // Every slot posted as a receive before the accept.
             for (k, m) in slots.into_iter().enumerate() {
                 lane.post_recv(qp, RecvWr::new(m).wr_id(k as u64)).unwrap();
             }
