@@ -210,8 +210,7 @@ fn a_lane_with_a_shared_receive_queue_posts_and_polls_allocating_nothing() {
     const N: u64 = 5_000;
     let t = DeviceTest::start();
     {
-        let listener =
-            Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+        let listener = Server::new().unwrap().bind(std::net::SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
         let dst = listener.local_addr().unwrap();
         let client = std::thread::spawn(move || {
             let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
