@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::lane::{lane_on, lane_pair};
 use common::{pair, DeviceTest, PairSpec, T};
-use counting::{count_allocs, counts, reset, watch, watched};
+use counting::{count_allocs, counts, reset, watched};
 use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend, Wc};
 use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RecvWr, SendWr, WcStatus, WorkCompletion, WorkQueue};
 
@@ -177,7 +177,7 @@ fn lane_async_waits_allocate_nothing() {
         for i in 0..WARM + N {
             if i == WARM {
                 reset();
-                watch(true);
+                counting::watch(true);
             }
             b.lane.post_prepared_recv(&mut recv).unwrap();
             a.lane.post_prepared(&mut send).unwrap();
@@ -191,7 +191,7 @@ fn lane_async_waits_allocate_nothing() {
             assert!(ok);
             recv.rearm(mr.unwrap()).unwrap();
         }
-        watch(false);
+        counting::watch(false);
         counts()
     });
     assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} async round trips on the lane");

@@ -395,7 +395,7 @@ fn odp_registration_is_refused_naming_the_missing_capability() {
             ("new", MemoryRegion::new(&a.pd, N, odp()).err()),
             ("register", MemoryRegion::register(&a.pd, vec![1u8; N], odp()).err()),
             ("register_at", MemoryRegion::register_at(&a.pd, Mapping::anonymous(N).unwrap(), odp(), 0).err()),
-            ("remote rights", MemoryRegion::register(&a.pd, vec![1u64; 512], remote_odp()).err()),
+            ("remote rights", MemoryRegion::register(&a.pd, vec![1u8; 4096], remote_odp()).err()),
         ];
         for (how, e) in attempts {
             let e = e.unwrap_or_else(|| panic!("{how}: registered with ON_DEMAND without ODP"));
