@@ -644,18 +644,7 @@ fn connect_nobody_answers_returns_at_its_timeout_plus_the_drain() {
     assert!(took < bound + std::time::Duration::from_secs(3), "connect returned after {took:?} (bound {bound:?}): {e}");
     eprintln!("measured: connect returned after {took:?} with a {bound:?} bound");
     drop((rx, pd));
-    // Everything is released (the counts are waited for, bounded); on iWARP the helper thread
-    // first waits for the kernel's TCP connect to give up (Linux's SYN retries: about 127 s).
-    if common::caps::iwarp() {
-        let start = std::time::Instant::now();
-        t.finish_within(std::time::Duration::from_secs(200));
-        eprintln!(
-            "measured: the iWARP connect's objects were released {:?} after the test dropped its own",
-            start.elapsed()
-        );
-    } else {
-        t.finish();
-    }
+    finish_after_a_connect_nobody_answered(t);
 }
 
 /// `LaneClient::connect` to an address nobody answers, with a receive posted on the lane,
@@ -707,8 +696,12 @@ fn connect_nobody_answers_returns_at_its_timeout_and_the_teardown_is_bounded() {
         assert!(took < std::time::Duration::from_secs(3), "the removal took {took:?}");
     }
     drop((lane, refused, pd));
-    // Everything is released (the counts are waited for, bounded); on iWARP the helper thread
-    // first waits for the kernel's TCP connect to give up (Linux's SYN retries: about 127 s).
+    finish_after_a_connect_nobody_answered(t);
+}
+
+/// Waits (bounded) for everything to be released; on iWARP the connect's helper thread first
+/// waits for the kernel's TCP connect to give up (Linux's SYN retries: about 127 s).
+fn finish_after_a_connect_nobody_answered(t: DeviceTest) {
     if common::caps::iwarp() {
         let start = std::time::Instant::now();
         t.finish_within(std::time::Duration::from_secs(200));
