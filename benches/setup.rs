@@ -6,7 +6,8 @@
 //! cargo bench --bench setup            # on a machine with a device (else in the guest)
 //! harness/bench                        # everything, plus the rdma-core/perftest comparison
 //! RDMA_VM_HUGEPAGES=160 cargo bench --bench setup -- 'mr_pages|mr_kinds'
-//!                                      # 4 KiB beside 2 MiB pages up to 256 MiB (see mr_pages)
+//!                                      # 4 KiB beside 2 MiB pages up to 256 MiB (see mr_pages;
+//!                                      # 1 GiB with RDMA_VM_HUGEPAGES=520 RDMA_VM_MEM=3072)
 //! ```
 
 mod common;
