@@ -8,6 +8,8 @@
 //! `examples/mckey` against itself and against rdma-core's `mckey` in both directions.
 
 mod common;
+#[path = "common/counting.rs"]
+mod counting;
 
 use std::net::IpAddr;
 use std::process::{Command, Stdio};
@@ -397,7 +399,7 @@ fn loopback_off_is_a_clear_error_where_the_device_cannot_block_it() {
 fn poll_one(lane: &mut Lane) -> Completion {
     let deadline = std::time::Instant::now() + T;
     loop {
-        if let Some(c) = watched(|| lane.poll()).unwrap() {
+        if let Some(c) = counting::watched(|| lane.poll()).unwrap() {
             return c;
         }
         assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
@@ -419,16 +421,13 @@ fn posting_to_the_group_and_polling_allocate_nothing() {
         let mut out = Some(MemoryRegion::new(&tpd, 256, AccessFlags::LOCAL_WRITE).unwrap());
         let (rm, _) = Multicast::join_on(&mut rl, rq, g, JoinKind::FullMember, T).unwrap();
         let (tm, to_group) = Multicast::join_on(&mut tl, tq, g, JoinKind::SendOnlyFullMember, T).unwrap();
-        ALLOCS.store(0, std::sync::atomic::Ordering::SeqCst);
-        drop(watched(|| std::hint::black_box(Vec::<u8>::with_capacity(10))));
-        assert_eq!(ALLOCS.load(std::sync::atomic::Ordering::SeqCst), 1, "the counting allocator must see allocations");
-        ALLOCS.store(0, std::sync::atomic::Ordering::SeqCst);
+        counting::assert_it_counts();
         for i in 0..N {
             let len = 1 + (i as usize % 256);
             let r = rbuf.take().unwrap();
-            watched(|| rl.post_recv(rq, RecvWr::new(r).wr_id(i))).unwrap();
+            counting::watched(|| rl.post_recv(rq, RecvWr::new(r).wr_id(i))).unwrap();
             let o = out.take().unwrap();
-            watched(|| tl.post_send(tq, SendWr::send(o, 0..len).to(to_group).wr_id(i))).unwrap();
+            counting::watched(|| tl.post_send(tq, SendWr::send(o, 0..len).to(to_group).wr_id(i))).unwrap();
             let mut sent = poll_one(&mut tl);
             assert!(sent.is_ok() && sent.wr_id() == i, "{sent:?}");
             out = sent.take_region();
@@ -436,10 +435,10 @@ fn posting_to_the_group_and_polling_allocate_nothing() {
             assert_eq!((got.wr_id(), got.byte_len() as usize), (i, GRH_LEN + len));
             let wc = got.work_completion();
             let mut r = got.take_region().expect("the receive's region back");
-            assert_eq!(watched(|| Datagram::parse(&wc, &mut r, 0)).unwrap().len(), len);
+            assert_eq!(counting::watched(|| Datagram::parse(&wc, &mut r, 0)).unwrap().len(), len);
             rbuf = Some(r);
         }
-        let allocs = ALLOCS.load(std::sync::atomic::Ordering::SeqCst);
+        let (allocs, _) = counting::counts();
         assert_eq!(allocs, 0, "{allocs} allocations in {N} multicast sends and receives (post, poll, parse)");
         drop((tm, rm, rl, tl, rbuf, out));
     }
@@ -667,47 +666,4 @@ fn mckey_example_and_mckey_refuse_loopback_off_alike_on_rxe() {
         assert!(!o.contains("initiating data transfers"), "{prog} went on:\n{o}");
     }
     t.finish();
-}
-
-// ---- allocation on the multicast data path ----
-
-struct Counting;
-
-static ALLOCS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-thread_local! {
-    // const-initialised and without a destructor: reading it never allocates.
-    static WATCH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-// SAFETY: every call forwards to the system allocator unchanged; the counter is an atomic.
-unsafe impl std::alloc::GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
-        if WATCH.with(|w| w.get()) {
-            ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { std::alloc::System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
-        // SAFETY: forwarded; `p` came from System.alloc with `l`.
-        unsafe { std::alloc::System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
-        if WATCH.with(|w| w.get()) {
-            ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        // SAFETY: forwarded.
-        unsafe { std::alloc::System.realloc(p, l, n) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn watched<T>(f: impl FnOnce() -> T) -> T {
-    WATCH.with(|w| w.set(true));
-    let r = f();
-    WATCH.with(|w| w.set(false));
-    r
 }

@@ -1,5 +1,5 @@
 //! A counting global allocator, for the binaries that prove a path allocates nothing
-//! (`alloc.rs`, `lane_srq.rs`). It is installed as the binary's `#[global_allocator]`, so it is
+//! (`alloc.rs`, `lane_srq.rs`, `multicast.rs`). It is installed as the binary's `#[global_allocator]`, so it is
 //! not part of `common` (which every binary includes): a binary takes it with
 //!
 //! ```ignore
