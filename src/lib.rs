@@ -154,7 +154,7 @@ pub use ready::{Readiness, Ready};
 pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
 pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use verbs::buffer::{Mapping, StableBuffer, HUGE_PAGE_SIZE};
-pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion, WorkQueue};
+pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
 pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
@@ -167,8 +167,8 @@ pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
 pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp};
 pub use verbs::qp_attr::{QpAttributes, QpState};
 pub use verbs::srq::SharedReceiveQueue;
-pub use verbs::ud::{Datagram, UdDest, UdQp, UdSendWr, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
-pub use verbs::wr::{RecvWr, SendWr, MAX_SGE};
+pub use verbs::ud::{Datagram, UdDest, UdQp, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
+pub use verbs::wr::MAX_SGE;
 pub use wait::FOREVER;
 
 /// Compiles the README's Rust example as a doctest, so the front page cannot rot.

@@ -105,35 +105,6 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> Result<()> {
     }
 }
 
-/// A non-blocking eventfd, for waking a sleeping wait from another thread.
-pub(crate) fn eventfd() -> Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: eventfd takes no pointers; the result is checked before use.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::call("eventfd", errno(), None));
-    }
-    // SAFETY: `fd` was just created by eventfd and is owned by nobody else.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
-}
-
-/// Makes an eventfd readable. A failure (the counter full, which takes 2^64 - 1 signals
-/// nobody read) still leaves it readable, so it is ignored.
-pub(crate) fn eventfd_signal(fd: &std::os::fd::OwnedFd) {
-    use std::os::fd::AsRawFd;
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64 to a descriptor `fd` keeps open.
-    let _ = unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-}
-
-/// Resets an eventfd (non-blocking) to not readable.
-pub(crate) fn eventfd_clear(fd: RawFd) {
-    let mut v: u64 = 0;
-    // SAFETY: reads at most 8 bytes into a live u64; `fd` is a non-blocking eventfd the caller
-    // keeps open, so the read never blocks (EAGAIN when already clear, which is ignored).
-    let _ = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
-}
-
 /// A descriptor's registrations with tokio's reactors, kept by the object owning the
 /// descriptor (a CQ's completion channel, a CM event channel, an async-event source) for that
 /// object's life, so that a wait costs no `epoll_ctl` calls. One registration per runtime that
@@ -402,19 +373,6 @@ mod tests {
             libc::close(p[0]);
             libc::close(p[1]);
         }
-    }
-
-    #[test]
-    fn an_eventfd_wakes_a_poll_and_clears() {
-        use std::os::fd::AsRawFd;
-        let e = eventfd().unwrap();
-        let mut fds = [pollfd(e.as_raw_fd())];
-        assert!(!poll_readable(&mut fds, Duration::ZERO).unwrap());
-        eventfd_signal(&e);
-        eventfd_signal(&e);
-        assert!(poll_readable(&mut fds, Duration::from_secs(1)).unwrap());
-        eventfd_clear(e.as_raw_fd());
-        assert!(!poll_readable(&mut fds, Duration::ZERO).unwrap(), "one read clears every signal");
     }
 
     #[test]

@@ -19,8 +19,6 @@
 //! typestates offer receives only until the connection exists (an [`UnconnectedQp`] lends no
 //! mutable QP, so nothing is sent before RTS).
 
-use std::net::SocketAddr;
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
 
@@ -28,7 +26,6 @@ use rdma_sys as ffi;
 
 use crate::cm::cm_id::CmId;
 use crate::cm::conn_param::ConnParam;
-use crate::cm::expect::is_peer_gone;
 use crate::error::{check_ibv, check_rdma, Error, Result};
 use crate::verbs::link::Link;
 use crate::verbs::qp::{QueuePair, UnconnectedQp};
@@ -55,23 +52,6 @@ impl Link for AdoptedLink {
         unsafe { ffi::ibv_destroy_qp(qp) }
     }
 
-    fn watch_fd(&self) -> Option<RawFd> {
-        use std::os::fd::AsRawFd;
-        self.id.channel().is_exclusive().then(|| self.id.channel().as_raw_fd())
-    }
-
-    #[cfg(feature = "tokio")]
-    fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
-        Some(self.id.channel().reactor())
-    }
-
-    fn peer_left(&self) -> Result<bool> {
-        let me = self.id.handle();
-        let mut left = false;
-        self.id.channel().pump(|ev| left |= ev.id() == me && is_peer_gone(ev))?;
-        Ok(left)
-    }
-
     fn disconnect(&self) -> Result<()> {
         let qp = self.qp.load(Ordering::Acquire);
         // SAFETY: the pointer is the QP that owns this link (stored at adoption), and the QP
@@ -79,10 +59,6 @@ impl Link for AdoptedLink {
         unsafe { set_err(qp) }?;
         // The answer to the peer's disconnect: not held (see `CmLink::disconnect`).
         self.id.disconnect_now()
-    }
-
-    fn peer_addr(&self) -> Option<SocketAddr> {
-        self.id.peer_addr()
     }
 
     fn comm_established(&self) {

@@ -307,14 +307,6 @@ impl ClientQp {
         &self.qp
     }
 
-    /// Posts receives before connecting, so the peer's first message has somewhere to land.
-    ///
-    /// # Errors
-    /// As for [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[crate::verbs::wr::RecvWr<'_>]) -> Result<()> {
-        self.qp.post_recv(wrs)
-    }
-
     /// Destroys the QP (flushing any posted receives) and returns the route, e.g. to create
     /// a QP with other capabilities.
     pub fn destroy_qp(self) -> RouteResolved {

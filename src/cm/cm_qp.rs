@@ -2,13 +2,11 @@
 //! blocking multicast loopback when asked), and the [`Link`] through which such a QP asks its
 //! id to destroy it, disconnect, and say whether the peer left.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use rdma_sys as ffi;
 
 use crate::cm::cm_id::CmId;
-use crate::cm::expect::is_peer_gone;
 use crate::error::{check_rdma, errno, Error, Result};
 use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;
@@ -34,35 +32,11 @@ impl Link for CmLink {
         ret
     }
 
-    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
-        use std::os::fd::AsRawFd;
-        // Only while nothing but this id holds the channel: nobody else reads it, so watching
-        // cannot keep an event from its owner's wait.
-        self.0.channel().is_exclusive().then(|| self.0.channel().as_raw_fd())
-    }
-
-    #[cfg(feature = "tokio")]
-    fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
-        Some(self.0.channel().reactor())
-    }
-
-    fn peer_left(&self) -> Result<bool> {
-        let me = self.0.handle();
-        let mut left = false;
-        // The events stay queued on the channel, so the connection's next_event still sees them.
-        self.0.channel().pump(|ev| left |= ev.id() == me && is_peer_gone(ev))?;
-        Ok(left)
-    }
-
     fn disconnect(&self) -> Result<()> {
         // The answer to the peer's disconnect (its DREQ came in over this port a moment ago):
         // not held while the port is down (`crate::hold`), so that a wait, async ones too,
         // never blocks for the hold.
         self.0.disconnect_now()
-    }
-
-    fn peer_addr(&self) -> Option<SocketAddr> {
-        self.0.peer_addr()
     }
 
     fn comm_established(&self) {

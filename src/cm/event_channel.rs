@@ -204,12 +204,6 @@ impl EventChannel {
         self.inner.demux.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether this handle and the ids on the channel are all there is: no other handle of
-    /// it exists, so nobody else can read it.
-    pub(crate) fn is_exclusive(&self) -> bool {
-        Arc::strong_count(&self.inner) == 1
-    }
-
     /// Reads one event from the channel, if one is pending. Call with the lock held.
     fn read_locked(&self, _lock: &mut ChannelLock<'_>) -> Result<Option<CmEvent>> {
         let mut ev: *mut ffi::rdma_cm_event = std::ptr::null_mut();
@@ -291,21 +285,6 @@ impl EventChannel {
     pub(crate) fn has_untargeted_queued(&self) -> bool {
         let d = self.lock();
         d.queued.iter().any(|ev| Want::Any.takes(ev, &d))
-    }
-
-    /// Reads every pending event into the queue, calling `seen` on each newly read one. The
-    /// events stay queued for [`EventChannel::get_event_for`] and the untargeted reads.
-    pub(crate) fn pump(&self, mut seen: impl FnMut(&CmEvent)) -> Result<()> {
-        let mut d = self.lock();
-        if d.polling {
-            // A blocking waiter reads the channel; it queues what is not its own.
-            return Ok(());
-        }
-        while let Some(ev) = self.read_locked(&mut d)? {
-            seen(&ev);
-            self.queue_locked(&mut d, ev);
-        }
-        Ok(())
     }
 
     /// Drops the queued events of `id` (and the requests of a listener `id`): called when the

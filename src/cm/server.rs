@@ -354,14 +354,6 @@ impl ServerQp {
         &self.qp
     }
 
-    /// Posts receives before accepting, so the peer's first message has somewhere to land.
-    ///
-    /// # Errors
-    /// As for [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[crate::verbs::wr::RecvWr<'_>]) -> Result<()> {
-        self.qp.post_recv(wrs)
-    }
-
     /// The peer's private data (untrusted).
     pub fn private_data(&self) -> &PrivateData {
         &self.private_data

@@ -33,7 +33,6 @@ use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::QpInit;
 use crate::verbs::ud::{UdDest, UdQp, MAX_UD_PRIVATE_DATA};
-use crate::verbs::wr::RecvWr;
 
 /// The port space of a UD id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -468,14 +467,6 @@ impl UdServerQp {
     /// The UD QP, for its number and limits.
     pub fn qp(&self) -> &UdQp {
         &self.qp
-    }
-
-    /// Posts receives before accepting, so the peer's first datagrams have somewhere to land.
-    ///
-    /// # Errors
-    /// As for [`UdQp::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        self.qp.post_recv(wrs)
     }
 
     /// Accepts (`rdma_accept`: the SIDR reply carries this QP's number and QKey). UD has no

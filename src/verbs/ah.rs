@@ -34,9 +34,9 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
+use crate::verbs::lane::Wc;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::port::Gid;
-use crate::verbs::wc::WorkCompletion;
 
 /// Bytes the device writes in front of every UD receive: the Global Routing Header (or, on
 /// RoCE v2 over IPv4, 20 unused bytes and the IPv4 header). Every UD receive buffer needs this
@@ -224,12 +224,7 @@ impl AddressHandle {
     /// # Errors
     /// [`Error::InvalidArgument`] for a completion that is not a successful receive;
     /// [`Error::Call`] as for [`AddressHandle::new`].
-    pub fn reply_to(
-        pd: &Arc<ProtectionDomain>,
-        port_num: u8,
-        wc: &WorkCompletion,
-        grh: &Grh,
-    ) -> Result<Arc<AddressHandle>> {
+    pub fn reply_to(pd: &Arc<ProtectionDomain>, port_num: u8, wc: &Wc, grh: &Grh) -> Result<Arc<AddressHandle>> {
         if !wc.is_ok() || wc.queue() != crate::status::WorkQueue::Recv {
             return Err(Error::InvalidArgument(format!(
                 "an address handle answers a successful receive; this completion is a {:?} one with status {}",

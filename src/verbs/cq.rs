@@ -20,29 +20,22 @@
 //! acknowledged before the CQ is destroyed, as libibverbs requires.
 
 use std::fmt;
-use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, check_ptr, errno, Error, Result};
 use crate::verbs::device::VerbsContext;
-use crate::verbs::router::{Router, SrqEntry};
 use crate::verbs::srq::SrqShared;
-pub use crate::verbs::wc::WorkCompletion;
-use crate::wait::{lock, poll_readable, pollfd, Deadline};
+use crate::wait::lock;
 
 pub use crate::status::{WcOpcode, WcStatus, WorkQueue};
 
 /// How many CQ events are collected before one `ibv_ack_cq_events` call.
 const ACK_BATCH: u32 = 64;
-
-/// Completions polled per `ibv_poll_cq` call (the stack array's size).
-pub(crate) const POLL_CHUNK: usize = 16;
 
 /// A completion queue and the completion channel it reports events on.
 pub struct CompletionQueue {
@@ -52,8 +45,7 @@ pub struct CompletionQueue {
     /// the router's lock.
     depth: AtomicU32,
     /// Grows (`ibv_resize_cq`) when a queue joining it would otherwise be refused.
-    auto_grow: AtomicBool,
-    router: Mutex<Router>,
+    accounts: Mutex<Accounts>,
     /// Whether the channel's descriptor was made non-blocking (done at first use, to keep two
     /// syscalls off CQ creation).
     nonblocking: AtomicBool,
@@ -114,8 +106,7 @@ impl CompletionQueue {
             raw,
             channel,
             depth: AtomicU32::new(depth),
-            auto_grow: AtomicBool::new(false),
-            router: Mutex::new(Router::default()),
+            accounts: Mutex::new(Accounts::default()),
             nonblocking: AtomicBool::new(false),
             unacked: AtomicU32::new(0),
             async_reg: crate::verbs::hub::Registration::new(
@@ -166,54 +157,9 @@ impl CompletionQueue {
         self.depth.load(Ordering::Acquire)
     }
 
-    /// Changes how many completions the CQ holds (`ibv_resize_cq`); completions in it are kept.
-    /// The crate counts what the queues it serves may have outstanding, so a depth below that
-    /// is refused before the call. Polls of this crate are held off during the resize (they
-    /// take the same lock); raw polls of [`CompletionQueue::as_raw`] must not run meanwhile.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a depth of 0, above `i32::MAX`, or below what its queues
-    /// may have outstanding; [`Error::Call`] when `ibv_resize_cq` fails (`EINVAL` beyond the
-    /// device's `max_cqe` or below the completions it holds now, `EOPNOTSUPP` where the
-    /// provider cannot resize).
-    pub fn resize(&self, depth: u32) -> Result<()> {
-        let mut router = self.router();
-        let reserved = router.reserved;
-        if depth == 0 || depth > i32::MAX as u32 || (depth as u64) < reserved {
-            return Err(Error::InvalidArgument(format!(
-                "CQ depth {depth}: must be between 1 and {} and at least the {reserved} completions its queues may have outstanding",
-                i32::MAX
-            )));
-        }
-        self.resize_locked(&mut router, depth)
-    }
-
-    /// `ibv_resize_cq` with the router's lock held (`_router`): no poll of this crate runs.
-    fn resize_locked(&self, _router: &mut Router, depth: u32) -> Result<()> {
-        if self.exclusive {
-            // A lane polls its CQ through `&mut Lane`, without the router's lock: the argument
-            // below would not hold.
-            return Err(Error::InvalidArgument(
-                "this CQ belongs to a Lane, which polls it without the CQ's lock, so it is never resized: create the lane (Lane::new) with the depth its QPs need".into(),
-            ));
-        }
-        // SAFETY: the CQ is valid while `self` lives, and no poll of this crate runs while the
-        // router is locked (every poll and arm path takes it; a lane's CQ, polled without it,
-        // is refused above), so the provider may replace its queue.
-        check_ibv(unsafe { ffi::ibv_resize_cq(self.as_raw(), depth as i32) }, "ibv_resize_cq")?;
-        self.depth.store(depth, Ordering::Release);
-        Ok(())
-    }
-
-    /// Whether this is a lane's CQ whose queues may have more completions outstanding than it
-    /// holds (the lane has yet to grow it: see `reserve`).
-    pub(crate) fn overcommitted(&self) -> bool {
-        self.exclusive && self.router().reserved > self.depth() as u64
-    }
-
     /// The completions its queues may have outstanding (what `reserve` counted).
     pub(crate) fn reserved(&self) -> u64 {
-        self.router().reserved
+        self.accounts().reserved
     }
 
     /// Resizes a lane's CQ to `depth` (`ibv_resize_cq`); the completions in it are kept, in
@@ -224,7 +170,7 @@ impl CompletionQueue {
     /// No poll of this CQ may run during the call: the caller is the lane that owns it, through
     /// `&mut Lane` (the lane is its only reader: every other path refuses to poll it).
     pub(crate) unsafe fn resize_for_lane(&self, depth: u32) -> Result<()> {
-        let _router = self.router();
+        let _accounts = self.accounts();
         // SAFETY: the CQ is valid while `self` lives; no poll runs (the caller's promise), so
         // the provider may replace its queue; the lane keeps the same `ibv_cq` and its context's
         // `poll_cq`, which stay valid across a resize.
@@ -233,66 +179,38 @@ impl CompletionQueue {
         Ok(())
     }
 
-    /// Lets the CQ grow as queues join it: a QP (or SRQ) that would make its queues' possible
-    /// outstanding completions exceed its depth resizes it (`ibv_resize_cq`, to twice the
-    /// depth or what is needed, within the device's `max_cqe`) instead of being refused. So a
-    /// CQ shared by many connections need not be sized up front for all of them. It never
-    /// shrinks by itself. Off by default.
-    pub fn set_auto_grow(&self, on: bool) {
-        self.auto_grow.store(on, Ordering::Relaxed);
-    }
-
-    /// Whether the CQ grows as queues join it ([`CompletionQueue::set_auto_grow`]).
-    pub fn auto_grow(&self) -> bool {
-        self.auto_grow.load(Ordering::Relaxed)
-    }
-
-    /// Reserves room for `n` more outstanding completions (a queue joining), growing the CQ
-    /// first when it may ([`CompletionQueue::set_auto_grow`]).
-    pub(crate) fn reserve(&self, router: &mut Router, n: u64) -> Result<()> {
+    /// Counts `n` more completions the CQ's queues may have outstanding. A lane's CQ takes any
+    /// number (the lane grows it, or fences the QP, at attach); any other CQ refuses what could
+    /// overrun it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the CQ is too shallow for `n` more.
+    pub(crate) fn reserve(&self, n: u64) -> Result<()> {
+        let mut a = self.accounts();
         if self.exclusive {
-            // A lane's CQ is polled without the router's lock, so it is not resized here (a
-            // QP may be created on any thread while the lane polls): the lane grows it when it
-            // attaches the QP, through `&mut Lane`, when none of its polls runs
-            // (`resize_for_lane`). Until then a QP it has no room for is fenced: its own posts
-            // are refused (`QueuePair::create`, `overcommitted`).
-            router.reserved += n;
+            a.reserved += n;
             return Ok(());
         }
-        let depth = self.depth();
-        if router.reserved + n > depth as u64 && self.auto_grow() {
-            let need = router.reserved + n;
-            let max = self.ctx.limits()?.max_cqe as u64;
-            if need > max {
-                return Err(Error::InvalidArgument(format!(
-                    "the CQ's queues would have {need} completions outstanding, beyond device {}'s max_cqe of {max}: use another CQ for the next QPs",
-                    self.ctx.device_name()
-                )));
-            }
-            let want = need.max(depth as u64 * 2).min(max).min(i32::MAX as u64) as u32;
-            self.resize_locked(router, want)?;
-        }
-        router.reserve(n, self.depth())
+        a.reserve(n, self.depth())
+    }
+
+    /// Gives back what [`CompletionQueue::reserve`] counted.
+    pub(crate) fn unreserve(&self, n: u64) {
+        self.accounts().unreserve(n);
     }
 
     /// Registers an SRQ whose receives complete here (once per CQ; counted per QP), reserving
     /// room for its depth when it is new here.
     pub(crate) fn attach_srq(&self, srq: &Arc<SrqShared>) -> Result<()> {
-        let mut router = self.router();
-        if router.add_srq_user(srq) {
+        let mut a = self.accounts();
+        if let Some(e) = a.srqs.iter_mut().find(|e| Arc::ptr_eq(&e.0, srq)) {
+            e.1 += 1;
             return Ok(());
         }
-        if router.srqs.iter().any(|e| e.srq.id == srq.id) {
-            return Err(Error::InvalidArgument("another SRQ with the same tag already completes on this CQ".into()));
-        }
-        if self.exclusive {
-            // A QP a lane's CQ has no room for is fenced until the lane grows the CQ (`reserve`),
-            // but receives posted to an SRQ are not: one it has no room for is refused.
-            router.reserve(srq.depth() as u64, self.depth())?;
-        } else {
-            self.reserve(&mut router, srq.depth() as u64)?;
-        }
-        router.srqs.push(SrqEntry { srq: Arc::clone(srq), users: 1 });
+        // A QP a lane's CQ has no room for waits for the lane to grow the CQ at attach, but
+        // receives posted to an SRQ do not: one the CQ has no room for is refused.
+        a.reserve(srq.depth() as u64, self.depth())?;
+        a.srqs.push((Arc::clone(srq), 1));
         Ok(())
     }
 
@@ -302,99 +220,8 @@ impl CompletionQueue {
     }
 
     /// The routing table (locked).
-    pub(crate) fn router(&self) -> MutexGuard<'_, Router> {
-        lock(&self.router)
-    }
-
-    /// Polls up to `out.len()` completions of every QP and SRQ this CQ serves, without
-    /// waiting: each retires its slot (releasing the region its work request held) and comes
-    /// back with its QP number ([`WorkCompletion::qp_num`]) and the caller's `wr_id`. This is
-    /// how a server polls one CQ shared by many connections. Completions that a QP's own poll
-    /// or wait met and kept for another QP (a QP being dropped reaps its work that way) come
-    /// first.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when `ibv_poll_cq` fails.
-    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let mut router = self.router();
-        let mut filled = router.deliver_kept(out);
-        while filled < out.len() {
-            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
-            let want = (out.len() - filled).min(POLL_CHUNK);
-            let got = match self.poll_raw(&mut raw[..want]) {
-                Ok(got) => got,
-                // What was reaped already is returned; the error comes back on the next poll.
-                Err(_) if filled > 0 => break,
-                Err(e) => return Err(e),
-            };
-            for wc in &raw[..got] {
-                // SAFETY: ibv_poll_cq initialised the first `got` entries.
-                let wc = unsafe { wc.assume_init_ref() };
-                if let Some((done, _)) = router.route(wc) {
-                    out[filled] = done;
-                    filled += 1;
-                }
-            }
-            if got < want {
-                break;
-            }
-        }
-        Ok(filled)
-    }
-
-    /// Waits up to `timeout` for completions of any QP this CQ serves and polls them into
-    /// `out`: polls, then arms the CQ and sleeps on its channel. Returns 0 only when the
-    /// timeout passed. One thread at a time should wait on a CQ.
-    ///
-    /// # Errors
-    /// [`Error::Call`] when polling or the channel fails; [`Error::AsyncEvent`] when nothing is
-    /// left to reap and the device reported the CQ overrun ([`CompletionQueue::has_error`]).
-    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        if out.is_empty() {
-            return Ok(0);
-        }
-        let mut deadline = Deadline::new(timeout);
-        loop {
-            let n = self.poll(out)?;
-            if n > 0 {
-                return Ok(n);
-            }
-            self.req_notify(false)?;
-            let n = self.poll(out)?;
-            if n > 0 {
-                return Ok(n);
-            }
-            if let Some(e) = self.async_reg.error("waiting on a CQ") {
-                return Err(e);
-            }
-            let left = deadline.left();
-            if left.is_zero() {
-                return Ok(0);
-            }
-            // Announce the sleep: a QP's poll that keeps a completion from here on (taking the
-            // CQ's entry, and perhaps its event) wakes it; one kept already is polled first.
-            let notify_fd = {
-                let mut r = self.router();
-                if r.has_kept() {
-                    continue;
-                }
-                let fd = r.notify.fd()?;
-                r.notify.sleeping = true;
-                fd
-            };
-            // The context's async events too, so that an overrun ends the wait at once.
-            let mut fds = [pollfd(self.as_raw_fd()), pollfd(self.ctx.as_raw_fd()), pollfd(notify_fd)];
-            let slept = poll_readable(&mut fds, left);
-            self.router().notify.sleeping = false;
-            slept?;
-            if fds[2].revents != 0 {
-                crate::wait::eventfd_clear(notify_fd);
-            }
-            if fds[1].revents != 0 {
-                self.async_reg.refresh()?;
-            }
-            self.drain_events()?;
-        }
+    pub(crate) fn accounts(&self) -> MutexGuard<'_, Accounts> {
+        lock(&self.accounts)
     }
 
     /// Whether the device reported this CQ in error (`IBV_EVENT_CQ_ERR`: it overran, so
@@ -436,12 +263,6 @@ impl CompletionQueue {
         &self.reactor
     }
 
-    /// Whether a QP's poll kept completions for this CQ's poll: readiness that `poll(2)` on
-    /// the channel cannot see (`crate::ready`).
-    pub(crate) fn has_kept(&self) -> bool {
-        self.router().has_kept()
-    }
-
     /// Arms a lane's CQ for its next completion (`ibv_req_notify_cq`), without the router's
     /// lock [`CompletionQueue::req_notify`] takes against a resize: a lane's CQ is never
     /// resized (`resize_locked` refuses it).
@@ -458,7 +279,7 @@ impl CompletionQueue {
     /// [`Error::Call`] when the verb fails.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
         // Under the router's lock, so that it never runs during a resize.
-        let _router = self.router();
+        let _accounts = self.accounts();
         // SAFETY: the CQ is valid while `self` lives.
         check_ibv(unsafe { ffi::ibv_req_notify_cq(self.as_raw(), solicited_only as i32) }, "ibv_req_notify_cq")
     }
@@ -478,7 +299,7 @@ impl CompletionQueue {
             moderate: ffi::ibv_moderate_cq { cq_count: count, cq_period: period_us },
         };
         // Under the router's lock, so that it never runs during a resize.
-        let _router = self.router();
+        let _accounts = self.accounts();
         // SAFETY: the CQ is valid while `self` lives; `attr` is fully initialised and lives for
         // the call.
         let ret = unsafe { ffi::ibv_modify_cq(self.as_raw(), &mut attr) };
@@ -563,52 +384,15 @@ impl CompletionQueue {
     /// device still owns. No completion of the SRQ can come later (its QPs here are gone). If
     /// that poll fails, the entry stays (and with it the SRQ and its tag on this CQ).
     pub(crate) fn detach_srq(&self, srq: &Arc<SrqShared>) {
-        let mut router = self.router();
-        if !router.last_user_of(srq) || self.sweep(&mut router).is_ok() {
-            router.detach_srq(srq);
-        }
-    }
-
-    /// Routes every completion the CQ holds now, keeping each for its owner (QP or SRQ).
-    fn sweep(&self, router: &mut Router) -> Result<()> {
-        loop {
-            let mut raw: [MaybeUninit<ffi::ibv_wc>; POLL_CHUNK] = [const { MaybeUninit::uninit() }; POLL_CHUNK];
-            let got = self.poll_raw(&mut raw)?;
-            for wc in &raw[..got] {
-                // SAFETY: ibv_poll_cq initialised the first `got` entries.
-                let wc = unsafe { wc.assume_init_ref() };
-                if let Some((done, owner)) = router.route(wc) {
-                    router.keep(done, owner);
-                }
-            }
-            if got < POLL_CHUNK {
-                return Ok(());
+        let mut a = self.accounts();
+        if let Some(i) = a.srqs.iter().position(|e| Arc::ptr_eq(&e.0, srq)) {
+            a.srqs[i].1 -= 1;
+            if a.srqs[i].1 == 0 {
+                let (srq, _) = a.srqs.swap_remove(i);
+                a.unreserve(srq.depth() as u64);
             }
         }
     }
-
-    /// Polls up to `out.len()` raw completions (`ibv_poll_cq`).
-    pub(crate) fn poll_raw(&self, out: &mut [std::mem::MaybeUninit<ffi::ibv_wc>]) -> Result<usize> {
-        if self.exclusive {
-            return Err(lane_owned());
-        }
-        let n = out.len().min(i32::MAX as usize) as i32;
-        // SAFETY: the CQ is valid; `out` has room for `n` entries that the provider writes.
-        let ret = unsafe { ffi::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
-        if ret < 0 {
-            // ibv_poll_cq's convention: a negative value, errno not reliably set.
-            return Err(Error::call("ibv_poll_cq", if ret == -1 { libc::EIO } else { ret.saturating_neg() }, None));
-        }
-        Ok(ret as usize)
-    }
-}
-
-/// The refusal of a poll of a [`Lane`](crate::verbs::lane::Lane)'s CQ by anyone but the lane.
-#[cold]
-fn lane_owned() -> Error {
-    Error::InvalidArgument(
-        "this CQ belongs to a Lane, which is its only reader: poll it through the lane (Lane::poll)".into(),
-    )
 }
 
 /// The descriptor is offered as `AsRawFd` only: safe code cannot borrow it into a `File` to
@@ -639,9 +423,8 @@ impl Drop for CompletionQueue {
         // acked above. The CQ and then its channel are destroyed exactly once.
         let ret = unsafe { ffi::ibv_destroy_cq(self.as_raw()) };
         if ret != 0 {
-            // Whatever the routing table still holds stays held: the CQ, and so the QPs on
-            // it, may still exist.
-            std::mem::forget(std::mem::take(self.router.get_mut().unwrap_or_else(|e| e.into_inner())));
+            // The SRQs it counts stay alive: the CQ may still refer to them.
+            std::mem::forget(std::mem::take(self.accounts.get_mut().unwrap_or_else(|e| e.into_inner())));
             crate::error::report_leak("ibv_destroy_cq", ret);
             return; // the channel is still in use by the leaked CQ
         }
@@ -656,5 +439,31 @@ impl Drop for CompletionQueue {
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CompletionQueue").field("depth", &self.depth()).field("fd", &self.as_raw_fd()).finish()
+    }
+}
+
+/// What a CQ's queues may have outstanding at once, and the shared receive queues whose
+/// receives complete on it (each counted once, at its depth, however many QPs use it).
+#[derive(Default)]
+pub(crate) struct Accounts {
+    pub(crate) reserved: u64,
+    srqs: Vec<(Arc<SrqShared>, usize)>,
+}
+
+impl Accounts {
+    fn reserve(&mut self, n: u64, depth: u32) -> Result<()> {
+        if self.reserved + n > depth as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "the CQ holds {depth} completions and its queues may already have {} outstanding: {n} more could \
+                 overrun it; create it deeper (the sum of the depths of the queues it serves)",
+                self.reserved
+            )));
+        }
+        self.reserved += n;
+        Ok(())
+    }
+
+    fn unreserve(&mut self, n: u64) {
+        self.reserved = self.reserved.saturating_sub(n);
     }
 }

@@ -495,21 +495,8 @@ mod tests {
         fn destroy(&self, _qp: *mut ffi::ibv_qp) -> i32 {
             0
         }
-        fn watch_fd(&self) -> Option<RawFd> {
-            None
-        }
-        #[cfg(feature = "tokio")]
-        fn watch_reactor(&self) -> Option<&crate::wait::Reactor> {
-            None
-        }
-        fn peer_left(&self) -> Result<bool> {
-            Ok(false)
-        }
         fn disconnect(&self) -> Result<()> {
             Ok(())
-        }
-        fn peer_addr(&self) -> Option<std::net::SocketAddr> {
-            None
         }
         fn comm_established(&self) {
             self.0.fetch_add(1, Ordering::Relaxed);

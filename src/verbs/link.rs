@@ -2,9 +2,6 @@
 //! QPs made through `rdma_create_qp` or adopted by an id). The verbs wing names only this
 //! trait; the CM wing implements it.
 
-use std::net::SocketAddr;
-use std::os::fd::RawFd;
-
 use rdma_sys as ffi;
 
 use crate::error::Result;
@@ -14,18 +11,9 @@ use crate::error::Result;
 pub(crate) trait Link: Send + Sync {
     /// Destroys the QP as its creator requires.
     fn destroy(&self, qp: *mut ffi::ibv_qp) -> i32;
-    /// The descriptor on which the peer leaving shows, when waits may watch it now.
-    fn watch_fd(&self) -> Option<RawFd>;
-    /// That descriptor's registration with tokio's reactor (kept by its channel).
-    #[cfg(feature = "tokio")]
-    fn watch_reactor(&self) -> Option<&crate::wait::Reactor>;
-    /// Reads what arrived on that descriptor; true when the peer left.
-    fn peer_left(&self) -> Result<bool>;
     /// Answers the peer's disconnect (which also moves the QP to the error state); called only
     /// when the peer left, so not held while the port is down (`crate::hold` in the CM wing).
     fn disconnect(&self) -> Result<()>;
-    /// The peer's address, for errors.
-    fn peer_addr(&self) -> Option<SocketAddr>;
     /// The device reported `IBV_EVENT_COMM_EST` for the QP (a message arrived before the
     /// CM's handshake completed): tell the QP's connection manager (`rdma_notify`). Called by
     /// whoever reads the context's events, under the context's registry lock, while the QP is

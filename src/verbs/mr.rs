@@ -577,12 +577,6 @@ impl MemoryRegion {
         self.inner.addr()
     }
 
-    /// The scatter/gather entry of `r` (a range checked against the region by the caller).
-    #[inline]
-    pub(crate) fn sge(&self, r: &std::ops::Range<usize>) -> ffi::ibv_sge {
-        ffi::ibv_sge { addr: self.addr() + r.start as u64, length: r.len() as u32, lkey: self.lkey() }
-    }
-
     /// The access rights it was registered with ([`AccessFlags::effective`] of those asked for).
     pub fn access(&self) -> AccessFlags {
         self.inner.access

@@ -91,10 +91,11 @@ use std::sync::{Arc, Mutex, Weak};
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
+use crate::verbs::hold::Hold;
+use crate::verbs::lane::Wc;
 use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion, RemoteRegion};
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::ring::{Hold, Queues};
-use crate::verbs::wc::WorkCompletion;
+use crate::verbs::qp::Parked;
 
 /// The two kinds of memory window (`enum ibv_mw_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -293,9 +294,9 @@ pub struct BoundWindow {
     addr: u64,
     len: u64,
     rights: AccessFlags,
-    /// The queues of the QP that posted the bind: only that QP's send queue orders an
+    /// The QP that posted the bind (its identity): only that QP's send queue orders an
     /// invalidation after the bind.
-    bound_on: Weak<Mutex<Queues>>,
+    bound_on: Weak<Mutex<Parked>>,
 }
 
 impl BoundWindow {
@@ -306,15 +307,15 @@ impl BoundWindow {
         addr: u64,
         len: u64,
         rights: AccessFlags,
-        bound_on: &Arc<Mutex<Queues>>,
+        bound_on: &Arc<Mutex<Parked>>,
     ) -> BoundWindow {
         let mut mw = mw;
         mw.held = Some(hold);
         BoundWindow { mw, rkey, addr, len, rights, bound_on: Arc::downgrade(bound_on) }
     }
 
-    /// Whether the QP whose queues these are posted the bind.
-    pub(crate) fn bound_on(&self, queues: &Arc<Mutex<Queues>>) -> bool {
+    /// Whether the QP of this identity posted the bind.
+    pub(crate) fn bound_on(&self, queues: &Arc<Mutex<Parked>>) -> bool {
         std::ptr::eq(self.bound_on.as_ptr(), Arc::as_ptr(queues))
     }
 
@@ -360,7 +361,7 @@ impl BoundWindow {
     ///
     /// # Errors
     /// The bound window itself, when `wc` did not invalidate it.
-    pub fn invalidated_by(self, wc: &WorkCompletion) -> std::result::Result<MemoryWindow, BoundWindow> {
+    pub fn invalidated_by(self, wc: &Wc) -> std::result::Result<MemoryWindow, BoundWindow> {
         if self.mw.kind == WindowType::Two && wc.is_ok() && wc.invalidated_rkey() == Some(self.rkey) {
             // `held` stays with the window, released by its deallocation.
             Ok(self.mw)

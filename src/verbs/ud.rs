@@ -56,7 +56,6 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
 
 use rdma_sys as ffi;
 
@@ -65,12 +64,11 @@ use crate::status::WorkQueue;
 pub use crate::verbs::ah::UdDest;
 use crate::verbs::ah::{AddressHandle, Grh, GRH_LEN};
 use crate::verbs::cq::CompletionQueue;
+use crate::verbs::lane::Wc;
 use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::peer::PeerInfo;
 use crate::verbs::qp::{QpInit, QueuePair};
-use crate::verbs::wc::WorkCompletion;
-use crate::verbs::wr::{split_pieces, AsSendWr, Piece, RecvWr, SendOp, SendWr};
 
 /// The QKey librdmacm gives every UD QP of the UDP port space (`RDMA_UDP_QKEY`).
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
@@ -79,89 +77,12 @@ pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
 /// rdma_cm header's 20).
 pub const MAX_UD_PRIVATE_DATA: usize = 196;
 
-/// A UD send: a [`SendWr`] send addressed to a [`UdDest`]. Only sends exist on UD: there is no
-/// constructor for an RDMA WRITE, READ or atomic.
-#[derive(Clone, Debug)]
-pub struct UdSendWr<'a> {
-    wr: SendWr<'a>,
-}
-
-impl AsSendWr for UdSendWr<'_> {
-    #[inline(always)]
-    fn send_wr(&self) -> &SendWr<'_> {
-        &self.wr
-    }
-}
-
-impl<'a> UdSendWr<'a> {
-    fn to(dest: &'a UdDest, mut wr: SendWr<'a>) -> Self {
-        wr.ud = Some(dest);
-        UdSendWr { wr }
-    }
-
-    /// Sends `mr[range]` to `dest`.
-    pub fn send(dest: &'a UdDest, mr: &'a MemoryRegion, range: Range<usize>) -> Self {
-        Self::to(dest, SendWr::new(SendOp::Send, Some((mr, range))))
-    }
-
-    /// Sends `data` inline to `dest` (copied during the post; at most the QP's
-    /// `max_inline_data`).
-    pub fn send_inline(dest: &'a UdDest, data: &'a [u8]) -> Self {
-        Self::to(dest, SendWr { inline: Some(data), ..SendWr::new(SendOp::Send, None) })
-    }
-
-    /// Sends the concatenation of `pieces` to `dest` (a gathered send; see
-    /// [`SendWr::send_sg`]).
-    ///
-    /// # Errors
-    /// As for [`SendWr::send_sg`].
-    pub fn send_sg(dest: &'a UdDest, pieces: &'a [Piece<'a>]) -> Result<Self> {
-        let (first, rest) = split_pieces(pieces, "a UD send")?;
-        Ok(Self::to(dest, SendWr::new(SendOp::Send, Some(first)).with_rest(rest)))
-    }
-
-    /// Sets the `wr_id` returned in the completion.
-    pub fn wr_id(mut self, id: u64) -> Self {
-        self.wr.wr_id = id;
-        self
-    }
-
-    /// Adds 32 bits of immediate data.
-    pub fn imm(mut self, imm: u32) -> Self {
-        self.wr.imm = Some(imm);
-        self
-    }
-
-    /// Generates no completion on success; retired by the next signaled completion (see
-    /// [`SendWr::unsignaled`]).
-    pub fn unsignaled(mut self) -> Self {
-        self.wr.signaled = false;
-        self
-    }
-
-    /// Sets the solicited-event bit.
-    pub fn solicited(mut self) -> Self {
-        self.wr.solicited = true;
-        self
-    }
-
-    /// Bytes the datagram carries.
-    pub fn len(&self) -> u64 {
-        self.wr.total_len()
-    }
-
-    /// Whether it carries no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
 /// A received datagram: where its payload lies in the receive buffer (after the 40-byte GRH
 /// area), who sent it, and its GRH. Built from a receive's completion and its region
 /// ([`Datagram::parse`]); the sizes come from the device and are checked, never trusted.
 #[derive(Clone, Copy, Debug)]
 pub struct Datagram {
-    wc: WorkCompletion,
+    wc: Wc,
     grh: Option<Grh>,
     payload: (usize, usize),
 }
@@ -177,8 +98,11 @@ impl Datagram {
     /// [`Error::OutOfBounds`] when the message does not fit the region from `offset` (the
     /// completion is not this region's); [`Error::InFlight`] while a posted receive still lets
     /// the device write `mr`.
-    pub fn parse(wc: &WorkCompletion, mr: &mut MemoryRegion, offset: usize) -> Result<Datagram> {
-        let wc = wc.ok()?;
+    pub fn parse(wc: &Wc, mr: &mut MemoryRegion, offset: usize) -> Result<Datagram> {
+        if let Some(e) = wc.error() {
+            return Err(e);
+        }
+        let wc = *wc;
         if wc.queue() != WorkQueue::Recv {
             return Err(Error::InvalidArgument("a datagram is read from a receive's completion, not a send's".into()));
         }
@@ -236,7 +160,7 @@ impl Datagram {
     }
 
     /// The completion.
-    pub fn completion(&self) -> &WorkCompletion {
+    pub fn completion(&self) -> &Wc {
         &self.wc
     }
 }
@@ -364,51 +288,6 @@ impl UdQp {
         Ok(UdDest::new(ah, peer.qp_num, qkey))
     }
 
-    /// Posts UD sends, each to its own destination. Nothing is posted unless all pass the
-    /// checks and the queue has room for all.
-    ///
-    /// # Errors
-    /// [`Error::MessageTooLong`] for a datagram over [`UdQp::mtu`]; [`Error::InvalidArgument`]
-    /// for an address handle of another protection domain; otherwise as for
-    /// [`QueuePair::post_send`].
-    pub fn post_send(&mut self, wrs: &[UdSendWr<'_>]) -> Result<()> {
-        for w in wrs {
-            let len = w.len();
-            if len > self.mtu as u64 {
-                return Err(Error::MessageTooLong { len, mtu: self.mtu });
-            }
-            if let Some(d) = w.wr.ud {
-                if !Arc::ptr_eq(d.ah().pd(), self.qp.pd()) {
-                    return Err(Error::InvalidArgument(
-                        "the destination's address handle is on another protection domain than the UD QP".into(),
-                    ));
-                }
-            }
-        }
-        self.qp.post_sends(wrs)
-    }
-
-    /// Posts receives. Each must have room for the 40-byte GRH area plus the largest payload
-    /// expected ([`UdQp::recv_len`] for any datagram up to the MTU); a longer message
-    /// completes with an error and moves the QP to the error state (see [`crate::verbs::ud`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a receive of fewer than [`GRH_LEN`] bytes; as for
-    /// [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        for w in wrs {
-            let len = w.rest.iter().fold(w.range.len(), |n, (_, r)| n.saturating_add(r.len()));
-            if len < GRH_LEN {
-                return Err(Error::InvalidArgument(format!(
-                    "a UD receive of {len} bytes has no room for the {GRH_LEN}-byte GRH the device writes first: \
-                     give it {GRH_LEN} + the largest payload (UdQp::recv_len() = {} for any datagram)",
-                    self.recv_len()
-                )));
-            }
-        }
-        self.qp.post_recv(wrs)
-    }
-
     /// The receive length that takes any datagram: [`GRH_LEN`] + [`UdQp::mtu`].
     pub fn recv_len(&self) -> usize {
         GRH_LEN + self.mtu as usize
@@ -458,61 +337,6 @@ impl UdQp {
     /// The raw QP (see [`QueuePair::as_raw`]).
     pub fn as_raw(&self) -> *mut ffi::ibv_qp {
         self.qp.as_raw()
-    }
-
-    /// As [`QueuePair::poll`].
-    ///
-    /// # Errors
-    /// As for [`QueuePair::poll`].
-    pub fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.qp.poll(out)
-    }
-
-    /// As [`QueuePair::poll_queue`].
-    ///
-    /// # Errors
-    /// As for [`QueuePair::poll_queue`].
-    pub fn poll_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion]) -> Result<usize> {
-        self.qp.poll_queue(queue, out)
-    }
-
-    /// As [`QueuePair::wait`].
-    ///
-    /// # Errors
-    /// As for [`QueuePair::wait`].
-    pub fn wait(&mut self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.qp.wait(out, timeout)
-    }
-
-    /// As [`QueuePair::wait_queue`].
-    ///
-    /// # Errors
-    /// As for [`QueuePair::wait_queue`].
-    pub fn wait_queue(&mut self, queue: WorkQueue, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
-        self.qp.wait_queue(queue, out, timeout)
-    }
-
-    /// As [`QueuePair::wait_for`].
-    ///
-    /// # Errors
-    /// As for [`QueuePair::wait_for`].
-    pub fn wait_for(&mut self, queue: WorkQueue, wr_id: u64, timeout: Duration) -> Result<WorkCompletion> {
-        self.qp.wait_for(queue, wr_id, timeout)
-    }
-
-    /// As [`QueuePair::set_busy_poll`].
-    pub fn set_busy_poll(&mut self, on: bool) {
-        self.qp.set_busy_poll(on)
-    }
-
-    /// Send work requests posted and not yet retired.
-    pub fn outstanding_sends(&self) -> usize {
-        self.qp.outstanding_sends()
-    }
-
-    /// Receives posted and not yet completed.
-    pub fn outstanding_recvs(&self) -> usize {
-        self.qp.outstanding_recvs()
     }
 
     /// Moves the QP to the error state, flushing everything posted.

@@ -5,7 +5,6 @@ use crate::status::WcOpcode;
 use crate::status::WcStatus;
 use crate::status::WorkQueue;
 use crate::verbs::mr::MemoryRegion;
-use crate::verbs::wc::WorkCompletion;
 use rdma_sys as ffi;
 use std::fmt;
 
@@ -82,7 +81,12 @@ impl fmt::Debug for Wc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Wc")
             .field("qp", &self.qp())
-            .field("wc", &self.work_completion())
+            .field("wr_id", &self.wr_id())
+            .field("queue", &self.queue())
+            .field("status", &self.status())
+            .field("opcode", &self.opcode())
+            .field("byte_len", &self.byte_len())
+            .field("qp_num", &self.qp_num())
             .field("signaled", &self.is_signaled())
             .finish()
     }
@@ -235,17 +239,55 @@ impl Wc {
         self.f.src_qp
     }
 
-    /// The completion as the convenient path reports it (for
-    /// [`Datagram::parse`](crate::Datagram::parse), say).
-    pub fn work_completion(&self) -> WorkCompletion {
-        let f = &self.f;
-        WorkCompletion {
+    /// Whether the received packet carried a GRH (`IBV_WC_GRH`): on RoCE every datagram does,
+    /// and the first 40 bytes of the receive buffer hold it ([`crate::Grh`]). On a UD QP those
+    /// 40 bytes are taken whether or not a GRH was present.
+    #[inline]
+    pub fn has_grh(&self) -> bool {
+        self.f.wc_flags & ffi::ibv_wc_flags::IBV_WC_GRH.0 != 0
+    }
+
+    /// The sender's LID (InfiniBand; 0 on RoCE).
+    #[inline]
+    pub fn slid(&self) -> u16 {
+        self.f.slid
+    }
+
+    /// The service level of the received packet.
+    #[inline]
+    pub fn sl(&self) -> u8 {
+        self.f.sl
+    }
+
+    /// The partition key index of the received packet (UD).
+    #[inline]
+    pub fn pkey_index(&self) -> u16 {
+        self.f.pkey_index
+    }
+
+    /// The provider-specific error code.
+    #[inline]
+    pub fn vendor_err(&self) -> u32 {
+        self.f.vendor_err
+    }
+
+    /// The completion's flags as the provider wrote them (`ibv_wc_flags`: `IBV_WC_GRH`,
+    /// `IBV_WC_WITH_IMM`, `IBV_WC_WITH_INV`, …).
+    #[inline]
+    pub fn wc_flags(&self) -> u32 {
+        self.f.wc_flags
+    }
+
+    /// The completion as libibverbs lays it out (for `ibv_init_ah_from_wc`).
+    pub(crate) fn to_raw(self) -> ffi::ibv_wc {
+        let f = self.f;
+        ffi::ibv_wc {
             wr_id: self.wr_id,
             status: f.status,
             opcode: f.opcode,
             vendor_err: f.vendor_err,
             byte_len: f.byte_len,
-            imm: f.imm,
+            imm_data_invalidated_rkey_union: ffi::imm_data_invalidated_rkey_union_t { imm_data: f.imm },
             qp_num: f.qp_num,
             src_qp: f.src_qp,
             wc_flags: f.wc_flags,
@@ -253,7 +295,6 @@ impl Wc {
             slid: f.slid,
             sl: f.sl,
             dlid_path_bits: f.dlid_path_bits,
-            queue: self.queue(),
         }
     }
 }

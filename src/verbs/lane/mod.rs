@@ -218,11 +218,10 @@ use crate::error::{Error, Result};
 use crate::verbs::ah::UdDest;
 use crate::verbs::cq::CompletionQueue;
 use crate::verbs::device::VerbsContext;
-use crate::verbs::mr::MemoryRegion;
+use crate::verbs::hold::Hold;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::connect::KnownError;
 use crate::verbs::qp::{QpInit, QueuePair};
-use crate::verbs::ring::Hold;
 
 mod batch;
 mod completion;
@@ -424,44 +423,19 @@ impl Member {
 }
 
 impl Drop for Member {
-    /// Hands every region still in a slot to the QP's own slot rings, staged but not
-    /// committed (so the QP's teardown does not wait for them): the rings are released after
-    /// `ibv_destroy_qp` succeeds and leaked when it fails (`QueuePair`'s Drop), which is
-    /// exactly when the device can no longer reach the memory. A UD QP's address handles are
-    /// handed over the same way, or leaked if the rings have no room for them.
+    /// Hands every region still in a slot, and a UD QP's address handles in use, to the QP
+    /// ([`Parked`](crate::verbs::qp::Parked)): released after `ibv_destroy_qp` succeeds and
+    /// leaked when it fails (`QueuePair`'s Drop), which is exactly when the device can no
+    /// longer reach them.
     fn drop(&mut self) {
         let has_sends = self.send.outstanding() > 0;
-        let sends: Vec<MemoryRegion> = self.send.drain().collect();
-        let recvs: Vec<MemoryRegion> = self.recv.drain().collect();
+        let sends = self.send.drain();
+        let recvs = self.recv.drain();
         let qp = self.owner.lane_qp();
-        let mut q = qp.queues();
-        let park = |ring: &mut crate::verbs::ring::Ring, regions: Vec<MemoryRegion>| {
-            // Staging overwrites a slot: only an empty ring may take them (attach checked that
-            // nothing was outstanding, and the convenient path is out of reach since).
-            let empty = ring.outstanding() == 0;
-            for (k, mr) in regions.into_iter().enumerate() {
-                if !empty || k >= ring.slots.len() {
-                    // Never (see above; both are sized by the queue depth). Were it reached, the
-                    // region is leaked rather than released while the device may use it.
-                    mem::forget(mr);
-                    continue;
-                }
-                ring.stage(k as u64, 0, Some(Hold::new(mr.inner(), false)));
-            }
-        };
-        park(&mut q.send, sends);
-        park(&mut q.recv, recvs);
+        let mut parked = qp.parked();
+        parked.regions.extend(sends.chain(recvs).map(|mr| Hold::new(mr.inner(), false)));
         if has_sends && self.is_ud() {
-            let dests = mem::take(&mut self.dests);
-            let room = q.send.slots.len();
-            let mut parked = 0;
-            for d in dests {
-                if parked < room && q.send.stage_ah(parked as u64, d.keep.ah()) {
-                    parked += 1;
-                } else {
-                    mem::forget(d);
-                }
-            }
+            parked.ahs.extend(mem::take(&mut self.dests).into_iter().map(|d| Arc::clone(d.keep.ah())));
         }
     }
 }
@@ -621,13 +595,6 @@ impl Lane {
                     .into(),
             ));
         }
-        let q = qp.queues();
-        if q.send.outstanding() + q.recv.outstanding() > 0 || q.send_kept.len() + q.recv_kept.len() > 0 {
-            return Err(Error::InvalidArgument(
-                "attach: the QP has work outstanding on its convenient path: reap it first (or post through the lane)"
-                    .into(),
-            ));
-        }
         if qp.as_raw().is_null() {
             return Err(Error::InvalidArgument("attach: QP without a handle".into()));
         }
@@ -641,10 +608,7 @@ impl Lane {
         mtu: u32,
     ) -> std::result::Result<LaneQp, (Error, Box<dyn LaneOwner>)> {
         let qp = owner.lane_qp();
-        let (send_depth, recv_depth) = {
-            let q = qp.queues();
-            (q.send.cap() as u32, q.recv.cap() as u32)
-        };
+        let (send_depth, recv_depth) = (qp.send_depth(), qp.recv_depth());
         let Some(raw) = NonNull::new(qp.as_raw()) else {
             return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
         };

@@ -52,9 +52,9 @@ use super::completion::RECV;
 use super::wr::{post_list_failed, qp_in_error, refusal, Rejected};
 use super::{Lane, LaneQp, Member, SendWr, Wc};
 use crate::error::{Error, Result};
+use crate::verbs::hold::Hold;
 use crate::verbs::mr::{AccessFlags, MemoryRegion};
 use crate::verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
-use crate::verbs::ring::Hold;
 
 /// A bind of a memory window to a range of a region, for [`Lane::bind_window`]: the window
 /// and the region move into the lane.
@@ -315,7 +315,7 @@ impl Lane {
                 (m.post_window_wr(&mut raw), rkey)
             }
         };
-        let queues = Arc::clone(m.owner.lane_qp().queues_handle());
+        let queues = Arc::clone(m.owner.lane_qp().identity());
         match posted {
             Posted::Ok => {
                 let mut mw = mw;
@@ -384,7 +384,7 @@ impl Lane {
                 window,
             );
         }
-        if !window.bound_on(m.owner.lane_qp().queues_handle()) {
+        if !window.bound_on(m.owner.lane_qp().identity()) {
             return refuse(
                 Error::InvalidArgument(
                     "the memory window was bound through another QP: invalidate it through that one (its send queue \

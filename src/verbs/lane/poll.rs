@@ -1,7 +1,6 @@
 use super::wr::poll_failed;
 use super::{tag, Completion, Fault, Fields, Lane, Retiring, Wc, LANE, POLL_BATCH, RECV, SIGNALED};
 use crate::error::Result;
-use crate::status::WorkQueue;
 use crate::verbs::mr::MemoryRegion;
 use rdma_sys as ffi;
 
@@ -305,13 +304,10 @@ impl Lane {
     }
 
     #[inline(always)]
-    fn unmatched_in(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
+    fn unmatched_in(&mut self, i: u8, _f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
         // SAFETY: as in `start_common`.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
-        if wc.wr_id & tag::CRATE != 0 {
-            return self.convenient_with(i, f);
-        }
-        if wc.wr_id & tag::INTERIOR == 0 {
+        if wc.wr_id & (tag::CRATE | tag::INTERIOR) != tag::INTERIOR {
             return false;
         }
         // An interior tag is a send's: its queue's `hi` with `INTERIOR`.
@@ -381,32 +377,6 @@ impl Lane {
             break;
         }
         k
-    }
-
-    /// Hands `f` the completion at `wcs[i]`, of the convenient path (see `convenient`).
-    #[cold]
-    #[inline(never)]
-    fn convenient_with(&mut self, i: u8, f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
-        match self.convenient(i) {
-            Some(wc) => {
-                f(wc, None);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// A completion of work posted through the convenient path of a QP on this CQ: routed as
-    /// the CQ's own poll routes it (its slot retired, its region released).
-    #[cold]
-    #[inline(never)]
-    fn convenient(&mut self, i: u8) -> Option<Wc> {
-        // SAFETY: as in `start_common`.
-        let wc = unsafe { self.wcs.get(i as usize)?.assume_init_ref() };
-        let (done, _) = self.cq.router().route(wc)?;
-        let raw = done.to_raw();
-        let flags = if done.queue() == WorkQueue::Recv { RECV | SIGNALED } else { SIGNALED };
-        Some(Wc { wr_id: done.wr_id(), f: Fields::of(&raw), place: 0, attach: 0, flags })
     }
 
     #[cold]

@@ -271,7 +271,7 @@ impl State {
 }
 
 impl Drop for State {
-    /// Hands the regions still held to the SRQ's own table, released once `ibv_destroy_srq`
+    /// Hands the regions still held to the SRQ, released once `ibv_destroy_srq`
     /// succeeds (leaked when it fails): until then the device may write them.
     fn drop(&mut self) {
         for s in self.t.slots.iter_mut() {
@@ -449,9 +449,9 @@ impl Lane {
         // Room on the CQ for every receive of the SRQ: counted while the lane grows the CQ,
         // then held by the SRQ's registration on it, which the lane keeps as long as the CQ
         // (so the QPs on it, joining and leaving, never find it the last one).
-        self.cq.router().reserve(depth as u64, u32::MAX)?;
+        self.cq.reserve(depth as u64)?;
         let room = self.make_room();
-        self.cq.router().unreserve(depth as u64);
+        self.cq.unreserve(depth as u64);
         room?;
         self.cq.attach_srq(srq.shared())?;
         let index = self.srqs.list.len() as u16;

@@ -9,8 +9,8 @@
 //! other tag has: an interior tag is a send's), the SRQ's index in place of the place, and the
 //! SRQ's own sequence number (see [`srq`](super::srq)).
 //!
-//! Bit 62 is the convenient path's tag bit (`ring::tag::OURS`); it is clear here, so a
-//! completion of the convenient path on a lane's CQ is told apart and routed the usual way.
+//! Bit 62 is never set by the lane: a completion carrying it (work posted by the caller through
+//! the raw QP, `as_raw`) is told apart as not the lane's, and retires nothing.
 //!
 //! There is no generation: a place's sequence numbers continue across the QPs attached there
 //! (the lane keeps, per place and queue, the next one: `Lane::next_seq`), so every tag the lane
@@ -29,7 +29,7 @@
 //! is an earlier QP's at the place and says nothing of this one.
 
 pub(super) const RECV: u64 = 1 << 63;
-pub(super) const CRATE: u64 = crate::verbs::ring::tag::OURS;
+pub(super) const CRATE: u64 = 1 << 62;
 pub(super) const INTERIOR: u64 = 1 << 61;
 /// Where the place starts; the sequence number is the bits below.
 pub(super) const SHIFT: u32 = 45;

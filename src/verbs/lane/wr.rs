@@ -748,8 +748,6 @@ pub(super) fn qp_in_error(m: &Member, fault: Fault, op: &'static str) -> Error {
             let why = match k {
                 KnownError::SetError => "it had been moved there (QueuePair::set_error)".to_string(),
                 KnownError::Disconnected => "its connection was gone".to_string(),
-                KnownError::Completion(status) => failed(status),
-                KnownError::FoundInError => format!("a wait had found it there: {SILENT}"),
             };
             format!("it was in the error state before it was attached to the lane: {why}")
         }

@@ -73,7 +73,6 @@ use crate::verbs::mr::AccessFlags;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::peer::{PeerInfo, MAX_24};
 use crate::verbs::port::{LinkLayer, PortInfo};
-use crate::verbs::wr::RecvWr;
 
 use super::{QpInit, QueuePair};
 
@@ -363,24 +362,6 @@ impl UnconnectedQp {
         self.qp.qp_num()
     }
 
-    /// Posts receives (allowed in INIT: post them before the peer can send).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a QP in RESET ([`UnconnectedQp::new_reset`]: a provider
-    /// may take a receive there and lose it at the move to INIT, so post once adopted, through
-    /// `ClientQp::post_recv` or `ServerQp::post_recv`); otherwise as for
-    /// [`QueuePair::post_recv`].
-    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        if self.reset {
-            return Err(Error::InvalidArgument(
-                "post_recv on a QP in RESET (UnconnectedQp::new_reset): post receives once a connection-manager id \
-                 has adopted it (ClientQp::post_recv, ServerQp::post_recv), or create it in INIT (UnconnectedQp::new)"
-                    .into(),
-            ));
-        }
-        self.qp.post_recv(wrs)
-    }
-
     /// Connects the QP to `peer`: INIT → RTR (path MTU, the peer's QP number and PSN, its GID
     /// or LID) → RTS (this side's PSN, timeout, retries), and hands back the QP, which can
     /// now send. The peer must have posted receives before this side sends, and must connect
@@ -509,10 +490,6 @@ pub(crate) enum KnownError {
     SetError,
     /// Its peer left (or the device went away), or this side disconnected.
     Disconnected,
-    /// A completion of it failed with this status (not a flush).
-    Completion(u32),
-    /// A wait that ran out found it there with no completion saying why.
-    FoundInError,
 }
 
 impl QueuePair {
@@ -521,13 +498,6 @@ impl QueuePair {
         if self.errored {
             return Some(KnownError::SetError);
         }
-        if self.peer_left || self.closing {
-            return Some(KnownError::Disconnected);
-        }
-        match self.queues().failed {
-            Some(crate::verbs::ring::Failure::Completion(status)) => Some(KnownError::Completion(status)),
-            Some(crate::verbs::ring::Failure::FoundInError) => Some(KnownError::FoundInError),
-            None => None,
-        }
+        (self.peer_left || self.closing).then_some(KnownError::Disconnected)
     }
 }

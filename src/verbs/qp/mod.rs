@@ -68,30 +68,23 @@
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 use std::{fmt, mem};
 
 use rdma_sys as ffi;
 
 use crate::error::{check_ibv, Error, Result};
-use crate::verbs::cq::{CompletionQueue, POLL_CHUNK};
+use crate::verbs::ah::AddressHandle;
+use crate::verbs::cq::CompletionQueue;
+use crate::verbs::hold::Hold;
 use crate::verbs::link::Link;
 use crate::verbs::pd::ProtectionDomain;
-use crate::verbs::ring::Queues;
 use crate::verbs::srq::SharedReceiveQueue;
-use crate::verbs::wc::WorkCompletion;
 use crate::verbs::wr::{check_sge_device, check_sge_request};
 use crate::wait::lock;
 
 pub mod connect;
-mod post;
-mod wait;
-mod window;
 
 pub use connect::{RcParams, UnconnectedQp};
-
-/// How long Drop waits for flushed completions before destroying the QP anyway.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Queue-pair capabilities. Defaults follow the seed program: 16 send and 16 receive work
 /// requests, one scatter/gather entry each, and 64 bytes of inline data.
@@ -187,10 +180,14 @@ impl QpInit {
     }
 }
 
-/// Where this QP sits in a CQ's routing table.
-#[derive(Clone, Copy)]
-struct Slot {
-    index: u16,
+/// What a lane hands its QP when it goes: the regions (and a UD QP's address handles) of work
+/// still posted, released once `ibv_destroy_qp` succeeds and leaked when it fails, since until
+/// then the device may use them. Its address also names the QP to a memory window bound
+/// through it ([`BoundWindow`](crate::BoundWindow)).
+#[derive(Default)]
+pub(crate) struct Parked {
+    pub(crate) regions: Vec<Hold>,
+    pub(crate) ahs: Vec<Arc<AddressHandle>>,
 }
 
 /// An owned RC queue pair.
@@ -215,19 +212,14 @@ pub struct QueuePair {
     max_send_sge: u32,
     max_recv_sge: u32,
     max_read_sge: u32,
-    /// Our index in the send CQ's and the receive CQ's routing tables.
-    send_slot: Slot,
-    recv_slot: Slot,
+    /// The depths of its queues as created (0 receives on an SRQ).
+    send_depth: u32,
+    recv_depth: u32,
     /// Reserved capacity on each CQ (released on drop).
     send_reserved: u64,
     recv_reserved: u64,
-    /// On a lane's CQ that had no room for it when it was created: its own posts are refused
-    /// (they could overrun the CQ) until `Lane::attach` grows the CQ and posts for it.
-    fenced: bool,
     /// The connection is established: sends may be posted, and waits may watch the link.
     connected: bool,
-    /// A UD QP: its sends are datagrams, each naming an address handle.
-    datagrams: bool,
     /// The peer left (or the device went away); the QP was moved to error.
     peer_left: bool,
     /// The caller moved the QP to the error state ([`QueuePair::set_error`]): nothing posted
@@ -237,16 +229,8 @@ pub struct QueuePair {
     /// This side disconnected (`rdma_disconnect` moved the QP to the error state): not an error
     /// a wait that runs out should report.
     closing: bool,
-    /// Waits spin on the CQs instead of sleeping on their channels ([`QueuePair::set_busy_poll`]).
-    busy_poll: bool,
-    /// Its teardown was handed to another value (see Drop): this one destroys nothing.
-    #[cfg(feature = "tokio")]
-    detached: bool,
-    /// This value is that other one: it tears down where it is dropped (the blocking pool is
-    /// inside the runtime too, so it must not hand the work on again).
-    #[cfg(feature = "tokio")]
-    inline_teardown: bool,
-    queues: Arc<Mutex<Queues>>,
+    /// What its lane left posted when it went (see [`Parked`]).
+    parked: Arc<Mutex<Parked>>,
     /// Its place in the context's registry of async events (left before the QP is destroyed).
     async_reg: crate::verbs::hub::Registration,
     // Field order is drop order after Drop::drop: the link (id), CQs, SRQ and PD outlive the
@@ -327,18 +311,14 @@ impl QueuePair {
         // Reserve room on the CQs (and register the SRQ) before creating anything.
         let send_reserved = init.max_send_wr as u64;
         let recv_reserved = recv_depth as u64;
-        send_cq.reserve(&mut send_cq.router(), send_reserved)?;
-        let undo_send = || send_cq.router().unreserve(send_reserved);
-        // The result first, so that the routing table's lock is released before `undo_send`
-        // takes it again (the send and receive CQ may be one).
-        let reserved = recv_cq.reserve(&mut recv_cq.router(), recv_reserved);
-        if let Err(e) = reserved {
-            undo_send();
+        send_cq.reserve(send_reserved)?;
+        if let Err(e) = recv_cq.reserve(recv_reserved) {
+            send_cq.unreserve(send_reserved);
             return Err(e);
         }
         let undo = || {
-            undo_send();
-            recv_cq.router().unreserve(recv_reserved);
+            send_cq.unreserve(send_reserved);
+            recv_cq.unreserve(recv_reserved);
         };
         if let Some(srq) = &init.srq {
             if let Err(e) = recv_cq.attach_srq(srq.shared()) {
@@ -378,48 +358,6 @@ impl QueuePair {
         let max_send_sge = attr.cap.max_send_sge.clamp(1, init.max_send_sge);
         let max_recv_sge = if on_srq { 0 } else { attr.cap.max_recv_sge.clamp(1, max_recv_sge) };
         let max_read_sge = max_read_sge.min(max_send_sge);
-        // Each CQ gives the QP an index of its routing table, and the sequence numbers there
-        // start past every one an earlier QP at that index used (`ring::tag`).
-        let same = Arc::ptr_eq(&send_cq, &recv_cq);
-        let send_index = send_cq.router().reserve_index();
-        let recv_index = match &send_index {
-            Ok(s) if same => Ok(*s),
-            Ok(_) => recv_cq.router().reserve_index(),
-            Err(_) => Err(Error::InvalidArgument(String::new())),
-        };
-        let ((send_index, send_base), (recv_index, recv_base)) = match (send_index, recv_index) {
-            (Ok(s), Ok(r)) => (s, r),
-            (s, _) => {
-                // The table is full: take the QP down again.
-                if let Ok((i, _)) = s {
-                    send_cq.router().release_index(i);
-                }
-                let ret = match &link {
-                    Some(l) => l.destroy(raw.as_ptr()),
-                    // SAFETY: the QP was just created and nothing refers to it.
-                    None => unsafe { ffi::ibv_destroy_qp(raw.as_ptr()) },
-                };
-                if ret == 0 {
-                    undo();
-                }
-                return Err(Error::InvalidArgument("a CQ serves at most 65536 QPs".into()));
-            }
-        };
-        let queues = Arc::new(Mutex::new(Queues::new(
-            init.max_send_wr,
-            recv_depth,
-            max_send_sge,
-            max_recv_sge,
-            init.datagrams,
-            send_base.max(recv_base),
-        )));
-        if same {
-            send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), None);
-        } else {
-            send_cq.router().enter_qp(send_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Send));
-            recv_cq.router().enter_qp(recv_index, qp_num, Arc::clone(&queues), Some(crate::status::WorkQueue::Recv));
-        }
-        let fenced = send_cq.overcommitted() || recv_cq.overcommitted();
         let async_reg =
             crate::verbs::hub::Registration::new(ctx.hub(), crate::status::Subject::Qp, raw.as_ptr() as usize);
         if let Some(l) = &link {
@@ -433,23 +371,16 @@ impl QueuePair {
             max_send_sge,
             max_recv_sge,
             max_read_sge,
-            send_slot: Slot { index: send_index },
-            recv_slot: Slot { index: recv_index },
+            send_depth: init.max_send_wr,
+            recv_depth,
             send_reserved,
             recv_reserved,
-            fenced,
             // A UD QP has no connection: librdmacm moves it to RTS as it creates it.
             connected: init.datagrams,
-            datagrams: init.datagrams,
             peer_left: false,
             errored: false,
             closing: false,
-            busy_poll: false,
-            #[cfg(feature = "tokio")]
-            detached: false,
-            #[cfg(feature = "tokio")]
-            inline_teardown: false,
-            queues,
+            parked: Arc::default(),
             async_reg,
             link,
             send_cq,
@@ -514,33 +445,25 @@ impl QueuePair {
         self.max_recv_sge
     }
 
-    pub(crate) fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
-        lock(&self.queues)
+    /// What its lane left posted (see [`Parked`]).
+    pub(crate) fn parked(&self) -> std::sync::MutexGuard<'_, Parked> {
+        lock(&self.parked)
     }
 
-    /// The queues' shared handle: what a memory window bound through this QP recognises it by
-    /// ([`BoundWindow`](crate::BoundWindow)), whichever path posted the bind.
-    pub(crate) fn queues_handle(&self) -> &Arc<Mutex<Queues>> {
-        &self.queues
+    /// What a memory window bound through this QP recognises it by
+    /// ([`BoundWindow`](crate::BoundWindow)).
+    pub(crate) fn identity(&self) -> &Arc<Mutex<Parked>> {
+        &self.parked
     }
 
-    /// Send-queue work requests posted and not yet retired (including ones the provider refused
-    /// in a partly failed post, until the head passes them).
-    pub fn outstanding_sends(&self) -> usize {
-        self.queues().send.outstanding() as usize
+    /// The send queue's depth as created.
+    pub(crate) fn send_depth(&self) -> u32 {
+        self.send_depth
     }
 
-    /// Receive-queue work requests posted and not yet completed (0 on an SRQ: see
-    /// [`SharedReceiveQueue::outstanding`]).
-    pub fn outstanding_recvs(&self) -> usize {
-        self.queues().recv.outstanding() as usize
-    }
-
-    /// Completions reaped (by a wait that met them first, here or on another QP of a shared
-    /// CQ) and not yet returned; the next poll or wait returns them before anything new.
-    pub fn undelivered(&self) -> usize {
-        let q = self.queues();
-        q.send_kept.len() + q.recv_kept.len()
+    /// The receive queue's depth as created (0 on an SRQ).
+    pub(crate) fn recv_depth(&self) -> u32 {
+        self.recv_depth
     }
 
     /// Lets the QP react to the peer leaving (or the device going away): move it to the error
@@ -579,13 +502,6 @@ impl QueuePair {
     /// Whether the peer disconnected (seen while waiting, or through the connection's events).
     pub fn peer_left(&self) -> bool {
         self.peer_left
-    }
-
-    /// What ends a wait once the device reported this QP, one of its CQs, or itself unusable
-    /// (delivered by whoever read the event; see [`crate::verbs::async_event`]).
-    fn async_error(&self) -> Option<Error> {
-        const OP: &str = "waiting for a completion";
-        self.async_reg.error(OP).or_else(|| self.send_cq.async_error(OP)).or_else(|| self.recv_cq.async_error(OP))
     }
 
     /// The last asynchronous event the device reported about this QP (e.g.
@@ -640,116 +556,12 @@ impl QueuePair {
             "ibv_modify_qp(ERR)",
         )
     }
-
-    fn outstanding(&self) -> (u64, u64) {
-        let q = self.queues();
-        (q.send.outstanding(), q.recv.outstanding())
-    }
-
-    /// Flushes and reaps outstanding work for up to `timeout`; true when nothing is left.
-    fn drain(&mut self, timeout: Duration) -> bool {
-        let (s, r) = self.outstanding();
-        if s + r == 0 {
-            return true;
-        }
-        self.connected = false; // no link reads from here on: its events are not ours to take
-        if self.set_error_state().is_err() {
-            return false;
-        }
-        let deadline = Instant::now() + timeout;
-        let mut wcs = [WorkCompletion::default(); POLL_CHUNK];
-        loop {
-            let (s, r) = self.outstanding();
-            if s + r == 0 {
-                return true;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            // Unsignaled sends that succeeded before the flush produce no completion; the
-            // flushed ones after them do. What remains is retired by the destroy below.
-            match self.wait(&mut wcs, left.min(Duration::from_millis(50))) {
-                Ok(0) if s > 0 && r == 0 => return true,
-                Ok(_) => {}
-                Err(_) => return false,
-            }
-        }
-    }
 }
 
-/// The refusal of a post to a QP the caller moved to the error state.
-fn in_error_state(op: &'static str) -> Error {
-    Error::InvalidArgument(format!(
-        "{op}: the QP is in the error state (QueuePair::set_error): nothing posted now can run, and a receive \
-         posted now is never flushed on rxe; create a new QP"
-    ))
-}
-
-/// The refusal of a post to a UD QP that a failed completion moved to the error state.
-fn failed_datagram(op: &'static str) -> Error {
-    Error::InvalidArgument(format!(
-        "{op}: the UD QP is in the error state after a completion failed (a datagram longer than the receive \
-         buffer does this: one peer can stop the QP): nothing posted now can run; create a new QP, and post \
-         receives of UdQp::recv_len() bytes, which any datagram fits"
-    ))
-}
-
-impl QueuePair {
-    /// On a tokio runtime thread, a QP with work in flight would block the runtime for up to
-    /// `DRAIN_TIMEOUT` while the flush is reaped: hand the whole teardown to the runtime's
-    /// blocking pool instead. Returns whether it did (then `self` destroys nothing).
-    #[cfg(feature = "tokio")]
-    fn detach_to_blocking_pool(&mut self) -> bool {
-        let (s, r) = self.outstanding();
-        if self.detached || self.inline_teardown || s + r == 0 {
-            return false;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return false };
-        let guts = QueuePair {
-            raw: self.raw,
-            qp_num: self.qp_num,
-            max_inline: self.max_inline,
-            max_send_sge: self.max_send_sge,
-            max_recv_sge: self.max_recv_sge,
-            max_read_sge: self.max_read_sge,
-            send_slot: self.send_slot,
-            recv_slot: self.recv_slot,
-            send_reserved: self.send_reserved,
-            recv_reserved: self.recv_reserved,
-            fenced: self.fenced,
-            connected: self.connected,
-            datagrams: self.datagrams,
-            peer_left: self.peer_left,
-            errored: self.errored,
-            closing: self.closing,
-            busy_poll: self.busy_poll,
-            detached: false,
-            inline_teardown: true,
-            queues: Arc::clone(&self.queues),
-            async_reg: self.async_reg.clone(),
-            link: self.link.clone(),
-            send_cq: Arc::clone(&self.send_cq),
-            recv_cq: Arc::clone(&self.recv_cq),
-            srq: self.srq.clone(),
-            pd: Arc::clone(&self.pd),
-        };
-        self.detached = true;
-        // If the runtime is shutting down and never runs the task, the closure (and the QP in
-        // it) is dropped wherever tokio drops it: the teardown then runs there. Either way the
-        // regions stay held until the QP is destroyed.
-        drop(rt.spawn_blocking(move || drop(guts)));
-        true
-    }
-}
+impl QueuePair {}
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        #[cfg(feature = "tokio")]
-        if self.detached || self.detach_to_blocking_pool() {
-            return;
-        }
-        self.drain(DRAIN_TIMEOUT);
         // Out of the registry before the destroy (see crate::verbs::async_event).
         self.async_reg.leave();
         let ret = match &self.link {
@@ -758,48 +570,25 @@ impl Drop for QueuePair {
             None => unsafe { ffi::ibv_destroy_qp(self.raw.as_ptr()) },
         };
         if ret != 0 {
-            // The device may still access the slots' memory: leak it instead of freeing it,
-            // before anything else can fail or panic. The routing tables keep their entries
-            // (and so their handles of the slots) too.
-            mem::forget(Arc::clone(&self.queues));
+            // The device may still access what its lane left posted: leak it instead of
+            // freeing it, before anything else can fail or panic.
+            mem::forget(Arc::clone(&self.parked));
             crate::error::report_leak("ibv_destroy_qp", ret);
             return;
         }
-        // The QP is gone: its entries leave the routing tables, so completions of it still in
-        // a shared CQ retire nothing; its reservations are returned.
-        let same = Arc::ptr_eq(&self.send_cq, &self.recv_cq);
-        {
-            let mut r = self.send_cq.router();
-            r.detach_qp(self.send_slot.index);
-            r.unreserve(self.send_reserved);
-        }
-        {
-            let mut r = self.recv_cq.router();
-            if !same {
-                r.detach_qp(self.recv_slot.index);
-            }
-            r.unreserve(self.recv_reserved);
-        }
+        // The QP is gone: its reservations are returned.
+        self.send_cq.unreserve(self.send_reserved);
+        self.recv_cq.unreserve(self.recv_reserved);
         if let Some(srq) = &self.srq {
             self.recv_cq.detach_srq(srq.shared());
-            // Receives this QP consumed and nobody polled, kept in the SRQ, can reach nobody
-            // now: they would hold the SRQ's room for good. (From here on the routing tables
-            // keep none for it: it is in none of them.)
-            srq.shared().slots().discard_for(self.qp_num);
         }
-        // The rings (and the regions they hold) drop with the last handle of the queues.
+        // What its lane left posted drops with the last handle of `parked`.
     }
 }
 
 impl fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (s, r) = self.outstanding();
-        f.debug_struct("QueuePair")
-            .field("qp_num", &self.qp_num)
-            .field("outstanding_sends", &s)
-            .field("outstanding_recvs", &r)
-            .field("srq", &self.srq.is_some())
-            .finish()
+        f.debug_struct("QueuePair").field("qp_num", &self.qp_num).field("srq", &self.srq.is_some()).finish()
     }
 }
 
