@@ -215,40 +215,12 @@ fn attach_refuses_a_qp_of_another_cq_and_gives_the_connection_back() {
         let (a, b) = pair(t.addr, PairSpec::default(), PairSpec::default());
         let r = lane.attach(a.conn).unwrap_err();
         assert!(r.to_string().contains("Lane::qp_init"), "{r}");
-        let mut conn = r.into_inner().expect("the connection comes back");
-        // And it still works on its own path.
-        assert_eq!(conn.qp_mut().poll(&mut [Default::default(); 1]).unwrap(), 0);
+        let conn = r.into_inner().expect("the connection comes back");
+        // Soft-iWARP's ibv_query_qp reports no QP state (MATRIX.md).
+        if !common::caps::iwarp() {
+            assert_eq!(conn.qp().state().unwrap(), rdma_cm::QpState::ReadyToSend, "whole, and still connected");
+        }
         drop((conn, b, lane));
-    }
-    t.finish();
-}
-
-/// The lane is its CQ's only reader: a QP made with `Lane::qp_init` but not attached cannot poll
-/// it (which would take the lane's completions), and what it posts on its convenient path comes
-/// back through the lane's poll.
-#[test]
-fn the_lanes_cq_refuses_other_readers_and_routes_convenient_completions() {
-    let t = DeviceTest::start();
-    {
-        let lane = lane_on(t.addr, 64);
-        let mut lane = lane;
-        let client = PairSpec { init: lane.qp_init(), ..PairSpec::default() };
-        let (mut a, mut b) = pair(t.addr, client, PairSpec::default());
-        let mut wcs = [Default::default(); 1];
-        let e = a.conn.qp_mut().poll(&mut wcs).unwrap_err();
-        assert!(e.to_string().contains("belongs to a Lane"), "{e}");
-        let e = a.conn.qp().send_cq().poll(&mut wcs).unwrap_err();
-        assert!(e.to_string().contains("belongs to a Lane"), "{e}");
-        // Its convenient post completes on the lane's CQ: the lane hands it out, its region released.
-        a.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&a.mrs[0], 0..64).wr_id(77)]).unwrap();
-        b.conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..10).wr_id(1)]).unwrap();
-        b.conn.qp_mut().wait_for(WorkQueue::Send, 1, common::T).unwrap();
-        let c = reap(&mut lane, 1).pop().unwrap();
-        assert!(!c.is_lane() && c.qp().is_none(), "{c:?}");
-        assert_eq!((c.wr_id(), c.byte_len(), c.qp_num()), (77, 10, a.conn.qp().qp_num()));
-        assert_eq!(a.conn.qp().outstanding_recvs(), 0);
-        assert!(a.mrs[0].as_mut_slice().is_ok(), "its region is released");
-        drop((a, b, lane));
     }
     t.finish();
 }
@@ -277,7 +249,7 @@ fn ud_datagrams_through_lanes() {
             msg = c.take_region();
             let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
             assert_eq!((r.wr_id(), r.byte_len() as usize, r.src_qp()), (k, GRH_LEN + 32, client_qpn));
-            let wc = r.work_completion();
+            let wc = *r;
             let mut buf = r.take_region().unwrap();
             let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
             assert_eq!(d.len(), 32);
@@ -377,7 +349,7 @@ fn prepared_datagrams_through_lanes() {
             send.rearm(c.take_region().unwrap()).unwrap();
             let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
             assert_eq!(r.byte_len() as usize, GRH_LEN + 32, "{r:?}");
-            let wc = r.work_completion();
+            let wc = *r;
             let mut buf = r.take_region().unwrap();
             let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
             assert_eq!(&buf.as_slice().unwrap()[d.payload()], &pattern(32, 5)[..]);

@@ -152,7 +152,7 @@ fn a_batch_of_datagrams() {
         batch.rearm(c.take_region().unwrap()).map_err(|r| r.into_parts().0).unwrap();
         for (k, mut r) in reap(&mut p.server.lane, 4).into_iter().enumerate() {
             assert_eq!((r.wr_id(), r.byte_len() as usize), (k as u64, GRH_LEN + 64), "{r:?}");
-            let wc = r.work_completion();
+            let wc = *r;
             let mut buf = r.take_region().unwrap();
             let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
             assert_eq!(&buf.as_slice().unwrap()[d.payload()], &pattern(256, 4)[k * 64..(k + 1) * 64]);

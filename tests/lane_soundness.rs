@@ -1186,87 +1186,6 @@ fn a_prepared_ud_send_outlives_its_destination_and_not_its_qp() {
     t.finish();
 }
 
-/// A panic in the closure
-/// on a completion of the lane CQ's convenient path (routed by `unmatched`, the closure moved
-/// there and back), polled for one and for sixteen: the convenient QP's receive is routed once,
-/// its region released, nothing is left to hand out, and the lane's own QP carries on.
-#[test]
-fn a_panic_on_a_convenient_completion_routes_it_once_and_leaves_the_lane_usable() {
-    let t = DeviceTest::start();
-    {
-        let mut lane = lane_on(t.addr, 64);
-        let (q, pd, peer) = attached_pair(&mut lane, t.addr, spec());
-        // Regions that are not remotely writable, which `as_mut_slice` borrows once released.
-        let client = PairSpec { init: lane.qp_init(), ..PairSpec::default() };
-        let (mut a, mut b) = pair(t.addr, client, PairSpec::default());
-        for (k, max) in [(0u64, 1usize), (1, 16)] {
-            a.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&a.mrs[0], 0..64).wr_id(77 + k)]).unwrap();
-            b.conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..10).wr_id(1)]).unwrap();
-            b.conn.qp_mut().wait_for(rdma_cm::WorkQueue::Send, 1, T).unwrap();
-            wait_until_the_closure_panics(&mut lane, max);
-            assert_eq!(a.conn.qp().outstanding_recvs(), 0, "routed once (max {max})");
-            let released = a.mrs[0].as_mut_slice().map(|_| ());
-            assert!(released.is_ok(), "its region is released (max {max}): {released:?}");
-            assert!(lane.poll().unwrap().is_none(), "nothing left to hand out (max {max})");
-        }
-        let remote = peer.mrs[0].remote();
-        let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-        lane.post_send(q, SendWr::write(mr, 0..64, &remote, 0).wr_id(9)).unwrap();
-        let mut c = reap(&mut lane, 1).pop().unwrap();
-        assert!(c.is_ok() && c.wr_id() == 9 && c.take_region().is_some(), "{c:?}");
-        drop((a, b, lane, peer));
-    }
-    t.finish();
-}
-
-/// A QP made with `Lane::qp_init` and never attached, with receives posted through its own
-/// (convenient) path, is dropped: its convenient drain refuses the lane's CQ, so its flushed
-/// receives may stay there. QPs attached afterwards, one after another at the place the
-/// lane reuses, are handed only completions of what each posted, each with its region, and
-/// no region comes back before its own completion. (Each one is removed with receives still
-/// posted, so every later one also meets the flush of an earlier QP at its place, which its
-/// window refuses.)
-#[test]
-fn an_unattached_qp_dropped_with_receives_and_earlier_qps_at_a_place_hand_nothing_to_later_ones() {
-    let t = DeviceTest::start();
-    {
-        let mut lane = lane_on(t.addr, 256);
-        let (mut a, b0) = pair(t.addr, PairSpec { init: lane.qp_init(), ..spec() }, spec());
-        for k in 0..8 {
-            a.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&a.mrs[0], 0..64).wr_id(1000 + k)]).unwrap();
-        }
-        drop(a);
-        drop(b0);
-        for round in 0..4u64 {
-            let (q, pd, mut b) = attached_pair(&mut lane, t.addr, spec());
-            let mine: HashSet<u64> = (0..6).map(|k| round * 100 + k).collect();
-            for k in 0..6 {
-                let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-                lane.post_recv(q, RecvWr::new(mr).wr_id(round * 100 + k)).unwrap();
-            }
-            for k in 0..4 {
-                let qp = b.conn.qp_mut();
-                qp.post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..64).wr_id(k)]).unwrap();
-                qp.wait_for(rdma_cm::WorkQueue::Send, k, T).expect("the peer's send");
-            }
-            let mut seen = HashSet::new();
-            while seen.len() < 4 {
-                let mut c = lane.wait(T).expect("a completion of this round's QP");
-                assert!(c.is_lane() && c.qp() == Some(q), "round {round}: a completion of another QP: {c:?}");
-                assert!(mine.contains(&c.wr_id()) && seen.insert(c.wr_id()), "round {round}: not posted here: {c:?}");
-                assert!(c.is_ok(), "{c:?}");
-                assert!(c.take_region().is_some(), "each completion hands its region back");
-            }
-            assert!(lane.poll().unwrap().is_none(), "round {round}: nothing more");
-            assert_eq!(lane.outstanding(q).unwrap(), (0, 2), "round {round}: the two unmatched receives stay posted");
-            lane.remove(q).unwrap();
-            drop((b, pd));
-        }
-        drop(lane);
-    }
-    t.finish();
-}
-
 /// A QP already in the error state when it is attached: whether its own path knew it (moved
 /// there by `QueuePair::set_error`) or only the device does (moved there by a raw call), the
 /// lane carries the failure and refuses its posts with the cause, instead of taking a receive
@@ -1340,11 +1259,7 @@ fn a_stale_or_repeated_completion_retires_nothing_at_its_place() {
             lane.post_recv(old, RecvWr::new(MemoryRegion::new(&pd1, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(k))
                 .unwrap();
         }
-        let send = |b: &mut common::Side, k: u64| {
-            let qp = b.conn.qp_mut();
-            qp.post_send(&[rdma_cm::SendWr::send(&b.mrs[0], 0..64).wr_id(k)]).unwrap();
-            qp.wait_for(rdma_cm::WorkQueue::Send, k, T).expect("the peer's send");
-        };
+        let send = |b: &mut common::Side, k: u64| common::raw::send(&b.conn, &b.mrs[0], 0..64, k);
         send(&mut b1, 0);
         assert_eq!(reap(&mut lane, 1).pop().unwrap().wr_id(), 0);
         lane.remove(old).unwrap();

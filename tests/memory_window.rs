@@ -315,7 +315,7 @@ fn memory_window_invalidated_by_the_peers_send_with_invalidate() {
     assert!(got.is_ok() && got.wr_id() == 5, "{got:?}");
     assert_eq!(got.imm_data(), None, "an invalidation is no immediate data");
     assert_eq!(client_write(&mut c, &[3; 16], &remote, 0, 21), WcStatus::RemAccessErr, "the rkey opens nothing");
-    let wc = got.work_completion();
+    let wc = *got;
     let still = match got.invalidated_rkey() {
         Some(k) => {
             assert_eq!(k, rkey, "the receive names the rkey the peer invalidated");
@@ -372,7 +372,7 @@ fn memory_window_survives_a_plain_send() {
     c.mrs.insert(0, next(&mut c.lane).take_region().unwrap());
     let got = next(&mut s.lane);
     assert_eq!(got.invalidated_rkey(), None);
-    let still = w.invalidated_by(&got.work_completion()).expect_err("a plain send invalidates nothing");
+    let still = w.invalidated_by(&got).expect_err("a plain send invalidates nothing");
     assert_eq!(client_write(&mut c, &[4; 16], &still.remote(), 0, 21), WcStatus::Success, "still grants its range");
     let mw = invalidate(&mut s, still, 2);
     drop((got, mw, c, s));

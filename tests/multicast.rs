@@ -72,7 +72,7 @@ fn post_recv(lane: &mut Lane, qp: LaneQp, pd: &Arc<ProtectionDomain>, len: usize
 /// A receive's datagram: its completion parsed, and the payload's bytes.
 fn datagram(mut c: Completion) -> (Datagram, Vec<u8>) {
     assert!(c.is_ok(), "{c:?}");
-    let wc = c.work_completion();
+    let wc = *c;
     let mut buf = c.take_region().expect("the receive's region back");
     let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
     let bytes = buf.as_slice().unwrap()[d.payload()].to_vec();
@@ -433,7 +433,7 @@ fn posting_to_the_group_and_polling_allocate_nothing() {
             out = sent.take_region();
             let mut got = poll_one(&mut rl);
             assert_eq!((got.wr_id(), got.byte_len() as usize), (i, GRH_LEN + len));
-            let wc = got.work_completion();
+            let wc = *got;
             let mut r = got.take_region().expect("the receive's region back");
             assert_eq!(counting::watched(|| Datagram::parse(&wc, &mut r, 0)).unwrap().len(), len);
             rbuf = Some(r);

@@ -47,7 +47,7 @@ fn echo_server(
         let mut c = lane.wait(T).expect("a datagram").ok().expect("received");
         assert_eq!((c.wr_id(), c.queue()), (i as u64, WorkQueue::Recv), "the receives complete in order");
         let mut buf = c.take_region().unwrap();
-        let wc = c.work_completion();
+        let wc = *c;
         let d = Datagram::parse(&wc, &mut buf, 0).unwrap();
         let grh = d.grh().expect("RoCE datagrams carry a GRH");
         let ah = AddressHandle::reply_to(&pd, port_num, &wc, grh).unwrap();
@@ -118,7 +118,7 @@ fn ud_connect_send_and_echo_with_grh_and_bytes_checked() {
                 continue;
             }
             assert_eq!((c.wr_id(), c.queue()), (50, WorkQueue::Recv));
-            let wc = c.work_completion();
+            let wc = *c;
             let d = Datagram::parse(&wc, &mut region, 0).unwrap();
             assert_eq!(d.payload(), GRH_LEN..GRH_LEN + msg.len(), "the payload follows the 40-byte GRH area");
             assert_eq!(d.src_qp(), dest.qpn(), "the echo comes from the server's QP");
@@ -206,7 +206,7 @@ fn a_receive_without_room_for_the_grh_is_refused() {
         let mut c = lane.wait(T).expect("the empty datagram").ok().expect("received");
         assert_eq!(c.wr_id(), 3);
         let mut mr = c.take_region().unwrap();
-        let d = Datagram::parse(&c.work_completion(), &mut mr, 0).unwrap();
+        let d = Datagram::parse(&c, &mut mr, 0).unwrap();
         assert!(d.is_empty());
     });
     rx.recv_timeout(T).unwrap();

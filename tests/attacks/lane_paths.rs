@@ -546,8 +546,7 @@ fn a_wait_after_another_members_removal_hands_its_kept_completion_at_once() {
             lane.post_recv(qa, RecvWr::new(recv_buf(&pda)).wr_id(1)).unwrap();
             lane.post_recv(qb, RecvWr::new(recv_buf(&pdb)).wr_id(2)).unwrap();
             sb.mrs[0].write_at(0, &pattern(LEN, round as u8)).unwrap();
-            sb.conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&sb.mrs[0], 0..LEN).wr_id(9)]).unwrap();
-            sb.conn.qp_mut().wait_for(WorkQueue::Send, 9, T).expect("B's peer: its send completed");
+            crate::common::raw::send(&sb.conn, &sb.mrs[0], 0..LEN, 9);
             lane.remove(qa).unwrap();
             let start = Instant::now();
             let mut c = match how {
@@ -871,7 +870,7 @@ fn dropping_a_lane_of_unconnected_members_holding_receives_releases_everything()
 /// `into_lane` refuses a QP librdmacm made (its RTR is librdmacm's, where the RNR timer cannot
 /// be set) and one on another CQ, and gives each back whole: both then connect the ordinary
 /// way. The lane's CQ, reached through a QP made for it, refuses the CQ's own poll, event
-/// drain and resize, so nothing but the lane reads its completions or its channel.
+/// drain, so nothing but the lane reads its channel.
 #[test]
 fn into_lane_refusals_give_the_qp_back_and_the_lanes_cq_has_no_other_reader() {
     let t = DeviceTest::start();
@@ -896,11 +895,6 @@ fn into_lane_refusals_give_the_qp_back_and_the_lanes_cq_has_no_other_reader() {
         let cq = Arc::clone(q.qp().send_cq());
         let e = cq.drain_events().unwrap_err();
         assert!(e.to_string().contains("Lane"), "{e}");
-        let e = cq.resize(256).unwrap_err();
-        assert!(e.to_string().contains("Lane"), "{e}");
-        let mut wcs = [rdma_cm::WorkCompletion::default(); 4];
-        let e = cq.poll(&mut wcs).unwrap_err();
-        assert!(e.to_string().contains("Lane"), "{e}");
         let refused = q.into_lane(&mut lane).unwrap_err();
         let (e, back) = refused.into_parts();
         assert!(e.to_string().contains("adopt"), "{e}");
@@ -918,10 +912,10 @@ fn into_lane_refusals_give_the_qp_back_and_the_lanes_cq_has_no_other_reader() {
         let mut conns = server.join().unwrap();
         // The QP librdmacm made works on the lane once attached.
         let (peer, buf) = &mut conns[0];
-        peer.qp_mut().post_recv(&[rdma_cm::RecvWr::new(buf, 0..64).wr_id(3)]).unwrap();
+        crate::common::raw::post_recv(peer, buf, 0..64, 3);
         lane.post_inline(qa, InlineWr::send(b"ok").wr_id(1)).unwrap();
         assert!(reap(&mut lane, 1)[0].is_ok());
-        assert_eq!(peer.qp_mut().wait_for(WorkQueue::Recv, 3, T).unwrap().byte_len(), 2);
+        assert_eq!(crate::common::raw::wait(peer, false, 3), (0, 2), "the peer's receive: success, 2 bytes");
         drop((lane, conn2, conns, cq, pd, pd2));
     }
     t.finish();
@@ -991,49 +985,6 @@ fn a_disconnect_after_an_unsignaled_send_waits_for_its_flush_once() {
     t.finish();
 }
 
-/// A QP made for the lane's CQ but never attached, posting through its own path, outlives the
-/// lane: its receive stays out of reach while posted (the peer's send completes into a CQ that
-/// only the gone lane could read), its own wait refuses at once rather than sleeping, and its
-/// drop gives the region back whole.
-#[test]
-fn an_unattached_qp_outliving_its_lane_keeps_its_receive_out_of_reach_until_its_drop() {
-    let t = DeviceTest::start();
-    {
-        let (l, dst) = listener(&t);
-        let server = thread::spawn(move || {
-            let req = l.get_request(T).unwrap();
-            let pd = req.alloc_pd().unwrap();
-            let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
-            let mut mr = MemoryRegion::new(&pd, LEN, AccessFlags::LOCAL_WRITE).unwrap();
-            mr.write_at(0, &pattern(LEN, 11)).unwrap();
-            (conn, mr)
-        });
-        let lane = lane_on(t.addr, 64);
-        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-        let pd = route.alloc_pd().unwrap();
-        let q = route.create_qp(&pd, lane.qp_init()).unwrap();
-        let mut conn = q.connect(&ConnParam::new(), T).unwrap();
-        let (mut peer, src) = server.join().unwrap();
-        let mut buf = MemoryRegion::new(&pd, LEN, AccessFlags::LOCAL_WRITE).unwrap();
-        conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(&buf, 0..LEN).wr_id(1)]).unwrap();
-        drop(lane);
-        crate::common::out_of_reach(&mut buf, "a receive posted on a QP whose lane is gone");
-        peer.qp_mut().post_send(&[rdma_cm::SendWr::send(&src, 0..LEN).wr_id(2)]).unwrap();
-        peer.qp_mut().wait_for(WorkQueue::Send, 2, T).expect("the send completed: the receive did too");
-        crate::common::out_of_reach(&mut buf, "its completion is in the CQ, unread");
-        let start = Instant::now();
-        let e = conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap_err();
-        assert!(start.elapsed() < Duration::from_secs(2), "refused at once, not slept: {:?}", start.elapsed());
-        assert!(e.to_string().contains("Lane"), "{e}");
-        drop(conn);
-        let mut got = [0u8; LEN];
-        buf.read_at(0, &mut got).expect("the QP's drop gave the region back");
-        assert_eq!(&got[..], &pattern(LEN, 11)[..]);
-        drop((peer, src, buf, pd));
-    }
-    t.finish();
-}
-
 /// `wait_async` registers the CQ's channel with each runtime it runs on: after the first
 /// runtime is dropped, a wait on a second one still wakes for the peer's
 /// send rather than running to its timeout, and so does one on a third while the second is
@@ -1098,20 +1049,19 @@ fn a_half_retired_completion_survives_the_cq_growing() {
         let (qa, pda, mut peer) = crate::common::lane::attached_pair(&mut lane, t.addr, spec);
         for k in 0..3u64 {
             let (buf, range) = (&peer.mrs[0], (k as usize) * LEN..(k as usize + 1) * LEN);
-            peer.conn.qp_mut().post_recv(&[rdma_cm::RecvWr::new(buf, range).wr_id(k)]).unwrap();
+            crate::common::raw::post_recv(&peer.conn, buf, range, k);
         }
         lane.post_send(qa, SendWr::send(message(&pda, 1), 0..LEN).wr_id(1).unsignaled()).unwrap();
         lane.post_send(qa, SendWr::send(message(&pda, 2), 0..LEN).wr_id(2).unsignaled()).unwrap();
         lane.post_send(qa, SendWr::send(message(&pda, 3), 0..LEN).wr_id(3)).unwrap();
         lane.post_recv(qa, RecvWr::new(recv_buf(&pda)).wr_id(4)).unwrap();
-        peer.conn.qp_mut().wait_for(WorkQueue::Recv, 2, T).unwrap();
+        assert_eq!(crate::common::raw::wait(&peer.conn, false, 2).0, 0, "the peer's third receive");
         let first = lane.wait(T).unwrap();
         assert_eq!((first.wr_id(), first.is_signaled()), (1, false), "{first:?}");
         drop(first);
         // The peer answers, so a completion sits behind the half-retired one.
         peer.mrs[1].write_at(0, &pattern(LEN, 9)).unwrap();
-        peer.conn.qp_mut().post_send(&[rdma_cm::SendWr::send(&peer.mrs[1], 0..LEN).wr_id(5)]).unwrap();
-        peer.conn.qp_mut().wait_for(WorkQueue::Send, 5, T).unwrap();
+        crate::common::raw::send(&peer.conn, &peer.mrs[1], 0..LEN, 5);
         let depth = lane.cq_depth();
         let other =
             PairSpec { init: lane.qp_init_from(QpInit::new().max_send_wr(4).max_recv_wr(4)), ..PairSpec::default() };

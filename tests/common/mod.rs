@@ -11,13 +11,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, RecvWr, Server};
+use rdma_cm::{AccessFlags, Client, ConnParam, Connection, MemoryRegion, ProtectionDomain, QpInit, Server};
 
 pub mod caps;
 mod device;
 pub mod examples;
 pub mod lane;
-pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
 pub use caps::{require, skipped, Cap};
 pub use device::device_addr;
@@ -215,8 +214,6 @@ pub struct PairSpec {
     pub access: AccessFlags,
     pub init: QpInit,
     pub param: ConnParam,
-    /// Receives posted on MR 0 before connecting: (wr_id, len) each.
-    pub pre_recv: Vec<(u64, usize)>,
 }
 
 impl Default for PairSpec {
@@ -226,7 +223,6 @@ impl Default for PairSpec {
             access: AccessFlags::LOCAL_WRITE,
             init: QpInit::new(),
             param: ConnParam::new(),
-            pre_recv: vec![],
         }
     }
 }
@@ -242,20 +238,14 @@ pub fn pair(addr: IpAddr, client: PairSpec, server: PairSpec) -> (Side, Side) {
         let pd = req.alloc_pd().expect("server: alloc_pd");
         let mrs: Vec<_> =
             server.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, server.access).expect("server: mr")).collect();
-        let mut q = req.create_qp(&pd, server.init.clone()).expect("server: create_qp");
-        for &(id, len) in &server.pre_recv {
-            q.post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).expect("server: pre-recv");
-        }
+        let q = req.create_qp(&pd, server.init.clone()).expect("server: create_qp");
         let conn = q.accept(&server.param, T).expect("server: accept");
         Side { conn, pd, mrs }
     });
     let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
     let pd = route.alloc_pd().unwrap();
     let mrs: Vec<_> = client.mr_sizes.iter().map(|&n| MemoryRegion::new(&pd, n, client.access).unwrap()).collect();
-    let mut q = route.create_qp(&pd, client.init.clone()).unwrap();
-    for &(id, len) in &client.pre_recv {
-        q.post_recv(&[RecvWr::new(&mrs[0], 0..len).wr_id(id)]).unwrap();
-    }
+    let q = route.create_qp(&pd, client.init.clone()).unwrap();
     let conn = q.connect(&client.param, T).expect("client: connect");
     let server = srv.join().expect("server thread panicked");
     (Side { conn, pd, mrs }, server)
@@ -304,4 +294,76 @@ pub fn out_of_reach(mr: &mut MemoryRegion, what: &str) {
     assert!(matches!(mr.as_mut_slice(), Err(rdma_cm::Error::InFlight { .. })), "{what}: as_mut_slice");
     assert!(matches!(mr.read_at(0, &mut b), Err(rdma_cm::Error::InFlight { .. })), "{what}: read_at");
     assert!(matches!(mr.write_at(0, b"x"), Err(rdma_cm::Error::InFlight { .. })), "{what}: write_at");
+}
+
+/// The peer of a lane test as plain libibverbs, as a C program would drive it: posts and
+/// polls straight on a connection's QP and its own CQs, beside the crate.
+pub mod raw {
+    use super::T;
+    use rdma_cm::ffi;
+    use rdma_cm::{Connection, MemoryRegion};
+    use std::ops::Range;
+    use std::time::Instant;
+
+    fn sge(mr: &MemoryRegion, range: Range<usize>) -> ffi::ibv_sge {
+        assert!(range.end <= mr.len(), "the range is inside the region");
+        ffi::ibv_sge { addr: mr.addr() + range.start as u64, length: range.len() as u32, lkey: mr.lkey() }
+    }
+
+    /// Sends `mr[range]` and waits for the send's completion.
+    pub fn send(conn: &Connection, mr: &MemoryRegion, range: Range<usize>, wr_id: u64) {
+        let mut sge = sge(mr, range);
+        // SAFETY: ibv_send_wr is plain old data; all-zero is a valid start.
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is alive (held by `conn`); `wr` and `sge` outlive the call, which
+        // copies them; `mr` stays registered until the completion is reaped below (it is
+        // borrowed until then), and the device only reads it.
+        let ret = unsafe { ffi::ibv_post_send(conn.qp().as_raw(), &mut wr, &mut bad) };
+        assert_eq!(ret, 0, "ibv_post_send");
+        let (status, _) = wait(conn, true, wr_id);
+        assert_eq!(status, ffi::ibv_wc_status::IBV_WC_SUCCESS, "the peer's send");
+    }
+
+    /// Posts a receive on `mr[range]`. The caller keeps `mr` alive and reads it only after
+    /// [`wait`] returned this receive's completion.
+    pub fn post_recv(conn: &Connection, mr: &MemoryRegion, range: Range<usize>, wr_id: u64) {
+        let mut sge = sge(mr, range);
+        // SAFETY: ibv_recv_wr is plain old data; all-zero is a valid start.
+        let mut wr: ffi::ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: as in `send`; the device writes `mr`, which the caller keeps registered and
+        // reads only after the completion (see above).
+        let ret = unsafe { ffi::ibv_post_recv(conn.qp().as_raw(), &mut wr, &mut bad) };
+        assert_eq!(ret, 0, "ibv_post_recv");
+    }
+
+    /// Polls the send (`send == true`) or receive CQ of `conn` until the completion of
+    /// `wr_id`, within [`T`]; returns its status and byte count.
+    pub fn wait(conn: &Connection, send: bool, wr_id: u64) -> (u32, u32) {
+        let qp = conn.qp();
+        let cq = if send { qp.send_cq() } else { qp.recv_cq() };
+        let deadline = Instant::now() + T;
+        loop {
+            // SAFETY: ibv_wc is plain old data.
+            let mut wc: ffi::ibv_wc = unsafe { std::mem::zeroed() };
+            // SAFETY: the CQ is alive and polled by nobody else (the peer's own); `wc` has room
+            // for the one entry asked for.
+            let n = unsafe { ffi::ibv_poll_cq(cq.as_raw(), 1, &mut wc) };
+            assert!(n >= 0, "ibv_poll_cq: {n}");
+            if n == 1 && wc.wr_id == wr_id {
+                return (wc.status, wc.byte_len);
+            }
+            assert!(Instant::now() < deadline, "no completion of {wr_id} within {T:?}");
+            std::hint::spin_loop();
+        }
+    }
 }
