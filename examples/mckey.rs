@@ -221,8 +221,7 @@ fn poll_recvs(node: &mut Node, a: &Args) -> usize {
             Err(e) => fail(&format!("mckey: failed polling CQ: {e}")),
         };
         let Some(mut buf) = c.take_region() else { continue };
-        let d = Datagram::parse(&c.work_completion(), &mut buf, 0)
-            .unwrap_or_else(|e| fail(&format!("mckey: bad datagram: {e}")));
+        let d = Datagram::parse(&c, &mut buf, 0).unwrap_or_else(|e| fail(&format!("mckey: bad datagram: {e}")));
         if d.len() != a.size {
             fail(&format!("mckey: datagram {} has {} bytes, not {}", c.wr_id(), d.len(), a.size));
         }

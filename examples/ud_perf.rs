@@ -169,7 +169,7 @@ fn server(a: &Args) {
         let mut got = early.take().unwrap_or_else(|| next(&mut lane, a.busy_poll, "receiving"));
         let mut buf = got.take_region().unwrap_or_else(|| fail("receiving", "a completion without its buffer"));
         if dest.is_none() {
-            let wc = got.work_completion();
+            let wc = *got;
             let d = Datagram::parse(&wc, &mut buf, 0).unwrap_or_else(|e| fail("reading the datagram", e));
             let grh = d.grh().unwrap_or_else(|| fail("reply AH", "the datagram carried no GRH"));
             let ah = AddressHandle::reply_to(&pd, port, &wc, grh).unwrap_or_else(|e| fail("reply AH", e));

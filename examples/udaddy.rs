@@ -213,12 +213,11 @@ fn poll(node: &mut Node, a: &Args, queue: WorkQueue, reply: bool) -> usize {
             continue;
         }
         let Some(mut buf) = c.take_region() else { continue };
-        let d = Datagram::parse(&c.work_completion(), &mut buf, 0)
-            .unwrap_or_else(|e| fail(&format!("udaddy: bad datagram: {e}")));
+        let d = Datagram::parse(&c, &mut buf, 0).unwrap_or_else(|e| fail(&format!("udaddy: bad datagram: {e}")));
         if reply && node.dest.is_none() {
             // udaddy answers the QP number in the immediate data (its own), with its QKey.
             let grh = d.grh().unwrap_or_else(|| fail("udaddy: failed to create reply AH: the datagram has no GRH"));
-            let ah = AddressHandle::reply_to(&node.pd, node.port, &c.work_completion(), grh)
+            let ah = AddressHandle::reply_to(&node.pd, node.port, &c, grh)
                 .unwrap_or_else(|e| fail(&format!("udaddy: failed to create reply AH: {e}")));
             let dest = UdDest::new(ah, d.imm_data().unwrap_or(d.src_qp()), node.qkey);
             let key = node.lane.add_dest(node.qp, &dest);

@@ -6,7 +6,7 @@
 //! `ibv_modify_qp` at the points librdmacm's rules put them:
 //!
 //! ```text
-//! UnconnectedQp::new_reset (RESET) or UnconnectedQp::new (INIT, receives posted or not)
+//! UnconnectedQp::new_reset (RESET) or UnconnectedQp::new (INIT)
 //!   ─RouteResolved::adopt_qp / ConnectRequest::adopt_qp→ ClientQp / ServerQp (INIT, the CM's attributes)
 //! client: connect (rdma_connect, qp_num) → CONNECT_RESPONSE → INIT → RTR → RTS → rdma_establish → Connection
 //! server: accept: INIT → RTR → RTS → rdma_accept (qp_num) → ESTABLISHED → Connection
@@ -14,10 +14,10 @@
 //! ```
 //!
 //! There is one QP type, made by the verbs wing; the CM only drives it. Everything about the
-//! adopted QP is a [`QueuePair`]'s: the same slots hold the regions of its work requests until
-//! their completions are reaped, the same bounded flush runs when it is dropped, and the
-//! typestates offer receives only until the connection exists (an [`UnconnectedQp`] lends no
-//! mutable QP, so nothing is sent before RTS).
+//! adopted QP is a [`QueuePair`]'s, and its work goes through a lane as any QP's does
+//! ([`ClientQp::into_lane`](crate::ClientQp::into_lane),
+//! [`ServerQp::into_lane`](crate::ServerQp::into_lane)); the lane takes receives only until
+//! the connection exists.
 
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;

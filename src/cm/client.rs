@@ -301,8 +301,7 @@ impl ClientQp {
         &self.id
     }
 
-    /// The QP, to read its number and capabilities. Before the connection exists it takes
-    /// receives only ([`ClientQp::post_recv`]).
+    /// The QP, to read its number and capabilities.
     pub fn qp(&self) -> &QueuePair {
         &self.qp
     }

@@ -41,23 +41,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Before the connection exists, a QP takes receives only: a send, RDMA WRITE or READ posted
-//! before `ESTABLISHED` is not something the typestates offer (on rxe such a post fails, yet the
-//! provider keeps it and runs it after the connection is up).
-//!
-//! ```compile_fail
-//! # fn f(mut q: rdma_cm::ClientQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
-//! // A client cannot send before it is connected.
-//! q.qp_mut().post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
-//! # Ok(()) }
-//! ```
-//!
-//! ```compile_fail
-//! # fn f(mut q: rdma_cm::ServerQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
-//! // Nor can a server before it has accepted.
-//! q.qp_mut().post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
-//! # Ok(()) }
-//! ```
+//! Before the connection exists, a QP takes receives only: its lane refuses a send, RDMA WRITE
+//! or READ posted before `ESTABLISHED` ([`Error::InvalidArgument`],
+//! with the region given back), where rxe would keep such a post and run it after the
+//! connection is up.
 //!
 //! Every blocking step takes a timeout ([`FOREVER`](crate::FOREVER) waits without one). The
 //! blocking steps read only their own id's events ([`EventChannel::get_event_for`](crate::EventChannel::get_event_for)), so ids may

@@ -25,8 +25,7 @@
 //! ```
 //!
 //! The endpoint joins the groups; the lane posts and polls. A membership leaves its group when
-//! dropped, before or after the lane lets the endpoint go, as on the convenient path: the
-//! endpoint's drop (when the lane removes the QP, or is dropped) detaches the QP from the
+//! dropped, before or after the lane lets the endpoint go: the endpoint's drop (when the lane removes the QP, or is dropped) detaches the QP from the
 //! groups its memberships still hold, before the QP is destroyed.
 
 use std::any::Any;

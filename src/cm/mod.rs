@@ -34,28 +34,37 @@
 //! [`UdClient`](crate::UdClient) and [`UdServer`](crate::UdServer) run the UD side of rdma_cm (`RDMA_PS_UDP`): the client's
 //! [`UdEndpoint::connect`](crate::UdEndpoint::connect) is one request and one reply, whose `ESTABLISHED` event carries the
 //! server's QP number, QKey and address ([`CmEvent::ud`](crate::CmEvent::ud), [`UdDest`](crate::UdDest)); the server answers
-//! whoever sends to it ([`UdDest::reply_to`](crate::UdDest::reply_to)). A [`UdQp`](crate::UdQp) posts [`UdSendWr`](crate::UdSendWr)s, each addressed,
-//! and only sends: an RDMA WRITE, READ or atomic on UD does not compile. Every receive starts
+//! whoever sends to it ([`UdDest::reply_to`](crate::UdDest::reply_to)). On a lane, a UD QP posts only sends, each to
+//! a destination ([`Lane::add_dest`](crate::verbs::lane::Lane::add_dest)): an RDMA WRITE, READ or atomic on UD is refused. Every receive starts
 //! with [`GRH_LEN`](crate::GRH_LEN) bytes the device writes; [`Datagram::parse`](crate::Datagram::parse) gives the payload's range, the
 //! sender's QP number and address. A datagram over the port's MTU, or a receive with no room
 //! for the GRH, is refused before posting. `examples/udaddy` is rdma-core's `udaddy`.
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::{AccessFlags, Datagram, MemoryRegion, QpInit, RecvWr, UdClient, UdSendWr, WorkQueue, GRH_LEN};
+//! use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr};
+//! use rdma_cm::{AccessFlags, Datagram, MemoryRegion, QpInit, UdClient, GRH_LEN};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);
 //! let route = UdClient::new()?.resolve_addr(None, "10.77.0.1:7174".parse().unwrap(), t)?.resolve_route(t)?;
 //! let pd = route.alloc_pd()?;
-//! let mut ep = route.create_qp(&pd, QpInit::new())?;
-//! let mut buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
-//! ep.qp_mut().post_recv(&[RecvWr::new(&buf, 0..GRH_LEN + 1024).wr_id(1)])?;
+//! let mut lane = Lane::new(&route.context()?, 64)?;
+//! let mut ep = route.create_qp(&pd, lane.qp_init_from(QpInit::new()))?;
 //! let server = ep.connect(&[], t)?;                         // its QPN, QKey and address
-//! ep.qp_mut().post_send(&[UdSendWr::send_inline(&server, b"ping").wr_id(2)])?;
-//! let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 1, t)?;   // the answer
-//! let d = Datagram::parse(&wc, &mut buf, 0)?;
-//! println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//! let qp = lane.attach(ep)?;
+//! let to_server = lane.add_dest(qp, &server)?;
+//! let buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
+//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
+//! lane.post_inline(qp, InlineWr::send(b"ping").to(to_server).wr_id(2))?;
+//! loop {
+//!     let mut c = lane.wait(t)?.ok()?;                      // the send's, then the answer
+//!     if let Some(mut buf) = c.take_region().filter(|_| c.wr_id() == 1) {
+//!         let d = Datagram::parse(&c, &mut buf, 0)?;
+//!         println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//!         break;
+//!     }
+//! }
 //! # Ok(()) }
 //! ```
 //!
@@ -169,9 +178,9 @@
 //!
 //! With the `tokio` feature (off by default), every blocking step has an `_async` twin
 //! (`resolve_addr_async`, `resolve_route_async`, `connect_async`, `get_request_async`,
-//! `accept_async`, `next_event_async`, `disconnect_async`), the QP has `wait_async` and
-//! `wait_for_async`, and [`AsyncEvents`](crate::AsyncEvents) has `next_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
-//! these futures is safe: posted work requests keep their regions inside the QP until their
+//! `accept_async`, `next_event_async`, `disconnect_async`), the lane has `wait_async`, and
+//! [`AsyncEvents`](crate::AsyncEvents) has `next_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
+//! these futures is safe: posted work requests keep their regions inside the lane until their
 //! completions are polled or the QP is dropped. A CQ's and a CM channel's descriptors are
 //! registered with the reactor once, at their first async wait, for the CQ's or channel's life
 //! (not once per wait, which cost ~40x the synchronous round trip), so an async wait costs what
@@ -187,7 +196,7 @@
 //! [`Multicast`](crate::Multicast) membership once the `MULTICAST_JOIN` event arrives; librdmacm has then
 //! attached the QP (a [`JoinKind::FullMember`](crate::JoinKind::FullMember); a send-only member is not attached). Sends to
 //! the group go to [`Multicast::dest`](crate::Multicast::dest): the group's address handle, QPN `0xFFFFFF` and the
-//! join's QKey, through the same [`UdQp::post_send`](crate::UdQp::post_send) (the handle held by every posted send until
+//! join's QKey, posted on the lane like any datagram (the handle held by every posted send until
 //! its completion). Dropping the membership leaves the group; the endpoint and its memberships
 //! may be dropped in either order (see [`multicast`]). A unicast address as the group is
 //! refused before any call; loopback off ([`McastResolved::loopback`](crate::McastResolved::loopback)) is a clear error where
@@ -196,21 +205,28 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::{AccessFlags, Datagram, JoinKind, McastClient, MemoryRegion, QpInit, RecvWr, UdSendWr, WorkQueue, GRH_LEN};
+//! use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr};
+//! use rdma_cm::{AccessFlags, Datagram, JoinKind, McastClient, MemoryRegion, Multicast, QpInit, GRH_LEN};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);
 //! let (src, group) = ("10.77.0.1".parse().unwrap(), "239.1.1.1".parse().unwrap());
 //! let r = McastClient::new()?.resolve(Some(src), group, t)?;
 //! let pd = r.alloc_pd()?;
-//! let mut ep = r.create_qp(&pd, QpInit::new())?;
-//! let mut buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
-//! ep.qp_mut().post_recv(&[RecvWr::new(&buf, 0..GRH_LEN + 1024).wr_id(1)])?;
-//! let member = ep.join(JoinKind::FullMember, t)?;
-//! ep.qp_mut().post_send(&[UdSendWr::send_inline(member.dest(), b"hello, group").wr_id(2)])?;
-//! let wc = ep.qp_mut().wait_for(WorkQueue::Recv, 1, t)?; // our own datagram: loopback is on
-//! let d = Datagram::parse(&wc, &mut buf, 0)?;
-//! println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//! let mut lane = Lane::new(&r.context()?, 64)?;
+//! let qp = lane.attach(r.create_qp(&pd, lane.qp_init_from(QpInit::new()))?)?;
+//! let buf = MemoryRegion::new(&pd, GRH_LEN + 1024, AccessFlags::LOCAL_WRITE)?;
+//! lane.post_recv(qp, RecvWr::new(buf).wr_id(1))?;
+//! let (member, to_group) = Multicast::join_on(&mut lane, qp, group, JoinKind::FullMember, t)?;
+//! lane.post_inline(qp, InlineWr::send(b"hello, group").to(to_group).wr_id(2))?;
+//! loop {
+//!     let mut c = lane.wait(t)?.ok()?;          // the send's, then our own datagram (loopback)
+//!     if let Some(mut buf) = c.take_region().filter(|_| c.wr_id() == 1) {
+//!         let d = Datagram::parse(&c, &mut buf, 0)?;
+//!         println!("{} bytes from QP {} at {:?}", d.len(), d.src_qp(), d.src_ip());
+//!         break;
+//!     }
+//! }
 //! drop(member); // rdma_leave_multicast
 //! # Ok(()) }
 //! ```

@@ -8,7 +8,7 @@
 //!  McastResolved  ── alloc_pd, loopback(false)
 //!   │ create_qp             (rdma_create_qp, or rdma_create_qp_ex with
 //!   │                        IBV_QP_CREATE_BLOCK_SELF_MCAST_LB: a UD QP in RTS)
-//!  McastEndpoint  ── post_recv, post_send, poll      (its UdQp)
+//!  McastEndpoint  ── Lane::attach: posts and polls  (its UdQp)
 //!   │ join(kind)            (rdma_join_multicast_ex → MULTICAST_JOIN: the QP is attached)
 //!   ▼
 //!  Multicast      ── dest(): the group's UdDest (AH, QPN 0xFFFFFF, the join's QKey)
@@ -489,8 +489,8 @@ impl McastEndpoint {
 
 /// A multicast membership: the group's destination for sends, and the leave on drop.
 ///
-/// Sends to the group go to [`Multicast::dest`] (`UdSendWr::send(m.dest(), ...)` on the
-/// endpoint's QP). Dropping it leaves the group (`rdma_leave_multicast`); [`Multicast::leave`]
+/// Sends to the group go to [`Multicast::dest`], registered with the endpoint's lane
+/// ([`Multicast::join_on`] does both). Dropping it leaves the group (`rdma_leave_multicast`); [`Multicast::leave`]
 /// does so and returns the error, if any.
 #[derive(Debug)]
 pub struct Multicast {

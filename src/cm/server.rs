@@ -348,8 +348,7 @@ impl ServerQp {
         &self.id
     }
 
-    /// The QP, to read its number and capabilities. Before the connection exists it takes
-    /// receives only ([`ServerQp::post_recv`]).
+    /// The QP, to read its number and capabilities.
     pub fn qp(&self) -> &QueuePair {
         &self.qp
     }

@@ -27,13 +27,13 @@
 //! [`QueuePair::last_async_event`](crate::QueuePair::last_async_event),
 //! [`CompletionQueue::has_error`](crate::CompletionQueue::has_error),
 //! [`SharedReceiveQueue::limit_reached`](crate::SharedReceiveQueue::limit_reached). A QP that
-//! went fatal, or one of whose CQs overran, or whose device failed, ends its blocking waits
-//! with [`Error::AsyncEvent`] as soon as nothing is left to reap, instead of sleeping to the
-//! timeout: its blocking waits (and [`CompletionQueue::wait`](crate::CompletionQueue::wait))
-//! watch the context's event descriptor beside the CQ channels. Its async waits
-//! (`wait_async`, `wait_for_async`) check the same marks at every wake-up but do not watch
-//! that descriptor (tokio cannot register one descriptor for several QPs at once); keep an
-//! [`AsyncEvents`] source running, or bound them with `tokio::time::timeout`. The element of an event is compared as
+//! went fatal, or one of whose CQs overran, or whose device failed, ends its lane's waits with
+//! [`Error::AsyncEvent`] as soon as nothing is left to reap, instead of sleeping to the
+//! timeout: [`Lane::wait`](crate::verbs::lane::Lane::wait) watches the context's event
+//! descriptor beside the CQ's channel. `Lane::wait_async` (feature `tokio`)
+//! checks the same marks at every wake-up but does not watch that descriptor (tokio cannot
+//! register one descriptor for several lanes at once); keep an [`AsyncEvents`] source running,
+//! or bound it with `tokio::time::timeout`. The element of an event is compared as
 //! a number, never dereferenced, so an event about an object this crate does not own (made
 //! through [`crate::ffi`]) is still returned, and marks nothing.
 //!

@@ -1,20 +1,13 @@
-//! [`CompletionQueue`] with its completion channel (the typed [`WorkCompletion`] is in
-//! [`crate::verbs::wc`], the routing table in `verbs/router.rs`).
+//! [`CompletionQueue`] with its completion channel. A [`Lane`](crate::verbs::lane::Lane) makes
+//! its own and is its only reader ([`Lane::cq`](crate::verbs::lane::Lane::cq) lends it, to be
+//! armed and waited on beside other descriptors); its completions come through the lane.
 //!
 //! A CQ holds the [`VerbsContext`] it was created on. A [`QueuePair`](crate::QueuePair) holds
 //! an `Arc` of each of its CQs, so a CQ is destroyed only after every QP using it.
 //!
-//! # One CQ, many QPs
-//!
-//! A CQ may serve any number of QPs (and the receives of shared receive queues). Each CQ keeps
-//! a routing table: every `wr_id` the crate posts carries the index of its QP in that table
-//! (see `ring::tag`), so whoever polls the CQ, [`CompletionQueue::poll`] or one of its QPs,
-//! retires each completion's slot in the QP (or SRQ) that posted it, in O(1) and without
-//! allocating. A completion of a QP that is gone, or of a raw post, retires nothing.
-//!
-//! The CQ also counts what its queues may have outstanding, and refuses a QP that could make it
-//! overrun: a CQ serving QPs of depth 16/16 needs room for 32 completions per QP (an SRQ's
-//! receives count once, at the SRQ's depth).
+//! A CQ counts what its queues may have outstanding: a CQ serving QPs of depth 16/16 needs room
+//! for 32 completions per QP (an SRQ's receives count once, at the SRQ's depth). Any CQ but a
+//! lane's refuses a QP that could make it overrun; a lane grows its own when it attaches one.
 //!
 //! CQ events are acknowledged in batches (`ibv_ack_cq_events` takes a lock); the remainder is
 //! acknowledged before the CQ is destroyed, as libibverbs requires.
@@ -151,8 +144,7 @@ impl CompletionQueue {
         self.raw.as_ptr()
     }
 
-    /// The completions it holds: the depth it was created with, or last resized to
-    /// ([`CompletionQueue::resize`]).
+    /// The completions it holds: the depth it was created with, or that its lane grew it to.
     pub fn depth(&self) -> u32 {
         self.depth.load(Ordering::Acquire)
     }
@@ -219,15 +211,15 @@ impl CompletionQueue {
         &self.ctx
     }
 
-    /// The routing table (locked).
+    /// Its counts (locked).
     pub(crate) fn accounts(&self) -> MutexGuard<'_, Accounts> {
         lock(&self.accounts)
     }
 
     /// Whether the device reported this CQ in error (`IBV_EVENT_CQ_ERR`: it overran, so
     /// completions were lost), or itself failed, after reading what is pending. Once it did,
-    /// [`CompletionQueue::wait`] fails with [`Error::AsyncEvent`] when it finds nothing to
-    /// reap. See [`crate::verbs::async_event`].
+    /// its lane's waits fail with [`Error::AsyncEvent`] when they find nothing to reap. See
+    /// [`crate::verbs::async_event`].
     ///
     /// # Errors
     /// [`Error::Call`] when `ibv_get_async_event` fails.

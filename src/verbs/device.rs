@@ -189,7 +189,7 @@ impl Transport {
     /// none (its post is refused with `EINVAL`). Where it is missing, a SEND after the WRITE
     /// serves as its doorbell: on a reliable connection it arrives after the WRITE's data.
     ///
-    /// [`SendWr::imm`]: crate::SendWr::imm
+    /// [`SendWr::imm`]: crate::verbs::lane::SendWr::imm
     pub fn has_immediate_data(self) -> bool {
         self == Transport::InfiniBand
     }

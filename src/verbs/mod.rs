@@ -3,31 +3,34 @@
 //! imports the connection manager ([`crate::cm`]), which stands on top of it.
 //!
 //! The data path is the [`lane`]: one thread's completion queue and the QPs on it, with work
-//! requests that move their regions in and completions that hand them back. The sections
-//! below are about the objects themselves, and about [`QueuePair`](crate::QueuePair)'s own
-//! posts and polls, where any thread may post and work requests borrow their regions.
+//! requests that move their regions in and completions that hand them back. Every post and
+//! poll goes through a lane; the sections below are about the objects themselves.
 //!
 //! # Verbs without the connection manager
 //!
 //! An RC QP can be made on a protection domain alone and connected from the peer's
-//! [`PeerInfo`](crate::PeerInfo) (QP number, PSN, LID or GID), exchanged by any means: [`UnconnectedQp`](crate::UnconnectedQp) is in
-//! INIT and offers receives only; [`UnconnectedQp::connect`](crate::UnconnectedQp::connect) moves it to RTR and RTS and hands
-//! back the [`QueuePair`](crate::QueuePair) that sends, so no send can come before RTS, as on the CM path. A UD
-//! QP comes from a port and a Q_Key ([`UdQp::new`](crate::UdQp::new)). [`PeerInfo`](crate::PeerInfo) speaks rdma-core's pingpong
-//! wire form; `examples/rc_pingpong`, `ud_pingpong` and `srq_pingpong` interoperate with
-//! `ibv_rc_pingpong`, `ibv_ud_pingpong` and `ibv_srq_pingpong`. See [`qp::connect`].
+//! [`PeerInfo`](crate::PeerInfo) (QP number, PSN, LID or GID), exchanged by any means:
+//! [`UnconnectedQp`](crate::UnconnectedQp) is in INIT;
+//! [`UnconnectedQp::connect`](crate::UnconnectedQp::connect) moves it to RTR and RTS and hands
+//! back the [`QueuePair`](crate::QueuePair), which a lane takes to post on it. A UD QP comes
+//! from a port and a Q_Key ([`UdQp::new`](crate::UdQp::new)). [`PeerInfo`](crate::PeerInfo)
+//! speaks rdma-core's pingpong wire form; `examples/rc_pingpong`, `ud_pingpong` and
+//! `srq_pingpong` interoperate with `ibv_rc_pingpong`, `ibv_ud_pingpong` and
+//! `ibv_srq_pingpong`. See [`qp::connect`].
 //!
 //! ```no_run
-//! use rdma_cm::{devices, ProtectionDomain, QpInit, RcParams, UnconnectedQp, VerbsContext};
+//! use rdma_cm::verbs::lane::{Lane, RecvWr};
+//! use rdma_cm::{devices, AccessFlags, MemoryRegion, ProtectionDomain, RcParams, UnconnectedQp, VerbsContext};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! # let peer_info = |_: rdma_cm::PeerInfo| -> rdma_cm::PeerInfo { unimplemented!() };
 //! let ctx = VerbsContext::open(&devices()?[0].name)?;
 //! let pd = ProtectionDomain::new(&ctx)?;
-//! let qp = UnconnectedQp::new(&pd, QpInit::new(), RcParams::new().gid_index(1))?;
+//! let mut lane = Lane::new(&ctx, 64)?;
+//! let qp = UnconnectedQp::new(&pd, lane.qp_init(), RcParams::new().gid_index(1))?;
 //! let theirs = peer_info(qp.local()); // send ours, receive theirs: TCP, a file, anything
-//! let mut qp = qp.connect(&theirs)?;  // RTR, RTS: now it can send
-//! # let _ = &mut qp;
+//! let qp = lane.attach(qp.connect(&theirs)?)?; // RTR, RTS; the lane posts on it
+//! lane.post_recv(qp, RecvWr::new(MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE)?))?;
 //! # Ok(()) }
 //! ```
 //!
@@ -53,50 +56,48 @@
 //!
 //! # Many connections
 //!
-//! One [`CompletionQueue`](crate::CompletionQueue) may serve any number of QPs, and one [`SharedReceiveQueue`](crate::SharedReceiveQueue) the
-//! receives of any number of them ([`QpInit::send_cq`](crate::QpInit::send_cq), [`QpInit::recv_cq`](crate::QpInit::recv_cq), [`QpInit::srq`](crate::QpInit::srq)).
-//! Every `wr_id` the crate posts names its QP's place in the CQ's routing table (or its SRQ
-//! slot), so [`CompletionQueue::poll`](crate::CompletionQueue::poll) retires each completion's slot in O(1), without
-//! allocating, whoever polls; a completion of a QP that is gone retires nothing. A CQ counts
-//! what its queues may have outstanding and refuses a QP that could overrun it. One
-//! [`EventChannel`](crate::EventChannel) may carry every connection's events: the event loop reads them
-//! ([`EventChannel::get_event`](crate::EventChannel::get_event)) and hands each to its connection, or each blocking step reads
-//! its own ([`EventChannel::get_event_for`](crate::EventChannel::get_event_for)). `examples/perftest/server.rs --shared` (`perf_server`) serves all its
-//! clients that way from one thread; `examples/cmtime.rs` pipelines the setup of many. `Drop` never panics; when
-//! a destroy call fails it prints one line to stderr and leaks the object (and any memory the
-//! device might still reach). [`Connection::disconnect`](crate::Connection::disconnect) and [`ProtectionDomain::close`](crate::ProtectionDomain::close) return
-//! errors to callers who want them.
+//! One lane's CQ serves any number of QPs, and one of its shared receive queues
+//! ([`Lane::create_srq`](crate::verbs::lane::Lane::create_srq)) the receives of any number of
+//! them. Every `wr_id` a lane posts names its QP's place in the lane, so its poll retires each
+//! completion's slot in O(1), without allocating; a completion of a QP that is gone retires
+//! nothing. A CQ counts what its queues may have outstanding: the lane grows its CQ when it
+//! attaches a QP it has no room for. One [`EventChannel`](crate::EventChannel) may carry every
+//! connection's events: the event loop reads them
+//! ([`EventChannel::get_event`](crate::EventChannel::get_event)) and hands each to its
+//! connection ([`Lane::handle_event`](crate::verbs::lane::Lane::handle_event)), or each blocking
+//! step reads its own ([`EventChannel::get_event_for`](crate::EventChannel::get_event_for)).
+//! `examples/perftest/server.rs --shared` (`perf_server`) serves all its clients that way from
+//! one thread; `examples/cmtime.rs` pipelines the setup of many. `Drop` never panics; when a
+//! destroy call fails it prints one line to stderr and leaks the object (and any memory the
+//! device might still reach). [`Lane::disconnect`](crate::verbs::lane::Lane::disconnect) and
+//! [`ProtectionDomain::close`](crate::ProtectionDomain::close) return errors to callers who want
+//! them.
 //!
-//! # Soundness of `QueuePair`'s posts and polls
+//! # Soundness
 //!
-//! Posting moves a clone of the [`MemoryRegion`](crate::MemoryRegion) handle into the QP's slot table; reaping the
-//! completion releases it. A work request of several pieces ([scatter/gather](crate::verbs::wr#scattergather),
-//! up to [`MAX_SGE`](crate::MAX_SGE)) holds every piece's region the same way, until the same completion. What
-//! is guaranteed, exactly:
+//! Posting moves the [`MemoryRegion`](crate::MemoryRegion) into the lane's slot table; the
+//! completion hands it back. What is guaranteed, exactly (the lane's docs argue each point):
 //!
-//! - no safe call lets the device write memory that Rust code can reach through a reference:
-//!   a region is readable only while no posted work lets the device write it, and writable only
-//!   while no posted work uses it at all;
+//! - no safe call lets the device write memory that Rust code can reach through a reference: a
+//!   posted region has no handle outside the lane;
 //! - no memory is freed or reused while the device may use it, even through `mem::forget` or a
 //!   panic (forgetting leaks, which is safe), nor when a post fails without saying which work
-//!   requests the provider took (they are all kept until the flush retires them);
+//!   requests the provider took;
 //! - a completion retires only the work request it names: sequence numbers are never reused,
 //!   completions of other QPs and of raw posts are recognised and retire nothing, and none is
-//!   lost ([`QueuePair::wait_for`](crate::QueuePair::wait_for) keeps the ones it passes);
+//!   lost;
 //! - remotely writable regions never hand out slices (a peer may write them at any time); they
 //!   are copied with volatile accesses. Regions a peer may only *read* are handed out as slices:
 //!   the peer may see a buffer while Rust writes it, which is no memory-safety issue.
 //!
-//! A UD send also holds its [`AddressHandle`](crate::AddressHandle) in the send ring's address-handle table (one
-//! entry per slot, made with the QP) until its slot is retired, so the handle outlives every
-//! send that names it, however the caller drops it (see [`ud`]).
+//! A UD send also holds its [`AddressHandle`](crate::AddressHandle) until its slot is retired,
+//! so the handle outlives every send that names it, however the caller drops it (see [`ud`]).
 //!
-//! A bound [`MemoryWindow`](crate::MemoryWindow) ([`BoundWindow`](crate::BoundWindow)) holds its whole region the same way, as a writer
-//! when it grants remote writes, until it is unbound or dropped; an invalidation holds the
-//! region until its completion (see [`verbs::mw`](crate::verbs::mw)).
+//! A bound [`MemoryWindow`](crate::MemoryWindow) ([`BoundWindow`](crate::BoundWindow)) holds its
+//! whole region, as a writer when it grants remote writes, until it is unbound or dropped; an
+//! invalidation holds the region until its completion (see [`verbs::mw`](crate::verbs::mw)).
 //!
-//! Sends, RDMA WRITEs and READs need an established connection: before it, the typestates offer
-//! receives only. See [`qp`] and [`mr`]. [`QueuePair::as_raw`](crate::QueuePair::as_raw) and [`ffi`](crate::ffi) remain for experts.
+//! [`QueuePair::as_raw`](crate::QueuePair::as_raw) and [`ffi`](crate::ffi) remain for experts.
 //! Post and poll make no heap allocation.
 //!
 //! # Thread safety
@@ -104,19 +105,15 @@
 //! | type | Send | Sync | why |
 //! |---|---|---|---|
 //! | [`EventChannel`](crate::EventChannel), [`CmId`](crate::CmId), [`VerbsContext`](crate::VerbsContext) | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
-//! | [`ProtectionDomain`](crate::ProtectionDomain), [`CompletionQueue`](crate::CompletionQueue), [`SharedReceiveQueue`](crate::SharedReceiveQueue) | yes | yes | thread-safe verbs through `&self`; a CQ's routing table and an SRQ's slots are behind mutexes |
+//! | [`ProtectionDomain`](crate::ProtectionDomain), [`CompletionQueue`](crate::CompletionQueue), [`SharedReceiveQueue`](crate::SharedReceiveQueue) | yes | yes | thread-safe verbs through `&self`; a CQ's counts are behind a mutex |
 //! | [`MemoryRegion`](crate::MemoryRegion) | yes | yes | bytes only through `&mut self` with a unique handle |
 //! | [`AsyncEvents`](crate::AsyncEvents) | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
 //! | [`AddressHandle`](crate::AddressHandle) | yes | yes | immutable once made; shared by the sends that use it |
 //! | [`UdQp`](crate::UdQp), [`UdEndpoint`](crate::UdEndpoint) | yes | no | as [`QueuePair`](crate::QueuePair) |
-//! | [`QueuePair`](crate::QueuePair), [`UnconnectedQp`](crate::UnconnectedQp), [`Connection`](crate::Connection) | yes | no | posting and polling need `&mut self`; the slot rings are shared with the CQs' routing tables behind a mutex |
+//! | [`QueuePair`](crate::QueuePair), [`UnconnectedQp`](crate::UnconnectedQp), [`Connection`](crate::Connection) | yes | no | changing the QP's state needs `&mut self` |
+//! | [`Lane`](crate::verbs::lane::Lane) | yes | no | posting and polling need `&mut self`: one thread drives a lane, with no lock |
 //!
-//! QPs that share a CQ may live on different threads: each one's posts and polls are safe
-//! together. A QP's poll keeps the completions of other QPs it meets for them, and wakes the
-//! owner's wait if it sleeps (a blocking wait sleeps on an eventfd of its QP's too, made at its
-//! first sleep; an async wait leaves its task's waker), so no wait misses what another thread
-//! reaped for it. Waiting for a shared CQ from one thread ([`CompletionQueue::wait`](crate::CompletionQueue::wait)) and handing
-//! the work out still costs the least.
+//! A server of many connections runs one lane per thread, each with its QPs.
 //!
 //! Ids may share an [`EventChannel`](crate::EventChannel) across threads. Every read of a channel happens under its
 //! lock, and each blocking step takes only its own id's events, keeping the others, in order,
@@ -127,10 +124,6 @@
 //! its id's events for the peer leaving only while nothing else holds the channel; on a shared
 //! channel, whoever reads the events feeds them to it ([`Connection::handle_event`](crate::Connection::handle_event), or its own
 //! [`Connection::next_event`](crate::Connection::next_event)).
-//!
-//! Dropping a [`QueuePair`](crate::QueuePair) with work in flight blocks for up to 2 s while the flush is reaped.
-//! With the `tokio` feature, a QP dropped on a runtime thread (a future holding it was
-//! cancelled, say) hands that wait to the runtime's blocking pool instead.
 //!
 
 pub mod ah;

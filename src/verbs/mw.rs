@@ -1,15 +1,16 @@
 //! Memory windows: revocable remote access to a part of a memory region.
 //!
 //! ```no_run
-//! use rdma_cm::{AccessFlags, MemoryRegion, MemoryWindow, QueuePair, WindowType};
+//! use rdma_cm::verbs::lane::{BindWr, Lane, LaneQp};
+//! use rdma_cm::{AccessFlags, MemoryRegion, MemoryWindow, ProtectionDomain, WindowType};
+//! use std::sync::Arc;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
-//! # let qp: &mut QueuePair = unimplemented!();
-//! let pd = qp.pd().clone();
+//! # let (lane, qp, pd): (&mut Lane, LaneQp, Arc<ProtectionDomain>) = unimplemented!();
 //! let mr = MemoryRegion::new(&pd, 1 << 20, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND)?;
 //! let mw = MemoryWindow::new(&pd, WindowType::Two)?;
 //! // Grant the peer READs of the first 4 KiB only, until the window is invalidated.
-//! let bound = qp.bind_window(mw, &mr, 0..4096, AccessFlags::REMOTE_READ, 7)?;
+//! let bound = lane.bind_window(qp, BindWr::new(mw, mr, 0..4096, AccessFlags::REMOTE_READ).wr_id(7))?;
 //! let remote = bound.remote(); // send this to the peer
 //! # let _ = remote;
 //! # Ok(()) }
@@ -22,10 +23,10 @@
 //!
 //! ```text
 //!  MemoryWindow::new(pd, Type1 | Type2)        (ibv_alloc_mw)       unbound
-//!   │ QueuePair::bind_window(mw, &mr, range, rights, wr_id)         type 1: ibv_bind_mw
+//!   │ Lane::bind_window(qp, BindWr::new(mw, mr, range, rights))     type 1: ibv_bind_mw
 //!   ▼                                                              type 2: IBV_WR_BIND_MW
 //!  BoundWindow ── rkey(), remote(): hand them to the peer
-//!   │ QueuePair::invalidate_window(bound, wr_id)                   type 1: a zero-length bind
+//!   │ Lane::invalidate_window(qp, bound, wr_id)                    type 1: a zero-length bind
 //!   │                                                              type 2: IBV_WR_LOCAL_INV
 //!   │ BoundWindow::invalidated_by(wc)   (the peer's IBV_WR_SEND_WITH_INV, type 2)
 //!   ▼
@@ -33,22 +34,23 @@
 //! ```
 //!
 //! The bind and the invalidation are work requests on the QP's send queue, posted signaled with
-//! the caller's `wr_id`: their completions come back through the QP's polls and waits like any
-//! other (`IBV_WC_BIND_MW`, `IBV_WC_LOCAL_INV`). The QP's send queue is ordered, so a send of
+//! the caller's `wr_id`: their completions come back through the lane's polls and waits like
+//! any other (`IBV_WC_BIND_MW`, `IBV_WC_LOCAL_INV`); see [`crate::verbs::lane`] for what the
+//! lane adds. The QP's send queue is ordered, so a send of
 //! the rkey posted after the bind on the same QP reaches the peer after the bind took effect.
 //!
 //! # Soundness
 //!
-//! - **The region outlives every window bound to it.** A [`BoundWindow`] holds the region the
-//!   way a posted work request does, so dropping every [`MemoryRegion`] handle only delays
-//!   `ibv_dereg_mr` until the window is unbound or dropped (which deallocates it first).
+//! - **The region outlives every window bound to it.** A [`BoundWindow`] holds the region it
+//!   was bound to, so `ibv_dereg_mr` waits until the window is unbound or dropped (which
+//!   deallocates it first).
 //! - **Memory a peer may write is never lent to Rust.** A window bound with remote write or
-//!   atomic rights counts as a writer of the region while it is bound, as a posted receive
-//!   does: [`MemoryRegion::as_slice`] and the other accessors refuse (`Error::InFlight`) until
-//!   it is unbound. A region needs [`AccessFlags::MW_BIND`] to take windows at all.
+//!   atomic rights counts as a writer of the region while it is bound: the region's
+//!   accessors ([`MemoryRegion::as_slice`] and the others) refuse (`Error::InFlight`) until it
+//!   is unbound. A region needs [`AccessFlags::MW_BIND`] to take windows at all.
 //! - **Revocation is not assumed before it happens.** Invalidating posts the invalidation and
-//!   hands the window back at once, but the region stays held, as written to, by the
-//!   invalidation's slot until its *successful* completion is reaped: a peer's access that
+//!   hands the window back at once, but the region stays held, as written to, until the
+//!   invalidation's *successful* completion is reaped: a peer's access that
 //!   raced it can never reach memory Rust reads or has freed. An invalidation that fails or
 //!   never runs (flushed, or its QP destroyed first) may leave the window bound, a type 1
 //!   window reachable through any QP of the protection domain: its region is then leaked,
@@ -284,7 +286,7 @@ impl fmt::Debug for MemoryWindow {
 
 /// A memory window bound to a range of a region: its [`rkey`](BoundWindow::rkey) grants the
 /// peer that range with the rights it was bound with. It holds the region (see the module
-/// docs); unbind it with [`QueuePair::invalidate_window`](crate::QueuePair::invalidate_window)
+/// docs); unbind it with [`Lane::invalidate_window`](crate::verbs::lane::Lane::invalidate_window)
 /// or drop it (which deallocates the window).
 pub struct BoundWindow {
     /// The window, holding the region (`MemoryWindow::held`) while it is bound: dropped, it is
@@ -356,7 +358,7 @@ impl BoundWindow {
     /// keeps a type 2 window's key, or the key byte's 256 values come round), and a completion
     /// of an earlier binding, kept by the caller or polled late, would then pass for this one's
     /// while the window is bound. Only the deallocation is proof. To bind again without
-    /// deallocating, invalidate locally ([`QueuePair::invalidate_window`](crate::QueuePair::invalidate_window)),
+    /// deallocating, invalidate locally ([`Lane::invalidate_window`](crate::verbs::lane::Lane::invalidate_window)),
     /// whose own completion confirms it.
     ///
     /// # Errors

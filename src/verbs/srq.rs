@@ -1,39 +1,12 @@
 //! [`SharedReceiveQueue`]: receives posted once, consumed by whichever attached QP a message
-//! arrives on (`ibv_create_srq`).
-//!
-//! ```no_run
-//! use rdma_cm::{ProtectionDomain, QpInit, SharedReceiveQueue, VerbsContext};
-//!
-//! # fn main() -> rdma_cm::Result<()> {
-//! let pd = ProtectionDomain::new(&VerbsContext::open("rxe0")?)?;
-//! let srq = SharedReceiveQueue::new(&pd, 1024)?; // one pool of receives for many QPs
-//! let init = QpInit::new().srq(&srq); // each QP made with this takes its receives from `srq`
-//! srq.arm_limit(64)?; // an async event when fewer than 64 receives are left
-//! # let _ = init;
-//! # Ok(()) }
-//! ```
-//!
-//! # Ownership of in-flight memory
-//!
-//! As on a QP, posting a receive moves a handle of its region into a slot the SRQ holds until
-//! the completion is reaped. An SRQ's receives complete in any order, on the receive CQs of
-//! the QPs attached to it, so its slots are a table with a free list rather than a ring: a
-//! completion names its slot and which posting of that slot it is (the slot's count of
-//! postings, 29 bits of it, in its `wr_id`), and retires that slot only while that same posting
-//! is outstanding. A completion handed out again (a device that replays a lap of its CQ, as
-//! rdma-core 44's Soft-RoCE does after an extended poll's end) names an earlier posting of its slot and
-//! retires nothing: it would have to be 2^29 postings of that one slot old to match, and a CQ
-//! holds far fewer completions than that. The table is allocated once, at creation; posting and retiring allocate nothing.
-//!
-//! An SRQ made with [`SharedReceiveQueue::with_sge`] takes receives of several pieces
-//! ([`RecvWr::sg`]): the first piece's handle sits in the slot, the others' in a side table
-//! (slots × (pieces − 1) entries, allocated with the slots), and retiring or releasing the slot
-//! releases them all together.
-//!
-//! Every QP attached to an SRQ holds it, so it is destroyed after them; its slots (and the
-//! regions they hold) are released only once it is destroyed, since until then the device may
-//! still write a posted receive. A receive that a QP took but whose completion was never
-//! reaped (the QP was dropped meanwhile) stays held until the SRQ goes.
+//! arrives on (`ibv_create_srq`). A lane makes one and posts to it
+//! ([`Lane::create_srq`](crate::verbs::lane::Lane::create_srq),
+//! [`Lane::post_srq_recv`](crate::verbs::lane::Lane::post_srq_recv)); each QP made with
+//! [`Lane::srq_qp_init`](crate::verbs::lane::Lane::srq_qp_init) takes its receives from it. The
+//! lane holds the region of every receive posted there until its completion, and hands what is
+//! still posted when the lane goes to the SRQ, which releases it only once it is destroyed
+//! (until then the device may still write it). Every QP attached to an SRQ holds it, so it is
+//! destroyed after them.
 //!
 //! # The limit event
 //!
@@ -119,9 +92,7 @@ impl SharedReceiveQueue {
         Self::with_sge(pd, depth, 1)
     }
 
-    /// Creates an SRQ on `pd` that holds up to `depth` receives of up to `max_sge` pieces each
-    /// ([`RecvWr::sg`]). Every piece of a posted receive is held until its completion is
-    /// reaped (or the SRQ is destroyed), as a single region is.
+    /// Creates an SRQ on `pd` that holds up to `depth` receives of up to `max_sge` pieces each.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a zero depth, or `max_sge` outside 1 to

@@ -1,6 +1,7 @@
 //! Unreliable datagrams (UD) through rdma_cm: [`UdQp`], a UD queue pair whose sends are
-//! addressed per work request ([`UdSendWr`] to a [`UdDest`]); [`Datagram`], a received
-//! message with its 40-byte GRH accounted for; and the UD connection-manager steps.
+//! addressed per work request (a lane's [`SendWr::to`](crate::verbs::lane::SendWr::to) a
+//! destination registered from a [`UdDest`]); [`Datagram`], a received message with its 40-byte
+//! GRH accounted for; and the UD connection-manager steps.
 //!
 //! ```text
 //!  client                                         server
@@ -10,49 +11,40 @@
 //!   │ resolve_route → ROUTE_RESOLVED              │ get_request   → CONNECT_REQUEST (SIDR REQ)
 //!  UdRoute        ── alloc_pd                     UdRequest     ── alloc_pd
 //!   │ create_qp     (rdma_create_qp, UD: RTS)     │ create_qp / reject
-//!  UdEndpoint     ── post_recv, poll              UdServerQp    ── post_recv
+//!  UdEndpoint     ── Lane::attach                 UdServerQp
 //!   │ connect       → ESTABLISHED + ud param      │ accept             (rdma_accept: SIDR REP)
-//!   ▼ = UdDest of the server's QP                 UdEndpoint    (learns each sender from its datagrams)
+//!   ▼ = UdDest of the server's QP                 UdEndpoint    ── Lane::attach (learns each sender
+//!                                                                 from its datagrams)
 //! ```
 //!
 //! A UD "connect" is one request and one reply (IB SIDR): the client learns the server's QP
 //! number and QKey and an address for it from the `ESTABLISHED` event's `ud` parameters
 //! ([`UdParam`](crate::UdParam)); nothing is connected, and the server learns a client from the datagrams it
-//! receives ([`AddressHandle::reply_to`], [`WorkCompletion::src_qp`]).
+//! receives ([`AddressHandle::reply_to`], [`Datagram::src_qp`]).
 //!
 //! # What a UD QP refuses, and why
 //!
-//! - **RDMA WRITE, READ and atomics** do not exist on UD. A [`UdQp`] posts [`UdSendWr`]s only,
-//!   and those are sends (with or without immediate data, gathered or inline): asking a UD QP
-//!   for an RDMA WRITE does not compile.
+//! Its lane checks each post (see [`crate::verbs::lane`]):
 //!
-//!   ```compile_fail
-//!   # fn f(qp: &mut rdma_cm::UdQp, mr: &rdma_cm::MemoryRegion, r: &rdma_cm::RemoteRegion) -> rdma_cm::Result<()> {
-//!   qp.post_send(&[rdma_cm::SendWr::write(mr, 0..8, r, 0)?])?;
-//!   # Ok(()) }
-//!   ```
-//!
-//!   Nor can safe code reach the [`QueuePair`] underneath mutably ([`UdQp::qp`] lends it
-//!   shared, for its number and capabilities).
-//! - **A message over the MTU** is one packet too big to send: [`UdQp::post_send`] refuses it
-//!   before posting, with [`Error::MessageTooLong`] naming both sizes.
+//! - **RDMA WRITE, READ and atomics** do not exist on UD: only sends (with or without immediate
+//!   data, gathered or inline) are taken, each to a destination
+//!   ([`Lane::add_dest`](crate::verbs::lane::Lane::add_dest)).
+//! - **A message over the MTU** is one packet too big to send: refused before posting, with
+//!   [`Error::MessageTooLong`] naming both sizes.
 //! - **A receive buffer of fewer than [`GRH_LEN`] bytes** has no room for the header the
 //!   device writes first: refused before posting. A message longer than the buffer's room
 //!   after the 40 bytes completes with an error (`LOC_LEN_ERR`; rxe says `LOC_QP_OP_ERR`)
 //!   **and moves the QP to the error state**: one peer's datagram stops it receiving. Posts
-//!   are refused from then on ([`Error::InvalidArgument`]); receives of [`UdQp::recv_len`]
-//!   bytes make it impossible, since no datagram exceeds the MTU.
+//!   are refused from then on; receives of [`UdQp::recv_len`] bytes make it impossible, since
+//!   no datagram exceeds the MTU.
 //! - **An address handle on another protection domain** than the QP's is refused.
 //!
 //! # Soundness
 //!
-//! As for RC (see [`crate::verbs::qp`]): every region a send or receive names is held by its slot
-//! until the completion retires it. A UD send also holds its [`AddressHandle`]: the send ring
-//! of a UD QP has one more table of `Option<Arc<AddressHandle>>`, one entry per slot, made when
-//! the QP is created; posting clones the `Arc` into it (no allocation) and retiring the slot
-//! drops it. Dropping every handle the caller has while a send is posted therefore only delays
-//! `ibv_destroy_ah` until the completion is reaped (or the QP is gone). UD work queues complete
-//! in order, so the RC rings apply as they are.
+//! As for RC (see [`crate::verbs::lane`]): every region a send or receive names is held by the
+//! lane until the completion retires it. A UD send also holds its [`AddressHandle`]: the lane
+//! keeps the destination's handle while a send to it is posted, so dropping every handle the
+//! caller has only delays `ibv_destroy_ah` until the completion is reaped (or the QP is gone).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -182,8 +174,8 @@ impl UdDest {
     }
 }
 
-/// A UD queue pair: addressed sends ([`UdSendWr`]), receives with room for the GRH, and the
-/// polls and waits of [`QueuePair`].
+/// A UD queue pair, on a port with its QKey and MTU; a lane posts and polls on it
+/// ([`Lane::attach`](crate::verbs::lane::Lane::attach)).
 #[derive(Debug)]
 pub struct UdQp {
     qp: QueuePair,

@@ -65,7 +65,7 @@ pub struct Wc {
     pub(super) wr_id: u64,
     pub(super) f: Fields,
     pub(super) place: u16,
-    /// Its QP's attach number (`LaneQp`); 0 for the convenient path's.
+    /// Its QP's attach number (`LaneQp`); 0 for an SRQ receive of a QP removed since.
     pub(super) attach: u64,
     pub(super) flags: u8,
 }
@@ -112,8 +112,8 @@ impl Completion {
         Completion { wc, mr }
     }
 
-    /// The region of the work request, handed back (once; `None` afterwards, and for
-    /// completions of the convenient path).
+    /// The region of the work request, handed back (once; `None` afterwards, and for work that
+    /// named no region, such as an inline send).
     #[inline(always)]
     pub fn take_region(&mut self) -> Option<MemoryRegion> {
         self.mr.take()
@@ -146,12 +146,11 @@ impl Wc {
         self.wr_id
     }
 
-    /// The QP it belongs to (`None` for a completion of the convenient path of a QP that is
-    /// not attached, or of an SRQ receive taken by a QP removed from the lane since: see
-    /// [`Wc::qp_num`]).
+    /// The QP it belongs to (`None` for an SRQ receive taken by a QP removed from the lane
+    /// since: see [`Wc::qp_num`]).
     #[inline]
     pub fn qp(&self) -> Option<LaneQp> {
-        (self.is_lane() && self.attach != 0).then_some(LaneQp { attach: self.attach, place: self.place })
+        (self.attach != 0).then_some(LaneQp { attach: self.attach, place: self.place })
     }
 
     /// Whether it is a receive posted to one of the lane's shared receive queues
@@ -165,13 +164,6 @@ impl Wc {
     #[inline]
     pub fn qp_num(&self) -> u32 {
         self.f.qp_num
-    }
-
-    /// Whether it came from a work request posted through the lane (false: through the
-    /// convenient path of a QP made with [`Lane::qp_init`](crate::verbs::lane::Lane::qp_init); it carries no region).
-    #[inline]
-    pub fn is_lane(&self) -> bool {
-        self.flags & LANE != 0
     }
 
     /// False for an unsignaled work request retired by a later signaled completion of its

@@ -1,12 +1,10 @@
-//! [`Lane`]: the fast data path. One completion queue and the queue pairs that complete on it,
-//! driven by one thread, with owned buffers instead of locks and reference counts.
+//! [`Lane`]: the data path. One completion queue and the queue pairs that complete on it,
+//! driven by one thread, with owned buffers instead of locks and reference counts. Every post
+//! and poll of the crate goes through a lane.
 //!
-//! # What it is for
+//! # What it is
 //!
-//! The convenient path ([`QueuePair::post_send`](crate::QueuePair::post_send) and its polls)
-//! lets any thread post and poll any QP of a shared CQ, and lets work requests borrow their
-//! regions. Both cost: a mutex on the QP's queues and on the CQ's routing table, and a
-//! reference-count change per region per work request. A lane drops both:
+//! A lane costs what the raw verbs cost, and stays sound, by how it is built:
 //!
 //! - **Ownership instead of locks.** A lane owns its CQ and the QPs attached to it
 //!   ([`Lane::attach`] takes what owns the QP: a [`Connection`](crate::Connection) or
@@ -14,7 +12,7 @@
 //!   It is `Send`, not `Sync`, and posting and polling take `&mut self`: no mutex, no atomic
 //!   read-modify-write on the way. One lane per thread is how RDMA servers are built anyway.
 //! - **Owned buffers instead of reference counts.** A work request *moves* its
-//!   [`MemoryRegion`] into the lane's slot table (sized by the queue depth, allocated once,
+//!   [`MemoryRegion`](crate::MemoryRegion) into the lane's slot table (sized by the queue depth, allocated once,
 //!   when the QP is attached); the completion that retires the slot hands it back (beside
 //!   the [`Wc`] in [`Lane::poll_with`]; in the [`Completion`] of [`Lane::poll`]). A post moves
 //!   one pointer and touches no atomic.
@@ -119,9 +117,8 @@
 //! - **The device never writes memory Rust code can reach.** While a work request is posted,
 //!   its region sits in the lane's slot table, and the lane offers no way to reach it: the
 //!   caller gave up its only handle when it moved the region in. (A region's handle is unique:
-//!   [`MemoryRegion`] is not `Clone`, and the convenient path's holds give no access to the
-//!   bytes; the region's own accessors keep refusing while such a hold lets the device write
-//!   it.) The slot gives the region back only with the completion that retires it.
+//!   [`MemoryRegion`](crate::MemoryRegion) is not `Clone`.) The slot gives the region back only with the completion
+//!   that retires it.
 //!   Using a region after posting it does not compile: it moved into the lane.
 //!
 //!   ```compile_fail,E0382
@@ -155,14 +152,12 @@
 //! - **Dropping** a lane (or [`Lane::remove`] of one QP) moves each QP to the error state,
 //!   reaps the flushed completions for up to 2 s, and then destroys the QP. Regions still in
 //!   slots after that (work requests whose completion never came: unsignaled ones that ran
-//!   before the error, or receives rxe never flushes) are handed to the QP's own slot rings
-//!   just before it is destroyed, so they are released only when `ibv_destroy_qp` succeeds,
-//!   and leaked with the rings when it fails.
-//! - **No completion is lost.** The lane is the only reader of its CQ: the crate's other
-//!   polls refuse a lane's CQ ([`Error::InvalidArgument`]), so a QP made with
-//!   [`Lane::qp_init`] and never attached (or the CQ reached through it) cannot take the
-//!   lane's completions. Completions of work posted through such a QP's convenient path are
-//!   routed as usual and returned by [`Lane::poll`] ([`Wc::is_lane`] false). A poll
+//!   before the error, or receives rxe never flushes) are handed to the QP just before it is
+//!   destroyed, so they are released only when `ibv_destroy_qp` succeeds, and leaked when it
+//!   fails.
+//! - **No completion is lost.** The lane is the only reader of its CQ: nothing else in the
+//!   crate polls a CQ, and a QP made with [`Lane::qp_init`] and never attached has no way to
+//!   post, so it puts nothing there. A poll
 //!   holds what it took from the CQ in the lane until it has been handed out, so a panic in
 //!   the caller between two polls loses nothing. Completions that another QP's teardown reaps
 //!   are kept, in order, for the next poll.
@@ -179,9 +174,7 @@
 //!   round again.) The QP number must match too. Handles and prepared work requests name
 //!   their QP by an attach number drawn from one process-wide `u64` count, never reused, so
 //!   no handle, prepared work request or batch of an earlier QP (of this lane or another) is
-//!   taken for a later one's. A QP made with [`Lane::qp_init`] and never attached posts
-//!   through its convenient path only, whose tags carry that path's bit: none of its
-//!   completions, however late, matches a lane's queue.
+//!   taken for a later one's.
 //! - **A batch's region is held until the device is done with all of it.** It sits in the
 //!   batch's first slot until the completion of the batch's *last* request, which the queue
 //!   delivers after every earlier one ran (or was flushed: a failure moves the QP to the error
@@ -563,7 +556,7 @@ impl Lane {
     /// # Errors
     /// [`Error::InvalidArgument`] (the owner given back) when the CQ has no room for its
     /// queues and cannot grow (the message says what depth the lane needs), when its QP completes on another CQ,
-    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]), or has work outstanding on its convenient path.
+    /// takes receives from an SRQ that is not this lane's ([`Lane::create_srq`]),.
     pub fn attach<T: LaneOwner>(&mut self, owner: T) -> std::result::Result<LaneQp, Rejected<T>> {
         match self.check_attach(owner.lane_qp()).and_then(|()| self.make_room()) {
             Ok(()) => {}
@@ -704,7 +697,9 @@ impl Lane {
 
     /// The raw QP of `qp`, for what the lane does not wrap (queries, attributes). It stays owned
     /// by the lane. Posting on it directly (an `unsafe` call) is outside what the lane tracks:
-    /// such work completes on the lane's CQ, where its `wr_id` would be read as a lane's tag.
+    /// such work completes on the lane's CQ, so its `wr_id` must have bit 62 set, which the
+    /// lane never sets (a completion with it is not the lane's, and its poll discards it), and
+    /// its memory is the caller's to keep alive until then.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an unknown `qp`.

@@ -33,7 +33,7 @@
 //!   reachable through any QP of its protection domain): the region stays held until the
 //!   window is dropped, whose deallocation unbinds it.
 //! - **A peer's send with invalidate releases nothing** ([`BoundWindow::invalidated_by`] keeps
-//!   the region held until the window is dropped), as on the convenient path.
+//!   the region held until the window is dropped).
 //! - **A type 2 window's rkey changes with every bind.** The bind names the key the window
 //!   has and the one it is to have (`ibv_inc_rkey` of it); once the provider took the bind,
 //!   the window records its new key, so the next bind names it. (rxe checks the key named
@@ -128,7 +128,7 @@ impl fmt::Debug for BindWr {
 ///   region stays held until the window is dropped, whose deallocation unbinds it.
 /// - A peer's send with invalidate ([`SendWr::send_with_invalidate`],
 ///   [`Wc::invalidated_rkey`], [`BoundWindow::invalidated_by`]) releases nothing: the window
-///   holds its region until it is dropped, as on the convenient path.
+///   holds its region until it is dropped.
 /// - A type 2 window's rkey changes with each bind: the bind names the window's key and the
 ///   next one (`ibv_inc_rkey`), and once the provider took it the window records the new one,
 ///   which the next bind names (rxe fails a bind that names a stale key).

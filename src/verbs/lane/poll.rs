@@ -22,8 +22,8 @@ impl Lane {
 
     /// Hands up to `max` completions to `f`, oldest first, without waiting; returns how many.
     /// The fast way to reap: each completion's fields come as a [`Wc`] (plain data, decoded
-    /// only where `f` reads it) and its work request's region beside it (`None` for a
-    /// completion of the convenient path), so `f`, inlined, works on values in registers. The
+    /// only where `f` reads it) and its work request's region beside it (`None` for work
+    /// that named none), so `f`, inlined, works on values in registers. The
     /// lane is consistent whenever `f` runs: if `f` panics, the region it was given is dropped
     /// with it (the device is done with it) and every other completion stays for the next
     /// poll.
@@ -38,8 +38,7 @@ impl Lane {
     pub fn poll_with(&mut self, max: usize, mut f: impl FnMut(Wc, Option<MemoryRegion>)) -> Result<usize> {
         // The common case, straight-line: nothing is buffered, retiring or deferred, so the
         // poll goes to the CQ, and when that gives exactly one completion, it is started here
-        // (handed out inline when it retires its slot alone; a batch's or the convenient
-        // path's out of line). Everything else (several completions, one that retires several,
+        // (handed out inline when it retires its slot alone; a batch's out of line). Everything else (several completions, one that retires several,
         // deferred ones) is the general loop's, out of line, so this path keeps a small frame.
         debug_assert!(self.backlog || !self.holds_backlog(), "a backlog the poll's flag does not say");
         if max == 0 || self.backlog {
@@ -165,9 +164,9 @@ impl Lane {
     }
 
     /// Starts on the completion at `wcs[i]`: hands `f` the completion of the one slot it
-    /// retires (a prepared batch's, whole, when it is the oldest), or of the convenient path
-    /// (routed), and returns true; returns false when it retires several (then `retiring`
-    /// says which, for `retire`) or nothing (a batch's interior one, a stale one). `f` is
+    /// retires (a prepared batch's, whole, when it is the oldest), and returns true; returns
+    /// false when it retires several (then `retiring` says which, for `retire`) or nothing (a
+    /// batch's interior one, a stale one, one that is not the lane's). `f` is
     /// moved in and handed back (see `start_rare`).
     #[inline(always)]
     fn start<G: FnMut(Wc, Option<MemoryRegion>)>(&mut self, i: u8, mut f: G) -> (bool, G) {
@@ -187,7 +186,7 @@ impl Lane {
         // `i` 0, before it sets `n`) the provider's poll just returned that one entry there.
         let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return Start::Nothing };
         // The tag's queue and place, compared whole with its queue's (`Slots::hi`); a
-        // completion of the convenient path or of a batch's interior request has a bit set
+        // completion that is not the lane's or of a batch's interior request has a bit set
         // that no queue's `hi` has, and goes to `unmatched` (through `start_rest`).
         let hi = tag::hi_of(wc.wr_id);
         let place = hi as u16;
@@ -231,7 +230,10 @@ impl Lane {
         match started {
             Start::Handed => (true, f),
             Start::Nothing => (false, f),
-            Start::Unmatched => self.unmatched(i, f),
+            Start::Unmatched => {
+                self.unmatched(i);
+                (false, f)
+            }
             Start::Srq => self.srq_with(i, f),
             Start::Rare { place, recv, seq } => self.start_rare(place, recv, seq, i, f),
         }
@@ -291,37 +293,30 @@ impl Lane {
         false
     }
 
-    /// A completion whose tag matched no member: one of the convenient path (routed, and
-    /// handed to `f`: true), a batch's interior work request (an error or a flush: its failure
-    /// is kept for the batch's own completion, which retires it), or a stale one (of a QP
-    /// removed from the lane). The last two retire nothing and hand nothing out (false).
-    /// `f` by value and handed back, as for `start_rare`.
+    /// A completion whose tag matched no member: a batch's interior work request (an error or
+    /// a flush: its failure is kept for the batch's own completion, which retires it), a stale
+    /// one (of a QP removed from the lane), or one that is not the lane's (`tag::FOREIGN`).
+    /// None of them retires anything or is handed out.
     #[cold]
     #[inline(never)]
-    fn unmatched<G: FnMut(Wc, Option<MemoryRegion>)>(&mut self, i: u8, mut f: G) -> (bool, G) {
-        let handed = self.unmatched_in(i, &mut f);
-        (handed, f)
-    }
-
-    #[inline(always)]
-    fn unmatched_in(&mut self, i: u8, _f: &mut impl FnMut(Wc, Option<MemoryRegion>)) -> bool {
+    fn unmatched(&mut self, i: u8) {
         // SAFETY: as in `start_common`.
-        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return false };
-        if wc.wr_id & (tag::CRATE | tag::INTERIOR) != tag::INTERIOR {
-            return false;
+        let Some(wc) = self.wcs.get(i as usize).map(|w| unsafe { w.assume_init_ref() }) else { return };
+        if wc.wr_id & (tag::FOREIGN | tag::INTERIOR) != tag::INTERIOR {
+            return;
         }
         // An interior tag is a send's: its queue's `hi` with `INTERIOR`.
         let hi = tag::hi_of(wc.wr_id) & !tag::hi_of(tag::INTERIOR);
         let place = hi as u16;
-        let Some(Some(m)) = self.members.get_mut(place as usize) else { return false };
+        let Some(Some(m)) = self.members.get_mut(place as usize) else { return };
         if m.send.hi != hi || m.qp_num != wc.qp_num {
-            return false;
+            return;
         }
         // Its batch's number: one prepared before this QP was attached is an earlier QP's at
         // the place, and says nothing of this one.
         let (batch, index) = tag::interior_parts(wc.wr_id);
         if !m.owns_batch(batch) {
-            return false;
+            return;
         }
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             m.failed.get_or_insert(Fault::Completion(wc.status));
@@ -335,7 +330,6 @@ impl Lane {
             self.retiring = Some(Retiring { place, recv: false, upto, wc: i });
             self.backlog = true;
         }
-        false
     }
 
     /// Hands up to `room` slots of a completion that retires several to `f`, oldest first (the

@@ -131,10 +131,10 @@ use crate::verbs::wr::rejected_from;
 /// The bits an SRQ receive's tag has set above its index: `RECV` and `INTERIOR`.
 pub(super) const SRQ_TAG: u64 = tag::RECV | tag::INTERIOR;
 
-/// Whether `wr_id` is an SRQ receive's tag (`SRQ_TAG`, and not the convenient path's).
+/// Whether `wr_id` is an SRQ receive's tag (`SRQ_TAG`, and not a foreign one's).
 #[inline(always)]
 pub(super) fn is_srq(wr_id: u64) -> bool {
-    wr_id & (SRQ_TAG | tag::CRATE) == SRQ_TAG
+    wr_id & (SRQ_TAG | tag::FOREIGN) == SRQ_TAG
 }
 
 /// The provider's `post_srq_recv`.
@@ -798,7 +798,7 @@ mod tests {
                 assert!(!is_srq(tag::interior(place, seq, 3)), "a batch's interior send");
                 let t = SRQ_TAG | (place as u64) << tag::SHIFT | seq & tag::SEQ_MASK;
                 assert!(is_srq(t));
-                assert!(!is_srq(t | tag::CRATE), "the convenient path's");
+                assert!(!is_srq(t | tag::FOREIGN), "a foreign tag");
                 assert_ne!(tag::hi_of(t), tag::queue_hi(place, true), "never a QP's receive queue");
                 assert_ne!(tag::hi_of(t), tag::queue_hi(place, false), "never a QP's send queue");
             }

@@ -29,7 +29,7 @@
 //! is an earlier QP's at the place and says nothing of this one.
 
 pub(super) const RECV: u64 = 1 << 63;
-pub(super) const CRATE: u64 = 1 << 62;
+pub(super) const FOREIGN: u64 = 1 << 62;
 pub(super) const INTERIOR: u64 = 1 << 61;
 /// Where the place starts; the sequence number is the bits below.
 pub(super) const SHIFT: u32 = 45;
@@ -68,7 +68,7 @@ pub(super) fn batch_at_or_after(batch: u64, floor: u64) -> bool {
 
 /// Bits 63..45 of the ordinary tags of the queue at `place` (its send queue, or its receive
 /// queue: `recv`), as a `u32`: the place, and `RECV` for the receive queue (`Slots::hi`). An
-/// interior tag has `INTERIOR` there and a completion of the convenient path `CRATE`, which no
+/// interior tag has `INTERIOR` there and a completion that is not the lane's `FOREIGN`, which no
 /// queue's `hi` has, so neither ever passes for an ordinary one.
 #[inline(always)]
 pub(super) fn queue_hi(place: u16, recv: bool) -> u32 {
@@ -101,7 +101,7 @@ mod tests {
     fn interior_tags_name_their_batch_and_index_and_tell_earlier_batches_apart() {
         for (place, batch, index) in [(0u16, 0u64, 0u32), (65535, (1 << BATCH_BITS) - 1, 65535), (7, 12345, 15)] {
             let w = interior(place, batch, index);
-            assert_eq!(w & (CRATE | RECV), 0, "{w:#x}");
+            assert_eq!(w & (FOREIGN | RECV), 0, "{w:#x}");
             assert_ne!(w & INTERIOR, 0);
             assert_eq!(decode(w).1, place, "the place survives");
             assert_eq!(interior_parts(w), (batch, index));
@@ -117,17 +117,17 @@ mod tests {
     }
 
     #[test]
-    fn tags_round_trip_and_never_carry_the_convenient_bit() {
+    fn tags_round_trip_and_never_carry_the_foreign_bit() {
         for (place, seq, recv) in [(0, 0, false), (65535, SEQ_MASK, true), (7, 12345, false), (1, 1 << 40, true)] {
             let w = encode(place, seq, recv);
-            assert_eq!(w & (CRATE | INTERIOR), 0, "{w:#x}");
+            assert_eq!(w & (FOREIGN | INTERIOR), 0, "{w:#x}");
             assert_eq!(decode(w), (recv, place, seq));
             // Bits 63..45 whole are the queue's `Slots::hi` (the receive queue's has `RECV`).
             assert_eq!(hi_of(w), queue_hi(place, recv), "{w:#x}");
             assert_ne!(hi_of(w ^ RECV), queue_hi(place, recv), "the other queue's tag: {w:#x}");
-            // Neither an interior tag nor the convenient path's bit passes for an ordinary tag
+            // Neither an interior tag nor the foreign bit passes for an ordinary tag
             // of any queue; the place survives the interior bit.
-            for other in [w | CRATE, w | INTERIOR] {
+            for other in [w | FOREIGN, w | INTERIOR] {
                 for p in [place, place ^ 1] {
                     assert_ne!(hi_of(other), queue_hi(p, recv), "{other:#x}");
                     assert_ne!(hi_of(other), queue_hi(p, !recv), "{other:#x}");

@@ -122,7 +122,7 @@ impl Lane {
     fn retire_for_teardown(&mut self, wc: &ffi::ibv_wc, mine: &impl Fn(u16) -> bool) -> bool {
         // An SRQ receive's completion (of this QP or another) is kept for the next poll,
         // which retires its SRQ slot and hands its region out.
-        if wc.wr_id & tag::CRATE != 0 || super::srq::is_srq(wc.wr_id) {
+        if wc.wr_id & tag::FOREIGN != 0 || super::srq::is_srq(wc.wr_id) {
             return false;
         }
         let (recv, place, seq) = tag::decode(wc.wr_id);

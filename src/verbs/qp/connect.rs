@@ -23,10 +23,9 @@
 //! ```text
 //! UnconnectedQp::new(pd, init, RcParams)   ibv_create_qp (RESET), then INIT (port, access)
 //!   │ local() → PeerInfo                  (send it to the peer; receive the peer's)
-//!   │ post_recv                           (receives only: nothing is sent before RTS)
 //!   │ connect(&peer)                      INIT → RTR (path MTU, dest QPN, rq PSN, address)
 //!   ▼                                          → RTS (sq PSN, timeout, retries)
-//! QueuePair                               sends, RDMA WRITE/READ, atomics, waits
+//! QueuePair → Lane::attach                sends, receives, RDMA WRITE/READ, atomics, waits
 //!
 //! UnconnectedQp::new_reset(pd, init)       ibv_create_qp (RESET), for an id to adopt
 //!   │ RouteResolved::adopt_qp / ConnectRequest::adopt_qp (either kind of UnconnectedQp)
@@ -35,14 +34,8 @@
 //! ```
 //!
 //! The rule of the CM's typestates holds here too: **no send before RTS**. An
-//! [`UnconnectedQp`] offers receives and nothing else, and lends its [`QueuePair`] shared
-//! only, so a send to it does not compile (pinned by `tests/ui/verbs_qp_sends_before_rts.rs`):
-//!
-//! ```compile_fail,E0599
-//! # fn f(mut q: rdma_cm::UnconnectedQp, mr: rdma_cm::MemoryRegion) -> rdma_cm::Result<()> {
-//! q.post_send(&[rdma_cm::SendWr::send(&mr, 0..8)])?;
-//! # Ok(()) }
-//! ```
+//! [`UnconnectedQp`] posts nothing; [`UnconnectedQp::connect`] hands back the [`QueuePair`] in
+//! RTS, which a lane then takes.
 //!
 //! Nothing checks a peer's info but the peer: a QP number that names no QP, or a PSN off by
 //! one, is accepted by RTR and RTS, and shows as the first send's failed completion (RETRY_EXC_ERR
@@ -314,8 +307,7 @@ impl UnconnectedQp {
     /// which moves it to INIT with the CM's port, P_Key and access rights. This is `rping -q`'s
     /// way: the QP exists before the route. The PD must be on the id's device context.
     ///
-    /// A QP in RESET takes no receives (post them once adopted: its `post_recv` refuses), and
-    /// [`UnconnectedQp::connect`] refuses it; its [`UnconnectedQp::local`] carries its number
+    /// [`UnconnectedQp::connect`] refuses a QP in RESET; its [`UnconnectedQp::local`] carries its number
     /// only (the CM's handshake exchanges the rest).
     ///
     /// # Errors

@@ -1,70 +1,29 @@
-//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::UdQp), UD) queue pair and its sound,
-//! allocation-free data path.
+//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::UdQp), UD) queue pair: its creation
+//! ([`QpInit`]), capabilities, state and teardown. Its work is posted and reaped through a
+//! [`Lane`](crate::verbs::lane::Lane), which takes the QP by value
+//! ([`Lane::attach`](crate::verbs::lane::Lane::attach), or a connection step that puts it there)
+//! and owns the regions of its work in flight: see [`crate::verbs::lane`].
 //!
-//! # Ownership of in-flight memory
+//! # Completion queues and shared receive queues
 //!
-//! Every work request names its local memory as a range of a [`MemoryRegion`](crate::MemoryRegion). Posting stores
-//! a clone of the region's handle in the QP's slot table (a fixed ring per work queue, sized by
-//! the queue depth and allocated once, when the QP is created). Reaping the completion drops
-//! that clone. The region's byte accessors refuse while the device may write it (and writes
-//! while it may read it), so Rust code never holds a reference the device may change, and the
-//! memory can never be freed under the device. Posting clones an `Arc` (an atomic increment):
-//! no heap allocation.
-//!
-//! A work request of several pieces ([scatter/gather](crate::verbs::wr#scattergather)) holds every
-//! piece's region the same way: the first piece's handle in its slot, the others' in a side
-//! table of the ring (slots × (pieces − 1) entries, allocated with the ring, and only for a
-//! queue created for more than one piece: [`QpInit::max_send_sge`], [`QpInit::max_recv_sge`]).
-//! Whatever retires the slot (its completion, a later signaled completion, the provider
-//! refusing the work request, the flush, dropping the QP) releases all of them together.
-//!
-//! Work queues of an RC QP complete in order, so each ring retires every slot up to the one a
-//! completion names. That is also how unsignaled sends are retired: by the next signaled
-//! completion on the same queue; the work request that takes the send queue's last free slot
-//! is signaled whatever it asked, so a queue full of unsignaled work can always drain. The
-//! rings never admit more work requests than the queue holds, so a full queue is a clear
-//! [`Error::QueueFull`] rather than a provider error, and the CQs (which count what their
-//! queues may have outstanding) cannot overrun.
-//!
-//! # Shared CQs and SRQs
-//!
-//! A QP's CQs may serve other QPs too, and its receives may come from a
-//! [`SharedReceiveQueue`]. Every completion carries its owner in its `wr_id`, so whoever polls
-//! a CQ retires the right slot: the QP's [`QueuePair::poll`] and waits keep the completions of
-//! other QPs they meet for those QPs, and [`CompletionQueue::poll`] returns everyone's.
-//! Dropping a QP reaps only its own work; completions of it still in a shared CQ afterwards
-//! retire nothing.
-//!
-//! # Failed posts
-//!
-//! When `ibv_post_send`/`ibv_post_recv` fails and names the first work request it did not
-//! take (`bad_wr` inside the list), the ones before it are tracked as posted and the rest are
-//! released. When it fails *without* saying how far it got (`bad_wr` NULL or outside the list:
-//! rxe, for one, keeps a send posted before the QP is ready and runs it later), nothing is
-//! released: every staged work request counts as posted, the QP is moved to the error state,
-//! and the flush retires them. Sequence numbers are never reused, so a late completion can
-//! never retire a newer work request.
-//!
-//! # Completions nobody asked for yet
-//!
-//! [`QueuePair::wait_for`] waits for one `wr_id`; successful completions of other work requests
-//! that it meets first are kept, in order, and returned by the next [`QueuePair::poll`],
-//! [`QueuePair::wait`] or `wait_for`. They hold their place in the queue until then (the
-//! queue's room is what bounds them), so nothing is lost and nothing allocates.
+//! [`QpInit`] names the QP's CQs (a lane's: [`Lane::qp_init`](crate::verbs::lane::Lane::qp_init))
+//! and, optionally, its [`SharedReceiveQueue`]. A CQ counts what the queues it serves may have
+//! outstanding: any other CQ than a lane's refuses a QP that could make it overrun, and a lane
+//! grows its own when it attaches a QP it has no room for.
 //!
 //! # Raw posts
 //!
-//! Every `wr_id` this crate posts carries a tag (bit 62 set; see the crate's `ring::tag`). A
-//! completion without that tag is not the crate's: it retires nothing and is discarded by the
-//! polls here. Work posted through [`QueuePair::as_raw`] must therefore use `wr_id`s with bit
-//! 62 clear, and be reaped by the caller from a CQ the crate does not poll.
+//! A lane never sets bit 62 of a `wr_id`. Work posted through [`QueuePair::as_raw`] (or
+//! [`Lane::qp_as_raw`](crate::verbs::lane::Lane::qp_as_raw)) must set it, and its memory is the
+//! caller's to keep alive until its completion: a completion with that bit is not the lane's,
+//! retires nothing, and is discarded by the lane's poll.
 //!
 //! # Leaks, panics and drop
 //!
-//! `mem::forget` on a QP leaks its slots, so the regions they hold are never freed: safe.
-//! Dropping a QP (also during unwinding) moves it to the error state, reaps the flushed
-//! completions for a bounded time, destroys the QP, and only then releases the slots. If the
-//! destroy fails, the slots are leaked rather than released.
+//! `mem::forget` on a QP leaks it and whatever its lane left posted: safe. Dropping a QP (also
+//! during unwinding) destroys it, and only then releases the regions its lane left posted
+//! (`Parked`); if the destroy fails, they are leaked rather than released, since the device may
+//! still use them.
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -139,17 +98,17 @@ impl QpInit {
         self
     }
     /// The most pieces a send-queue work request may name
-    /// ([`SendWr::send_sg`](crate::SendWr::send_sg), [`SendWr::write_sg`](crate::SendWr::write_sg), [`SendWr::read_sg`](crate::SendWr::read_sg)): 1 (the default) to
+    /// ([`lane::SendWr::send_sg`](crate::verbs::lane::SendWr::send_sg),
+    /// [`write_sg`](crate::verbs::lane::SendWr::write_sg),
+    /// [`read_sg`](crate::verbs::lane::SendWr::read_sg)): 1 (the default) to
     /// [`MAX_SGE`](crate::MAX_SGE), and at most the device's `max_sge`
-    /// ([`DeviceLimits`](crate::DeviceLimits)); checked when the QP is created. A queue of
-    /// more than one piece gets a side table for the extra holds (slots × (n − 1) entries).
+    /// ([`DeviceLimits`](crate::DeviceLimits)); checked when the QP is created.
     pub fn max_send_sge(mut self, n: u32) -> Self {
         self.max_send_sge = n;
         self
     }
-    /// The most pieces a receive may name ([`RecvWr::sg`](crate::RecvWr::sg)): as for
-    /// [`QpInit::max_send_sge`]. Ignored with an SRQ (see
-    /// [`SharedReceiveQueue::with_sge`]).
+    /// The most pieces a receive may name: as for [`QpInit::max_send_sge`]. Ignored with an
+    /// SRQ (see [`SharedReceiveQueue::with_sge`]).
     pub fn max_recv_sge(mut self, n: u32) -> Self {
         self.max_recv_sge = n;
         self
@@ -242,9 +201,9 @@ pub struct QueuePair {
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: the QP is owned uniquely; posting and polling take &mut self; its queues are behind a
-// mutex shared only with its CQs' routing tables. The regions in the rings are Send + Sync
-// handles. Verbs on a QP may be called from any thread.
+// SAFETY: the QP is owned uniquely; changing its state takes &mut self; what its lane left
+// posted is behind a mutex and holds Send + Sync handles. Verbs on a QP may be called from any
+// thread.
 unsafe impl Send for QueuePair {}
 
 impl QueuePair {
