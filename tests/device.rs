@@ -1244,3 +1244,39 @@ fn spinning_waits_complete_time_out_and_see_the_peer_leaving() {
     drop((c, cm, sm, r));
     t.finish();
 }
+
+/// An RDMA READ scattered into more pieces than the device reads into (`max_sge_rd`: 1 on siw)
+/// is refused before posting, naming the limit, with its region given back; where the device
+/// takes two pieces, the READ lands in both, in order.
+#[test]
+fn a_read_of_more_pieces_than_the_device_reads_into_is_refused() {
+    let t = DeviceTest::start();
+    {
+        let cspec = PairSpec { init: QpInit::new().max_send_sge(2), ..PairSpec::default() };
+        let sspec = PairSpec { access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, ..PairSpec::default() };
+        let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 64);
+        s.mrs[0].write_at(0, &pattern(16, 3)).unwrap();
+        let remote = s.mrs[0].remote();
+        let max_sge_rd = c.pd.context().limits().unwrap().max_sge_rd;
+        let mr = c.mrs.remove(0);
+        let wr = SendWr::read_sg(mr, &[0..8, 64..72], &remote, 0).wr_id(5);
+        if max_sge_rd == 1 {
+            let r = c.lane.post_send(c.qp, wr).unwrap_err();
+            assert!(r.to_string().contains("max_sge_rd"), "{r}");
+            let mr = r.into_inner().expect("the region comes back");
+            assert_eq!(c.lane.outstanding(c.qp).unwrap(), (0, 0), "nothing posted");
+            drop(mr);
+        } else {
+            c.lane.post_send(c.qp, wr).unwrap();
+            let mut wc = ok(&mut c.lane);
+            assert_eq!((wc.wr_id(), wc.byte_len()), (5, 16));
+            let mut mr = wc.take_region().unwrap();
+            let (mut a, mut b) = ([0u8; 8], [0u8; 8]);
+            mr.read_at(0, &mut a).unwrap();
+            mr.read_at(64, &mut b).unwrap();
+            assert_eq!([a, b].concat(), pattern(16, 3), "the READ lands in both pieces, in order");
+        }
+        drop((c, s));
+    }
+    t.finish();
+}

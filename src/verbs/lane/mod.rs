@@ -342,6 +342,8 @@ struct Member {
     key: LaneQp,
     pd: Arc<ProtectionDomain>,
     max_send_sge: u32,
+    /// The most pieces an RDMA READ may scatter into (`max_sge_rd`, at most `max_send_sge`).
+    max_read_sge: u32,
     /// The most bytes an inline send may carry (`max_inline_data` as the provider granted it).
     max_inline: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
@@ -642,6 +644,7 @@ impl Lane {
             qp_num: qp.qp_num(),
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
+            max_read_sge: qp.max_read_sge(),
             max_inline: qp.max_inline_data(),
             mtu,
             failed,

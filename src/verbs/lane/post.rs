@@ -394,7 +394,7 @@ fn refused_back(m: &Member, send: bool, mr: MemoryRegion) -> Rejected<MemoryRegi
 pub(super) enum Refusal {
     Defect(Defect),
     OtherPd,
-    TooManyPieces { n: u32, max: u32 },
+    TooManyPieces { n: u32, max: u32, read: bool },
     UdNeedsDest { missing: bool },
     NotThisQpsDest,
     TooLong { len: u64, mtu: u32 },
@@ -409,7 +409,7 @@ impl Refusal {
         match self {
             Refusal::Defect(d) => d.error(op),
             Refusal::OtherPd => other_pd(),
-            Refusal::TooManyPieces { n, max } => too_many_pieces(n as usize, max),
+            Refusal::TooManyPieces { n, max, read } => too_many_pieces(n as usize, max, read),
             Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
             Refusal::NotThisQpsDest => {
                 Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())

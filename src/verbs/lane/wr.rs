@@ -493,7 +493,11 @@ impl SendWr {
         let n = self.n as u32;
         if n > 1 {
             if n > m.max_send_sge {
-                return Err(Refusal::TooManyPieces { n, max: m.max_send_sge });
+                return Err(Refusal::TooManyPieces { n, max: m.max_send_sge, read: false });
+            }
+            // The device may scatter a READ's data into fewer pieces than it gathers a send's.
+            if self.opcode == IBV_WR_RDMA_READ && n > m.max_read_sge {
+                return Err(Refusal::TooManyPieces { n, max: m.max_read_sge, read: true });
             }
             *sge = self.sge;
         } else {
@@ -692,10 +696,17 @@ pub(super) fn needs_local_write() -> Error {
 }
 
 #[cold]
-pub(super) fn too_many_pieces(n: usize, max: u32) -> Error {
-    Error::InvalidArgument(format!(
-        "post_send: a work request of {n} pieces exceeds the QP's limit of {max}: create it with QpInit::max_send_sge"
-    ))
+pub(super) fn too_many_pieces(n: usize, max: u32, read: bool) -> Error {
+    Error::InvalidArgument(if read {
+        format!(
+            "post_send: an RDMA READ into {n} pieces exceeds the {max} the device scatters a READ into \
+             (max_sge_rd, see `ibv_devinfo -v`): read into fewer pieces, or READ twice"
+        )
+    } else {
+        format!(
+            "post_send: a work request of {n} pieces exceeds the QP's limit of {max}: create it with QpInit::max_send_sge"
+        )
+    })
 }
 
 #[cold]
