@@ -89,6 +89,9 @@ fn posts_after_set_error_are_refused_with_nothing_held() {
     t.finish();
 }
 
+/// A bad work request, named, made afresh for each post (its region moves into the post).
+type Named<'a, W> = (&'static str, Box<dyn Fn() -> W + 'a>);
+
 /// A list with one bad work request in its middle posts nothing, through every list path
 /// (`post_send_list`, `post_recv_list`, `post_send_iter`): the entries stay where they were (the
 /// iterator's come back in the error, in order), nothing is posted, and the queue is usable
@@ -103,7 +106,7 @@ fn a_bad_work_request_in_the_middle_of_a_list_posts_nothing() {
         let remote = s.mrs[0].remote();
         let g = || region(&pd, 4096);
         #[allow(clippy::reversed_empty_ranges)]
-        let bad_recvs: Vec<(&str, Box<dyn Fn() -> RecvWr>)> = vec![
+        let bad_recvs: Vec<Named<'_, RecvWr>> = vec![
             ("no LOCAL_WRITE", Box::new(|| RecvWr::new(MemoryRegion::new(&pd, 64, AccessFlags::empty()).unwrap()))),
             ("out of bounds", Box::new(|| RecvWr::range(g(), 4090..4097))),
             ("reversed", Box::new(|| RecvWr::range(g(), 9..3))),
@@ -118,7 +121,7 @@ fn a_bad_work_request_in_the_middle_of_a_list_posts_nothing() {
             assert_eq!(c.lane.outstanding(c.qp).unwrap(), (0, 0), "{what}: nothing posted");
         }
         #[allow(clippy::reversed_empty_ranges)]
-        let bad_sends: Vec<(&str, Box<dyn Fn() -> SendWr>)> = vec![
+        let bad_sends: Vec<Named<'_, SendWr>> = vec![
             ("READ into a read-only region", {
                 let pd = pd.clone();
                 Box::new(move || {
