@@ -2,12 +2,14 @@
 //! step is never starved or robbed of its event by another reader, and ids and listeners
 //! dropped with events queued leak nothing and misroute nothing.
 
+use crate::common::lane::lane_on;
 use crate::common::{DeviceTest, T};
 
 use crate::support::eventually;
+use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
 use rdma_cm::{
-    ffi, AccessFlags, Client, CmEventType, CmId, ConnParam, Error, EventChannel, MemoryRegion, QpInit, RecvWr, SendWr,
-    Server, WorkQueue,
+    ffi, AccessFlags, Client, CmEventType, CmId, ConnParam, Error, EventChannel, MemoryRegion, ProtectionDomain,
+    QpInit, Server, WcStatus,
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,24 +39,27 @@ fn a_shared_channel_routes_every_event_to_its_id() {
     let srv_dst = srv_listener.local_addr().unwrap();
     let (leave_tx, leave_rx) = std::sync::mpsc::channel::<()>();
     let server = thread::spawn(move || {
-        let mut conns = vec![];
+        let ctx = srv_listener.context().unwrap();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut qps = vec![];
         for _ in 0..2 {
-            let req = srv_listener.get_request(T).unwrap();
-            let pd = req.alloc_pd().unwrap();
-            let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
-            q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
-            conns.push((q.accept(&ConnParam::new(), T).unwrap(), mr, pd));
+            let s = srv_listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+            let qp = s.qp();
+            lane.post_recv(qp, RecvWr::new(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(1))
+                .unwrap();
+            s.accept(&mut lane, &ConnParam::new(), T).unwrap();
+            qps.push(qp);
         }
         // On cue, leave the second client: its DISCONNECTED lands on the shared channel.
         leave_rx.recv().unwrap();
-        drop(conns.pop());
+        lane.remove(qps[1]).unwrap();
         // The first client's message still arrives.
-        let (c0, mr0, _) = &mut conns[0];
-        let wc = c0.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap();
-        assert_eq!(wc.byte_len(), 8);
+        let mut got = lane.wait(T).unwrap();
+        assert_eq!((got.qp(), got.wr_id(), got.byte_len()), (Some(qps[0]), 1, 8), "{got:?}");
+        let mut mr0 = got.take_region().unwrap();
         assert_eq!(mr0.as_slice().unwrap()[..8], *b"survivor");
-        conns
+        (lane, pd)
     });
     // Two clients on the shared channel (which also carries the listener), with blocking steps.
     let connect = |ch: &EventChannel| {
@@ -63,7 +68,13 @@ fn a_shared_channel_routes_every_event_to_its_id() {
         let q = route.create_qp(&pd, QpInit::new()).unwrap();
         (q.connect(&ConnParam::new(), T).unwrap(), pd)
     };
-    let (mut a, pda) = connect(&ch);
+    // A on a lane (its events still come through the shared channel), B a plain connection.
+    let mut lane = lane_on(t.addr, 16);
+    let route = Client::on_channel(&ch).unwrap().resolve_addr(None, srv_dst, T).unwrap().resolve_route(T).unwrap();
+    let pda = route.alloc_pd().unwrap();
+    let a = route.lane_qp(&mut lane, &pda, QpInit::new()).unwrap();
+    let qa = a.qp();
+    a.connect(&mut lane, &ConnParam::new(), T).unwrap();
     let (mut b, pdb) = connect(&ch);
     // A third party knocks at the shared listener. Its CONNECT_REQUEST is read by B's step,
     // which must keep it for the listener.
@@ -84,14 +95,15 @@ fn a_shared_channel_routes_every_event_to_its_id() {
     wait_readable(&ch);
     let mut mr = MemoryRegion::new(&pda, 64, AccessFlags::LOCAL_WRITE).unwrap();
     mr.as_mut_slice().unwrap()[..8].copy_from_slice(b"survivor");
-    a.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(9)]).unwrap();
-    a.qp_mut().wait_for(WorkQueue::Send, 9, T).expect("connection A was torn down by B's events");
-    assert!(!a.is_disconnected(), "B's DISCONNECTED reached A");
+    lane.post_send(qa, SendWr::send(mr, 0..8).wr_id(9)).unwrap();
+    let sent = lane.wait(T).unwrap();
+    assert_eq!((sent.wr_id(), sent.status()), (9, WcStatus::Success), "connection A was torn down by B's events");
+    assert!(!lane.peer_left(qa).unwrap(), "B's DISCONNECTED reached A");
     // And B still gets its own event: nothing was consumed on the way.
     assert_eq!(b.next_event(T).unwrap().event_type(), CmEventType::Disconnected);
     assert!(b.is_disconnected());
-    let conns = server.join().unwrap();
-    drop((a, b, pdb, conns, mr, pda, listener, ch));
+    let server_side = server.join().unwrap();
+    drop((sent, lane, b, pdb, server_side, pda, listener, ch));
     t.finish();
 }
 
@@ -310,48 +322,60 @@ fn many_threads_run_blocking_steps_on_one_channel() {
     let ch = EventChannel::new().unwrap();
     let listener = Server::on_channel(&ch).unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
     let dst = listener.local_addr().unwrap();
+    let addr = t.addr;
     let server = thread::spawn(move || {
-        let mut conns = vec![];
+        let ctx = listener.context().unwrap();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let mut lane = Lane::new(&ctx, 64).unwrap();
+        let mut qps = vec![];
         for _ in 0..N {
-            let req = listener.get_request(T).unwrap();
-            let pd = req.alloc_pd().unwrap();
-            let mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
-            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
-            q.post_recv(&[RecvWr::new(&mr, 0..64).wr_id(1)]).unwrap();
-            conns.push((q.accept(&ConnParam::new(), T).unwrap(), mr, pd));
+            let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+            let qp = s.qp();
+            lane.post_recv(qp, RecvWr::new(MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE).unwrap()).wr_id(1))
+                .unwrap();
+            s.accept(&mut lane, &ConnParam::new(), T).unwrap();
+            qps.push(qp);
         }
-        for (conn, _, _) in &mut conns {
-            assert_eq!(conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 8);
+        let mut from = vec![];
+        for _ in 0..N {
+            let mut got = lane.wait(T).unwrap();
+            assert_eq!((got.wr_id(), got.byte_len(), got.status()), (1, 8, WcStatus::Success), "{got:?}");
+            let k = u64::from_le_bytes(got.take_region().unwrap().as_slice().unwrap()[..8].try_into().unwrap());
+            from.push(k);
         }
-        for (conn, _, _) in &mut conns {
-            while !conn.is_disconnected() {
-                conn.next_event(T).unwrap();
-            }
+        from.sort();
+        assert_eq!(from, (0..N as u64).collect::<Vec<_>>(), "one message from each client");
+        for &qp in &qps {
+            assert!(lane.wait_peer_left(qp, T).unwrap(), "a client's disconnect was not seen");
         }
-        conns
+        (lane, pd)
     });
     let start = Instant::now();
     let clients: Vec<_> = (0..N)
         .map(|k| {
             let ch = ch.clone();
-            thread::spawn(move || {
+            thread::spawn(move || -> rdma_cm::Result<()> {
                 let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T)?.resolve_route(T)?;
                 let pd = route.alloc_pd()?;
+                let mut lane = lane_on(addr, 4);
                 let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
                 mr.as_mut_slice()?[..8].copy_from_slice(&(k as u64).to_le_bytes());
-                let mut conn = route.create_qp(&pd, QpInit::new())?.connect(&ConnParam::new(), T)?;
-                conn.qp_mut().post_send(&[SendWr::send(&mr, 0..8).wr_id(k as u64)])?;
-                conn.qp_mut().wait_for(WorkQueue::Send, k as u64, T)?;
-                conn.disconnect(T)
+                let c = route.lane_qp(&mut lane, &pd, QpInit::new())?;
+                let qp = c.qp();
+                c.connect(&mut lane, &ConnParam::new(), T)?;
+                lane.post_send(qp, SendWr::send(mr, 0..8).wr_id(k as u64))?;
+                let sent = lane.wait(T)?;
+                assert_eq!((sent.wr_id(), sent.status()), (k as u64, WcStatus::Success));
+                lane.disconnect(qp, T)
             })
         })
         .collect();
     for (k, c) in clients.into_iter().enumerate() {
         c.join().unwrap().unwrap_or_else(|e| panic!("client {k}: {e}"));
     }
-    let conns = server.join().unwrap();
+    let server_side = server.join().unwrap();
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
-    drop((conns, ch));
+    drop((server_side, ch));
     t.finish();
 }
 

@@ -19,13 +19,14 @@ mod common;
 
 #[cfg(feature = "tokio")]
 mod asynchronous;
-mod drop;
 mod events;
+mod lane_attach;
+mod lane_drop;
 mod lane_paths;
+mod lane_poll;
+mod lane_post;
+mod lane_regions;
 mod multicast;
-mod poll;
-mod post;
-mod regions;
 mod srq;
 mod support;
 mod ud;
