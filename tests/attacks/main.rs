@@ -18,7 +18,7 @@
 mod common;
 
 #[cfg(feature = "tokio")]
-mod asynchronous;
+mod connect;
 mod drop;
 mod events;
 mod lane_multicast;
