@@ -62,9 +62,10 @@ fn rc_on_srq(addr: IpAddr, fill: impl FnOnce(&mut Lane, &Arc<ProtectionDomain>, 
     (client, Side { lane, qp, pd }, srq)
 }
 
-/// A message longer than the SRQ receive it lands in fails that receive (measured on rxe:
-/// `LOC_QP_OP_ERR`, the sender's `REM_OP_ERR`) and moves the RC QP it arrived on to the error
-/// state, as any failed completion does.
+/// A message longer than the SRQ receive it lands in fails that receive (measured: rxe
+/// `LOC_QP_OP_ERR`, the sender's `REM_OP_ERR`; siw `LOC_LEN_ERR`, the sender's a success) and
+/// stops the RC QP it arrived on (rxe reports
+/// it in the error state, siw in RESET), as any failed completion does.
 /// The lane must then refuse that QP's posts with `QpInError` (giving the region back), as it
 /// does after a failed completion of the QP's own queues; the receive's region comes back
 /// with the failed completion, which names the QP.
@@ -78,7 +79,7 @@ fn a_failed_srq_receive_makes_its_rc_qp_refuse_posts() {
         });
         let msg = filled(&client.pd, 64, &pattern(64, 1));
         client.lane.post_send(client.qp, SendWr::send(msg, 0..64).wr_id(1)).unwrap();
-        // The responder refuses the message; the requester's completion fails too.
+        // The responder refuses the message; on rxe the requester's completion fails too.
         let sent = reap(&mut client.lane, 1).pop().unwrap();
         eprintln!("measured: the sender's completion: {:?}", sent.status());
         let mut got = server.lane.wait(T).expect("the SRQ receive's completion");
@@ -88,7 +89,9 @@ fn a_failed_srq_receive_makes_its_rc_qp_refuse_posts() {
         assert!(got.take_region().is_some(), "the region comes back with the failed completion");
         assert_eq!(server.lane.srq_outstanding(srq).unwrap(), 0);
         let state = server.lane.attributes(server.qp).unwrap().state;
-        assert_eq!(state, QpState::Error, "a failed SRQ receive moves the RC QP to ERR");
+        eprintln!("measured: the RC QP after its failed SRQ receive: {state:?}");
+        // rxe reports ERR; siw (measured on 6.1) RESET, its connection torn down.
+        assert!(matches!(state, QpState::Error | QpState::Reset), "the QP can still run work: {state:?}");
         let out = MemoryRegion::new(&server.pd, 64, LW).unwrap();
         let r = server.lane.post_send(server.qp, SendWr::send(out, 0..8).wr_id(2));
         let refused = match r {
