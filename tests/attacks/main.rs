@@ -23,6 +23,8 @@ mod drop;
 mod events;
 mod lane_multicast;
 mod lane_paths;
+#[cfg(feature = "tokio")]
+mod lane_runtime;
 mod lane_srq;
 mod lane_ud;
 mod poll;
