@@ -18,15 +18,17 @@
 mod common;
 
 #[cfg(feature = "tokio")]
-mod asynchronous;
+mod connect;
 mod events;
 mod lane_attach;
 mod lane_drop;
+mod lane_multicast;
 mod lane_paths;
 mod lane_poll;
 mod lane_post;
 mod lane_regions;
-mod multicast;
-mod srq;
+#[cfg(feature = "tokio")]
+mod lane_runtime;
+mod lane_srq;
+mod lane_ud;
 mod support;
-mod ud;
