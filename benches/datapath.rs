@@ -1,21 +1,23 @@
-//! The data path on a connected QP: post plus poll of one signaled send/recv and of one RDMA
-//! WRITE, and a ping-pong round trip at 2 B and 4 KiB, each measured as `raw` (ibv_post_* and
-//! ibv_poll_cq called directly on the same QP and CQs) beside `rdma_cm` (through the crate).
-//! `post_poll/write_4sge` (one RDMA WRITE gathered from four 16 B pieces) and
-//! `post_poll/fetch_add` (an atomic fetch-and-add on the peer's REMOTE_ATOMIC region) run on a
-//! QP created with `max_send_sge` 4. `post_poll/ud_send` is the UD twin of `post_poll/send`:
-//! one 64-byte datagram, addressed through the UD connect's address handle, into a receive with
-//! room for the GRH, on a UD pair through rdma_cm. Both ends of the connection are driven from one thread, so each figure is the full cost of
-//! the operation through the device, with no thread hand-off.
+//! The data path on connected QPs, through the lane (`rdma_cm::verbs::lane`), each row beside
+//! `raw` (ibv_post_* and ibv_poll_cq called directly). Both ends of a connection are driven
+//! from one thread, so each figure is the full cost of the operation through the device, with
+//! no thread hand-off.
 //!
-//! The `lane` group is the fast path (`rdma_cm::verbs::lane`): send/recv, WRITE and a WRITE batch of
-//! 16 under one doorbell, beside the same raw calls. The fast path's twins of the other rows
-//! are named `prep` (prepared work requests on lanes, each completion re-arming its request):
-//! `post_poll/write_4sge/prep`, `post_poll/fetch_add/prep`, `post_poll/ud_send/prep` and
-//! `pingpong/{2B,4KiB}/prep`, each in the group of its raw row. `lane/send/raw_on_lane` and
-//! `pingpong/{2B,4KiB}/raw_on_lane` make the raw calls on the `prep` row's own QPs, CQs and
-//! regions: the kernel's and the provider's work are then that row's exactly, and the
-//! difference is the crate's code.
+//! - `lane/{send,write,write_batch16}`: post plus poll of one signaled send/recv, of one RDMA
+//!   WRITE, and of 16 WRITEs under one doorbell, as `lane` (one work request per post) and
+//!   `prep` (prepared work requests, each completion re-arming its request), beside `raw`.
+//! - `post_poll/write_4sge` (one RDMA WRITE gathered from four 16 B pieces) and
+//!   `post_poll/fetch_add` (an atomic fetch-and-add on the peer's REMOTE_ATOMIC region), on a
+//!   QP created with `max_send_sge` 4, and `post_poll/ud_send` (one 64-byte datagram, addressed
+//!   through the UD connect's address handle, into a receive with room for the GRH), each as
+//!   `prep` beside `raw`.
+//! - `pingpong/{2B,4KiB}`: a round trip, `prep` beside `raw`.
+//! - `shared_cq/write`: one RDMA WRITE on a lane whose CQ serves two QPs, `lane` beside
+//!   `raw_on_lane`.
+//!
+//! `lane/send/raw_on_lane`, `pingpong/{2B,4KiB}/raw_on_lane` and `shared_cq/write/raw_on_lane`
+//! make the raw calls on the lane row's own QPs, CQs and regions: the kernel's and the
+//! provider's work are then that row's exactly, and the difference is the crate's code.
 //!
 //! ```text
 //! cargo bench --bench datapath
@@ -30,7 +32,7 @@ use common::{criterion, pair, raw_write_sg, zeroed, PairSpec, Side};
 use criterion::{criterion_group, criterion_main, Criterion};
 use rdma_cm::ffi;
 use rdma_cm::verbs::lane::{Lane, RecvWr as LRecv, SendWr as LSend};
-use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion};
+use rdma_cm::{AccessFlags, MemoryRegion, QueuePair, RemoteRegion};
 
 fn connected() -> (Side, Side) {
     let spec = PairSpec {
@@ -114,42 +116,6 @@ fn raw_recv_on(qp: *mut ffi::ibv_qp, (addr, lkey): (u64, u32), len: u32) {
     assert_eq!(unsafe { ffi::ibv_post_recv(qp, &mut wr, &mut bad) }, 0);
 }
 
-fn post_poll(c: &mut Criterion) {
-    let (mut a, mut b) = connected();
-    let remote = b.mrs[0].remote();
-    let mut wcs = [WorkCompletion::default(); 1];
-    let mut g = c.benchmark_group("post_poll");
-    g.bench_function("send/raw", |bn| {
-        bn.iter(|| {
-            raw_recv(b.conn.qp(), &b.mrs[0], 64);
-            raw_send(a.conn.qp(), &a.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_SEND, None);
-            raw_poll1(a.conn.qp().send_cq().as_raw());
-            raw_poll1(b.conn.qp().recv_cq().as_raw());
-        })
-    });
-    g.bench_function("send/rdma_cm", |bn| {
-        bn.iter(|| {
-            b.conn.qp_mut().post_recv(&[RecvWr::new(&b.mrs[0], 0..64)]).unwrap();
-            a.conn.qp_mut().post_send(&[SendWr::send(&a.mrs[0], 0..64)]).unwrap();
-            poll_queue(a.conn.qp_mut(), true, &mut wcs);
-            poll_queue(b.conn.qp_mut(), false, &mut wcs);
-        })
-    });
-    g.bench_function("write/raw", |bn| {
-        bn.iter(|| {
-            raw_send(a.conn.qp(), &a.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, Some(remote));
-            raw_poll1(a.conn.qp().send_cq().as_raw());
-        })
-    });
-    g.bench_function("write/rdma_cm", |bn| {
-        bn.iter(|| {
-            a.conn.qp_mut().post_send(&[SendWr::write(&a.mrs[0], 0..64, &remote, 0).unwrap()]).unwrap();
-            poll_queue(a.conn.qp_mut(), true, &mut wcs);
-        })
-    });
-    g.finish();
-}
-
 /// Raw: posts one signaled fetch-and-add of `add` on the 8 bytes at `remote`'s start, the
 /// original value into `mr[at..at + 8]`.
 fn raw_fetch_add(qp: &QueuePair, mr: &rdma_cm::MemoryRegion, at: u64, remote: RemoteRegion, add: u64) {
@@ -177,14 +143,13 @@ fn post_poll_sg_atomic(c: &mut Criterion) {
         init: rdma_cm::QpInit::new().max_send_sge(4),
         ..PairSpec::default()
     };
-    let (mut a, mut b) = pair(common::device_addr(), spec.clone(), spec.clone());
+    let (a, mut b) = pair(common::device_addr(), spec.clone(), spec.clone());
     assert!(a.conn.qp().max_send_sge() >= 4, "QP granted {} send pieces", a.conn.qp().max_send_sge());
     let remote = b.mrs[0].remote();
     // The atomic's target: the peer's first 8 bytes (its region is page-aligned).
     let counter = RemoteRegion { len: 8, ..remote };
     b.mrs[0].write_at(0, &0u64.to_ne_bytes()).unwrap();
     let mut adds = 0u64;
-    let mut wcs = [WorkCompletion::default(); 1];
     let mut g = c.benchmark_group("post_poll");
     g.bench_function("write_4sge/raw", |bn| {
         let mr = &a.mrs[0];
@@ -194,24 +159,10 @@ fn post_poll_sg_atomic(c: &mut Criterion) {
             raw_poll1(a.conn.qp().send_cq().as_raw());
         })
     });
-    g.bench_function("write_4sge/rdma_cm", |bn| {
-        let pieces = PIECES.map(|r| (&a.mrs[0], r));
-        bn.iter(|| {
-            a.conn.qp_mut().post_send(&[SendWr::write_sg(&pieces, &remote, 4096).unwrap()]).unwrap();
-            poll_queue(a.conn.qp_mut(), true, &mut wcs);
-        })
-    });
     g.bench_function("fetch_add/raw", |bn| {
         bn.iter(|| {
             raw_fetch_add(a.conn.qp(), &a.mrs[0], 4096, counter, 1);
             raw_poll1(a.conn.qp().send_cq().as_raw());
-            adds += 1;
-        })
-    });
-    g.bench_function("fetch_add/rdma_cm", |bn| {
-        bn.iter(|| {
-            a.conn.qp_mut().post_send(&[SendWr::fetch_add(&a.mrs[0], 4096..4104, &counter, 0, 1).unwrap()]).unwrap();
-            poll_queue(a.conn.qp_mut(), true, &mut wcs);
             adds += 1;
         })
     });
@@ -271,8 +222,7 @@ fn reap_prep(lane: &mut Lane, n: usize, mut rearm: impl FnMut(u64, MemoryRegion)
 }
 
 fn pingpong(c: &mut Criterion) {
-    let (mut a, mut b) = connected();
-    let mut wcs = [WorkCompletion::default(); 1];
+    let (a, b) = connected();
     // The fast path's twin: each side's QP on a lane of its own, a prepared receive and send
     // per side (wr_id 0 the receive, 1 the send), each completion re-arming its request.
     let spec = PairSpec { mr_sizes: vec![], ..PairSpec::default() };
@@ -290,18 +240,6 @@ fn pingpong(c: &mut Criterion) {
                 raw_poll1(a.conn.qp().recv_cq().as_raw());
                 raw_poll1(a.conn.qp().send_cq().as_raw());
                 raw_poll1(b.conn.qp().send_cq().as_raw());
-            })
-        });
-        g.bench_function("rdma_cm", |bn| {
-            bn.iter(|| {
-                b.conn.qp_mut().post_recv(&[RecvWr::new(&b.mrs[0], 0..len)]).unwrap();
-                a.conn.qp_mut().post_recv(&[RecvWr::new(&a.mrs[0], 4096..4096 + len)]).unwrap();
-                a.conn.qp_mut().post_send(&[SendWr::send(&a.mrs[0], 0..len)]).unwrap(); // ping
-                poll_queue(b.conn.qp_mut(), false, &mut wcs);
-                b.conn.qp_mut().post_send(&[SendWr::send(&b.mrs[0], 4096..4096 + len)]).unwrap(); // pong
-                poll_queue(a.conn.qp_mut(), false, &mut wcs);
-                poll_queue(a.conn.qp_mut(), true, &mut wcs);
-                poll_queue(b.conn.qp_mut(), true, &mut wcs);
             })
         });
         let (pa, pb) = (la.pd.clone(), lb.pd.clone());
@@ -347,36 +285,48 @@ fn pingpong(c: &mut Criterion) {
     }
 }
 
-/// Post plus poll on a CQ shared by two QPs (both queues of each on it), through the CQ's own
-/// poll: the routing table's cost beside the raw calls on the same QP and CQ.
+/// Post plus poll of one RDMA WRITE on a lane whose CQ serves two QPs (both queues of each):
+/// the lane's lookup of the completion's QP beside the raw calls on the same QP and CQ.
 fn shared_cq(c: &mut Criterion) {
-    use rdma_cm::{CompletionQueue, QpInit};
-    use std::sync::Arc;
-    let ctx = common::route(7909).context().unwrap();
-    let cq = CompletionQueue::new(&ctx, 128).unwrap();
-    let spec = |init: QpInit| PairSpec {
+    let spec = PairSpec {
         mr_sizes: vec![8192],
         access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-        init,
         ..PairSpec::default()
     };
-    let shared = || QpInit::new().send_cq(Arc::clone(&cq)).recv_cq(Arc::clone(&cq));
-    let (mut a, b) = pair(common::device_addr(), spec(shared()), spec(QpInit::new()));
-    let (_other, _other_peer) = pair(common::device_addr(), spec(shared()), spec(QpInit::new()));
+    let mut lane = common::lane::lane_on(common::device_addr(), 128);
+    let (qp, pd, b) = common::lane::attached_pair(&mut lane, common::device_addr(), spec.clone());
+    let (_other, _other_pd, _other_peer) = common::lane::attached_pair(&mut lane, common::device_addr(), spec);
     let remote = b.mrs[0].remote();
-    let mut wcs = [WorkCompletion::default(); 1];
+    let mut mr = [Some(MemoryRegion::new(&pd, 8192, AccessFlags::LOCAL_WRITE).unwrap())];
     let mut g = c.benchmark_group("shared_cq");
-    g.bench_function("write/raw", |bn| {
+    g.bench_function("write/lane", |bn| {
         bn.iter(|| {
-            raw_send(a.conn.qp(), &a.mrs[0], 64, ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE, Some(remote));
-            raw_poll1(cq.as_raw());
+            lane.post_send(qp, LSend::write(mr[0].take().unwrap(), 0..64, &remote, 0)).unwrap();
+            reap_prep(&mut lane, 1, |_, r| mr[0] = Some(r));
         })
     });
-    g.bench_function("write/rdma_cm", |bn| {
+    // The raw calls on the lane's QP and CQ (polled behind the lane, which never sees these
+    // completions), from the same region.
+    let qp_raw = lane.qp_as_raw(qp).unwrap();
+    // SAFETY: the QP is alive (owned by the lane, which outlives this group); an `ibv_qp`'s CQ
+    // fields are set by the provider at creation and never change.
+    let cq = unsafe { (*qp_raw).send_cq };
+    let (addr, lkey) = mr[0].as_ref().map(|m| (m.addr(), m.lkey())).unwrap();
+    g.bench_function("write/raw_on_lane", |bn| {
         bn.iter(|| {
-            a.conn.qp_mut().post_send(&[SendWr::write(&a.mrs[0], 0..64, &remote, 0).unwrap()]).unwrap();
-            while cq.poll(&mut wcs).unwrap() == 0 {}
-            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
+            let mut sge = ffi::ibv_sge { addr, length: 64, lkey };
+            // SAFETY: ibv_send_wr is plain old data.
+            let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.wr.rdma = ffi::rdma_t { remote_addr: remote.addr, rkey: remote.rkey };
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: the QP is alive; wr and sge live for the call; the region is held in
+            // `mr` until after the group, and the completion is reaped before the next post.
+            assert_eq!(unsafe { ffi::ibv_post_send(qp_raw, &mut wr, &mut bad) }, 0);
+            raw_poll1(cq);
         })
     });
     g.finish();
@@ -385,12 +335,11 @@ fn shared_cq(c: &mut Criterion) {
 /// UD: post a receive (room for the GRH) on one end, a 64-byte datagram to it from the other
 /// (raw: the work request's `ud` fields from the UD connect's destination), poll both.
 fn ud_post_poll(c: &mut Criterion) {
-    use rdma_cm::{QpInit, UdSendWr, GRH_LEN};
-    let common::ud::UdPair { mut client, to_server, mut server, to_client: _to_client } =
+    use rdma_cm::{QpInit, GRH_LEN};
+    let common::ud::UdPair { client, to_server, server, to_client: _to_client } =
         common::ud::ud_pair(common::device_addr(), 7490, QpInit::new());
     let sbuf = rdma_cm::MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();
     let rbuf = rdma_cm::MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
-    let mut wcs = [WorkCompletion::default(); 1];
     let mut g = c.benchmark_group("post_poll");
     g.bench_function("ud_send/raw", |bn| {
         let (cqp, sqp) = (client.qp().as_raw(), server.qp().as_raw());
@@ -422,16 +371,6 @@ fn ud_post_poll(c: &mut Criterion) {
             raw_poll1(rcq);
         })
     });
-    g.bench_function("ud_send/rdma_cm", |bn| {
-        bn.iter(|| {
-            server.qp_mut().post_recv(&[RecvWr::new(&rbuf, 0..GRH_LEN + 64)]).unwrap();
-            client.qp_mut().post_send(&[UdSendWr::send(&to_server, &sbuf, 0..64)]).unwrap();
-            while client.qp_mut().poll_queue(rdma_cm::WorkQueue::Send, &mut wcs).unwrap() == 0 {}
-            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
-            while server.qp_mut().poll_queue(rdma_cm::WorkQueue::Recv, &mut wcs).unwrap() == 0 {}
-            assert!(wcs[0].is_ok() && wcs[0].byte_len() as usize == GRH_LEN + 64, "{:?}", wcs[0]);
-        })
-    });
     // The fast path's twin: a UD pair on lanes, through prepared work requests.
     let common::lane::LaneUdPair { client: mut lc, to_server: lto, server_dest: _d, server: mut ls } =
         common::lane::lane_ud_pair(common::device_addr(), 7495, QpInit::new(), 64);
@@ -448,13 +387,6 @@ fn ud_post_poll(c: &mut Criterion) {
         })
     });
     g.finish();
-}
-
-/// Busy-polls one queue of the crate's QP (as the raw version polls one CQ).
-fn poll_queue(qp: &mut QueuePair, send: bool, wcs: &mut [WorkCompletion; 1]) {
-    let q = if send { rdma_cm::WorkQueue::Send } else { rdma_cm::WorkQueue::Recv };
-    while qp.poll_queue(q, wcs).unwrap() == 0 {}
-    assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
 }
 
 /// The fast path (`rdma_cm::verbs::lane`): post plus poll of one send/recv and of one RDMA WRITE, and
@@ -610,6 +542,6 @@ criterion_group! {
     name = benches;
     // The data path's ratios are a few percent: sample longer than the setup groups.
     config = criterion().measurement_time(std::time::Duration::from_secs(6)).sample_size(40);
-    targets = post_poll, post_poll_sg_atomic, ud_post_poll, pingpong, shared_cq, lane_post_poll
+    targets = post_poll_sg_atomic, ud_post_poll, pingpong, shared_cq, lane_post_poll
 }
 criterion_main!(benches);

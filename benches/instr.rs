@@ -11,8 +11,7 @@
 //! Each operation comes as `raw` (the same `rdma-sys` calls made directly, as
 //! `benches/datapath.rs` does), `crate` (the path the crate teaches: a lane,
 //! [`rdma_cm::verbs::lane`], per side, one work request per post, whose CQ serves both queues of
-//! its QP) and `queue` (the convenient path: `QueuePair::post_send` and its polls, measured so
-//! that the table shows the cost it had). The operations: `send-*` (post a receive on one end,
+//! its QP). The operations: `send-*` (post a receive on one end,
 //! post a send on the other, poll both completions), `write-*` (post an RDMA WRITE, poll its
 //! completion), `write4-*` (an RDMA WRITE gathered from four 16-byte pieces of one region, as
 //! `post_poll/write_4sge` in `benches/datapath.rs`, on a QP created with `max_send_sge` 4),
@@ -50,15 +49,12 @@ use std::time::Duration;
 
 use common::{pair, zeroed, PairSpec, Side};
 use rdma_cm::ffi;
-use rdma_cm::{
-    AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RecvWr, RemoteRegion, SendWr, WorkCompletion,
-    WorkQueue,
-};
+use rdma_cm::{AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion};
 
 /// Every variant, as `main` takes them.
 const VARIANTS: &str =
-    "send-raw, send-queue, send-crate, write-raw, write-queue, write-crate, write4-raw, write4-queue, \
-     write4-crate, fadd-raw, fadd-queue, fadd-crate, ud-raw, ud-queue, ud-crate, batch-raw, batch-queue, batch-crate, \
+    "send-raw, send-crate, write-raw, write-crate, write4-raw, write4-crate, fadd-raw, fadd-crate, ud-raw, ud-crate, \
+     batch-raw, batch-crate, \
      send-prep, write-prep, write4-prep, fadd-prep, ud-prep, batch-prep, batch-rawpre, \
      batch4-raw, batch4-prep, fbatch-raw, fbatch-prep, ubatch-raw, ubatch-prep";
 
@@ -148,50 +144,8 @@ pub fn instr_raw_post_write4(qp: &QueuePair, mr: &MemoryRegion, remote: &RemoteR
     common::raw_write_sg(qp, &mut sge, *remote);
 }
 
-// --- measured: through the crate ---------------------------------------------------------------
-
 /// The four pieces of the gathered WRITE, in one region.
 const PIECES: [std::ops::Range<usize>; 4] = [0..16, 1024..1040, 2048..2064, 3072..3088];
-
-/// The crate: posts one RDMA WRITE gathered from `PIECES` of `mr` to the start of `remote`.
-#[no_mangle]
-#[inline(never)]
-pub fn instr_queue_post_write4(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
-    let pieces = PIECES.map(|r| (mr, r));
-    qp.post_send(&[SendWr::write_sg(&pieces, remote, 0).unwrap()]).unwrap();
-}
-
-/// The crate: posts one send of `mr[0..len]`.
-#[no_mangle]
-#[inline(never)]
-pub fn instr_queue_post_send(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
-    qp.post_send(&[SendWr::send(mr, 0..len)]).unwrap();
-}
-
-/// The crate: posts one RDMA WRITE of `mr[0..len]` to the start of `remote`.
-#[no_mangle]
-#[inline(never)]
-pub fn instr_queue_post_write(qp: &mut QueuePair, mr: &MemoryRegion, len: usize, remote: &RemoteRegion) {
-    qp.post_send(&[SendWr::write(mr, 0..len, remote, 0).unwrap()]).unwrap();
-}
-
-/// The crate: posts one receive into `mr[0..len]`.
-#[no_mangle]
-#[inline(never)]
-pub fn instr_queue_post_recv(qp: &mut QueuePair, mr: &MemoryRegion, len: usize) {
-    qp.post_recv(&[RecvWr::new(mr, 0..len)]).unwrap();
-}
-
-/// The crate: one poll of `queue` for one entry; whether it found one (a success).
-#[no_mangle]
-#[inline(never)]
-pub fn instr_queue_poll(qp: &mut QueuePair, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
-    let n = qp.poll_queue(queue, wcs).unwrap();
-    if n == 1 {
-        assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
-    }
-    n == 1
-}
 
 // --- the loop (not measured) --------------------------------------------------------------------
 
@@ -210,7 +164,6 @@ fn settle_and_poll(empties: &mut u64, mut poll: impl FnMut() -> bool) {
 
 fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, empties: &mut u64) {
     const LEN: u32 = 64;
-    let mut wcs = [WorkCompletion::default(); 1];
     match variant {
         "send-raw" => {
             instr_raw_post_recv(b.conn.qp(), &b.mrs[0], LEN);
@@ -219,30 +172,16 @@ fn iteration(variant: &str, a: &mut Side, b: &mut Side, remote: &RemoteRegion, e
             settle_and_poll(empties, || instr_raw_poll(scq));
             settle_and_poll(empties, || instr_raw_poll(rcq));
         }
-        "send-queue" => {
-            instr_queue_post_recv(b.conn.qp_mut(), &b.mrs[0], LEN as usize);
-            instr_queue_post_send(a.conn.qp_mut(), &a.mrs[0], LEN as usize);
-            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
-            settle_and_poll(empties, || instr_queue_poll(b.conn.qp_mut(), WorkQueue::Recv, &mut wcs));
-        }
         "write-raw" => {
             let op = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
             instr_raw_post_send(a.conn.qp(), &a.mrs[0], LEN, op, Some(*remote));
             let scq = a.conn.qp().send_cq();
             settle_and_poll(empties, || instr_raw_poll(scq));
         }
-        "write-queue" => {
-            instr_queue_post_write(a.conn.qp_mut(), &a.mrs[0], LEN as usize, remote);
-            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
-        }
         "write4-raw" => {
             instr_raw_post_write4(a.conn.qp(), &a.mrs[0], remote);
             let scq = a.conn.qp().send_cq();
             settle_and_poll(empties, || instr_raw_poll(scq));
-        }
-        "write4-queue" => {
-            instr_queue_post_write4(a.conn.qp_mut(), &a.mrs[0], remote);
-            settle_and_poll(empties, || instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
         }
         other => panic!("unknown variant {other:?}: {VARIANTS}"),
     }
@@ -284,7 +223,7 @@ fn main() {
 }
 
 /// The fast path (`rdma_cm::verbs::lane`) beside raw `rdma-sys`, and the operations added with it
-/// (fetch-and-add, UD send, a WRITE batch of 16) through every path.
+/// (fetch-and-add, UD send, a WRITE batch of 16) as raw calls and on lanes.
 mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
@@ -292,10 +231,7 @@ mod lane_bench {
     use rdma_cm::verbs::lane::{
         Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend,
     };
-    use rdma_cm::{
-        AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, SendWr, WorkCompletion, WorkQueue,
-        GRH_LEN,
-    };
+    use rdma_cm::{AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, GRH_LEN};
 
     /// Bytes each operation moves.
     const LEN: usize = 64;
@@ -310,14 +246,11 @@ mod lane_bench {
             "send-crate" => send_lane,
             "write-crate" => write_lane,
             "write4-crate" => write4_lane,
-            "fadd-raw" => |n| fadd(n, Path::Raw),
-            "fadd-queue" => |n| fadd(n, Path::Queue),
+            "fadd-raw" => fadd_raw,
             "fadd-crate" => fadd_lane,
-            "ud-raw" => |n| ud(n, Path::Raw),
-            "ud-queue" => |n| ud(n, Path::Queue),
+            "ud-raw" => ud_raw,
             "ud-crate" => ud_lane,
-            "batch-raw" => |n| batch(n, Path::Raw),
-            "batch-queue" => |n| batch(n, Path::Queue),
+            "batch-raw" => batch_raw,
             "batch-crate" => batch_lane,
             "send-prep" => send_prep,
             "write-prep" => |n| one_prep(n, "write-prep", 1, |mr, remote| LSend::write(mr, 0..LEN, remote, 0)),
@@ -338,12 +271,6 @@ mod lane_bench {
             "ubatch-prep" => ubatch_prep,
             _ => return None,
         })
-    }
-
-    #[derive(Clone, Copy, PartialEq)]
-    enum Path {
-        Raw,
-        Queue,
     }
 
     /// Runs `iteration` 200 times to warm up, zeroes the counters, runs it `n` times.
@@ -553,7 +480,7 @@ mod lane_bench {
         .unwrap()
     }
 
-    // --- measured: raw and crate for the added operations -----------------------------------------
+    // --- measured: raw calls for the added operations ---------------------------------------------
 
     /// Raw: posts one signaled fetch-and-add of 1 on `counter`, the original value into
     /// `mr[4096..4104]`.
@@ -572,14 +499,6 @@ mod lane_bench {
         // SAFETY: QP alive; wr and sge live for the call; the 8 result bytes outlive the
         // completion, which the loop reaps before the next post.
         assert_eq!(unsafe { ffi::ibv_post_send(qp.as_raw(), &mut wr, &mut bad) }, 0);
-    }
-
-    /// The crate: posts one fetch-and-add of 1 on `counter`, the original value into
-    /// `mr[4096..4104]`.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_post_fadd(qp: &mut QueuePair, mr: &MemoryRegion, counter: &RemoteRegion) {
-        qp.post_send(&[SendWr::fetch_add(mr, 4096..4104, counter, 0, 1).unwrap()]).unwrap();
     }
 
     /// Raw: posts one receive of `len` bytes of `mr` on `qp`.
@@ -613,31 +532,6 @@ mod lane_bench {
         // SAFETY: the QP is alive; wr and sge live for the call; the region and the address
         // handle (held by `dest`) outlive the completion, which the loop reaps.
         assert_eq!(unsafe { ffi::ibv_post_send(qp, &mut wr, &mut bad) }, 0);
-    }
-
-    /// The crate: posts one datagram of `mr[0..LEN]` to `dest`.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_post_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
-        qp.post_send(&[rdma_cm::UdSendWr::send(dest, mr, 0..LEN)]).unwrap();
-    }
-
-    /// The crate: posts one receive of `len` bytes of `mr` on a UD QP.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_post_recv_ud(qp: &mut rdma_cm::UdQp, mr: &MemoryRegion, len: usize) {
-        qp.post_recv(&[rdma_cm::RecvWr::new(mr, 0..len)]).unwrap();
-    }
-
-    /// The crate: one poll of a UD QP's `queue` for one entry; whether it found one.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_poll_ud(qp: &mut rdma_cm::UdQp, queue: WorkQueue, wcs: &mut [WorkCompletion; 1]) -> bool {
-        let n = qp.poll_queue(queue, wcs).unwrap();
-        if n == 1 {
-            assert!(wcs[0].is_ok(), "{:?}", wcs[0]);
-        }
-        n == 1
     }
 
     /// Raw: posts `BATCH` RDMA WRITEs of `mr[0..LEN]` in one list, the last one signaled.
@@ -677,30 +571,6 @@ mod lane_bench {
             assert_eq!(unsafe { w.assume_init_ref() }.status, ffi::ibv_wc_status::IBV_WC_SUCCESS);
         }
         n as usize
-    }
-
-    /// The crate: posts `BATCH` RDMA WRITEs of `mr[0..LEN]` in one call, the last one signaled.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_post_batch(qp: &mut QueuePair, mr: &MemoryRegion, remote: &RemoteRegion) {
-        let wrs: [SendWr<'_>; BATCH] = std::array::from_fn(|k| {
-            let w = SendWr::write(mr, 0..LEN, remote, 0).unwrap().wr_id(k as u64);
-            if k + 1 < BATCH {
-                w.unsignaled()
-            } else {
-                w
-            }
-        });
-        qp.post_send(&wrs).unwrap();
-    }
-
-    /// The crate: one poll of the send queue for up to `BATCH` entries; how many it found.
-    #[no_mangle]
-    #[inline(never)]
-    pub fn instr_queue_poll_batch(qp: &mut QueuePair, wcs: &mut [WorkCompletion; BATCH]) -> usize {
-        let n = qp.poll_queue(WorkQueue::Send, wcs).unwrap();
-        assert!(wcs[..n].iter().all(|w| w.is_ok()));
-        n
     }
 
     // --- the loops (not measured) -----------------------------------------------------------------
@@ -748,21 +618,14 @@ mod lane_bench {
     const ATOMIC: AccessFlags =
         AccessFlags::LOCAL_WRITE.union(AccessFlags::REMOTE_WRITE).union(AccessFlags::REMOTE_ATOMIC);
 
-    fn fadd(n: u64, path: Path) {
+    fn fadd_raw(n: u64) {
         let s = spec(ATOMIC, QpInit::new());
-        let (mut a, b) = pair(common::device_addr(), s.clone(), s);
+        let (a, b) = pair(common::device_addr(), s.clone(), s);
         let counter = RemoteRegion { len: 8, ..b.mrs[0].remote() };
-        let mut wcs = [WorkCompletion::default(); 1];
-        let name = if path == Path::Raw { "fadd-raw" } else { "fadd-queue" };
-        measure(name, n, |empties| {
-            if path == Path::Raw {
-                instr_raw_post_fadd(a.conn.qp(), &a.mrs[0], &counter);
-                let scq = a.conn.qp().send_cq();
-                settle_and_poll(empties, || super::instr_raw_poll(scq));
-            } else {
-                instr_queue_post_fadd(a.conn.qp_mut(), &a.mrs[0], &counter);
-                settle_and_poll(empties, || super::instr_queue_poll(a.conn.qp_mut(), WorkQueue::Send, &mut wcs));
-            }
+        measure("fadd-raw", n, |empties| {
+            instr_raw_post_fadd(a.conn.qp(), &a.mrs[0], &counter);
+            let scq = a.conn.qp().send_cq();
+            settle_and_poll(empties, || super::instr_raw_poll(scq));
         });
     }
 
@@ -776,26 +639,17 @@ mod lane_bench {
         });
     }
 
-    fn ud(n: u64, path: Path) {
-        let common::ud::UdPair { mut client, to_server, mut server, to_client: _to_client } =
+    fn ud_raw(n: u64) {
+        let common::ud::UdPair { client, to_server, server, to_client: _to_client } =
             common::ud::ud_pair(common::device_addr(), 7492, QpInit::new());
         let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
         let rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
-        let mut wcs = [WorkCompletion::default(); 1];
-        let name = if path == Path::Raw { "ud-raw" } else { "ud-queue" };
-        measure(name, n, |empties| {
-            if path == Path::Raw {
-                instr_raw_post_recv_ud(server.qp().as_raw(), &rbuf, (GRH_LEN + LEN) as u32);
-                instr_raw_post_ud(client.qp().as_raw(), &sbuf, &to_server);
-                let (scq, rcq) = (client.qp().send_cq(), server.qp().recv_cq());
-                settle_and_poll(empties, || super::instr_raw_poll(scq));
-                settle_and_poll(empties, || super::instr_raw_poll(rcq));
-            } else {
-                instr_queue_post_recv_ud(server.qp_mut(), &rbuf, GRH_LEN + LEN);
-                instr_queue_post_ud(client.qp_mut(), &sbuf, &to_server);
-                settle_and_poll(empties, || instr_queue_poll_ud(client.qp_mut(), WorkQueue::Send, &mut wcs));
-                settle_and_poll(empties, || instr_queue_poll_ud(server.qp_mut(), WorkQueue::Recv, &mut wcs));
-            }
+        measure("ud-raw", n, |empties| {
+            instr_raw_post_recv_ud(server.qp().as_raw(), &rbuf, (GRH_LEN + LEN) as u32);
+            instr_raw_post_ud(client.qp().as_raw(), &sbuf, &to_server);
+            let (scq, rcq) = (client.qp().send_cq(), server.qp().recv_cq());
+            settle_and_poll(empties, || super::instr_raw_poll(scq));
+            settle_and_poll(empties, || super::instr_raw_poll(rcq));
         });
     }
 
@@ -812,21 +666,14 @@ mod lane_bench {
         });
     }
 
-    fn batch(n: u64, path: Path) {
+    fn batch_raw(n: u64) {
         let s = spec(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE, QpInit::new());
-        let (mut a, b) = pair(common::device_addr(), s.clone(), s);
+        let (a, b) = pair(common::device_addr(), s.clone(), s);
         let remote = b.mrs[0].remote();
-        let mut wcs = [WorkCompletion::default(); BATCH];
-        let name = if path == Path::Raw { "batch-raw" } else { "batch-queue" };
-        measure(name, n, |empties| {
-            if path == Path::Raw {
-                instr_raw_post_batch(a.conn.qp(), &a.mrs[0], &remote);
-                let scq = a.conn.qp().send_cq();
-                settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
-            } else {
-                instr_queue_post_batch(a.conn.qp_mut(), &a.mrs[0], &remote);
-                settle_and_poll(empties, || instr_queue_poll_batch(a.conn.qp_mut(), &mut wcs) == 1);
-            }
+        measure("batch-raw", n, |empties| {
+            instr_raw_post_batch(a.conn.qp(), &a.mrs[0], &remote);
+            let scq = a.conn.qp().send_cq();
+            settle_and_poll(empties, || instr_raw_poll_batch(scq) == 1);
         });
     }
 

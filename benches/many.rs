@@ -1,24 +1,27 @@
 //! One thread serving N concurrent ping-pong clients, in the two shapes a server can take:
 //!
-//! - `many_clients/shared/N`: one completion queue for every QP (send and receive) and one
-//!   shared receive queue of `SRQ_DEPTH` slots, whose slots are echoed in place;
-//! - `many_clients/per_qp/N`: each QP its own CQ (with its own completion channel, as an
-//!   event-driven server with a CQ per connection has) and its own `RECV_DEPTH` receive slots
-//!   in a region registered for it.
+//! - `many_clients/shared/N`: one lane (`rdma_cm::verbs::lane`) for every QP, so one
+//!   completion queue for both queues of each, and the lane's shared receive queue of
+//!   `SRQ_DEPTH` slots, whose slots are echoed in place;
+//! - `many_clients/per_qp/N`: a lane per QP, so each QP its own CQ (with its own completion
+//!   channel, as an event-driven server with a CQ per connection has) and its own `RECV_DEPTH`
+//!   receive slots in a region registered for it.
 //!
 //! Both shapes accept on one event channel and share one protection domain; they differ only
 //! in the CQs and the receive buffers. One iteration is one round: each of the N clients
 //! sends one `MSG`-byte message and the server thread echoes it; the round ends when every
 //! client has its echo (criterion's throughput line is round trips per second). The server
 //! thread is event-driven, as a server that shares its CPUs is: it polls, and when nothing is
-//! there it arms its CQ(s) and sleeps on their completion channels (one, or N through
-//! poll(2)); the clients wait the same way. (Busy-polling on both sides took milliseconds per
+//! there it arms its CQ(s) and sleeps on their completion channels (one, through `Lane::wait`,
+//! or N through poll(2)); the clients wait the same way. A region moves with its message: the
+//! receive's completion hands it back, the echo sends it, and the send's completion hands it
+//! back to be posted as a receive again. (Busy-polling on both sides took milliseconds per
 //! round trip in the two-vCPU guest, where the two spinning processes leave no CPU to
 //! Soft-RoCE's deferred work.) A batch of rounds is started and ended over a pipe to the
 //! client process; criterion's linear sampling takes that fixed cost out of its slope.
 //!
 //! The clients run in a child process (this binary again, with `RDMA_CM_BENCH_MANY_CLIENT`
-//! set), one thread driving N client QPs on one CQ of its own. So this process holds the
+//! set), one thread driving N client QPs on one lane of its own. So this process holds the
 //! server's objects alone, and the descriptors (`/proc/self/fd`) and pinned memory (`VmPin`
 //! in `/proc/self/status`) it gains while setting up N connections are the server's. Those
 //! counts are printed after criterion's output as lines `many_clients resources SHAPE N FDS
@@ -31,7 +34,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -41,10 +43,11 @@ use std::time::{Duration, Instant};
 
 use common::{criterion, device_addr, T};
 use criterion::{BenchmarkId, Criterion, Throughput};
+use rdma_cm::status::WorkQueue;
+use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr, Wc};
 use rdma_cm::{
-    Accepting, AccessFlags, Client, CmEventType, CompletionQueue, ConnParam, ConnectRequest, Connection, EventChannel,
-    IdHandle, Listener, MemoryRegion, ProtectionDomain, QpInit, RecvWr, SendWr, Server, SharedReceiveQueue,
-    WorkCompletion, WorkQueue,
+    AccessFlags, Client, CmEventType, ConnParam, ConnectRequest, EventChannel, Listener, MemoryRegion,
+    ProtectionDomain, QpInit, Server,
 };
 
 /// Bytes of each message (and of each receive slot).
@@ -56,6 +59,8 @@ const SRQ_DEPTH: u32 = 256;
 const RECV_DEPTH: u32 = 16;
 /// Send queue depth of each server QP (one echo in flight per client).
 const SEND_DEPTH: u32 = 4;
+/// Completions taken per poll or wait.
+const BURST: usize = 64;
 const SIZES: [usize; 3] = [1, 10, 100];
 /// Set in the child process that drives the clients.
 const CLIENT_ENV: &str = "RDMA_CM_BENCH_MANY_CLIENT";
@@ -75,30 +80,38 @@ impl Shape {
     }
 }
 
-/// The shared shape's pool: one CQ, one SRQ and its slots.
-struct Pool {
-    cq: Arc<CompletionQueue>,
-    srq: SharedReceiveQueue,
-    slots: Vec<MemoryRegion>,
+/// What a poll handed out, kept until the lane is free to post again.
+struct Done {
+    queue: WorkQueue,
+    qp: Option<LaneQp>,
+    wr_id: u64,
+    len: usize,
+    region: MemoryRegion,
 }
 
-/// One server connection; `slots` are its own receive slots in the per-QP shape.
-struct Conn {
-    conn: Connection,
-    slots: Vec<MemoryRegion>,
+/// Hands `wc` and its region to `out`, checking that it succeeded.
+fn keep(out: &mut Vec<Done>, who: &str, wc: Wc, region: Option<MemoryRegion>) {
+    assert!(wc.is_ok(), "{who}: a completion failed: {:?}", wc.status());
+    let region = region.unwrap_or_else(|| panic!("{who}: a completion without its region"));
+    out.push(Done { queue: wc.queue(), qp: wc.qp(), wr_id: wc.wr_id(), len: wc.byte_len() as usize, region });
 }
 
-/// The server: one thread, one event channel, N connections.
+/// The server: one thread, one event channel, N connections on one lane (shared) or on a lane
+/// each (per_qp).
 struct ServerSide {
     shape: Shape,
     ch: EventChannel,
     _listener: Listener,
     pd: Option<Arc<ProtectionDomain>>,
-    pool: Option<Pool>,
-    conns: Vec<Conn>,
-    /// qp_num -> index in `conns` (the shared CQ's completions name their QP).
-    by_qp: HashMap<u32, usize>,
-    wcs: Vec<WorkCompletion>,
+    /// Shared: the one lane; per_qp: the lane of each connection, in `conns`' order.
+    lanes: Vec<Lane>,
+    /// The shared shape's receive queue (on `lanes[0]`).
+    srq: Option<LaneSrq>,
+    /// Each connection: the index of its lane in `lanes`, and its QP there.
+    conns: Vec<(usize, LaneQp)>,
+    /// Bytes of memory regions registered for receives.
+    mr_bytes: usize,
+    done: Vec<Done>,
 }
 
 /// The child process that drives the N clients.
@@ -146,7 +159,8 @@ fn vm_pin_kib() -> u64 {
 }
 
 impl ServerSide {
-    /// Listens, lets the child connect `n` clients, and accepts them all from this thread.
+    /// Listens, lets the child connect `n` clients (one after another), and accepts them all
+    /// from this thread.
     fn start(shape: Shape, n: usize, clients: &mut Clients) -> ServerSide {
         let ch = EventChannel::new().unwrap();
         let listener =
@@ -158,25 +172,18 @@ impl ServerSide {
             ch,
             _listener: listener,
             pd: None,
-            pool: None,
+            lanes: Vec::new(),
+            srq: None,
             conns: Vec::with_capacity(n),
-            by_qp: HashMap::new(),
-            wcs: vec![WorkCompletion::default(); 64],
+            mr_bytes: 0,
+            done: Vec::with_capacity(BURST),
         };
-        let mut accepting: HashMap<IdHandle, (Accepting, Vec<MemoryRegion>)> = HashMap::new();
         while s.conns.len() < n {
             let ev = s.ch.get_event(T).expect("server: a CM event while the clients connect");
             match ev.event_type() {
                 CmEventType::ConnectRequest => {
                     let req = ConnectRequest::from_event(ev).unwrap();
-                    let (acc, slots) = s.accept(req, n);
-                    accepting.insert(acc.handle(), (acc, slots));
-                }
-                CmEventType::Established => {
-                    let (acc, slots) = accepting.remove(&ev.id()).expect("ESTABLISHED of a known id");
-                    let conn = acc.complete(ev).unwrap();
-                    s.by_qp.insert(conn.qp().qp_num(), s.conns.len());
-                    s.conns.push(Conn { conn, slots });
+                    s.accept(req, n);
                 }
                 other => panic!("server: unexpected {other} while accepting"),
             }
@@ -185,50 +192,44 @@ impl ServerSide {
         s
     }
 
-    /// Creates the request's QP in this shape, posts its receives (per-QP), starts the accept.
-    fn accept(&mut self, req: ConnectRequest, n: usize) -> (Accepting, Vec<MemoryRegion>) {
+    /// Creates the request's QP on its lane in this shape, posts its receives (per-QP), and
+    /// accepts (waiting for ESTABLISHED; the other ids' events stay queued on the channel).
+    fn accept(&mut self, req: ConnectRequest, n: usize) {
         let ctx = req.context().unwrap();
         let pd = Arc::clone(self.pd.get_or_insert_with(|| req.alloc_pd().unwrap()));
-        let (init, slots) = match self.shape {
+        let (k, init) = match self.shape {
             Shape::Shared => {
-                let pool = self.pool.get_or_insert_with(|| {
-                    let cq = CompletionQueue::new(&ctx, SEND_DEPTH * n as u32 + SRQ_DEPTH).unwrap();
-                    let srq = SharedReceiveQueue::new(&pd, SRQ_DEPTH).unwrap();
+                if self.lanes.is_empty() {
+                    let mut lane = Lane::new(&ctx, SEND_DEPTH * n as u32 + SRQ_DEPTH).unwrap();
+                    let srq = lane.create_srq(&pd, SRQ_DEPTH).unwrap();
                     let region = MemoryRegion::new(&pd, MSG * SRQ_DEPTH as usize, AccessFlags::LOCAL_WRITE).unwrap();
-                    let slots = region.split(MSG).unwrap();
-                    let recvs: Vec<RecvWr> =
-                        slots.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..MSG).wr_id(i as u64)).collect();
-                    srq.post_recv(&recvs).unwrap();
-                    Pool { cq, srq, slots }
-                });
-                let init = QpInit::new()
-                    .max_send_wr(SEND_DEPTH)
-                    .send_cq(Arc::clone(&pool.cq))
-                    .recv_cq(Arc::clone(&pool.cq))
-                    .srq(&pool.srq);
-                (init, vec![])
+                    self.mr_bytes += region.len();
+                    for (i, m) in region.split(MSG).unwrap().into_iter().enumerate() {
+                        lane.post_srq_recv(srq, RecvWr::new(m).wr_id(i as u64)).unwrap();
+                    }
+                    self.lanes.push(lane);
+                    self.srq = Some(srq);
+                }
+                let srq = self.srq.expect("made with the lane");
+                (0, self.lanes[0].srq_qp_init(srq, QpInit::new().max_send_wr(SEND_DEPTH)).unwrap())
             }
             Shape::PerQp => {
-                let cq = CompletionQueue::new(&ctx, SEND_DEPTH + RECV_DEPTH).unwrap();
-                let region = MemoryRegion::new(&pd, MSG * RECV_DEPTH as usize, AccessFlags::LOCAL_WRITE).unwrap();
-                let init =
-                    QpInit::new().max_send_wr(SEND_DEPTH).max_recv_wr(RECV_DEPTH).send_cq(Arc::clone(&cq)).recv_cq(cq);
-                (init, region.split(MSG).unwrap())
+                self.lanes.push(Lane::new(&ctx, SEND_DEPTH + RECV_DEPTH).unwrap());
+                (self.lanes.len() - 1, QpInit::new().max_send_wr(SEND_DEPTH).max_recv_wr(RECV_DEPTH))
             }
         };
-        let mut q = req.create_qp(&pd, init).unwrap();
-        if !slots.is_empty() {
-            let recvs: Vec<RecvWr> =
-                slots.iter().enumerate().map(|(i, m)| RecvWr::new(m, 0..MSG).wr_id(i as u64)).collect();
-            q.post_recv(&recvs).unwrap();
+        let lane = &mut self.lanes[k];
+        let s = req.lane_qp(lane, &pd, init).unwrap();
+        let qp = s.qp();
+        if self.shape == Shape::PerQp {
+            let region = MemoryRegion::new(&pd, MSG * RECV_DEPTH as usize, AccessFlags::LOCAL_WRITE).unwrap();
+            self.mr_bytes += region.len();
+            for (i, m) in region.split(MSG).unwrap().into_iter().enumerate() {
+                lane.post_recv(qp, RecvWr::new(m).wr_id(i as u64)).unwrap();
+            }
         }
-        (q.start_accept(&ConnParam::new()).unwrap(), slots)
-    }
-
-    /// Bytes of memory regions this server registered.
-    fn mr_bytes(&self) -> usize {
-        let srq = self.pool.as_ref().map_or(0, |p| p.slots.iter().map(MemoryRegion::len).sum());
-        srq + self.conns.iter().flat_map(|c| &c.slots).map(MemoryRegion::len).sum::<usize>()
+        s.accept(lane, &ConnParam::new(), T).unwrap();
+        self.conns.push((k, qp));
     }
 
     /// Has the clients run `rounds` rounds, echoing every message; returns the time taken.
@@ -244,31 +245,27 @@ impl ServerSide {
         start.elapsed()
     }
 
-    /// The shared shape: wait on the one CQ (poll; when it is empty, arm it and sleep on its
-    /// channel); echo each receive from its SRQ slot on the QP the completion names; return
-    /// the slot to the SRQ when the echo's send completes.
+    /// The shared shape: wait on the one lane (`Lane::wait_with` polls; when the CQ is empty,
+    /// it arms it and sleeps on its channel); echo each receive's region from the SRQ on the
+    /// QP the completion names; post the region to the SRQ again when the echo's send
+    /// completes.
     fn echo_shared(&mut self, target: u64) {
-        let pool = self.pool.as_ref().expect("the pool exists once a client connected");
+        let srq = self.srq.expect("the SRQ exists once a client connected");
+        let (lane, done) = (&mut self.lanes[0], &mut self.done);
         let (mut echoed, mut in_flight) = (0u64, 0u64);
         while echoed < target || in_flight > 0 {
-            let k = pool.cq.wait(&mut self.wcs, T).unwrap();
-            assert!(k > 0, "server: no completion within {T:?} ({echoed} of {target} echoed)");
-            for wc in &self.wcs[..k] {
-                let wc = wc.ok().expect("server: a completion failed");
-                let slot = wc.wr_id() as usize;
-                match wc.queue() {
+            lane.wait_with(BURST, T, |wc, r| keep(done, "server", wc, r))
+                .unwrap_or_else(|e| panic!("server: no completion ({echoed} of {target} echoed): {e}"));
+            for d in done.drain(..) {
+                match d.queue {
                     WorkQueue::Recv => {
-                        let c = &mut self.conns[self.by_qp[&wc.qp_num()]];
-                        let len = wc.byte_len() as usize;
-                        c.conn
-                            .qp_mut()
-                            .post_send(&[SendWr::send(&pool.slots[slot], 0..len).wr_id(slot as u64)])
-                            .unwrap();
+                        let qp = d.qp.expect("the SRQ receive's QP");
+                        lane.post_send(qp, SendWr::send(d.region, 0..d.len).wr_id(d.wr_id)).unwrap();
                         echoed += 1;
                         in_flight += 1;
                     }
                     WorkQueue::Send => {
-                        pool.srq.post_recv(&[RecvWr::new(&pool.slots[slot], 0..MSG).wr_id(slot as u64)]).unwrap();
+                        lane.post_srq_recv(srq, RecvWr::new(d.region).wr_id(d.wr_id)).unwrap();
                         in_flight -= 1;
                     }
                 }
@@ -276,23 +273,23 @@ impl ServerSide {
         }
     }
 
-    /// The per-QP shape, the same wait over N CQs: poll each QP's CQ in turn; when a sweep
-    /// finds nothing, arm every CQ, sweep again, and sleep in poll(2) on all N completion
-    /// channels. Echo from the QP's own slot, and post the slot again when the echo's send
-    /// completes.
+    /// The per-QP shape, the same wait over N lanes: poll each lane in turn; when a sweep
+    /// finds nothing, arm every lane's CQ, sweep again, and sleep in poll(2) on all N
+    /// completion channels. Echo from the QP's own slot, and post the slot again when the
+    /// echo's send completes.
     fn echo_per_qp(&mut self, target: u64) {
         let (mut echoed, mut in_flight) = (0u64, 0u64);
         let mut pfds: Vec<libc::pollfd> = self
-            .conns
+            .lanes
             .iter()
-            .map(|c| libc::pollfd { fd: c.conn.qp().recv_cq().as_raw_fd(), events: libc::POLLIN, revents: 0 })
+            .map(|l| libc::pollfd { fd: l.cq().as_raw_fd(), events: libc::POLLIN, revents: 0 })
             .collect();
         while echoed < target || in_flight > 0 {
             if self.sweep(&mut echoed, &mut in_flight) > 0 {
                 continue;
             }
-            for c in &self.conns {
-                c.conn.qp().recv_cq().req_notify(false).unwrap();
+            for l in &mut self.lanes {
+                l.arm().unwrap();
             }
             if self.sweep(&mut echoed, &mut in_flight) > 0 {
                 continue;
@@ -303,32 +300,26 @@ impl ServerSide {
                 ready > 0,
                 "server: poll(2) on the completion channels returned {ready} ({echoed} of {target} echoed)"
             );
-            for (p, c) in pfds.iter_mut().zip(&self.conns) {
-                if std::mem::take(&mut p.revents) != 0 {
-                    c.conn.qp().recv_cq().drain_events().unwrap();
-                }
-            }
+            // The next arming reads the events that made them readable.
+            pfds.iter_mut().for_each(|p| p.revents = 0);
         }
     }
 
-    /// One pass over the per-QP connections; returns the completions it handled.
+    /// One pass over the per-QP lanes; returns the completions it handled.
     fn sweep(&mut self, echoed: &mut u64, in_flight: &mut u64) -> usize {
         let mut seen = 0;
-        for c in &mut self.conns {
-            let k = c.conn.qp_mut().poll(&mut self.wcs).unwrap();
-            seen += k;
-            for wc in &self.wcs[..k] {
-                let wc = wc.ok().expect("server: a completion failed");
-                let slot = wc.wr_id() as usize;
-                match wc.queue() {
+        for &(k, qp) in &self.conns {
+            let (lane, done) = (&mut self.lanes[k], &mut self.done);
+            seen += lane.poll_with(BURST, |wc, r| keep(done, "server", wc, r)).unwrap();
+            for d in done.drain(..) {
+                match d.queue {
                     WorkQueue::Recv => {
-                        let len = wc.byte_len() as usize;
-                        c.conn.qp_mut().post_send(&[SendWr::send(&c.slots[slot], 0..len).wr_id(slot as u64)]).unwrap();
+                        lane.post_send(qp, SendWr::send(d.region, 0..d.len).wr_id(d.wr_id)).unwrap();
                         *echoed += 1;
                         *in_flight += 1;
                     }
                     WorkQueue::Send => {
-                        c.conn.qp_mut().post_recv(&[RecvWr::new(&c.slots[slot], 0..MSG).wr_id(slot as u64)]).unwrap();
+                        lane.post_recv(qp, RecvWr::new(d.region).wr_id(d.wr_id)).unwrap();
                         *in_flight -= 1;
                     }
                 }
@@ -337,22 +328,14 @@ impl ServerSide {
         seen
     }
 
-    /// Has the clients leave, answers each disconnect, and drops everything.
+    /// Has the clients leave, waits for each to go (bounded), and drops everything.
     fn finish(mut self, mut clients: Clients) {
         clients.send("Q");
-        let mut by_id: HashMap<IdHandle, usize> =
-            self.conns.iter().enumerate().map(|(i, c)| (c.conn.id().handle(), i)).collect();
-        let mut conns: Vec<Option<Conn>> = self.conns.drain(..).map(Some).collect();
-        while !by_id.is_empty() {
-            let ev = self.ch.get_event(T).expect("server: the clients' disconnects");
-            if ev.event_type() != CmEventType::Disconnected {
-                continue;
-            }
-            if let Some(i) = by_id.remove(&ev.id()) {
-                let mut c = conns[i].take().expect("one DISCONNECTED per connection");
-                c.conn.handle_event(&ev);
-            }
+        for &(k, qp) in &self.conns {
+            let left = self.lanes[k].wait_peer_left(qp, T).expect("server: the clients' disconnects");
+            assert!(left, "server: a client did not leave within {T:?}");
         }
+        drop(std::mem::take(&mut self.lanes));
         let status = clients.child.wait().expect("wait for the client process");
         assert!(status.success(), "the client process failed: {status}");
     }
@@ -420,7 +403,7 @@ fn many_clients(c: &mut Criterion, table: &mut Vec<Resources>) {
                 n,
                 fds: fds().saturating_sub(fds0),
                 vm_pin_kib: vm_pin_kib().saturating_sub(pin0),
-                mr_bytes: server.mr_bytes(),
+                mr_bytes: server.mr_bytes,
             });
             g.bench_function(id, |b| b.iter_custom(|rounds| server.run(&mut clients, rounds)));
             server.finish(clients);
@@ -477,7 +460,7 @@ fn main() {
     }
 }
 
-/// The child process: N clients on one CQ, driven from one thread by lines on stdin
+/// The child process: N clients on one lane, driven from one thread by lines on stdin
 /// (`C PORT N`: connect; `R K`: run K rounds; `Q`: leave), answering on stdout
 /// (`READY`, `D` after each batch of rounds).
 mod client {
@@ -492,61 +475,61 @@ mod client {
         let (port, n) = (words.next().expect("PORT") as u16, words.next().expect("N"));
         let dst = SocketAddr::new(device_addr(), port);
 
-        let mut shared: Option<(Arc<ProtectionDomain>, Arc<CompletionQueue>)> = None;
-        let mut conns = Vec::with_capacity(n);
+        let mut shared: Option<(Arc<ProtectionDomain>, Lane)> = None;
+        let mut qps = Vec::with_capacity(n);
         let mut sends = Vec::with_capacity(n);
-        let mut recvs = Vec::with_capacity(n);
         for i in 0..n {
             let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-            let (pd, cq) = shared.get_or_insert_with(|| {
+            let (pd, lane) = shared.get_or_insert_with(|| {
                 let ctx = route.context().unwrap();
-                (route.alloc_pd().unwrap(), CompletionQueue::new(&ctx, 4 * n as u32).unwrap())
+                (route.alloc_pd().unwrap(), Lane::new(&ctx, 4 * n as u32).unwrap())
             });
             let mut mrs = MemoryRegion::new(pd, 2 * MSG, AccessFlags::LOCAL_WRITE).unwrap().split(MSG).unwrap();
             let (recv, mut send) = (mrs.pop().unwrap(), mrs.pop().unwrap());
             send.as_mut_slice().unwrap().fill(i as u8);
-            let init = QpInit::new().max_send_wr(2).max_recv_wr(2).send_cq(Arc::clone(cq)).recv_cq(Arc::clone(cq));
-            let mut q = route.create_qp(pd, init).unwrap();
-            q.post_recv(&[RecvWr::new(&recv, 0..MSG).wr_id(i as u64)]).unwrap();
-            conns.push(q.connect(&ConnParam::new(), T).unwrap());
-            sends.push(send);
-            recvs.push(recv);
+            let c = route.lane_qp(lane, pd, QpInit::new().max_send_wr(2).max_recv_wr(2)).unwrap();
+            let qp = c.qp();
+            lane.post_recv(qp, RecvWr::new(recv).wr_id(i as u64)).unwrap();
+            c.connect(lane, &ConnParam::new(), T).unwrap();
+            qps.push(qp);
+            sends.push(Some(send));
         }
-        let cq = Arc::clone(&shared.as_ref().expect("at least one client").1);
+        let (_pd, mut lane) = shared.expect("at least one client");
         let mut out = std::io::stdout().lock();
         writeln!(out, "READY").and_then(|()| out.flush()).unwrap();
-        let mut wcs = vec![WorkCompletion::default(); 64];
+        let mut done = Vec::with_capacity(BURST);
         loop {
             let line = next();
             let Some(rounds) = line.strip_prefix("R ") else { break };
             for _ in 0..rounds.parse::<u64>().expect("R K") {
-                for (i, c) in conns.iter_mut().enumerate() {
-                    c.qp_mut().post_send(&[SendWr::send(&sends[i], 0..MSG).wr_id(i as u64)]).unwrap();
+                for (i, &qp) in qps.iter().enumerate() {
+                    let send = sends[i].take().expect("the send's region is back");
+                    lane.post_send(qp, SendWr::send(send, 0..MSG).wr_id(i as u64)).unwrap();
                 }
                 let (mut got, mut sent) = (0, 0);
                 while got < n || sent < n {
-                    let k = cq.wait(&mut wcs, T).unwrap();
-                    assert!(k > 0, "client: no completion within {T:?}");
-                    for wc in &wcs[..k] {
-                        let wc = wc.ok().expect("client: a completion failed");
-                        match wc.queue() {
+                    lane.wait_with(BURST, T, |wc, r| keep(&mut done, "client", wc, r))
+                        .unwrap_or_else(|e| panic!("client: no completion: {e}"));
+                    for d in done.drain(..) {
+                        let i = d.wr_id as usize;
+                        match d.queue {
                             WorkQueue::Recv => {
-                                let i = wc.wr_id() as usize;
-                                assert_eq!(wc.byte_len() as usize, MSG);
-                                conns[i].qp_mut().post_recv(&[RecvWr::new(&recvs[i], 0..MSG).wr_id(i as u64)]).unwrap();
+                                assert_eq!(d.len, MSG);
+                                lane.post_recv(qps[i], RecvWr::new(d.region).wr_id(i as u64)).unwrap();
                                 got += 1;
                             }
-                            WorkQueue::Send => sent += 1,
+                            WorkQueue::Send => {
+                                sends[i] = Some(d.region);
+                                sent += 1;
+                            }
                         }
                     }
                 }
             }
             writeln!(out, "D").and_then(|()| out.flush()).unwrap();
         }
-        // `Q`: leave. The server answers each disconnect; the drops reap the flushed receives.
-        for c in &mut conns {
-            let _ = c.start_disconnect();
-        }
-        drop(conns);
+        // `Q`: leave. Dropping the lane disconnects each connection (the server waits for each
+        // to go), moves its QP to the error state and reaps the flushed receives.
+        drop(lane);
     }
 }
