@@ -336,7 +336,7 @@ fn shared_cq(c: &mut Criterion) {
 /// (raw: the work request's `ud` fields from the UD connect's destination), poll both.
 fn ud_post_poll(c: &mut Criterion) {
     use rdma_cm::{QpInit, GRH_LEN};
-    let common::ud::UdPair { client, to_server, server, to_client: _to_client } =
+    let common::ud::UdPair { client, to_server, server } =
         common::ud::ud_pair(common::device_addr(), 7490, QpInit::new());
     let sbuf = rdma_cm::MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();
     let rbuf = rdma_cm::MemoryRegion::new(server.qp().pd(), GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();

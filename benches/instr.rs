@@ -640,7 +640,7 @@ mod lane_bench {
     }
 
     fn ud_raw(n: u64) {
-        let common::ud::UdPair { client, to_server, server, to_client: _to_client } =
+        let common::ud::UdPair { client, to_server, server } =
             common::ud::ud_pair(common::device_addr(), 7492, QpInit::new());
         let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
         let rbuf = MemoryRegion::new(server.qp().pd(), GRH_LEN + LEN, AccessFlags::LOCAL_WRITE).unwrap();
@@ -860,7 +860,7 @@ mod lane_bench {
     /// Raw: sixteen datagrams of `mr[0..LEN]` to the peer in one list, built at every post (no
     /// receive is posted for them: a UD send completes whether or not one waits).
     fn ubatch_raw(n: u64) {
-        let common::ud::UdPair { client, to_server, server: _server, to_client: _to_client } =
+        let common::ud::UdPair { client, to_server, server: _server } =
             common::ud::ud_pair(common::device_addr(), 7495, QpInit::new());
         let sbuf = MemoryRegion::new(client.qp().pd(), LEN, AccessFlags::LOCAL_WRITE).unwrap();
         let scq = client.qp().send_cq();

@@ -13,7 +13,7 @@ use criterion::Criterion;
 use rdma_cm::{ffi, Client, RouteResolved};
 
 #[allow(unused_imports)] // each bench binary uses part of it
-pub use shared::{device_addr, lane, pair, sockaddr_v4, PairSpec, Side};
+pub use shared::{device_addr, lane, pair, sockaddr_v4, ud, PairSpec, Side};
 
 pub const T: Duration = Duration::from_secs(10);
 

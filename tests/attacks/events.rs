@@ -5,7 +5,6 @@
 use crate::common::lane::lane_on;
 use crate::common::{DeviceTest, T};
 
-use crate::support::eventually;
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
 use rdma_cm::{
     ffi, AccessFlags, Client, CmEventType, CmId, ConnParam, Error, EventChannel, MemoryRegion, ProtectionDomain,
@@ -415,4 +414,18 @@ fn a_dropped_ids_queued_event_never_reaches_a_new_id_at_the_same_address() {
     eprintln!("{reused} of 10 new ids reused the dropped id's address");
     drop((other, ch));
     t.finish();
+}
+
+/// Waits (bounded) until `cond` holds; returns whether it did.
+fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -306,7 +306,7 @@ fn forged_grhs_give_an_error_or_the_claimed_address_never_a_panic() {
     {
         let mut p = lane_ud_pair(t.addr, 7425, QpInit::new(), 64);
         let (got, real, _) = one_datagram(&mut p);
-        let wc = got.work_completion();
+        let wc = *got;
         let port = p.server.lane.attributes(p.server.qp).unwrap().port_num;
         let mut forged: Vec<[u8; GRH_LEN]> = (0u8..32).map(|s| pattern(GRH_LEN, s).try_into().unwrap()).collect();
         for src in [[0, 0, 0, 0], [255, 255, 255, 255], [239, 1, 1, 1], [127, 0, 0, 1], [10, 77, 0, 99]] {
@@ -352,7 +352,7 @@ fn reply_to_refuses_what_is_not_a_received_datagram() {
     {
         let mut p = lane_ud_pair(t.addr, 7426, QpInit::new(), 64);
         let (got, grh, sent) = one_datagram(&mut p);
-        let (wc, send_wc) = (got.work_completion(), sent.work_completion());
+        let (wc, send_wc) = (*got, *sent);
         let (pd, port) = (Arc::clone(&p.server.pd), p.server.lane.attributes(p.server.qp).unwrap().port_num);
         let e = AddressHandle::reply_to(&pd, port, &send_wc, &grh).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "a send's completion answers nobody: {e}");

@@ -5,9 +5,8 @@
 //!
 //! One binary, so one guest boot for all of them, its modules named by what they attack. The
 //! one attempt that needs a counting global allocator
-//! (`waiting_through_the_peers_disconnect_allocates_nothing`) lives in `tests/alloc.rs`. Attacks
-//! whose failure is a crash, a hang or a leak run in a child process of this binary
-//! (`support::run_child`, by the child test's full name). See `tests/README.md`.
+//! (`waiting_through_the_peers_disconnect_allocates_nothing`) lives in `tests/alloc.rs`. See
+//! `tests/README.md`.
 //!
 //! Attacks through a borrowed descriptor (reading a CQ's completion
 //! channel into a `File`, clearing O_NONBLOCK on the event channel) cannot be written any
@@ -31,4 +30,3 @@ mod lane_regions;
 mod lane_runtime;
 mod lane_srq;
 mod lane_ud;
-mod support;

@@ -17,6 +17,7 @@ pub mod caps;
 mod device;
 pub mod examples;
 pub mod lane;
+pub mod ud;
 #[allow(unused_imports)] // (used by the tests that need what not every device has)
 pub use caps::{require, skipped, Cap};
 pub use device::device_addr;
