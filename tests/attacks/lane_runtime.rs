@@ -43,7 +43,7 @@ fn a_lane_with_a_receive_in_flight_dropped_on_after_or_by_a_runtime_is_destroyed
     for (k, when) in
         ["on the runtime's thread", "after the runtime", "by the runtime's shutdown"].into_iter().enumerate()
     {
-        let (mut c, s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 16);
+        let (mut c, s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 64);
         let before = qps_and_cqs();
         let rt = rt();
         receive_in_flight(&mut c, &rt);
