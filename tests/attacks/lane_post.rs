@@ -378,7 +378,6 @@ fn odd_arguments_are_errors_not_panics() {
             QpInit::new().max_recv_wr(i32::MAX as u32),
             QpInit::new().max_inline_data(u32::MAX),
             QpInit::new().max_send_sge(u32::MAX),
-            QpInit::new().send_cq(CompletionQueue::new(&ctx, 1).unwrap()),
         ] {
             let r = route();
             let pd = r.alloc_pd().unwrap();
@@ -387,6 +386,10 @@ fn odd_arguments_are_errors_not_panics() {
             let pd = r.alloc_pd().unwrap();
             assert!(r.lane_qp(&mut lane, &pd, init.clone()).is_err(), "on a lane: {init:?}");
         }
+        // A send queue of 16 on a CQ of one entry (a lane puts its own CQ in instead).
+        let r = route();
+        let pd = r.alloc_pd().unwrap();
+        assert!(r.create_qp(&pd, QpInit::new().send_cq(CompletionQueue::new(&ctx, 1).unwrap())).is_err());
         assert!(lane.poll().unwrap().is_none(), "the refused QPs left nothing on the lane");
         // Private data too long for connect (56) but fine for accept (196).
         let r = route();
