@@ -41,7 +41,7 @@ fn a_shared_channel_routes_every_event_to_its_id() {
     let server = thread::spawn(move || {
         let ctx = srv_listener.context().unwrap();
         let pd = ProtectionDomain::new(&ctx).unwrap();
-        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut lane = Lane::new(&ctx, 64).unwrap();
         let mut qps = vec![];
         for _ in 0..2 {
             let s = srv_listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -69,7 +69,7 @@ fn a_shared_channel_routes_every_event_to_its_id() {
         (q.connect(&ConnParam::new(), T).unwrap(), pd)
     };
     // A on a lane (its events still come through the shared channel), B a plain connection.
-    let mut lane = lane_on(t.addr, 16);
+    let mut lane = lane_on(t.addr, 32);
     let route = Client::on_channel(&ch).unwrap().resolve_addr(None, srv_dst, T).unwrap().resolve_route(T).unwrap();
     let pda = route.alloc_pd().unwrap();
     let a = route.lane_qp(&mut lane, &pda, QpInit::new()).unwrap();
@@ -326,7 +326,8 @@ fn many_threads_run_blocking_steps_on_one_channel() {
     let server = thread::spawn(move || {
         let ctx = listener.context().unwrap();
         let pd = ProtectionDomain::new(&ctx).unwrap();
-        let mut lane = Lane::new(&ctx, 64).unwrap();
+        // 32 entries per QP (16 sends, 16 receives): siw cannot grow a lane's CQ at attach.
+        let mut lane = Lane::new(&ctx, 32 * N as u32).unwrap();
         let mut qps = vec![];
         for _ in 0..N {
             let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -357,7 +358,7 @@ fn many_threads_run_blocking_steps_on_one_channel() {
             thread::spawn(move || -> rdma_cm::Result<()> {
                 let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T)?.resolve_route(T)?;
                 let pd = route.alloc_pd()?;
-                let mut lane = lane_on(addr, 4);
+                let mut lane = lane_on(addr, 32);
                 let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
                 mr.as_mut_slice()?[..8].copy_from_slice(&(k as u64).to_le_bytes());
                 let c = route.lane_qp(&mut lane, &pd, QpInit::new())?;

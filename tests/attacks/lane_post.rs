@@ -370,7 +370,7 @@ fn odd_arguments_are_errors_not_panics() {
         // QP capabilities beyond reason, on fresh routes, also with a lane's CQ.
         let dst = SocketAddr::new(t.addr, 7999);
         let route = || Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
-        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut lane = Lane::new(&ctx, 32).unwrap();
         for init in [
             QpInit::new().max_send_wr(0),
             QpInit::new().max_recv_wr(0),
