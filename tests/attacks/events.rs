@@ -40,7 +40,7 @@ fn a_shared_channel_routes_every_event_to_its_id() {
     let server = thread::spawn(move || {
         let ctx = srv_listener.context().unwrap();
         let pd = ProtectionDomain::new(&ctx).unwrap();
-        let mut lane = Lane::new(&ctx, 16).unwrap();
+        let mut lane = Lane::new(&ctx, 64).unwrap();
         let mut qps = vec![];
         for _ in 0..2 {
             let s = srv_listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -68,7 +68,7 @@ fn a_shared_channel_routes_every_event_to_its_id() {
         (q.connect(&ConnParam::new(), T).unwrap(), pd)
     };
     // A on a lane (its events still come through the shared channel), B a plain connection.
-    let mut lane = lane_on(t.addr, 16);
+    let mut lane = lane_on(t.addr, 32);
     let route = Client::on_channel(&ch).unwrap().resolve_addr(None, srv_dst, T).unwrap().resolve_route(T).unwrap();
     let pda = route.alloc_pd().unwrap();
     let a = route.lane_qp(&mut lane, &pda, QpInit::new()).unwrap();
@@ -325,7 +325,8 @@ fn many_threads_run_blocking_steps_on_one_channel() {
     let server = thread::spawn(move || {
         let ctx = listener.context().unwrap();
         let pd = ProtectionDomain::new(&ctx).unwrap();
-        let mut lane = Lane::new(&ctx, 64).unwrap();
+        // 32 entries per QP (16 sends, 16 receives): siw cannot grow a lane's CQ at attach.
+        let mut lane = Lane::new(&ctx, 32 * N as u32).unwrap();
         let mut qps = vec![];
         for _ in 0..N {
             let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -356,7 +357,7 @@ fn many_threads_run_blocking_steps_on_one_channel() {
             thread::spawn(move || -> rdma_cm::Result<()> {
                 let route = Client::on_channel(&ch).unwrap().resolve_addr(None, dst, T)?.resolve_route(T)?;
                 let pd = route.alloc_pd()?;
-                let mut lane = lane_on(addr, 4);
+                let mut lane = lane_on(addr, 32);
                 let mut mr = MemoryRegion::new(&pd, 64, AccessFlags::LOCAL_WRITE)?;
                 mr.as_mut_slice()?[..8].copy_from_slice(&(k as u64).to_le_bytes());
                 let c = route.lane_qp(&mut lane, &pd, QpInit::new())?;
@@ -413,6 +414,52 @@ fn a_dropped_ids_queued_event_never_reaches_a_new_id_at_the_same_address() {
     }
     eprintln!("{reused} of 10 new ids reused the dropped id's address");
     drop((other, ch));
+    t.finish();
+}
+
+/// `Duration::ZERO` and 1 ns on every CM wait return at once with a timeout, none panics:
+/// a listener's `get_request`, a channel's `get_event`, a connection's `next_event` and a
+/// targeted `get_event_for`; address resolution gets librdmacm's 1 ms minimum, and an extra
+/// second to report it.
+#[test]
+fn zero_and_tiny_timeouts_on_cm_waits_return_at_once() {
+    let t = DeviceTest::start();
+    let quick = Duration::from_secs(2);
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    for d in [Duration::ZERO, Duration::from_nanos(1)] {
+        let start = Instant::now();
+        assert!(matches!(listener.get_request(d), Err(Error::Timeout { .. })), "get_request({d:?})");
+        let ev = EventChannel::new().unwrap().get_event(d);
+        assert!(matches!(ev, Err(Error::Timeout { .. })), "{ev:?}");
+        assert!(start.elapsed() < quick, "{d:?} took {:?}", start.elapsed());
+        let start = Instant::now();
+        let _ = Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, 7999), d);
+        assert!(start.elapsed() < Duration::from_secs(3), "resolve_addr({d:?}) took {:?}", start.elapsed());
+    }
+    let server = thread::spawn(move || {
+        let req = listener.get_request(T).unwrap();
+        let pd = req.alloc_pd().unwrap();
+        let conn = req.create_qp(&pd, QpInit::new()).unwrap().accept(&ConnParam::new(), T).unwrap();
+        (conn, pd)
+    });
+    let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+    let pd = route.alloc_pd().unwrap();
+    let mut c = route.create_qp(&pd, QpInit::new()).unwrap().connect(&ConnParam::new(), T).unwrap();
+    let s = server.join().unwrap();
+    for d in [Duration::ZERO, Duration::from_nanos(1)] {
+        let start = Instant::now();
+        assert!(matches!(c.next_event(d), Err(Error::Timeout { .. })), "next_event({d:?})");
+        let h = c.id().handle();
+        assert!(matches!(c.id().channel().get_event_for(h, d), Err(Error::Timeout { .. })), "get_event_for({d:?})");
+        assert!(matches!(c.id().channel().get_event(d), Err(Error::Timeout { .. })), "get_event({d:?})");
+        assert!(start.elapsed() < quick, "{d:?} took {:?}", start.elapsed());
+    }
+    let start = Instant::now();
+    let r = c.disconnect(Duration::ZERO);
+    assert!(r.is_ok() || matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    assert!(start.elapsed() < quick, "disconnect(ZERO) took {:?}", start.elapsed());
+    drop((s, pd));
     t.finish();
 }
 

@@ -31,7 +31,7 @@ fn a_lane_of_another_context_of_the_device_is_refused() {
         let ctx = r.context().unwrap();
         let ctx2 = VerbsContext::open(&ctx.device_name()).unwrap();
         assert!(!ctx2.same_as(&ctx));
-        let mut other = Lane::new(&ctx2, 16).unwrap();
+        let mut other = Lane::new(&ctx2, 32).unwrap();
         let pd = r.alloc_pd().unwrap();
         let e = r.create_qp(&pd, other.qp_init()).map(|_| ()).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "a QP was made with a CQ of another context: {e}");
@@ -41,7 +41,7 @@ fn a_lane_of_another_context_of_the_device_is_refused() {
         assert!(matches!(e, Error::InvalidArgument(_)), "lane_qp took a lane of another context: {e}");
         assert!(other.poll().unwrap().is_none());
         let r = route(dst);
-        let mut own = Lane::new(&r.context().unwrap(), 16).unwrap();
+        let mut own = Lane::new(&r.context().unwrap(), 32).unwrap();
         let pd = r.alloc_pd().unwrap();
         let c = r.lane_qp(&mut own, &pd, QpInit::new()).expect("a lane of the route's own context");
         assert!(own.outstanding(c.qp()).is_ok());
@@ -87,7 +87,7 @@ fn guest_only_a_cq_or_lane_of_another_device_is_refused() {
         let msg = err.to_string();
         assert!(matches!(err, Error::InvalidArgument(_)) && msg.contains("rxe1") && msg.contains("device"), "{msg}");
         // A lane of the other device.
-        let mut lane = Lane::new(&other_ctx, 16).unwrap();
+        let mut lane = Lane::new(&other_ctx, 32).unwrap();
         let r = route(dst);
         let pd = r.alloc_pd().unwrap();
         let e = r.lane_qp(&mut lane, &pd, QpInit::new()).map(|_| ()).unwrap_err();

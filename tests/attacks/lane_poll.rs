@@ -214,7 +214,7 @@ fn zero_tiny_huge_and_forever_timeouts_on_lane_waits() {
         let dst = listener.local_addr().unwrap();
         let addr = t.addr;
         let server = thread::spawn(move || {
-            let mut lane = lane_on(addr, 16);
+            let mut lane = lane_on(addr, 32);
             let req = listener.get_request(FOREVER).unwrap();
             let pd = req.alloc_pd().unwrap();
             let srv = req.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -222,7 +222,7 @@ fn zero_tiny_huge_and_forever_timeouts_on_lane_waits() {
             srv.accept(&mut lane, &ConnParam::new(), FOREVER).unwrap();
             LaneSide { lane, qp, pd, mrs: vec![] }
         });
-        let mut lane = lane_on(t.addr, 16);
+        let mut lane = lane_on(t.addr, 32);
         let route = Client::new().unwrap().resolve_addr(None, dst, FOREVER).unwrap().resolve_route(FOREVER).unwrap();
         let pd = route.alloc_pd().unwrap();
         let cl = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
@@ -287,7 +287,7 @@ fn zero_tiny_huge_and_forever_timeouts_on_lane_waits() {
 fn wait_peer_left_takes_forever_and_huge_timeouts() {
     let t = DeviceTest::start();
     for d in [FOREVER, Duration::from_secs(u64::MAX)] {
-        let (c, mut s) = lane_pair(t.addr, spec(), spec(), 16);
+        let (c, mut s) = lane_pair(t.addr, spec(), spec(), 32);
         drop(c);
         assert!(s.lane.wait_peer_left(s.qp, d).unwrap(), "wait_peer_left({d:?})");
         drop(s);

@@ -10,8 +10,13 @@ use crate::common::lane::{lane_pair, lane_ud_pair, original_post_send, reap, wit
 use crate::common::{pattern, require, Cap, DeviceTest, PairSpec, T};
 use crate::lane_regions::{original_post_recv, with_post_recv};
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr, MAX_LIST};
-use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion, VerbsContext, WcStatus};
+use rdma_cm::{
+    ffi, AccessFlags, Client, CompletionQueue, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion,
+    VerbsContext, WcStatus,
+};
 use rdma_cm::{GRH_LEN, MAX_SGE};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
@@ -91,6 +96,38 @@ fn posts_after_set_error_are_refused_with_nothing_held() {
 
 /// A bad work request, named, made afresh for each post (its region moves into the post).
 type Named<'a, W> = (&'static str, Box<dyn Fn() -> W + 'a>);
+
+/// A receive posted after the peer left (its departure seen, the QP in the error state, where
+/// rxe never flushes a receive posted): refused with its region given back, or, if taken,
+/// flushed; either way nothing is left for the teardown, which ends at once.
+#[test]
+fn a_receive_posted_after_the_peer_left_is_refused_or_flushed() {
+    let t = DeviceTest::start();
+    {
+        let (c, mut s) = lane_pair(t.addr, spec(), spec(), 64);
+        s.lane.post_recv(s.qp, RecvWr::new(region(&s.pd, 64)).wr_id(1)).unwrap();
+        drop(c);
+        assert!(s.lane.wait_peer_left(s.qp, T).unwrap(), "the peer's departure was not seen");
+        let f = reap(&mut s.lane, 1).pop().unwrap();
+        assert_eq!((f.wr_id(), f.status()), (1, WcStatus::WrFlushErr), "{f:?}");
+        match s.lane.post_recv(s.qp, RecvWr::new(region(&s.pd, 64)).wr_id(9)) {
+            Err(rej) => {
+                assert!(matches!(rej.error(), Error::QpInError { .. }), "{rej}");
+                assert!(rej.into_inner().is_some(), "the refused receive's region comes back");
+            }
+            Ok(()) => {
+                let f =
+                    s.lane.wait(Duration::from_secs(3)).expect("a receive taken after the peer left must be flushed");
+                assert_eq!((f.wr_id(), f.status()), (9, WcStatus::WrFlushErr), "{f:?}");
+            }
+        }
+        assert_eq!(s.lane.outstanding(s.qp).unwrap(), (0, 0), "a receive is left for the teardown to drain");
+        let start = Instant::now();
+        drop(s);
+        assert!(start.elapsed() < Duration::from_secs(2), "the teardown took {:?}", start.elapsed());
+    }
+    t.finish();
+}
 
 /// A list with one bad work request in its middle posts nothing, through every list path
 /// (`post_send_list`, `post_recv_list`, `post_send_iter`): the entries stay where they were (the
@@ -314,9 +351,10 @@ fn a_list_the_provider_takes_in_part_holds_exactly_what_it_took() {
     t.finish();
 }
 
-/// Odd arguments are errors, never panics, and leave the lane usable: a lane of depth 0 or
-/// beyond any CQ, regions of odd sizes, a remote range overflowing, `MAX_SGE` pieces and one
-/// more, a wait for nothing, empty lists.
+/// Odd arguments are errors, never panics, and leave the lane usable: a lane or CQ of depth 0
+/// or beyond any CQ, QP capabilities beyond reason (also for a QP joining a lane), private data
+/// too long for a connect, regions of odd sizes, a remote range overflowing, more pieces than a
+/// work request names and none, a wait for nothing, empty lists, inline data over the limit.
 #[test]
 fn odd_arguments_are_errors_not_panics() {
     let t = DeviceTest::start();
@@ -325,6 +363,41 @@ fn odd_arguments_are_errors_not_panics() {
         for depth in [0, u32::MAX, i32::MAX as u32] {
             assert!(Lane::new(&ctx, depth).is_err(), "a lane of depth {depth}");
         }
+        assert!(CompletionQueue::new(&ctx, 0).is_err());
+        assert!(CompletionQueue::new(&ctx, u32::MAX).is_err());
+        assert!(CompletionQueue::new(&ctx, i32::MAX as u32).is_err());
+        assert!(ConnParam::new().private_data(&[0; 197]).is_err());
+        // QP capabilities beyond reason, on fresh routes, also with a lane's CQ.
+        let dst = SocketAddr::new(t.addr, 7999);
+        let route = || Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let mut lane = Lane::new(&ctx, 32).unwrap();
+        for init in [
+            QpInit::new().max_send_wr(0),
+            QpInit::new().max_recv_wr(0),
+            QpInit::new().max_send_wr(u32::MAX),
+            QpInit::new().max_recv_wr(i32::MAX as u32),
+            QpInit::new().max_inline_data(u32::MAX),
+            QpInit::new().max_send_sge(u32::MAX),
+        ] {
+            let r = route();
+            let pd = r.alloc_pd().unwrap();
+            assert!(r.create_qp(&pd, init.clone()).is_err(), "{init:?}");
+            let r = route();
+            let pd = r.alloc_pd().unwrap();
+            assert!(r.lane_qp(&mut lane, &pd, init.clone()).is_err(), "on a lane: {init:?}");
+        }
+        // A send queue of 16 on a CQ of one entry (a lane puts its own CQ in instead).
+        let r = route();
+        let pd = r.alloc_pd().unwrap();
+        assert!(r.create_qp(&pd, QpInit::new().send_cq(CompletionQueue::new(&ctx, 1).unwrap())).is_err());
+        assert!(lane.poll().unwrap().is_none(), "the refused QPs left nothing on the lane");
+        // Private data too long for connect (56) but fine for accept (196).
+        let r = route();
+        let pd = r.alloc_pd().unwrap();
+        let p = ConnParam::new().private_data(&[1; 100]).unwrap();
+        let cl = r.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+        assert!(matches!(cl.connect(&mut lane, &p, T), Err(Error::InvalidArgument(_))));
+        drop((lane, pd));
         let (mut c, mut s) = lane_pair(t.addr, spec(), spec(), 64);
         let pd = c.pd.clone();
         assert!(MemoryRegion::new(&pd, 0, LW).is_err());
