@@ -10,10 +10,11 @@ use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{pair, pattern, DeviceTest, PairSpec, T};
-use rdma_cm::{
-    AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RecvWr, SendWr, Server, WorkCompletion, WorkQueue,
-};
+use common::lane::{lane_pair, LaneSide};
+use common::{pattern, DeviceTest, PairSpec, T};
+use rdma_cm::status::WorkQueue;
+use rdma_cm::verbs::lane::{Completion, Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, Server};
 
 /// The bound within which a survivor must notice a dead peer.
 const NOTICE: Duration = Duration::from_secs(5);
@@ -52,57 +53,68 @@ fn server_killed_mid_transfer_fails_the_client_quickly() {
     t.finish();
 }
 
+/// The count of `kind` in the kernel's resource tracking (`rdma res`).
+fn count(kind: &str) -> usize {
+    common::resources().into_iter().find(|(k, _)| *k == kind).map_or(0, |(_, n)| n)
+}
+
+/// A panic while the device owns a receive buffer: the lane that holds it is dropped by the
+/// unwinding, which destroys its QP and only then deregisters the region (the kernel's counts
+/// of both fall); the region was out of every other hand's reach meanwhile (it moved into the
+/// lane). The survivor's send then fails, or on iWARP ends at its bound, instead of hanging,
+/// once it has seen the peer leave.
 #[test]
 fn panic_with_work_in_flight_leaves_no_memory_the_device_can_write() {
     let t = DeviceTest::start();
-    let (c, s) = pair(t.addr, PairSpec::default(), PairSpec::default());
+    let (mut c, s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 64);
     let mut target = MemoryRegion::new(&s.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
     target.as_mut_slice().unwrap().fill(0xAB);
-    let shared = &target;
+    let regions = 1 + s.mrs.len();
+    // (None where the device is shared with other processes: their objects would be counted.)
+    let before = common::mr_count().map(|mrs| (count("qp"), mrs));
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
         let mut s = s;
-        s.conn.qp_mut().post_recv(&[RecvWr::new(shared, 0..4096).wr_id(1)]).unwrap();
-        assert_eq!(shared.outstanding(), 1);
+        s.lane.post_recv(s.qp, RecvWr::new(target).wr_id(1)).unwrap();
+        assert_eq!(s.lane.outstanding(s.qp).unwrap(), (0, 1));
         panic!("user code panics while the device owns a receive buffer");
     }));
     assert!(r.is_err());
-    // Unwinding dropped the connection: its QP flushed the receive and released the region.
-    assert_eq!(target.outstanding(), 0);
-    assert!(target.as_slice().unwrap().iter().all(|&b| b == 0xAB), "nothing was written");
+    // Unwinding dropped the lane: its QP was destroyed, and its regions (the receive's with it)
+    // deregistered.
+    if let Some((qps, mrs)) = before {
+        assert_eq!(count("qp"), qps - 1, "the server's QP is destroyed");
+        assert_eq!(count("mr"), mrs - regions, "the receive's region (and the server's others) are deregistered");
+    }
     // The peer is gone: the survivor's send fails instead of hanging.
-    let mut c = c;
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..16).wr_id(1)]).unwrap();
+    c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..16).wr_id(1)).unwrap();
     let start = Instant::now();
-    let r = c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T);
+    assert!(c.lane.wait_peer_left(c.qp, T).unwrap(), "the survivor did not see its peer leave within {T:?}");
+    let r = c.lane.wait(T);
     if common::caps::iwarp() {
-        // iWARP (measured on siw, 6.1): the server's drop does disconnect (the client reads
-        // DISCONNECTED within milliseconds of it; the crate's drop path is not at fault), so
-        // the peer's close reaches this side's kernel before this side reads that event. A send posted then is
-        // never completed: not within the 10 s wait, in which the crate reads the DISCONNECTED
-        // and calls rdma_disconnect (which on iWARP asks for SQD, not ERR), nor 3 s after.
-        // The likely cause, from siw's source (not measured): siw flushes a user QP's send
+        // iWARP (measured on siw, 6.1, on the convenient path): the server's drop does
+        // disconnect (the client reads DISCONNECTED within milliseconds of it), so the peer's
+        // close reaches this side's kernel before this side reads that event. A send posted
+        // then is never completed, not even once the QP is moved to the error state: the
+        // likely cause, from siw's source (not measured), is that siw flushes a user QP's send
         // ring when the QP enters the error state (the peer's close), and a doorbell rung
         // after that flushes nothing; siw's ibv_query_qp says RESET, so the crate cannot tell
-        // the QP is dead. So the wait learns the peer left and ends at its own bound, and the
-        // send's region is released when the connection is dropped (drain bound, then destroy).
+        // the QP is dead. So the wait ends at its own bound, and the send's region is released
+        // when the lane is dropped (drain bound, then destroy).
         assert!(
-            matches!(
-                r,
-                Err(Error::Disconnected { .. }) | Err(Error::WorkCompletion { .. }) | Err(Error::Timeout { .. })
-            ),
+            matches!(&r, Ok(c) if !c.is_ok()) || matches!(r, Err(Error::QpInError { .. }) | Err(Error::Timeout { .. })),
             "{r:?}"
         );
-        assert!(start.elapsed() < T + Duration::from_secs(2), "the wait took {:?}", start.elapsed());
-        assert!(c.conn.is_disconnected(), "the survivor learnt that its peer left: {r:?}");
+        assert!(start.elapsed() < 2 * T + Duration::from_secs(2), "the waits took {:?}", start.elapsed());
         eprintln!("measured (iWARP): the survivor's send after the peer's panic: {r:?} after {:?}", start.elapsed());
     } else {
-        let e = r.unwrap_err();
-        assert!(matches!(e, Error::Disconnected { .. } | Error::WorkCompletion { .. }), "{e:?}");
+        match r {
+            Ok(c) => assert!(!c.is_ok() && c.wr_id() == 1, "the send to a peer that left: {c:?}"),
+            Err(e) => assert!(matches!(e, Error::QpInError { .. }), "{e:?}"),
+        }
     }
     let start = Instant::now();
     drop(c);
     assert!(start.elapsed() < Duration::from_secs(5), "the survivor's drop took {:?}", start.elapsed());
-    drop(target);
     t.finish();
 }
 
@@ -149,8 +161,7 @@ impl Drop for LinkDown {
 #[test]
 fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     let t = DeviceTest::start();
-    let spec_s = PairSpec { pre_recv: vec![(1, 4096)], ..PairSpec::default() };
-    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
+    let (mut c, mut s) = pair_with_a_receive(t.addr);
     if common::caps::iwarp() {
         link_down_on_iwarp(c, s);
         return recovers(t);
@@ -161,7 +172,7 @@ fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     let r = send_64_and_wait(&mut c, Duration::from_secs(30));
     let send_took = start.elapsed();
     // The receiver has nothing to notice but silence: its wait ends at its own timeout.
-    let recv = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, Duration::from_secs(2));
+    let recv = s.lane.wait(Duration::from_secs(2)).and_then(Completion::ok);
     assert!(matches!(recv, Err(Error::Timeout { .. }) | Err(Error::WorkCompletion { .. })), "{recv:?}");
     drop(down);
     match &r {
@@ -174,14 +185,24 @@ fn guest_only_link_down_fails_in_bounded_time_and_recovers() {
     recovers(t);
 }
 
-/// Posts a 64-byte send (wr_id 7) on `c` and waits for it, up to `bound`.
-fn send_64_and_wait(c: &mut common::Side, bound: Duration) -> rdma_cm::Result<rdma_cm::WorkCompletion> {
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(7)])?;
-    c.conn.qp_mut().wait_for(WorkQueue::Send, 7, bound)
+/// A connected lane pair (client, server) whose server has a 4096-byte receive posted (wr_id 1).
+fn pair_with_a_receive(addr: std::net::IpAddr) -> (LaneSide, LaneSide) {
+    let (c, mut s) = lane_pair(addr, PairSpec::default(), PairSpec::default(), 64);
+    s.lane.post_recv(s.qp, RecvWr::range(s.mrs.remove(0), 0..4096).wr_id(1)).unwrap();
+    (c, s)
+}
+
+/// Posts a 64-byte send (wr_id 7) of `c`'s first region and waits for its completion, up to
+/// `bound`: a failed one is an error.
+fn send_64_and_wait(c: &mut LaneSide, bound: Duration) -> rdma_cm::Result<Completion> {
+    c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..64).wr_id(7)).map_err(|r| r.into_parts().0)?;
+    let done = c.lane.wait(bound)?;
+    assert_eq!((done.wr_id(), done.queue()), (7, WorkQueue::Send), "the one work request posted");
+    done.ok()
 }
 
 /// The iWARP half of `guest_only_link_down_fails_in_bounded_time_and_recovers` (see there).
-fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
+fn link_down_on_iwarp(mut c: LaneSide, mut s: LaneSide) {
     let down = LinkDown::new();
     let start = Instant::now();
     let r = send_64_and_wait(&mut c, T);
@@ -194,7 +215,7 @@ fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
         ),
         "{r:?}"
     );
-    let recv = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, Duration::from_secs(2));
+    let recv = s.lane.wait(Duration::from_secs(2)).and_then(Completion::ok);
     assert!(matches!(recv, Ok(_) | Err(Error::Timeout { .. }) | Err(Error::WorkCompletion { .. })), "{recv:?}");
     eprintln!("measured (iWARP): with the link down, after {send_took:?} the send: {r:?}; the receive: {recv:?}");
     drop(down);
@@ -204,7 +225,7 @@ fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
         // Not yet: still posted.
         Err(Error::Timeout { .. }) => {
             let start = Instant::now();
-            let late = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T);
+            let late = s.lane.wait(T).and_then(Completion::ok);
             assert!(start.elapsed() < T + Duration::from_secs(2), "the receive's wait took {:?}", start.elapsed());
             eprintln!("measured (iWARP): after the link came up, {:?} later the receive: {late:?}", start.elapsed());
             late
@@ -214,19 +235,18 @@ fn link_down_on_iwarp(mut c: common::Side, mut s: common::Side) {
         other => other,
     };
     if let Ok(wc) = recv {
-        assert_eq!(wc.byte_len(), 64, "the message sent while the link was down");
+        assert_eq!((wc.wr_id(), wc.byte_len()), (1, 64), "the message sent while the link was down");
     }
     drop((c, s));
 }
 
 /// After the link is back, a new connection works end to end; nothing leaked.
 fn recovers(t: DeviceTest) {
-    let spec_s = PairSpec { pre_recv: vec![(1, 4096)], ..PairSpec::default() };
-    let (mut c, mut s) = pair(t.addr, PairSpec::default(), spec_s);
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..64).wr_id(1)]).unwrap();
-    c.conn.qp_mut().wait_for(WorkQueue::Send, 1, T).unwrap();
-    assert_eq!(s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).unwrap().byte_len(), 64);
-    drop((c, s));
+    let (mut c, mut s) = pair_with_a_receive(t.addr);
+    send_64_and_wait(&mut c, T).unwrap();
+    let got = s.lane.wait(T).unwrap().ok().unwrap();
+    assert_eq!((got.wr_id(), got.queue(), got.byte_len()), (1, WorkQueue::Recv, 64));
+    drop((c, s, got));
     t.finish();
 }
 
@@ -269,20 +289,34 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
     let t = DeviceTest::start();
     let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(16).unwrap();
     let dst = listener.local_addr().unwrap();
+    // Each connection's lane, PD and slots (one registration, split into 16) are made before
+    // any client connects, so the accepts, one after another, do only what needs the request.
+    let ctx = listener.context().unwrap();
+    let prepared: Vec<_> = (0..10)
+        .map(|_| {
+            let pd = ProtectionDomain::new(&ctx).unwrap();
+            let lane = Lane::new(&ctx, 2 * DEPTH as u32).unwrap();
+            let slots = MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap();
+            (pd, lane, slots)
+        })
+        .collect();
+    // The context goes now: each PD and lane holds its own handle of it. A handle kept to the
+    // test's end keeps librdmacm's device list, and with it librdmacm's own PD of the device
+    // (see rdma_cm::cm::cm_id), alive past the resource check.
+    drop(ctx);
     let receivers = thread::spawn(move || {
         let mut handles = vec![];
-        for _ in 0..10 {
+        for (pd, mut lane, slots) in prepared {
             let req = listener.get_request(T).unwrap();
             let conn_no = u64::from(req.private_data()[0]);
-            let pd = req.alloc_pd().unwrap();
-            // One registration, split into 16 slots that lock independently.
-            let slots = MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap();
-            let mut q = req.create_qp(&pd, QpInit::new()).unwrap();
-            let recvs: Vec<_> =
-                slots.iter().enumerate().map(|(k, m)| RecvWr::new(m, 0..SLOT).wr_id(k as u64)).collect();
-            q.post_recv(&recvs).unwrap();
-            let conn = q.accept(&ConnParam::new(), T).unwrap();
-            handles.push(thread::spawn(move || receive_all(conn, slots, conn_no, msgs)));
+            let s = req.lane_qp(&mut lane, &pd, init()).unwrap();
+            let qp = s.qp();
+            // Every slot posted as a receive before the accept.
+            for (k, m) in slots.into_iter().enumerate() {
+                lane.post_recv(qp, RecvWr::new(m).wr_id(k as u64)).unwrap();
+            }
+            s.accept(&mut lane, &ConnParam::new(), T).unwrap();
+            handles.push(thread::spawn(move || receive_all(lane, qp, conn_no, msgs)));
         }
         handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<u64>>()
     });
@@ -292,11 +326,18 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
             thread::spawn(move || {
                 let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
                 let pd = route.alloc_pd().unwrap();
-                let mut slots =
-                    MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE).unwrap().split(SLOT).unwrap();
-                let q = route.create_qp(&pd, QpInit::new()).unwrap();
-                let mut conn = q.connect(&ConnParam::new().private_data(&[conn_no]).unwrap(), T).unwrap();
-                let mut wcs = [WorkCompletion::default(); DEPTH];
+                let mut lane = Lane::new(&route.context().unwrap(), 2 * DEPTH as u32).unwrap();
+                let mut slots: Vec<Option<MemoryRegion>> =
+                    MemoryRegion::new(&pd, SLOT * DEPTH, AccessFlags::LOCAL_WRITE)
+                        .unwrap()
+                        .split(SLOT)
+                        .unwrap()
+                        .into_iter()
+                        .map(Some)
+                        .collect();
+                let client = route.lane_qp(&mut lane, &pd, init()).unwrap();
+                let qp = client.qp();
+                client.connect(&mut lane, &ConnParam::new().private_data(&[conn_no]).unwrap(), T).unwrap();
                 let (mut posted, mut done) = (0u64, 0u64);
                 let received = &RECEIVED[conn_no as usize];
                 // The receive for message k is posted once the receiver took k - DEPTH.
@@ -314,21 +355,24 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
                         }
                     }
                     while posted < msgs && posted - done < DEPTH as u64 && has_receive(posted) {
-                        let slot = &mut slots[(posted % DEPTH as u64) as usize];
+                        let mut slot = slots[(posted % DEPTH as u64) as usize].take().expect("a free slot");
                         let (size, seed) = message(conn_no as u64, posted);
                         slot.as_mut_slice().unwrap()[..size].copy_from_slice(&pattern(size, seed));
-                        conn.qp_mut().post_send(&[SendWr::send(slot, 0..size).wr_id(posted)]).unwrap();
+                        lane.post_send(qp, SendWr::send(slot, 0..size).wr_id(posted)).unwrap();
                         posted += 1;
                     }
-                    let n = conn.qp_mut().wait_queue(WorkQueue::Send, &mut wcs, T).unwrap();
-                    assert!(n > 0, "connection {conn_no}: no send completion within {T:?}");
-                    for wc in &wcs[..n] {
-                        assert_eq!(wc.ok().unwrap().wr_id(), done, "send completions in order");
-                        done += 1;
-                    }
+                    let n = lane
+                        .wait_with(DEPTH, T, |wc, mr| {
+                            assert!(wc.is_ok(), "connection {conn_no}: {wc:?}");
+                            assert_eq!((wc.wr_id(), wc.queue()), (done, WorkQueue::Send), "send completions in order");
+                            slots[(done % DEPTH as u64) as usize] = mr;
+                            done += 1;
+                        })
+                        .unwrap_or_else(|e| panic!("connection {conn_no}: no send completion: {e}"));
+                    assert!(n > 0);
                 }
-                conn.disconnect(T).unwrap();
-                drop((slots, pd));
+                lane.disconnect(qp, T).unwrap();
+                drop((slots, lane, pd));
                 done
             })
         })
@@ -340,15 +384,19 @@ fn soak_ten_connections_random_sizes_no_loss_no_corruption() {
     t.finish();
 }
 
-fn receive_all(mut conn: rdma_cm::Connection, mut slots: Vec<MemoryRegion>, conn_no: u64, msgs: u64) -> u64 {
-    let mut wcs = [WorkCompletion::default(); DEPTH];
+/// Both ends' QPs: 16 deep each way (the lanes' CQs hold both queues).
+fn init() -> QpInit {
+    QpInit::new().max_send_wr(DEPTH as u32).max_recv_wr(DEPTH as u32)
+}
+
+fn receive_all(mut lane: Lane, qp: LaneQp, conn_no: u64, msgs: u64) -> u64 {
     let mut got = 0u64;
+    let mut back: Vec<(u64, MemoryRegion)> = Vec::with_capacity(DEPTH);
     while got < msgs {
-        let n = conn.qp_mut().wait_queue(WorkQueue::Recv, &mut wcs, T).unwrap();
-        assert!(n > 0, "connection {conn_no}: no message within {T:?} after {got}");
-        for wc in &wcs[..n] {
-            let wc = wc.ok().unwrap();
-            let slot = &mut slots[wc.wr_id() as usize];
+        lane.wait_with(DEPTH, T, |wc, mr| {
+            assert!(wc.is_ok(), "connection {conn_no} message {got}: {wc:?}");
+            assert_eq!(wc.queue(), WorkQueue::Recv);
+            let mut slot = mr.expect("the receive's region comes back");
             let (size, seed) = message(conn_no, got);
             assert_eq!(wc.byte_len() as usize, size, "connection {conn_no} message {got}: size");
             // This slot's receive is retired, so its bytes are ours, while the others stay posted.
@@ -357,17 +405,21 @@ fn receive_all(mut conn: rdma_cm::Connection, mut slots: Vec<MemoryRegion>, conn
                 "connection {conn_no} message {got}: bytes"
             );
             got += 1;
-            if got + DEPTH as u64 <= msgs {
-                conn.qp_mut().post_recv(&[RecvWr::new(slot, 0..SLOT).wr_id(wc.wr_id())]).unwrap();
+            back.push((wc.wr_id(), slot));
+        })
+        .unwrap_or_else(|e| panic!("connection {conn_no}: no message after {got}: {e}"));
+        let mut taken = got - back.len() as u64;
+        for (wr_id, slot) in back.drain(..) {
+            taken += 1;
+            if taken + DEPTH as u64 <= msgs {
+                lane.post_recv(qp, RecvWr::new(slot).wr_id(wr_id)).unwrap();
             }
-            RECEIVED[conn_no as usize].store(got, Ordering::Release);
+            RECEIVED[conn_no as usize].store(taken, Ordering::Release);
         }
     }
     // Wait for the sender's disconnect so teardown is orderly (bounded).
-    let deadline = Instant::now() + T;
-    while !conn.is_disconnected() && Instant::now() < deadline {
-        let _ = conn.next_event(Duration::from_millis(200));
-    }
+    assert!(lane.wait_peer_left(qp, T).unwrap(), "connection {conn_no}: the sender did not leave within {T:?}");
+    lane.disconnect(qp, T).unwrap();
     got
 }
 
@@ -385,10 +437,10 @@ fn a_forked_child_neither_corrupts_nor_frees_the_parents_registered_memory() {
         common::skipped("fork with registered memory", &format!("fork_status is {status:?}: see rdma_cm::verbs::fork"));
         return t.finish();
     }
-    let server = PairSpec { mr_sizes: vec![4096], pre_recv: vec![(1, 4096)], ..PairSpec::default() };
-    let (mut c, mut s) = pair(t.addr, PairSpec { mr_sizes: vec![4096], ..PairSpec::default() }, server);
-    let before = common::resources();
+    let (mut c, mut s) = lane_pair(t.addr, PairSpec::default(), PairSpec::default(), 64);
     let (recv_buf, send_buf) = (s.mrs[0].addr() as *mut u8, c.mrs[0].addr() as *mut u8);
+    s.lane.post_recv(s.qp, RecvWr::new(s.mrs.remove(0)).wr_id(1)).unwrap();
+    let before = common::resources();
     // SAFETY: the child runs only async-signal-safe code: two writes through raw pointers into
     // its own copy of the address space, then _exit (no destructor, no allocation, no lock).
     let pid = unsafe { libc::fork() };
@@ -410,15 +462,16 @@ fn a_forked_child_neither_corrupts_nor_frees_the_parents_registered_memory() {
     // be copied for the parent, away from the device), and sends it.
     let data = pattern(4096, 77);
     c.mrs[0].write_at(0, &data).unwrap();
-    c.conn.qp_mut().post_send(&[SendWr::send(&c.mrs[0], 0..4096).wr_id(7)]).unwrap();
-    c.conn.qp_mut().wait_for(WorkQueue::Send, 7, T).expect("the send completes");
-    let wc = s.conn.qp_mut().wait_for(WorkQueue::Recv, 1, T).expect("the receive posted before the fork completes");
-    assert_eq!(wc.byte_len(), 4096);
+    c.lane.post_send(c.qp, SendWr::send(c.mrs.remove(0), 0..4096).wr_id(7)).unwrap();
+    let sent = c.lane.wait(T).expect("the send completes").ok().expect("the send succeeds");
+    assert_eq!(sent.wr_id(), 7);
+    let mut wc = s.lane.wait(T).expect("the receive posted before the fork completes").ok().unwrap();
+    assert_eq!((wc.wr_id(), wc.byte_len()), (1, 4096));
     assert_eq!(
-        s.mrs[0].as_slice().unwrap(),
+        wc.take_region().unwrap().as_slice().unwrap(),
         &data[..],
         "the device read and wrote the parent's pages, not the child's"
     );
-    drop((c, s));
+    drop((c, s, sent));
     t.finish();
 }
