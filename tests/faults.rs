@@ -280,7 +280,7 @@ const SOAK_WAIT: Duration = Duration::from_secs(60);
 
 /// Soak: 10 connections, each streaming random-size messages (up to 64 KiB) with 16 in
 /// flight; the receiver checks every byte. `RDMA_CM_SOAK_MSGS` scales it (default 2,000 per
-/// connection; the full soak is 100000).
+/// connection; a long soak takes 100000).
 ///
 /// A sender on InfiniBand or RoCE runs up to 16 sends ahead of its send completions, and a
 /// receiver that has not yet posted the next receive again answers with RNR NAKs, which
