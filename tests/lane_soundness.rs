@@ -54,7 +54,9 @@ fn dropping_a_lane_with_work_in_flight_frees_everything_after_the_qps() {
         assert_eq!(a.lane.outstanding(a.qp).unwrap(), (8, 8));
         let started = Instant::now();
         drop(a);
-        assert!(started.elapsed() < Duration::from_secs(5), "teardown is bounded: {:?}", started.elapsed());
+        // The flush is reaped within 2 s; the bound leaves room for a guest on a busy host, and
+        // still catches a teardown that waits for the kernel (tens of seconds, or minutes).
+        assert!(started.elapsed() < Duration::from_secs(15), "teardown is bounded: {:?}", started.elapsed());
         drop((b, pd));
     }
     t.finish();
