@@ -555,10 +555,10 @@ impl SendWr {
 ///
 /// A receive names one range ([`RecvWr::new`], [`RecvWr::range`]) or, scattered, up to
 /// [`MAX_SGE`] ranges of its one region ([`RecvWr::scatter`]): the device writes the message
-/// into them in order, filling each before the next, so the first `len(range 0)` bytes land
-/// in the first range, the next ones in the second, and so on
-/// ([`Completion::byte_len`](crate::verbs::lane::Completion::byte_len) says how many came in
-/// all). A scattered receive is posted one at a time ([`Lane::post_recv`](crate::verbs::lane::Lane::post_recv),
+/// into them in order, filling each before the next, so the first bytes land in the first
+/// range, the next ones in the second, and so on
+/// ([`Wc::byte_len`](crate::verbs::lane::Wc::byte_len) says how many came in all). A scattered
+/// receive is posted one at a time ([`Lane::post_recv`](crate::verbs::lane::Lane::post_recv),
 /// [`Lane::post_srq_recv`](crate::verbs::lane::Lane::post_srq_recv)), on a QP created with
 /// [`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge) of at least its pieces (an SRQ made
 /// with [`Lane::create_srq_with_sge`](crate::verbs::lane::Lane::create_srq_with_sge)); the
