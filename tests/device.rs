@@ -1062,12 +1062,12 @@ fn srq_receive_of_4_pieces() {
     let want = pattern(3000, 6);
     let sent = want.clone();
     let client = thread::spawn(move || {
-        let mut lane = lane_on(dst.ip(), 16);
+        let mut lane = lane_on(dst.ip(), 64);
         let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
         let pd = route.alloc_pd().unwrap();
         let mut mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
         mr.write_at(0, &sent).unwrap();
-        let c = route.lane_qp(&mut lane, &pd, QpInit::new()).unwrap();
+        let c = route.lane_qp(&mut lane, &pd, QpInit::new().max_send_wr(8).max_recv_wr(1)).unwrap();
         let qp = c.qp();
         c.connect(&mut lane, &ConnParam::new(), T).unwrap();
         lane.post_send(qp, SendWr::send(mr, 0..3000).wr_id(1)).unwrap();
@@ -1077,7 +1077,8 @@ fn srq_receive_of_4_pieces() {
     });
     let ctx = listener.context().unwrap();
     let pd = rdma_cm::ProtectionDomain::new(&ctx).unwrap();
-    let mut lane = Lane::new(&ctx, 16).unwrap();
+    // Deep enough for both SRQs and the QP's sends up front (siw cannot grow a CQ).
+    let mut lane = Lane::new(&ctx, 64).unwrap();
     let mut buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
     buf.write_at(0, &[0u8; 4096]).unwrap();
     // An SRQ made for one piece refuses two, naming its limit and the way to raise it.
@@ -1099,7 +1100,7 @@ fn srq_receive_of_4_pieces() {
     let pieces = [24..1024, 3000..4000, 2000..2096, 1050..1974];
     lane.post_srq_recv(srq, RecvWr::scatter(buf, &pieces).wr_id(9)).unwrap();
     assert_eq!(lane.srq_outstanding(srq).unwrap(), 1);
-    let init = lane.srq_qp_init(srq, QpInit::new()).unwrap();
+    let init = lane.srq_qp_init(srq, QpInit::new().max_send_wr(4)).unwrap();
     let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, init).unwrap();
     s.accept(&mut lane, &ConnParam::new(), T).unwrap();
     let mut got = ok(&mut lane);
