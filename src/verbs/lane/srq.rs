@@ -575,7 +575,9 @@ impl Lane {
     /// The region comes back with the error when it was not posted: [`Error::QueueFull`] when
     /// the SRQ holds `depth` receives; [`Error::OutOfBounds`] for a range outside the region;
     /// [`Error::InvalidArgument`] for a region without `LOCAL_WRITE`, one registered on
-    /// another protection domain than the SRQ, or an SRQ that is not this lane's;
+    /// another protection domain than the SRQ, an SRQ that is not this lane's, or a scattered
+    /// receive ([`RecvWr::scatter`]) of more pieces than the SRQ takes
+    /// ([`Lane::create_srq_with_sge`]) or of an empty one;
     /// [`Error::Call`] when `ibv_post_srq_recv` refuses it (without the region when the
     /// provider did not say whether it took it: it stays held until its completion comes or
     /// the SRQ is destroyed).
@@ -626,8 +628,9 @@ impl Lane {
     ///
     /// # Errors
     /// As for [`Lane::post_srq_recv`], checked for every entry before anything is posted;
-    /// [`Error::InvalidArgument`] for more than [`MAX_LIST`] entries or more than the SRQ has
-    /// room for (the message says how many it holds). When the provider refuses part of the
+    /// [`Error::InvalidArgument`] for more than [`MAX_LIST`] entries, more than the SRQ has
+    /// room for (the message says how many it holds), or a scattered receive (post it with
+    /// [`Lane::post_srq_recv`]). When the provider refuses part of the
     /// list, the entries before the one it names are posted (and `None`).
     pub fn post_srq_recv_list(&mut self, srq: LaneSrq, wrs: &mut [Option<RecvWr>]) -> Result<usize> {
         if wrs.len() > MAX_LIST {
