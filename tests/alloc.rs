@@ -1,10 +1,11 @@
 //! Posting and polling on the lane (`rdma_cm::verbs::lane`) allocate nothing: a counting global
 //! allocator (`common/counting.rs`) watches 10,000 send/recv round trips and RDMA WRITEs whose
 //! work requests are built at each post; prepared requests and batches; a lane with a shared
-//! receive queue that echoes from it; work requests of several pieces (scatter/gather); UD
-//! datagrams both ways; the lane's waits, blocking, busy and async (feature `tokio`: the
-//! waits, the reactor's wake-ups and the runtime's parking in between); a lane waited on in a
-//! `Readiness` set; and the peer's disconnect seen and its flush waited for.
+//! receive queue that echoes from it; work requests of several pieces (gathered sends, WRITEs
+//! and READs, and scattered receives); UD datagrams both ways; the lane's waits, blocking, busy
+//! and async (feature `tokio`: the waits, the reactor's wake-ups and the runtime's parking in
+//! between); a lane waited on in a `Readiness` set; and the peer's disconnect seen and its
+//! flush waited for.
 
 mod common;
 #[path = "common/counting.rs"]
@@ -320,6 +321,44 @@ fn lane_scatter_gather_posts_and_polls_allocate_nothing() {
         }
         let (allocs, bytes) = counts();
         assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} iterations of scatter/gather post and poll");
+        drop((c, s, mr, buf));
+    }
+    t.finish();
+}
+
+/// Receives scattered over 3 pieces of one region (`RecvWr::scatter`) allocate nothing:
+/// building them, posting them and reaping them, with the region handed back by each
+/// completion and moved into the next receive.
+#[test]
+fn scattered_receives_allocate_nothing() {
+    use rdma_cm::QpInit;
+    const N: u64 = 2_000;
+    let t = DeviceTest::start();
+    {
+        let spec = PairSpec {
+            mr_sizes: vec![4096],
+            init: QpInit::new().max_send_sge(3).max_recv_sge(3),
+            ..PairSpec::default()
+        };
+        let (mut c, mut s) = lane_pair(t.addr, spec.clone(), spec, 64);
+        let recv_pieces = [0..64, 1024..1088, 128..192];
+        let mut mr = Some(c.mrs.remove(0));
+        let mut buf = Some(s.mrs.remove(0));
+        reset();
+        for i in 0..N {
+            let r = buf.take().unwrap();
+            watched(|| s.lane.post_recv(s.qp, LRecv::scatter(r, &recv_pieces).wr_id(i))).unwrap();
+            let m = mr.take().unwrap();
+            watched(|| c.lane.post_send(c.qp, LSend::send(m, 0..180).wr_id(i))).unwrap();
+            let (wc, m) = one(&mut c.lane);
+            assert_eq!(wc.queue(), WorkQueue::Send);
+            let (wc, r) = one(&mut s.lane);
+            assert_eq!((wc.queue(), wc.wr_id(), wc.byte_len()), (WorkQueue::Recv, i, 180));
+            mr = Some(m);
+            buf = Some(r);
+        }
+        let (allocs, bytes) = counts();
+        assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) in {N} scattered receives");
         drop((c, s, mr, buf));
     }
     t.finish();

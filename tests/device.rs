@@ -973,6 +973,220 @@ fn rdma_read_scattered_into_3_pieces() {
     t.finish();
 }
 
+/// A send gathered from 3 pieces of a region lands in a receive scattered over 2 pieces of the
+/// peer's region (the second before the first in it): the first piece holds the first 200
+/// bytes, the second the other 250, in order, and the bytes around the pieces are untouched.
+#[test]
+fn scatter_gather_send_of_3_pieces_into_a_2_piece_receive() {
+    let t = DeviceTest::start();
+    let cspec = PairSpec { mr_sizes: vec![4096], init: QpInit::new().max_send_sge(3), ..PairSpec::default() };
+    let sspec = PairSpec { mr_sizes: vec![4096], init: QpInit::new().max_recv_sge(2), ..PairSpec::default() };
+    let (mut c, mut s) = lane_pair(t.addr, cspec, sspec, 64);
+    let a = pattern(4096, 1);
+    let mut src = c.mrs.remove(0);
+    src.as_mut_slice().unwrap().copy_from_slice(&a);
+    let want = [&a[0..100], &a[1000..1300], &a[2000..2050]].concat();
+    assert_eq!(want.len(), 450);
+    // 200 + 300 bytes of room for 450.
+    let mut dst = s.mrs.remove(0);
+    dst.write_at(0, &[0u8; 4096]).unwrap();
+    s.lane.post_recv(s.qp, RecvWr::scatter(dst, &[2100..2300, 100..400]).wr_id(5)).unwrap();
+    c.lane.post_send(c.qp, SendWr::send_sg(src, &[0..100, 1000..1300, 2000..2050]).wr_id(6)).unwrap();
+    assert_eq!(ok(&mut c.lane).wr_id(), 6);
+    let mut got = ok(&mut s.lane);
+    assert_eq!((got.wr_id(), got.byte_len()), (5, 450));
+    let mut dst = got.take_region().unwrap();
+    let mut seen = vec![0u8; 4096];
+    dst.read_at(0, &mut seen).unwrap();
+    assert_eq!(&seen[2100..2300], &want[..200], "the first receive piece holds the first 200 bytes");
+    assert_eq!(&seen[100..350], &want[200..], "the second holds the other 250");
+    let around = seen[..100].iter().chain(&seen[350..2100]).chain(&seen[2300..]);
+    assert!(around.into_iter().all(|&b| b == 0), "bytes around the pieces untouched");
+    assert_eq!(s.lane.outstanding(s.qp).unwrap(), (0, 0));
+    drop((c, s, dst));
+    t.finish();
+}
+
+/// A UD receive scattered over 2 pieces: the device writes the 40-byte GRH at the start of the
+/// first piece, and the datagram after it, continuing into the second piece; a first piece
+/// with no room for the GRH is refused at the post, the region given back.
+#[test]
+fn ud_receive_scattered_over_2_pieces_takes_the_grh_in_the_first() {
+    use rdma_cm::GRH_LEN;
+    let t = DeviceTest::start();
+    if !require(Cap::Ud) {
+        return t.finish();
+    }
+    {
+        let mut p = common::lane::lane_ud_pair(t.addr, 7331, QpInit::new().max_recv_sge(2), 64);
+        let (c, s) = (&mut p.client, &mut p.server);
+        let msg = pattern(64, 9);
+        let mut src = MemoryRegion::new(&c.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+        src.write_at(0, &msg).unwrap();
+        let mut dst = MemoryRegion::new(&s.pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        dst.write_at(0, &[0u8; 4096]).unwrap();
+        // A first piece shorter than the GRH is refused.
+        let r = s.lane.post_recv(s.qp, RecvWr::scatter(dst, &[0..GRH_LEN - 1, 1000..1200])).unwrap_err();
+        assert!(
+            matches!(r.error(), Error::InvalidArgument(m) if m.contains("GRH") && m.contains(&format!("{}", GRH_LEN - 1))),
+            "{r:?}"
+        );
+        let dst = r.into_inner().expect("the refused receive's region comes back");
+        // Room for the GRH and 16 bytes in the first piece; the other 48 go to the second.
+        s.lane.post_recv(s.qp, RecvWr::scatter(dst, &[0..GRH_LEN + 16, 1000..1200]).wr_id(3)).unwrap();
+        c.lane.post_send(c.qp, SendWr::send(src, 0..64).to(p.to_server).wr_id(4)).unwrap();
+        assert_eq!(ok(&mut c.lane).wr_id(), 4);
+        let mut got = ok(&mut s.lane);
+        assert_eq!((got.wr_id(), got.byte_len() as usize), (3, GRH_LEN + 64));
+        let mut dst = got.take_region().unwrap();
+        let mut seen = vec![0u8; 4096];
+        dst.read_at(0, &mut seen).unwrap();
+        assert_eq!(&seen[GRH_LEN..GRH_LEN + 16], &msg[..16], "the datagram starts after the GRH");
+        assert_eq!(&seen[1000..1048], &msg[16..], "and continues in the second piece");
+        let around = seen[GRH_LEN + 16..1000].iter().chain(&seen[1048..]);
+        assert!(around.into_iter().all(|&b| b == 0), "bytes around the pieces untouched");
+    }
+    t.finish();
+}
+
+/// A receive of 4 pieces of one region posted on a lane's shared receive queue made for 4
+/// (`Lane::create_srq_with_sge`), taken by a connection's QP: every byte in its piece, in
+/// order. Before that, the SRQ's refusals: a receive of 2 pieces on an SRQ made for 1 names the
+/// limit and `Lane::create_srq_with_sge`, and a list post takes receives of one piece only,
+/// both giving the regions back.
+#[test]
+fn srq_receive_of_4_pieces() {
+    let t = DeviceTest::start();
+    let listener = Server::new().unwrap().bind(SocketAddr::new(t.addr, 0)).unwrap().listen(4).unwrap();
+    let dst = listener.local_addr().unwrap();
+    let want = pattern(3000, 6);
+    let sent = want.clone();
+    let client = thread::spawn(move || {
+        let mut lane = lane_on(dst.ip(), 64);
+        let route = Client::new().unwrap().resolve_addr(None, dst, T).unwrap().resolve_route(T).unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mut mr = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        mr.write_at(0, &sent).unwrap();
+        let c = route.lane_qp(&mut lane, &pd, QpInit::new().max_send_wr(8).max_recv_wr(1)).unwrap();
+        let qp = c.qp();
+        c.connect(&mut lane, &ConnParam::new(), T).unwrap();
+        lane.post_send(qp, SendWr::send(mr, 0..3000).wr_id(1)).unwrap();
+        let done = ok(&mut lane);
+        assert_eq!(done.wr_id(), 1);
+        (lane, done, pd)
+    });
+    let ctx = listener.context().unwrap();
+    let pd = rdma_cm::ProtectionDomain::new(&ctx).unwrap();
+    // Deep enough for both SRQs and the QP's sends up front (siw cannot grow a CQ).
+    let mut lane = Lane::new(&ctx, 64).unwrap();
+    let mut buf = MemoryRegion::new(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    buf.write_at(0, &[0u8; 4096]).unwrap();
+    // An SRQ made for one piece refuses two, naming its limit and the way to raise it.
+    let one = lane.create_srq(&pd, 4).unwrap();
+    let r = lane.post_srq_recv(one, RecvWr::scatter(buf, &[0..8, 8..16])).unwrap_err();
+    assert!(
+        matches!(r.error(), Error::InvalidArgument(m) if m.contains("limit of 1") && m.contains("Lane::create_srq_with_sge")),
+        "{r:?}"
+    );
+    let buf = r.into_inner().expect("the refused receive's region comes back");
+    let srq = lane.create_srq_with_sge(&pd, 4, 4).unwrap();
+    // A list takes receives of one piece only.
+    let mut list = [Some(RecvWr::scatter(buf, &[0..8, 8..16]))];
+    let e = lane.post_srq_recv_list(srq, &mut list).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("RecvWr::scatter")), "{e:?}");
+    assert_eq!(lane.srq_outstanding(srq).unwrap(), 0, "nothing was posted");
+    let buf = list[0].take().expect("a refused list keeps its receives").into_region();
+    // 1000 + 1000 + 96 + 924 bytes of room for 3000, out of order in the region.
+    let pieces = [24..1024, 3000..4000, 2000..2096, 1050..1974];
+    lane.post_srq_recv(srq, RecvWr::scatter(buf, &pieces).wr_id(9)).unwrap();
+    assert_eq!(lane.srq_outstanding(srq).unwrap(), 1);
+    let init = lane.srq_qp_init(srq, QpInit::new().max_send_wr(4)).unwrap();
+    let s = listener.get_request(T).unwrap().lane_qp(&mut lane, &pd, init).unwrap();
+    s.accept(&mut lane, &ConnParam::new(), T).unwrap();
+    let mut got = ok(&mut lane);
+    assert_eq!((got.wr_id(), got.byte_len()), (9, 3000));
+    assert_eq!(lane.srq_outstanding(srq).unwrap(), 0);
+    let mut buf = got.take_region().unwrap();
+    let mut seen = vec![0u8; 4096];
+    buf.read_at(0, &mut seen).unwrap();
+    let mut landed = Vec::new();
+    for r in [24..1024, 3000..4000, 2000..2096, 1050..1954] {
+        landed.extend_from_slice(&seen[r]);
+    }
+    assert_eq!(landed, want, "every byte in its piece, in order");
+    let around = seen[..24].iter().chain(&seen[1024..1050]).chain(&seen[1954..2000]).chain(&seen[2096..3000]);
+    assert!(around.into_iter().all(|&x| x == 0), "bytes around the pieces, and the last piece's tail, untouched");
+    let peer = client.join().unwrap();
+    drop((peer, lane, buf, pd, ctx, listener));
+    t.finish();
+}
+
+/// Scattered receives that cannot be posted are refused before the provider sees them, the
+/// region given back and nothing posted: more pieces than the QP's `max_recv_sge` (the message
+/// names the limit and the setter), no piece or more than `MAX_SGE`, an empty piece among
+/// several, a piece out of the region; a list post or a prepared receive of several pieces.
+/// A scatter of one range is a plain receive, posted on a QP of one piece.
+#[test]
+fn scattered_receive_limits_are_checked_before_posting() {
+    use rdma_cm::MAX_SGE;
+    let t = DeviceTest::start();
+    let sspec = PairSpec { mr_sizes: vec![4096, 4096], init: QpInit::new().max_recv_sge(2), ..PairSpec::default() };
+    let (mut c, mut s) = lane_pair(t.addr, PairSpec::default(), sspec, 64);
+    let invalid = |e: &Error, needle: &str| match e {
+        Error::InvalidArgument(m) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
+        other => panic!("expected InvalidArgument mentioning {needle:?}, got {other:?}"),
+    };
+    // Posts `wr` on `side`, which must refuse it before the provider; checks the error with
+    // `check` and gives the region back.
+    let refused = |side: &mut LaneSide, wr: RecvWr, check: &dyn Fn(&Error)| -> MemoryRegion {
+        let r = side.lane.post_recv(side.qp, wr).unwrap_err();
+        check(r.error());
+        let mr = r.into_inner().expect("the refused receive's region comes back");
+        assert_eq!(side.lane.outstanding(side.qp).unwrap(), (0, 0), "nothing was posted");
+        mr
+    };
+    let mut mr = s.mrs.remove(0);
+    // More pieces than the QP takes: 3 on a QP of 2, and 2 on the client's QP of 1.
+    mr = refused(&mut s, RecvWr::scatter(mr, &[0..8, 8..16, 16..24]), &|e| {
+        invalid(e, "QpInit::max_recv_sge");
+        invalid(e, "limit of 2");
+    });
+    let cmr = MemoryRegion::new(&c.pd, 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let cmr = refused(&mut c, RecvWr::scatter(cmr, &[0..8, 8..16]), &|e| invalid(e, "limit of 1"));
+    // No piece, more than MAX_SGE, an empty piece among several (first or later).
+    mr = refused(&mut s, RecvWr::scatter(mr, &[]), &|e| invalid(e, "1 to 4 pieces"));
+    let many: Vec<_> = (0..MAX_SGE + 1).map(|i| i * 8..i * 8 + 8).collect();
+    mr = refused(&mut s, RecvWr::scatter(mr, &many), &|e| invalid(e, "MAX_SGE"));
+    mr = refused(&mut s, RecvWr::scatter(mr, &[0..8, 8..8]), &|e| invalid(e, "non-empty"));
+    mr = refused(&mut s, RecvWr::scatter(mr, &[0..0, 8..16]), &|e| invalid(e, "non-empty"));
+    // A piece out of the region, first or later.
+    mr = refused(&mut s, RecvWr::scatter(mr, &[0..8, 4090..4100]), &|e| {
+        assert!(matches!(e, Error::OutOfBounds { offset: 4090, len: 10, size: 4096, .. }), "{e:?}")
+    });
+    mr = refused(&mut s, RecvWr::scatter(mr, &[4095..4097, 0..8]), &|e| {
+        assert!(matches!(e, Error::OutOfBounds { offset: 4095, len: 2, size: 4096, .. }), "{e:?}")
+    });
+    // A list post, and a prepared receive, take receives of one piece only.
+    let other = s.mrs.remove(0);
+    let mut list = [Some(RecvWr::range(other, 0..64)), Some(RecvWr::scatter(mr, &[0..8, 8..16]))];
+    let e = s.lane.post_recv_list(s.qp, &mut list).unwrap_err();
+    invalid(&e, "RecvWr::scatter");
+    assert!(list.iter().all(Option::is_some), "a refused list keeps its receives");
+    assert_eq!(s.lane.outstanding(s.qp).unwrap(), (0, 0), "nothing was posted");
+    let mr = list[1].take().unwrap().into_region();
+    let r = s.lane.prepare_recv(s.qp, RecvWr::scatter(mr, &[0..8, 8..16])).unwrap_err();
+    invalid(r.error(), "prepare_recv");
+    let mr = r.into_inner().expect("the refused receive's region comes back");
+    // A scatter of one range is a receive of that range, on a QP of one piece too.
+    c.lane.post_recv(c.qp, RecvWr::scatter(cmr, std::slice::from_ref(&(8..40))).wr_id(1)).unwrap();
+    s.lane.post_send(s.qp, SendWr::send(mr, 0..32).wr_id(2)).unwrap();
+    assert_eq!(ok(&mut s.lane).wr_id(), 2);
+    let got = ok(&mut c.lane);
+    assert_eq!((got.wr_id(), got.byte_len()), (1, 32));
+    drop((c, s, got, list));
+    t.finish();
+}
+
 /// Scatter/gather limits, each refused with `InvalidArgument` (or `OutOfBounds`) before
 /// anything is posted, the region given back: more pieces than the queue takes (alone or in a
 /// list, whose valid requests are not posted either), no piece, more than `MAX_SGE`, an empty

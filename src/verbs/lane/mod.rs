@@ -189,9 +189,15 @@
 //!
 //! # Limits of this version
 //!
-//! A shared receive queue ([`Lane::create_srq`], see [`srq`]) takes receives of
-//! one piece, and a scatter/gather list names pieces of one
-//! region ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]). A connection
+//! A scatter/gather list names pieces of one region: a send-queue work request gathers them
+//! ([`SendWr::send_sg`], [`SendWr::write_sg`], [`SendWr::read_sg`]), and a receive scatters
+//! the message over them in order, filling each before the next ([`RecvWr::scatter`]; on UD
+//! the first piece holds the 40-byte GRH whole). A scattered receive is posted on its own
+//! ([`Lane::post_recv`], or [`Lane::post_srq_recv`] on an SRQ made with
+//! [`Lane::create_srq_with_sge`]), up to the QP's
+//! [`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge) pieces; the lists
+//! ([`Lane::post_recv_list`], [`Lane::post_srq_recv_list`]) and prepared receives
+//! ([`Lane::prepare_recv`]) refuse it and take receives of one piece. A connection
 //! attached once established ([`Lane::attach`] of a [`Connection`](crate::Connection)) gets its
 //! first receives after the peer may have sent: such a send is NAKed and waits for the
 //! receiving QP's minimum RNR timer, which the CM sets to 655 ms (measured: one such wait
@@ -344,6 +350,8 @@ struct Member {
     max_send_sge: u32,
     /// The most pieces an RDMA READ may scatter into (`max_sge_rd`, at most `max_send_sge`).
     max_read_sge: u32,
+    /// The most pieces a receive may name (the QP's `max_recv_sge`; 0 on an SRQ).
+    max_recv_sge: u32,
     /// The most bytes an inline send may carry (`max_inline_data` as the provider granted it).
     max_inline: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
@@ -645,6 +653,7 @@ impl Lane {
             pd: Arc::clone(qp.pd()),
             max_send_sge: qp.max_send_sge(),
             max_read_sge: qp.max_read_sge(),
+            max_recv_sge: qp.max_recv_sge(),
             max_inline: qp.max_inline_data(),
             mtu,
             failed,

@@ -1,6 +1,6 @@
 use super::wr::{
-    no_room_for_grh, other_pd, post_list_failed, refusal, refusal_recv, too_long, too_many_pieces, ud_needs_dest,
-    Defect,
+    no_room_for_grh, other_pd, post_list_failed, refusal, refusal_recv, too_long, too_many_pieces,
+    too_many_recv_pieces, ud_needs_dest, Defect,
 };
 use super::{tag, unknown_qp, Lane, LaneQp, Member, RecvWr, Rejected, RejectedList, SendWr, MAX_LIST};
 use crate::error::Error;
@@ -236,7 +236,9 @@ impl Lane {
     /// The region comes back with the error when it was not posted: [`Error::QueueFull`];
     /// [`Error::OutOfBounds`]; [`Error::InvalidArgument`] for a region of another protection
     /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`](crate::GRH_LEN)-byte GRH,
-    /// or an unknown `qp`; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
+    /// or an unknown `qp`, and for a scattered receive ([`RecvWr::scatter`]) of more pieces
+    /// than the QP takes ([`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge)) or of an
+    /// empty one; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].
     #[inline(always)]
     pub fn post_recv(&mut self, qp: LaneQp, wr: RecvWr) -> std::result::Result<(), Rejected<MemoryRegion>> {
         // Without drop glue until its region is taken out, as in `post_send`.
@@ -252,16 +254,24 @@ impl Lane {
             Ok(n) => n,
             Err(r) => return Err(r.rejected("post_recv", mem::ManuallyDrop::into_inner(wr).mr)),
         };
-        let RecvWr { mr, mut sge, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
-        let mut raw =
-            ffi::ibv_recv_wr { wr_id: m.recv.tag(seq), next: std::ptr::null_mut(), sg_list: &mut sge, num_sge };
+        // Its scatter list: the first piece, and the others only for a scattered receive.
+        let mut sge = wr.sges();
+        let RecvWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
+        let mut raw = ffi::ibv_recv_wr {
+            wr_id: m.recv.tag(seq),
+            next: std::ptr::null_mut(),
+            sg_list: sge.as_mut_ptr().cast(),
+            num_sge,
+        };
         // Into the slot before the call, committed, as in `post_send`.
         m.recv.put(0, mr, wr_id);
         m.recv.tail = seq.wrapping_add(1);
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive; `raw` is one NULL-terminated receive over `sge`, alive for
-        // the call; the piece was checked (bounds, PD, LOCAL_WRITE), and the region sits in
-        // the slot, out of Rust's reach until its completion.
+        // the call, whose first `num_sge` entries are written (`check` found no defect, so
+        // `scatter` wrote every piece); each piece was checked (bounds, PD, LOCAL_WRITE, the
+        // QP's `max_recv_sge`), and the region sits in the slot, out of Rust's reach until its
+        // completion.
         let ret = unsafe { m.provider_post_recv(&mut raw, &mut bad) };
         if ret == 0 {
             return Ok(());
@@ -271,6 +281,9 @@ impl Lane {
 
     /// Posts up to [`MAX_LIST`] receives in one `ibv_post_recv`, as
     /// [`Lane::post_send_list`] posts sends.
+    ///
+    /// Each receive names one range: a scattered one ([`RecvWr::scatter`] of several) is
+    /// refused with [`Error::InvalidArgument`] (post it with [`Lane::post_recv`]).
     ///
     /// # Errors
     /// As for [`Lane::post_recv`] and [`Lane::post_send_list`].
@@ -294,7 +307,7 @@ impl Lane {
         let base: *mut ffi::ibv_recv_wr = raw.as_mut_ptr().cast();
         for (k, w) in wrs.iter().flatten().enumerate() {
             let k = k as u32;
-            let num_sge = w.lower(m)?;
+            let num_sge = w.lower_one(m, "post_recv_list")?;
             sge[k as usize].write(w.sge);
             let next = if k + 1 < count {
                 // SAFETY: k + 1 < count <= MAX_LIST: within `raw`.
@@ -395,6 +408,7 @@ pub(super) enum Refusal {
     Defect(Defect),
     OtherPd,
     TooManyPieces { n: u32, max: u32, read: bool },
+    TooManyRecvPieces { n: u32, max: u32 },
     UdNeedsDest { missing: bool },
     NotThisQpsDest,
     TooLong { len: u64, mtu: u32 },
@@ -410,6 +424,7 @@ impl Refusal {
             Refusal::Defect(d) => d.error(op),
             Refusal::OtherPd => other_pd(),
             Refusal::TooManyPieces { n, max, read } => too_many_pieces(n as usize, max, read),
+            Refusal::TooManyRecvPieces { n, max } => too_many_recv_pieces(n, max, false),
             Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
             Refusal::NotThisQpsDest => {
                 Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())

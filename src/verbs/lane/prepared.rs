@@ -390,10 +390,13 @@ impl Lane {
         })
     }
 
-    /// Checks and lowers the receive `wr` once for `qp`, armed with its region.
+    /// Checks and lowers the receive `wr` once for `qp`, armed with its region. A prepared
+    /// receive names one range: a scattered one ([`RecvWr::scatter`] of several) is refused.
     ///
     /// # Errors
-    /// The region comes back with the error [`Lane::post_recv`] would give for these checks.
+    /// The region comes back with the error [`Lane::post_recv`] would give for these checks,
+    /// or [`Error::InvalidArgument`] for a scattered receive (post it with
+    /// [`Lane::post_recv`]).
     pub fn prepare_recv(
         &mut self,
         qp: LaneQp,
@@ -403,7 +406,7 @@ impl Lane {
             Ok(m) => m,
             Err(e) => return Err(Rejected::new(e, wr.mr)),
         };
-        let num_sge = match wr.lower(m) {
+        let num_sge = match wr.lower_one(m, "prepare_recv") {
             Ok(n) => n,
             Err(e) => return Err(Rejected::new(e, wr.mr)),
         };

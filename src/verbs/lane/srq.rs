@@ -103,11 +103,13 @@
 //!
 //! # Limits
 //!
-//! A receive names one piece of one region ([`RecvWr`]): no scatter list, and no prepared
+//! A receive names pieces of one region ([`RecvWr`]): one, or up to the SRQ's `max_sge`
+//! scattered ones ([`RecvWr::scatter`], on an SRQ made with [`Lane::create_srq_with_sge`];
+//! [`Lane::post_srq_recv_list`] takes receives of one piece only). There is no prepared
 //! receive ([`Lane::prepare_recv`](super::Lane::prepare_recv) is per QP). An SRQ serving UD QPs
-//! needs receives with room for the GRH ([`GRH_LEN`](crate::verbs::ah::GRH_LEN) bytes): the
-//! lane cannot check it at the post, since it does not know which QP will take the receive. An
-//! SRQ stays for the lane's life.
+//! needs receives whose first piece has room for the GRH ([`GRH_LEN`](crate::verbs::ah::GRH_LEN)
+//! bytes): the lane cannot check it at the post, since it does not know which QP will take the
+//! receive. An SRQ stays for the lane's life.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -119,7 +121,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::completion::{Fields, LANE, RECV, SIGNALED, SRQ};
-use super::wr::{piece, Defect};
+use super::wr::{one_piece_only, piece, too_many_recv_pieces, Defect};
 use super::{tag, Fault, Lane, LaneQp, RecvWr, Rejected, Wc, MAX_LIST, NEXT_ATTACH};
 use crate::error::{Error, Result};
 use crate::verbs::mr::{AccessFlags, MemoryRegion};
@@ -239,6 +241,8 @@ struct State {
     raw: NonNull<ffi::ibv_srq>,
     post: PostSrqRecv,
     pd: Arc<ProtectionDomain>,
+    /// The most pieces a receive may name (the SRQ's `max_sge`, as granted).
+    max_sge: u32,
     /// `SRQ_TAG` and the index, in a tag's bits 63..45.
     tag_hi: u64,
     t: Table<MemoryRegion>,
@@ -249,9 +253,11 @@ struct State {
 }
 
 impl State {
-    /// Why `wr` cannot be posted to this SRQ, if it cannot.
+    /// Why `wr` cannot be posted to this SRQ, if it cannot (the checks, in order, of
+    /// `RecvWr::check`, with the SRQ's protection domain and `max_sge`); else its scatter
+    /// count.
     #[inline(always)]
-    fn check(&self, wr: &RecvWr) -> std::result::Result<(), Refusal> {
+    fn check(&self, wr: &RecvWr) -> std::result::Result<i32, Refusal> {
         if !wr.mr.access().contains(AccessFlags::LOCAL_WRITE) {
             return Err(Refusal::Defect(Defect::NeedsLocalWrite));
         }
@@ -263,10 +269,20 @@ impl State {
             }
             Ok(_) => {}
         }
+        if let Some(d) = wr.rest {
+            return Err(Refusal::Defect(d));
+        }
         if !wr.mr.inner().on_pd(&self.pd) {
             return Err(Refusal::OtherPd);
         }
-        Ok(())
+        if wr.n > 1 {
+            let n = wr.n as u32;
+            if n > self.max_sge {
+                return Err(Refusal::TooManyPieces { n, max: self.max_sge });
+            }
+            return Ok(n as i32);
+        }
+        Ok((wr.sge.length != 0) as i32)
     }
 }
 
@@ -357,6 +373,7 @@ impl Srqs {
 enum Refusal {
     Defect(Defect),
     OtherPd,
+    TooManyPieces { n: u32, max: u32 },
 }
 
 impl Refusal {
@@ -370,6 +387,7 @@ impl Refusal {
                  (Lane::create_srq's)"
                     .into(),
             ),
+            Refusal::TooManyPieces { n, max } => too_many_recv_pieces(n, max, true),
         }
     }
 
@@ -435,10 +453,21 @@ impl Lane {
     /// As for [`SharedReceiveQueue::new`]; [`Error::InvalidArgument`] when the CQ has no room
     /// for `depth` more completions and cannot grow, or the lane already made 65536 SRQs.
     pub fn create_srq(&mut self, pd: &Arc<ProtectionDomain>, depth: u32) -> Result<LaneSrq> {
+        self.create_srq_with_sge(pd, depth, 1)
+    }
+
+    /// [`Lane::create_srq`] of an SRQ whose receives may name up to `max_sge` pieces each
+    /// (scattered receives, [`RecvWr::scatter`]), as [`SharedReceiveQueue::with_sge`] makes
+    /// it.
+    ///
+    /// # Errors
+    /// As for [`Lane::create_srq`] and [`SharedReceiveQueue::with_sge`] (`max_sge` outside 1
+    /// to [`MAX_SGE`](crate::MAX_SGE) or beyond the device's `max_srq_sge`).
+    pub fn create_srq_with_sge(&mut self, pd: &Arc<ProtectionDomain>, depth: u32, max_sge: u32) -> Result<LaneSrq> {
         if self.srqs.list.len() > u16::MAX as usize {
             return Err(Error::InvalidArgument("create_srq: a lane makes at most 65536 SRQs".into()));
         }
-        let srq = SharedReceiveQueue::new(pd, depth)?;
+        let srq = SharedReceiveQueue::with_sge(pd, depth, max_sge)?;
         let raw = NonNull::new(srq.as_raw())
             .ok_or_else(|| Error::InvalidArgument("create_srq: SRQ without a handle".into()))?;
         // SAFETY: the SRQ is alive (held by `srq`, kept in the state), and so is its context,
@@ -461,6 +490,7 @@ impl Lane {
             raw,
             post,
             pd: Arc::clone(pd),
+            max_sge: srq.max_sge(),
             tag_hi: SRQ_TAG | (index as u64) << tag::SHIFT,
             t: Table::new(depth, 0),
             users: 0,
@@ -545,7 +575,9 @@ impl Lane {
     /// The region comes back with the error when it was not posted: [`Error::QueueFull`] when
     /// the SRQ holds `depth` receives; [`Error::OutOfBounds`] for a range outside the region;
     /// [`Error::InvalidArgument`] for a region without `LOCAL_WRITE`, one registered on
-    /// another protection domain than the SRQ, or an SRQ that is not this lane's;
+    /// another protection domain than the SRQ, an SRQ that is not this lane's, or a scattered
+    /// receive ([`RecvWr::scatter`]) of more pieces than the SRQ takes
+    /// ([`Lane::create_srq_with_sge`]) or of an empty one;
     /// [`Error::Call`] when `ibv_post_srq_recv` refuses it (without the region when the
     /// provider did not say whether it took it: it stays held until its completion comes or
     /// the SRQ is destroyed).
@@ -559,16 +591,19 @@ impl Lane {
         if s.t.outstanding >= s.t.depth {
             return Err(full_back(s.t.depth, mem::ManuallyDrop::into_inner(wr).mr));
         }
-        if let Err(r) = s.check(&wr) {
-            return Err(r.rejected(mem::ManuallyDrop::into_inner(wr).mr));
-        }
-        let RecvWr { mr, mut sge, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
+        let num_sge = match s.check(&wr) {
+            Ok(n) => n,
+            Err(r) => return Err(r.rejected(mem::ManuallyDrop::into_inner(wr).mr)),
+        };
+        // Its scatter list: the first piece, and the others only for a scattered receive.
+        let mut sge = wr.sges();
+        let RecvWr { mr, wr_id, .. } = mem::ManuallyDrop::into_inner(wr);
         let seq = s.t.free_from(s.t.next);
         let mut raw = ffi::ibv_recv_wr {
             wr_id: s.tag_hi | seq & tag::SEQ_MASK,
             next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: (sge.length != 0) as i32,
+            sg_list: sge.as_mut_ptr().cast(),
+            num_sge,
         };
         // Into the (free) slot before the call, as on a QP: nothing but `s` is held across it.
         s.t.put(seq, mr, wr_id);
@@ -576,8 +611,10 @@ impl Lane {
         let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the SRQ is alive (held by `s.srq`); `post` is its context's own
         // `post_srq_recv`; `raw` is one NULL-terminated receive over `sge`, alive for the
-        // call; the piece was checked (bounds, LOCAL_WRITE, the SRQ's PD), and the region sits
-        // in the slot, out of Rust's reach until the completion that names this posting.
+        // call, whose first `num_sge` entries are written (`check` found no defect, so
+        // `scatter` wrote every piece); each piece was checked (bounds, LOCAL_WRITE, the SRQ's
+        // PD and `max_sge`), and the region sits in the slot, out of Rust's reach until the
+        // completion that names this posting.
         let ret = unsafe { (s.post)(s.raw.as_ptr(), &mut raw, &mut bad) };
         if ret == 0 {
             return Ok(());
@@ -591,8 +628,9 @@ impl Lane {
     ///
     /// # Errors
     /// As for [`Lane::post_srq_recv`], checked for every entry before anything is posted;
-    /// [`Error::InvalidArgument`] for more than [`MAX_LIST`] entries or more than the SRQ has
-    /// room for (the message says how many it holds). When the provider refuses part of the
+    /// [`Error::InvalidArgument`] for more than [`MAX_LIST`] entries, more than the SRQ has
+    /// room for (the message says how many it holds), or a scattered receive (post it with
+    /// [`Lane::post_srq_recv`]). When the provider refuses part of the
     /// list, the entries before the one it names are posted (and `None`).
     pub fn post_srq_recv_list(&mut self, srq: LaneSrq, wrs: &mut [Option<RecvWr>]) -> Result<usize> {
         if wrs.len() > MAX_LIST {
@@ -617,6 +655,9 @@ impl Lane {
         // `depth` numbers are looked at, fewer than the table's slots).
         let mut seq = s.t.next;
         for (k, w) in wrs.iter().flatten().enumerate() {
+            if w.n > 1 {
+                return Err(one_piece_only("post_srq_recv_list"));
+            }
             if let Err(r) = s.check(w) {
                 return Err(r.error());
             }

@@ -549,25 +549,53 @@ impl SendWr {
 }
 
 /// A receive of a lane: the device writes the message into its region, moved into the lane
-/// when it is posted. Built already lowered, as [`SendWr`] is; its range is checked against
-/// the region when it is posted (`check`), where each check is one compare and branch.
+/// when it is posted. Built already lowered, as [`SendWr`] is; its first (or only) range is
+/// checked against the region when it is posted (`check`), where each check is one compare
+/// and branch.
+///
+/// A receive names one range ([`RecvWr::new`], [`RecvWr::range`]) or, scattered, up to
+/// [`MAX_SGE`] ranges of its one region ([`RecvWr::scatter`]): the device writes the message
+/// into them in order, filling each before the next, so the first bytes land in the first
+/// range, the next ones in the second, and so on
+/// ([`Wc::byte_len`](crate::verbs::lane::Wc::byte_len) says how many came in all). A scattered
+/// receive is posted one at a time ([`Lane::post_recv`](crate::verbs::lane::Lane::post_recv),
+/// [`Lane::post_srq_recv`](crate::verbs::lane::Lane::post_srq_recv)), on a QP created with
+/// [`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge) of at least its pieces (an SRQ made
+/// with [`Lane::create_srq_with_sge`](crate::verbs::lane::Lane::create_srq_with_sge)); the
+/// lists and prepared receives take receives of one range only.
+///
+/// On UD the device writes the 40-byte GRH ([`GRH_LEN`]) first: the lane asks that the first
+/// range hold it whole, so the datagram's payload starts at byte [`GRH_LEN`] of the first
+/// range and continues into the next ones.
 pub struct RecvWr {
     pub(super) mr: MemoryRegion,
-    /// The range as given: `sge` names it only once `check` has found it in the region.
+    /// The first range as given: `sge` names it only once `check` has found it in the region.
     pub(super) range: Range<usize>,
     pub(super) sge: ffi::ibv_sge,
     pub(super) wr_id: u64,
+    /// Its pieces: 1 for a receive of one range; 1 to [`MAX_SGE`] for a scattered one.
+    pub(super) n: u8,
+    /// What [`RecvWr::scatter`] found wrong with the ranges after the first, or with the list
+    /// as a whole (`None` for a receive of one range, whose range is checked at post).
+    pub(super) rest: Option<Defect>,
+    /// Pieces 2 to `n` of a scattered receive: entries `..n - 1` are written (each checked
+    /// against the region) whenever `rest` is `None`; never read when `n` is 1.
+    pub(super) more: [MaybeUninit<ffi::ibv_sge>; MAX_SGE - 1],
 }
 
 impl fmt::Debug for RecvWr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RecvWr")
+            .field("pieces", &self.n)
             .field("len", &self.sge.length)
             .field("wr_id", &self.wr_id)
             .field("defect", &self.defect())
             .finish()
     }
 }
+
+/// The defect of a list that names no piece or more than [`MAX_SGE`].
+const PIECE_COUNT: &str = "a work request names 1 to 4 pieces (rdma_cm::MAX_SGE)";
 
 impl RecvWr {
     /// A receive into the whole of `mr` (which needs [`AccessFlags::LOCAL_WRITE`]). On UD the
@@ -588,14 +616,69 @@ impl RecvWr {
             length: range.end.wrapping_sub(range.start) as u32,
             lkey: mr.lkey(),
         };
-        RecvWr { mr, range, sge, wr_id: 0 }
+        RecvWr { mr, range, sge, wr_id: 0, n: 1, rest: None, more: [const { MaybeUninit::uninit() }; MAX_SGE - 1] }
+    }
+
+    /// A receive scattered over `ranges` of `mr`, in order (1 to [`MAX_SGE`] of them): the
+    /// message fills `ranges[0]`, then `ranges[1]`, and so on. The region needs
+    /// [`AccessFlags::LOCAL_WRITE`].
+    ///
+    /// Each range is checked against the region as [`SendWr::send_sg`] checks its pieces;
+    /// several ranges must all be non-empty, and they hold at most 4 GiB in all. A defect is
+    /// reported when the receive is posted, with the region given back. A post also refuses
+    /// more ranges than the QP takes ([`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge);
+    /// for an SRQ, [`Lane::create_srq_with_sge`](crate::verbs::lane::Lane::create_srq_with_sge)'s
+    /// `max_sge`). One range is the same receive as [`RecvWr::range`].
+    #[inline]
+    pub fn scatter(mr: MemoryRegion, ranges: &[Range<usize>]) -> RecvWr {
+        let Some(first) = ranges.first() else {
+            let mut w = Self::range(mr, 0..0);
+            w.rest = Some(Defect::Bad(PIECE_COUNT));
+            return w;
+        };
+        let mut w = Self::range(mr, first.clone());
+        if ranges.len() > MAX_SGE {
+            w.rest = Some(Defect::Bad(PIECE_COUNT));
+            return w;
+        }
+        // The first range is checked at post, as a receive of one range is; its length counts
+        // here only when it is one (a reversed range is reported there first).
+        let first_len = piece(first).map_or(0, |(_, len)| len as u64);
+        let (addr, lkey, size) = (w.mr.addr(), w.mr.lkey(), w.mr.len() as u64);
+        let (mut total, mut empty) = (first_len, first_len == 0);
+        for (entry, range) in w.more.iter_mut().zip(&ranges[1..]) {
+            match piece(range) {
+                Err(why) => {
+                    w.rest.get_or_insert(Defect::Bad(why));
+                }
+                Ok((start, len)) if start.saturating_add(len as u64) > size => {
+                    w.rest.get_or_insert(Defect::OutOfRegion { offset: start, len, size });
+                }
+                Ok((start, len)) => {
+                    entry.write(ffi::ibv_sge { addr: addr + start, length: len, lkey });
+                    total += len as u64;
+                    empty |= len == 0;
+                }
+            }
+        }
+        // Without a defect every range was written: entries `..n - 1` of `more` are initialised.
+        w.n = ranges.len() as u8;
+        if w.n > 1 && empty {
+            w.rest.get_or_insert(Defect::Bad(
+                "a list of several pieces takes non-empty ones only (some providers read 0 bytes as 2 GiB)",
+            ));
+        }
+        if total > u32::MAX as u64 {
+            w.rest.get_or_insert(Defect::Bad("a work request moves at most 4 GiB"));
+        }
+        w
     }
 
     /// Why it cannot be posted on any QP, if it cannot: without `LOCAL_WRITE` the device
-    /// cannot write the region; else the range's defect. (`check` finds the same, in the same
-    /// order.)
+    /// cannot write the region; else the first range's defect; else what `scatter` found in
+    /// the others. (`check` finds the same, in the same order.)
     #[inline(always)]
-    fn defect(&self) -> Option<Defect> {
+    pub(super) fn defect(&self) -> Option<Defect> {
         if !self.mr.access().contains(AccessFlags::LOCAL_WRITE) {
             return Some(Defect::NeedsLocalWrite);
         }
@@ -603,8 +686,19 @@ impl RecvWr {
         match piece(&self.range) {
             Err(why) => Some(Defect::Bad(why)),
             Ok((start, len)) if start + len as u64 > size => Some(Defect::OutOfRegion { offset: start, len, size }),
-            Ok(_) => None,
+            Ok(_) => self.rest,
         }
+    }
+
+    /// Its scatter list, `n` entries of which are written (when it has no defect).
+    #[inline(always)]
+    pub(super) fn sges(&self) -> [MaybeUninit<ffi::ibv_sge>; MAX_SGE] {
+        let mut list = [const { MaybeUninit::uninit() }; MAX_SGE];
+        list[0].write(self.sge);
+        if self.n > 1 {
+            list[1..].copy_from_slice(&self.more);
+        }
+        list
     }
 
     /// Sets the `wr_id` its completion carries.
@@ -619,14 +713,20 @@ impl RecvWr {
         self.mr
     }
 
-    /// Checks what depends on the QP `m` (its protection domain; a UD receive's room for the
-    /// GRH); returns the scatter count.
+    /// Checks it for a post by `op` on the QP `m` that takes receives of one range only (a
+    /// list, a prepared receive): what `check` checks, and that it is not scattered; returns
+    /// the scatter count.
     #[inline(always)]
-    pub(super) fn lower(&self, m: &Member) -> Result<i32> {
-        self.check(m).map_err(|r| r.error("post_recv"))
+    pub(super) fn lower_one(&self, m: &Member, op: &'static str) -> Result<i32> {
+        if self.n > 1 {
+            return Err(one_piece_only(op));
+        }
+        self.check(m).map_err(|r| r.error(op))
     }
 
-    /// `lower`, saying why it refuses as a `Refusal` (see `SendWr::check_lower`).
+    /// Checks what depends on the QP `m` (its protection domain; a UD receive's room for the
+    /// GRH in its first piece; a scattered receive's pieces against the QP's
+    /// `max_recv_sge`); returns the scatter count.
     #[inline(always)]
     pub(super) fn check(&self, m: &Member) -> std::result::Result<i32, Refusal> {
         if let Some(d) = self.defect() {
@@ -639,8 +739,24 @@ impl RecvWr {
         if m.is_ud() && (len as usize) < GRH_LEN {
             return Err(Refusal::NoRoomForGrh(len));
         }
+        if self.n > 1 {
+            let n = self.n as u32;
+            if n > m.max_recv_sge {
+                return Err(Refusal::TooManyRecvPieces { n, max: m.max_recv_sge });
+            }
+            return Ok(n as i32);
+        }
         Ok((len != 0) as i32)
     }
+}
+
+#[cold]
+#[inline(never)]
+pub(super) fn one_piece_only(op: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{op}: takes receives of one range only; post a scattered receive (RecvWr::scatter) on its own, with \
+         Lane::post_recv or Lane::post_srq_recv"
+    ))
 }
 
 #[cold]
@@ -705,6 +821,20 @@ pub(super) fn too_many_pieces(n: usize, max: u32, read: bool) -> Error {
     } else {
         format!(
             "post_send: a work request of {n} pieces exceeds the QP's limit of {max}: create it with QpInit::max_send_sge"
+        )
+    })
+}
+
+#[cold]
+pub(super) fn too_many_recv_pieces(n: u32, max: u32, srq: bool) -> Error {
+    Error::InvalidArgument(if srq {
+        format!(
+            "post_srq_recv: a receive of {n} pieces exceeds the SRQ's limit of {max}: create it with \
+             Lane::create_srq_with_sge"
+        )
+    } else {
+        format!(
+            "post_recv: a receive of {n} pieces exceeds the QP's limit of {max}: create it with QpInit::max_recv_sge"
         )
     })
 }

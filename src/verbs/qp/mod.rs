@@ -107,8 +107,12 @@ impl QpInit {
         self.max_send_sge = n;
         self
     }
-    /// The most pieces a receive may name: as for [`QpInit::max_send_sge`]. Ignored with an
-    /// SRQ (see [`SharedReceiveQueue::with_sge`]).
+    /// The most pieces a receive may name ([`lane::RecvWr::scatter`](crate::verbs::lane::RecvWr::scatter),
+    /// a receive scattered over several ranges of one region; a post of more is refused): 1
+    /// (the default) to [`MAX_SGE`](crate::MAX_SGE), and at most the device's `max_sge`, as for
+    /// [`QpInit::max_send_sge`]. Ignored with an SRQ, whose own limit is set when it is made
+    /// ([`Lane::create_srq_with_sge`](crate::verbs::lane::Lane::create_srq_with_sge),
+    /// [`SharedReceiveQueue::with_sge`]).
     pub fn max_recv_sge(mut self, n: u32) -> Self {
         self.max_recv_sge = n;
         self
