@@ -331,7 +331,7 @@ fn a_zero_length_receive_reaches_the_provider_without_sge() {
         assert_eq!(seen(&mut s, RecvWr::range(filled(&spd, &canary), 4096..4096).wr_id(3)), 0, "one at the end");
         if caps::iwarp() {
             // The empty receives were refused: no message can meet them.
-            drop((c, s));
+            drop((c, s, spd));
             return t.finish();
         }
         let sent = |c: &mut LaneSide, len: usize, id: u64| {
@@ -354,7 +354,7 @@ fn a_zero_length_receive_reaches_the_provider_without_sge() {
             let mut r = g.take_region().unwrap();
             assert_eq!(r.as_slice().unwrap(), &canary[..], "an empty receive writes nothing");
         }
-        drop((c, s));
+        drop((c, s, spd));
     }
     t.finish();
 }
