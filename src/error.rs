@@ -294,6 +294,8 @@ impl Error {
     /// Builds a [`Error::Call`] from an errno value, choosing the hint and detecting the
     /// "no device" case.
     pub(crate) fn call(op: &'static str, errno: i32, addr: Option<SocketAddr>) -> Error {
+        // Some providers return a negative errno from their post functions (siw: -EINVAL).
+        let errno = errno.saturating_abs();
         if errno == libc::ENODEV && !op.starts_with("ibv_") && !ADDRESS_OPS.contains(&op) {
             return Error::NoDevice { op, addr };
         }

@@ -4,7 +4,7 @@
 
 use std::any::Any;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::cm::adopt;
 use crate::cm::cm_id::CmId;
@@ -14,6 +14,7 @@ use crate::cm::expect::is_peer_gone;
 use crate::cm::lane_conn::LaneConn;
 use crate::cm::ud_cm::UdEndpoint;
 use crate::error::{Error, Result};
+use crate::wait::Deadline;
 use crate::verbs::lane::{LaneEvent, LaneOwner, Sealed};
 use crate::verbs::qp::QueuePair;
 
@@ -35,12 +36,12 @@ pub(crate) fn read_departure(id: &CmId, qp: &mut QueuePair) -> Result<bool> {
 /// Other events of `id` that come meanwhile are read and dropped, as `read_departure` drops
 /// them.
 pub(crate) fn wait_departure(id: &CmId, qp: &mut QueuePair, timeout: Duration) -> Result<bool> {
-    let deadline = Instant::now() + timeout;
+    let mut deadline = Deadline::new(timeout);
     loop {
         if read_departure(id, qp)? {
             return Ok(true);
         }
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.left();
         if left.is_zero() {
             return Ok(false);
         }
