@@ -14,9 +14,9 @@ use crate::cm::expect::is_peer_gone;
 use crate::cm::lane_conn::LaneConn;
 use crate::cm::ud_cm::UdEndpoint;
 use crate::error::{Error, Result};
-use crate::wait::Deadline;
 use crate::verbs::lane::{LaneEvent, LaneOwner, Sealed};
 use crate::verbs::qp::QueuePair;
+use crate::wait::Deadline;
 
 impl Sealed for CmEvent {}
 impl LaneEvent for CmEvent {}

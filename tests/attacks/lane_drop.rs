@@ -7,24 +7,10 @@
 use std::sync::Arc;
 
 use crate::common::lane::{lane_pair, lane_ud_pair, reap};
-use crate::common::{pattern, require, resources, Cap, DeviceTest, PairSpec};
+use crate::common::{pattern, require, Cap, DeviceTest, PairSpec};
+use crate::shared::{count, spec, LW};
 use rdma_cm::verbs::lane::{RecvWr, SendWr};
-use rdma_cm::{AccessFlags, AddressHandle, MemoryRegion, QpInit, UdDest, WcStatus, GRH_LEN};
-
-const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
-
-fn spec() -> PairSpec {
-    PairSpec {
-        mr_sizes: vec![4096],
-        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        ..PairSpec::default()
-    }
-}
-
-/// How many RDMA objects of `kind` the kernel lists (`rdma res`).
-fn count(kind: &str) -> usize {
-    resources().into_iter().find(|(k, _)| *k == kind).map_or(0, |(_, n)| n)
-}
+use rdma_cm::{AddressHandle, MemoryRegion, QpInit, UdDest, WcStatus, GRH_LEN};
 
 /// A lane forgotten with an RDMA READ in flight (on the client) and one with a receive posted
 /// (on the server) leak their regions, which stay registered: the device may still write

@@ -9,26 +9,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::common::lane::{lane_on, lane_pair, reap, LaneSide};
-use crate::common::{pattern, require, Cap, DeviceTest, PairSpec, T};
+use crate::common::{pattern, require, Cap, DeviceTest, T};
+use crate::shared::{region, spec};
 use rdma_cm::verbs::lane::{RecvWr, SendWr};
 use rdma_cm::{
-    AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion, Server, WcOpcode,
-    WcStatus, WorkQueue, FOREVER,
+    Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion, Server, WcOpcode, WcStatus,
+    WorkQueue, FOREVER,
 };
-
-const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
-
-fn spec() -> PairSpec {
-    PairSpec {
-        mr_sizes: vec![4096],
-        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        ..PairSpec::default()
-    }
-}
-
-fn region(pd: &Arc<ProtectionDomain>, len: usize) -> MemoryRegion {
-    MemoryRegion::new(pd, len, LW).unwrap()
-}
 
 fn message(pd: &Arc<ProtectionDomain>, seed: u8) -> MemoryRegion {
     let mut m = region(pd, 64);

@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 
 use crate::common::lane::{lane_pair, lane_ud_pair, original_post_send, reap, with_post_send};
+use crate::common::lane::{original_post_recv, with_post_recv};
 use crate::common::{pattern, require, Cap, DeviceTest, PairSpec, T};
-use crate::lane_regions::{original_post_recv, with_post_recv};
+use crate::shared::{region, spec, LW};
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr, MAX_LIST};
 use rdma_cm::{
     ffi, AccessFlags, Client, CompletionQueue, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion,
@@ -17,20 +18,6 @@ use rdma_cm::{
 use rdma_cm::{GRH_LEN, MAX_SGE};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
-
-const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
-
-fn spec() -> PairSpec {
-    PairSpec {
-        mr_sizes: vec![4096],
-        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        ..PairSpec::default()
-    }
-}
-
-fn region(pd: &Arc<ProtectionDomain>, len: usize) -> MemoryRegion {
-    MemoryRegion::new(pd, len, LW).unwrap()
-}
 
 /// Every way to post on `qp` is refused with `Error::QpInError` naming `cause`, each region
 /// given back (the list entries stay where they were), and nothing is posted or completes.

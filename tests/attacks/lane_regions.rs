@@ -7,31 +7,19 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::common::lane::{lane_pair, original_post_send, reap, with_post_send, LaneSide};
-use crate::common::{caps, pattern, require, resources, Cap, DeviceTest, PairSpec};
+use crate::common::lane::{
+    lane_pair, original_post_recv, original_post_send, reap, with_post_recv, with_post_send, LaneSide,
+};
+use crate::common::{caps, pattern, require, Cap, DeviceTest, PairSpec};
+use crate::shared::{count, spec, LW};
 use rdma_cm::verbs::lane::{Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{ffi, AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, VerbsContext, WcOpcode, WcStatus};
-
-const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
-
-fn spec() -> PairSpec {
-    PairSpec {
-        mr_sizes: vec![4096],
-        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        ..PairSpec::default()
-    }
-}
 
 /// A region of `pd` holding `bytes`.
 fn filled(pd: &Arc<ProtectionDomain>, bytes: &[u8]) -> MemoryRegion {
     let mut m = MemoryRegion::new(pd, bytes.len().max(1), LW).unwrap();
     m.as_mut_slice().unwrap()[..bytes.len()].copy_from_slice(bytes);
     m
-}
-
-/// How many RDMA objects of `kind` the kernel lists (`rdma res`).
-fn count(kind: &str) -> usize {
-    resources().into_iter().find(|(k, _)| *k == kind).map_or(0, |(_, n)| n)
 }
 
 /// Sends `bytes` from `c` and reaps the send's completion, asserting how it ended.
@@ -235,47 +223,6 @@ fn a_region_of_another_pd_of_a_dropped_pd_or_of_another_context_is_refused() {
 
 static SEEN_RECV_SGE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 static SEEN_SEND_SGE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
-
-type PostRecv = unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32;
-
-/// The provider's `post_recv`, while [`with_post_recv`] has another stand in for it.
-static ORIGINAL_POST_RECV: std::sync::OnceLock<PostRecv> = std::sync::OnceLock::new();
-
-/// Runs `f` while `side`'s device context posts receives through `stand_in` (which calls the
-/// provider's through `ORIGINAL_POST_RECV`), and puts the provider's back after, even if `f`
-/// panics; the lane is told to read the table again after each swap. The tests of this binary
-/// run one at a time (DeviceTest), so nothing else posts through the stand-in.
-pub(crate) fn with_post_recv<R>(side: &mut LaneSide, stand_in: PostRecv, f: impl FnOnce(&mut LaneSide) -> R) -> R {
-    struct Restore(*mut ffi::ibv_context, Option<PostRecv>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            // SAFETY: the context is alive (the lane's QP holds it, and outlives this guard).
-            unsafe { (*self.0).ops.post_recv = self.1 };
-        }
-    }
-    let raw = side.lane.qp_as_raw(side.qp).unwrap();
-    // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_recv` is
-    // swapped for `stand_in` while `f` runs and put back by `Restore`.
-    let restore = unsafe {
-        let ctx = (*raw).context;
-        let saved = Restore(ctx, (*ctx).ops.post_recv);
-        let original = (*ctx).ops.post_recv.expect("the provider's post_recv");
-        let _ = ORIGINAL_POST_RECV.set(original);
-        assert_eq!(*ORIGINAL_POST_RECV.get().unwrap() as usize, original as usize, "one provider per binary");
-        (*ctx).ops.post_recv = Some(stand_in);
-        saved
-    };
-    side.lane.reload_provider_functions().expect("the stand-in is read");
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *side)));
-    drop(restore);
-    side.lane.reload_provider_functions().expect("the provider's own is read again");
-    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
-}
-
-/// The provider's own `post_recv`, for a stand-in installed by [`with_post_recv`].
-pub(crate) fn original_post_recv() -> PostRecv {
-    *ORIGINAL_POST_RECV.get().expect("no post_recv was swapped")
-}
 
 /// Stands in for the provider's `post_recv`: records the first work request's scatter count,
 /// then calls the provider's.

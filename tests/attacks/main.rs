@@ -30,3 +30,4 @@ mod lane_regions;
 mod lane_runtime;
 mod lane_srq;
 mod lane_ud;
+mod shared;

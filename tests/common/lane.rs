@@ -223,3 +223,44 @@ pub fn wait_until_the_closure_panics(lane: &mut Lane, max: usize) {
         panic!("the wait ended without handing a completion to the closure: {r:?}");
     }
 }
+
+pub type PostRecv = unsafe extern "C" fn(*mut ffi::ibv_qp, *mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32;
+
+/// The provider's `post_recv`, while [`with_post_recv`] has another stand in for it.
+static ORIGINAL_POST_RECV: std::sync::OnceLock<PostRecv> = std::sync::OnceLock::new();
+
+/// Runs `f` while `side`'s device context posts receives through `stand_in` (which calls the
+/// provider's through `ORIGINAL_POST_RECV`), and puts the provider's back after, even if `f`
+/// panics; the lane is told to read the table again after each swap. The tests of a binary
+/// run one at a time (DeviceTest), so nothing else posts through the stand-in.
+pub fn with_post_recv<R>(side: &mut LaneSide, stand_in: PostRecv, f: impl FnOnce(&mut LaneSide) -> R) -> R {
+    struct Restore(*mut ffi::ibv_context, Option<PostRecv>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: the context is alive (the lane's QP holds it, and outlives this guard).
+            unsafe { (*self.0).ops.post_recv = self.1 };
+        }
+    }
+    let raw = side.lane.qp_as_raw(side.qp).unwrap();
+    // SAFETY: the QP is alive (the lane holds it), and so is its context; its `post_recv` is
+    // swapped for `stand_in` while `f` runs and put back by `Restore`.
+    let restore = unsafe {
+        let ctx = (*raw).context;
+        let saved = Restore(ctx, (*ctx).ops.post_recv);
+        let original = (*ctx).ops.post_recv.expect("the provider's post_recv");
+        let _ = ORIGINAL_POST_RECV.set(original);
+        assert_eq!(*ORIGINAL_POST_RECV.get().unwrap() as usize, original as usize, "one provider per binary");
+        (*ctx).ops.post_recv = Some(stand_in);
+        saved
+    };
+    side.lane.reload_provider_functions().expect("the stand-in is read");
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *side)));
+    drop(restore);
+    side.lane.reload_provider_functions().expect("the provider's own is read again");
+    r.unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
+/// The provider's own `post_recv`, for a stand-in installed by [`with_post_recv`].
+pub fn original_post_recv() -> PostRecv {
+    *ORIGINAL_POST_RECV.get().expect("no post_recv was swapped")
+}
