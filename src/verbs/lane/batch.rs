@@ -20,7 +20,7 @@
 //! flushes come) carry `tag::INTERIOR`, which retires nothing.
 
 use super::prepared::{armed_accessors, disarmed, not_armed, rearm};
-use super::wr::{post_list_failed, refusal};
+use super::refused::{post_list_failed, refusal};
 use super::{tag, Fault, Lane, LaneQp, Member, Rejected, SendWr};
 use crate::error::Error;
 use crate::error::Result;

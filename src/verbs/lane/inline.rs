@@ -18,7 +18,8 @@
 //! # Ok(()) }
 //! ```
 
-use super::wr::{post_list_failed, refusal, too_long, ud_needs_dest, Defect};
+use super::refused::{post_list_failed, refusal, too_long, ud_needs_dest};
+use super::wr::Defect;
 use super::{tag, DestKey, Lane, LaneQp, Member};
 use crate::error::Error;
 use crate::error::Result;

@@ -233,6 +233,7 @@ mod owner;
 mod poll;
 mod post;
 mod prepared;
+mod refused;
 mod slots;
 pub mod srq;
 mod tag;
@@ -248,9 +249,10 @@ pub use mw::{BindWr, Invalidating};
 pub(crate) use owner::Sealed;
 pub use owner::{LaneEvent, LaneOwner};
 pub use prepared::{PreparedRecv, PreparedSend};
+pub use refused::{Rejected, RejectedList};
 use slots::Slots;
 pub use srq::LaneSrq;
-pub use wr::{RecvWr, Rejected, RejectedList, SendWr};
+pub use wr::{RecvWr, SendWr};
 
 /// The most work requests one [`Lane::post_send_list`] or [`Lane::post_recv_list`] posts: one
 /// `ibv_post_*` call, one doorbell.

@@ -49,7 +49,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::completion::RECV;
-use super::wr::{post_list_failed, qp_in_error, refusal, Rejected};
+use super::refused::{post_list_failed, qp_in_error, refusal, Rejected};
 use super::{Lane, LaneQp, Member, SendWr, Wc};
 use crate::error::{Error, Result};
 use crate::verbs::hold::Hold;

@@ -1,4 +1,4 @@
-use super::wr::poll_failed;
+use super::refused::poll_failed;
 use super::{tag, Completion, Fault, Fields, Lane, Retiring, Wc, LANE, POLL_BATCH, RECV, SIGNALED};
 use crate::error::Result;
 use crate::verbs::mr::MemoryRegion;

@@ -1,7 +1,8 @@
-use super::wr::{
+use super::refused::{
     no_room_for_grh, other_pd, post_list_failed, refusal, refusal_recv, too_long, too_many_pieces,
-    too_many_recv_pieces, ud_needs_dest, Defect,
+    too_many_recv_pieces, ud_needs_dest,
 };
+use super::wr::Defect;
 use super::{tag, unknown_qp, Lane, LaneQp, Member, RecvWr, Rejected, RejectedList, SendWr, MAX_LIST};
 use crate::error::Error;
 use crate::error::Result;

@@ -23,7 +23,7 @@
 //! }
 //! ```
 
-use super::wr::{post_failed_one, post_list_failed, refusal, refusal_recv};
+use super::refused::{post_failed_one, post_list_failed, refusal, refusal_recv};
 use super::{tag, Lane, LaneQp, Member, RecvWr, Rejected, SendWr};
 use crate::error::Error;
 use crate::error::Result;

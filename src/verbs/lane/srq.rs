@@ -121,7 +121,8 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use super::completion::{Fields, LANE, RECV, SIGNALED, SRQ};
-use super::wr::{one_piece_only, piece, too_many_recv_pieces, Defect};
+use super::refused::{one_piece_only, too_many_recv_pieces};
+use super::wr::{piece, Defect};
 use super::{tag, Fault, Lane, LaneQp, RecvWr, Rejected, Wc, MAX_LIST, NEXT_ATTACH};
 use crate::error::{Error, Result};
 use crate::verbs::mr::{AccessFlags, MemoryRegion};

@@ -15,7 +15,7 @@
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::wr::qp_in_error;
+use super::refused::qp_in_error;
 use super::{Completion, Fault, Lane, Wc};
 use crate::error::Error;
 use crate::error::Result;

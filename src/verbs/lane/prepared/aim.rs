@@ -23,7 +23,8 @@
 use super::PreparedSend;
 use crate::error::Error;
 use crate::error::Result;
-use crate::verbs::lane::wr::{bad_request, out_of_region, out_of_remote, piece, too_long, unaligned_atomic};
+use crate::verbs::lane::refused::{bad_request, out_of_region, out_of_remote, too_long, unaligned_atomic};
+use crate::verbs::lane::wr::piece;
 use crate::verbs::lane::{Member, SendWr};
 use ffi::ibv_wr_opcode::*;
 use rdma_sys as ffi;
