@@ -682,62 +682,6 @@ impl MemoryRegion {
     }
 }
 
-/// Typed views: the region's bytes as a slice of plain-old-data `T` (feature `bytemuck`).
-#[cfg(feature = "bytemuck")]
-impl MemoryRegion {
-    /// The region as `&[T]`: [`MemoryRegion::as_slice`], typed. The same rules hold: allowed
-    /// while posted work only reads the region, refused while the device may write it or a
-    /// peer may.
-    ///
-    /// # Errors
-    /// As for [`MemoryRegion::as_slice`], and [`Error::TypedView`] when the region's address
-    /// is not a multiple of `T`'s alignment or its length is not a multiple of `T`'s size (or
-    /// `T` is zero-sized); the error names both numbers.
-    pub fn as_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&[T]> {
-        let (addr, len) = (self.addr(), self.len());
-        let bytes = self.as_slice()?;
-        check_view::<T>(bytes.as_ptr(), addr, len)?;
-        bytemuck::try_cast_slice(bytes).map_err(|_| view_error::<T>(addr, len))
-    }
-
-    /// The region as `&mut [T]`: [`MemoryRegion::as_mut_slice`], typed. Refused while any
-    /// work request holds the region, or a peer may write it.
-    ///
-    /// # Errors
-    /// As for [`MemoryRegion::as_mut_slice`], and [`Error::TypedView`] as for
-    /// [`MemoryRegion::as_slice_of`].
-    pub fn as_mut_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
-        let (addr, len) = (self.addr(), self.len());
-        let bytes = self.as_mut_slice()?;
-        check_view::<T>(bytes.as_ptr(), addr, len)?;
-        bytemuck::try_cast_slice_mut(bytes).map_err(|_| view_error::<T>(addr, len))
-    }
-}
-
-/// Whether `len` bytes at `ptr` (the region's address `addr`, as a peer sees it) can be viewed
-/// as `[T]`. The alignment is the local pointer's (what a reference needs); it equals `addr`
-/// modulo any alignment, except for a region at a chosen I/O address.
-#[cfg(feature = "bytemuck")]
-fn check_view<T>(ptr: *const u8, addr: u64, len: usize) -> Result<()> {
-    let (size, align) = (std::mem::size_of::<T>(), std::mem::align_of::<T>());
-    if size == 0 || (ptr as usize) % align != 0 || len % size != 0 {
-        let addr = if (ptr as usize) % align != 0 { ptr as u64 } else { addr };
-        return Err(view_error::<T>(addr, len));
-    }
-    Ok(())
-}
-
-#[cfg(feature = "bytemuck")]
-fn view_error<T>(addr: u64, len: usize) -> Error {
-    Error::TypedView {
-        ty: std::any::type_name::<T>(),
-        addr,
-        len,
-        size: std::mem::size_of::<T>(),
-        align: std::mem::align_of::<T>(),
-    }
-}
-
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryRegion")
@@ -750,52 +694,6 @@ impl fmt::Debug for MemoryRegion {
     }
 }
 
-/// A refused [`MemoryRegion::into_buffer_as`]: the error, and the region, given back untouched
-/// (`None` only when deregistration failed, and the buffer was leaked).
-pub struct IntoBufferError {
-    error: Error,
-    region: Option<MemoryRegion>,
-}
-
-impl IntoBufferError {
-    /// The error.
-    pub fn error(&self) -> &Error {
-        &self.error
-    }
-    /// The region, still registered and holding its buffer.
-    pub fn into_region(self) -> Option<MemoryRegion> {
-        self.region
-    }
-    /// The error and the region.
-    pub fn into_parts(self) -> (Error, Option<MemoryRegion>) {
-        (self.error, self.region)
-    }
-}
-
-impl From<IntoBufferError> for Error {
-    fn from(e: IntoBufferError) -> Error {
-        e.error
-    }
-}
-
-impl fmt::Debug for IntoBufferError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IntoBufferError").field("error", &self.error).field("region", &self.region).finish()
-    }
-}
-
-impl fmt::Display for IntoBufferError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.error, f)
-    }
-}
-
-impl std::error::Error for IntoBufferError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
-}
-
 pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
@@ -803,18 +701,6 @@ pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<()> 
             Err(Error::OutOfBounds { what: "memory region", offset: offset as u64, len: len as u64, size: size as u64 })
         }
     }
-}
-
-fn reg_error(len: usize, e: i32) -> Error {
-    if e == libc::ENOMEM || e == libc::EPERM || e == libc::EAGAIN {
-        let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        // SAFETY: rl is a valid out-pointer for getrlimit.
-        let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } == 0;
-        if ok && rl.rlim_cur != libc::RLIM_INFINITY && (len as u64) > rl.rlim_cur / 2 {
-            return Error::MemLock { len, limit: Some(rl.rlim_cur), source: std::io::Error::from_raw_os_error(e) };
-        }
-    }
-    Error::call("ibv_reg_mr", e, None)
 }
 
 /// Copies `dst.len()` bytes from `src` with volatile reads (8 bytes at a time where aligned).
@@ -869,51 +755,14 @@ unsafe fn volatile_copy_to(src: &[u8], dst: *mut u8) {
     }
 }
 
-/// A region of the peer's memory: what RDMA READ and WRITE address.
-///
-/// A peer running this crate sends [`MemoryRegion::remote`] (inside [`QpInfo`](crate::QpInfo),
-/// say); other peers say it their own way. `rping`, for one, sends the address, the rkey and
-/// the length as big-endian integers:
-///
-/// ```
-/// # let msg = [0u8; 16];
-/// let addr = u64::from_be_bytes(msg[0..8].try_into().unwrap());
-/// let rkey = u32::from_be_bytes(msg[8..12].try_into().unwrap());
-/// let len = u32::from_be_bytes(msg[12..16].try_into().unwrap());
-/// let remote = rdma_cm::RemoteRegion::new(addr, rkey, len as u64);
-/// # assert_eq!(remote.len, 0);
-/// ```
-///
-/// It is the peer's word, not checked locally: a wrong address or rkey makes the work request
-/// fail (`REM_ACCESS_ERR`), never touches local memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RemoteRegion {
-    /// The peer's virtual address.
-    pub addr: u64,
-    /// The peer's rkey.
-    pub rkey: u32,
-    /// Length in bytes the peer advertised.
-    pub len: u64,
-}
+mod errors;
+mod remote;
+#[cfg(feature = "bytemuck")]
+mod view;
 
-impl RemoteRegion {
-    /// A region of `len` bytes at the peer's virtual address `addr`, under the peer's `rkey`.
-    pub fn new(addr: u64, rkey: u32, len: u64) -> RemoteRegion {
-        RemoteRegion { addr, rkey, len }
-    }
-
-    /// The address of `offset..offset+len`, checked against the advertised length.
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`] when the range leaves the advertised region.
-    #[inline]
-    pub fn at(&self, offset: u64, len: u64) -> Result<u64> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(self.addr.wrapping_add(offset)),
-            _ => Err(Error::OutOfBounds { what: "remote region", offset, len, size: self.len }),
-        }
-    }
-}
+use errors::reg_error;
+pub use errors::IntoBufferError;
+pub use remote::RemoteRegion;
 
 #[cfg(test)]
 mod tests {
