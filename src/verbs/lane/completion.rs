@@ -53,7 +53,6 @@ impl Fields {
 /// Flags of a [`Completion`].
 pub(super) const RECV: u8 = 1;
 pub(super) const SIGNALED: u8 = 2;
-pub(super) const LANE: u8 = 4;
 /// A receive of one of the lane's shared receive queues.
 pub(super) const SRQ: u8 = 8;
 

@@ -243,7 +243,7 @@ mod wr;
 
 pub use batch::PreparedBatch;
 pub use completion::{Completion, Wc};
-use completion::{Fields, LANE, RECV, SIGNALED};
+use completion::{Fields, RECV, SIGNALED};
 pub use inline::InlineWr;
 pub use mw::{BindWr, Invalidating};
 pub(crate) use owner::Sealed;

@@ -1,5 +1,5 @@
 use super::refused::poll_failed;
-use super::{tag, Completion, Fault, Fields, Lane, Retiring, Wc, LANE, POLL_BATCH, RECV, SIGNALED};
+use super::{tag, Completion, Fault, Fields, Lane, Retiring, Wc, POLL_BATCH, RECV, SIGNALED};
 use crate::error::Result;
 use crate::verbs::mr::MemoryRegion;
 use rdma_sys as ffi;
@@ -215,7 +215,7 @@ impl Lane {
                 // Any error but a flush puts the QP in the error state (a flush says it is there).
                 m.failed.get_or_insert(Fault::Completion(wc.status));
             }
-            let flags = if recv { RECV | SIGNALED | LANE } else { SIGNALED | LANE };
+            let flags = if recv { RECV | SIGNALED } else { SIGNALED };
             f(Wc { wr_id, f: Fields::of(wc), place, attach: m.key.attach, flags }, mr);
             return Start::Handed;
         }
@@ -285,7 +285,7 @@ impl Lane {
             // loop's `retire` would do the same, at the cost of the detour).
             let (mr, wr_id) = slots.pop_batch(mark);
             let fields = m.batch_fields(Fields::of(wc));
-            f(Wc { wr_id, f: fields, place, attach: m.key.attach, flags: SIGNALED | LANE }, mr);
+            f(Wc { wr_id, f: fields, place, attach: m.key.attach, flags: SIGNALED }, mr);
             return true;
         }
         self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
@@ -358,7 +358,7 @@ impl Lane {
             if !last {
                 // An unsignaled work request (or batch) that ran before the one the completion
                 // names.
-                f(Wc { wr_id, f: Fields::default(), place: r.place, attach, flags: recv | LANE }, mr);
+                f(Wc { wr_id, f: Fields::default(), place: r.place, attach, flags: recv }, mr);
                 continue;
             }
             self.retiring = None;
@@ -366,7 +366,7 @@ impl Lane {
             let fields = self.wcs.get(r.wc as usize).map(|w| Fields::of(unsafe { w.assume_init_ref() }));
             let fields = fields.unwrap_or_default();
             let fields = if mark > 1 { m.batch_fields(fields) } else { fields };
-            let wc = Wc { wr_id, f: fields, place: r.place, attach, flags: recv | SIGNALED | LANE };
+            let wc = Wc { wr_id, f: fields, place: r.place, attach, flags: recv | SIGNALED };
             f(wc, mr);
             break;
         }

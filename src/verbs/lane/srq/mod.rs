@@ -120,7 +120,7 @@ use std::sync::Arc;
 
 use rdma_sys as ffi;
 
-use super::completion::{Fields, LANE, RECV, SIGNALED, SRQ};
+use super::completion::{Fields, RECV, SIGNALED, SRQ};
 use super::refused::{one_piece_only, too_many_recv_pieces};
 use super::wr::{piece, Defect};
 use super::{tag, Fault, Lane, LaneQp, RecvWr, Rejected, Wc, MAX_LIST, NEXT_ATTACH};
@@ -736,7 +736,7 @@ impl Lane {
                 }
             }
         }
-        let flags = RECV | SIGNALED | LANE | SRQ;
+        let flags = RECV | SIGNALED | SRQ;
         f(Wc { wr_id, f: Fields::of(wc), place, attach, flags }, Some(mr));
         true
     }
