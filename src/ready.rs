@@ -87,8 +87,6 @@ const ALWAYS: libc::c_short = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
 enum Kind<'a> {
     /// Events kept in the channel's queue by targeted waits.
     Channel(&'a EventChannel),
-    /// Completions kept by QPs' polls for the CQ's poll.
-    Cq,
     /// Nothing beyond the descriptor.
     Fd,
 }
@@ -164,7 +162,7 @@ impl<'a, T: Copy> Readiness<'a, T> {
     /// Adds a CQ: ready when its completion channel has an event (after
     /// [`CompletionQueue::req_notify`]), or a QP's poll kept completions for it.
     pub fn cq(self, cq: &'a CompletionQueue, token: T) -> Self {
-        self.push(cq.as_raw_fd(), libc::POLLIN, Kind::Cq, token)
+        self.push(cq.as_raw_fd(), libc::POLLIN, Kind::Fd, token)
     }
 
     /// Adds a source of async device events: ready when [`AsyncEvents::try_next`] may return
@@ -210,7 +208,6 @@ impl<'a, T: Copy> Readiness<'a, T> {
         for e in &mut self.entries {
             e.ready = match e.kind {
                 Kind::Channel(ch) => ch.has_untargeted_queued(),
-                Kind::Cq => false,
                 Kind::Fd => false,
             };
             early |= e.ready;
