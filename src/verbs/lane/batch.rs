@@ -137,7 +137,9 @@ impl Lane {
     /// With a region: [`Error::InvalidArgument`] for an unknown `qp`, a `len` of 0 or more than
     /// the QP's send queue holds, or a request `wr` built over another region than `mr` (that
     /// region comes back; `mr` stays with whatever `wr` did with it); the error
-    /// [`Lane::post_send`] would give for a request's checks.
+    /// [`Lane::post_send`] would give for a request's checks; on an iWARP device, for an
+    /// RDMA READ or atomic that is not the batch's last request (iWARP can complete a later
+    /// request before the READ's data lands, and the batch retires with its last completion).
     pub fn prepare_batch(
         &mut self,
         qp: LaneQp,
@@ -186,6 +188,9 @@ impl Lane {
                 return Err(Rejected::new(other_region(k), w.mr));
             }
             let last = k + 1 == len;
+            if !last && m.in_order() && w.is_fetch() {
+                return Err(Rejected::new(fetch_before_last(k), w.mr));
+            }
             // An interior one's tag, fixed; each post stamps the last one's sequence number.
             let id = if last { 0 } else { tag::interior(qp.place, number, k as u32) };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
@@ -196,6 +201,12 @@ impl Lane {
             };
             if let Err(e) = lowered {
                 return Err(Rejected::new(e, w.mr));
+            }
+            if !last {
+                // Unsignaled even on iWARP (`Member::always_flags`): the batch retires with its
+                // last request, and no READ or atomic comes before that one there (above).
+                // SAFETY: as above.
+                unsafe { (*base.add(k)).wr.send_flags &= !ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 };
             }
             // SAFETY: k < len (and k + 1 < len where the next entry is named): within the
             // allocation. The list's pointers are taken from `base` itself, so they stay valid
@@ -311,5 +322,14 @@ fn batch_refused(m: &mut Member, b: &mut PreparedBatch, ret: i32, bad: *mut ffi:
 fn other_region(k: usize) -> Error {
     Error::InvalidArgument(format!(
         "prepare_batch: work request {k} is over another region than the batch's (build each one from the region it is given)"
+    ))
+}
+
+#[cold]
+fn fetch_before_last(k: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "prepare_batch: work request {k} is an RDMA READ or atomic before the batch's last: on an iWARP \
+         device a later request can complete before the READ's data has landed, and the batch retires \
+         with its last completion (make the READ or atomic the last request, or post it on its own)"
     ))
 }

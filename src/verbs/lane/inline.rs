@@ -163,6 +163,7 @@ impl<'a> InlineWr<'a> {
         out.opcode = self.opcode;
         out.imm_data_invalidated_rkey_union.imm_data = self.imm;
         out.send_flags = self.flags
+            | m.always_flags
             | ffi::ibv_send_flags::IBV_SEND_INLINE.0
             | if signaled { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
         Ok(())

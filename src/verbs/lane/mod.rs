@@ -24,7 +24,9 @@
 //! - **Selective signaling and post lists.** [`SendWr::unsignaled`] work requests complete
 //!   with the next signaled one of their queue: that completion retires every earlier slot of
 //!   the queue, in order, and each comes back as its own completion
-//!   ([`Wc::is_signaled`] false). [`Lane::post_send_list`] posts up to
+//!   ([`Wc::is_signaled`] false). On an iWARP device, which may complete a send before an
+//!   earlier READ's data has landed, every request is signaled and each slot retires with its
+//!   own completion. [`Lane::post_send_list`] posts up to
 //!   [`MAX_LIST`] work requests under one doorbell (one `ibv_post_send` of a chained list).
 //! - **Checks hoisted out of the loop: prepared work requests.** The same buffer posted again
 //!   and again (a ping-pong, a stream of WRITEs, a ring of receives) need not be checked and
@@ -358,6 +360,12 @@ struct Member {
     max_inline: u32,
     /// A UD QP's MTU (the largest datagram), 0 for RC.
     mtu: u32,
+    /// Send flags every send-queue work request of it carries: `IBV_SEND_SIGNALED` on an
+    /// iWARP device, 0 elsewhere. iWARP completes a send once its bytes are handed to the
+    /// transport, which can be before an earlier RDMA READ's (or atomic's) response has been
+    /// placed; so there no completion may retire an earlier slot, and every request is
+    /// signaled, so that each slot retires with its own (`in_order`, in the poll).
+    always_flags: u32,
     /// Why it is in the error state, once that is known (a completion failed or came flushed,
     /// the lane moved it there, its connection is gone, or it was found there): nothing posted
     /// now can run (and rxe never flushes a receive posted then).
@@ -382,6 +390,11 @@ struct Member {
 impl Member {
     fn is_ud(&self) -> bool {
         self.mtu != 0
+    }
+
+    /// Whether its completions retire their own slots only (iWARP: see `always_flags`).
+    fn in_order(&self) -> bool {
+        self.always_flags != 0
     }
 
     /// Whether an interior tag's batch (`tag::interior_parts`) is one of this QP's.
@@ -479,6 +492,9 @@ pub struct Lane {
     backlog: bool,
     /// Completions reaped while another QP was torn down, in order: handed out first.
     deferred: VecDeque<ffi::ibv_wc>,
+    /// Completions of an iWARP QP that came before an earlier slot's own (`Member::in_order`),
+    /// in order: tried again, through `deferred`, once a completion has been handed out.
+    held: VecDeque<ffi::ibv_wc>,
     /// Its shared receive queues (`srq`): dropped after the members (whose QPs take receives
     /// from them), before the CQ.
     srqs: srq::Srqs,
@@ -496,6 +512,20 @@ impl fmt::Debug for Lane {
             .field("qps", &self.members.iter().flatten().count())
             .field("cq_depth", &self.cq.depth())
             .finish()
+    }
+}
+
+/// Whether `qp`'s device is an iWARP one.
+///
+/// # Safety
+/// `qp` is a live QP.
+unsafe fn transport_is_iwarp(qp: NonNull<ffi::ibv_qp>) -> bool {
+    // SAFETY: a live QP's context is live, and its device with it (the caller's promise).
+    unsafe {
+        let ctx = qp.as_ref().context;
+        !ctx.is_null()
+            && !(*ctx).device.is_null()
+            && (*(*ctx).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
     }
 }
 
@@ -529,6 +559,7 @@ impl Lane {
             retiring: None,
             backlog: false,
             deferred: VecDeque::with_capacity(depth as usize),
+            held: VecDeque::new(),
             srqs: srq::Srqs::default(),
             cq,
         })
@@ -658,6 +689,8 @@ impl Lane {
             max_recv_sge: qp.max_recv_sge(),
             max_inline: qp.max_inline_data(),
             mtu,
+            // SAFETY: `raw` is the live QP of `owner`; its context and device outlive it.
+            always_flags: if unsafe { transport_is_iwarp(raw) } { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 },
             failed,
             batch_error: None,
             orphan: None,
@@ -667,6 +700,11 @@ impl Lane {
             dests: Vec::new(),
             owner,
         };
+        if m.in_order() {
+            // Room for every completion it may have held, so that a poll never allocates.
+            // (`reserve` counts from the length: this adds the QP's depth to the room there is.)
+            self.held.reserve(self.held.capacity() - self.held.len() + send_depth as usize);
+        }
         self.members[place] = Some(Box::new(m));
         Ok(key)
     }

@@ -114,7 +114,7 @@ impl Lane {
     /// Whether anything waits to be handed out before the CQ is polled again: completions in
     /// the poll buffer, one that retires several, or kept ones (`backlog` says so, or more).
     pub(super) fn holds_backlog(&self) -> bool {
-        self.retiring.is_some() || self.at < self.n || !self.deferred.is_empty()
+        self.retiring.is_some() || self.at < self.n || !self.deferred.is_empty() || !self.held.is_empty()
     }
 
     #[inline(always)]
@@ -125,6 +125,9 @@ impl Lane {
         mut dry: bool,
         mut f: impl FnMut(Wc, Option<MemoryRegion>),
     ) -> Result<usize> {
+        // The handed-out count at which the held completions were last tried again: once per
+        // call, then again after each completion handed out.
+        let mut retried = usize::MAX;
         while done < max {
             if let Some(r) = self.retiring {
                 done += self.retire(r, max - done, &mut f);
@@ -133,6 +136,11 @@ impl Lane {
             if self.at >= self.n {
                 if !self.deferred.is_empty() {
                     self.refill_from_deferred();
+                    continue;
+                }
+                if !self.held.is_empty() && retried != done {
+                    retried = done;
+                    self.deferred.extend(self.held.drain(..));
                     continue;
                 }
                 if dry {
@@ -278,6 +286,7 @@ impl Lane {
         if wc.status != ffi::ibv_wc_status::IBV_WC_SUCCESS {
             m.failed.get_or_insert(Fault::Completion(wc.status));
         }
+        let in_order = m.in_order();
         let slots = if recv { &mut m.recv } else { &mut m.send };
         let mark = slots.head_mark();
         if mark > 1 && seq == slots.head.wrapping_add(mark as u64 - 1) {
@@ -287,6 +296,17 @@ impl Lane {
             let fields = m.batch_fields(Fields::of(wc));
             f(Wc { wr_id, f: fields, place, attach: m.key.attach, flags: SIGNALED }, mr);
             return true;
+        }
+        if in_order && seq != slots.head {
+            // iWARP: an earlier slot's own completion is still to come (every request there is
+            // signaled, `Member::always_flags`): perhaps a READ whose data has not landed yet.
+            // Held until a completion has been handed out, then tried again (`poll_loop`).
+            // SAFETY: `ibv_wc` is plain old data; this copy is the one kept (the buffer's
+            // entry is not handed out: the poll moves past it).
+            let held = unsafe { std::ptr::read(wc) };
+            self.held.push_back(held);
+            self.backlog = true;
+            return false;
         }
         self.retiring = Some(Retiring { place, recv, upto: seq, wc: i });
         self.backlog = true;
@@ -395,6 +415,10 @@ impl Lane {
         for i in (first..self.n).rev() {
             // SAFETY: i < n: initialised; read once, since the buffer is emptied below.
             self.deferred.push_front(unsafe { self.wcs[i as usize].assume_init_read() });
+        }
+        // The held ones are older than the buffer's.
+        while let Some(wc) = self.held.pop_back() {
+            self.deferred.push_front(wc);
         }
         self.n = 0;
         self.at = 0;

@@ -68,6 +68,9 @@ pub struct PreparedSend {
     /// `IBV_SEND_SOLICITED` or nothing, and `IBV_SEND_SIGNALED` when it asks for a completion
     /// (also in `raw.send_flags` between posts).
     flags: u32,
+    /// The flags its QP's requests always carry (`Member::always_flags`: signaled on iWARP),
+    /// which `set_signaled(false)` keeps.
+    forced: u32,
     wr_id: u64,
     /// Where it may be re-aimed ([`PreparedSend::aim`], [`PreparedSend::aim_local`]).
     bounds: aim::Bounds,
@@ -294,7 +297,7 @@ impl PreparedSend {
     /// [`SendWr::unsignaled`]: the next signaled completion of the queue retires it).
     #[inline(always)]
     pub fn set_signaled(&mut self, signaled: bool) {
-        self.flags = if signaled { self.flags | SIGNALED_FLAG } else { self.flags & !SIGNALED_FLAG };
+        self.flags = if signaled { self.flags | SIGNALED_FLAG } else { self.flags & !SIGNALED_FLAG | self.forced };
         self.raw.send_flags = self.flags;
     }
 }
@@ -373,7 +376,7 @@ impl Lane {
         let sge = Sges::new(sge);
         raw.sg_list = sge.as_ptr().cast();
         raw.next = std::ptr::null_mut();
-        let flags = wr.flags | if wr.signaled { SIGNALED_FLAG } else { 0 };
+        let flags = wr.flags | m.always_flags | if wr.signaled { SIGNALED_FLAG } else { 0 };
         raw.send_flags = flags;
         let of = wr.mr.inner().serial();
         let bounds = aim::Bounds::of(&wr, m);
@@ -384,6 +387,7 @@ impl Lane {
             key: qp,
             tag: tag::encode(qp.place, 0, false),
             flags,
+            forced: m.always_flags,
             wr_id: wr.wr_id,
             bounds,
             mr: Some(wr.mr),

@@ -325,6 +325,10 @@ impl SendWr {
     /// it (and hands its region back, as a [`Completion`](crate::verbs::lane::Completion) whose
     /// [`is_signaled`](crate::verbs::lane::Wc::is_signaled) is false). The work request that takes the
     /// queue's last free slot is signaled whatever it asks, so a full queue always drains.
+    ///
+    /// On an iWARP device every request is signaled whatever it asks: iWARP may complete a
+    /// send before an earlier RDMA READ's data has landed, so there each slot retires with
+    /// its own completion (a later one is held until the earlier ones have come).
     #[inline(always)]
     pub fn unsignaled(mut self) -> SendWr {
         self.signaled = false;
@@ -354,6 +358,11 @@ impl SendWr {
     #[inline(always)]
     fn is_send(&self) -> bool {
         matches!(self.opcode, IBV_WR_SEND | IBV_WR_SEND_WITH_IMM)
+    }
+
+    /// Whether the device writes its region with the peer's response: an RDMA READ or an atomic.
+    pub(super) fn is_fetch(&self) -> bool {
+        matches!(self.opcode, IBV_WR_RDMA_READ | IBV_WR_ATOMIC_FETCH_AND_ADD | IBV_WR_ATOMIC_CMP_AND_SWP)
     }
 
     /// Lowers it for a post on `m` into `out` (zeroed) over `sge` (a copy of its scatter list
@@ -428,7 +437,9 @@ impl SendWr {
         out.num_sge = if self.total == 0 { 0 } else { n as i32 };
         out.opcode = self.opcode;
         out.imm_data_invalidated_rkey_union.imm_data = self.imm;
-        out.send_flags = self.flags | if signaled { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
+        // Signaled when asked, and always on iWARP (`Member::always_flags`).
+        out.send_flags =
+            self.flags | m.always_flags | if signaled { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 };
         Ok(())
     }
 
