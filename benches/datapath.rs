@@ -335,7 +335,8 @@ fn shared_cq(c: &mut Criterion) {
 /// UD: post a receive (room for the GRH) on one end, a 64-byte datagram to it from the other
 /// (raw: the work request's `ud` fields from the UD connect's destination), poll both.
 fn ud_post_poll(c: &mut Criterion) {
-    use rdma_cm::{QpInit, GRH_LEN};
+    use rdma_cm::verbs::ah::GRH_LEN;
+    use rdma_cm::QpInit;
     let common::ud::UdPair { client, to_server, server } =
         common::ud::ud_pair(common::device_addr(), 7490, QpInit::new());
     let sbuf = rdma_cm::MemoryRegion::new(client.qp().pd(), 64, AccessFlags::LOCAL_WRITE).unwrap();

@@ -228,10 +228,11 @@ mod lane_bench {
     use super::{callgrind_zero_stats, settle_and_poll, PIECES};
     use crate::common::{self, lane, pair, zeroed, PairSpec};
     use rdma_cm::ffi;
+    use rdma_cm::verbs::ah::GRH_LEN;
     use rdma_cm::verbs::lane::{
         Lane, LaneQp, PreparedBatch, PreparedRecv, PreparedSend, RecvWr as LRecv, SendWr as LSend,
     };
-    use rdma_cm::{AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion, GRH_LEN};
+    use rdma_cm::{AccessFlags, CompletionQueue, MemoryRegion, QpInit, QueuePair, RemoteRegion};
 
     /// Bytes each operation moves.
     const LEN: usize = 64;
@@ -519,7 +520,7 @@ mod lane_bench {
     /// Raw: posts one signaled datagram of `mr[0..LEN]` to `dest` on `qp`.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_raw_post_ud(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+    pub fn instr_raw_post_ud(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::verbs::ud::UdDest) {
         let mut sge = ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() };
         // SAFETY: ibv_send_wr is plain old data.
         let mut wr: ffi::ibv_send_wr = unsafe { zeroed() };
@@ -874,7 +875,7 @@ mod lane_bench {
     /// signaled.
     #[no_mangle]
     #[inline(never)]
-    pub fn instr_raw_post_ubatch(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::UdDest) {
+    pub fn instr_raw_post_ubatch(qp: *mut ffi::ibv_qp, mr: &MemoryRegion, dest: &rdma_cm::verbs::ud::UdDest) {
         let mut sge = ffi::ibv_sge { addr: mr.addr(), length: LEN as u32, lkey: mr.lkey() };
         // SAFETY: ibv_send_wr is plain old data.
         let mut wrs: [ffi::ibv_send_wr; BATCH] = unsafe { zeroed() };

@@ -32,11 +32,12 @@ use std::process::exit;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdma_cm::cm::multicast::{JoinKind, McastClient, Multicast};
+use rdma_cm::cm::ud_cm::PortSpace;
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, Datagram, EventChannel, JoinKind, McastClient, MemoryRegion, Multicast, PortSpace, ProtectionDomain,
-    QpInit, GRH_LEN,
-};
+use rdma_cm::verbs::ud::Datagram;
+use rdma_cm::{AccessFlags, EventChannel, MemoryRegion, ProtectionDomain, QpInit};
 
 const WAIT: Duration = Duration::from_secs(30);
 

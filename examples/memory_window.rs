@@ -21,9 +21,8 @@ use std::thread;
 use std::time::Duration;
 
 use rdma_cm::verbs::lane::{BindWr, Lane, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, Client, ConnParam, Error, MemoryRegion, MemoryWindow, QpInit, RemoteRegion, Server, WindowType,
-};
+use rdma_cm::verbs::mw::{MemoryWindow, WindowType};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RemoteRegion, Server};
 
 const T: Duration = Duration::from_secs(10);
 const REGION: usize = 1 << 20;

@@ -33,7 +33,9 @@ mod pingpong;
 use clap::Parser;
 use pingpong::{die, Args, OneQp};
 use rdma_cm::verbs::lane::Lane;
-use rdma_cm::{AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RcParams, UnconnectedQp};
+use rdma_cm::verbs::peer::PeerInfo;
+use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
+use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, QpInit};
 
 fn main() {
     let args = Args::parse();

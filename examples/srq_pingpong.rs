@@ -1,7 +1,7 @@
 //! RC ping-pong on many QPs sharing one receive queue, over verbs alone: rdma-core's
 //! `ibv_srq_pingpong` (rdma-core 44), with its flags, its TCP exchange (256
 //! `LLLL:QQQQQQ:PPPPPP:GID` messages each way, whatever `-q` is: the unused ones are zeros) and
-//! its output, written with this crate's [`UnconnectedQp`](rdma_cm::UnconnectedQp) and a
+//! its output, written with this crate's [`UnconnectedQp`](rdma_cm::verbs::qp::UnconnectedQp) and a
 //! [`Lane`](rdma_cm::verbs::lane::Lane) with its shared receive queue
 //! ([`Lane::create_srq`](rdma_cm::verbs::lane::Lane::create_srq)). It interoperates with
 //! `ibv_srq_pingpong` both ways.
@@ -32,7 +32,9 @@ use std::time::Instant;
 use clap::Parser;
 use pingpong::{die, Args, IDLE_WAIT, RECV_WRID, SEND_WRID};
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, RcParams, UnconnectedQp};
+use rdma_cm::verbs::peer::PeerInfo;
+use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
+use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, QpInit};
 
 /// Messages each side sends, whatever `-q` is (`ibv_srq_pingpong`'s `MAX_QP`).
 const MAX_QP: usize = 256;

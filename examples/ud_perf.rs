@@ -24,11 +24,11 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
+use rdma_cm::cm::ud_cm::{UdClient, UdServer};
+use rdma_cm::verbs::ah::{AddressHandle, GRH_LEN};
 use rdma_cm::verbs::lane::{Completion, DestKey, Lane, RecvWr, SendWr, Wc};
-use rdma_cm::{
-    AccessFlags, AddressHandle, Datagram, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer,
-    WorkQueue, GRH_LEN,
-};
+use rdma_cm::verbs::ud::{Datagram, UdDest};
+use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, QpInit, WorkQueue};
 
 const T: Duration = Duration::from_secs(30);
 const WARMUP: u32 = 16;

@@ -1,7 +1,7 @@
 //! UD ping-pong over verbs alone, without the connection manager: rdma-core's
 //! `ibv_ud_pingpong` (rdma-core 44), with its flags, its TCP exchange of
 //! `LLLL:QQQQQQ:PPPPPP:GID` messages and its output, written with this crate's
-//! [`UdQp::new`](rdma_cm::UdQp::new) (a UD QP from a port and a Q_Key) on a
+//! [`UdQp::new`](rdma_cm::verbs::ud::UdQp::new) (a UD QP from a port and a Q_Key) on a
 //! [`Lane`](rdma_cm::verbs::lane::Lane). It interoperates with `ibv_ud_pingpong` both ways.
 //!
 //! ```text
@@ -32,8 +32,11 @@ mod pingpong;
 
 use clap::Parser;
 use pingpong::{die, Args, OneQp};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::Lane;
-use rdma_cm::{AccessFlags, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, UdQp, GRH_LEN};
+use rdma_cm::verbs::peer::PeerInfo;
+use rdma_cm::verbs::ud::UdQp;
+use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, QpInit};
 
 /// `ibv_ud_pingpong`'s Q_Key.
 const QKEY: u32 = 0x1111_1111;

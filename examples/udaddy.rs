@@ -33,11 +33,11 @@ use std::process::exit;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdma_cm::cm::ud_cm::{PortSpace, UdClient, UdServer};
+use rdma_cm::verbs::ah::{AddressHandle, GRH_LEN};
 use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, Rejected, SendWr};
-use rdma_cm::{
-    AccessFlags, AddressHandle, Datagram, EventChannel, MemoryRegion, PortSpace, ProtectionDomain, QpInit, UdClient,
-    UdDest, UdServer, WorkQueue, GRH_LEN,
-};
+use rdma_cm::verbs::ud::{Datagram, UdDest};
+use rdma_cm::{AccessFlags, EventChannel, MemoryRegion, ProtectionDomain, QpInit, WorkQueue};
 
 const PORT: u16 = 7174;
 const WAIT: Duration = Duration::from_secs(30);

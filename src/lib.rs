@@ -88,8 +88,13 @@
 //! [`verbs`] (libibverbs alone: devices, PDs, regions, CQs, QPs, SRQs, the [`verbs::lane`]).
 //! Below both: [`error`] ([`Error`], which names the call, the errno and the usual cause),
 //! [`status`] (the plain values: [`WcStatus`], [`QpState`], [`CmEventType`], ...), and
-//! [`ready`] (one `poll(2)` over descriptors of both wings). The types most programs use are
-//! re-exported here; [`ffi`] is the raw bindings, for experts.
+//! [`ready`] (one `poll(2)` over descriptors of both wings). The types of the connection and
+//! the data path are re-exported here; each feature beside them is used from its module:
+//! UD through the CM ([`cm::ud_cm`]), multicast ([`cm::multicast`]), datagrams and address
+//! handles ([`verbs::ud`], [`verbs::ah`]), memory windows ([`verbs::mw`]), on-demand paging
+//! ([`verbs::odp`]), ports and GIDs ([`verbs::port`]), device events ([`verbs::async_event`]),
+//! verbs without the CM ([`verbs::qp::UnconnectedQp`], [`verbs::peer`]). [`ffi`] is the raw
+//! bindings, for experts.
 //!
 //! Every object holds an `Arc` of what it depends on, so whatever order values are dropped in,
 //! each C object is destroyed after everything that uses it: QP before CQ, SRQ, PD and id;
@@ -140,34 +145,21 @@ pub use cm::cm_id::{CmId, IdHandle};
 pub use cm::conn_param::ConnParam;
 pub use cm::connection::{Connection, Disconnecting};
 pub use cm::event_channel::{CmEvent, CmEventType, EventChannel, PrivateData};
-pub use cm::hold::{disconnect_hold, set_disconnect_hold, DEFAULT_DISCONNECT_HOLD};
 pub use cm::lane_conn::{LaneClient, LaneServer};
-pub use cm::multicast::{JoinKind, McastClient, McastEndpoint, McastResolved, Multicast, MULTICAST_QPN};
 pub use cm::private_data::QpInfo;
 pub use cm::server::{Accepting, Bound, ConnectRequest, Listener, Server, ServerQp};
 pub use cm::step::StepError;
-pub use cm::ud_cm::{
-    PortSpace, UdAddrResolved, UdClient, UdEndpoint, UdListener, UdRequest, UdRoute, UdServer, UdServerQp,
-};
 pub use error::{Error, Result};
 pub use ready::{Readiness, Ready};
-pub use verbs::ah::{AddressHandle, AhAttr, Grh, UdParam, GRH_LEN};
-pub use verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use verbs::buffer::{Mapping, StableBuffer, HUGE_PAGE_SIZE};
 pub use verbs::cq::{CompletionQueue, WcOpcode, WcStatus, WorkQueue};
 pub use verbs::device::{devices, Device, DeviceLimits, Transport, VerbsContext};
-pub use verbs::fork::{fork_init, fork_status, ForkStatus};
 pub use verbs::lane::{Lane, LaneQp};
 pub use verbs::mr::{AccessFlags, IntoBufferError, MemoryRegion, RemoteRegion};
-pub use verbs::mw::{BoundWindow, InvalidateError, MemoryWindow, WindowType};
-pub use verbs::odp::{Advice, AdviseFlags, ImplicitOdpRegion, OdpCaps, OdpOps};
 pub use verbs::pd::ProtectionDomain;
-pub use verbs::peer::PeerInfo;
-pub use verbs::port::{Gid, GidEntry, GidType, LinkLayer, PortInfo, PortState};
-pub use verbs::qp::{QpInit, QueuePair, RcParams, UnconnectedQp};
+pub use verbs::qp::{QpInit, QueuePair};
 pub use verbs::qp_attr::{QpAttributes, QpState};
 pub use verbs::srq::SharedReceiveQueue;
-pub use verbs::ud::{Datagram, UdDest, UdQp, MAX_UD_PRIVATE_DATA, RDMA_UDP_QKEY};
 pub use verbs::wr::MAX_SGE;
 pub use wait::FOREVER;
 

@@ -369,8 +369,10 @@ fn scattered_receives_allocate_nothing() {
 /// as a `Datagram`.
 #[test]
 fn lane_ud_posts_and_polls_allocate_nothing() {
+    use rdma_cm::verbs::ah::{AddressHandle, GRH_LEN};
     use rdma_cm::verbs::lane::InlineWr;
-    use rdma_cm::{AddressHandle, Datagram, QpInit, UdDest, GRH_LEN, RDMA_UDP_QKEY};
+    use rdma_cm::verbs::ud::{Datagram, UdDest, RDMA_UDP_QKEY};
+    use rdma_cm::QpInit;
     const N: u64 = 5_000;
     let t = DeviceTest::start();
     if !common::require(common::Cap::Ud) {

@@ -13,10 +13,12 @@ use std::time::{Duration, Instant};
 
 use common::lane::reap;
 use common::{DeviceTest, T};
+use rdma_cm::verbs::async_event::{AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents};
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
+use rdma_cm::verbs::qp::UnconnectedQp;
 use rdma_cm::{
-    ffi, AccessFlags, AsyncElement, AsyncEvent, AsyncEventKind, AsyncEvents, Client, CompletionQueue, ConnParam, Error,
-    MemoryRegion, ProtectionDomain, QpInit, Server, UnconnectedQp, VerbsContext, WcStatus,
+    ffi, AccessFlags, Client, CompletionQueue, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, Server,
+    VerbsContext, WcStatus,
 };
 
 /// Reads `events` (bounded by `within`) until one satisfies `want`; returns it and the others.
@@ -63,7 +65,7 @@ impl RawLoopQp {
             .gid_table(1)
             .unwrap()
             .into_iter()
-            .find(|g| g.gid.ipv4() == Some(v4) && g.gid_type == rdma_cm::GidType::RoceV2)
+            .find(|g| g.gid.ipv4() == Some(v4) && g.gid_type == rdma_cm::verbs::port::GidType::RoceV2)
             .expect("a RoCE v2 GID for the device address");
         // SAFETY: plain old data, zero is valid; the CQ and PD outlive the QP (it is destroyed
         // in Drop, before them: the test drops it first).
@@ -387,7 +389,7 @@ fn guest_only_link_flap_reports_port_error_then_active() {
     );
     // The port is back for the next test.
     let deadline = Instant::now() + T;
-    while ctx.port(1).unwrap().state != rdma_cm::PortState::Active {
+    while ctx.port(1).unwrap().state != rdma_cm::verbs::port::PortState::Active {
         assert!(Instant::now() < deadline, "port 1 did not come back");
         thread::sleep(Duration::from_millis(50));
     }

@@ -14,9 +14,11 @@ use std::thread;
 use common::lane::reap;
 use common::{pair, pattern, DeviceTest, PairSpec, T};
 use rdma_cm::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::verbs::port::GidType;
+use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
 use rdma_cm::{
-    AccessFlags, Client, CmEventType, ConnParam, Error, GidType, MemoryRegion, QpInit, QpState, RcParams,
-    RouteResolved, Server, UnconnectedQp, VerbsContext, WorkQueue,
+    AccessFlags, Client, CmEventType, ConnParam, Error, MemoryRegion, QpInit, QpState, RouteResolved, Server,
+    VerbsContext, WorkQueue,
 };
 
 fn count(kind: &str) -> usize {

@@ -711,7 +711,8 @@ fn ack_timeout_retry_count_and_tos_reach_the_qp() {
 /// the device lacks is refused naming the ones it has.
 #[test]
 fn ports_and_gid_tables_match_sysfs() {
-    use rdma_cm::{GidType, LinkLayer, PortState, VerbsContext};
+    use rdma_cm::verbs::port::{GidType, LinkLayer, PortState};
+    use rdma_cm::VerbsContext;
     let t = DeviceTest::start();
     let devices = rdma_cm::devices().unwrap();
     assert!(!devices.is_empty());
@@ -1014,7 +1015,7 @@ fn scatter_gather_send_of_3_pieces_into_a_2_piece_receive() {
 /// with no room for the GRH is refused at the post, the region given back.
 #[test]
 fn ud_receive_scattered_over_2_pieces_takes_the_grh_in_the_first() {
-    use rdma_cm::GRH_LEN;
+    use rdma_cm::verbs::ah::GRH_LEN;
     let t = DeviceTest::start();
     if !require(Cap::Ud) {
         return t.finish();
@@ -1297,7 +1298,8 @@ fn scatter_gather_limits_are_checked_before_posting() {
 /// ones find nobody), and with `set_afonly(true)` an IPv4 client finds nobody listening.
 #[test]
 fn ipv6_end_to_end_and_the_ipv6_only_option() {
-    use rdma_cm::{GidType, VerbsContext};
+    use rdma_cm::verbs::port::GidType;
+    use rdma_cm::VerbsContext;
     use std::net::{IpAddr, Ipv6Addr};
     let t = DeviceTest::start();
     let name = rdma_cm::devices().unwrap()[0].name.clone();

@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 use common::lane::{lane_on, reap};
 use common::{DeviceTest, PairSpec, T};
+use rdma_cm::verbs::async_event::{AsyncElement, AsyncEventKind};
 use rdma_cm::verbs::lane::{Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::verbs::qp::UnconnectedQp;
 use rdma_cm::{
-    Accepting, AccessFlags, AsyncElement, AsyncEventKind, Client, CmEvent, CmEventType, ConnParam, ConnectRequest,
-    Connecting, Connection, Error, EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, ResolvingAddr,
-    ResolvingRoute, Server, StepError, UnconnectedQp, VerbsContext, WorkQueue,
+    Accepting, AccessFlags, Client, CmEvent, CmEventType, ConnParam, ConnectRequest, Connecting, Connection, Error,
+    EventChannel, IdHandle, MemoryRegion, ProtectionDomain, QpInit, ResolvingAddr, ResolvingRoute, Server, StepError,
+    VerbsContext, WorkQueue,
 };
 
 /// The kernel's `rdma res show cm_id` lines.

@@ -437,8 +437,8 @@ fn receive_all(mut lane: Lane, qp: LaneQp, conn_no: u64, msgs: u64) -> u64 {
 #[test]
 fn a_forked_child_neither_corrupts_nor_frees_the_parents_registered_memory() {
     let t = DeviceTest::start();
-    let status = rdma_cm::fork_status();
-    if status != rdma_cm::ForkStatus::Unneeded {
+    let status = rdma_cm::verbs::fork::fork_status();
+    if status != rdma_cm::verbs::fork::ForkStatus::Unneeded {
         // Only a kernel without copy-on-fork for pinned pages (before 5.13) gets here.
         common::skipped("fork with registered memory", &format!("fork_status is {status:?}: see rdma_cm::verbs::fork"));
         return t.finish();

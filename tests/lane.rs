@@ -7,8 +7,10 @@ mod common;
 
 use common::lane::{lane_on, lane_pair, lane_ud_pair, reap};
 use common::{pair, pattern, DeviceTest, PairSpec};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{RecvWr, SendWr};
-use rdma_cm::{AccessFlags, Datagram, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WorkQueue, GRH_LEN};
+use rdma_cm::verbs::ud::Datagram;
+use rdma_cm::{AccessFlags, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WorkQueue};
 
 fn spec(access: AccessFlags) -> PairSpec {
     PairSpec { mr_sizes: vec![4096, 4096], access, ..PairSpec::default() }

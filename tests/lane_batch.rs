@@ -16,8 +16,10 @@ use common::lane::{
     wait_until_the_closure_panics,
 };
 use common::{mr_count, pattern, DeviceTest, PairSpec, T};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, Datagram, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WcStatus, GRH_LEN};
+use rdma_cm::verbs::ud::Datagram;
+use rdma_cm::{AccessFlags, Error, MemoryRegion, QpInit, RemoteRegion, WcOpcode, WcStatus};
 
 fn spec() -> PairSpec {
     PairSpec {

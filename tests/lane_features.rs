@@ -254,15 +254,15 @@ fn an_inline_datagram_reaches_its_destination() {
     }
     {
         let mut p = common::lane::lane_ud_pair(t.addr, 7631, rdma_cm::QpInit::new(), 64);
-        let buf = MemoryRegion::new(&p.server.pd, rdma_cm::GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
+        let buf = MemoryRegion::new(&p.server.pd, rdma_cm::verbs::ah::GRH_LEN + 64, AccessFlags::LOCAL_WRITE).unwrap();
         p.server.lane.post_recv(p.server.qp, RecvWr::new(buf).wr_id(1)).unwrap();
         p.client.lane.post_inline(p.client.qp, InlineWr::send(b"datagram").to(p.to_server).wr_id(2)).unwrap();
         let c = reap(&mut p.client.lane, 1).pop().unwrap();
         assert!(c.is_ok() && c.wr_id() == 2, "{c:?}");
         let mut r = reap(&mut p.server.lane, 1).pop().unwrap();
-        assert_eq!(r.byte_len() as usize, rdma_cm::GRH_LEN + 8);
+        assert_eq!(r.byte_len() as usize, rdma_cm::verbs::ah::GRH_LEN + 8);
         let mut got = [0u8; 8];
-        r.take_region().unwrap().read_at(rdma_cm::GRH_LEN, &mut got).unwrap();
+        r.take_region().unwrap().read_at(rdma_cm::verbs::ah::GRH_LEN, &mut got).unwrap();
         assert_eq!(&got, b"datagram");
         let e = p.client.lane.post_inline(p.client.qp, InlineWr::send(b"nowhere")).unwrap_err();
         assert!(e.to_string().contains("destination"), "{e}");

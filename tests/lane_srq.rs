@@ -20,10 +20,12 @@ use std::time::Instant;
 use common::lane::{lane_on, reap};
 use common::{mr_count, pattern, require, Cap, DeviceTest, T};
 use counting::watched;
+use rdma_cm::cm::ud_cm::{UdClient, UdServer};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
 use rdma_cm::{
     AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, Server, SharedReceiveQueue,
-    UdClient, UdServer, WcStatus, WorkQueue, GRH_LEN,
+    WcStatus, WorkQueue,
 };
 
 const LEN: usize = 64;

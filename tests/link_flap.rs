@@ -273,7 +273,7 @@ fn async_disconnect_body() {
     use rdma_cm::verbs::lane::{RecvWr, SendWr};
     let t = DeviceTest::start();
     let netdev = netdev();
-    rdma_cm::set_disconnect_hold(Duration::from_secs(60));
+    rdma_cm::cm::hold::set_disconnect_hold(Duration::from_secs(60));
     let (c, mut s) = common::pair(t.addr, common::PairSpec::default(), common::PairSpec::default());
     link_down(&netdev);
     let start = std::time::Instant::now();

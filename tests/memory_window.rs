@@ -20,10 +20,8 @@ use std::ops::Range;
 use common::lane::{lane_pair, reap, LaneSide};
 use common::{mr_count, pattern, DeviceTest, PairSpec, T};
 use rdma_cm::verbs::lane::{BindWr, Completion, Invalidating, Lane, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, BoundWindow, Error, MemoryRegion, MemoryWindow, ProtectionDomain, RemoteRegion, WcOpcode, WcStatus,
-    WindowType,
-};
+use rdma_cm::verbs::mw::{BoundWindow, MemoryWindow, WindowType};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, ProtectionDomain, RemoteRegion, WcOpcode, WcStatus};
 
 const MIB: usize = 1 << 20;
 const WIN: Range<usize> = 4096..8192;
@@ -446,7 +444,9 @@ fn memory_window_is_invalidated_only_through_the_qp_that_bound_it() {
 /// run after the invalidation: refused, the window back, still bound.
 #[test]
 fn memory_window_of_type1_is_invalidated_only_through_its_own_qp_on_a_shared_pd() {
-    use rdma_cm::{devices, PeerInfo, RcParams, UnconnectedQp, VerbsContext};
+    use rdma_cm::verbs::peer::PeerInfo;
+    use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
+    use rdma_cm::{devices, VerbsContext};
     let t = DeviceTest::start();
     if !common::require(common::Cap::ConnectWithoutCm) {
         return t.finish();

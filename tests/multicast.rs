@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use common::lane::reap;
 use common::{lines_of, pattern, require, Cap, DeviceTest, T};
+use rdma_cm::cm::multicast::{JoinKind, McastClient, Multicast, MULTICAST_QPN};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{Completion, Lane, LaneQp, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, Datagram, Error, JoinKind, McastClient, MemoryRegion, Multicast, ProtectionDomain, QpInit, WorkQueue,
-    GRH_LEN, MULTICAST_QPN, RDMA_UDP_QKEY,
-};
+use rdma_cm::verbs::ud::{Datagram, RDMA_UDP_QKEY};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, WorkQueue};
 use std::sync::Arc;
 
 fn group(s: &str) -> IpAddr {
@@ -248,7 +248,7 @@ fn multicast_join_on_refuses_bad_groups_and_other_qps() {
         let e = Multicast::join_on(&mut lane, qp, group("ff0e::1:4"), JoinKind::FullMember, T).unwrap_err();
         assert!(e.to_string().contains("not of the family"), "{e}");
         // A QP of the lane that is no multicast endpoint's (a plain UD QP).
-        let ud = rdma_cm::UdQp::new(&pd, lane.qp_init_from(QpInit::new()), 1, RDMA_UDP_QKEY)
+        let ud = rdma_cm::verbs::ud::UdQp::new(&pd, lane.qp_init_from(QpInit::new()), 1, RDMA_UDP_QKEY)
             .expect("a UD QP on the lane's CQ");
         let uq = lane.attach(ud).map_err(|r| r.into_parts().0).unwrap();
         let e = Multicast::join_on(&mut lane, uq, group("239.1.3.4"), JoinKind::FullMember, T).unwrap_err();

@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 
 use common::lane::{lane_on, reap};
 use common::{DeviceTest, T};
+use rdma_cm::verbs::async_event::AsyncElement;
 use rdma_cm::verbs::lane::{Lane, LaneQp, RecvWr, SendWr};
 use rdma_cm::{
-    Accepting, AccessFlags, AsyncElement, Client, CmEventType, ConnParam, ConnectRequest, Error, EventChannel,
-    MemoryRegion, ProtectionDomain, QpInit, Readiness, Server, WcStatus, WorkQueue,
+    Accepting, AccessFlags, Client, CmEventType, ConnParam, ConnectRequest, Error, EventChannel, MemoryRegion,
+    ProtectionDomain, QpInit, Readiness, Server, WcStatus, WorkQueue,
 };
 
 const SLOT: usize = 64;

@@ -10,11 +10,12 @@ use std::thread;
 
 use common::lane::{lane_on, reap};
 use common::{pattern, require, Cap, DeviceTest, T};
+use rdma_cm::cm::ud_cm::{UdClient, UdServer};
+use rdma_cm::verbs::ah::{AddressHandle, AhAttr, GRH_LEN};
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, AddressHandle, AhAttr, Datagram, Error, Gid, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest,
-    UdServer, WorkQueue, GRH_LEN, RDMA_UDP_QKEY,
-};
+use rdma_cm::verbs::port::Gid;
+use rdma_cm::verbs::ud::{Datagram, UdDest, RDMA_UDP_QKEY};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, WorkQueue};
 
 /// A UD server on `port` in a thread: accepts one request, attaches its endpoint to a lane of
 /// its own, posts `count` receives of up to `size` bytes (then says so on `posted`), receives
@@ -62,7 +63,7 @@ fn echo_server(
 }
 
 /// A UD client of `port`, not connected yet, its endpoint made with `lane`'s CQ.
-fn client(lane: &Lane, addr: IpAddr, port: u16) -> (rdma_cm::UdEndpoint, std::sync::Arc<ProtectionDomain>) {
+fn client(lane: &Lane, addr: IpAddr, port: u16) -> (rdma_cm::cm::ud_cm::UdEndpoint, std::sync::Arc<ProtectionDomain>) {
     let route =
         UdClient::new().unwrap().resolve_addr(None, SocketAddr::new(addr, port), T).unwrap().resolve_route(T).unwrap();
     let pd = route.alloc_pd().unwrap();

@@ -21,9 +21,8 @@ use std::process::Command;
 use common::lane::{lane_pair, reap, LaneSide};
 use common::{pattern, require, skipped, Cap, DeviceTest, PairSpec};
 use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, Advice, AdviseFlags, Error, ImplicitOdpRegion, Mapping, MemoryRegion, OdpCaps, OdpOps, RemoteRegion,
-};
+use rdma_cm::verbs::odp::{Advice, AdviseFlags, ImplicitOdpRegion, OdpCaps, OdpOps};
+use rdma_cm::{AccessFlags, Error, Mapping, MemoryRegion, RemoteRegion};
 
 /// Bytes of the messages and targets (several pages, so that the device faults more than one).
 const N: usize = 64 << 10;

@@ -11,10 +11,15 @@ use std::time::{Duration, Instant};
 
 use common::lane::reap;
 use common::{DeviceTest, T};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
+use rdma_cm::verbs::peer::PeerInfo;
+use rdma_cm::verbs::port::{Gid, GidType};
+use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
+use rdma_cm::verbs::ud::{Datagram, UdQp};
 use rdma_cm::{
-    devices, AccessFlags, Datagram, Error, Gid, GidType, MemoryRegion, PeerInfo, ProtectionDomain, QpInit, QpState,
-    RcParams, Transport, UdQp, UnconnectedQp, VerbsContext, WcStatus, WorkQueue, GRH_LEN,
+    devices, AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, QpState, Transport, VerbsContext, WcStatus,
+    WorkQueue,
 };
 
 /// The device's context and the index of the RoCE v2 GID of its IPv4 address (what

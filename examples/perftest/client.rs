@@ -80,7 +80,7 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     timeout: u64,
     /// Seconds a disconnect waits for this host's RDMA port to be ACTIVE again when its link
-    /// is down (rdma_cm::set_disconnect_hold): a CM message sent while the link is down can
+    /// is down (rdma_cm::cm::hold::set_disconnect_hold): a CM message sent while the link is down can
     /// leave the host's CM deaf until the device is re-created. 0: never wait.
     #[arg(long, default_value_t = 10)]
     disconnect_hold: u64,
@@ -126,7 +126,7 @@ use stream::stream;
 
 fn main() {
     let args = Args::parse();
-    rdma_cm::set_disconnect_hold(Duration::from_secs(args.disconnect_hold));
+    rdma_cm::cm::hold::set_disconnect_hold(Duration::from_secs(args.disconnect_hold));
     if args.port == 0 {
         fail("bad arguments", "port 0 is not a port a server listens on: choose 1..=65535 with -p");
     }

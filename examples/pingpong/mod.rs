@@ -25,7 +25,8 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use rdma_cm::verbs::lane::{DestKey, Lane, LaneQp, RecvWr, SendWr};
-use rdma_cm::{devices, MemoryRegion, PeerInfo, VerbsContext};
+use rdma_cm::verbs::peer::PeerInfo;
+use rdma_cm::{devices, MemoryRegion, VerbsContext};
 
 /// How long the server waits for a client, and each side for the other's messages.
 pub const EXCHANGE_WAIT: Duration = Duration::from_secs(60);

@@ -90,7 +90,7 @@ use crate::error::{check_ptr, check_rdma, Error, Result};
 use crate::verbs::device::VerbsContext;
 
 /// An owned `rdma_cm_id`: on the RC port space (`RDMA_PS_TCP`), or for UD
-/// ([`UdClient`](crate::UdClient), [`UdServer`](crate::UdServer)) on `RDMA_PS_UDP`/`RDMA_PS_IPOIB`.
+/// ([`UdClient`](crate::cm::ud_cm::UdClient), [`UdServer`](crate::cm::ud_cm::UdServer)) on `RDMA_PS_UDP`/`RDMA_PS_IPOIB`.
 pub struct CmId {
     raw: NonNull<ffi::rdma_cm_id>,
     // Dropped after `raw` is destroyed (Drop::drop runs before fields drop).
@@ -258,11 +258,11 @@ impl CmId {
     }
 
     /// Tells the connection manager of an asynchronous event of the id's QP (`rdma_notify`):
-    /// [`AsyncEventKind::CommEstablished`](crate::AsyncEventKind::CommEstablished), when a
+    /// [`AsyncEventKind::CommEstablished`](crate::verbs::async_event::AsyncEventKind::CommEstablished), when a
     /// message arrived on the QP before the CM's handshake completed (on InfiniBand the CM then
     /// moves the connection to established and reports `ESTABLISHED` at once, instead of
     /// after its RTU arrives or a retry), or
-    /// [`AsyncEventKind::PathMigrated`](crate::AsyncEventKind::PathMigrated).
+    /// [`AsyncEventKind::PathMigrated`](crate::verbs::async_event::AsyncEventKind::PathMigrated).
     ///
     /// The crate calls this itself for `COMM_EST` on a QP made through the connection
     /// typestates (or adopted by them: `adopt_qp`), whenever the context's

@@ -600,7 +600,7 @@ impl CmEvent {
 
     /// The `ud` parameters (the peer's or the group's address attributes, QP number and
     /// QKey) of an event on a UD id, or of a multicast event. A UD `ESTABLISHED` event (the
-    /// answer to [`UdEndpoint::connect`](crate::UdEndpoint::connect)) and a `MULTICAST_JOIN`
+    /// answer to [`UdEndpoint::connect`](crate::cm::ud_cm::UdEndpoint::connect)) and a `MULTICAST_JOIN`
     /// carry meaningful ones; `None` for RC events.
     pub fn ud(&self) -> Option<&UdParam> {
         self.ud.as_ref()

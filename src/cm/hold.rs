@@ -2,7 +2,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::{disconnect_hold, set_disconnect_hold};
+//! use rdma_cm::cm::hold::{disconnect_hold, set_disconnect_hold};
 //!
 //! // Hold disconnects at most 2 s per link-down, then send them anyway.
 //! set_disconnect_hold(Duration::from_secs(2));

@@ -5,7 +5,9 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-//! use rdma_cm::{AccessFlags, JoinKind, McastClient, MemoryRegion, Multicast, QpInit, GRH_LEN};
+//! use rdma_cm::{AccessFlags, MemoryRegion, QpInit};
+//! use rdma_cm::cm::multicast::{JoinKind, McastClient, Multicast};
+//! use rdma_cm::verbs::ah::GRH_LEN;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);

@@ -20,7 +20,7 @@
 //!  Connection ── disconnect / peer left: ERR
 //! ```
 //!
-//! An adopted QP is an [`UnconnectedQp`](crate::UnconnectedQp) made by the verbs wing (its PD must be on the id's
+//! An adopted QP is an [`UnconnectedQp`](crate::verbs::qp::UnconnectedQp) made by the verbs wing (its PD must be on the id's
 //! device context), not through `rdma_create_qp`, so librdmacm never drives it: the connection
 //! moves it through its states with the attributes the CM gives (`rdma_init_qp_attr`) at the
 //! points librdmacm's rules put them, and to the error state when either side disconnects. It
@@ -31,19 +31,22 @@
 //!
 //! # Unreliable datagrams
 //!
-//! [`UdClient`](crate::UdClient) and [`UdServer`](crate::UdServer) run the UD side of rdma_cm (`RDMA_PS_UDP`): the client's
-//! [`UdEndpoint::connect`](crate::UdEndpoint::connect) is one request and one reply, whose `ESTABLISHED` event carries the
-//! server's QP number, QKey and address ([`CmEvent::ud`](crate::CmEvent::ud), [`UdDest`](crate::UdDest)); the server answers
-//! whoever sends to it ([`UdDest::reply_to`](crate::UdDest::reply_to)). On a lane, a UD QP posts only sends, each to
+//! [`UdClient`](crate::cm::ud_cm::UdClient) and [`UdServer`](crate::cm::ud_cm::UdServer) run the UD side of rdma_cm (`RDMA_PS_UDP`): the client's
+//! [`UdEndpoint::connect`](crate::cm::ud_cm::UdEndpoint::connect) is one request and one reply, whose `ESTABLISHED` event carries the
+//! server's QP number, QKey and address ([`CmEvent::ud`](crate::CmEvent::ud), [`UdDest`](crate::verbs::ud::UdDest)); the server answers
+//! whoever sends to it ([`UdDest::reply_to`](crate::verbs::ud::UdDest::reply_to)). On a lane, a UD QP posts only sends, each to
 //! a destination ([`Lane::add_dest`](crate::verbs::lane::Lane::add_dest)): an RDMA WRITE, READ or atomic on UD is refused. Every receive starts
-//! with [`GRH_LEN`](crate::GRH_LEN) bytes the device writes; [`Datagram::parse`](crate::Datagram::parse) gives the payload's range, the
+//! with [`GRH_LEN`](crate::verbs::ah::GRH_LEN) bytes the device writes; [`Datagram::parse`](crate::verbs::ud::Datagram::parse) gives the payload's range, the
 //! sender's QP number and address. A datagram over the port's MTU, or a receive with no room
 //! for the GRH, is refused before posting. `examples/udaddy` is rdma-core's `udaddy`.
 //!
 //! ```no_run
 //! use std::time::Duration;
 //! use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr};
-//! use rdma_cm::{AccessFlags, Datagram, MemoryRegion, QpInit, UdClient, GRH_LEN};
+//! use rdma_cm::{AccessFlags, MemoryRegion, QpInit};
+//! use rdma_cm::cm::ud_cm::UdClient;
+//! use rdma_cm::verbs::ah::GRH_LEN;
+//! use rdma_cm::verbs::ud::Datagram;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);
@@ -75,7 +78,7 @@
 //! non-blocking, so an `epoll` loop waits for readability and then drains with
 //! [`EventChannel::try_get_event`](crate::EventChannel::try_get_event) / [`CompletionQueue::drain_events`](crate::CompletionQueue::drain_events) until they report
 //! nothing (correct for edge-triggered notification). CQ events are acked in batches. Without
-//! a runtime, one thread waits on channels, CQs, [`AsyncEvents`](crate::AsyncEvents) and its own descriptors
+//! a runtime, one thread waits on channels, CQs, [`AsyncEvents`](crate::verbs::async_event::AsyncEvents) and its own descriptors
 //! together through a [`Readiness`](crate::Readiness) set (`poll(2)`, level-triggered). For
 //! many connections on one channel: [`ConnectRequest::from_event`](crate::ConnectRequest::from_event), [`ServerQp::start_accept`](crate::ServerQp::start_accept),
 //! [`Accepting::complete`](crate::Accepting::complete) and [`Connection::handle_event`](crate::Connection::handle_event).
@@ -170,7 +173,7 @@
 //! left to send.
 //!
 //! What the device reports on its own (a port going down or up, a QP, CQ or SRQ error, an
-//! SRQ running below its limit, the device failing) comes from an [`AsyncEvents`](crate::AsyncEvents) source
+//! SRQ running below its limit, the device failing) comes from an [`AsyncEvents`](crate::verbs::async_event::AsyncEvents) source
 //! ([`VerbsContext::async_events`](crate::VerbsContext::async_events)), which has an `AsFd` of its own (an `epoll` descriptor, so
 //! safe code cannot take events the library must acknowledge), and is also delivered to the QP,
 //! CQ or SRQ it names: their waits then fail at once with [`Error::AsyncEvent`](crate::Error::AsyncEvent). See
@@ -179,7 +182,7 @@
 //! With the `tokio` feature (off by default), every blocking step has an `_async` twin
 //! (`resolve_addr_async`, `resolve_route_async`, `connect_async`, `get_request_async`,
 //! `accept_async`, `next_event_async`, `disconnect_async`), the lane has `wait_async`, and
-//! [`AsyncEvents`](crate::AsyncEvents) has `next_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
+//! [`AsyncEvents`](crate::verbs::async_event::AsyncEvents) has `next_async`, all awaiting the descriptors through tokio's reactor. Dropping any of
 //! these futures is safe: posted work requests keep their regions inside the lane until their
 //! completions are polled or the QP is dropped. A CQ's and a CM channel's descriptors are
 //! registered with the reactor once, at their first async wait, for the CQ's or channel's life
@@ -191,22 +194,25 @@
 //!
 //! # Multicast
 //!
-//! [`McastClient`](crate::McastClient) resolves a group's address (binding the id to the device that reaches it),
-//! [`McastResolved::create_qp`](crate::McastResolved::create_qp) makes the UD QP, and [`McastEndpoint::join`](crate::McastEndpoint::join) returns a
-//! [`Multicast`](crate::Multicast) membership once the `MULTICAST_JOIN` event arrives; librdmacm has then
-//! attached the QP (a [`JoinKind::FullMember`](crate::JoinKind::FullMember); a send-only member is not attached). Sends to
-//! the group go to [`Multicast::dest`](crate::Multicast::dest): the group's address handle, QPN `0xFFFFFF` and the
+//! [`McastClient`](crate::cm::multicast::McastClient) resolves a group's address (binding the id to the device that reaches it),
+//! [`McastResolved::create_qp`](crate::cm::multicast::McastResolved::create_qp) makes the UD QP, and [`McastEndpoint::join`](crate::cm::multicast::McastEndpoint::join) returns a
+//! [`Multicast`](crate::cm::multicast::Multicast) membership once the `MULTICAST_JOIN` event arrives; librdmacm has then
+//! attached the QP (a [`JoinKind::FullMember`](crate::cm::multicast::JoinKind::FullMember); a send-only member is not attached). Sends to
+//! the group go to [`Multicast::dest`](crate::cm::multicast::Multicast::dest): the group's address handle, QPN `0xFFFFFF` and the
 //! join's QKey, posted on the lane like any datagram (the handle held by every posted send until
 //! its completion). Dropping the membership leaves the group; the endpoint and its memberships
 //! may be dropped in either order (see [`multicast`]). A unicast address as the group is
-//! refused before any call; loopback off ([`McastResolved::loopback`](crate::McastResolved::loopback)) is a clear error where
+//! refused before any call; loopback off ([`McastResolved::loopback`](crate::cm::multicast::McastResolved::loopback)) is a clear error where
 //! the device cannot block it (rxe). On RoCE v2 the kernel joins IPv4 groups only.
 //! `examples/mckey` is rdma-core's `mckey`.
 //!
 //! ```no_run
 //! use std::time::Duration;
 //! use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr};
-//! use rdma_cm::{AccessFlags, Datagram, JoinKind, McastClient, MemoryRegion, Multicast, QpInit, GRH_LEN};
+//! use rdma_cm::{AccessFlags, MemoryRegion, QpInit};
+//! use rdma_cm::cm::multicast::{JoinKind, McastClient, Multicast};
+//! use rdma_cm::verbs::ah::GRH_LEN;
+//! use rdma_cm::verbs::ud::Datagram;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);

@@ -26,8 +26,8 @@
 //! arrives: joining from an id without a QP does not compile.
 //!
 //! ```compile_fail
-//! # fn f(r: rdma_cm::McastResolved) -> rdma_cm::Result<()> {
-//! let m = r.join(rdma_cm::JoinKind::FullMember, std::time::Duration::from_secs(1))?;
+//! # fn f(r: rdma_cm::cm::multicast::McastResolved) -> rdma_cm::Result<()> {
+//! let m = r.join(rdma_cm::cm::multicast::JoinKind::FullMember, std::time::Duration::from_secs(1))?;
 //! # Ok(()) }
 //! ```
 //!
@@ -54,12 +54,12 @@
 //! back). [`McastResolved::loopback`]`(false)` creates the QP with
 //! `IBV_QP_CREATE_BLOCK_SELF_MCAST_LB`, as `mckey -l` does. Not every device offers it: rxe
 //! refuses the flag (`EOPNOTSUPP`), and so does `mckey -l` there; the crate reports that as
-//! [`Error::Call`] naming the flag, with the hint to filter on [`Datagram::src_qp`](crate::Datagram::src_qp).
+//! [`Error::Call`] naming the flag, with the hint to filter on [`Datagram::src_qp`](crate::verbs::ud::Datagram::src_qp).
 //!
 //! # Leaving, and the order of things
 //!
 //! A [`Multicast`] holds the id (an `Arc` of the [`CmId`]), so the id outlives every
-//! membership, and its group's [`AddressHandle`](crate::AddressHandle) (through its
+//! membership, and its group's [`AddressHandle`](crate::verbs::ah::AddressHandle) (through its
 //! [`UdDest`]; every posted send to the group holds a clone until its completion is reaped).
 //! Dropping it calls `rdma_leave_multicast`, which detaches the id's QP (`ibv_detach_mcast`)
 //! when there is one, and tells the kernel to leave. That happens under the id's channel lock,
@@ -82,12 +82,12 @@ use crate::cm::cm_id::{std_to_sockaddr, CmId};
 use crate::cm::event_channel::{CmEventType, EventChannel};
 use crate::cm::expect::{context_of, expect};
 use crate::cm::ud_cm::create_ud_qp;
+use crate::cm::ud_cm::PortSpace;
 use crate::error::{check_rdma, errno, Error, Result};
 use crate::verbs::device::VerbsContext;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::qp::QpInit;
 use crate::verbs::ud::{UdDest, UdQp};
-use crate::PortSpace;
 
 /// The QP number that addresses a multicast group (`0xFFFFFF`).
 pub const MULTICAST_QPN: u32 = 0x00ff_ffff;
@@ -264,7 +264,7 @@ impl McastResolved {
     /// # Errors
     /// [`Error::Call`] naming `rdma_create_qp_ex(IBV_QP_CREATE_BLOCK_SELF_MCAST_LB)` when
     /// loopback is off and the device cannot block it (`EOPNOTSUPP` on rxe); otherwise as for
-    /// [`UdRoute::create_qp`](crate::UdRoute::create_qp).
+    /// [`UdRoute::create_qp`](crate::cm::ud_cm::UdRoute::create_qp).
     pub fn create_qp(self, pd: &Arc<ProtectionDomain>, mut init: QpInit) -> Result<McastEndpoint> {
         init.block_self_mcast_lb = self.block_loopback;
         let qp = create_ud_qp(&self.id, pd, init)?;

@@ -5,7 +5,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use rdma_cm::{QpInit, UdClient};
+//! use rdma_cm::QpInit;
+//! use rdma_cm::cm::ud_cm::UdClient;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let t = Duration::from_secs(5);

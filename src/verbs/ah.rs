@@ -3,7 +3,8 @@
 //! QP number and QKey); and [`Grh`], the 40-byte header in front of every UD receive.
 //!
 //! ```no_run
-//! use rdma_cm::{AddressHandle, AhAttr, ProtectionDomain, VerbsContext};
+//! use rdma_cm::{ProtectionDomain, VerbsContext};
+//! use rdma_cm::verbs::ah::{AddressHandle, AhAttr};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let ctx = VerbsContext::open("rxe0")?;
@@ -18,7 +19,7 @@
 //! An address handle is made from:
 //!
 //! - the `ud` parameters of a UD `ESTABLISHED` event (the answer to a UD "connect") or of a
-//!   multicast `JOIN` event: [`UdParam`], through [`UdDest::from_ud_param`](crate::UdDest::from_ud_param);
+//!   multicast `JOIN` event: [`UdParam`], through [`UdDest::from_ud_param`](crate::verbs::ud::UdDest::from_ud_param);
 //! - a received datagram, to answer its sender ([`AddressHandle::reply_to`], `ibv_create_ah_from_wc`);
 //! - raw attributes ([`AddressHandle::new`]).
 //!
@@ -132,7 +133,7 @@ impl fmt::Debug for AhAttr {
 
 /// The `ud` parameters of a connection-manager event on a UD id (`struct rdma_ud_param`): the
 /// address of the peer (or of the multicast group), its QP number and QKey. A UD `ESTABLISHED`
-/// event carries them ([`UdEndpoint::connect`](crate::UdEndpoint::connect) returns them as a
+/// event carries them ([`UdEndpoint::connect`](crate::cm::ud_cm::UdEndpoint::connect) returns them as a
 /// [`UdDest`]), and so does a multicast `JOIN` event.
 #[derive(Clone, Copy, Debug)]
 pub struct UdParam {
@@ -218,8 +219,8 @@ impl AddressHandle {
 
     /// Creates an address handle that answers the sender of a received datagram
     /// (`ibv_create_ah_from_wc`): `wc` is the receive's completion and `grh` the 40 bytes the
-    /// device wrote at the start of its buffer ([`Datagram::grh`](crate::Datagram::grh)).
-    /// `port_num` is the local port ([`UdQp::port_num`](crate::UdQp::port_num)).
+    /// device wrote at the start of its buffer ([`Datagram::grh`](crate::verbs::ud::Datagram::grh)).
+    /// `port_num` is the local port ([`UdQp::port_num`](crate::verbs::ud::UdQp::port_num)).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a completion that is not a successful receive;

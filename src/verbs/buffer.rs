@@ -48,7 +48,7 @@
 //!
 //! Registration pins whole pages. A `Vec` or a boxed slice shares its first and last pages
 //! with other allocations, and on a kernel older than 5.13 with libibverbs' fork support on
-//! ([`ForkStatus::Enabled`](crate::ForkStatus::Enabled)) those whole pages are kept out of a
+//! ([`ForkStatus::Enabled`](crate::verbs::fork::ForkStatus::Enabled)) those whole pages are kept out of a
 //! forked child, neighbours included. A program that forks on such a kernel registers a
 //! [`Mapping`] instead, which has pages of its own. See [`crate::verbs::fork`].
 

@@ -1,7 +1,7 @@
 //! `fork()` and registered memory.
 //!
 //! ```no_run
-//! use rdma_cm::{fork_init, ForkStatus};
+//! use rdma_cm::verbs::fork::{fork_init, ForkStatus};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! // In a program that forks: before the first region is registered.

@@ -1,6 +1,6 @@
 //! The hub of a device context's asynchronous events: the registry of the context's QPs, CQs
 //! and SRQs, each event's delivery to the object it names, its acknowledgement, and the log the
-//! event sources ([`crate::AsyncEvents`]) read. See [`crate::verbs::async_event`] for the rules.
+//! event sources ([`crate::verbs::async_event::AsyncEvents`]) read. See [`crate::verbs::async_event`] for the rules.
 
 use std::any::Any;
 use std::collections::HashMap;

@@ -9,21 +9,22 @@
 //! # Verbs without the connection manager
 //!
 //! An RC QP can be made on a protection domain alone and connected from the peer's
-//! [`PeerInfo`](crate::PeerInfo) (QP number, PSN, LID or GID), exchanged by any means:
-//! [`UnconnectedQp`](crate::UnconnectedQp) is in INIT;
-//! [`UnconnectedQp::connect`](crate::UnconnectedQp::connect) moves it to RTR and RTS and hands
+//! [`PeerInfo`](crate::verbs::peer::PeerInfo) (QP number, PSN, LID or GID), exchanged by any means:
+//! [`UnconnectedQp`](crate::verbs::qp::UnconnectedQp) is in INIT;
+//! [`UnconnectedQp::connect`](crate::verbs::qp::UnconnectedQp::connect) moves it to RTR and RTS and hands
 //! back the [`QueuePair`](crate::QueuePair), which a lane takes to post on it. A UD QP comes
-//! from a port and a Q_Key ([`UdQp::new`](crate::UdQp::new)). [`PeerInfo`](crate::PeerInfo)
+//! from a port and a Q_Key ([`UdQp::new`](crate::verbs::ud::UdQp::new)). [`PeerInfo`](crate::verbs::peer::PeerInfo)
 //! speaks rdma-core's pingpong wire form; `examples/rc_pingpong`, `ud_pingpong` and
 //! `srq_pingpong` interoperate with `ibv_rc_pingpong`, `ibv_ud_pingpong` and
 //! `ibv_srq_pingpong`. See [`qp::connect`].
 //!
 //! ```no_run
 //! use rdma_cm::verbs::lane::{Lane, RecvWr};
-//! use rdma_cm::{devices, AccessFlags, MemoryRegion, ProtectionDomain, RcParams, UnconnectedQp, VerbsContext};
+//! use rdma_cm::{devices, AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
+//! use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
-//! # let peer_info = |_: rdma_cm::PeerInfo| -> rdma_cm::PeerInfo { unimplemented!() };
+//! # let peer_info = |_: rdma_cm::verbs::peer::PeerInfo| -> rdma_cm::verbs::peer::PeerInfo { unimplemented!() };
 //! let ctx = VerbsContext::open(&devices()?[0].name)?;
 //! let pd = ProtectionDomain::new(&ctx)?;
 //! let mut lane = Lane::new(&ctx, 64)?;
@@ -90,10 +91,10 @@
 //!   are copied with volatile accesses. Regions a peer may only *read* are handed out as slices:
 //!   the peer may see a buffer while Rust writes it, which is no memory-safety issue.
 //!
-//! A UD send also holds its [`AddressHandle`](crate::AddressHandle) until its slot is retired,
+//! A UD send also holds its [`AddressHandle`](crate::verbs::ah::AddressHandle) until its slot is retired,
 //! so the handle outlives every send that names it, however the caller drops it (see [`ud`]).
 //!
-//! A bound [`MemoryWindow`](crate::MemoryWindow) ([`BoundWindow`](crate::BoundWindow)) holds its
+//! A bound [`MemoryWindow`](crate::verbs::mw::MemoryWindow) ([`BoundWindow`](crate::verbs::mw::BoundWindow)) holds its
 //! whole region, as a writer when it grants remote writes, until it is unbound or dropped; an
 //! invalidation holds the region until its completion (see [`verbs::mw`](crate::verbs::mw)).
 //!
@@ -107,10 +108,10 @@
 //! | [`EventChannel`](crate::EventChannel), [`CmId`](crate::CmId), [`VerbsContext`](crate::VerbsContext) | yes | yes | librdmacm/libibverbs calls on them are thread-safe |
 //! | [`ProtectionDomain`](crate::ProtectionDomain), [`CompletionQueue`](crate::CompletionQueue), [`SharedReceiveQueue`](crate::SharedReceiveQueue) | yes | yes | thread-safe verbs through `&self`; a CQ's counts are behind a mutex |
 //! | [`MemoryRegion`](crate::MemoryRegion) | yes | yes | bytes only through `&mut self` with a unique handle |
-//! | [`AsyncEvents`](crate::AsyncEvents) | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
-//! | [`AddressHandle`](crate::AddressHandle) | yes | yes | immutable once made; shared by the sends that use it |
-//! | [`UdQp`](crate::UdQp), [`UdEndpoint`](crate::UdEndpoint) | yes | no | as [`QueuePair`](crate::QueuePair) |
-//! | [`QueuePair`](crate::QueuePair), [`UnconnectedQp`](crate::UnconnectedQp), [`Connection`](crate::Connection) | yes | no | changing the QP's state needs `&mut self` |
+//! | [`AsyncEvents`](crate::verbs::async_event::AsyncEvents) | yes | yes | reads through `&mut self`; the context's registry and event log are behind a mutex |
+//! | [`AddressHandle`](crate::verbs::ah::AddressHandle) | yes | yes | immutable once made; shared by the sends that use it |
+//! | [`UdQp`](crate::verbs::ud::UdQp), [`UdEndpoint`](crate::cm::ud_cm::UdEndpoint) | yes | no | as [`QueuePair`](crate::QueuePair) |
+//! | [`QueuePair`](crate::QueuePair), [`UnconnectedQp`](crate::verbs::qp::UnconnectedQp), [`Connection`](crate::Connection) | yes | no | changing the QP's state needs `&mut self` |
 //! | [`Lane`](crate::verbs::lane::Lane) | yes | no | posting and polling need `&mut self`: one thread drives a lane, with no lock |
 //!
 //! A server of many connections runs one lane per thread, each with its QPs.

@@ -2,7 +2,8 @@
 //!
 //! ```no_run
 //! use rdma_cm::verbs::lane::{BindWr, Lane, LaneQp};
-//! use rdma_cm::{AccessFlags, MemoryRegion, MemoryWindow, ProtectionDomain, WindowType};
+//! use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain};
+//! use rdma_cm::verbs::mw::{MemoryWindow, WindowType};
 //! use std::sync::Arc;
 //!
 //! # fn main() -> rdma_cm::Result<()> {

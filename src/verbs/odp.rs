@@ -9,7 +9,8 @@
 //! driver follows the process's page tables through MMU notifiers).
 //!
 //! ```no_run
-//! use rdma_cm::{AccessFlags, AdviseFlags, Advice, MemoryRegion, ProtectionDomain, VerbsContext};
+//! use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
+//! use rdma_cm::verbs::odp::{AdviseFlags, Advice};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let ctx = VerbsContext::open("rxe0")?;

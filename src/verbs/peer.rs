@@ -4,7 +4,8 @@
 //! TCP, so programs of this crate can talk to theirs.
 //!
 //! ```no_run
-//! use rdma_cm::{PeerInfo, UdQp};
+//! use rdma_cm::verbs::peer::PeerInfo;
+//! use rdma_cm::verbs::ud::UdQp;
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! # let qp: UdQp = unimplemented!();

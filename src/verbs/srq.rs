@@ -185,8 +185,8 @@ impl SharedReceiveQueue {
     }
 
     /// The last asynchronous event the device reported about this SRQ
-    /// ([`AsyncEventKind::SrqLimitReached`](crate::AsyncEventKind::SrqLimitReached),
-    /// [`AsyncEventKind::SrqError`](crate::AsyncEventKind::SrqError)), after reading what is
+    /// ([`AsyncEventKind::SrqLimitReached`](crate::verbs::async_event::AsyncEventKind::SrqLimitReached),
+    /// [`AsyncEventKind::SrqError`](crate::verbs::async_event::AsyncEventKind::SrqError)), after reading what is
     /// pending.
     ///
     /// # Errors

@@ -19,7 +19,7 @@
 //!
 //! A UD "connect" is one request and one reply (IB SIDR): the client learns the server's QP
 //! number and QKey and an address for it from the `ESTABLISHED` event's `ud` parameters
-//! ([`UdParam`](crate::UdParam)); nothing is connected, and the server learns a client from the datagrams it
+//! ([`UdParam`](crate::verbs::ah::UdParam)); nothing is connected, and the server learns a client from the datagrams it
 //! receives ([`AddressHandle::reply_to`], [`Datagram::src_qp`]).
 //!
 //! # What a UD QP refuses, and why
@@ -209,7 +209,7 @@ impl UdQp {
     ///
     /// # Errors
     /// As for [`VerbsContext::port`](crate::VerbsContext::port) (a port the device lacks); as
-    /// for [`UnconnectedQp::new_reset`](crate::UnconnectedQp::new_reset); [`Error::Call`] when `ibv_modify_qp` refuses a
+    /// for [`UnconnectedQp::new_reset`](crate::verbs::qp::UnconnectedQp::new_reset); [`Error::Call`] when `ibv_modify_qp` refuses a
     /// state (EOPNOTSUPP or EINVAL on a device without UD).
     pub fn new(pd: &Arc<ProtectionDomain>, init: QpInit, port: u8, qkey: u32) -> Result<UdQp> {
         pd.context().port(port)?;

@@ -9,8 +9,10 @@ use std::sync::Arc;
 use crate::common::lane::{lane_pair, lane_ud_pair, reap};
 use crate::common::{pattern, require, Cap, DeviceTest, PairSpec};
 use crate::shared::{count, spec, LW};
+use rdma_cm::verbs::ah::{AddressHandle, GRH_LEN};
 use rdma_cm::verbs::lane::{RecvWr, SendWr};
-use rdma_cm::{AddressHandle, MemoryRegion, QpInit, UdDest, WcStatus, GRH_LEN};
+use rdma_cm::verbs::ud::UdDest;
+use rdma_cm::{MemoryRegion, QpInit, WcStatus};
 
 /// A lane forgotten with an RDMA READ in flight (on the client) and one with a receive posted
 /// (on the server) leak their regions, which stay registered: the device may still write

@@ -8,9 +8,11 @@ use std::sync::Arc;
 
 use crate::common::lane::reap;
 use crate::common::{require, resources, Cap, DeviceTest, T};
+use rdma_cm::cm::multicast::{JoinKind, McastClient, Multicast};
 use rdma_cm::status::WorkQueue;
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
-use rdma_cm::{AccessFlags, Error, JoinKind, McastClient, MemoryRegion, Multicast, ProtectionDomain, QpInit, GRH_LEN};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit};
 
 /// A multicast endpoint bound (through `src`) to the device, its QP made with a new lane's CQ
 /// and attached to it; loopback on.

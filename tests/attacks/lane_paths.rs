@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use crate::common::lane::{lane_on, reap, LaneSide};
 use crate::common::{pattern, require, Cap, DeviceTest, PairSpec, T};
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr};
+use rdma_cm::verbs::qp::UnconnectedQp;
 use rdma_cm::{
     AccessFlags, Client, CmEventType, ConnParam, ConnectRequest, Error, EventChannel, Listener, MemoryRegion,
-    ProtectionDomain, QpInit, Server, UnconnectedQp, WcStatus, WorkQueue,
+    ProtectionDomain, QpInit, Server, WcStatus, WorkQueue,
 };
 
 const LEN: usize = 64;

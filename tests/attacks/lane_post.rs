@@ -10,12 +10,13 @@ use crate::common::lane::{lane_pair, lane_ud_pair, original_post_send, reap, wit
 use crate::common::lane::{original_post_recv, with_post_recv};
 use crate::common::{pattern, require, Cap, DeviceTest, PairSpec, T};
 use crate::shared::{region, spec, LW};
+use rdma_cm::verbs::ah::GRH_LEN;
 use rdma_cm::verbs::lane::{InlineWr, Lane, LaneQp, RecvWr, SendWr, MAX_LIST};
+use rdma_cm::MAX_SGE;
 use rdma_cm::{
     ffi, AccessFlags, Client, CompletionQueue, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, RemoteRegion,
     VerbsContext, WcStatus,
 };
-use rdma_cm::{GRH_LEN, MAX_SGE};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use crate::common::lane::{lane_on, reap};
 use crate::common::{mr_count, pattern, require, Cap, DeviceTest, T};
+use rdma_cm::cm::ud_cm::{UdClient, UdServer};
 use rdma_cm::status::WorkQueue;
+use rdma_cm::verbs::ah::GRH_LEN;
+use rdma_cm::verbs::async_event::{AsyncElement, AsyncEvent, AsyncEvents};
 use rdma_cm::verbs::lane::{Lane, LaneQp, LaneSrq, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, AsyncElement, AsyncEvent, AsyncEvents, Client, ConnParam, Error, MemoryRegion, ProtectionDomain,
-    QpInit, QpState, Server, UdClient, UdServer, GRH_LEN,
-};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, ProtectionDomain, QpInit, QpState, Server};
 
 const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
 

@@ -8,11 +8,10 @@ use std::sync::Arc;
 use crate::common::lane::{lane_ud_pair, reap, LaneUdPair};
 use crate::common::{pattern, require, Cap, DeviceTest, T};
 use rdma_cm::status::WorkQueue;
+use rdma_cm::verbs::ah::{AddressHandle, Grh, GRH_LEN};
 use rdma_cm::verbs::lane::{Completion, InlineWr, Lane, RecvWr, SendWr};
-use rdma_cm::{
-    AccessFlags, AddressHandle, Error, Grh, MemoryRegion, ProtectionDomain, QpInit, QpState, UdDest, VerbsContext,
-    GRH_LEN,
-};
+use rdma_cm::verbs::ud::UdDest;
+use rdma_cm::{AccessFlags, Error, MemoryRegion, ProtectionDomain, QpInit, QpState, VerbsContext};
 
 const LW: AccessFlags = AccessFlags::LOCAL_WRITE;
 
@@ -116,7 +115,9 @@ fn refused_ud_posts_lists_and_destinations_hold_nothing_and_the_qp_still_works()
         let mr = MemoryRegion::new(&pd, 64, LW).unwrap();
         let mr = refused(lane.post_send(qp, SendWr::send(mr, 0..8)).unwrap_err(), "a UD send without a destination");
         // A destination registered for another QP of this lane (a second endpoint attached here).
-        let other_qp = rdma_cm::UdQp::new(&pd, lane.qp_init_from(QpInit::new()), 1, rdma_cm::RDMA_UDP_QKEY).unwrap();
+        let other_qp =
+            rdma_cm::verbs::ud::UdQp::new(&pd, lane.qp_init_from(QpInit::new()), 1, rdma_cm::verbs::ud::RDMA_UDP_QKEY)
+                .unwrap();
         let other = lane.attach(other_qp).map_err(|r| r.into_parts().0).expect("a second UD QP on the lane");
         let others_dest = lane.add_dest(other, &server_dest).unwrap();
         let r = lane.post_send(qp, SendWr::send(mr, 0..8).to(others_dest)).unwrap_err();
@@ -361,7 +362,11 @@ fn reply_to_refuses_what_is_not_a_received_datagram() {
         assert!(AddressHandle::reply_to(&pd, 9, &wc, &grh).is_err(), "port 9 does not exist");
         // The real ones answer the client.
         let ah = AddressHandle::reply_to(&pd, port, &wc, &grh).unwrap();
-        let back = p.server.lane.add_dest(p.server.qp, &UdDest::new(ah, got.src_qp(), rdma_cm::RDMA_UDP_QKEY)).unwrap();
+        let back = p
+            .server
+            .lane
+            .add_dest(p.server.qp, &UdDest::new(ah, got.src_qp(), rdma_cm::verbs::ud::RDMA_UDP_QKEY))
+            .unwrap();
         let c = &mut p.client;
         c.lane.post_recv(c.qp, RecvWr::new(MemoryRegion::new(&c.pd, GRH_LEN + 8, LW).unwrap()).wr_id(7)).unwrap();
         p.server.lane.post_inline(p.server.qp, InlineWr::send(b"back").to(back).wr_id(8)).unwrap();

@@ -5,8 +5,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{mpsc, Arc};
 use std::thread;
 
+use rdma_cm::cm::ud_cm::{UdClient, UdServer};
 use rdma_cm::verbs::lane::{Lane, LaneQp};
-use rdma_cm::{ffi, MemoryRegion, ProtectionDomain, QpInit, UdClient, UdDest, UdServer, VerbsContext};
+use rdma_cm::verbs::ud::UdDest;
+use rdma_cm::{ffi, MemoryRegion, ProtectionDomain, QpInit, VerbsContext};
 
 use super::{pair, PairSpec, Side, T};
 

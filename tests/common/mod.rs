@@ -168,7 +168,7 @@ pub fn rocev2_gid_index(ctx: &rdma_cm::VerbsContext, addr: IpAddr) -> u32 {
     ctx.gid_table(1)
         .expect("the GID table of port 1")
         .into_iter()
-        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == rdma_cm::GidType::RoceV2)
+        .find(|e| e.gid.ipv4().map(IpAddr::V4) == Some(addr) && e.gid_type == rdma_cm::verbs::port::GidType::RoceV2)
         .unwrap_or_else(|| panic!("no RoCE v2 GID of {addr} on port 1"))
         .index
 }

@@ -6,7 +6,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;
 use std::thread;
 
-use rdma_cm::{QpInit, UdClient, UdDest, UdEndpoint, UdServer};
+use rdma_cm::cm::ud_cm::{UdClient, UdEndpoint, UdServer};
+use rdma_cm::verbs::ud::UdDest;
+use rdma_cm::QpInit;
 
 use super::setup_timeout;
 

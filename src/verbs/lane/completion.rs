@@ -231,7 +231,7 @@ impl Wc {
     }
 
     /// Whether the received packet carried a GRH (`IBV_WC_GRH`): on RoCE every datagram does,
-    /// and the first 40 bytes of the receive buffer hold it ([`crate::Grh`]). On a UD QP those
+    /// and the first 40 bytes of the receive buffer hold it ([`crate::verbs::ah::Grh`]). On a UD QP those
     /// 40 bytes are taken whether or not a GRH was present.
     #[inline]
     pub fn has_grh(&self) -> bool {

@@ -8,7 +8,7 @@
 //!
 //! - **Ownership instead of locks.** A lane owns its CQ and the QPs attached to it
 //!   ([`Lane::attach`] takes what owns the QP: a [`Connection`](crate::Connection) or
-//!   [`UdEndpoint`](crate::UdEndpoint) from the CM, a [`QueuePair`] or [`UdQp`](crate::UdQp) without it).
+//!   [`UdEndpoint`](crate::cm::ud_cm::UdEndpoint) from the CM, a [`QueuePair`] or [`UdQp`](crate::verbs::ud::UdQp) without it).
 //!   It is `Send`, not `Sync`, and posting and polling take `&mut self`: no mutex, no atomic
 //!   read-modify-write on the way. One lane per thread is how RDMA servers are built anyway.
 //! - **Owned buffers instead of reference counts.** A work request *moves* its
@@ -56,9 +56,9 @@
 //! - **Memory windows and multicast**, each through an entry point of its own (the ordinary
 //!   post is untouched): [`Lane::bind_window`] moves the region into the bind's slot and
 //!   returns the bound window, [`Lane::invalidate_window`] and [`Lane::window_unbound`] take
-//!   it back (see [`Invalidating`]); a [`McastEndpoint`](crate::McastEndpoint) made with the
+//!   it back (see [`Invalidating`]); a [`McastEndpoint`](crate::cm::multicast::McastEndpoint) made with the
 //!   lane's CQ is attached like any UD endpoint, and joins groups with
-//!   [`Multicast::join_on`](crate::Multicast::join_on).
+//!   [`Multicast::join_on`](crate::cm::multicast::Multicast::join_on).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -585,8 +585,8 @@ impl Lane {
 
     /// Attaches a QP whose CQs are the lane's ([`Lane::qp_init`]) with what owns it: an RC
     /// [`Connection`](crate::Connection) or a [`QueuePair`] brought to RTS without the CM
-    /// ([`UnconnectedQp::connect`](crate::UnconnectedQp::connect)), a UD
-    /// [`UdEndpoint`](crate::UdEndpoint) or [`UdQp`](crate::UdQp). From now on its work goes
+    /// ([`UnconnectedQp::connect`](crate::verbs::qp::UnconnectedQp::connect)), a UD
+    /// [`UdEndpoint`](crate::cm::ud_cm::UdEndpoint) or [`UdQp`](crate::verbs::ud::UdQp). From now on its work goes
     /// through the lane, and the lane owns it (until [`Lane::remove`] or the lane's drop).
     ///
     /// A QP already in the error state (its own path saw a completion fail, found it there, or

@@ -137,7 +137,7 @@ impl fmt::Debug for BindWr {
 /// asked twice.
 ///
 /// ```compile_fail,E0382
-/// # fn f(lane: &mut rdma_cm::verbs::lane::Lane, qp: rdma_cm::LaneQp, w: rdma_cm::BoundWindow) {
+/// # fn f(lane: &mut rdma_cm::verbs::lane::Lane, qp: rdma_cm::LaneQp, w: rdma_cm::verbs::mw::BoundWindow) {
 /// let inv = lane.invalidate_window(qp, w, 1).unwrap();
 /// let again = lane.invalidate_window(qp, w, 2); // error[E0382]: use of moved value `w`
 /// # }

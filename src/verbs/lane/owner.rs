@@ -26,7 +26,7 @@ pub(crate) use sealed::Sealed;
 
 /// An owner of a QP that a [`Lane`](super::Lane) can take over ([`Lane::attach`](super::Lane::attach)):
 /// [`QueuePair`] (RC, brought to RTS without the CM), [`UdQp`], and on the CM side
-/// [`Connection`](crate::Connection) and [`UdEndpoint`](crate::UdEndpoint). Sealed: the lane
+/// [`Connection`](crate::Connection) and [`UdEndpoint`](crate::cm::ud_cm::UdEndpoint). Sealed: the lane
 /// relies on each of them for the QP's state (ready to post, no SRQ checked at attach).
 pub trait LaneOwner: Sealed + Send + 'static {
     /// The QP.

@@ -236,7 +236,7 @@ impl Lane {
     /// # Errors
     /// The region comes back with the error when it was not posted: [`Error::QueueFull`];
     /// [`Error::OutOfBounds`]; [`Error::InvalidArgument`] for a region of another protection
-    /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`](crate::GRH_LEN)-byte GRH,
+    /// domain or without `LOCAL_WRITE`, a UD receive with no room for the [`GRH_LEN`](crate::verbs::ah::GRH_LEN)-byte GRH,
     /// or an unknown `qp`, and for a scattered receive ([`RecvWr::scatter`]) of more pieces
     /// than the QP takes ([`QpInit::max_recv_sge`](crate::QpInit::max_recv_sge)) or of an
     /// empty one; [`Error::QpInError`]; [`Error::Call`] as for [`Lane::post_send`].

@@ -5,7 +5,9 @@
 //!
 //! ```no_run
 //! use rdma_cm::verbs::lane::Lane;
-//! use rdma_cm::{PeerInfo, ProtectionDomain, RcParams, UnconnectedQp, VerbsContext};
+//! use rdma_cm::{ProtectionDomain, VerbsContext};
+//! use rdma_cm::verbs::peer::PeerInfo;
+//! use rdma_cm::verbs::qp::{RcParams, UnconnectedQp};
 //!
 //! # fn main() -> rdma_cm::Result<()> {
 //! let ctx = VerbsContext::open("rxe0")?;

@@ -1,4 +1,4 @@
-//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::UdQp), UD) queue pair: its creation
+//! [`QueuePair`]: an owned RC (or, under a [`UdQp`](crate::verbs::ud::UdQp), UD) queue pair: its creation
 //! ([`QpInit`]), capabilities, state and teardown. Its work is posted and reaped through a
 //! [`Lane`](crate::verbs::lane::Lane), which takes the QP by value
 //! ([`Lane::attach`](crate::verbs::lane::Lane::attach), or a connection step that puts it there)
@@ -146,7 +146,7 @@ impl QpInit {
 /// What a lane hands its QP when it goes: the regions (and a UD QP's address handles) of work
 /// still posted, released once `ibv_destroy_qp` succeeds and leaked when it fails, since until
 /// then the device may use them. Its address also names the QP to a memory window bound
-/// through it ([`BoundWindow`](crate::BoundWindow)).
+/// through it ([`BoundWindow`](crate::verbs::mw::BoundWindow)).
 #[derive(Default)]
 pub(crate) struct Parked {
     pub(crate) regions: Vec<Hold>,
@@ -414,7 +414,7 @@ impl QueuePair {
     }
 
     /// What a memory window bound through this QP recognises it by
-    /// ([`BoundWindow`](crate::BoundWindow)).
+    /// ([`BoundWindow`](crate::verbs::mw::BoundWindow)).
     pub(crate) fn identity(&self) -> &Arc<Mutex<Parked>> {
         &self.parked
     }
@@ -468,7 +468,7 @@ impl QueuePair {
     }
 
     /// The last asynchronous event the device reported about this QP (e.g.
-    /// [`AsyncEventKind::QpFatal`](crate::AsyncEventKind::QpFatal)), after reading what is
+    /// [`AsyncEventKind::QpFatal`](crate::verbs::async_event::AsyncEventKind::QpFatal)), after reading what is
     /// pending. See [`crate::verbs::async_event`].
     ///
     /// # Errors
