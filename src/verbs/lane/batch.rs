@@ -191,6 +191,9 @@ impl Lane {
             if !last && m.in_order() && w.is_fetch() {
                 return Err(Rejected::new(fetch_before_last(k), w.mr));
             }
+            if m.in_order() && w.has_imm() {
+                return Err(Rejected::new(no_immediate_data(k), w.mr));
+            }
             // An interior one's tag, fixed; each post stamps the last one's sequence number.
             let id = if last { 0 } else { tag::interior(qp.place, number, k as u32) };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
@@ -331,5 +334,13 @@ fn fetch_before_last(k: usize) -> Error {
         "prepare_batch: work request {k} is an RDMA READ or atomic before the batch's last: on an iWARP \
          device a later request can complete before the READ's data has landed, and the batch retires \
          with its last completion (make the READ or atomic the last request, or post it on its own)"
+    ))
+}
+
+#[cold]
+fn no_immediate_data(k: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "prepare_batch: work request {k} carries immediate data, which an iWARP device does not have \
+         (send the value in the message instead)"
     ))
 }

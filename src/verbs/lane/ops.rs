@@ -49,7 +49,52 @@ pub(super) unsafe fn poll_cq_of(cq: NonNull<ffi::ibv_cq>) -> Result<PollCq> {
 pub(super) unsafe fn post_of(qp: NonNull<ffi::ibv_qp>) -> Result<(PostSend, PostRecv)> {
     // SAFETY: as in `poll_cq_of`, for the QP's context.
     let ops = unsafe { &(*(*qp.as_ptr()).context).ops };
-    Ok((ops.post_send.ok_or_else(|| missing("post_send"))?, ops.post_recv.ok_or_else(|| missing("post_recv"))?))
+    let post_send = ops.post_send.ok_or_else(|| missing("post_send"))?;
+    // SAFETY: `qp` is live (the caller's promise).
+    let post_send = if unsafe { super::transport_is_iwarp(qp) } { iwarp_post_send as PostSend } else { post_send };
+    Ok((post_send, ops.post_recv.ok_or_else(|| missing("post_recv"))?))
+}
+
+/// The `post_send` a lane calls on an iWARP QP. iWARP has no immediate data, yet rdma-core
+/// 44's Soft-iWARP library takes a send or WRITE that carries it, and the device then runs
+/// nothing more on the QP: no completion, no flush. This refuses such a request as a provider
+/// should (`EINVAL`, naming it in `bad`, after posting the ones before it) and hands everything
+/// else to the provider's own `post_send`, read from the QP's context at each call.
+///
+/// # Safety
+/// As for the provider's `post_send`: `qp` is live, `wr` a NULL-terminated list of valid work
+/// requests, `bad` valid for a write.
+unsafe extern "C" fn iwarp_post_send(
+    qp: *mut ffi::ibv_qp,
+    wr: *mut ffi::ibv_send_wr,
+    bad: *mut *mut ffi::ibv_send_wr,
+) -> c_int {
+    use ffi::ibv_wr_opcode::{IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND_WITH_IMM};
+    // SAFETY: the caller's promises: the list's entries are valid and NULL-terminated, the QP
+    // and its context live (the context's table was filled before it was handed out).
+    unsafe {
+        let Some(post) = (*(*qp).context).ops.post_send else { return libc::EINVAL };
+        let (mut prev, mut w): (*mut ffi::ibv_send_wr, *mut ffi::ibv_send_wr) = (std::ptr::null_mut(), wr);
+        while !w.is_null() {
+            if (*w).opcode == IBV_WR_SEND_WITH_IMM || (*w).opcode == IBV_WR_RDMA_WRITE_WITH_IMM {
+                if !prev.is_null() {
+                    // The ones before it go to the provider, the list cut after them for the
+                    // call and mended after it.
+                    (*prev).next = std::ptr::null_mut();
+                    let ret = post(qp, wr, bad);
+                    (*prev).next = w;
+                    if ret != 0 {
+                        return ret;
+                    }
+                }
+                *bad = w;
+                return libc::EINVAL;
+            }
+            prev = w;
+            w = (*w).next;
+        }
+        post(qp, wr, bad)
+    }
 }
 
 impl Lane {

@@ -360,6 +360,11 @@ impl SendWr {
         matches!(self.opcode, IBV_WR_SEND | IBV_WR_SEND_WITH_IMM)
     }
 
+    /// Whether it carries immediate data (a send or WRITE with it).
+    pub(super) fn has_imm(&self) -> bool {
+        matches!(self.opcode, IBV_WR_SEND_WITH_IMM | IBV_WR_RDMA_WRITE_WITH_IMM)
+    }
+
     /// Whether the device writes its region with the peer's response: an RDMA READ or an atomic.
     pub(super) fn is_fetch(&self) -> bool {
         matches!(self.opcode, IBV_WR_RDMA_READ | IBV_WR_ATOMIC_FETCH_AND_ADD | IBV_WR_ATOMIC_CMP_AND_SWP)
