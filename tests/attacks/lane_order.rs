@@ -686,3 +686,76 @@ fn two_qps_on_one_lane_one_waiting_behind_a_read_each_come_back_once_in_order() 
     }
     t.finish();
 }
+
+/// A READ, then a batch whose middle request is a send with immediate data, which iWARP does
+/// not have. Whatever the device makes of it (its library refusing it, taking the batch in
+/// part; or taking it whole and failing it), the READ comes back first, with its own
+/// completion (signaled: not retired by the batch's), and every byte when it succeeded; and the
+/// batch comes back (succeeded, or flushed once a failure put the QP in the error state, as the
+/// `batch` module promises) or its post is refused. On Soft-RoCE both succeed.
+#[test]
+fn a_batch_with_immediate_data_behind_a_read_comes_back_after_it_or_is_refused() {
+    let t = DeviceTest::start();
+    {
+        let mut r = rig(&t, 128);
+        r.fill(5);
+        r.peer_receives(3);
+        r.flood();
+        let mut batch =
+            r.a.lane
+                .prepare_batch(r.a.qp, region(&r.a.pd, 4096), 3, |k, mr| match k {
+                    0 => SendWr::send(mr, 0..32),
+                    1 => SendWr::send(mr, 32..64).imm(7),
+                    _ => SendWr::send(mr, 64..96).wr_id(1),
+                })
+                .map_err(|e| e.into_parts().0)
+                .unwrap();
+        let read = r.read(0);
+        r.a.lane.post_send(r.a.qp, read).unwrap();
+        let posted = r.a.lane.post_batch(&mut batch);
+        let mut first = r.a.lane.wait(LONG).unwrap();
+        assert_eq!(first.wr_id(), 0, "the READ comes back first: {first:?} (batch: {posted:?})");
+        assert!(
+            first.is_signaled(),
+            "the READ comes back with its own completion, not retired by a later one: {first:?}"
+        );
+        match first.status() {
+            WcStatus::Success => r.read_back(&mut first, 5, "the READ"),
+            WcStatus::WrFlushErr => assert!(posted.is_err() && first.take_region().is_some(), "{first:?}"),
+            other => panic!("the READ: {other:?}"),
+        }
+        match posted {
+            Ok(()) => {
+                // The batch's last request comes back, succeeded or flushed after an earlier one
+                // failed (the module docs of `batch`: a failure puts the QP in the error state).
+                let c = r.a.lane.wait(LONG);
+                if let Err(e) = &c {
+                    let state = r.a.lane.attributes(r.a.qp).map(|a| a.state);
+                    let held = r.a.lane.outstanding(r.a.qp);
+                    r.a.lane.set_error(r.a.qp).unwrap();
+                    let after = r.a.lane.wait(LONG).map(|c| (c.wr_id(), c.status()));
+                    panic!(
+                        "the batch, taken whole, never came back: {e}; the QP is {state:?}, slots {held:?}; \
+                         after set_error: {after:?}"
+                    );
+                }
+                let mut c = c.unwrap();
+                assert!(c.is_ok() && c.wr_id() == 1 && c.take_region().is_some(), "{c:?}");
+                assert_eq!(r.a.lane.outstanding(r.a.qp).unwrap(), (0, 0));
+                r.peer_settles(3, true);
+            }
+            Err(e) => {
+                // The batch's region comes back with the flush of its first request, if that one
+                // had not run; otherwise the removal releases it.
+                assert!(caps::iwarp(), "only Soft-iWARP refuses the send with immediate data: {e}");
+                while let Some(c) = r.a.lane.poll().unwrap() {
+                    assert_eq!(c.wr_id(), 1, "only the batch is left: {c:?}");
+                }
+                r.a.lane.remove(r.a.qp).unwrap();
+            }
+        }
+        drop(batch);
+        drop(r);
+    }
+    t.finish();
+}
