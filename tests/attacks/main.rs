@@ -22,6 +22,7 @@ mod events;
 mod lane_attach;
 mod lane_drop;
 mod lane_multicast;
+mod lane_order;
 mod lane_paths;
 mod lane_poll;
 mod lane_post;
