@@ -18,7 +18,7 @@ use crate::common::lane::{attached_pair, lane_pair, LaneSide};
 use crate::common::{caps, pattern, DeviceTest, PairSpec};
 use crate::shared::{region, LW};
 use rdma_cm::verbs::lane::{Completion, InlineWr, LaneQp, PreparedSend, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, MemoryRegion, RemoteRegion, WcOpcode, WcStatus};
+use rdma_cm::{AccessFlags, Error, MemoryRegion, RemoteRegion, WcOpcode, WcStatus};
 
 /// The READ's size.
 const BIG: usize = 512 << 10;
@@ -688,11 +688,10 @@ fn two_qps_on_one_lane_one_waiting_behind_a_read_each_come_back_once_in_order() 
 }
 
 /// A READ, then a batch whose middle request is a send with immediate data, which iWARP does
-/// not have. Whatever the device makes of it (its library refusing it, taking the batch in
-/// part; or taking it whole and failing it), the READ comes back first, with its own
-/// completion (signaled: not retired by the batch's), and every byte when it succeeded; and the
-/// batch comes back (succeeded, or flushed once a failure put the QP in the error state, as the
-/// `batch` module promises) or its post is refused. On Soft-RoCE both succeed.
+/// not have. On Soft-RoCE the READ comes back first, with every byte, then the batch. On iWARP
+/// (whose Soft-iWARP library takes such a request, after which the QP runs nothing more) the
+/// batch is refused when it is prepared and a single send with immediate data when it is
+/// posted, both naming what is wrong, and the QP goes on: a plain send behind them completes.
 #[test]
 fn a_batch_with_immediate_data_behind_a_read_comes_back_after_it_or_is_refused() {
     let t = DeviceTest::start();
@@ -700,16 +699,29 @@ fn a_batch_with_immediate_data_behind_a_read_comes_back_after_it_or_is_refused()
         let mut r = rig(&t, 128);
         r.fill(5);
         r.peer_receives(3);
+        let ops = |k: usize, mr: MemoryRegion| match k {
+            0 => SendWr::send(mr, 0..32),
+            1 => SendWr::send(mr, 32..64).imm(7),
+            _ => SendWr::send(mr, 64..96).wr_id(1),
+        };
+        if caps::iwarp() {
+            let (e, back) = r.a.lane.prepare_batch(r.a.qp, region(&r.a.pd, 4096), 3, ops).unwrap_err().into_parts();
+            assert!(e.to_string().contains("work request 1 carries immediate data"), "{e}");
+            let mut back = back.expect("the refused batch's region comes back");
+            let refused = r.a.lane.post_send(r.a.qp, SendWr::send(region(&r.a.pd, 64), 0..32).imm(7)).unwrap_err();
+            assert!(refused.to_string().contains("immediate data"), "{refused}");
+            assert!(matches!(refused.error(), Error::Call { .. }), "{refused}");
+            back.write_at(0, b"plain").unwrap();
+            r.a.lane.post_send(r.a.qp, SendWr::send(back, 0..32).wr_id(2)).unwrap();
+            let c = r.a.lane.wait(LONG).unwrap();
+            assert!(c.is_ok() && c.wr_id() == 2, "the QP goes on: {c:?}");
+            r.peer_settles(1, false);
+            drop((refused, c, r));
+            return t.finish();
+        }
         r.flood();
         let mut batch =
-            r.a.lane
-                .prepare_batch(r.a.qp, region(&r.a.pd, 4096), 3, |k, mr| match k {
-                    0 => SendWr::send(mr, 0..32),
-                    1 => SendWr::send(mr, 32..64).imm(7),
-                    _ => SendWr::send(mr, 64..96).wr_id(1),
-                })
-                .map_err(|e| e.into_parts().0)
-                .unwrap();
+            r.a.lane.prepare_batch(r.a.qp, region(&r.a.pd, 4096), 3, ops).map_err(|e| e.into_parts().0).unwrap();
         let read = r.read(0);
         r.a.lane.post_send(r.a.qp, read).unwrap();
         let posted = r.a.lane.post_batch(&mut batch);
