@@ -84,6 +84,33 @@ impl Rig {
         SendWr::read(self.target.take().expect("the target is back"), 0..BIG, &self.source, 0).wr_id(wr_id)
     }
 
+    /// A round: the READ's source filled with `seed`'s pattern and its target zeroed, `n`
+    /// receives on the peer, and the peer's flood started.
+    fn start_round(&mut self, seed: u8, n: u64) {
+        self.fill(seed);
+        self.peer_receives(n);
+        self.flood();
+    }
+
+    /// Round `seed`: the peer's flood, then a READ (`wr_id` 0) and three sends (1 to 3) behind
+    /// it, the peer's three receives taken; returns what one poll for 16 handed out then.
+    fn read_then_three_sends(&mut self, seed: u8) -> Vec<Got> {
+        self.start_round(seed, 3);
+        let read = self.read(0);
+        self.a.lane.post_send(self.a.qp, read).unwrap();
+        for k in 1..=3u64 {
+            let m = message(&self.a, k as u8);
+            self.a.lane.post_send(self.a.qp, SendWr::send(m, 0..MSG).wr_id(k)).unwrap();
+        }
+        self.peer_settles(3, false);
+        let mut got: Vec<Got> = Vec::new();
+        self.a
+            .lane
+            .poll_with(16, |wc, mr| got.push((wc.wr_id(), wc.is_signaled(), wc.status(), wc.opcode(), mr)))
+            .unwrap();
+        got
+    }
+
     /// `n` receives on the peer for a's sends.
     fn peer_receives(&mut self, n: u64) {
         for k in 0..n {
@@ -172,9 +199,7 @@ fn sends_behind_a_large_read_come_back_after_it_in_order_polled_one_at_a_time() 
     {
         let mut r = rig(&t, 128);
         for round in 0..3u8 {
-            r.fill(round);
-            r.peer_receives(4);
-            r.flood();
+            r.start_round(round, 4);
             let read = r.read(0);
             r.a.lane.post_send(r.a.qp, read).unwrap();
             for k in 1..=4u64 {
@@ -205,9 +230,7 @@ fn sends_behind_a_large_read_come_back_in_order_through_polls_of_zero_one_and_si
     {
         let mut r = rig(&t, 128);
         for round in 0..4u8 {
-            r.fill(round);
-            r.peer_receives(6);
-            r.flood();
+            r.start_round(round, 6);
             let read = r.read(0);
             r.a.lane.post_send(r.a.qp, read).unwrap();
             let sends: Vec<SendWr> =
@@ -274,9 +297,7 @@ fn a_panic_in_the_poll_closure_while_sends_wait_behind_a_read_loses_and_repeats_
     {
         let mut r = rig(&t, 128);
         for (round, panic_on) in [(0u8, 1usize), (1, 2), (2, 3)] {
-            r.fill(round);
-            r.peer_receives(4);
-            r.flood();
+            r.start_round(round, 4);
             let read = r.read(0);
             r.a.lane.post_send(r.a.qp, read).unwrap();
             for k in 1..=4u64 {
@@ -341,9 +362,7 @@ fn removing_another_qp_while_sends_wait_behind_a_read_keeps_them_in_order() {
             for k in 0..4u64 {
                 r.a.lane.post_recv(q2, RecvWr::new(region(&pd2, MSG)).wr_id(50 + k)).unwrap();
             }
-            r.fill(round);
-            r.peer_receives(3);
-            r.flood();
+            r.start_round(round, 3);
             let read = r.read(0);
             r.a.lane.post_send(r.a.qp, read).unwrap();
             for k in 1..=3u64 {
@@ -379,20 +398,7 @@ fn the_error_state_while_sends_wait_behind_a_read_hands_each_slot_back_once_in_o
     let t = DeviceTest::start();
     {
         let mut r = rig(&t, 128);
-        r.fill(7);
-        r.peer_receives(3);
-        r.flood();
-        let read = r.read(0);
-        r.a.lane.post_send(r.a.qp, read).unwrap();
-        for k in 1..=3u64 {
-            let m = message(&r.a, k as u8);
-            r.a.lane.post_send(r.a.qp, SendWr::send(m, 0..MSG).wr_id(k)).unwrap();
-        }
-        r.peer_settles(3, false);
-        let mut got: Vec<Got> = Vec::new();
-        r.a.lane
-            .poll_with(16, |wc, mr| got.push((wc.wr_id(), wc.is_signaled(), wc.status(), wc.opcode(), mr)))
-            .unwrap();
+        let mut got = r.read_then_three_sends(7);
         r.a.lane.set_error(r.a.qp).unwrap();
         let rest = poll_until(&mut r.a.lane, 1, 4 - got.len());
         got.extend(rest);
@@ -420,20 +426,7 @@ fn dropping_the_lane_while_sends_wait_behind_a_read_returns_and_releases_everyth
     let t = DeviceTest::start();
     {
         let mut r = rig(&t, 128);
-        r.fill(3);
-        r.peer_receives(3);
-        r.flood();
-        let read = r.read(0);
-        r.a.lane.post_send(r.a.qp, read).unwrap();
-        for k in 1..=3u64 {
-            let m = message(&r.a, k as u8);
-            r.a.lane.post_send(r.a.qp, SendWr::send(m, 0..MSG).wr_id(k)).unwrap();
-        }
-        r.peer_settles(3, false);
-        let mut got: Vec<Got> = Vec::new();
-        r.a.lane
-            .poll_with(16, |wc, mr| got.push((wc.wr_id(), wc.is_signaled(), wc.status(), wc.opcode(), mr)))
-            .unwrap();
+        let got = r.read_then_three_sends(3);
         let handed = ids(&got);
         assert_eq!(handed, (0..handed.len() as u64).collect::<Vec<_>>(), "in order");
         drop(got);
@@ -505,9 +498,7 @@ fn inline_sends_behind_an_unsignaled_read_retire_after_it_in_order() {
         let mut r = rig(&t, 128);
         let iwarp = caps::iwarp();
         for round in 0..3u8 {
-            r.fill(round);
-            r.peer_receives(4);
-            r.flood();
+            r.start_round(round, 4);
             let read = r.read(0).unsignaled();
             r.a.lane.post_send(r.a.qp, read).unwrap();
             for k in 1..=4u64 {
@@ -601,9 +592,7 @@ fn a_read_in_the_middle_of_a_posted_list_retires_in_order_with_its_bytes() {
         let mut r = rig(&t, 128);
         let iwarp = caps::iwarp();
         for round in 0..4u8 {
-            r.fill(round);
-            r.peer_receives(3);
-            r.flood();
+            r.start_round(round, 3);
             let read = r.read(2).unsignaled();
             let s = |k: u64, r: &Rig| SendWr::send(message(&r.a, k as u8), 0..MSG).wr_id(k);
             let wrs = [s(1, &r).unsignaled(), read, s(3, &r).unsignaled(), s(4, &r)];
@@ -647,9 +636,7 @@ fn two_qps_on_one_lane_one_waiting_behind_a_read_each_come_back_once_in_order() 
                     k,
                 );
             }
-            r.fill(round);
-            r.peer_receives(3);
-            r.flood();
+            r.start_round(round, 3);
             let read = r.read(0);
             r.a.lane.post_send(r.a.qp, read).unwrap();
             for k in 1..=3u64 {
