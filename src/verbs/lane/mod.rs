@@ -515,20 +515,6 @@ impl fmt::Debug for Lane {
     }
 }
 
-/// Whether `qp`'s device is an iWARP one.
-///
-/// # Safety
-/// `qp` is a live QP.
-unsafe fn transport_is_iwarp(qp: NonNull<ffi::ibv_qp>) -> bool {
-    // SAFETY: a live QP's context is live, and its device with it (the caller's promise).
-    unsafe {
-        let ctx = qp.as_ref().context;
-        !ctx.is_null()
-            && !(*ctx).device.is_null()
-            && (*(*ctx).device).transport_type == ffi::ibv_transport_type::IBV_TRANSPORT_IWARP
-    }
-}
-
 /// The refusal of a [`LaneQp`] the lane does not hold.
 #[cold]
 fn unknown_qp() -> Error {
@@ -648,8 +634,9 @@ impl Lane {
         let Some(raw) = NonNull::new(qp.as_raw()) else {
             return Err((Error::InvalidArgument("attach: QP without a handle".into()), owner));
         };
+        let iwarp = qp.pd().context().transport() == crate::verbs::device::Transport::Iwarp;
         // SAFETY: `raw` is the live QP of `owner`, which the member keeps (dropped with it).
-        let (post_send, post_recv) = match unsafe { ops::post_of(raw) } {
+        let (post_send, post_recv) = match unsafe { ops::post_of(raw, iwarp) } {
             Ok(f) => f,
             Err(e) => return Err((e, owner)),
         };
@@ -689,8 +676,7 @@ impl Lane {
             max_recv_sge: qp.max_recv_sge(),
             max_inline: qp.max_inline_data(),
             mtu,
-            // SAFETY: `raw` is the live QP of `owner`; its context and device outlive it.
-            always_flags: if unsafe { transport_is_iwarp(raw) } { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 },
+            always_flags: if iwarp { ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 } else { 0 },
             failed,
             batch_error: None,
             orphan: None,

@@ -41,17 +41,17 @@ pub(super) unsafe fn poll_cq_of(cq: NonNull<ffi::ibv_cq>) -> Result<PollCq> {
     unsafe { (*(*cq.as_ptr()).context).ops.poll_cq }.ok_or_else(|| missing("poll_cq"))
 }
 
-/// The `post_send` and `post_recv` of the context `qp` was made on.
+/// The `post_send` and `post_recv` of the context `qp` was made on; on an iWARP device
+/// (`iwarp`) the `post_send` is `iwarp_post_send`, which calls the context's.
 ///
 /// # Safety
 /// `qp` is a live QP. The functions returned may be called on it while its context is open
 /// (the QP holds it open).
-pub(super) unsafe fn post_of(qp: NonNull<ffi::ibv_qp>) -> Result<(PostSend, PostRecv)> {
+pub(super) unsafe fn post_of(qp: NonNull<ffi::ibv_qp>, iwarp: bool) -> Result<(PostSend, PostRecv)> {
     // SAFETY: as in `poll_cq_of`, for the QP's context.
     let ops = unsafe { &(*(*qp.as_ptr()).context).ops };
     let post_send = ops.post_send.ok_or_else(|| missing("post_send"))?;
-    // SAFETY: `qp` is live (the caller's promise).
-    let post_send = if unsafe { super::transport_is_iwarp(qp) } { iwarp_post_send as PostSend } else { post_send };
+    let post_send = if iwarp { iwarp_post_send as PostSend } else { post_send };
     Ok((post_send, ops.post_recv.ok_or_else(|| missing("post_recv"))?))
 }
 
@@ -115,7 +115,7 @@ impl Lane {
         let mut posts = Vec::with_capacity(self.members.len());
         for m in self.members.iter().flatten() {
             // SAFETY: the member's QP is alive (its owner is kept in the member).
-            posts.push(unsafe { post_of(m.raw) }?);
+            posts.push(unsafe { post_of(m.raw, m.in_order()) }?);
         }
         self.poll_cq = poll_cq;
         for (m, (send, recv)) in self.members.iter_mut().flatten().zip(posts) {
