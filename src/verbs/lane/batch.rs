@@ -197,19 +197,19 @@ impl Lane {
             // An interior one's tag, fixed; each post stamps the last one's sequence number.
             let id = if last { 0 } else { tag::interior(qp.place, number, k as u32) };
             // SAFETY: k < len: an entry of the allocation, which `b` owns and nothing else
-            // points into yet; the reference lives for this call only.
+            // points into yet; the reference lives for this block only.
             let lowered = unsafe {
                 let e = &mut *base.add(k);
-                w.lower(m, id, last, &mut e.wr, &mut e.sge)
+                let lowered = w.lower(m, id, last, &mut e.wr, &mut e.sge);
+                if !last {
+                    // Unsignaled even on iWARP (`Member::always_flags`): the batch retires with
+                    // its last request, and no READ or atomic comes before that one there.
+                    e.wr.send_flags &= !ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+                }
+                lowered
             };
             if let Err(e) = lowered {
                 return Err(Rejected::new(e, w.mr));
-            }
-            if !last {
-                // Unsignaled even on iWARP (`Member::always_flags`): the batch retires with its
-                // last request, and no READ or atomic comes before that one there (above).
-                // SAFETY: as above.
-                unsafe { (*base.add(k)).wr.send_flags &= !ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 };
             }
             // SAFETY: k < len (and k + 1 < len where the next entry is named): within the
             // allocation. The list's pointers are taken from `base` itself, so they stay valid
