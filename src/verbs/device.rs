@@ -44,7 +44,7 @@ use crate::error::{check_ibv, errno, Error, Result};
 pub use crate::status::AsyncEventKind;
 use crate::verbs::hub::Hub;
 pub use crate::verbs::hub::{AsyncElement, AsyncEvent};
-use crate::verbs::odp::OdpCaps;
+use crate::verbs::odp_caps::OdpCaps;
 
 /// An RDMA device found by `ibv_get_device_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -141,6 +141,7 @@ pub(crate) mod link;
 pub mod mr;
 pub mod mw;
 pub mod odp;
+mod odp_caps;
 pub mod pd;
 pub mod peer;
 pub mod port;

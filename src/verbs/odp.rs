@@ -87,133 +87,7 @@ use crate::error::{check_ibv, errno, Error, Result};
 use crate::verbs::mr::{check_range, AccessFlags, MemoryRegion};
 use crate::verbs::pd::ProtectionDomain;
 
-bitflags! {
-    /// The operations whose memory on-demand paging serves on one transport
-    /// (`enum ibv_odp_transport_cap_bits`, `rc_odp_caps` and its siblings). Bits the crate does
-    /// not know are kept.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-    pub struct OdpOps: u32 {
-        /// The source of a send (`IBV_ODP_SUPPORT_SEND`).
-        const SEND = 1;
-        /// The target of a receive (`IBV_ODP_SUPPORT_RECV`).
-        const RECV = 1 << 1;
-        /// Both ends of an RDMA WRITE (`IBV_ODP_SUPPORT_WRITE`).
-        const WRITE = 1 << 2;
-        /// Both ends of an RDMA READ (`IBV_ODP_SUPPORT_READ`).
-        const READ = 1 << 3;
-        /// Both ends of an atomic (`IBV_ODP_SUPPORT_ATOMIC`).
-        const ATOMIC = 1 << 4;
-        /// The target of a shared receive queue's receive (`IBV_ODP_SUPPORT_SRQ_RECV`).
-        const SRQ_RECV = 1 << 5;
-        /// The target of an RDMA FLUSH (the kernel's `IB_ODP_SUPPORT_FLUSH`).
-        const FLUSH = 1 << 6;
-        /// The target of an atomic write (the kernel's `IB_ODP_SUPPORT_ATOMIC_WRITE`).
-        const ATOMIC_WRITE = 1 << 7;
-        // Bits a later kernel defines are kept, not dropped.
-        const _ = !0;
-    }
-}
-
-/// What a device offers of on-demand paging (`odp_caps` and `xrc_odp_caps` of
-/// `ibv_query_device_ex`), in [`DeviceLimits::odp`](crate::DeviceLimits::odp). All empty on a
-/// device or kernel without ODP, and where the provider library cannot say
-/// (`ibv_query_device_ex` missing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct OdpCaps {
-    /// Explicit ODP regions can be registered ([`AccessFlags::ON_DEMAND`];
-    /// `IBV_ODP_SUPPORT` in `general_caps`).
-    pub supported: bool,
-    /// The whole address space can be registered at once ([`ImplicitOdpRegion`];
-    /// `IBV_ODP_SUPPORT_IMPLICIT`).
-    pub implicit: bool,
-    /// Operations of reliable-connected QPs whose memory may be ODP memory (`rc_odp_caps`).
-    pub rc: OdpOps,
-    /// Of unreliable-connected QPs (`uc_odp_caps`).
-    pub uc: OdpOps,
-    /// Of unreliable-datagram QPs (`ud_odp_caps`).
-    pub ud: OdpOps,
-    /// Of XRC QPs (`xrc_odp_caps`).
-    pub xrc: OdpOps,
-}
-
-/// `IBV_ODP_SUPPORT` and `IBV_ODP_SUPPORT_IMPLICIT` (`enum ibv_odp_general_caps`).
-const GENERAL_SUPPORT: u64 = ffi::ibv_odp_general_caps::IBV_ODP_SUPPORT.0 as u64;
-const GENERAL_IMPLICIT: u64 = ffi::ibv_odp_general_caps::IBV_ODP_SUPPORT_IMPLICIT.0 as u64;
-
-impl OdpCaps {
-    /// The capabilities in an `ibv_device_attr_ex` filled by `ibv_query_device_ex`.
-    pub(crate) fn from_attr(a: &ffi::ibv_device_attr_ex) -> OdpCaps {
-        let t = &a.odp_caps.per_transport_caps;
-        OdpCaps {
-            supported: a.odp_caps.general_caps & GENERAL_SUPPORT != 0,
-            implicit: a.odp_caps.general_caps & GENERAL_IMPLICIT != 0,
-            rc: OdpOps::from_bits_retain(t.rc_odp_caps),
-            uc: OdpOps::from_bits_retain(t.uc_odp_caps),
-            ud: OdpOps::from_bits_retain(t.ud_odp_caps),
-            xrc: OdpOps::from_bits_retain(a.xrc_odp_caps),
-        }
-    }
-
-    /// Why an ODP registration with `access` (implicit or not) cannot be made on this device,
-    /// or `None` when it can.
-    pub(crate) fn missing_for(&self, access: AccessFlags, implicit: bool) -> Option<String> {
-        if !self.supported {
-            return Some(
-                "it reports no on-demand paging (its odp_caps lack IBV_ODP_SUPPORT): the kernel or its driver has \
-                 none. Usually the kernel is too old for its driver's ODP, or was built without \
-                 CONFIG_INFINIBAND_ON_DEMAND_PAGING; Soft-RoCE (rxe) has ODP from about Linux 6.14 (Debian 12's 6.1 \
-                 and Debian 13's 6.12 lack it), mlx5 has it. Register without AccessFlags::ON_DEMAND (pinned) \
-                 instead"
-                    .into(),
-            );
-        }
-        if implicit && !self.implicit {
-            return Some(
-                "it has on-demand paging for registered ranges, but no implicit ODP (its odp_caps lack \
-                 IBV_ODP_SUPPORT_IMPLICIT; Soft-RoCE never has it, mlx5 on ConnectX-5 and later does): register \
-                 the buffers themselves with AccessFlags::ON_DEMAND"
-                    .into(),
-            );
-        }
-        let any = self.rc | self.uc | self.ud | self.xrc;
-        let rights = [
-            (AccessFlags::REMOTE_WRITE, OdpOps::WRITE, "REMOTE_WRITE", "RDMA WRITE"),
-            (AccessFlags::REMOTE_READ, OdpOps::READ, "REMOTE_READ", "RDMA READ"),
-            (AccessFlags::REMOTE_ATOMIC, OdpOps::ATOMIC, "REMOTE_ATOMIC", "atomics"),
-        ];
-        let lacking: Vec<String> = rights
-            .iter()
-            .filter(|(right, op, _, _)| access.contains(*right) && !any.contains(*op))
-            .map(|(_, _, right, op)| format!("{right} ({op})"))
-            .collect();
-        if lacking.is_empty() {
-            return None;
-        }
-        Some(format!(
-            "its on-demand paging serves {} on no transport (rc {:?}, uc {:?}, xrc {:?}): register without those \
-             rights, or without AccessFlags::ON_DEMAND (pinned)",
-            lacking.join(", "),
-            self.rc,
-            self.uc,
-            self.xrc
-        ))
-    }
-}
-
-/// Refuses an ODP registration with `access` (implicit or not) that `pd`'s device cannot make,
-/// naming what it lacks.
-pub(crate) fn check_registration(pd: &ProtectionDomain, access: AccessFlags, implicit: bool) -> Result<()> {
-    let ctx = pd.context();
-    let caps = ctx.limits()?.odp;
-    match caps.missing_for(access, implicit) {
-        None => Ok(()),
-        Some(why) => Err(Error::Unsupported {
-            what: if implicit { "implicit on-demand paging" } else { "on-demand paging (AccessFlags::ON_DEMAND)" },
-            why: format!("{} says no: {why}", ctx.device_name()),
-        }),
-    }
-}
+pub use crate::verbs::odp_caps::{OdpCaps, OdpOps};
 
 /// What to tell the device about a range of an ODP region (`enum ibv_advise_mr_advice`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -414,7 +288,7 @@ impl ImplicitOdpRegion {
     /// [`OdpCaps::implicit`]), naming what it lacks; [`Error::Call`] when `ibv_reg_mr` fails.
     pub unsafe fn register(pd: &Arc<ProtectionDomain>, access: AccessFlags) -> Result<ImplicitOdpRegion> {
         let access = (access | AccessFlags::ON_DEMAND).effective();
-        check_registration(pd, access, true)?;
+        crate::verbs::mr::check_odp_registration(pd, access, true)?;
         // SAFETY: pd is valid; NULL with SIZE_MAX is the documented form of an implicit ODP
         // registration, which pins and touches nothing. What the device may then do with the
         // keys is the caller's contract (above). The MR is deregistered once, in Drop or close.
@@ -528,24 +402,5 @@ mod tests {
         // ib_user_ioctl_verbs.h: IB_UVERBS_ADVISE_MR_FLAG_FLUSH = 1 << 0 (not in the bindings).
         assert_eq!(AdviseFlags::FLUSH.bits(), 1);
         assert_eq!(OdpOps::from_bits_retain(0x1_00ff).bits(), 0x1_00ff, "unknown bits are kept");
-    }
-
-    fn caps(supported: bool, implicit: bool, rc: OdpOps) -> OdpCaps {
-        OdpCaps { supported, implicit, rc, ..OdpCaps::default() }
-    }
-
-    #[test]
-    fn what_is_missing_is_named() {
-        let rw = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-        let none = caps(false, false, OdpOps::empty()).missing_for(AccessFlags::LOCAL_WRITE, false).unwrap();
-        assert!(none.contains("IBV_ODP_SUPPORT") && none.contains("6.14"), "{none}");
-        let rxe = caps(true, false, OdpOps::SEND | OdpOps::RECV | OdpOps::WRITE | OdpOps::READ | OdpOps::ATOMIC);
-        assert_eq!(rxe.missing_for(rw | AccessFlags::REMOTE_ATOMIC, false), None);
-        let implicit = rxe.missing_for(AccessFlags::LOCAL_WRITE, true).unwrap();
-        assert!(implicit.contains("IBV_ODP_SUPPORT_IMPLICIT"), "{implicit}");
-        let no_atomics = caps(true, true, OdpOps::SEND | OdpOps::WRITE | OdpOps::READ);
-        assert_eq!(no_atomics.missing_for(rw, true), None);
-        let why = no_atomics.missing_for(rw | AccessFlags::REMOTE_ATOMIC, false).unwrap();
-        assert!(why.contains("REMOTE_ATOMIC (atomics)") && !why.contains("REMOTE_WRITE"), "{why}");
     }
 }

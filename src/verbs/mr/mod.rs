@@ -400,7 +400,7 @@ impl MemoryRegion {
             )));
         }
         if access.contains(AccessFlags::ON_DEMAND) {
-            crate::verbs::odp::check_registration(pd, access, false)?;
+            errors::check_odp_registration(pd, access, false)?;
         }
         if let Some(iova) = iova {
             if iova.checked_add(len as u64).is_none() {
@@ -760,6 +760,7 @@ mod remote;
 #[cfg(feature = "bytemuck")]
 mod view;
 
+pub(crate) use errors::check_odp_registration;
 use errors::reg_error;
 pub use errors::IntoBufferError;
 pub use remote::RemoteRegion;
