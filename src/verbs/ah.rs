@@ -35,7 +35,7 @@ use std::sync::Arc;
 use rdma_sys as ffi;
 
 use crate::error::{errno, Error, Result};
-use crate::verbs::lane::Wc;
+use crate::verbs::lane::completion::Wc;
 use crate::verbs::pd::ProtectionDomain;
 use crate::verbs::port::Gid;
 

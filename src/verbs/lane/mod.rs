@@ -225,7 +225,7 @@ use crate::verbs::qp::connect::KnownError;
 use crate::verbs::qp::{QpInit, QueuePair};
 
 mod batch;
-mod completion;
+pub(crate) mod completion;
 mod grow;
 mod inline;
 mod lifecycle;

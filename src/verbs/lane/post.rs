@@ -1,8 +1,4 @@
-use super::refused::{
-    no_room_for_grh, other_pd, post_list_failed, refusal, refusal_recv, too_long, too_many_pieces,
-    too_many_recv_pieces, ud_needs_dest,
-};
-use super::wr::Defect;
+use super::refused::{post_list_failed, refusal, refusal_recv};
 use super::{tag, unknown_qp, Lane, LaneQp, Member, RecvWr, Rejected, RejectedList, SendWr, MAX_LIST};
 use crate::error::Error;
 use crate::error::Result;
@@ -398,49 +394,6 @@ fn unknown_qp_back(mr: MemoryRegion) -> Rejected<MemoryRegion> {
 #[inline(never)]
 fn refused_back(m: &Member, send: bool, mr: MemoryRegion) -> Rejected<MemoryRegion> {
     Rejected::new(if send { refusal(m, "ibv_post_send") } else { refusal_recv(m) }, mr)
-}
-
-/// Why a post refuses a work request, found by `check_lower` (a [`SendWr`]) or `check` (a
-/// [`RecvWr`]): as values, so that the error, and the `Rejected` that hands the region back,
-/// are built out of line (`Refusal::rejected`) where the region is passed, never kept across a
-/// call on the post's path.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Refusal {
-    Defect(Defect),
-    OtherPd,
-    TooManyPieces { n: u32, max: u32, read: bool },
-    TooManyRecvPieces { n: u32, max: u32 },
-    UdNeedsDest { missing: bool },
-    NotThisQpsDest,
-    TooLong { len: u64, mtu: u32 },
-    NoRoomForGrh(u32),
-}
-
-impl Refusal {
-    /// The error a post of `op` reports for it.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn error(self, op: &str) -> Error {
-        match self {
-            Refusal::Defect(d) => d.error(op),
-            Refusal::OtherPd => other_pd(),
-            Refusal::TooManyPieces { n, max, read } => too_many_pieces(n as usize, max, read),
-            Refusal::TooManyRecvPieces { n, max } => too_many_recv_pieces(n, max, false),
-            Refusal::UdNeedsDest { missing } => ud_needs_dest(missing),
-            Refusal::NotThisQpsDest => {
-                Error::InvalidArgument("post_send: the DestKey is not this QP's (Lane::add_dest)".into())
-            }
-            Refusal::TooLong { len, mtu } => too_long(len, mtu),
-            Refusal::NoRoomForGrh(len) => no_room_for_grh(len),
-        }
-    }
-
-    /// The error, with `mr` handed back.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn rejected(self, op: &str, mr: MemoryRegion) -> Rejected<MemoryRegion> {
-        Rejected::new(self.error(op), mr)
-    }
 }
 
 /// Gives back the `k` staged (uncommitted) work requests of a list that is not posted, and
