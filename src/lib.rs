@@ -134,6 +134,8 @@ pub mod cm;
 pub mod error;
 pub mod ready;
 pub mod status;
+#[cfg(feature = "stream")]
+pub mod stream;
 pub mod verbs;
 mod wait;
 
