@@ -86,6 +86,8 @@ pub struct Stream {
     pub(super) peer_disconnected: bool,
     /// This side sent DISCONNECT: nothing more goes out.
     pub(super) disconnect_sent: bool,
+    /// This side sent SHUTDOWN.
+    pub(super) shutdown_sent: bool,
     /// The connection went away without the peer's SHUTDOWN or DISCONNECT.
     pub(super) peer_gone: bool,
     /// What broke the stream: the error every later call returns.
@@ -155,6 +157,7 @@ impl Stream {
             peer_eof: false,
             peer_disconnected: false,
             disconnect_sent: false,
+            shutdown_sent: false,
             peer_gone: false,
             fatal: None,
             read_timeout: DEFAULT_TIMEOUT,

@@ -50,15 +50,19 @@ impl Stream {
             Shutdown::Write => self.writable = false,
             Shutdown::Both => (self.readable, self.writable) = (false, false),
         }
-        let msg = match (self.readable, self.writable) {
-            (true, true) => None,
+        // As rsocket, whose socket stops being readable at the peer's SHUTDOWN too, and
+        // sends nothing once disconnected (the peer's DISCONNECT, or its own).
+        let readable = self.readable && !self.peer_eof;
+        let msg = match (readable, self.writable) {
+            (_, true) => None,
+            (true, false) if self.shutdown_sent => None,
             (true, false) => Some(Ctrl::Shutdown),
-            (false, true) => None,
             (false, false) => Some(Ctrl::Disconnect),
         };
         let deadline = Instant::now() + self.write_timeout;
         if let Some(c) = msg {
-            if !self.disconnect_sent && !self.peer_gone && self.fatal.is_none() {
+            let connected = !self.disconnect_sent && !self.peer_disconnected && !self.peer_gone;
+            if connected && self.fatal.is_none() {
                 self.poll_now();
                 while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
                     if !self.wait_until(deadline) {
@@ -67,8 +71,9 @@ impl Stream {
                 }
                 if self.fatal.is_none() && !self.peer_gone {
                     self.send_ctrl(Msg::Ctrl(c));
-                    if c == Ctrl::Disconnect {
-                        self.disconnect_sent = true;
+                    match c {
+                        Ctrl::Disconnect => self.disconnect_sent = true,
+                        _ => self.shutdown_sent = true,
                     }
                 }
             }
@@ -177,12 +182,14 @@ impl Write for Stream {
 
 impl Drop for Stream {
     /// Closes as rsocket's `rclose`: a DISCONNECT unless one was sent (or the connection is
-    /// gone), its completion awaited briefly, then the CM's disconnect and the QP destroyed.
+    /// gone), its completion awaited briefly, then the QP and the id destroyed. As `rclose`,
+    /// it does not wait for the peer's answer to the CM's disconnect (the id's teardown sends
+    /// it), so a drop never waits on the peer's reading its events.
     fn drop(&mut self) {
         if !self.disconnect_sent && !self.peer_gone && self.fatal.is_none() {
             self.write_timeout = self.write_timeout.min(CLOSE_TIMEOUT);
             let _ = self.shutdown(Shutdown::Both);
         }
-        let _ = self.lane.disconnect(self.qp, CLOSE_TIMEOUT);
+        let _ = self.lane.remove(self.qp);
     }
 }

@@ -17,7 +17,7 @@
 //! let t = Duration::from_secs(5);
 //! let listener = StreamListener::bind("10.77.0.1:7471".parse()?)?;
 //! let server = std::thread::spawn(move || -> std::io::Result<()> {
-//!     let mut s = listener.accept(t)?;
+//!     let mut s = listener.accept(t).map_err(std::io::Error::other)?;
 //!     let mut got = Vec::new();
 //!     s.read_to_end(&mut got)?;                // until the client's shutdown(Write)
 //!     s.write_all(&got)?;                      // then echo it back
