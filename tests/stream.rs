@@ -17,6 +17,15 @@ use rdma_cm::stream::{Stream, StreamListener};
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit, RemoteRegion};
 
+/// Prints how long the test took when it ends (the guest's speed varies with the machine).
+struct Took(&'static str, std::time::Instant);
+
+impl Drop for Took {
+    fn drop(&mut self) {
+        println!("{} took {:?}", self.0, self.1.elapsed());
+    }
+}
+
 /// The bound of a whole transfer under the emulator.
 const LONG: Duration = Duration::from_secs(120);
 
@@ -81,6 +90,7 @@ fn rstream_args(extra: &[&str]) -> Vec<String> {
 #[test]
 fn rstream_client_against_our_server() {
     let t = DeviceTest::start();
+    let _took = Took("rstream_client_against_our_server", std::time::Instant::now());
     let port = 7711u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let child = Command::new("rstream")
@@ -121,6 +131,7 @@ fn rstream_client_against_our_server() {
 #[test]
 fn our_client_against_rstream_server() {
     let t = DeviceTest::start();
+    let _took = Took("our_client_against_rstream_server", std::time::Instant::now());
     let port = 7712u16;
     let child = Command::new("rstream")
         .args(rstream_args(&["-b", &t.addr.to_string(), "-p", &port.to_string()]))
@@ -156,6 +167,79 @@ fn our_client_against_rstream_server() {
     t.finish();
 }
 
+/// rstream killed mid-transfer: our reads return what had arrived, then an error that says
+/// the peer left without rsocket's SHUTDOWN or DISCONNECT, within the read timeout.
+#[test]
+fn abrupt_peer_is_named() {
+    let t = DeviceTest::start();
+    let _took = Took("abrupt_peer_is_named", std::time::Instant::now());
+    let port = 7718u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let child = Command::new("rstream")
+        .args(["-s", &t.addr.to_string(), "-p", &port.to_string(), "-f", "ip", "-S", "16384", "-C", "1000", "-T", "b"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run rstream (rdmacm-utils)");
+    let pid = child.id() as i32;
+    let mut s = listener.accept(T).expect("accept rstream's connect");
+    s.set_read_timeout(T);
+    let mut sync = [0u8; 16];
+    s.read_exact(&mut sync).unwrap();
+    s.write_all(&sync).unwrap();
+    let mut buf = vec![0u8; 4096];
+    assert!(s.read(&mut buf).unwrap() > 0, "rstream's first data");
+    // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (status, _) = wait_exit(child, T, "the killed rstream");
+    assert!(!status.success());
+    let started = std::time::Instant::now();
+    let err = loop {
+        match s.read(&mut buf) {
+            Ok(0) => panic!("end of stream from a peer that was killed"),
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.kind(), ErrorKind::ConnectionReset, "{err}");
+    assert!(err.to_string().contains("without an rsocket SHUTDOWN or DISCONNECT"), "{err}");
+    assert!(started.elapsed() < T, "noticed within the read timeout");
+    println!("killed peer: {err}");
+    drop(s);
+    drop(listener);
+    t.finish();
+}
+
+/// A read from a peer that sends nothing ends at the read timeout, and the stream still works.
+#[test]
+fn read_times_out_and_the_stream_goes_on() {
+    let t = DeviceTest::start();
+    let _took = Took("read_times_out_and_the_stream_goes_on", std::time::Instant::now());
+    let port = 7719u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let (tx, rx) = mpsc::channel::<()>();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        rx.recv().unwrap();
+        s.write_all(b"late").unwrap();
+        s.shutdown(Shutdown::Both).unwrap();
+    });
+    let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
+    c.set_read_timeout(Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    let err = c.read(&mut [0u8; 8]).expect_err("nothing to read");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(500) && started.elapsed() < T, "{:?}", started.elapsed());
+    tx.send(()).unwrap();
+    c.set_read_timeout(T);
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).unwrap();
+    assert_eq!(got, b"late");
+    server.join().unwrap();
+    drop(c);
+    t.finish();
+}
+
 /// A deterministic pattern that differs at every offset of a long run.
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     let mut x = seed | 1;
@@ -174,6 +258,7 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
 #[test]
 fn echo_between_our_streams() {
     let t = DeviceTest::start();
+    let _took = Took("echo_between_our_streams", std::time::Instant::now());
     let port = 7713u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let server = thread::spawn(move || {
@@ -214,6 +299,7 @@ fn echo_between_our_streams() {
 #[test]
 fn half_close_between_our_streams() {
     let t = DeviceTest::start();
+    let _took = Took("half_close_between_our_streams", std::time::Instant::now());
     let port = 7714u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let data = pattern(3 << 20, 11);
@@ -301,6 +387,7 @@ fn hostile(t: &DeviceTest, port: u16, imm: u32, len: usize, needle: &str) {
 #[test]
 fn protocol_violations_close_the_stream() {
     let t = DeviceTest::start();
+    let _took = Took("protocol_violations_close_the_stream", std::time::Instant::now());
     hostile(&t, 7715, 0x2000_0000, 0, "reserved");
     let half = 128 * 1024u32;
     hostile(&t, 7716, Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, "granted space");
