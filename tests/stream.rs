@@ -253,8 +253,9 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
         .collect()
 }
 
-/// Two of our streams: the client sends 6 MiB in blocks of 192 KiB (written in odd-sized
-/// pieces that do not line up with anything), the server echoes what it reads as it reads it; every byte comes back in order.
+/// Two of our streams: the client sends 6 MiB in blocks of 192 KiB, written in odd-sized
+/// pieces that line up with nothing; the server echoes what it reads as it reads it; every
+/// byte comes back in order.
 #[test]
 fn echo_between_our_streams() {
     let t = DeviceTest::start();
@@ -327,16 +328,20 @@ fn half_close_between_our_streams() {
 }
 
 /// A hostile client speaking the verbs itself: it connects with valid connection data, then
-/// sends `imm` (with `len` bytes written at the server's first half). The server's read must
-/// fail with `InvalidData` naming `needle`, never hang or panic.
-fn hostile(t: &DeviceTest, port: u16, imm: u32, len: usize, needle: &str) {
+/// sends `imm` `count` times, each with `len` bytes written at the next place of the server's
+/// first half. The server reads (or, with `server_writes`, only writes, so that it reads
+/// nothing and its credits are not renewed): its call must fail with `InvalidData` naming
+/// `needle`, never hang or panic.
+fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), server_writes: bool, needle: &str) {
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept the hostile client");
         s.set_read_timeout(T);
-        let mut buf = [0u8; 4096];
+        s.set_write_timeout(T);
+        let mut buf = [0u8; 1024];
         loop {
-            match s.read(&mut buf) {
+            let r = if server_writes { s.write(&buf) } else { s.read(&mut buf) };
+            match r {
                 Ok(0) => return (Err("end of stream".to_string()), s),
                 Ok(_) => continue,
                 Err(e) => return (Ok(e), s),
@@ -346,11 +351,11 @@ fn hostile(t: &DeviceTest, port: u16, imm: u32, len: usize, needle: &str) {
     let route =
         Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, port), T).unwrap().resolve_route(T).unwrap();
     let pd = route.alloc_pd().unwrap();
-    let mut lane = Lane::new(&route.context().unwrap(), 64).unwrap();
+    let mut lane = Lane::new(&route.context().unwrap(), 512).unwrap();
     let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
     let rbuf = MemoryRegion::new(&pd, 4096, remote).unwrap();
     let sgl = MemoryRegion::new(&pd, 32, remote).unwrap();
-    let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(32)).unwrap();
+    let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(32).max_send_wr(256)).unwrap();
     let qp = client.qp();
     for r in MemoryRegion::new(&pd, 32, AccessFlags::LOCAL_WRITE).unwrap().split(1).unwrap() {
         lane.post_recv(qp, RecvWr::range(r, 0..0).wr_id(1)).unwrap();
@@ -363,17 +368,19 @@ fn hostile(t: &DeviceTest, port: u16, imm: u32, len: usize, needle: &str) {
     let reply = client.connect(&mut lane, &ConnParam::new().private_data(&mine.encode()).unwrap(), T).unwrap();
     let theirs = ConnData::decode(&reply).expect("the server's connection data");
     let half = RemoteRegion::new(theirs.data_buf.addr, theirs.data_buf.key, u64::from(theirs.data_buf.length) + 1);
-    if len == 0 {
-        lane.post_inline(qp, InlineWr::write(&[], &RemoteRegion::new(0, 0, 0), 0).imm(imm).wr_id(2)).unwrap();
-    } else {
-        let src = MemoryRegion::new(&pd, len, AccessFlags::empty()).unwrap();
-        lane.post_send(qp, SendWr::write(src, 0..len, &half, 0).imm(imm).wr_id(2)).unwrap();
+    for k in 0..count {
+        if len == 0 {
+            lane.post_inline(qp, InlineWr::write(&[], &RemoteRegion::new(0, 0, 0), 0).imm(imm).wr_id(2)).unwrap();
+        } else {
+            let src = MemoryRegion::new(&pd, len, AccessFlags::empty()).unwrap();
+            lane.post_send(qp, SendWr::write(src, 0..len, &half, (k * len) as u64).imm(imm).wr_id(2)).unwrap();
+        }
     }
     let (seen, s) = server.join().unwrap();
-    let e = seen.unwrap_or_else(|why| panic!("the server's read saw {why}, not an error"));
+    let e = seen.unwrap_or_else(|why| panic!("the server's call saw {why}, not an error"));
     assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
     assert!(e.to_string().contains(needle), "the error names the violation ({needle}): {e}");
-    println!("hostile {imm:#010x}: {e}");
+    println!("hostile {imm:#010x} x{count}: {e}");
     // Both ends close at once: each one's disconnect is answered by the other's.
     let closing = thread::spawn(move || drop(s));
     let _ = lane.disconnect(qp, Duration::from_secs(2));
@@ -382,15 +389,17 @@ fn hostile(t: &DeviceTest, port: u16, imm: u32, len: usize, needle: &str) {
 }
 
 /// Protocol violations close the stream with an error that names them: a reserved
-/// operation, data beyond the granted half, and a credit update for more receives than the
-/// peer has.
+/// operation, data beyond the granted half, a credit update for more receives than the peer
+/// has, and one data message more than the credits the server gave (it reads nothing, so
+/// they are never renewed).
 #[test]
 fn protocol_violations_close_the_stream() {
     let t = DeviceTest::start();
     let _took = Took("protocol_violations_close_the_stream", std::time::Instant::now());
-    hostile(&t, 7715, 0x2000_0000, 0, "reserved");
+    hostile(&t, 7715, (0x2000_0000, 0, 1), false, "reserved");
     let half = 128 * 1024u32;
-    hostile(&t, 7716, Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, "granted space");
-    hostile(&t, 7717, Msg::Sgl { limit: 0xffff }.to_imm(), 0, "credit limit");
+    hostile(&t, 7716, (Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, 1), false, "granted space");
+    hostile(&t, 7717, (Msg::Sgl { limit: 0xffff }.to_imm(), 0, 1), false, "credit limit");
+    hostile(&t, 7720, (Msg::Data { len: 1 }.to_imm(), 1, 129), true, "beyond its credits");
     t.finish();
 }

@@ -66,6 +66,10 @@ pub struct Stream {
     rbuf_free_offset: usize,
     /// The peer's target slot the next grant goes to.
     remote_sge: u32,
+    /// Data messages arrived (`rseq_no` counts those read), and the limit of the last credit
+    /// update sent: the peer may send only while the first is short of the second.
+    rx_seq: u16,
+    rx_limit: u16,
     /// Where the peer's next data lands, and how much of the granted space it has not filled.
     rx_write_off: usize,
     rx_granted: usize,
@@ -147,6 +151,8 @@ impl Stream {
             rbuf_bytes_avail: HALF,
             rbuf_free_offset: HALF,
             remote_sge: 1,
+            rx_seq: 0,
+            rx_limit: CREDITS,
             rx_write_off: 0,
             rx_granted: HALF,
             rx_msgs: VecDeque::with_capacity(usize::from(CREDITS)),
@@ -350,13 +356,17 @@ impl Stream {
                 self.rx_granted.min(in_half)
             ));
         }
-        if self.rx_msgs.len() >= usize::from(CREDITS) {
-            return self
-                .violation(format!("a data message beyond its credits: {CREDITS} messages were already unread"));
+        let window = self.rx_limit.wrapping_sub(self.rx_seq);
+        if window == 0 || window > CREDITS || self.rx_msgs.len() >= usize::from(CREDITS) {
+            return self.violation(format!(
+                "data message {} beyond its credits: the last credit limit sent was {}",
+                self.rx_seq, self.rx_limit
+            ));
         }
         if self.peer_eof {
             return self.violation("a data message after its SHUTDOWN or DISCONNECT".into());
         }
+        self.rx_seq = self.rx_seq.wrapping_add(1);
         self.rx_granted -= n;
         self.rx_write_off = (self.rx_write_off + n) % RBUF_SIZE;
         self.rx_msgs.push_back(len);
@@ -432,8 +442,9 @@ impl Stream {
         }
         self.data_in_flight += 1;
         self.sseq_no = self.sseq_no.wrapping_add(1);
-        // check_grant: the range does not wrap, so neither does its remainder's address.
-        t.addr += n as u64;
+        // check_grant: the range ends at or below 2^64; an address that reaches 2^64 exactly
+        // comes with length 0 and is never used.
+        t.addr = t.addr.wrapping_add(n as u64);
         t.length -= n as u32;
         self.target = if t.length == 0 { self.next_target.take() } else { Some(t) };
         Ok(n)
@@ -488,6 +499,7 @@ impl Stream {
         } else {
             self.send_ctrl(Msg::Sgl { limit });
         }
+        self.rx_limit = limit;
         self.rseq_comp = self.rseq_no.wrapping_add(CREDITS / 2);
     }
 
