@@ -1,8 +1,11 @@
 //! The rsocket-compatible stream (`rdma_cm::stream`, feature `stream`) on the device: against
 //! rdma-core's `rstream` (rdmacm-utils) both ways, against itself (an echo larger than every
-//! buffer, a half-close), and against a hostile peer that breaks the protocol.
+//! buffer, a half-close), against a hostile peer that breaks the protocol, and under a counting
+//! allocator (the data path allocates nothing).
 
 mod common;
+#[path = "common/counting.rs"]
+mod counting;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr};
@@ -401,5 +404,47 @@ fn protocol_violations_close_the_stream() {
     hostile(&t, 7716, (Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, 1), false, "granted space");
     hostile(&t, 7717, (Msg::Sgl { limit: 0xffff }.to_imm(), 0, 1), false, "credit limit");
     hostile(&t, 7720, (Msg::Data { len: 1 }.to_imm(), 1, 129), true, "beyond its credits");
+    t.finish();
+}
+
+/// Reads and writes allocate nothing per message: 4 MiB written in 4000-byte pieces and read
+/// in 3000-byte ones, both threads counted (`common/counting.rs`), credits, grants and
+/// completions included.
+#[test]
+fn reads_and_writes_allocate_nothing() {
+    let t = DeviceTest::start();
+    let _took = Took("reads_and_writes_allocate_nothing", std::time::Instant::now());
+    const TOTAL: usize = 4 << 20;
+    let port = 7721u16;
+    counting::assert_it_counts();
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        let mut buf = vec![0u8; 3000];
+        let mut sum = 0u64;
+        let mut total = 0usize;
+        counting::watched(|| {
+            while total < TOTAL {
+                let n = s.read(&mut buf).expect("read");
+                assert!(n > 0, "end of stream after {total} bytes");
+                sum = buf[..n].iter().fold(sum, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
+                total += n;
+            }
+        });
+        sum
+    });
+    let data = pattern(TOTAL, 5);
+    let expect = data.iter().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
+    let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
+    counting::watched(|| {
+        for piece in data.chunks(4000) {
+            c.write_all(piece).expect("write");
+        }
+        c.flush().expect("flush");
+    });
+    assert_eq!(server.join().unwrap(), expect, "the bytes the server read");
+    let (allocs, bytes) = counting::counts();
+    assert_eq!(allocs, 0, "{allocs} allocations ({bytes} bytes) reading and writing {TOTAL} bytes");
+    drop(c);
     t.finish();
 }
