@@ -14,11 +14,11 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use common::{DeviceTest, T};
+use common::{Cap, DeviceTest, T};
 use rdma_cm::stream::wire::{ConnData, Msg, Sge};
 use rdma_cm::stream::{Stream, StreamListener};
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, QpInit, RemoteRegion};
+use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RemoteRegion, Transport, VerbsContext};
 
 /// Prints how long the test took when it ends (the guest's speed varies with the machine).
 struct Took(&'static str, std::time::Instant);
@@ -94,6 +94,9 @@ fn rstream_args(extra: &[&str]) -> Vec<String> {
 fn rstream_client_against_our_server() {
     let t = DeviceTest::start();
     let _took = Took("rstream_client_against_our_server", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7711u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let child = Command::new("rstream")
@@ -135,6 +138,9 @@ fn rstream_client_against_our_server() {
 fn our_client_against_rstream_server() {
     let t = DeviceTest::start();
     let _took = Took("our_client_against_rstream_server", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7712u16;
     let child = Command::new("rstream")
         .args(rstream_args(&["-b", &t.addr.to_string(), "-p", &port.to_string()]))
@@ -176,6 +182,9 @@ fn our_client_against_rstream_server() {
 fn abrupt_peer_is_named() {
     let t = DeviceTest::start();
     let _took = Took("abrupt_peer_is_named", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7718u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let child = Command::new("rstream")
@@ -218,6 +227,9 @@ fn abrupt_peer_is_named() {
 fn read_times_out_and_the_stream_goes_on() {
     let t = DeviceTest::start();
     let _took = Took("read_times_out_and_the_stream_goes_on", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7719u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let (tx, rx) = mpsc::channel::<()>();
@@ -243,6 +255,27 @@ fn read_times_out_and_the_stream_goes_on() {
     t.finish();
 }
 
+/// On an iWARP device (no immediate data) both ends refuse, naming why, and nothing leaks.
+#[test]
+fn iwarp_is_refused_naming_why() {
+    let t = DeviceTest::start();
+    let ctx = VerbsContext::open(&common::caps::device_under_test()).expect("open the device");
+    let iwarp = ctx.transport() == Transport::Iwarp;
+    drop(ctx);
+    if !iwarp {
+        common::skipped("an iWARP device", "this one has immediate data: its streams are not refused");
+        return t.finish();
+    }
+    let port = 7722u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let err = Stream::connect(SocketAddr::new(t.addr, port), T).expect_err("a stream on iWARP");
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("iWARP"), "{err}");
+    println!("on iWARP: {err}");
+    drop(listener);
+    t.finish();
+}
+
 /// A deterministic pattern that differs at every offset of a long run.
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     let mut x = seed | 1;
@@ -263,6 +296,9 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
 fn echo_between_our_streams() {
     let t = DeviceTest::start();
     let _took = Took("echo_between_our_streams", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7713u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let server = thread::spawn(move || {
@@ -304,6 +340,9 @@ fn echo_between_our_streams() {
 fn half_close_between_our_streams() {
     let t = DeviceTest::start();
     let _took = Took("half_close_between_our_streams", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     let port = 7714u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let data = pattern(3 << 20, 11);
@@ -399,6 +438,9 @@ fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), se
 fn protocol_violations_close_the_stream() {
     let t = DeviceTest::start();
     let _took = Took("protocol_violations_close_the_stream", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     hostile(&t, 7715, (0x2000_0000, 0, 1), false, "reserved");
     let half = 128 * 1024u32;
     hostile(&t, 7716, (Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, 1), false, "granted space");
@@ -414,6 +456,9 @@ fn protocol_violations_close_the_stream() {
 fn reads_and_writes_allocate_nothing() {
     let t = DeviceTest::start();
     let _took = Took("reads_and_writes_allocate_nothing", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
     const TOTAL: usize = 4 << 20;
     let port = 7721u16;
     counting::assert_it_counts();
