@@ -375,6 +375,19 @@ fn half_close_between_our_streams() {
 /// nothing and its credits are not renewed): its call must fail with `InvalidData` naming
 /// `needle`, never hang or panic.
 fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), server_writes: bool, needle: &str) {
+    hostile_with(t, port, (imm, len, count), None, server_writes, needle)
+}
+
+/// [`hostile`], first writing `grant` (when given) into slot 1 of the server's target SGL
+/// with `imm`, as a buffer grant goes.
+fn hostile_with(
+    t: &DeviceTest,
+    port: u16,
+    (imm, len, count): (u32, usize, usize),
+    grant: Option<Sge>,
+    server_writes: bool,
+    needle: &str,
+) {
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept the hostile client");
@@ -410,6 +423,11 @@ fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), se
     let reply = client.connect(&mut lane, &ConnParam::new().private_data(&mine.encode()).unwrap(), T).unwrap();
     let theirs = ConnData::decode(&reply).expect("the server's connection data");
     let half = RemoteRegion::new(theirs.data_buf.addr, theirs.data_buf.key, u64::from(theirs.data_buf.length) + 1);
+    if let Some(g) = grant {
+        let sgl = RemoteRegion::new(theirs.target_sgl.addr, theirs.target_sgl.key, 32);
+        let bytes = g.encode(theirs.order);
+        lane.post_inline(qp, InlineWr::write(&bytes, &sgl, 16).imm(imm).wr_id(2)).unwrap();
+    }
     for k in 0..count {
         if len == 0 {
             lane.post_inline(qp, InlineWr::write(&[], &RemoteRegion::new(0, 0, 0), 0).imm(imm).wr_id(2)).unwrap();
@@ -432,8 +450,8 @@ fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), se
 
 /// Protocol violations close the stream with an error that names them: a reserved
 /// operation, data beyond the granted half, a credit update for more receives than the peer
-/// has, and one data message more than the credits the server gave (it reads nothing, so
-/// they are never renewed).
+/// has, one data message more than the credits the server gave (it reads nothing, so they
+/// are never renewed), and buffer grants that wrap the address space or are empty.
 #[test]
 fn protocol_violations_close_the_stream() {
     let t = DeviceTest::start();
@@ -446,6 +464,10 @@ fn protocol_violations_close_the_stream() {
     hostile(&t, 7716, (Msg::Data { len: half + 1 }.to_imm(), half as usize + 1, 1), false, "granted space");
     hostile(&t, 7717, (Msg::Sgl { limit: 0xffff }.to_imm(), 0, 1), false, "credit limit");
     hostile(&t, 7720, (Msg::Data { len: 1 }.to_imm(), 1, 129), true, "beyond its credits");
+    let wraps = Sge { addr: u64::MAX - 15, key: 1, length: 4096 };
+    hostile_with(&t, 7723, (Msg::Sgl { limit: 16 }.to_imm(), 0, 0), Some(wraps), true, "past the end");
+    let empty = Sge { addr: 4096, key: 1, length: 0 };
+    hostile_with(&t, 7724, (Msg::Sgl { limit: 16 }.to_imm(), 0, 0), Some(empty), true, "length 0");
     t.finish();
 }
 

@@ -221,9 +221,14 @@ impl Stream {
 
     /// Waits until `deadline` for at least one completion and handles everything then there.
     /// Between slices of the wait it looks at the connection's CM events, so a peer that left
-    /// without a word is noticed. Returns false when the deadline passed with nothing new.
+    /// without a word is noticed. Returns false when the deadline passed with nothing new; true
+    /// at once when the stream is broken.
     pub(super) fn wait_until(&mut self, deadline: Instant) -> bool {
         loop {
+            // Broken meanwhile (a violation found by a poll): nothing to wait for.
+            if self.fatal.is_some() {
+                return true;
+            }
             let now = Instant::now();
             if now >= deadline {
                 return false;

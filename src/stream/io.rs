@@ -164,7 +164,7 @@ impl Write for Stream {
                 return self.send_data(buf);
             }
             self.poll_now();
-            if self.can_send_data() {
+            if self.can_send_data() || self.fatal.is_some() {
                 continue;
             }
             if !self.wait_until(deadline) {

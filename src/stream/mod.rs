@@ -49,7 +49,7 @@
 //!
 //! **Flow control.** The protocol counts data messages only; the peer's grants and credit
 //! updates ride on receives it does not count, and rsocket leans on RNR retries for those.
-//! This side posts 16 receives beyond its credits, and keeps 4 of the peer's credits unused
+//! This side posts 16 receives beyond its credits, and keeps 8 of the peer's credits unused
 //! for its own control messages, so in practice no message of either side waits on an RNR
 //! retry; the connection still asks for infinite RNR retries, as rsocket does.
 //!
