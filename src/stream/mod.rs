@@ -49,9 +49,14 @@
 //!
 //! **Flow control.** The protocol counts data messages only; the peer's grants and credit
 //! updates ride on receives it does not count, and rsocket leans on RNR retries for those.
-//! This side posts 16 receives beyond its credits, and keeps 8 of the peer's credits unused
-//! for its own control messages, so in practice no message of either side waits on an RNR
-//! retry; the connection still asks for infinite RNR retries, as rsocket does.
+//! This side advertises 128 credits and posts 16 receives beyond them, and keeps 8 of the
+//! peer's credits unused (when it has more than 16) for its own control messages, so in
+//! practice no message of either side waits on an RNR retry; the connection still asks for
+//! infinite RNR retries, as rsocket does.
+//!
+//! **Tested** (`tests/stream.rs`, Soft-RoCE): against rdma-core 44's `rstream` as its server
+//! and as its client, its data verified both ways; between two of these streams, echoes and a
+//! half-close larger than every buffer; a killed peer; hostile peers breaking each rule above.
 //!
 //! **Limits of this version.** iWARP devices are refused with
 //! [`Error::Unsupported`](crate::Error::Unsupported): iWARP has no immediate data and rsocket
