@@ -254,6 +254,16 @@ pub enum Error {
     #[error("bad private data from peer: {0}")]
     PrivateData(&'static str),
 
+    /// The peer broke a wire protocol this crate speaks (the rsocket stream, feature `stream`):
+    /// what it sent, and why that is refused. The connection is closed.
+    #[error("protocol violation by the peer{}: {what}", AddrCtx(.addr))]
+    Protocol {
+        /// What the peer did.
+        what: String,
+        /// The peer address, when known.
+        addr: Option<SocketAddr>,
+    },
+
     /// A host or service name could not be resolved (`rdma_getaddrinfo`).
     #[error(
         "cannot resolve {query}: {reason}; check the name (`getent hosts NAME`) or give a numeric address and port"

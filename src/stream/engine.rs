@@ -1,0 +1,553 @@
+//! The stream's state and its protocol engine: completions reaped and checked, credits and
+//! buffer grants sent, the sender's window and target slots (`docs/rsocket-protocol.md` §4).
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::stream::conn::{Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
+use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
+use crate::verbs::mr::{MemoryRegion, RemoteRegion};
+
+/// The default bound of a blocking read or write.
+pub(super) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one wait on the CQ sleeps before the connection's CM events are looked at.
+const SLICE: Duration = Duration::from_millis(200);
+/// Half of the receive buffer: what one grant gives the peer.
+pub(super) const HALF: usize = RBUF_SIZE / 2;
+
+/// A byte stream over one RC connection that speaks librdmacm's rsocket protocol: made by
+/// [`Stream::connect`] or [`StreamListener::accept`](crate::stream::StreamListener::accept),
+/// used through [`std::io::Read`] and [`std::io::Write`], ended by
+/// [`Stream::shutdown`] or its drop. See the [module docs](crate::stream).
+pub struct Stream {
+    pub(super) lane: Lane,
+    pub(super) qp: LaneQp,
+    pub(super) peer_addr: Option<SocketAddr>,
+    /// The receive buffer: the peer writes into it at any moment, so only `read_at` reads it.
+    pub(super) rbuf: MemoryRegion,
+    /// This side's target SGL: the peer writes its grants there; read only with `read_at`.
+    sgl: MemoryRegion,
+    /// Pieces of the send buffer not in flight.
+    pub(super) free_send: Vec<MemoryRegion>,
+
+    // The peer.
+    peer_order: ByteOrder,
+    /// The peer's target-SGL array (its slots, 16 bytes each).
+    peer_sgl: RemoteRegion,
+    peer_slots: u32,
+    /// The peer's receive queue size, its credit count: no credit update may give more.
+    peer_credits: u16,
+
+    // Sending.
+    /// Data messages sent (`sseq_no`), and the limit the peer's last update set (`sseq_comp`).
+    pub(super) sseq_no: u16,
+    sseq_comp: u16,
+    /// Where the next data WRITE goes: what is left of the current granted half, and the one
+    /// granted after it.
+    pub(super) target: Option<Sge>,
+    next_target: Option<Sge>,
+    /// The slot of this side's target SGL the peer's next grant lands in (1, 0, 1, ...).
+    next_grant_slot: u32,
+    pub(super) data_in_flight: usize,
+    ctrl_in_flight: usize,
+
+    // Receiving.
+    /// Data messages the application has read whole (`rseq_no`), and the count at which the
+    /// next credit update is due (`rseq_comp`).
+    rseq_no: u16,
+    rseq_comp: u16,
+    /// Receive-buffer bytes read by the application and not granted again.
+    rbuf_bytes_avail: usize,
+    /// The next half to grant, as an offset in the buffer.
+    rbuf_free_offset: usize,
+    /// The peer's target slot the next grant goes to.
+    remote_sge: u32,
+    /// Data messages arrived (`rseq_no` counts those read), and the limit of the last credit
+    /// update sent: the peer may send only while the first is short of the second.
+    rx_seq: u16,
+    rx_limit: u16,
+    /// Where the peer's next data lands, and how much of the granted space it has not filled.
+    rx_write_off: usize,
+    rx_granted: usize,
+    /// Lengths of the data messages arrived and not read whole (at most [`CREDITS`]: never
+    /// grows past the capacity it was made with).
+    pub(super) rx_msgs: VecDeque<u32>,
+    /// Where the application reads next, and how much of the first message it has read.
+    pub(super) rd_off: usize,
+    pub(super) head_read: usize,
+
+    // State.
+    /// This side may still read / write (no local shutdown of that direction).
+    pub(super) readable: bool,
+    pub(super) writable: bool,
+    /// The peer sent SHUTDOWN or DISCONNECT: reads end once the queue is drained.
+    pub(super) peer_eof: bool,
+    /// The peer sent DISCONNECT (or SHUTDOWN after this side's): writes fail.
+    pub(super) peer_disconnected: bool,
+    /// This side sent DISCONNECT: nothing more goes out.
+    pub(super) disconnect_sent: bool,
+    /// This side sent SHUTDOWN.
+    pub(super) shutdown_sent: bool,
+    /// The connection went away without the peer's SHUTDOWN or DISCONNECT.
+    pub(super) peer_gone: bool,
+    /// What broke the stream: the error every later call returns.
+    pub(super) fatal: Option<(io::ErrorKind, String)>,
+    pub(super) read_timeout: Duration,
+    pub(super) write_timeout: Duration,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("peer_addr", &self.peer_addr)
+            .field("readable", &self.readable)
+            .field("writable", &self.writable)
+            .field("peer_eof", &self.peer_eof)
+            .field("fatal", &self.fatal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream {
+    /// The connected stream, from its lane, QP, buffers and the peer's connection data. Sends
+    /// the first credit update (the grant of the second half) at once, as rsocket's first
+    /// poll does.
+    pub(super) fn start(
+        lane: Lane,
+        qp: LaneQp,
+        bufs: Buffers,
+        peer: ConnData,
+        peer_addr: Option<SocketAddr>,
+    ) -> Result<Stream> {
+        let Buffers { rbuf, sgl, send, .. } = bufs;
+        let mut s = Stream {
+            lane,
+            qp,
+            peer_addr,
+            rbuf,
+            sgl,
+            free_send: send,
+            peer_order: peer.order,
+            peer_sgl: RemoteRegion::new(
+                peer.target_sgl.addr,
+                peer.target_sgl.key,
+                u64::from(peer.target_sgl.length) * SGE_LEN as u64,
+            ),
+            peer_slots: peer.target_sgl.length,
+            peer_credits: peer.credits,
+            sseq_no: 0,
+            sseq_comp: peer.credits,
+            target: Some(peer.data_buf),
+            next_target: None,
+            next_grant_slot: 1,
+            data_in_flight: 0,
+            ctrl_in_flight: 0,
+            rseq_no: 0,
+            rseq_comp: CREDITS / 2,
+            rbuf_bytes_avail: HALF,
+            rbuf_free_offset: HALF,
+            remote_sge: 1,
+            rx_seq: 0,
+            rx_limit: CREDITS,
+            rx_write_off: 0,
+            rx_granted: HALF,
+            rx_msgs: VecDeque::with_capacity(usize::from(CREDITS)),
+            rd_off: 0,
+            head_read: 0,
+            readable: true,
+            writable: true,
+            peer_eof: false,
+            peer_disconnected: false,
+            disconnect_sent: false,
+            shutdown_sent: false,
+            peer_gone: false,
+            fatal: None,
+            read_timeout: DEFAULT_TIMEOUT,
+            write_timeout: DEFAULT_TIMEOUT,
+        };
+        if s.lane.max_inline_data(qp)? < SGE_LEN as u32 {
+            return Err(Error::Unsupported {
+                what: "an rsocket stream on this device",
+                why: "the QP takes fewer than 16 inline bytes, and grants are written inline".into(),
+            });
+        }
+        s.give_credits();
+        Ok(s)
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_addr
+    }
+
+    /// The error that broke the stream, as an `io::Error`.
+    pub(super) fn fatal_error(&self) -> Option<io::Error> {
+        self.fatal.as_ref().map(|(k, m)| io::Error::new(*k, m.clone()))
+    }
+
+    /// Breaks the stream with `what`: the QP goes to the error state (everything posted
+    /// flushes) and every later call fails with it. The first cause is kept.
+    pub(super) fn fail(&mut self, kind: io::ErrorKind, what: String) {
+        if self.fatal.is_none() {
+            self.fatal = Some((kind, what));
+            let _ = self.lane.set_error(self.qp);
+        }
+    }
+
+    /// A protocol violation by the peer: the stream is closed.
+    fn violation(&mut self, what: String) {
+        let e = Error::Protocol { what, addr: self.peer_addr };
+        self.fail(io::ErrorKind::InvalidData, e.to_string());
+    }
+
+    /// Reaps what the CQ holds, without waiting, then sends the credit update that is due.
+    pub(super) fn poll_now(&mut self) {
+        loop {
+            match self.lane.poll() {
+                Ok(Some(c)) => self.handle(c),
+                Ok(None) => break,
+                Err(e) => {
+                    self.fail(io::ErrorKind::Other, e.to_string());
+                    break;
+                }
+            }
+        }
+        self.give_credits();
+    }
+
+    /// Waits until `deadline` for at least one completion and handles everything then there.
+    /// Between slices of the wait it looks at the connection's CM events, so a peer that left
+    /// without a word is noticed. Returns false when the deadline passed with nothing new; true
+    /// at once when the stream is broken.
+    pub(super) fn wait_until(&mut self, deadline: Instant) -> bool {
+        loop {
+            // Broken meanwhile (a violation found by a poll): nothing to wait for.
+            if self.fatal.is_some() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            match self.lane.wait((deadline - now).min(SLICE)) {
+                Ok(c) => {
+                    self.handle(c);
+                    self.poll_now();
+                    return true;
+                }
+                Err(Error::Timeout { .. }) => {
+                    if !self.peer_gone && matches!(self.lane.peer_left(self.qp), Ok(true)) {
+                        self.peer_gone = true;
+                        // The flush of what was posted follows; nothing more can arrive.
+                        return true;
+                    }
+                }
+                Err(e) => {
+                    self.fail(io::ErrorKind::ConnectionAborted, e.to_string());
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// One completion.
+    fn handle(&mut self, mut c: Completion) {
+        match c.wr_id() {
+            WR_RECV => {
+                let region = c.take_region();
+                if !c.is_ok() {
+                    self.lost(&c);
+                    return;
+                }
+                // Posted again at once, as rsocket does after each poll (rsocket.c:2079).
+                if let Some(r) = region {
+                    if self.fatal.is_none() && !self.peer_gone {
+                        if let Err(e) = self.lane.post_recv(self.qp, RecvWr::range(r, 0..0).wr_id(WR_RECV)) {
+                            self.fail(io::ErrorKind::Other, e.to_string());
+                        }
+                    }
+                }
+                self.message(c.imm_data(), c.byte_len());
+            }
+            WR_DATA => {
+                self.data_in_flight = self.data_in_flight.saturating_sub(1);
+                if let Some(r) = c.take_region() {
+                    self.free_send.push(r);
+                }
+                if !c.is_ok() {
+                    self.lost(&c);
+                }
+            }
+            _ => {
+                self.ctrl_in_flight = self.ctrl_in_flight.saturating_sub(1);
+                if !c.is_ok() {
+                    self.lost(&c);
+                }
+            }
+        }
+    }
+
+    /// A failed completion: a flush after the stream broke or the peer left says nothing new;
+    /// any other failure breaks the stream with its status.
+    fn lost(&mut self, c: &Completion) {
+        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent {
+            return;
+        }
+        if !self.peer_gone && matches!(self.lane.peer_left(self.qp), Ok(true)) {
+            self.peer_gone = true;
+            return;
+        }
+        let what = match c.wr_id() {
+            WR_RECV => "a receive",
+            WR_DATA => "a data WRITE",
+            _ => "a control message",
+        };
+        let status = c.status();
+        self.fail(
+            io::ErrorKind::ConnectionAborted,
+            format!("{what} failed: {status} ({}); the connection is broken", status.hint().unwrap_or("no hint")),
+        );
+    }
+
+    /// One message from the peer: its immediate data (if any) and the bytes that arrived.
+    fn message(&mut self, imm: Option<u32>, byte_len: u32) {
+        let Some(imm) = imm else {
+            return self.violation(format!(
+                "a message of {byte_len} bytes without immediate data (a SEND): rsocket on InfiniBand and RoCE sends \
+                 only RDMA WRITEs with immediate data"
+            ));
+        };
+        let msg = match Msg::from_imm(imm) {
+            Ok(m) => m,
+            Err(e) => return self.violation(e.to_string()),
+        };
+        match msg {
+            Msg::Data { len } => self.data(len, byte_len),
+            Msg::Sgl { limit } => self.credit(limit, byte_len),
+            Msg::IoMapSgl { index } => {
+                self.violation(format!("an iomap update (entry {index}), though this side advertised no iomap entries"))
+            }
+            Msg::Ctrl(c) if byte_len != 0 => {
+                self.violation(format!("a control message ({c:?}) that wrote {byte_len} bytes"))
+            }
+            Msg::Ctrl(Ctrl::Keepalive) => {}
+            Msg::Ctrl(Ctrl::Shutdown) => {
+                self.peer_eof = true;
+                if !self.writable {
+                    self.peer_disconnected = true;
+                }
+            }
+            Msg::Ctrl(Ctrl::Disconnect) => {
+                self.peer_eof = true;
+                self.peer_disconnected = true;
+            }
+        }
+    }
+
+    /// A data message: `len` bytes written at the next place of the granted space.
+    fn data(&mut self, len: u32, byte_len: u32) {
+        let n = len as usize;
+        if byte_len != len {
+            return self.violation(format!("a data message of {len} bytes whose WRITE carried {byte_len}"));
+        }
+        let in_half = HALF - self.rx_write_off % HALF;
+        if n > self.rx_granted || n > in_half {
+            return self.violation(format!(
+                "a data message of {len} bytes where {} bytes of granted space were left ({in_half} in the current half)",
+                self.rx_granted.min(in_half)
+            ));
+        }
+        let window = self.rx_limit.wrapping_sub(self.rx_seq);
+        if window == 0 || window > CREDITS || self.rx_msgs.len() >= usize::from(CREDITS) {
+            return self.violation(format!(
+                "data message {} beyond its credits: the last credit limit sent was {}",
+                self.rx_seq, self.rx_limit
+            ));
+        }
+        if self.peer_eof {
+            return self.violation("a data message after its SHUTDOWN or DISCONNECT".into());
+        }
+        self.rx_seq = self.rx_seq.wrapping_add(1);
+        self.rx_granted -= n;
+        self.rx_write_off = (self.rx_write_off + n) % RBUF_SIZE;
+        self.rx_msgs.push_back(len);
+    }
+
+    /// A credit update, with a grant in this side's target SGL when 16 bytes came.
+    fn credit(&mut self, limit: u16, byte_len: u32) {
+        match byte_len {
+            0 => {}
+            16 => {
+                let mut b = [0u8; SGE_LEN];
+                let at = self.next_grant_slot as usize * SGE_LEN;
+                if let Err(e) = self.sgl.read_at(at, &mut b) {
+                    return self.fail(io::ErrorKind::Other, e.to_string());
+                }
+                let g = match Sge::decode(&b, ByteOrder::native()).check_grant() {
+                    Ok(g) => g,
+                    Err(e) => return self.violation(e.to_string()),
+                };
+                if self.target.is_none() {
+                    self.target = Some(g);
+                } else if self.next_target.is_none() {
+                    self.next_target = Some(g);
+                } else {
+                    return self.violation("a third buffer grant while the two before it were not filled yet".into());
+                }
+                self.next_grant_slot = (self.next_grant_slot + 1) % SGL_SLOTS;
+            }
+            n => return self.violation(format!("a credit update that wrote {n} bytes (a grant is 16)")),
+        }
+        let window = limit.wrapping_sub(self.sseq_no);
+        if window > self.peer_credits {
+            return self.violation(format!(
+                "a credit limit of {limit} after {} data messages: {window} credits, more than its {} receives",
+                self.sseq_no, self.peer_credits
+            ));
+        }
+        self.sseq_comp = limit;
+    }
+
+    /// Whether a data WRITE may start now: a piece of the send buffer free, a send-queue entry,
+    /// a credit (a few kept back so the peer's receives also cover this side's control
+    /// messages), and granted space.
+    pub(super) fn can_send_data(&self) -> bool {
+        let reserve = if self.peer_credits > 2 * QP_CTRL_SIZE { QP_CTRL_SIZE } else { 0 };
+        !self.free_send.is_empty()
+            && self.sseq_comp.wrapping_sub(self.sseq_no) > reserve
+            && self.target.is_some_and(|t| t.length > 0)
+    }
+
+    /// Posts one data WRITE of `src` (at most one send-buffer piece and what the current
+    /// grant has left; the caller checked [`Stream::can_send_data`]). Returns the bytes taken.
+    pub(super) fn send_data(&mut self, src: &[u8]) -> io::Result<usize> {
+        let (Some(mut t), Some(mut piece)) = (self.target, self.free_send.pop()) else {
+            return Ok(0);
+        };
+        let n = src.len().min(piece.len()).min(t.length as usize);
+        if let Err(e) = piece.write_at(0, &src[..n]) {
+            self.free_send.push(piece);
+            return Err(io::Error::other(e));
+        }
+        let remote = RemoteRegion::new(t.addr, t.key, u64::from(t.length));
+        let wr = crate::verbs::lane::SendWr::write(piece, 0..n, &remote, 0)
+            .imm(Msg::Data { len: n as u32 }.to_imm())
+            .wr_id(WR_DATA);
+        if let Err(r) = self.lane.post_send(self.qp, wr) {
+            let (e, back) = r.into_parts();
+            if let Some(p) = back {
+                self.free_send.push(p);
+            }
+            self.fail(io::ErrorKind::Other, e.to_string());
+            return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
+        }
+        self.data_in_flight += 1;
+        self.sseq_no = self.sseq_no.wrapping_add(1);
+        // check_grant: the range ends at or below 2^64; an address that reaches 2^64 exactly
+        // comes with length 0 and is never used.
+        t.addr = t.addr.wrapping_add(n as u64);
+        t.length -= n as u32;
+        self.target = if t.length == 0 { self.next_target.take() } else { Some(t) };
+        Ok(n)
+    }
+
+    /// Whether a control message may be posted now.
+    pub(super) fn ctrl_free(&self) -> bool {
+        self.ctrl_in_flight < CTRL_SLOTS
+    }
+
+    /// Posts a control message (a zero-length WRITE with immediate data). The caller checked
+    /// [`Stream::ctrl_free`].
+    pub(super) fn send_ctrl(&mut self, msg: Msg) {
+        let none = RemoteRegion::new(0, 0, 0);
+        let wr = InlineWr::write(&[], &none, 0).imm(msg.to_imm()).wr_id(WR_CTRL);
+        match self.lane.post_inline(self.qp, wr) {
+            Ok(()) => self.ctrl_in_flight += 1,
+            Err(e) => self.fail(io::ErrorKind::Other, e.to_string()),
+        }
+    }
+
+    /// Sends the credit update that is due, as rsocket's `rs_give_credits`: when a half of the
+    /// receive buffer is free again, a grant of it; when half the credits were used, a bare
+    /// update.
+    pub(super) fn give_credits(&mut self) {
+        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent || !self.ctrl_free() {
+            return;
+        }
+        let grant = self.rbuf_bytes_avail >= HALF;
+        if !grant && (self.rseq_no.wrapping_sub(self.rseq_comp) as i16) < 0 {
+            return;
+        }
+        let limit = self.rseq_no.wrapping_add(CREDITS);
+        let imm = Msg::Sgl { limit }.to_imm();
+        if grant {
+            let sge = Sge {
+                addr: self.rbuf.addr() + self.rbuf_free_offset as u64,
+                key: self.rbuf.rkey(),
+                length: HALF as u32,
+            };
+            let bytes = sge.encode(self.peer_order);
+            let at = u64::from(self.remote_sge) * SGE_LEN as u64;
+            let wr = InlineWr::write(&bytes, &self.peer_sgl, at).imm(imm).wr_id(WR_CTRL);
+            if let Err(e) = self.lane.post_inline(self.qp, wr) {
+                return self.fail(io::ErrorKind::Other, e.to_string());
+            }
+            self.ctrl_in_flight += 1;
+            self.rbuf_bytes_avail -= HALF;
+            self.rbuf_free_offset = (self.rbuf_free_offset + HALF) % RBUF_SIZE;
+            self.remote_sge = (self.remote_sge + 1) % self.peer_slots;
+            self.rx_granted += HALF;
+        } else {
+            self.send_ctrl(Msg::Sgl { limit });
+        }
+        self.rx_limit = limit;
+        self.rseq_comp = self.rseq_no.wrapping_add(CREDITS / 2);
+    }
+
+    /// Copies queued data into `dst`, in order; returns the bytes copied.
+    pub(super) fn copy_out(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < dst.len() {
+            let Some(&len) = self.rx_msgs.front() else { break };
+            let n = (len as usize - self.head_read).min(dst.len() - done);
+            // A message lies inside one half (checked when it came), so no wrap here.
+            self.rbuf.read_at(self.rd_off, &mut dst[done..done + n]).map_err(io::Error::other)?;
+            done += n;
+            self.head_read += n;
+            self.rd_off = (self.rd_off + n) % RBUF_SIZE;
+            self.rbuf_bytes_avail += n;
+            if self.head_read == len as usize {
+                self.rx_msgs.pop_front();
+                self.head_read = 0;
+                self.rseq_no = self.rseq_no.wrapping_add(1);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Whether every send posted has completed.
+    pub(super) fn sends_done(&self) -> bool {
+        self.data_in_flight == 0 && self.ctrl_in_flight == 0
+    }
+
+    /// The connection went away: the error for a read or write that finds it so.
+    pub(super) fn gone_error(&self) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            format!(
+                "the peer{} closed the connection without an rsocket SHUTDOWN or DISCONNECT message (its process \
+                 exited, or it closed the connection abruptly)",
+                self.peer_addr.map(|a| format!(" {a}")).unwrap_or_default()
+            ),
+        )
+    }
+
+    /// A timeout error for `op` after `t`.
+    pub(super) fn timeout_error(&self, op: &str, t: Duration) -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, format!("{op} on the stream timed out after {t:?}"))
+    }
+}

@@ -1,0 +1,195 @@
+//! The stream's blocking I/O: `Read`, `Write`, `shutdown`, the timeouts, and the close.
+
+use std::io::{self, Read, Write};
+use std::net::Shutdown;
+use std::time::{Duration, Instant};
+
+use crate::stream::engine::Stream;
+use crate::stream::wire::{Ctrl, Msg};
+
+/// How long a drop waits for the close to go out and for the CM's disconnect.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Stream {
+    /// Bounds each blocking [`Read::read`]: one that finds no data for this long fails with
+    /// [`io::ErrorKind::TimedOut`] (the stream stays usable). Default 30 s.
+    pub fn set_read_timeout(&mut self, timeout: Duration) {
+        self.read_timeout = timeout;
+    }
+
+    /// Bounds each blocking [`Write::write`] (and [`Write::flush`], [`Stream::shutdown`]): one
+    /// that cannot send for this long (no credits, no granted space: the peer does not read)
+    /// fails with [`io::ErrorKind::TimedOut`]. Default 30 s.
+    pub fn set_write_timeout(&mut self, timeout: Duration) {
+        self.write_timeout = timeout;
+    }
+
+    /// The bound of a blocking read.
+    pub fn read_timeout(&self) -> Duration {
+        self.read_timeout
+    }
+
+    /// The bound of a blocking write.
+    pub fn write_timeout(&self) -> Duration {
+        self.write_timeout
+    }
+
+    /// Shuts down reading, writing or both, as rsocket's `rshutdown` does: `Write` sends the
+    /// peer a SHUTDOWN (its reads end after the data sent so far; it may go on writing),
+    /// `Both` a DISCONNECT (the peer's reads end, its writes fail), and `Read` sends nothing
+    /// unless writing was shut down already (then a DISCONNECT). Then waits, bounded by the
+    /// write timeout, until everything sent has completed. After it, reads return `Ok(0)` once
+    /// the data already arrived is read (`Read`, `Both`), and writes fail (`Write`, `Both`).
+    ///
+    /// # Errors
+    /// The error that broke the stream; [`io::ErrorKind::TimedOut`] when the sends did not
+    /// complete in time.
+    pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
+        match how {
+            Shutdown::Read => self.readable = false,
+            Shutdown::Write => self.writable = false,
+            Shutdown::Both => (self.readable, self.writable) = (false, false),
+        }
+        // As rsocket, whose socket stops being readable at the peer's SHUTDOWN too, and
+        // sends nothing once disconnected (the peer's DISCONNECT, or its own).
+        let readable = self.readable && !self.peer_eof;
+        let msg = match (readable, self.writable) {
+            (_, true) => None,
+            (true, false) if self.shutdown_sent => None,
+            (true, false) => Some(Ctrl::Shutdown),
+            (false, false) => Some(Ctrl::Disconnect),
+        };
+        let deadline = Instant::now() + self.write_timeout;
+        if let Some(c) = msg {
+            let connected = !self.disconnect_sent && !self.peer_disconnected && !self.peer_gone;
+            if connected && self.fatal.is_none() {
+                self.poll_now();
+                while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
+                    if !self.wait_until(deadline) {
+                        return Err(self.timeout_error("shutdown", self.write_timeout));
+                    }
+                }
+                if self.fatal.is_none() && !self.peer_gone {
+                    self.send_ctrl(Msg::Ctrl(c));
+                    match c {
+                        Ctrl::Disconnect => self.disconnect_sent = true,
+                        _ => self.shutdown_sent = true,
+                    }
+                }
+            }
+        }
+        self.drain_sends(deadline)
+    }
+
+    /// Waits until everything posted has completed (or the connection is gone).
+    fn drain_sends(&mut self, deadline: Instant) -> io::Result<()> {
+        self.poll_now();
+        while !self.sends_done() && self.fatal.is_none() && !self.peer_gone {
+            if !self.wait_until(deadline) {
+                return Err(self.timeout_error("waiting for the sends to complete", self.write_timeout));
+            }
+        }
+        match self.fatal_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Read for Stream {
+    /// Reads what has arrived, waiting (up to the read timeout) while nothing has. `Ok(0)` at
+    /// the end of the stream: the peer's SHUTDOWN or DISCONNECT after all its data, or this
+    /// side's own read shutdown.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Instant::now() + self.read_timeout;
+        loop {
+            if let Some(e) = self.fatal_error() {
+                return Err(e);
+            }
+            if !self.readable {
+                return Ok(0);
+            }
+            if !self.rx_msgs.is_empty() {
+                let n = self.copy_out(buf)?;
+                self.give_credits();
+                return Ok(n);
+            }
+            self.poll_now();
+            if !self.rx_msgs.is_empty() || self.fatal.is_some() {
+                continue;
+            }
+            if self.peer_eof {
+                return Ok(0);
+            }
+            if self.peer_gone {
+                return Err(self.gone_error());
+            }
+            if !self.wait_until(deadline) {
+                return Err(self.timeout_error("read", self.read_timeout));
+            }
+        }
+    }
+}
+
+impl Write for Stream {
+    /// Copies up to one send-buffer piece of `buf` into the send buffer and RDMA-WRITEs it
+    /// into the peer's granted space, waiting (up to the write timeout) for credits, granted
+    /// space or a free piece. Returns as soon as the WRITE is posted: [`Write::flush`] waits
+    /// for it to complete.
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let deadline = Instant::now() + self.write_timeout;
+        loop {
+            if let Some(e) = self.fatal_error() {
+                return Err(e);
+            }
+            if !self.writable {
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the stream was shut down for writing"));
+            }
+            if self.peer_disconnected {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "the peer disconnected the stream (an rsocket DISCONNECT): it reads no more",
+                ));
+            }
+            if self.peer_gone {
+                return Err(self.gone_error());
+            }
+            if self.can_send_data() {
+                return self.send_data(buf);
+            }
+            self.poll_now();
+            if self.can_send_data() || self.fatal.is_some() {
+                continue;
+            }
+            if !self.wait_until(deadline) {
+                return Err(self.timeout_error("write", self.write_timeout));
+            }
+        }
+    }
+
+    /// Waits until every WRITE posted has completed (the peer's device has the data).
+    fn flush(&mut self) -> io::Result<()> {
+        let deadline = Instant::now() + self.write_timeout;
+        self.drain_sends(deadline)
+    }
+}
+
+impl Drop for Stream {
+    /// Closes as rsocket's `rclose`: a DISCONNECT unless one was sent (or the connection is
+    /// gone), its completion awaited briefly, then the QP and the id destroyed. As `rclose`,
+    /// it does not wait for the peer's answer to the CM's disconnect (the id's teardown sends
+    /// it), so a drop never waits on the peer's reading its events.
+    fn drop(&mut self) {
+        if !self.disconnect_sent && !self.peer_gone && self.fatal.is_none() {
+            self.write_timeout = self.write_timeout.min(CLOSE_TIMEOUT);
+            let _ = self.shutdown(Shutdown::Both);
+        }
+        let _ = self.lane.remove(self.qp);
+    }
+}
