@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::stream::conn::{Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::buffers::{Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
 use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
 use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
 use crate::verbs::mr::{MemoryRegion, RemoteRegion};

@@ -64,6 +64,7 @@
 //! (`riomap`/`riowrite`), no keepalive, no non-blocking mode; `AF_IB` addresses are not
 //! supported. The buffer and queue sizes are fixed.
 
+mod buffers;
 mod conn;
 mod engine;
 mod io;
