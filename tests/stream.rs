@@ -15,7 +15,7 @@ use std::thread;
 use std::time::Duration;
 
 use common::{Cap, DeviceTest, T};
-use rdma_cm::stream::wire::{ConnData, Msg, Sge};
+use rdma_cm::stream::wire::{ConnData, Ctrl, Msg, Sge};
 use rdma_cm::stream::{Stream, StreamListener};
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RemoteRegion, Transport, VerbsContext};
@@ -369,11 +369,91 @@ fn half_close_between_our_streams() {
     t.finish();
 }
 
-/// A hostile client speaking the verbs itself: it connects with valid connection data, then
-/// sends `imm` `count` times, each with `len` bytes written at the next place of the server's
-/// first half. The server reads (or, with `server_writes`, only writes, so that it reads
-/// nothing and its credits are not renewed): its call must fail with `InvalidData` naming
-/// `needle`, never hang or panic.
+/// A client speaking the verbs itself, as a hostile or an rsocket-like peer would: connected
+/// with valid connection data and 32 receives posted; it writes what a test tells it to.
+struct RawPeer {
+    lane: Lane,
+    qp: rdma_cm::verbs::lane::LaneQp,
+    pd: std::sync::Arc<rdma_cm::ProtectionDomain>,
+    /// The server's connection data, and its first half (one byte longer than granted, so
+    /// that a write beyond the grant gets past this side's own bounds check).
+    theirs: ConnData,
+    half: RemoteRegion,
+    _bufs: (MemoryRegion, MemoryRegion),
+}
+
+impl RawPeer {
+    fn connect(t: &DeviceTest, port: u16) -> RawPeer {
+        let route = Client::new()
+            .unwrap()
+            .resolve_addr(None, SocketAddr::new(t.addr, port), T)
+            .unwrap()
+            .resolve_route(T)
+            .unwrap();
+        let pd = route.alloc_pd().unwrap();
+        let mut lane = Lane::new(&route.context().unwrap(), 512).unwrap();
+        let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let rbuf = MemoryRegion::new(&pd, 4096, remote).unwrap();
+        let sgl = MemoryRegion::new(&pd, 32, remote).unwrap();
+        let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(32).max_send_wr(256)).unwrap();
+        let qp = client.qp();
+        for r in MemoryRegion::new(&pd, 32, AccessFlags::LOCAL_WRITE).unwrap().split(1).unwrap() {
+            lane.post_recv(qp, RecvWr::range(r, 0..0).wr_id(1)).unwrap();
+        }
+        let mine = ConnData::new(
+            16,
+            Sge { addr: sgl.addr(), key: sgl.rkey(), length: 2 },
+            Sge { addr: rbuf.addr(), key: rbuf.rkey(), length: 2048 },
+        );
+        let reply = client.connect(&mut lane, &ConnParam::new().private_data(&mine.encode()).unwrap(), T).unwrap();
+        let theirs = ConnData::decode(&reply).expect("the server's connection data");
+        let half = RemoteRegion::new(theirs.data_buf.addr, theirs.data_buf.key, u64::from(theirs.data_buf.length) + 1);
+        RawPeer { lane, qp, pd, theirs, half, _bufs: (rbuf, sgl) }
+    }
+
+    /// Writes `grant` into slot 1 of the server's target SGL with `imm`, as a buffer grant goes.
+    fn grant(&mut self, grant: Sge, imm: u32) {
+        let sgl = RemoteRegion::new(self.theirs.target_sgl.addr, self.theirs.target_sgl.key, 32);
+        let bytes = grant.encode(self.theirs.order);
+        self.lane.post_inline(self.qp, InlineWr::write(&bytes, &sgl, 16).imm(imm).wr_id(2)).unwrap();
+    }
+
+    /// Sends `imm` with `len` bytes written at `at` in the server's first half (none for 0).
+    fn send(&mut self, imm: u32, len: usize, at: usize) {
+        if len == 0 {
+            let none = RemoteRegion::new(0, 0, 0);
+            self.lane.post_inline(self.qp, InlineWr::write(&[], &none, 0).imm(imm).wr_id(2)).unwrap();
+        } else {
+            let src = MemoryRegion::new(&self.pd, len, AccessFlags::empty()).unwrap();
+            let wr = SendWr::write(src, 0..len, &self.half, at as u64).imm(imm).wr_id(2);
+            self.lane.post_send(self.qp, wr).unwrap();
+        }
+    }
+
+    /// Waits for the completions of `n` sends (each must succeed).
+    fn sent(&mut self, n: usize) {
+        let mut done = 0;
+        while done < n {
+            let c = self.lane.wait(T).expect("a completion of the raw peer's");
+            if c.wr_id() == 2 {
+                assert!(c.is_ok(), "the raw peer's send failed: {:?}", c.status());
+                done += 1;
+            }
+        }
+    }
+
+    /// Disconnects at once, as the server's stream closes at the same time.
+    fn close(mut self, server: Stream) {
+        let closing = thread::spawn(move || drop(server));
+        let _ = self.lane.disconnect(self.qp, Duration::from_secs(2));
+        closing.join().unwrap();
+    }
+}
+
+/// A hostile client ([`RawPeer`]) that sends `imm` `count` times, each with `len` bytes
+/// written at the next place of the server's first half. The server reads (or, with
+/// `server_writes`, only writes, so that it reads nothing and its credits are not renewed):
+/// its call must fail with `InvalidData` naming `needle`, never hang or panic.
 fn hostile(t: &DeviceTest, port: u16, (imm, len, count): (u32, usize, usize), server_writes: bool, needle: &str) {
     hostile_with(t, port, (imm, len, count), None, server_writes, needle)
 }
@@ -403,55 +483,130 @@ fn hostile_with(
             }
         }
     });
-    let route =
-        Client::new().unwrap().resolve_addr(None, SocketAddr::new(t.addr, port), T).unwrap().resolve_route(T).unwrap();
-    let pd = route.alloc_pd().unwrap();
-    let mut lane = Lane::new(&route.context().unwrap(), 512).unwrap();
-    let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-    let rbuf = MemoryRegion::new(&pd, 4096, remote).unwrap();
-    let sgl = MemoryRegion::new(&pd, 32, remote).unwrap();
-    let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(32).max_send_wr(256)).unwrap();
-    let qp = client.qp();
-    for r in MemoryRegion::new(&pd, 32, AccessFlags::LOCAL_WRITE).unwrap().split(1).unwrap() {
-        lane.post_recv(qp, RecvWr::range(r, 0..0).wr_id(1)).unwrap();
-    }
-    let mine = ConnData::new(
-        16,
-        Sge { addr: sgl.addr(), key: sgl.rkey(), length: 2 },
-        Sge { addr: rbuf.addr(), key: rbuf.rkey(), length: 2048 },
-    );
-    let reply = client.connect(&mut lane, &ConnParam::new().private_data(&mine.encode()).unwrap(), T).unwrap();
-    let theirs = ConnData::decode(&reply).expect("the server's connection data");
-    let half = RemoteRegion::new(theirs.data_buf.addr, theirs.data_buf.key, u64::from(theirs.data_buf.length) + 1);
+    let mut peer = RawPeer::connect(t, port);
     if let Some(g) = grant {
-        let sgl = RemoteRegion::new(theirs.target_sgl.addr, theirs.target_sgl.key, 32);
-        let bytes = g.encode(theirs.order);
-        lane.post_inline(qp, InlineWr::write(&bytes, &sgl, 16).imm(imm).wr_id(2)).unwrap();
+        peer.grant(g, imm);
     }
     for k in 0..count {
-        if len == 0 {
-            lane.post_inline(qp, InlineWr::write(&[], &RemoteRegion::new(0, 0, 0), 0).imm(imm).wr_id(2)).unwrap();
-        } else {
-            let src = MemoryRegion::new(&pd, len, AccessFlags::empty()).unwrap();
-            lane.post_send(qp, SendWr::write(src, 0..len, &half, (k * len) as u64).imm(imm).wr_id(2)).unwrap();
-        }
+        peer.send(imm, len, k * len);
     }
     let (seen, s) = server.join().unwrap();
     let e = seen.unwrap_or_else(|why| panic!("the server's call saw {why}, not an error"));
     assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
     assert!(e.to_string().contains(needle), "the error names the violation ({needle}): {e}");
     println!("hostile {imm:#010x} x{count}: {e}");
-    // Both ends close at once: each one's disconnect is answered by the other's.
-    let closing = thread::spawn(move || drop(s));
-    let _ = lane.disconnect(qp, Duration::from_secs(2));
-    closing.join().unwrap();
-    drop((lane, rbuf, sgl, pd));
+    peer.close(s);
+}
+
+/// What arrived before a violation is read first, in order, and then the error: three data
+/// messages, then a reserved operation, all in the server's CQ before it reads.
+#[test]
+fn data_before_a_violation_is_read_before_the_error() {
+    let t = DeviceTest::start();
+    let _took = Took("data_before_a_violation_is_read_before_the_error", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let port = 7725u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let (tx, rx) = mpsc::channel::<()>();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        rx.recv().unwrap();
+        let mut got = Vec::new();
+        let e = s.read_to_end(&mut got).expect_err("the violation, after the data");
+        (got, e, s)
+    });
+    let mut peer = RawPeer::connect(&t, port);
+    for k in 0..3 {
+        peer.send(Msg::Data { len: 1000 }.to_imm(), 1000, k * 1000);
+    }
+    peer.send(0x2000_0000, 0, 0);
+    peer.sent(4);
+    tx.send(()).unwrap();
+    let (got, e, s) = server.join().unwrap();
+    assert_eq!(got.len(), 3000, "the three messages' bytes, read before the error");
+    assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+    assert!(e.to_string().contains("reserved"), "{e}");
+    peer.close(s);
+    t.finish();
+}
+
+/// An rsocket peer that sends DISCONNECT moves its QP to the error state and sends the CM's
+/// disconnect only when it closes. A WRITE posted to it then fails: `flush` says its bytes
+/// may not have arrived (never `Ok`), and a read returns the end of the stream, not an error.
+#[test]
+fn flush_reports_a_write_the_disconnected_peer_never_got() {
+    let t = DeviceTest::start();
+    let _took = Took("flush_reports_a_write_the_disconnected_peer_never_got", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let port = 7726u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let (tx, rx) = mpsc::channel::<()>();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        s.set_write_timeout(3 * T);
+        rx.recv().unwrap();
+        // Posted at once: the stream has credits and a grant, and has not polled yet.
+        assert_eq!(s.write(&[7u8; 1000]).expect("the WRITE is posted"), 1000);
+        let flushed = s.flush();
+        let read = s.read(&mut [0u8; 8]);
+        (flushed, read.map_err(|e| e.to_string()), s)
+    });
+    let mut peer = RawPeer::connect(&t, port);
+    peer.send(Msg::Ctrl(Ctrl::Disconnect).to_imm(), 0, 0);
+    peer.sent(1);
+    peer.lane.set_error(peer.qp).unwrap();
+    tx.send(()).unwrap();
+    let (flushed, read, s) = server.join().unwrap();
+    let e = flushed.expect_err("a flush of a WRITE that failed");
+    assert_eq!(e.kind(), ErrorKind::BrokenPipe, "{e}");
+    assert!(e.to_string().contains("may not have reached"), "{e}");
+    assert_eq!(read, Ok(0), "after the peer's DISCONNECT a read ends the stream");
+    peer.close(s);
+    t.finish();
+}
+
+/// Timeouts too large for the clock (`Duration::MAX`) mean no bound, never a panic.
+#[test]
+fn huge_timeouts_do_not_panic() {
+    let t = DeviceTest::start();
+    let _took = Took("huge_timeouts_do_not_panic", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let port = 7727u16;
+    let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        s.set_read_timeout(Duration::MAX);
+        s.set_write_timeout(Duration::MAX);
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("read to the half-close");
+        s.write_all(&got).expect("echo");
+        s.shutdown(Shutdown::Both).expect("shutdown");
+    });
+    let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
+    c.set_read_timeout(Duration::MAX);
+    c.set_write_timeout(Duration::MAX);
+    c.write_all(b"unbounded").unwrap();
+    c.flush().unwrap();
+    c.shutdown(Shutdown::Write).unwrap();
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).unwrap();
+    assert_eq!(back, b"unbounded");
+    server.join().unwrap();
+    drop(c);
+    t.finish();
 }
 
 /// Protocol violations close the stream with an error that names them: a reserved
 /// operation, data beyond the granted half, a credit update for more receives than the peer
 /// has, one data message more than the credits the server gave (it reads nothing, so they
-/// are never renewed), and buffer grants that wrap the address space or are empty.
+/// are never renewed), buffer grants that wrap the address space or are empty, and a data
+/// message of 0 bytes (a read would take it for the end of the stream).
 #[test]
 fn protocol_violations_close_the_stream() {
     let t = DeviceTest::start();
@@ -468,6 +623,7 @@ fn protocol_violations_close_the_stream() {
     hostile_with(&t, 7723, (Msg::Sgl { limit: 16 }.to_imm(), 0, 0), Some(wraps), true, "past the end");
     let empty = Sge { addr: 4096, key: 1, length: 0 };
     hostile_with(&t, 7724, (Msg::Sgl { limit: 16 }.to_imm(), 0, 0), Some(empty), true, "length 0");
+    hostile(&t, 7728, (Msg::Data { len: 0 }.to_imm(), 0, 1), false, "0 bytes");
     t.finish();
 }
 

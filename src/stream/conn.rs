@@ -39,6 +39,11 @@ fn peer_data(bytes: &[u8], addr: Option<SocketAddr>) -> Result<ConnData> {
     Ok(d)
 }
 
+/// The least time a connect request that came is given to finish its handshake, however
+/// little of `accept`'s timeout was left when it came: a client is not dropped for arriving
+/// late in the wait.
+const MIN_HANDSHAKE: Duration = Duration::from_secs(5);
+
 /// Time left of `timeout` since `start`.
 fn left(start: Instant, timeout: Duration) -> Duration {
     timeout.saturating_sub(start.elapsed())
@@ -112,7 +117,9 @@ impl StreamListener {
 
     /// Waits up to `timeout` for a connect request and accepts it, as an rsocket listener
     /// does: a request whose connection data is refused is rejected (and reported as
-    /// [`Error::Protocol`]), an accepted one answered with this side's connection data.
+    /// [`Error::Protocol`]), an accepted one answered with this side's connection data. A
+    /// request that came is given at least 5 s to finish its handshake, even where that
+    /// outlasts `timeout`.
     ///
     /// # Errors
     /// [`Error::Timeout`] when no request came; [`Error::Unsupported`] on an iWARP device (the
@@ -120,7 +127,7 @@ impl StreamListener {
     pub fn accept(&self, timeout: Duration) -> Result<Stream> {
         let start = Instant::now();
         let req = self.listener.get_request(timeout)?;
-        accept_request(req, left(start, timeout))
+        accept_request(req, left(start, timeout).max(MIN_HANDSHAKE))
     }
 }
 

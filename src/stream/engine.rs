@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::stream::buffers::{Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::buffers::{cq_depth, Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
 use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
 use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
 use crate::verbs::mr::{MemoryRegion, RemoteRegion};
@@ -96,6 +96,10 @@ pub struct Stream {
     pub(super) peer_gone: bool,
     /// What broke the stream: the error every later call returns.
     pub(super) fatal: Option<(io::ErrorKind, String)>,
+    /// The first data WRITE that failed, even where the failure broke nothing more (the peer
+    /// had left or disconnected): `flush` and `shutdown` report it, so that no write the
+    /// peer never got is reported done.
+    pub(super) write_lost: Option<String>,
     pub(super) read_timeout: Duration,
     pub(super) write_timeout: Duration,
 }
@@ -166,6 +170,7 @@ impl Stream {
             shutdown_sent: false,
             peer_gone: false,
             fatal: None,
+            write_lost: None,
             read_timeout: DEFAULT_TIMEOUT,
             write_timeout: DEFAULT_TIMEOUT,
         };
@@ -204,9 +209,12 @@ impl Stream {
         self.fail(io::ErrorKind::InvalidData, e.to_string());
     }
 
-    /// Reaps what the CQ holds, without waiting, then sends the credit update that is due.
+    /// Reaps what the CQ holds, without waiting, then sends the credit update that is due. At
+    /// most a CQ's depth of completions per call: a peer that floods uncounted control
+    /// messages cannot keep a read or write here past its deadline, which the caller checks
+    /// between calls.
     pub(super) fn poll_now(&mut self) {
-        loop {
+        for _ in 0..cq_depth() {
             match self.lane.poll() {
                 Ok(Some(c)) => self.handle(c),
                 Ok(None) => break,
@@ -279,6 +287,13 @@ impl Stream {
                     self.free_send.push(r);
                 }
                 if !c.is_ok() {
+                    if self.write_lost.is_none() {
+                        let status = c.status();
+                        self.write_lost = Some(format!(
+                            "a data WRITE failed ({status}): its bytes may not have reached the peer{}",
+                            self.peer_addr.map(|a| format!(" {a}")).unwrap_or_default()
+                        ));
+                    }
                     self.lost(&c);
                 }
             }
@@ -291,10 +306,12 @@ impl Stream {
         }
     }
 
-    /// A failed completion: a flush after the stream broke or the peer left says nothing new;
-    /// any other failure breaks the stream with its status.
+    /// A failed completion: a flush after the stream broke or the peer left says nothing new,
+    /// nor does a failure after the peer's DISCONNECT (rsocket moves its QP to the error state
+    /// right after sending it, and sends its CM disconnect only when it closes); any other
+    /// failure breaks the stream with its status.
     fn lost(&mut self, c: &Completion) {
-        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent {
+        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent || self.peer_disconnected {
             return;
         }
         if !self.peer_gone && matches!(self.lane.peer_left(self.qp), Ok(true)) {
@@ -351,6 +368,10 @@ impl Stream {
     /// A data message: `len` bytes written at the next place of the granted space.
     fn data(&mut self, len: u32, byte_len: u32) {
         let n = len as usize;
+        if n == 0 {
+            // A read would take it for the end of the stream; rsocket never sends one.
+            return self.violation("a data message of 0 bytes".into());
+        }
         if byte_len != len {
             return self.violation(format!("a data message of {len} bytes whose WRITE carried {byte_len}"));
         }
@@ -474,8 +495,10 @@ impl Stream {
     /// Sends the credit update that is due, as rsocket's `rs_give_credits`: when a half of the
     /// receive buffer is free again, a grant of it; when half the credits were used, a bare
     /// update.
+    /// None once the peer sent its SHUTDOWN or DISCONNECT: it sends no more data, and after a
+    /// DISCONNECT rsocket's QP is in the error state, so an update would only fail.
     pub(super) fn give_credits(&mut self) {
-        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent || !self.ctrl_free() {
+        if self.fatal.is_some() || self.peer_gone || self.disconnect_sent || self.peer_eof || !self.ctrl_free() {
             return;
         }
         let grant = self.rbuf_bytes_avail >= HALF;

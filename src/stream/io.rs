@@ -10,6 +10,13 @@ use crate::stream::wire::{Ctrl, Msg};
 /// How long a drop waits for the close to go out and for the CM's disconnect.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The instant `timeout` from now; a timeout too large for the clock (`Duration::MAX`) never
+/// runs out in practice.
+fn deadline(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600))).unwrap_or(now)
+}
+
 impl Stream {
     /// Bounds each blocking [`Read::read`]: one that finds no data for this long fails with
     /// [`io::ErrorKind::TimedOut`] (the stream stays usable). Default 30 s.
@@ -59,7 +66,7 @@ impl Stream {
             (true, false) => Some(Ctrl::Shutdown),
             (false, false) => Some(Ctrl::Disconnect),
         };
-        let deadline = Instant::now() + self.write_timeout;
+        let deadline = deadline(self.write_timeout);
         if let Some(c) = msg {
             let connected = !self.disconnect_sent && !self.peer_disconnected && !self.peer_gone;
             if connected && self.fatal.is_none() {
@@ -81,7 +88,9 @@ impl Stream {
         self.drain_sends(deadline)
     }
 
-    /// Waits until everything posted has completed (or the connection is gone).
+    /// Waits until everything posted has completed (or the connection is gone). An error
+    /// when any data WRITE failed, or was still in flight when the peer left: its bytes may
+    /// not have reached the peer.
     fn drain_sends(&mut self, deadline: Instant) -> io::Result<()> {
         self.poll_now();
         while !self.sends_done() && self.fatal.is_none() && !self.peer_gone {
@@ -89,33 +98,46 @@ impl Stream {
                 return Err(self.timeout_error("waiting for the sends to complete", self.write_timeout));
             }
         }
-        match self.fatal_error() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = self.fatal_error() {
+            return Err(e);
         }
+        if let Some(what) = &self.write_lost {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, what.clone()));
+        }
+        if self.data_in_flight > 0 {
+            let n = self.data_in_flight;
+            let e = self.gone_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{e}; {n} data WRITEs had not completed: their bytes may not have reached it"),
+            ));
+        }
+        Ok(())
     }
 }
 
 impl Read for Stream {
     /// Reads what has arrived, waiting (up to the read timeout) while nothing has. `Ok(0)` at
     /// the end of the stream: the peer's SHUTDOWN or DISCONNECT after all its data, or this
-    /// side's own read shutdown.
+    /// side's own read shutdown. Data that arrived before the stream broke is read before the
+    /// error that broke it.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = Instant::now() + self.read_timeout;
+        let deadline = deadline(self.read_timeout);
         loop {
-            if let Some(e) = self.fatal_error() {
-                return Err(e);
-            }
             if !self.readable {
                 return Ok(0);
             }
+            // What arrived before the stream broke is delivered first, in order, then the error.
             if !self.rx_msgs.is_empty() {
                 let n = self.copy_out(buf)?;
                 self.give_credits();
                 return Ok(n);
+            }
+            if let Some(e) = self.fatal_error() {
+                return Err(e);
             }
             self.poll_now();
             if !self.rx_msgs.is_empty() || self.fatal.is_some() {
@@ -143,7 +165,7 @@ impl Write for Stream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = Instant::now() + self.write_timeout;
+        let deadline = deadline(self.write_timeout);
         loop {
             if let Some(e) = self.fatal_error() {
                 return Err(e);
@@ -175,7 +197,7 @@ impl Write for Stream {
 
     /// Waits until every WRITE posted has completed (the peer's device has the data).
     fn flush(&mut self) -> io::Result<()> {
-        let deadline = Instant::now() + self.write_timeout;
+        let deadline = deadline(self.write_timeout);
         self.drain_sends(deadline)
     }
 }

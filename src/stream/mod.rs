@@ -49,8 +49,8 @@
 //!
 //! **Flow control.** The protocol counts data messages only; the peer's grants and credit
 //! updates ride on receives it does not count, and rsocket leans on RNR retries for those.
-//! This side advertises 128 credits and posts 16 receives beyond them, and keeps 8 of the
-//! peer's credits unused (when it has more than 16) for its own control messages, so in
+//! This side advertises 128 credits and posts 16 receives beyond them, and keeps 4 of the
+//! peer's credits unused (when it has more than 8) for its own control messages, so in
 //! practice no message of either side waits on an RNR retry; the connection still asks for
 //! infinite RNR retries, as rsocket does.
 //!
