@@ -533,12 +533,14 @@ fn data_before_a_violation_is_read_before_the_error() {
 }
 
 /// An rsocket peer that sends DISCONNECT moves its QP to the error state and sends the CM's
-/// disconnect only when it closes. A WRITE posted to it then fails: `flush` says its bytes
-/// may not have arrived (never `Ok`), and a read returns the end of the stream, not an error.
+/// disconnect only when it closes. A WRITE posted to it then never lands: `flush` must not
+/// say `Ok`. It fails when the WRITE does (`BrokenPipe`, its bytes may not have reached the
+/// peer) or, as measured on rxe with kernel 6.1, where the WRITE neither completes nor fails
+/// within 30 s, at its timeout. A read then returns the end of the stream, not an error.
 #[test]
-fn flush_reports_a_write_the_disconnected_peer_never_got() {
+fn flush_after_the_peer_disconnected_never_says_ok() {
     let t = DeviceTest::start();
-    let _took = Took("flush_reports_a_write_the_disconnected_peer_never_got", std::time::Instant::now());
+    let _took = Took("flush_after_the_peer_disconnected_never_says_ok", std::time::Instant::now());
     if !common::require(Cap::ImmediateData) {
         return;
     }
@@ -547,7 +549,7 @@ fn flush_reports_a_write_the_disconnected_peer_never_got() {
     let (tx, rx) = mpsc::channel::<()>();
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept");
-        s.set_write_timeout(3 * T);
+        s.set_write_timeout(Duration::from_secs(5));
         rx.recv().unwrap();
         // Posted at once: the stream has credits and a grant, and has not polled yet.
         assert_eq!(s.write(&[7u8; 1000]).expect("the WRITE is posted"), 1000);
@@ -561,9 +563,13 @@ fn flush_reports_a_write_the_disconnected_peer_never_got() {
     peer.lane.set_error(peer.qp).unwrap();
     tx.send(()).unwrap();
     let (flushed, read, s) = server.join().unwrap();
-    let e = flushed.expect_err("a flush of a WRITE that failed");
-    assert_eq!(e.kind(), ErrorKind::BrokenPipe, "{e}");
-    assert!(e.to_string().contains("may not have reached"), "{e}");
+    let e = flushed.expect_err("a flush of a WRITE the peer never got");
+    match e.kind() {
+        ErrorKind::BrokenPipe => assert!(e.to_string().contains("may not have reached"), "{e}"),
+        ErrorKind::TimedOut => assert!(e.to_string().contains("timed out"), "{e}"),
+        k => panic!("a flush error of kind {k:?}: {e}"),
+    }
+    println!("flush: {e}");
     assert_eq!(read, Ok(0), "after the peer's DISCONNECT a read ends the stream");
     peer.close(s);
     t.finish();
