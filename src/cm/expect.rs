@@ -10,8 +10,14 @@ use crate::cm::event_channel::{CmEvent, CmEventType};
 use crate::error::{Error, Result};
 use crate::verbs::device::VerbsContext;
 
+/// Whether `ev`, an event of an established connection's id, says the peer is gone:
+/// `DISCONNECTED`, `DEVICE_REMOVAL`, or `REJECTED`.
 pub(crate) fn is_peer_gone(ev: &CmEvent) -> bool {
-    matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval)
+    // REJECTED on an established connection: the peer's side was destroyed (its process
+    // killed, say) before its CM had our RTU, so its kernel answered with a REJ instead of a
+    // DREQ; the kernel has moved our QP to the error state. Ignored, the connection would look
+    // alive until a send failed, which on rxe can take longer than any bound.
+    matches!(ev.event_type(), CmEventType::Disconnected | CmEventType::DeviceRemoval | CmEventType::Rejected)
 }
 
 /// Waits on `id`'s channel for `expected`; any other event becomes a clear error.

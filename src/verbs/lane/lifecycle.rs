@@ -43,7 +43,9 @@ impl Lane {
     /// Whether the peer of `qp`'s connection has left. Reads, without waiting, the pending CM
     /// events of that connection (and of no other: events of other ids read on the way, on a
     /// channel they share, stay queued for their owners). When the peer has left (its
-    /// `DISCONNECTED`, or the device's removal), its disconnect is answered and the QP moved to
+    /// `DISCONNECTED`; a `REJECTED`, which an established connection gets when the peer's side
+    /// was destroyed before its CM had this side's RTU; or the device's removal), its
+    /// disconnect is answered and the QP moved to
     /// the error state: everything it has posted comes back flushed from the lane's polls,
     /// and posts are refused ([`Error::QpInError`]). True from then on.
     ///
