@@ -57,6 +57,9 @@
 //! **Tested** (`tests/stream.rs`, Soft-RoCE): against rdma-core 44's `rstream` as its server
 //! and as its client, its data verified both ways; between two of these streams, echoes and a
 //! half-close larger than every buffer; a killed peer; hostile peers breaking each rule above.
+//! `tests/stream_interop.rs`: against `rcopy` as its client and as its server (a file of a few
+//! MiB copied byte-identical each way), and against a plain TCP program under
+//! `LD_PRELOAD=librspreload.so` as its client and as its server.
 //!
 //! **Limits of this version.** iWARP devices are refused with
 //! [`Error::Unsupported`](crate::Error::Unsupported): iWARP has no immediate data and rsocket
