@@ -193,7 +193,7 @@ unsafe fn register(fd: RawFd) -> std::result::Result<tokio::io::unix::AsyncFd<Fd
 impl Reactor {
     /// The lasting registration of `fd` (which must be the owner's descriptor, open while
     /// `self` lives) with the runtime `rt`; made here at that runtime's first call.
-    fn get(&self, fd: RawFd, rt: tokio::runtime::Id) -> Result<&tokio::io::unix::AsyncFd<Fd>> {
+    pub(crate) fn get(&self, fd: RawFd, rt: tokio::runtime::Id) -> Result<&tokio::io::unix::AsyncFd<Fd>> {
         let mut node = self;
         loop {
             // SAFETY: `fd` is the owner's descriptor, and the owner drops every registration

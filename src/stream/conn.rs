@@ -8,7 +8,8 @@ use crate::cm::client::Client;
 use crate::cm::conn_param::ConnParam;
 use crate::cm::server::{ConnectRequest, Listener, Server};
 use crate::error::{Error, Result};
-use crate::stream::buffers::{cq_depth, qp_init, Buffers, MIN_RNR_TIMER};
+use crate::stream::buffers::{Buffers, MIN_RNR_TIMER};
+use crate::stream::config::StreamConfig;
 use crate::stream::engine::Stream;
 use crate::stream::wire::ConnData;
 use crate::verbs::device::{Transport, VerbsContext};
@@ -42,7 +43,7 @@ fn peer_data(bytes: &[u8], addr: Option<SocketAddr>) -> Result<ConnData> {
 /// The least time a connect request that came is given to finish its handshake, however
 /// little of `accept`'s timeout was left when it came: a client is not dropped for arriving
 /// late in the wait.
-const MIN_HANDSHAKE: Duration = Duration::from_secs(5);
+pub(super) const MIN_HANDSHAKE: Duration = Duration::from_secs(5);
 
 /// Time left of `timeout` since `start`.
 fn left(start: Instant, timeout: Duration) -> Duration {
@@ -51,21 +52,28 @@ fn left(start: Instant, timeout: Duration) -> Duration {
 
 impl Stream {
     /// Connects to the rsocket (or [`StreamListener`]) at `addr` (in the RDMA CM's TCP port
-    /// space), every step within `timeout`.
+    /// space), every step within `timeout`, with the default sizes ([`StreamConfig`] sets
+    /// others).
     ///
     /// # Errors
     /// As for the CM's resolve and connect steps ([`Client`]); [`Error::Unsupported`] on an
     /// iWARP device; [`Error::Protocol`] when the server's connection data is refused (the
     /// connection is then closed).
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Stream> {
+        StreamConfig::new().connect(addr, timeout)
+    }
+
+    /// [`Stream::connect`] with the sizes of `cfg` (checked by the caller).
+    pub(super) fn connect_sized(cfg: StreamConfig, addr: SocketAddr, timeout: Duration) -> Result<Stream> {
         let start = Instant::now();
         let route = Client::new()?.resolve_addr(None, addr, timeout)?.resolve_route(left(start, timeout))?;
         let ctx = route.context()?;
         refuse_iwarp(&ctx)?;
         let pd = route.alloc_pd()?;
-        let mut bufs = Buffers::new(&pd)?;
-        let mut lane = Lane::new(&ctx, cq_depth())?;
-        let client = route.lane_qp(&mut lane, &pd, qp_init())?;
+        let mut bufs = Buffers::new(&pd, &cfg)?;
+        let mut lane = Lane::new(&ctx, cfg.cq_depth())?;
+        let channel = route.id().channel().clone();
+        let client = route.lane_qp(&mut lane, &pd, cfg.qp_init())?;
         let qp = client.qp();
         bufs.post_recvs(&mut lane, qp)?;
         // rsocket.c:1435-1448: no READ depths, retries 7, RNR retries 7.
@@ -84,7 +92,7 @@ impl Stream {
                 return Err(e);
             }
         };
-        Stream::start(lane, qp, bufs, peer, Some(addr))
+        Stream::start(lane, qp, bufs, peer, Some(addr), channel)
     }
 }
 
@@ -92,6 +100,7 @@ impl Stream {
 /// [`StreamListener::accept`] for each connection.
 pub struct StreamListener {
     listener: Listener,
+    cfg: StreamConfig,
 }
 
 impl std::fmt::Debug for StreamListener {
@@ -102,12 +111,32 @@ impl std::fmt::Debug for StreamListener {
 
 impl StreamListener {
     /// Listens on `addr` (an address of an RDMA device's netdev, or the wildcard; the port is
-    /// in the RDMA CM's TCP port space, as an rsocket's).
+    /// in the RDMA CM's TCP port space, as an rsocket's). The streams it accepts have the
+    /// default sizes ([`StreamConfig::bind`] sets others).
     ///
     /// # Errors
     /// As for [`Server::bind`] and `listen`.
     pub fn bind(addr: SocketAddr) -> Result<StreamListener> {
-        Ok(StreamListener { listener: Server::new()?.bind(addr)?.listen(16)? })
+        StreamConfig::new().bind(addr)
+    }
+
+    /// [`StreamListener::bind`] with the sizes of `cfg` (checked by the caller). The backlog
+    /// of connect requests not yet accepted is the most the kernel takes
+    /// (`net.rdma_ucm.max_backlog`, 1,024 by default), so that many clients connecting at once
+    /// are not refused.
+    pub(super) fn bind_sized(cfg: StreamConfig, addr: SocketAddr) -> Result<StreamListener> {
+        Ok(StreamListener { listener: Server::new()?.bind(addr)?.listen(0)?, cfg })
+    }
+
+    /// The CM listener.
+    #[cfg(feature = "tokio")]
+    pub(super) fn listener(&self) -> &Listener {
+        &self.listener
+    }
+
+    /// The sizes of the streams it accepts.
+    pub fn config(&self) -> StreamConfig {
+        self.cfg
     }
 
     /// The address listened on.
@@ -127,12 +156,12 @@ impl StreamListener {
     pub fn accept(&self, timeout: Duration) -> Result<Stream> {
         let start = Instant::now();
         let req = self.listener.get_request(timeout)?;
-        accept_request(req, left(start, timeout).max(MIN_HANDSHAKE))
+        accept_request(req, &self.cfg, left(start, timeout).max(MIN_HANDSHAKE))
     }
 }
 
 /// Accepts `req` as an rsocket listener does (rsocket.c:1296-1346).
-fn accept_request(req: ConnectRequest, timeout: Duration) -> Result<Stream> {
+pub(super) fn accept_request(req: ConnectRequest, cfg: &StreamConfig, timeout: Duration) -> Result<Stream> {
     let addr = req.peer_addr();
     let ctx = req.context()?;
     if let Err(e) = refuse_iwarp(&ctx) {
@@ -149,9 +178,10 @@ fn accept_request(req: ConnectRequest, timeout: Duration) -> Result<Stream> {
     // rsocket accepts with the request's own parameters, only its private data replaced.
     let (resp, init) = (req.responder_resources(), req.initiator_depth());
     let pd = req.alloc_pd()?;
-    let mut bufs = Buffers::new(&pd)?;
-    let mut lane = Lane::new(&ctx, cq_depth())?;
-    let server = req.lane_qp(&mut lane, &pd, qp_init())?;
+    let mut bufs = Buffers::new(&pd, cfg)?;
+    let mut lane = Lane::new(&ctx, cfg.cq_depth())?;
+    let channel = req.id().channel().clone();
+    let server = req.lane_qp(&mut lane, &pd, cfg.qp_init())?;
     let qp = server.qp();
     bufs.post_recvs(&mut lane, qp)?;
     let param = ConnParam::new()
@@ -162,5 +192,5 @@ fn accept_request(req: ConnectRequest, timeout: Duration) -> Result<Stream> {
         .min_rnr_timer(MIN_RNR_TIMER)
         .private_data(&bufs.conn_data().encode())?;
     server.accept(&mut lane, &param, timeout)?;
-    Stream::start(lane, qp, bufs, peer, addr)
+    Stream::start(lane, qp, bufs, peer, addr, channel)
 }

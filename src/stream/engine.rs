@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::stream::buffers::{cq_depth, Buffers, CREDITS, CTRL_SLOTS, RBUF_SIZE, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::buffers::{Buffers, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::config::{StreamConfig, CTRL_SLOTS};
 use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
 use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
 use crate::verbs::mr::{MemoryRegion, RemoteRegion};
@@ -16,8 +17,6 @@ use crate::verbs::mr::{MemoryRegion, RemoteRegion};
 pub(super) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one wait on the CQ sleeps before the connection's CM events are looked at.
 const SLICE: Duration = Duration::from_millis(200);
-/// Half of the receive buffer: what one grant gives the peer.
-pub(super) const HALF: usize = RBUF_SIZE / 2;
 
 /// A byte stream over one RC connection that speaks librdmacm's rsocket protocol: made by
 /// [`Stream::connect`] or [`StreamListener::accept`](crate::stream::StreamListener::accept),
@@ -29,6 +28,8 @@ pub struct Stream {
     pub(super) peer_addr: Option<SocketAddr>,
     /// The receive buffer: the peer writes into it at any moment, so only `read_at` reads it.
     pub(super) rbuf: MemoryRegion,
+    /// The sizes: of `rbuf` (`cfg.half()` is one grant), the credits given, the CQ's depth.
+    pub(super) cfg: StreamConfig,
     /// This side's target SGL: the peer writes its grants there; read only with `read_at`.
     sgl: MemoryRegion,
     /// Pieces of the send buffer not in flight.
@@ -73,7 +74,7 @@ pub struct Stream {
     /// Where the peer's next data lands, and how much of the granted space it has not filled.
     rx_write_off: usize,
     rx_granted: usize,
-    /// Lengths of the data messages arrived and not read whole (at most [`CREDITS`]: never
+    /// Lengths of the data messages arrived and not read whole (at most the credits: never
     /// grows past the capacity it was made with).
     pub(super) rx_msgs: VecDeque<u32>,
     /// Where the application reads next, and how much of the first message it has read.
@@ -102,6 +103,22 @@ pub struct Stream {
     pub(super) write_lost: Option<String>,
     pub(super) read_timeout: Duration,
     pub(super) write_timeout: Duration,
+    /// The connection's CM event channel (its own), whose descriptor an async wait watches
+    /// for the peer's departure.
+    #[cfg(feature = "tokio")]
+    pub(super) channel: crate::EventChannel,
+    /// Whether the CQ is armed with no event read since: an async wait arms it only then.
+    #[cfg(feature = "tokio")]
+    pub(super) cq_armed: bool,
+    /// The close message an `AsyncWrite::poll_shutdown` still has to send.
+    #[cfg(feature = "tokio")]
+    pub(super) pending_close: Option<Ctrl>,
+    /// The tasks waiting on the stream, and the one waker, made from them, that the reactor
+    /// holds: it wakes them all.
+    #[cfg(feature = "tokio")]
+    pub(super) wakers: std::sync::Arc<crate::stream::async_io::Wakers>,
+    #[cfg(feature = "tokio")]
+    pub(super) both: std::task::Waker,
 }
 
 impl std::fmt::Debug for Stream {
@@ -126,13 +143,18 @@ impl Stream {
         bufs: Buffers,
         peer: ConnData,
         peer_addr: Option<SocketAddr>,
+        #[cfg_attr(not(feature = "tokio"), allow(unused_variables))] channel: crate::EventChannel,
     ) -> Result<Stream> {
-        let Buffers { rbuf, sgl, send, .. } = bufs;
+        let Buffers { rbuf, sgl, send, cfg, .. } = bufs;
+        let (half, credits) = (cfg.half(), cfg.credits_given());
+        #[cfg(feature = "tokio")]
+        let wakers = std::sync::Arc::new(crate::stream::async_io::Wakers::default());
         let mut s = Stream {
             lane,
             qp,
             peer_addr,
             rbuf,
+            cfg,
             sgl,
             free_send: send,
             peer_order: peer.order,
@@ -151,15 +173,15 @@ impl Stream {
             data_in_flight: 0,
             ctrl_in_flight: 0,
             rseq_no: 0,
-            rseq_comp: CREDITS / 2,
-            rbuf_bytes_avail: HALF,
-            rbuf_free_offset: HALF,
+            rseq_comp: credits / 2,
+            rbuf_bytes_avail: half,
+            rbuf_free_offset: half,
             remote_sge: 1,
             rx_seq: 0,
-            rx_limit: CREDITS,
+            rx_limit: credits,
             rx_write_off: 0,
-            rx_granted: HALF,
-            rx_msgs: VecDeque::with_capacity(usize::from(CREDITS)),
+            rx_granted: half,
+            rx_msgs: VecDeque::with_capacity(usize::from(credits)),
             rd_off: 0,
             head_read: 0,
             readable: true,
@@ -173,6 +195,16 @@ impl Stream {
             write_lost: None,
             read_timeout: DEFAULT_TIMEOUT,
             write_timeout: DEFAULT_TIMEOUT,
+            #[cfg(feature = "tokio")]
+            channel,
+            #[cfg(feature = "tokio")]
+            cq_armed: false,
+            #[cfg(feature = "tokio")]
+            pending_close: None,
+            #[cfg(feature = "tokio")]
+            wakers: wakers.clone(),
+            #[cfg(feature = "tokio")]
+            both: std::task::Waker::from(wakers),
         };
         if s.lane.max_inline_data(qp)? < SGE_LEN as u32 {
             return Err(Error::Unsupported {
@@ -213,10 +245,15 @@ impl Stream {
     /// most a CQ's depth of completions per call: a peer that floods uncounted control
     /// messages cannot keep a read or write here past its deadline, which the caller checks
     /// between calls.
-    pub(super) fn poll_now(&mut self) {
-        for _ in 0..cq_depth() {
+    /// Returns how many completions it handled.
+    pub(super) fn poll_now(&mut self) -> usize {
+        let mut n = 0;
+        for _ in 0..self.cfg.cq_depth() {
             match self.lane.poll() {
-                Ok(Some(c)) => self.handle(c),
+                Ok(Some(c)) => {
+                    self.handle(c);
+                    n += 1;
+                }
                 Ok(None) => break,
                 Err(e) => {
                     self.fail(io::ErrorKind::Other, e.to_string());
@@ -225,6 +262,7 @@ impl Stream {
             }
         }
         self.give_credits();
+        n
     }
 
     /// Waits until `deadline` for at least one completion and handles everything then there.
@@ -232,6 +270,12 @@ impl Stream {
     /// without a word is noticed. Returns false when the deadline passed with nothing new; true
     /// at once when the stream is broken.
     pub(super) fn wait_until(&mut self, deadline: Instant) -> bool {
+        // The lane's wait arms the CQ and reads the event it raises: an async wait must arm
+        // it again before it sleeps.
+        #[cfg(feature = "tokio")]
+        {
+            self.cq_armed = false;
+        }
         loop {
             // Broken meanwhile (a violation found by a poll): nothing to wait for.
             if self.fatal.is_some() {
@@ -375,7 +419,8 @@ impl Stream {
         if byte_len != len {
             return self.violation(format!("a data message of {len} bytes whose WRITE carried {byte_len}"));
         }
-        let in_half = HALF - self.rx_write_off % HALF;
+        let half = self.cfg.half();
+        let in_half = half - self.rx_write_off % half;
         if n > self.rx_granted || n > in_half {
             return self.violation(format!(
                 "a data message of {len} bytes where {} bytes of granted space were left ({in_half} in the current half)",
@@ -383,7 +428,10 @@ impl Stream {
             ));
         }
         let window = self.rx_limit.wrapping_sub(self.rx_seq);
-        if window == 0 || window > CREDITS || self.rx_msgs.len() >= usize::from(CREDITS) {
+        if window == 0
+            || window > self.cfg.credits_given()
+            || self.rx_msgs.len() >= usize::from(self.cfg.credits_given())
+        {
             return self.violation(format!(
                 "data message {} beyond its credits: the last credit limit sent was {}",
                 self.rx_seq, self.rx_limit
@@ -394,7 +442,7 @@ impl Stream {
         }
         self.rx_seq = self.rx_seq.wrapping_add(1);
         self.rx_granted -= n;
-        self.rx_write_off = (self.rx_write_off + n) % RBUF_SIZE;
+        self.rx_write_off = (self.rx_write_off + n) % self.cfg.rbuf_size();
         self.rx_msgs.push_back(len);
     }
 
@@ -501,17 +549,18 @@ impl Stream {
         if self.fatal.is_some() || self.peer_gone || self.disconnect_sent || self.peer_eof || !self.ctrl_free() {
             return;
         }
-        let grant = self.rbuf_bytes_avail >= HALF;
+        let (half, credits) = (self.cfg.half(), self.cfg.credits_given());
+        let grant = self.rbuf_bytes_avail >= half;
         if !grant && (self.rseq_no.wrapping_sub(self.rseq_comp) as i16) < 0 {
             return;
         }
-        let limit = self.rseq_no.wrapping_add(CREDITS);
+        let limit = self.rseq_no.wrapping_add(credits);
         let imm = Msg::Sgl { limit }.to_imm();
         if grant {
             let sge = Sge {
                 addr: self.rbuf.addr() + self.rbuf_free_offset as u64,
                 key: self.rbuf.rkey(),
-                length: HALF as u32,
+                length: half as u32,
             };
             let bytes = sge.encode(self.peer_order);
             let at = u64::from(self.remote_sge) * SGE_LEN as u64;
@@ -520,15 +569,15 @@ impl Stream {
                 return self.fail(io::ErrorKind::Other, e.to_string());
             }
             self.ctrl_in_flight += 1;
-            self.rbuf_bytes_avail -= HALF;
-            self.rbuf_free_offset = (self.rbuf_free_offset + HALF) % RBUF_SIZE;
+            self.rbuf_bytes_avail -= half;
+            self.rbuf_free_offset = (self.rbuf_free_offset + half) % self.cfg.rbuf_size();
             self.remote_sge = (self.remote_sge + 1) % self.peer_slots;
-            self.rx_granted += HALF;
+            self.rx_granted += half;
         } else {
             self.send_ctrl(Msg::Sgl { limit });
         }
         self.rx_limit = limit;
-        self.rseq_comp = self.rseq_no.wrapping_add(CREDITS / 2);
+        self.rseq_comp = self.rseq_no.wrapping_add(credits / 2);
     }
 
     /// Copies queued data into `dst`, in order; returns the bytes copied.
@@ -541,7 +590,7 @@ impl Stream {
             self.rbuf.read_at(self.rd_off, &mut dst[done..done + n]).map_err(io::Error::other)?;
             done += n;
             self.head_read += n;
-            self.rd_off = (self.rd_off + n) % RBUF_SIZE;
+            self.rd_off = (self.rd_off + n) % self.cfg.rbuf_size();
             self.rbuf_bytes_avail += n;
             if self.head_read == len as usize {
                 self.rx_msgs.pop_front();

@@ -52,13 +52,29 @@ impl Stream {
     /// The error that broke the stream; [`io::ErrorKind::TimedOut`] when the sends did not
     /// complete in time.
     pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
+        let msg = self.close_msg(how);
+        let deadline = deadline(self.write_timeout);
+        if let Some(c) = msg {
+            self.poll_now();
+            while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
+                if !self.wait_until(deadline) {
+                    return Err(self.timeout_error("shutdown", self.write_timeout));
+                }
+            }
+            self.send_close(c);
+        }
+        self.drain_sends(deadline)
+    }
+
+    /// Marks `how` shut down, and returns the message that says so to the peer, if one is
+    /// due and can still go out: as rsocket, whose socket stops being readable at the peer's
+    /// SHUTDOWN too, and sends nothing once disconnected (the peer's DISCONNECT, or its own).
+    pub(super) fn close_msg(&mut self, how: Shutdown) -> Option<Ctrl> {
         match how {
             Shutdown::Read => self.readable = false,
             Shutdown::Write => self.writable = false,
             Shutdown::Both => (self.readable, self.writable) = (false, false),
         }
-        // As rsocket, whose socket stops being readable at the peer's SHUTDOWN too, and
-        // sends nothing once disconnected (the peer's DISCONNECT, or its own).
         let readable = self.readable && !self.peer_eof;
         let msg = match (readable, self.writable) {
             (_, true) => None,
@@ -66,26 +82,20 @@ impl Stream {
             (true, false) => Some(Ctrl::Shutdown),
             (false, false) => Some(Ctrl::Disconnect),
         };
-        let deadline = deadline(self.write_timeout);
-        if let Some(c) = msg {
-            let connected = !self.disconnect_sent && !self.peer_disconnected && !self.peer_gone;
-            if connected && self.fatal.is_none() {
-                self.poll_now();
-                while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
-                    if !self.wait_until(deadline) {
-                        return Err(self.timeout_error("shutdown", self.write_timeout));
-                    }
-                }
-                if self.fatal.is_none() && !self.peer_gone {
-                    self.send_ctrl(Msg::Ctrl(c));
-                    match c {
-                        Ctrl::Disconnect => self.disconnect_sent = true,
-                        _ => self.shutdown_sent = true,
-                    }
-                }
+        let connected = !self.disconnect_sent && !self.peer_disconnected && !self.peer_gone;
+        msg.filter(|_| connected && self.fatal.is_none())
+    }
+
+    /// Sends the close message `c` once a control slot is free (the caller waited for one),
+    /// unless the stream broke or the peer left meanwhile.
+    pub(super) fn send_close(&mut self, c: Ctrl) {
+        if self.fatal.is_none() && !self.peer_gone && !self.disconnect_sent {
+            self.send_ctrl(Msg::Ctrl(c));
+            match c {
+                Ctrl::Disconnect => self.disconnect_sent = true,
+                _ => self.shutdown_sent = true,
             }
         }
-        self.drain_sends(deadline)
     }
 
     /// Waits until everything posted has completed (or the connection is gone). An error
@@ -98,6 +108,33 @@ impl Stream {
                 return Err(self.timeout_error("waiting for the sends to complete", self.write_timeout));
             }
         }
+        self.sends_result()
+    }
+
+    /// Why no write can go out any more, if so: the stream broke, writing was shut down, or
+    /// the peer disconnected or left.
+    pub(super) fn write_refusal(&self) -> io::Result<()> {
+        if let Some(e) = self.fatal_error() {
+            return Err(e);
+        }
+        if !self.writable {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the stream was shut down for writing"));
+        }
+        if self.peer_disconnected {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "the peer disconnected the stream (an rsocket DISCONNECT): it reads no more",
+            ));
+        }
+        if self.peer_gone {
+            return Err(self.gone_error());
+        }
+        Ok(())
+    }
+
+    /// What became of the sends, once none is waited for any more: an error when any data
+    /// WRITE failed, or was still in flight when the stream broke or the peer left.
+    pub(super) fn sends_result(&self) -> io::Result<()> {
         if let Some(e) = self.fatal_error() {
             return Err(e);
         }
@@ -167,21 +204,7 @@ impl Write for Stream {
         }
         let deadline = deadline(self.write_timeout);
         loop {
-            if let Some(e) = self.fatal_error() {
-                return Err(e);
-            }
-            if !self.writable {
-                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the stream was shut down for writing"));
-            }
-            if self.peer_disconnected {
-                return Err(io::Error::new(
-                    io::ErrorKind::ConnectionReset,
-                    "the peer disconnected the stream (an rsocket DISCONNECT): it reads no more",
-                ));
-            }
-            if self.peer_gone {
-                return Err(self.gone_error());
-            }
+            self.write_refusal()?;
             if self.can_send_data() {
                 return self.send_data(buf);
             }

@@ -7,6 +7,18 @@
 //! the CM's private data. The stream implements [`std::io::Read`] and [`std::io::Write`];
 //! [`Stream::shutdown`] sends rsocket's SHUTDOWN (half-close) or DISCONNECT; every blocking
 //! call is bounded ([`Stream::set_read_timeout`], [`Stream::set_write_timeout`]).
+//! [`StreamConfig`] sets the sizes of the buffers and the credits (the defaults suit bulk
+//! transfer; many small streams take less).
+//!
+//! **Under tokio** (feature `tokio`): the stream is also `tokio::io::AsyncRead` and
+//! `AsyncWrite`, so tokio's utilities (`tokio::io::copy`, `split`, `AsyncReadExt`) and codecs
+//! work on it unchanged; `Stream::connect_async` and `StreamListener::accept_async` set it up
+//! off the runtime's threads. A pending read or write sleeps on tokio's reactor, woken by the
+//! CQ's completion channel or the connection's CM events, so a thousand idle streams on one
+//! runtime thread cost nothing until one of them is written to (`tests/stream_tokio.rs`).
+//! Async shutdown is `AsyncWriteExt::shutdown(&mut s)` (a half-close) or
+//! `Stream::shutdown_async`: the stream's own blocking `shutdown(how)` takes the method
+//! name first. The async calls have no timeouts of their own, as tokio's sockets have none.
 //!
 //! ```no_run
 //! use std::io::{Read, Write};
@@ -64,14 +76,21 @@
 //! **Limits of this version.** iWARP devices are refused with
 //! [`Error::Unsupported`](crate::Error::Unsupported): iWARP has no immediate data and rsocket
 //! sends every message there as a 4-byte SEND, which is not implemented. No iomap
-//! (`riomap`/`riowrite`), no keepalive, no non-blocking mode; `AF_IB` addresses are not
-//! supported. The buffer and queue sizes are fixed.
+//! (`riomap`/`riowrite`), no keepalive; `AF_IB` addresses are not supported. Every write is
+//! copied into the send buffer (no zero-copy WRITE from the caller's memory yet). A drop
+//! blocks briefly, as rsocket's `rclose` does, for its DISCONNECT to complete (normally one
+//! round trip, at most 2 s): async code that minds calls `shutdown_async(Shutdown::Both)`
+//! first.
 
+#[cfg(feature = "tokio")]
+mod async_io;
 mod buffers;
+mod config;
 mod conn;
 mod engine;
 mod io;
 pub mod wire;
 
+pub use config::StreamConfig;
 pub use conn::StreamListener;
 pub use engine::Stream;

@@ -124,6 +124,13 @@ impl Lane {
         Arc::clone(&self.cq)
     }
 
+    /// The lane's CQ, borrowed: for crate-internal waits that register its channel with a
+    /// reactor themselves (the stream's `AsyncRead`), without an `Arc` clone per wait.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn cq_ref(&self) -> &CompletionQueue {
+        &self.cq
+    }
+
     /// Makes the lane's CQ descriptor ([`Lane::cq`]) readable at the next completion, for a
     /// loop that waits on it itself: reads (and acknowledges) the events that made it
     /// readable, then arms the CQ (`ibv_req_notify_cq`). Poll until [`Lane::poll`] returns

@@ -1,0 +1,328 @@
+//! The stream under tokio (feature `tokio`): [`AsyncRead`] and [`AsyncWrite`], and the async
+//! connect and accept.
+//!
+//! The protocol engine is the blocking stream's: a poll reaps the CQ, handles what came and
+//! sends the credit update that is due, exactly as a blocking read or write does. Only the
+//! sleep differs. Where a blocking call sleeps on the lane's completion channel in slices and
+//! looks at the CM's events between them, a pending poll registers the task's waker with two
+//! descriptors, both watched by the runtime's reactor: the CQ's completion channel (armed
+//! first, then polled once more, so that a completion that came before the arming is found
+//! and one that comes after it raises an event) and the connection's own CM event channel
+//! (the peer's departure). A task that waits costs nothing until one of them fires.
+//!
+//! These impls have no timeouts of their own, as tokio's sockets have none: wrap a call in
+//! `tokio::time::timeout` to bound it.
+
+use std::io;
+use std::net::{Shutdown, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::error::{Error, Result};
+use crate::stream::conn::{accept_request, StreamListener, MIN_HANDSHAKE};
+use crate::stream::engine::Stream;
+
+/// The tasks waiting on one stream: the last reader and the last writer (after
+/// `tokio::io::split` they are two tasks). The stream registers one waker with the reactor,
+/// made from this once at set-up, which wakes both: tokio keeps only the latest waker of a
+/// descriptor, and a reader that handles the completion a writer waits for would otherwise
+/// leave that writer asleep.
+#[derive(Default)]
+pub(super) struct Wakers {
+    tasks: std::sync::Mutex<[Option<Waker>; 2]>,
+}
+
+/// Which of [`Wakers`]' tasks a poll is for.
+#[derive(Clone, Copy)]
+enum Dir {
+    Read = 0,
+    Write = 1,
+}
+
+impl Wakers {
+    /// Keeps `w` as the `dir` task's waker.
+    fn set(&self, dir: Dir, w: &Waker) {
+        let mut tasks = crate::wait::lock(&self.tasks);
+        let slot = &mut tasks[dir as usize];
+        if !slot.as_ref().is_some_and(|old| old.will_wake(w)) {
+            *slot = Some(w.clone());
+        }
+    }
+}
+
+impl Wake for Wakers {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let [r, w] = std::mem::take(&mut *crate::wait::lock(&self.tasks));
+        // Woken outside the lock: a waker may run its task's poll at once.
+        for task in [r, w].into_iter().flatten() {
+            task.wake();
+        }
+    }
+}
+
+/// Whether a poll of the CQ's or the CM channel's readiness woke the task, or registered it.
+fn ready_or_registered(
+    r: Poll<io::Result<tokio::io::unix::AsyncFdReadyGuard<'_, crate::wait::Fd>>>,
+) -> io::Result<bool> {
+    match r {
+        Poll::Ready(Ok(mut guard)) => {
+            // Cleared only if no readiness came since this one (tokio compares the event's
+            // tick): whatever comes from here on wakes the task again.
+            guard.clear_ready();
+            Ok(true)
+        }
+        Poll::Ready(Err(e)) => Err(e),
+        Poll::Pending => Ok(false),
+    }
+}
+
+impl Stream {
+    /// Makes progress without blocking: handles what the CQ holds and, when nothing came,
+    /// registers the task to be woken by the next completion or CM event. `Ready` when the
+    /// stream's state may have changed (completions handled, the peer gone, the stream
+    /// broken): the caller looks again. `Pending` when the task is registered with both
+    /// descriptors and nothing is there.
+    fn poll_progress(&mut self, cx: &mut Context<'_>, dir: Dir) -> Poll<()> {
+        self.wakers.set(dir, cx.waker());
+        let both = self.both.clone();
+        let cx = &mut Context::from_waker(&both);
+        loop {
+            if self.fatal.is_some() || self.peer_gone {
+                return Poll::Ready(());
+            }
+            if self.poll_now() > 0 || self.fatal.is_some() {
+                return Poll::Ready(());
+            }
+            let rt = match tokio::runtime::Handle::try_current() {
+                Ok(h) => h.id(),
+                Err(_) => {
+                    self.fail(io::ErrorKind::Other, no_runtime());
+                    return Poll::Ready(());
+                }
+            };
+            let cq = self.lane.cq_ref();
+            let cq_fd = match cq.reactor().get(cq.as_raw_fd(), rt) {
+                Ok(a) => a,
+                Err(e) => {
+                    self.fail(io::ErrorKind::Other, e.to_string());
+                    return Poll::Ready(());
+                }
+            };
+            // An event was raised since the last arming: the CQ is disarmed and holds the
+            // completion that raised it (the next round's poll finds it).
+            match ready_or_registered(cq_fd.poll_read_ready(cx)) {
+                Ok(true) => {
+                    self.cq_armed = false;
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail(io::ErrorKind::Other, format!("tokio readiness of the CQ's channel: {e}"));
+                    return Poll::Ready(());
+                }
+            }
+            if !self.cq_armed {
+                // Reads (and acknowledges) the events read so far, then arms; a completion
+                // that came before the arming raised no event, so poll once more.
+                if let Err(e) = self.lane.arm() {
+                    self.fail(io::ErrorKind::Other, e.to_string());
+                    return Poll::Ready(());
+                }
+                self.cq_armed = true;
+                if self.poll_now() > 0 || self.fatal.is_some() {
+                    return Poll::Ready(());
+                }
+            }
+            let ch = &self.channel;
+            let ch_fd = match ch.reactor().get(ch.as_raw_fd(), rt) {
+                Ok(a) => a,
+                Err(e) => {
+                    self.fail(io::ErrorKind::Other, e.to_string());
+                    return Poll::Ready(());
+                }
+            };
+            if let Err(e) = ready_or_registered(ch_fd.poll_read_ready(cx)) {
+                self.fail(io::ErrorKind::Other, format!("tokio readiness of the CM's channel: {e}"));
+                return Poll::Ready(());
+            }
+            // Registered with the channel: an event read here or coming later is seen.
+            if matches!(self.lane.peer_left(self.qp), Ok(true)) {
+                self.peer_gone = true;
+                return Poll::Ready(());
+            }
+            return Poll::Pending;
+        }
+    }
+
+    /// `poll_flush`'s work: waits until every send posted has completed, then says what
+    /// became of them.
+    fn poll_sends(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_now();
+        while !self.sends_done() && self.fatal.is_none() && !self.peer_gone {
+            if self.poll_progress(cx, Dir::Write).is_pending() {
+                return Poll::Pending;
+            }
+        }
+        Poll::Ready(self.sends_result())
+    }
+
+    /// [`Stream::connect`] for async code: the CM's steps run on tokio's blocking pool
+    /// (`spawn_blocking`), so the runtime's threads never wait on them.
+    ///
+    /// # Errors
+    /// As for [`Stream::connect`]; [`Error::InvalidArgument`] outside a tokio runtime.
+    pub async fn connect_async(addr: SocketAddr, timeout: Duration) -> Result<Stream> {
+        crate::stream::StreamConfig::new().connect_async(addr, timeout).await
+    }
+
+    /// [`Stream::shutdown`] for async code, with the same rules: `Write` sends SHUTDOWN, `Both`
+    /// DISCONNECT, then it waits for every send to complete. `poll_shutdown` of
+    /// [`AsyncWrite`] is this with `Write`.
+    ///
+    /// # Errors
+    /// As for [`Stream::shutdown`], without its timeout.
+    pub async fn shutdown_async(&mut self, how: Shutdown) -> io::Result<()> {
+        let mut msg = self.close_msg(how);
+        std::future::poll_fn(|cx| self.poll_close(cx, &mut msg)).await
+    }
+
+    /// Sends `msg` (taken when sent) once a control slot is free, then waits for the sends.
+    fn poll_close(
+        &mut self,
+        cx: &mut Context<'_>,
+        msg: &mut Option<crate::stream::wire::Ctrl>,
+    ) -> Poll<io::Result<()>> {
+        if let Some(c) = *msg {
+            while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
+                if self.poll_progress(cx, Dir::Write).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            *msg = None;
+            self.send_close(c);
+        }
+        self.poll_sends(cx)
+    }
+}
+
+impl StreamListener {
+    /// [`StreamListener::accept`] for async code: waits for a connect request on tokio's
+    /// reactor, then accepts it on tokio's blocking pool (the CM's handshake, given at least
+    /// 5 s), so the runtime's threads never wait on the CM. Cancel-safe while it waits for a
+    /// request; a request taken is accepted (or rejected) even if the future is dropped then.
+    ///
+    /// # Errors
+    /// As for [`StreamListener::accept`], without its timeout; [`Error::InvalidArgument`]
+    /// outside a tokio runtime.
+    pub async fn accept_async(&self) -> Result<Stream> {
+        let req = self.listener().get_request_async().await?;
+        let cfg = self.config();
+        off_runtime(move || accept_request(req, &cfg, MIN_HANDSHAKE)).await
+    }
+}
+
+/// Runs `f` on tokio's blocking pool.
+pub(super) async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(Error::InvalidArgument(no_runtime()));
+    }
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => {
+            Err(Error::InvalidArgument(format!("the stream's setup on tokio's blocking pool did not finish: {e}")))
+        }
+    }
+}
+
+fn no_runtime() -> String {
+    "the stream's async calls need a tokio runtime with its IO driver (Builder::enable_io or enable_all)".into()
+}
+
+impl AsyncRead for Stream {
+    /// Reads what has arrived; pending while nothing has. The end of the stream (`Ok` with
+    /// nothing read) and the errors are those of [`std::io::Read::read`].
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let s = self.get_mut();
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            if !s.readable {
+                return Poll::Ready(Ok(()));
+            }
+            if !s.rx_msgs.is_empty() {
+                // Zeroes only the part of `buf` never initialised before (tokio remembers).
+                let n = s.copy_out(buf.initialize_unfilled())?;
+                buf.advance(n);
+                s.give_credits();
+                return Poll::Ready(Ok(()));
+            }
+            if let Some(e) = s.fatal_error() {
+                return Poll::Ready(Err(e));
+            }
+            // As the blocking read: what a poll finds is read before the end or the error.
+            s.poll_now();
+            if !s.rx_msgs.is_empty() || s.fatal.is_some() {
+                continue;
+            }
+            if s.peer_eof {
+                return Poll::Ready(Ok(()));
+            }
+            if s.peer_gone {
+                return Poll::Ready(Err(s.gone_error()));
+            }
+            if s.poll_progress(cx, Dir::Read).is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    /// Copies up to one send-buffer piece of `buf` and RDMA-WRITEs it, as
+    /// [`std::io::Write::write`] does; pending while there are no credits, no granted space or
+    /// no free piece.
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let s = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            if let Err(e) = s.write_refusal() {
+                return Poll::Ready(Err(e));
+            }
+            if s.can_send_data() {
+                return Poll::Ready(s.send_data(buf));
+            }
+            if s.poll_progress(cx, Dir::Write).is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// Waits until every WRITE posted has completed, as [`std::io::Write::flush`].
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.get_mut().poll_sends(cx)
+    }
+
+    /// Shuts writing down as [`Stream::shutdown`] with [`Shutdown::Write`] does (rsocket's
+    /// SHUTDOWN: the peer's reads end after the data sent so far), then waits for every send
+    /// to complete.
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let s = self.get_mut();
+        // Repeated polls find writing shut down already, and the message sent or pending.
+        let mut msg = if s.writable { s.close_msg(Shutdown::Write) } else { s.pending_close.take() };
+        let r = s.poll_close(cx, &mut msg);
+        s.pending_close = msg;
+        r
+    }
+}
