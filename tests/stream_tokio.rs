@@ -338,3 +338,60 @@ fn tokio_thousand_streams_echo_on_one_runtime_thread() {
     println!("| 1000 | {rate1000:.0} | {rss1000} | {pin1000} |");
     assert!(pin1000 > 0, "the streams' buffers are registered (pinned)");
 }
+
+/// A pending read whose future is dropped (a timeout ran out) takes nothing: reads cancelled
+/// again and again, before and while the data comes, lose no byte of it. A read polled on a
+/// runtime without an IO driver fails that call with the cause, and the stream goes on.
+#[test]
+fn tokio_cancelled_reads_lose_nothing_and_a_runtime_without_io_fails_only_the_call() {
+    let t = DeviceTest::start();
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let addr = SocketAddr::new(t.addr, 7736);
+    let data = random_bytes(300_000);
+    let listener = StreamListener::bind(addr).unwrap();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let sent = data.clone();
+    let server = thread::spawn(move || {
+        // The blocking traits, named: tokio's extension traits are in scope too.
+        let mut s = listener.accept(T).expect("accept");
+        go_rx.recv().unwrap();
+        std::io::Write::write_all(&mut s, &sent).expect("the server's write");
+        s.shutdown(Shutdown::Write).expect("the server's shutdown");
+        let mut back = Vec::new();
+        std::io::Read::read_to_end(&mut s, &mut back).expect("the server's read");
+        back
+    });
+    let mut s = Stream::connect(addr, T).expect("connect");
+    let no_io = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let err = no_io.block_on(s.read(&mut [0u8; 8])).expect_err("a read on a runtime without an IO driver");
+    assert!(err.to_string().contains("IO driver"), "{err}");
+    runtime().block_on(async {
+        let mut buf = [0u8; 4096];
+        for _ in 0..20 {
+            let r = tokio::time::timeout(Duration::from_millis(5), s.read(&mut buf)).await;
+            assert!(r.is_err(), "a read with nothing sent yet stays pending");
+        }
+        go_tx.send(()).unwrap();
+        let mut got = Vec::new();
+        let (mut cancelled, start) = (0usize, Instant::now());
+        loop {
+            assert!(start.elapsed() < LONG, "the data within {LONG:?}");
+            match tokio::time::timeout(Duration::from_millis(1), s.read(&mut buf)).await {
+                Err(_) => cancelled += 1,
+                Ok(Ok(0)) => break,
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Ok(Err(e)) => panic!("read: {e}"),
+            }
+        }
+        assert_eq!(got.len(), data.len(), "bytes read through {cancelled} cancelled reads");
+        assert!(got == data, "the bytes differ after {cancelled} cancelled reads");
+        s.write_all(b"back").await.expect("write");
+        AsyncWriteExt::shutdown(&mut s).await.expect("shutdown");
+        println!("{cancelled} reads cancelled while the data came");
+    });
+    assert_eq!(server.join().unwrap(), b"back", "what the server read");
+    drop(s);
+    t.finish();
+}

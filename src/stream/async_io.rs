@@ -90,32 +90,27 @@ impl Stream {
     /// registers the task to be woken by the next completion or CM event. `Ready` when the
     /// stream's state may have changed (completions handled, the peer gone, the stream
     /// broken): the caller looks again. `Pending` when the task is registered with both
-    /// descriptors and nothing is there.
-    fn poll_progress(&mut self, cx: &mut Context<'_>, dir: Dir) -> Poll<()> {
+    /// descriptors and nothing is there. An error when the task cannot wait here (no tokio
+    /// runtime with an IO driver): the stream itself stays as it was.
+    fn poll_progress(&mut self, cx: &mut Context<'_>, dir: Dir) -> Poll<io::Result<()>> {
         self.wakers.set(dir, cx.waker());
         let both = self.both.clone();
         let cx = &mut Context::from_waker(&both);
         loop {
             if self.fatal.is_some() || self.peer_gone {
-                return Poll::Ready(());
+                return Poll::Ready(Ok(()));
             }
             if self.poll_now() > 0 || self.fatal.is_some() {
-                return Poll::Ready(());
+                return Poll::Ready(Ok(()));
             }
-            let rt = match tokio::runtime::Handle::try_current() {
-                Ok(h) => h.id(),
-                Err(_) => {
-                    self.fail(io::ErrorKind::Other, no_runtime());
-                    return Poll::Ready(());
-                }
+            let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                return Poll::Ready(Err(io::Error::other(no_runtime())));
             };
+            let rt = rt.id();
             let cq = self.lane.cq_ref();
             let cq_fd = match cq.reactor().get(cq.as_raw_fd(), rt) {
                 Ok(a) => a,
-                Err(e) => {
-                    self.fail(io::ErrorKind::Other, e.to_string());
-                    return Poll::Ready(());
-                }
+                Err(e) => return Poll::Ready(Err(io::Error::other(e.to_string()))),
             };
             // An event was raised since the last arming: the CQ is disarmed and holds the
             // completion that raised it (the next round's poll finds it).
@@ -127,7 +122,7 @@ impl Stream {
                 Ok(false) => {}
                 Err(e) => {
                     self.fail(io::ErrorKind::Other, format!("tokio readiness of the CQ's channel: {e}"));
-                    return Poll::Ready(());
+                    return Poll::Ready(Ok(()));
                 }
             }
             if !self.cq_armed {
@@ -135,29 +130,26 @@ impl Stream {
                 // that came before the arming raised no event, so poll once more.
                 if let Err(e) = self.lane.arm() {
                     self.fail(io::ErrorKind::Other, e.to_string());
-                    return Poll::Ready(());
+                    return Poll::Ready(Ok(()));
                 }
                 self.cq_armed = true;
                 if self.poll_now() > 0 || self.fatal.is_some() {
-                    return Poll::Ready(());
+                    return Poll::Ready(Ok(()));
                 }
             }
             let ch = &self.channel;
             let ch_fd = match ch.reactor().get(ch.as_raw_fd(), rt) {
                 Ok(a) => a,
-                Err(e) => {
-                    self.fail(io::ErrorKind::Other, e.to_string());
-                    return Poll::Ready(());
-                }
+                Err(e) => return Poll::Ready(Err(io::Error::other(e.to_string()))),
             };
             if let Err(e) = ready_or_registered(ch_fd.poll_read_ready(cx)) {
                 self.fail(io::ErrorKind::Other, format!("tokio readiness of the CM's channel: {e}"));
-                return Poll::Ready(());
+                return Poll::Ready(Ok(()));
             }
             // Registered with the channel: an event read here or coming later is seen.
             if matches!(self.lane.peer_left(self.qp), Ok(true)) {
                 self.peer_gone = true;
-                return Poll::Ready(());
+                return Poll::Ready(Ok(()));
             }
             return Poll::Pending;
         }
@@ -168,9 +160,7 @@ impl Stream {
     fn poll_sends(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.poll_now();
         while !self.sends_done() && self.fatal.is_none() && !self.peer_gone {
-            if self.poll_progress(cx, Dir::Write).is_pending() {
-                return Poll::Pending;
-            }
+            std::task::ready!(self.poll_progress(cx, Dir::Write))?;
         }
         Poll::Ready(self.sends_result())
     }
@@ -203,9 +193,7 @@ impl Stream {
     ) -> Poll<io::Result<()>> {
         if let Some(c) = *msg {
             while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
-                if self.poll_progress(cx, Dir::Write).is_pending() {
-                    return Poll::Pending;
-                }
+                std::task::ready!(self.poll_progress(cx, Dir::Write))?;
             }
             *msg = None;
             self.send_close(c);
@@ -280,9 +268,7 @@ impl AsyncRead for Stream {
             if s.peer_gone {
                 return Poll::Ready(Err(s.gone_error()));
             }
-            if s.poll_progress(cx, Dir::Read).is_pending() {
-                return Poll::Pending;
-            }
+            std::task::ready!(s.poll_progress(cx, Dir::Read))?;
         }
     }
 }
@@ -303,9 +289,7 @@ impl AsyncWrite for Stream {
             if s.can_send_data() {
                 return Poll::Ready(s.send_data(buf));
             }
-            if s.poll_progress(cx, Dir::Write).is_pending() {
-                return Poll::Pending;
-            }
+            std::task::ready!(s.poll_progress(cx, Dir::Write))?;
         }
     }
 
