@@ -1,7 +1,8 @@
 //! The rsocket-compatible stream under tokio (features `stream` and `tokio`), on the device:
 //! `AsyncRead` and `AsyncWrite` driven by tokio's own utilities (`tokio::io::copy`, `split`,
-//! `read_to_end`), both ends on one current-thread runtime; against rdma-core's `rstream`;
-//! and a pending read woken by the peer's death, not by a timer.
+//! `read_to_end`), both ends on one current-thread runtime; against rdma-core's `rstream`; a
+//! pending read woken by the peer's death, not by a timer; cancelled reads that lose nothing;
+//! and 1,000 streams echoing at once on one runtime thread.
 
 mod common;
 
