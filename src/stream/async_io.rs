@@ -181,8 +181,26 @@ impl Stream {
     /// # Errors
     /// As for [`Stream::shutdown`], without its timeout.
     pub async fn shutdown_async(&mut self, how: Shutdown) -> io::Result<()> {
-        let mut msg = self.close_msg(how);
-        std::future::poll_fn(|cx| self.poll_close(cx, &mut msg)).await
+        self.begin_close(how);
+        std::future::poll_fn(|cx| self.poll_pending_close(cx)).await
+    }
+
+    /// Marks `how` shut down and keeps the message that says so until it is sent, so that a
+    /// shutdown whose future is dropped before the message went out still sends it at the
+    /// next one (or at the drop, which sends DISCONNECT).
+    fn begin_close(&mut self, how: Shutdown) {
+        if let Some(c) = self.close_msg(how) {
+            // DISCONNECT supersedes a SHUTDOWN not sent yet.
+            self.pending_close = Some(c);
+        }
+    }
+
+    /// Sends the kept close message once a control slot is free, then waits for the sends.
+    fn poll_pending_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut msg = self.pending_close.take();
+        let r = self.poll_close(cx, &mut msg);
+        self.pending_close = msg;
+        r
     }
 
     /// Sends `msg` (taken when sent) once a control slot is free, then waits for the sends.
@@ -303,10 +321,10 @@ impl AsyncWrite for Stream {
     /// to complete.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let s = self.get_mut();
-        // Repeated polls find writing shut down already, and the message sent or pending.
-        let mut msg = if s.writable { s.close_msg(Shutdown::Write) } else { s.pending_close.take() };
-        let r = s.poll_close(cx, &mut msg);
-        s.pending_close = msg;
-        r
+        // Repeated polls find writing shut down already, and the message sent or kept.
+        if s.writable {
+            s.begin_close(Shutdown::Write);
+        }
+        s.poll_pending_close(cx)
     }
 }

@@ -89,7 +89,9 @@ impl Stream {
     /// Sends the close message `c` once a control slot is free (the caller waited for one),
     /// unless the stream broke or the peer left meanwhile.
     pub(super) fn send_close(&mut self, c: Ctrl) {
-        if self.fatal.is_none() && !self.peer_gone && !self.disconnect_sent {
+        // A SHUTDOWN kept by a cancelled async shutdown may have been sent since by another.
+        let sent = matches!(c, Ctrl::Shutdown) && self.shutdown_sent;
+        if self.fatal.is_none() && !self.peer_gone && !self.disconnect_sent && !sent {
             self.send_ctrl(Msg::Ctrl(c));
             match c {
                 Ctrl::Disconnect => self.disconnect_sent = true,
