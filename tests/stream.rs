@@ -9,7 +9,7 @@ mod counting;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
@@ -47,27 +47,6 @@ impl Counter {
         for (k, b) in buf.iter().enumerate() {
             assert_eq!(*b, self.0, "byte {} of rstream's data", at + k);
             self.0 = self.0.wrapping_add(1);
-        }
-    }
-}
-
-/// Waits up to `within` for `child` to exit; kills it (by its pid) and fails past that.
-fn wait_exit(child: Child, within: Duration, what: &str) -> (ExitStatus, String) {
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(within) {
-        Ok(out) => {
-            let out = out.unwrap();
-            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            (out.status, text)
-        }
-        Err(_) => {
-            // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("{what} did not exit within {within:?}");
         }
     }
 }
@@ -123,7 +102,7 @@ fn rstream_client_against_our_server() {
     assert_eq!(total, 16 + ITERS * COUNT * SIZE, "bytes from rstream before its disconnect");
     s.flush().unwrap();
     drop(s);
-    let (status, out) = wait_exit(child, LONG, "rstream -s");
+    let (status, out) = common::wait_exit(child, LONG, "rstream -s");
     assert!(status.success(), "rstream exited with {status}:\n{out}");
     assert!(out.contains("custom"), "rstream's result line:\n{out}");
     println!("rstream (client): {}", out.lines().last().unwrap_or(""));
@@ -169,7 +148,7 @@ fn our_client_against_rstream_server() {
     assert_eq!(s.read(&mut rest).expect("rstream's close"), 0, "end of stream after rstream's run");
     assert!(s.write(b"x").is_err(), "a write after the peer's DISCONNECT fails");
     drop(s);
-    let (status, text) = wait_exit(child, LONG, "rstream (server)");
+    let (status, text) = common::wait_exit(child, LONG, "rstream (server)");
     assert!(status.success(), "rstream exited with {status}:\n{text}");
     assert!(text.contains("custom"), "rstream's result line:\n{text}");
     println!("rstream (server): {}", text.lines().last().unwrap_or(""));
@@ -203,7 +182,7 @@ fn abrupt_peer_is_named() {
     assert!(s.read(&mut buf).unwrap() > 0, "rstream's first data");
     // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-    let (status, _) = wait_exit(child, T, "the killed rstream");
+    let (status, _) = common::wait_exit(child, T, "the killed rstream");
     assert!(!status.success());
     let started = std::time::Instant::now();
     let err = loop {

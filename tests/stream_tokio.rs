@@ -7,7 +7,7 @@
 mod common;
 
 use std::net::{Shutdown, SocketAddr};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -34,27 +34,6 @@ fn random_bytes(len: usize) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect()
-}
-
-/// Waits up to `within` for `child` to exit; kills it and fails past that.
-fn wait_exit(child: Child, within: Duration, what: &str) -> (ExitStatus, String) {
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(within) {
-        Ok(out) => {
-            let out = out.unwrap();
-            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            (out.status, text)
-        }
-        Err(_) => {
-            // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("{what} did not exit within {within:?}");
-        }
-    }
 }
 
 /// Both ends on one current-thread runtime: the server echoes with `tokio::io::copy` over the
@@ -133,7 +112,7 @@ fn tokio_client_against_rstream_server() {
         let n = tokio::time::timeout(LONG, s.read(&mut rest)).await.expect("rstream's close in time").unwrap();
         assert_eq!(n, 0, "end of stream after rstream's run");
     });
-    let (status, text) = wait_exit(child, LONG, "rstream (server)");
+    let (status, text) = common::wait_exit(child, LONG, "rstream (server)");
     assert!(status.success(), "rstream exited with {status}:\n{text}");
     t.finish();
 }
@@ -165,7 +144,7 @@ fn tokio_pending_read_wakes_when_the_peer_dies() {
         let killer = tokio::task::spawn_blocking(move || {
             // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
             assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-            let (status, _) = wait_exit(child, T, "the killed rstream");
+            let (status, _) = common::wait_exit(child, T, "the killed rstream");
             assert!(!status.success());
             Instant::now()
         });

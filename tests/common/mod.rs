@@ -123,6 +123,28 @@ pub fn wait_listening(port: u16, within: Duration) {
     }
 }
 
+/// Waits up to `within` for `child` to exit, with its output; kills it (by its pid) and fails
+/// past that.
+pub fn wait_exit(child: std::process::Child, within: Duration, what: &str) -> (std::process::ExitStatus, String) {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(within) {
+        Ok(out) => {
+            let out = out.unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            (out.status, text)
+        }
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of a child this test started and has not reaped yet.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("{what} did not exit within {within:?}");
+        }
+    }
+}
+
 /// Reads `child`'s stdout in a thread; returns a receiver of its lines.
 pub fn lines_of(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
     lines_from(child.stdout.take().expect("the child's stdout is piped"))
