@@ -55,6 +55,22 @@ impl Wakers {
     }
 }
 
+impl Wakers {
+    /// Wakes the task of the other direction, if one waits: this poll may have handled what
+    /// it waits for (the reader the credits a writer needs, or the reverse) without an event
+    /// reaching it (its runtime's reactor may be another, whose registration saw none).
+    fn wake_other(&self, dir: Dir) {
+        let other = match dir {
+            Dir::Read => Dir::Write,
+            Dir::Write => Dir::Read,
+        };
+        let task = crate::wait::lock(&self.tasks)[other as usize].take();
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
 impl Wake for Wakers {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
@@ -94,6 +110,16 @@ impl Stream {
     /// runtime with an IO driver): the stream itself stays as it was.
     fn poll_progress(&mut self, cx: &mut Context<'_>, dir: Dir) -> Poll<io::Result<()>> {
         self.wakers.set(dir, cx.waker());
+        let r = self.poll_progress_once();
+        if matches!(r, Poll::Ready(Ok(()))) {
+            self.wakers.wake_other(dir);
+        }
+        r
+    }
+
+    /// [`Stream::poll_progress`] after the task's waker is kept: registers the waker that
+    /// wakes both tasks.
+    fn poll_progress_once(&mut self) -> Poll<io::Result<()>> {
         let both = self.both.clone();
         let cx = &mut Context::from_waker(&both);
         loop {
@@ -181,40 +207,20 @@ impl Stream {
     /// # Errors
     /// As for [`Stream::shutdown`], without its timeout.
     pub async fn shutdown_async(&mut self, how: Shutdown) -> io::Result<()> {
-        self.begin_close(how);
-        std::future::poll_fn(|cx| self.poll_pending_close(cx)).await
+        self.mark_shut(how);
+        std::future::poll_fn(|cx| self.poll_close(cx)).await
     }
 
-    /// Marks `how` shut down and keeps the message that says so until it is sent, so that a
-    /// shutdown whose future is dropped before the message went out still sends it at the
-    /// next one (or at the drop, which sends DISCONNECT).
-    fn begin_close(&mut self, how: Shutdown) {
-        if let Some(c) = self.close_msg(how) {
-            // DISCONNECT supersedes a SHUTDOWN not sent yet.
-            self.pending_close = Some(c);
-        }
-    }
-
-    /// Sends the kept close message once a control slot is free, then waits for the sends.
-    fn poll_pending_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let mut msg = self.pending_close.take();
-        let r = self.poll_close(cx, &mut msg);
-        self.pending_close = msg;
-        r
-    }
-
-    /// Sends `msg` (taken when sent) once a control slot is free, then waits for the sends.
-    fn poll_close(
-        &mut self,
-        cx: &mut Context<'_>,
-        msg: &mut Option<crate::stream::wire::Ctrl>,
-    ) -> Poll<io::Result<()>> {
-        if let Some(c) = *msg {
+    /// Sends the close message that is due once a control slot is free, then waits for the
+    /// sends. The message is worked out from the stream's state at each poll: a future
+    /// dropped before it went out leaves it due for the next shutdown (or the drop's
+    /// DISCONNECT).
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.close_due().is_some() {
             while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
                 std::task::ready!(self.poll_progress(cx, Dir::Write))?;
             }
-            *msg = None;
-            self.send_close(c);
+            self.send_close();
         }
         self.poll_sends(cx)
     }
@@ -321,10 +327,7 @@ impl AsyncWrite for Stream {
     /// to complete.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let s = self.get_mut();
-        // Repeated polls find writing shut down already, and the message sent or kept.
-        if s.writable {
-            s.begin_close(Shutdown::Write);
-        }
-        s.poll_pending_close(cx)
+        s.mark_shut(Shutdown::Write);
+        s.poll_close(cx)
     }
 }

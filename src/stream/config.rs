@@ -37,8 +37,8 @@ const INLINE: u32 = 64;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamConfig {
-    /// Half of the receive buffer: what one grant gives the peer.
-    half: usize,
+    /// The receive buffer as asked for (half of it is one grant).
+    recv_buffer: usize,
     send_buffer: usize,
     credits: u16,
 }
@@ -53,7 +53,7 @@ impl StreamConfig {
     /// The defaults: a 256 KiB receive buffer, a 256 KiB send buffer (16 WRITEs of 16 KiB in
     /// flight), 128 credits.
     pub const fn new() -> StreamConfig {
-        StreamConfig { half: 128 * 1024, send_buffer: 256 * 1024, credits: 128 }
+        StreamConfig { recv_buffer: 256 * 1024, send_buffer: 256 * 1024, credits: 128 }
     }
 
     /// The receive buffer the peer RDMA-WRITEs into, registered for the stream's life
@@ -61,7 +61,7 @@ impl StreamConfig {
     /// From 4 KiB to 1 GiB; checked when the stream is set up.
     #[must_use]
     pub const fn recv_buffer(mut self, bytes: usize) -> StreamConfig {
-        self.half = bytes / 2;
+        self.recv_buffer = bytes;
         self
     }
 
@@ -117,10 +117,10 @@ impl StreamConfig {
 
     fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::InvalidArgument(what));
-        if !(2 * 1024..=512 << 20).contains(&self.half) {
+        if !(4 * 1024..=1 << 30).contains(&self.recv_buffer) {
             return bad(format!(
                 "StreamConfig::recv_buffer of {} bytes: it must be from 4 KiB to 1 GiB",
-                self.half * 2
+                self.recv_buffer
             ));
         }
         if !(1024..=64 << 20).contains(&self.send_buffer) {
@@ -137,12 +137,12 @@ impl StreamConfig {
 
     /// Half the receive buffer: one grant.
     pub(super) fn half(&self) -> usize {
-        self.half
+        self.recv_buffer / 2
     }
 
     /// The receive buffer's size.
     pub(super) fn rbuf_size(&self) -> usize {
-        self.half * 2
+        self.half() * 2
     }
 
     pub(super) fn credits_given(&self) -> u16 {

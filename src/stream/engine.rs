@@ -110,9 +110,6 @@ pub struct Stream {
     /// Whether the CQ is armed with no event read since: an async wait arms it only then.
     #[cfg(feature = "tokio")]
     pub(super) cq_armed: bool,
-    /// The close message an `AsyncWrite::poll_shutdown` still has to send.
-    #[cfg(feature = "tokio")]
-    pub(super) pending_close: Option<Ctrl>,
     /// The tasks waiting on the stream, and the one waker, made from them, that the reactor
     /// holds: it wakes them all.
     #[cfg(feature = "tokio")]
@@ -199,8 +196,6 @@ impl Stream {
             channel,
             #[cfg(feature = "tokio")]
             cq_armed: false,
-            #[cfg(feature = "tokio")]
-            pending_close: None,
             #[cfg(feature = "tokio")]
             wakers: wakers.clone(),
             #[cfg(feature = "tokio")]

@@ -52,29 +52,37 @@ impl Stream {
     /// The error that broke the stream; [`io::ErrorKind::TimedOut`] when the sends did not
     /// complete in time.
     pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
-        let msg = self.close_msg(how);
+        self.mark_shut(how);
         let deadline = deadline(self.write_timeout);
-        if let Some(c) = msg {
+        if self.close_due().is_some() {
             self.poll_now();
             while !self.ctrl_free() && self.fatal.is_none() && !self.peer_gone {
                 if !self.wait_until(deadline) {
                     return Err(self.timeout_error("shutdown", self.write_timeout));
                 }
             }
-            self.send_close(c);
+            self.send_close();
         }
         self.drain_sends(deadline)
     }
 
-    /// Marks `how` shut down, and returns the message that says so to the peer, if one is
-    /// due and can still go out: as rsocket, whose socket stops being readable at the peer's
-    /// SHUTDOWN too, and sends nothing once disconnected (the peer's DISCONNECT, or its own).
-    pub(super) fn close_msg(&mut self, how: Shutdown) -> Option<Ctrl> {
+    /// Marks `how` shut down on this side.
+    pub(super) fn mark_shut(&mut self, how: Shutdown) {
         match how {
             Shutdown::Read => self.readable = false,
             Shutdown::Write => self.writable = false,
             Shutdown::Both => (self.readable, self.writable) = (false, false),
         }
+    }
+
+    /// The message that tells the peer what this side shut down, while one is due and can
+    /// still go out: worked out from the stream's state alone, so that a shutdown that timed
+    /// out or whose future was dropped before the message went out leaves it due for the
+    /// next, and one sent is never due again. As rsocket: SHUTDOWN once writing is shut down
+    /// while this side still reads (its socket stops being readable at the peer's SHUTDOWN
+    /// too), DISCONNECT once both are; nothing once disconnected (the peer's DISCONNECT, or
+    /// its own).
+    pub(super) fn close_due(&self) -> Option<Ctrl> {
         let readable = self.readable && !self.peer_eof;
         let msg = match (readable, self.writable) {
             (_, true) => None,
@@ -86,12 +94,10 @@ impl Stream {
         msg.filter(|_| connected && self.fatal.is_none())
     }
 
-    /// Sends the close message `c` once a control slot is free (the caller waited for one),
-    /// unless the stream broke or the peer left meanwhile.
-    pub(super) fn send_close(&mut self, c: Ctrl) {
-        // A SHUTDOWN kept by a cancelled async shutdown may have been sent since by another.
-        let sent = matches!(c, Ctrl::Shutdown) && self.shutdown_sent;
-        if self.fatal.is_none() && !self.peer_gone && !self.disconnect_sent && !sent {
+    /// Sends the close message that is due, if one is (the caller waited for a free control
+    /// slot).
+    pub(super) fn send_close(&mut self) {
+        if let Some(c) = self.close_due() {
             self.send_ctrl(Msg::Ctrl(c));
             match c {
                 Ctrl::Disconnect => self.disconnect_sent = true,
