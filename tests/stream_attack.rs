@@ -181,76 +181,110 @@ fn lopsided_configs_echo_through_split_halves() {
     echo_with(7743, client, server, 1 << 20);
 }
 
-/// Full duplex with each end's reader and writer halves on two threads, each its own
-/// current-thread runtime: four tasks, four runtimes, tiny windows, so every writer waits on
-/// credits that its sibling reader's polls reap. Each direction arrives whole.
-#[test]
-#[ignore = "bug: halves of one stream polled on two runtimes lose wake-ups (a write slept 15 s though ready at once)"]
-fn split_halves_on_two_runtimes_each_are_woken_for_credits_and_data() {
+/// Writes `len` bytes of seed `seed` through `w`, each `write` bounded by [`SPLIT_WAKE`]; one
+/// that runs out is polled once more, to tell a lost wake-up from a stall.
+async fn write_half(mut w: tokio::io::WriteHalf<Stream>, len: usize, seed: u64) -> tokio::io::WriteHalf<Stream> {
+    let data = random_bytes(len, seed);
+    let mut off = 0;
+    while off < data.len() {
+        let piece = &data[off..(off + 3_001).min(data.len())];
+        off += match tokio::time::timeout(SPLIT_WAKE, w.write(piece)).await {
+            Ok(r) => r.expect("write"),
+            Err(_) => match tokio::time::timeout(Duration::ZERO, w.write(piece)).await {
+                Ok(r) => panic!("lost wake-up: a write slept {SPLIT_WAKE:?}, yet polled once more it returned {r:?}"),
+                Err(_) => panic!("a write stalled for {SPLIT_WAKE:?} and is still pending"),
+            },
+        };
+    }
+    tokio::time::timeout(WAKE, w.shutdown()).await.expect("the shutdown in time").unwrap();
+    w
+}
+
+/// Reads to the end through `r` and checks the bytes (seed `seed`), each `read` bounded as in
+/// [`write_half`].
+async fn read_half(mut r: tokio::io::ReadHalf<Stream>, len: usize, seed: u64) -> tokio::io::ReadHalf<Stream> {
+    let mut got = Vec::with_capacity(len);
+    let mut buf = vec![0u8; 5_000];
+    loop {
+        let n = match tokio::time::timeout(SPLIT_WAKE, r.read(&mut buf)).await {
+            Ok(r) => r.expect("read"),
+            Err(_) => match tokio::time::timeout(Duration::ZERO, r.read(&mut buf)).await {
+                Ok(r) => panic!(
+                    "lost wake-up: a read slept {SPLIT_WAKE:?}, yet polled once more it returned {r:?} \
+                         after {} bytes",
+                    got.len()
+                ),
+                Err(_) => panic!("a read stalled for {SPLIT_WAKE:?} after {} bytes", got.len()),
+            },
+        };
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(got.len(), len, "bytes read before the end (fewer: the peer's end was dropped early)");
+    assert!(got == random_bytes(len, seed), "the bytes read differ from those sent");
+    r
+}
+
+/// Full duplex between two ends split into reader and writer halves, with tiny windows so that
+/// every writer waits on credits its sibling reader's polls reap: each end's halves on two
+/// threads with a current-thread runtime each (`two_runtimes`), or as two tasks of one.
+fn split_duplex(port: u16, two_runtimes: bool) {
     let t = DeviceTest::start();
     if !common::require(Cap::ImmediateData) {
         return;
     }
-    let addr = SocketAddr::new(t.addr, 7744);
+    let addr = SocketAddr::new(t.addr, port);
     let cfg = StreamConfig::new().recv_buffer(8192).send_buffer(4096).credits(2);
     let listener = cfg.bind(addr).unwrap();
     let (c, s, listener) = pair(listener, addr, cfg);
     let len = 1 << 20;
-    let run = |s: Stream, seed_out: u64, seed_in: u64| {
-        let (mut r, mut w) = tokio::io::split(s);
-        let writer = thread::spawn(move || {
-            runtime().block_on(async {
-                let data = random_bytes(len, seed_out);
-                let mut off = 0;
-                while off < data.len() {
-                    let piece = &data[off..(off + 3_001).min(data.len())];
-                    off += match tokio::time::timeout(SPLIT_WAKE, w.write(piece)).await {
-                        Ok(r) => r.expect("write"),
-                        Err(_) => match tokio::time::timeout(Duration::ZERO, w.write(piece)).await {
-                            Ok(r) => panic!(
-                                "lost wake-up: a write slept {SPLIT_WAKE:?}, yet polled once more it returned {r:?}"
-                            ),
-                            Err(_) => panic!("a write stalled for {SPLIT_WAKE:?} and is still pending"),
-                        },
-                    };
-                }
-                tokio::time::timeout(WAKE, w.shutdown()).await.expect("the shutdown in time").unwrap();
-            });
-            w
-        });
-        let reader = thread::spawn(move || {
-            let got = runtime().block_on(async {
-                let mut got = Vec::with_capacity(len);
-                let mut buf = vec![0u8; 5_000];
-                loop {
-                    let n = match tokio::time::timeout(SPLIT_WAKE, r.read(&mut buf)).await {
-                        Ok(r) => r.expect("read"),
-                        Err(_) => match tokio::time::timeout(Duration::ZERO, r.read(&mut buf)).await {
-                            Ok(r) => panic!(
-                                "lost wake-up: a read slept {SPLIT_WAKE:?}, yet polled once more it returned {r:?} \
-                                 after {} bytes",
-                                got.len()
-                            ),
-                            Err(_) => panic!("a read stalled for {SPLIT_WAKE:?} after {} bytes", got.len()),
-                        },
-                    };
-                    if n == 0 {
-                        break got;
-                    }
-                    got.extend_from_slice(&buf[..n]);
-                }
-            });
-            assert!(got == random_bytes(len, seed_in), "the bytes read differ from those sent");
-            r
-        });
-        (writer, reader)
+    let run = |s: Stream, seed_out: u64, seed_in: u64| -> thread::JoinHandle<Stream> {
+        let (r, w) = tokio::io::split(s);
+        if two_runtimes {
+            let writer = thread::spawn(move || runtime().block_on(write_half(w, len, seed_out)));
+            let reader = thread::spawn(move || runtime().block_on(read_half(r, len, seed_in)));
+            thread::spawn(move || {
+                let r = reader.join().expect("a reader");
+                r.unsplit(writer.join().expect("a writer"))
+            })
+        } else {
+            thread::spawn(move || {
+                runtime().block_on(async move {
+                    let writer = tokio::spawn(write_half(w, len, seed_out));
+                    let reader = tokio::spawn(read_half(r, len, seed_in));
+                    let r = reader.await.expect("a reader");
+                    r.unsplit(writer.await.expect("a writer"))
+                })
+            })
+        }
     };
-    let (cw, cr) = run(c, 1, 2);
-    let (sw, sr) = run(s, 2, 1);
-    let c = cr.join().expect("the client's reader").unsplit(cw.join().expect("the client's writer"));
-    let s = sr.join().expect("the server's reader").unsplit(sw.join().expect("the server's writer"));
+    let c = run(c, 1, 2);
+    let s = run(s, 2, 1);
+    let (c, s) = (c.join().expect("the client"), s.join().expect("the server"));
     drop((c, s, listener));
     t.finish();
+}
+
+/// Each end's reader and writer halves on two threads, each its own current-thread runtime:
+/// four runtimes in all, every task woken for the credits and data it waits on. Fails on rxe
+/// in most runs (not all): a poll on one runtime reaps the completion its sibling half waits
+/// for and drains the CQ event (`Lane::arm`) before the other runtime's reactor saw it.
+#[test]
+#[ignore = "bug: halves of one stream polled on two runtimes lose wake-ups (a write slept 15 s though ready at once)"]
+fn split_halves_on_two_runtimes_each_are_woken_for_credits_and_data() {
+    // The loss is a race between the threads: three rounds, to meet it more often.
+    for port in [7744, 7757, 7758] {
+        split_duplex(port, true);
+    }
+}
+
+/// The same duplex with each end's halves as two tasks of one current-thread runtime (the
+/// control of the test above: one runtime per stream).
+#[test]
+fn split_halves_on_one_runtime_each_are_woken_for_credits_and_data() {
+    split_duplex(7756, false);
 }
 
 /// Reads, writes and flushes cancelled after their first poll (`timeout` of zero) or after a
