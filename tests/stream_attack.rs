@@ -571,6 +571,31 @@ fn blocking_shutdown_after_a_cancelled_poll_shutdown_sends_one_shutdown() {
     t.finish();
 }
 
+/// A blocking `shutdown(Write)` that timed out waiting for a control slot, then
+/// `AsyncWriteExt::shutdown`: the SHUTDOWN must still reach the peer.
+#[test]
+#[ignore = "bug: a blocking shutdown(Write) that timed out before sending leaves writable false and no pending_close; poll_shutdown then never sends SHUTDOWN"]
+fn poll_shutdown_after_a_timed_out_blocking_shutdown_still_sends_shutdown() {
+    let t = DeviceTest::start();
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let rt = runtime();
+    let (mut s, mut peer) = control_slots_full(&t, 7759, &rt);
+    s.set_write_timeout(Duration::from_millis(100));
+    let e = s.shutdown(Shutdown::Write).expect_err("a shutdown with every control slot taken");
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    s.set_write_timeout(WAKE);
+    peer.post_recvs(32);
+    within(&rt, WAKE, AsyncWriteExt::shutdown(&mut s)).expect("the shutdown in time").expect("shutdown");
+    let imms = peer.received();
+    assert_eq!(shutdowns(&imms), 1, "SHUTDOWNs the peer received (every message: {imms:x?})");
+    drop(rt);
+    drop(s);
+    drop(peer);
+    t.finish();
+}
+
 /// The reader and the writer half of one stream, both pending on one current-thread runtime
 /// (nothing to read; the writer past the peer's window), are both woken by the peer's
 /// DISCONNECT: the read ends the stream, the write fails `ConnectionReset`; a flush and a
