@@ -111,7 +111,6 @@ fn invalid_stream_config_sizes_fail_with_an_error_naming_the_size() {
 
 /// An odd receive buffer below the minimum is named as the caller gave it.
 #[test]
-#[ignore = "StreamConfig::check names half the size times two: recv_buffer(4095) is refused as \"4094 bytes\""]
 fn an_odd_recv_buffer_below_the_minimum_is_named_as_given() {
     let t = DeviceTest::start();
     let addr = SocketAddr::new(t.addr, 7741);
@@ -268,11 +267,10 @@ fn split_duplex(port: u16, two_runtimes: bool) {
 }
 
 /// Each end's reader and writer halves on two threads, each its own current-thread runtime:
-/// four runtimes in all, every task woken for the credits and data it waits on. Fails on rxe
-/// in most runs (not all): a poll on one runtime reaps the completion its sibling half waits
-/// for and drains the CQ event (`Lane::arm`) before the other runtime's reactor saw it.
+/// four runtimes in all, every task woken for the credits and data it waits on, even when a
+/// poll on one runtime reaps the completion its sibling half waits for and drains the CQ
+/// event (`Lane::arm`) before the other runtime's reactor saw it.
 #[test]
-#[ignore = "bug: halves of one stream polled on two runtimes lose wake-ups (a write slept 15 s though ready at once)"]
 fn split_halves_on_two_runtimes_each_are_woken_for_credits_and_data() {
     // The loss is a race between the threads: three rounds, to meet it more often.
     for port in [7744, 7757, 7758] {
@@ -527,7 +525,6 @@ fn shutdowns(imms: &[u32]) -> usize {
 /// `AsyncWriteExt::shutdown`: the SHUTDOWN must still reach the peer (else its reads never
 /// end while this side lives).
 #[test]
-#[ignore = "bug: shutdown_async's message is lost when its future is dropped before a control slot frees; poll_shutdown then never sends SHUTDOWN"]
 fn poll_shutdown_after_a_cancelled_shutdown_async_still_sends_shutdown() {
     let t = DeviceTest::start();
     if !common::require(Cap::ImmediateData) {
@@ -550,7 +547,6 @@ fn poll_shutdown_after_a_cancelled_shutdown_async_still_sends_shutdown() {
 /// `AsyncWriteExt::shutdown` dropped while it waits for a control slot, then the blocking
 /// `shutdown(Write)`, then `AsyncWriteExt::shutdown` again: one SHUTDOWN reaches the peer.
 #[test]
-#[ignore = "bug: poll_shutdown's pending_close survives a blocking shutdown that sent it; the next poll_shutdown sends a second SHUTDOWN"]
 fn blocking_shutdown_after_a_cancelled_poll_shutdown_sends_one_shutdown() {
     let t = DeviceTest::start();
     if !common::require(Cap::ImmediateData) {
@@ -574,7 +570,6 @@ fn blocking_shutdown_after_a_cancelled_poll_shutdown_sends_one_shutdown() {
 /// A blocking `shutdown(Write)` that timed out waiting for a control slot, then
 /// `AsyncWriteExt::shutdown`: the SHUTDOWN must still reach the peer.
 #[test]
-#[ignore = "bug: a blocking shutdown(Write) that timed out before sending leaves writable false and no pending_close; poll_shutdown then never sends SHUTDOWN"]
 fn poll_shutdown_after_a_timed_out_blocking_shutdown_still_sends_shutdown() {
     let t = DeviceTest::start();
     if !common::require(Cap::ImmediateData) {
