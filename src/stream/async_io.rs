@@ -53,9 +53,7 @@ impl Wakers {
             *slot = Some(w.clone());
         }
     }
-}
 
-impl Wakers {
     /// Wakes the task of the other direction, if one waits: this poll may have handled what
     /// it waits for (the reader the credits a writer needs, or the reverse) without an event
     /// reaching it (its runtime's reactor may be another, whose registration saw none).
@@ -120,12 +118,15 @@ impl Stream {
     /// [`Stream::poll_progress`] after the task's waker is kept: registers the waker that
     /// wakes both tasks.
     fn poll_progress_once(&mut self) -> Poll<io::Result<()>> {
-        let both = self.both.clone();
+        let both = Waker::from(Arc::clone(&self.wakers));
         let cx = &mut Context::from_waker(&both);
         loop {
             if self.fatal.is_some() || self.peer_gone {
                 return Poll::Ready(Ok(()));
             }
+            // Polled here too, though the caller polled last: what this poll handles is
+            // progress the other direction's task may wait for, and only a `Ready` from here
+            // wakes it (`wake_other`).
             if self.poll_now() > 0 || self.fatal.is_some() {
                 return Poll::Ready(Ok(()));
             }
@@ -181,10 +182,21 @@ impl Stream {
         }
     }
 
+    /// Wakes the other direction's task when completions were handled since `seen` (a count
+    /// of [`Stream::poll_now`]'s): the credits, space or data it waits for may be among them,
+    /// and no event may reach it for them.
+    fn woke_other_if_handled(&mut self, seen: u64, dir: Dir) {
+        if self.handled != seen {
+            self.wakers.wake_other(dir);
+        }
+    }
+
     /// `poll_flush`'s work: waits until every send posted has completed, then says what
     /// became of them.
     fn poll_sends(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let seen = self.handled;
         self.poll_now();
+        self.woke_other_if_handled(seen, Dir::Write);
         while !self.sends_done() && self.fatal.is_none() && !self.peer_gone {
             std::task::ready!(self.poll_progress(cx, Dir::Write))?;
         }
@@ -268,29 +280,13 @@ impl AsyncRead for Stream {
             return Poll::Ready(Ok(()));
         }
         loop {
-            if !s.readable {
+            // Zeroes only the part of `buf` never initialised before (tokio remembers).
+            let seen = s.handled;
+            let r = s.try_read(buf.initialize_unfilled());
+            s.woke_other_if_handled(seen, Dir::Read);
+            if let Some(r) = r {
+                buf.advance(r?);
                 return Poll::Ready(Ok(()));
-            }
-            if !s.rx_msgs.is_empty() {
-                // Zeroes only the part of `buf` never initialised before (tokio remembers).
-                let n = s.copy_out(buf.initialize_unfilled())?;
-                buf.advance(n);
-                s.give_credits();
-                return Poll::Ready(Ok(()));
-            }
-            if let Some(e) = s.fatal_error() {
-                return Poll::Ready(Err(e));
-            }
-            // As the blocking read: what a poll finds is read before the end or the error.
-            s.poll_now();
-            if !s.rx_msgs.is_empty() || s.fatal.is_some() {
-                continue;
-            }
-            if s.peer_eof {
-                return Poll::Ready(Ok(()));
-            }
-            if s.peer_gone {
-                return Poll::Ready(Err(s.gone_error()));
             }
             std::task::ready!(s.poll_progress(cx, Dir::Read))?;
         }
@@ -307,11 +303,11 @@ impl AsyncWrite for Stream {
             return Poll::Ready(Ok(0));
         }
         loop {
-            if let Err(e) = s.write_refusal() {
-                return Poll::Ready(Err(e));
-            }
-            if s.can_send_data() {
-                return Poll::Ready(s.send_data(buf));
+            let seen = s.handled;
+            let r = s.try_write(buf);
+            s.woke_other_if_handled(seen, Dir::Write);
+            if let Some(r) = r {
+                return Poll::Ready(r);
             }
             std::task::ready!(s.poll_progress(cx, Dir::Write))?;
         }

@@ -110,12 +110,14 @@ pub struct Stream {
     /// Whether the CQ is armed with no event read since: an async wait arms it only then.
     #[cfg(feature = "tokio")]
     pub(super) cq_armed: bool,
-    /// The tasks waiting on the stream, and the one waker, made from them, that the reactor
-    /// holds: it wakes them all.
+    /// The tasks waiting on the stream; the waker made from them, which the reactor holds,
+    /// wakes them all.
     #[cfg(feature = "tokio")]
     pub(super) wakers: std::sync::Arc<crate::stream::async_io::Wakers>,
+    /// Completions handled so far: an async call that handled some wakes the other
+    /// direction's task, which may wait for them.
     #[cfg(feature = "tokio")]
-    pub(super) both: std::task::Waker,
+    pub(super) handled: u64,
 }
 
 impl std::fmt::Debug for Stream {
@@ -144,8 +146,6 @@ impl Stream {
     ) -> Result<Stream> {
         let Buffers { rbuf, sgl, send, cfg, .. } = bufs;
         let (half, credits) = (cfg.half(), cfg.credits_given());
-        #[cfg(feature = "tokio")]
-        let wakers = std::sync::Arc::new(crate::stream::async_io::Wakers::default());
         let mut s = Stream {
             lane,
             qp,
@@ -197,9 +197,9 @@ impl Stream {
             #[cfg(feature = "tokio")]
             cq_armed: false,
             #[cfg(feature = "tokio")]
-            wakers: wakers.clone(),
+            wakers: std::sync::Arc::new(crate::stream::async_io::Wakers::default()),
             #[cfg(feature = "tokio")]
-            both: std::task::Waker::from(wakers),
+            handled: 0,
         };
         if s.lane.max_inline_data(qp)? < SGE_LEN as u32 {
             return Err(Error::Unsupported {
@@ -257,6 +257,10 @@ impl Stream {
             }
         }
         self.give_credits();
+        #[cfg(feature = "tokio")]
+        {
+            self.handled = self.handled.wrapping_add(n as u64);
+        }
         n
     }
 

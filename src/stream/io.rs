@@ -140,6 +140,59 @@ impl Stream {
         Ok(())
     }
 
+    /// A read without waiting, the step the blocking and the async read share: what has
+    /// arrived copied into `buf` (a non-empty buffer), the end of the stream (`Ok(0)`) or the
+    /// error that broke it; `None` when nothing has arrived and the caller must wait (the CQ
+    /// was polled last). Data that arrived before the stream broke is read before the error.
+    pub(super) fn try_read(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
+        loop {
+            if !self.readable {
+                return Some(Ok(0));
+            }
+            if !self.rx_msgs.is_empty() {
+                let n = self.copy_out(buf);
+                if n.is_ok() {
+                    self.give_credits();
+                }
+                return Some(n);
+            }
+            if let Some(e) = self.fatal_error() {
+                return Some(Err(e));
+            }
+            self.poll_now();
+            if !self.rx_msgs.is_empty() || self.fatal.is_some() {
+                continue;
+            }
+            if self.peer_eof {
+                return Some(Ok(0));
+            }
+            if self.peer_gone {
+                return Some(Err(self.gone_error()));
+            }
+            return None;
+        }
+    }
+
+    /// A write without waiting, the step the blocking and the async write share: up to one
+    /// send-buffer piece of `buf` (non-empty) posted, or why no write can go out; `None` when
+    /// there are no credits, granted space or free piece yet and the caller must wait (the CQ
+    /// was polled last).
+    pub(super) fn try_write(&mut self, buf: &[u8]) -> Option<io::Result<usize>> {
+        loop {
+            if let Err(e) = self.write_refusal() {
+                return Some(Err(e));
+            }
+            if self.can_send_data() {
+                return Some(self.send_data(buf));
+            }
+            self.poll_now();
+            if self.can_send_data() || self.fatal.is_some() {
+                continue;
+            }
+            return None;
+        }
+    }
+
     /// What became of the sends, once none is waited for any more: an error when any data
     /// WRITE failed, or was still in flight when the stream broke or the peer left.
     pub(super) fn sends_result(&self) -> io::Result<()> {
@@ -172,27 +225,8 @@ impl Read for Stream {
         }
         let deadline = deadline(self.read_timeout);
         loop {
-            if !self.readable {
-                return Ok(0);
-            }
-            // What arrived before the stream broke is delivered first, in order, then the error.
-            if !self.rx_msgs.is_empty() {
-                let n = self.copy_out(buf)?;
-                self.give_credits();
-                return Ok(n);
-            }
-            if let Some(e) = self.fatal_error() {
-                return Err(e);
-            }
-            self.poll_now();
-            if !self.rx_msgs.is_empty() || self.fatal.is_some() {
-                continue;
-            }
-            if self.peer_eof {
-                return Ok(0);
-            }
-            if self.peer_gone {
-                return Err(self.gone_error());
+            if let Some(r) = self.try_read(buf) {
+                return r;
             }
             if !self.wait_until(deadline) {
                 return Err(self.timeout_error("read", self.read_timeout));
@@ -212,13 +246,8 @@ impl Write for Stream {
         }
         let deadline = deadline(self.write_timeout);
         loop {
-            self.write_refusal()?;
-            if self.can_send_data() {
-                return self.send_data(buf);
-            }
-            self.poll_now();
-            if self.can_send_data() || self.fatal.is_some() {
-                continue;
+            if let Some(r) = self.try_write(buf) {
+                return r;
             }
             if !self.wait_until(deadline) {
                 return Err(self.timeout_error("write", self.write_timeout));
