@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::{Cap, DeviceTest, T};
 use rdma_cm::stream::wire::{ConnData, Ctrl, Msg, Sge};
-use rdma_cm::stream::{Stream, StreamListener};
+use rdma_cm::stream::{Stream, StreamConfig, StreamListener};
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
 use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RemoteRegion, Transport, VerbsContext};
 
@@ -308,6 +308,48 @@ fn echo_between_our_streams() {
     assert!(got == data, "the echo differs from what was sent");
     c.shutdown(Shutdown::Both).unwrap();
     assert_eq!(server.join().unwrap(), data.len(), "bytes the server read");
+    drop(c);
+    t.finish();
+}
+
+/// Writes of every kind the send path has, echoed through a send buffer of 8 KiB at each end
+/// (its ring wraps every few writes): inline (up to 64 bytes) and not, one byte past and short
+/// of the buffer, larger than one WRITE carries (64 KiB) and than the whole buffer; every byte
+/// comes back in order.
+#[test]
+fn writes_of_every_size_echo_through_a_small_send_ring() {
+    let t = DeviceTest::start();
+    let _took = Took("writes_of_every_size_echo_through_a_small_send_ring", std::time::Instant::now());
+    if !common::require(Cap::ImmediateData) {
+        return;
+    }
+    let port = 7729u16;
+    let cfg = StreamConfig::new().send_buffer(8 * 1024);
+    let listener = cfg.bind(SocketAddr::new(t.addr, port)).unwrap();
+    let server = thread::spawn(move || {
+        let mut s = listener.accept(T).expect("accept");
+        let mut buf = vec![0u8; 10_000];
+        loop {
+            let n = s.read(&mut buf).expect("server read");
+            if n == 0 {
+                break;
+            }
+            s.write_all(&buf[..n]).expect("server echo");
+        }
+        s.shutdown(Shutdown::Both).expect("server shutdown");
+    });
+    let sizes = [1, 63, 64, 65, 1000, 8191, 8192, 8193, 3, 70_000, 65_536, 65_537, 200_000, 2];
+    let data = pattern(sizes.iter().sum::<usize>() * 3, 11);
+    let mut c = cfg.connect(SocketAddr::new(t.addr, port), T).expect("connect");
+    let (mut at, mut got) = (0, vec![0u8; data.len()]);
+    for &n in sizes.iter().cycle().take(sizes.len() * 3) {
+        c.write_all(&data[at..at + n]).unwrap();
+        c.read_exact(&mut got[at..at + n]).unwrap();
+        at += n;
+    }
+    assert!(got == data, "the echo differs from what was sent");
+    c.shutdown(Shutdown::Both).unwrap();
+    server.join().unwrap();
     drop(c);
     t.finish();
 }
@@ -612,8 +654,8 @@ fn protocol_violations_close_the_stream() {
     t.finish();
 }
 
-/// Reads and writes allocate nothing per message: 4 MiB written in 4000-byte pieces and read
-/// in 3000-byte ones, both threads counted (`common/counting.rs`), credits, grants and
+/// Reads and writes allocate nothing per message: 4 MiB written in pieces of 1 to 70,000
+/// bytes (inline, through the send ring, several WRITEs each) and read in 3000-byte ones, both threads counted (`common/counting.rs`), credits, grants and
 /// completions included.
 #[test]
 fn reads_and_writes_allocate_nothing() {
@@ -645,8 +687,15 @@ fn reads_and_writes_allocate_nothing() {
     let expect = data.iter().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
     let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
     counting::watched(|| {
-        for piece in data.chunks(4000) {
-            c.write_all(piece).expect("write");
+        // Inline writes, writes into the send ring, and writes of several WRITEs.
+        let (mut at, sizes) = (0, [4000, 1, 64, 65, 70_000, 3000]);
+        for &n in sizes.iter().cycle() {
+            let n = n.min(TOTAL - at);
+            if n == 0 {
+                break;
+            }
+            c.write_all(&data[at..at + n]).expect("write");
+            at += n;
         }
         c.flush().expect("flush");
     });

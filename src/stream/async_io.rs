@@ -294,9 +294,9 @@ impl AsyncRead for Stream {
 }
 
 impl AsyncWrite for Stream {
-    /// Copies up to one send-buffer piece of `buf` and RDMA-WRITEs it, as
-    /// [`std::io::Write::write`] does; pending while there are no credits, no granted space or
-    /// no free piece.
+    /// Copies as much of `buf` as fits now into the send buffer (or inline) and RDMA-WRITEs
+    /// it, as [`std::io::Write::write`] does; pending while nothing fits: no credits, no
+    /// granted space or no free send buffer.
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let s = self.get_mut();
         if buf.is_empty() {

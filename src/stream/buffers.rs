@@ -1,5 +1,5 @@
 //! What a stream registers: the receive buffer and target SGL the peer writes into, the send
-//! buffer in pieces, one tiny region per receive (their sizes: [`StreamConfig`]).
+//! buffer (a ring of chunks), one tiny region per receive (their sizes: [`StreamConfig`]).
 
 use std::sync::Arc;
 
@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::stream::config::StreamConfig;
 use crate::stream::wire::{ConnData, Sge, SGE_LEN, SGL_SLOTS};
 use crate::verbs::lane::{Lane, LaneQp, RecvWr};
-use crate::verbs::mr::{AccessFlags, MemoryRegion};
+use crate::verbs::mr::{AccessFlags, MemoryRegion, Spare};
 use crate::verbs::pd::ProtectionDomain;
 
 /// Minimum RNR NAK timer this side's QP asks of a peer whose message found no receive (IB
@@ -21,11 +21,13 @@ pub(super) const WR_DATA: u64 = 2;
 pub(super) const WR_CTRL: u64 = 3;
 
 /// What a stream registers: its receive buffer and target SGL (remotely writable, read only
-/// with volatile copies), its send buffer in pieces, and one tiny region per receive.
+/// with volatile copies), its send buffer (one chunk, and the spare handles its ring splits
+/// into), and one tiny region per receive.
 pub(super) struct Buffers {
     pub(super) rbuf: MemoryRegion,
     pub(super) sgl: MemoryRegion,
-    pub(super) send: Vec<MemoryRegion>,
+    pub(super) send: MemoryRegion,
+    pub(super) spares: Vec<Spare>,
     recvs: Vec<MemoryRegion>,
     pub(super) cfg: StreamConfig,
 }
@@ -35,12 +37,14 @@ impl Buffers {
         let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
         let rbuf = MemoryRegion::new(pd, cfg.rbuf_size(), remote)?;
         let sgl = MemoryRegion::new(pd, SGL_SLOTS as usize * SGE_LEN, remote)?;
-        let (piece, pieces) = cfg.send_pieces();
-        let send = MemoryRegion::new(pd, piece * pieces, AccessFlags::empty())?.split(piece)?;
+        // The ring holds a chunk per WRITE in flight and at most two free ones (the free space
+        // may wrap around the end); two more for slack.
+        let (send, spares) =
+            MemoryRegion::new(pd, cfg.sbuf_size(), AccessFlags::empty())?.with_spares(cfg.data_slots() + 4)?;
         // Receives carry no scatter list (`num_sge` 0): every message is immediate data. A
         // receive still moves a region into the lane; one byte each, never touched.
         let recvs = MemoryRegion::new(pd, cfg.recvs() as usize, AccessFlags::LOCAL_WRITE)?.split(1)?;
-        Ok(Buffers { rbuf, sgl, send, recvs, cfg: *cfg })
+        Ok(Buffers { rbuf, sgl, send, spares, recvs, cfg: *cfg })
     }
 
     /// This side's connection data: its credits, its target SGL, the first half of its

@@ -15,10 +15,9 @@ use crate::verbs::qp::QpInit;
 const SPARE_RECVS: u32 = 16;
 /// Send-queue entries reserved for control messages (rsocket's `RS_QP_CTRL_SIZE`).
 pub(super) const CTRL_SLOTS: usize = 4;
-/// The most one data WRITE carries: a piece of the send buffer.
-const SEND_PIECE: usize = 16 * 1024;
-/// Inline bytes asked of the QP: a grant (16 bytes) and control messages go inline.
-const INLINE: u32 = 64;
+/// Inline bytes asked of the QP: grants (16 bytes), control messages and data writes of up to
+/// this many bytes go inline, as rsocket's default (`RDMA_INLINE`, 64).
+pub(super) const INLINE: u32 = 64;
 
 /// The sizes of a stream: its receive buffer, its send buffer and the credits it gives the
 /// peer. The defaults suit bulk transfer (256 KiB each way, 128 credits); many streams that
@@ -50,8 +49,8 @@ impl Default for StreamConfig {
 }
 
 impl StreamConfig {
-    /// The defaults: a 256 KiB receive buffer, a 256 KiB send buffer (16 WRITEs of 16 KiB in
-    /// flight), 128 credits.
+    /// The defaults: a 256 KiB receive buffer, a 256 KiB send buffer, 128 credits (and so up
+    /// to 128 data WRITEs in flight).
     pub const fn new() -> StreamConfig {
         StreamConfig { recv_buffer: 256 * 1024, send_buffer: 256 * 1024, credits: 128 }
     }
@@ -66,9 +65,9 @@ impl StreamConfig {
     }
 
     /// The send buffer writes are copied into, registered for the stream's life (rsocket's
-    /// `SO_SNDBUF`): pieces of 16 KiB (one piece when smaller), each the most one RDMA WRITE
-    /// carries, as many WRITEs in flight as pieces. From 1 KiB to 64 MiB; checked when the
-    /// stream is set up.
+    /// `SO_SNDBUF`), used as a ring as rsocket's: each RDMA WRITE takes the bytes it carries
+    /// (up to 64 KiB), and gives them back when it completes. Writes of up to 64 bytes go
+    /// inline and take none. From 1 KiB to 64 MiB; checked when the stream is set up.
     #[must_use]
     pub const fn send_buffer(mut self, bytes: usize) -> StreamConfig {
         self.send_buffer = bytes;
@@ -76,7 +75,8 @@ impl StreamConfig {
     }
 
     /// The data messages the peer may send before this side reads them (rsocket's
-    /// `RDMA_RQSIZE`): a receive posted for each, and 16 more for control messages. From 1 to
+    /// `RDMA_RQSIZE`): a receive posted for each, and 16 more for control messages. They also
+    /// size this side's send queue: as many data WRITEs in flight (from 16 to 512). From 1 to
     /// 4,096; checked when the stream is set up.
     #[must_use]
     pub const fn credits(mut self, n: u16) -> StreamConfig {
@@ -149,10 +149,15 @@ impl StreamConfig {
         self.credits
     }
 
-    /// The send buffer's piece size and number of pieces.
-    pub(super) fn send_pieces(&self) -> (usize, usize) {
-        let piece = self.send_buffer.min(SEND_PIECE);
-        (piece, self.send_buffer / piece)
+    /// The send buffer's size.
+    pub(super) fn sbuf_size(&self) -> usize {
+        self.send_buffer
+    }
+
+    /// Data WRITEs in flight at most: one per credit given, from 16 to 512 (the peer's
+    /// credits bound them too).
+    pub(super) fn data_slots(&self) -> usize {
+        usize::from(self.credits).clamp(16, 512)
     }
 
     /// Receives posted: one per credit, and the spare ones.
@@ -162,7 +167,7 @@ impl StreamConfig {
 
     /// Send-queue depth: every data WRITE in flight, and the control slots.
     fn sq_size(&self) -> u32 {
-        (self.send_pieces().1 + CTRL_SLOTS) as u32
+        (self.data_slots() + CTRL_SLOTS) as u32
     }
 
     /// The QP's capabilities: rsocket's shape (one RC QP, every send signaled, inline control

@@ -8,13 +8,17 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::stream::buffers::{Buffers, WR_CTRL, WR_DATA, WR_RECV};
-use crate::stream::config::{StreamConfig, CTRL_SLOTS};
+use crate::stream::config::{StreamConfig, CTRL_SLOTS, INLINE};
 use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
 use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
-use crate::verbs::mr::{MemoryRegion, RemoteRegion};
+use crate::verbs::mr::{MemoryRegion, RemoteRegion, Spare};
 
 /// The default bound of a blocking read or write.
 pub(super) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most one data WRITE carries (rsocket's `RS_MAX_TRANSFER`).
+const MAX_WRITE: usize = 64 * 1024;
+/// How long a blocking wait polls before it sleeps (rsocket's default `polling_time`).
+const POLL_WINDOW: Duration = Duration::from_micros(10);
 /// How long one wait on the CQ sleeps before the connection's CM events are looked at.
 const SLICE: Duration = Duration::from_millis(200);
 
@@ -32,8 +36,15 @@ pub struct Stream {
     pub(super) cfg: StreamConfig,
     /// This side's target SGL: the peer writes its grants there; read only with `read_at`.
     sgl: MemoryRegion,
-    /// Pieces of the send buffer not in flight.
-    pub(super) free_send: Vec<MemoryRegion>,
+    /// The send buffer's free space, a ring: chunks in ring order from where the next WRITE's
+    /// bytes go (at most two once joined: the space may wrap around the buffer's end). A WRITE
+    /// takes its bytes from the front; its completion gives them back at the back.
+    send_free: VecDeque<MemoryRegion>,
+    /// Handles a split of the ring's front turns into chunks, so that no WRITE allocates.
+    spares: Vec<Spare>,
+    /// The most bytes a data write sends inline (no send-buffer space): what the QP takes, at
+    /// most rsocket's 64.
+    inline_max: usize,
 
     // The peer.
     peer_order: ByteOrder,
@@ -144,7 +155,9 @@ impl Stream {
         peer_addr: Option<SocketAddr>,
         #[cfg_attr(not(feature = "tokio"), allow(unused_variables))] channel: crate::EventChannel,
     ) -> Result<Stream> {
-        let Buffers { rbuf, sgl, send, cfg, .. } = bufs;
+        let Buffers { rbuf, sgl, send, spares, cfg, .. } = bufs;
+        let mut send_free = VecDeque::with_capacity(spares.len() + 1);
+        send_free.push_back(send);
         let (half, credits) = (cfg.half(), cfg.credits_given());
         let mut s = Stream {
             lane,
@@ -153,7 +166,9 @@ impl Stream {
             rbuf,
             cfg,
             sgl,
-            free_send: send,
+            send_free,
+            spares,
+            inline_max: 0,
             peer_order: peer.order,
             peer_sgl: RemoteRegion::new(
                 peer.target_sgl.addr,
@@ -201,12 +216,14 @@ impl Stream {
             #[cfg(feature = "tokio")]
             handled: 0,
         };
-        if s.lane.max_inline_data(qp)? < SGE_LEN as u32 {
+        let inline = s.lane.max_inline_data(qp)?;
+        if inline < SGE_LEN as u32 {
             return Err(Error::Unsupported {
                 what: "an rsocket stream on this device",
                 why: "the QP takes fewer than 16 inline bytes, and grants are written inline".into(),
             });
         }
+        s.inline_max = inline.min(INLINE) as usize;
         s.give_credits();
         Ok(s)
     }
@@ -275,6 +292,15 @@ impl Stream {
         {
             self.cq_armed = false;
         }
+        // Polls a little before it sleeps, as rsocket does (its `polling_time`): an answer
+        // that comes within the window costs no arming, sleep and wake-up.
+        let spin_end = Instant::now() + POLL_WINDOW;
+        while self.fatal.is_none() && Instant::now() < spin_end.min(deadline) {
+            if self.poll_now() > 0 {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
         loop {
             // Broken meanwhile (a violation found by a poll): nothing to wait for.
             if self.fatal.is_some() {
@@ -327,7 +353,7 @@ impl Stream {
             WR_DATA => {
                 self.data_in_flight = self.data_in_flight.saturating_sub(1);
                 if let Some(r) = c.take_region() {
-                    self.free_send.push(r);
+                    self.give_back(r);
                 }
                 if !c.is_ok() {
                     if self.write_lost.is_none() {
@@ -480,39 +506,56 @@ impl Stream {
         self.sseq_comp = limit;
     }
 
-    /// Whether a data WRITE may start now: a piece of the send buffer free, a send-queue entry,
-    /// a credit (a few kept back so the peer's receives also cover this side's control
-    /// messages), and granted space.
-    pub(super) fn can_send_data(&self) -> bool {
+    /// Whether a data WRITE of (some of) `len` bytes may start now: a send-queue entry,
+    /// send-buffer space unless it goes inline, a credit (a few kept back so the peer's
+    /// receives also cover this side's control messages), and granted space.
+    pub(super) fn can_send_data(&self, len: usize) -> bool {
         let reserve = if self.peer_credits > 2 * QP_CTRL_SIZE { QP_CTRL_SIZE } else { 0 };
-        !self.free_send.is_empty()
+        self.data_in_flight < self.cfg.data_slots()
+            && (len <= self.inline_max || !self.send_free.is_empty())
             && self.sseq_comp.wrapping_sub(self.sseq_no) > reserve
             && self.target.is_some_and(|t| t.length > 0)
     }
 
-    /// Posts one data WRITE of `src` (at most one send-buffer piece and what the current
-    /// grant has left; the caller checked [`Stream::can_send_data`]). Returns the bytes taken.
+    /// Posts one data WRITE of the start of `src` (non-empty; the caller checked
+    /// [`Stream::can_send_data`]): at most 64 KiB (rsocket's largest transfer), what the
+    /// current grant has left, and the send buffer's contiguous free space; inline, from `src`
+    /// itself, when that is at most 64 bytes. Returns the bytes taken.
     pub(super) fn send_data(&mut self, src: &[u8]) -> io::Result<usize> {
-        let (Some(mut t), Some(mut piece)) = (self.target, self.free_send.pop()) else {
+        let Some(mut t) = self.target else {
             return Ok(0);
         };
-        let n = src.len().min(piece.len()).min(t.length as usize);
-        if let Err(e) = piece.write_at(0, &src[..n]) {
-            self.free_send.push(piece);
-            return Err(io::Error::other(e));
-        }
+        let want = src.len().min(MAX_WRITE).min(t.length as usize);
         let remote = RemoteRegion::new(t.addr, t.key, u64::from(t.length));
-        let wr = crate::verbs::lane::SendWr::write(piece, 0..n, &remote, 0)
-            .imm(Msg::Data { len: n as u32 }.to_imm())
-            .wr_id(WR_DATA);
-        if let Err(r) = self.lane.post_send(self.qp, wr) {
-            let (e, back) = r.into_parts();
-            if let Some(p) = back {
-                self.free_send.push(p);
+        let imm = |n: usize| Msg::Data { len: n as u32 }.to_imm();
+        let n = if want <= self.inline_max {
+            let wr = InlineWr::write(&src[..want], &remote, 0).imm(imm(want)).wr_id(WR_DATA);
+            if let Err(e) = self.lane.post_inline(self.qp, wr) {
+                self.fail(io::ErrorKind::Other, e.to_string());
+                return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
             }
-            self.fail(io::ErrorKind::Other, e.to_string());
-            return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
-        }
+            want
+        } else {
+            let Some(mut chunk) = self.take_send_space(want) else {
+                return Ok(0);
+            };
+            // A chunk longer than `want` (no spare handle to split it with) is sent in part.
+            let n = want.min(chunk.len());
+            if let Err(e) = chunk.write_at(0, &src[..n]) {
+                self.send_free.push_front(chunk);
+                return Err(io::Error::other(e));
+            }
+            let wr = crate::verbs::lane::SendWr::write(chunk, 0..n, &remote, 0).imm(imm(n)).wr_id(WR_DATA);
+            if let Err(r) = self.lane.post_send(self.qp, wr) {
+                let (e, back) = r.into_parts();
+                if let Some(c) = back {
+                    self.send_free.push_front(c);
+                }
+                self.fail(io::ErrorKind::Other, e.to_string());
+                return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
+            }
+            n
+        };
         self.data_in_flight += 1;
         self.sseq_no = self.sseq_no.wrapping_add(1);
         // check_grant: the range ends at or below 2^64; an address that reaches 2^64 exactly
@@ -521,6 +564,36 @@ impl Stream {
         t.length -= n as u32;
         self.target = if t.length == 0 { self.next_target.take() } else { Some(t) };
         Ok(n)
+    }
+
+    /// The send buffer's next `want` bytes (fewer where its free space ends or wraps), as a
+    /// chunk of their own: the front of the ring, split when it is longer and a spare handle
+    /// is there.
+    fn take_send_space(&mut self, want: usize) -> Option<MemoryRegion> {
+        let mut front = self.send_free.pop_front()?;
+        if front.len() > want {
+            if let Some(spare) = self.spares.pop() {
+                match front.split_off(want, spare) {
+                    Ok(rest) => self.send_free.push_front(rest),
+                    Err(spare) => self.spares.push(spare),
+                }
+            }
+        }
+        Some(front)
+    }
+
+    /// A WRITE's chunk back from its completion: joined onto the ring's free space. WRITEs
+    /// complete in the order they were posted, so the chunk starts where the free space ends
+    /// (or at the buffer's start, after a wrap).
+    fn give_back(&mut self, chunk: MemoryRegion) {
+        let chunk = match self.send_free.back_mut() {
+            Some(back) => match back.join(chunk) {
+                Ok(spare) => return self.spares.push(spare),
+                Err(chunk) => chunk,
+            },
+            None => chunk,
+        };
+        self.send_free.push_back(chunk);
     }
 
     /// Whether a control message may be posted now.

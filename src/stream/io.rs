@@ -173,20 +173,30 @@ impl Stream {
         }
     }
 
-    /// A write without waiting, the step the blocking and the async write share: up to one
-    /// send-buffer piece of `buf` (non-empty) posted, or why no write can go out; `None` when
-    /// there are no credits, granted space or free piece yet and the caller must wait (the CQ
-    /// was polled last).
+    /// A write without waiting, the step the blocking and the async write share: as much of
+    /// `buf` (non-empty) posted as credits, granted space, send-queue entries and send-buffer
+    /// space allow now, one data WRITE per 64 KiB at most, or why no write can go out; `None`
+    /// when nothing can go out yet and the caller must wait (the CQ was polled last).
     pub(super) fn try_write(&mut self, buf: &[u8]) -> Option<io::Result<usize>> {
         loop {
             if let Err(e) = self.write_refusal() {
                 return Some(Err(e));
             }
-            if self.can_send_data() {
-                return Some(self.send_data(buf));
+            let mut done = 0;
+            while done < buf.len() && self.can_send_data(buf.len() - done) {
+                match self.send_data(&buf[done..]) {
+                    Ok(0) => break,
+                    Ok(n) => done += n,
+                    // What was posted before the failure is reported; the failure broke the
+                    // stream, so the next call returns it.
+                    Err(e) => return Some(if done > 0 { Ok(done) } else { Err(e) }),
+                }
+            }
+            if done > 0 {
+                return Some(Ok(done));
             }
             self.poll_now();
-            if self.can_send_data() || self.fatal.is_some() {
+            if self.can_send_data(buf.len()) || self.fatal.is_some() {
                 continue;
             }
             return None;
@@ -236,10 +246,10 @@ impl Read for Stream {
 }
 
 impl Write for Stream {
-    /// Copies up to one send-buffer piece of `buf` into the send buffer and RDMA-WRITEs it
-    /// into the peer's granted space, waiting (up to the write timeout) for credits, granted
-    /// space or a free piece. Returns as soon as the WRITE is posted: [`Write::flush`] waits
-    /// for it to complete.
+    /// Copies as much of `buf` into the send buffer as fits now (writes of up to 64 bytes go
+    /// inline instead) and RDMA-WRITEs it into the peer's granted space, waiting (up to the
+    /// write timeout) while nothing fits: no credits, granted space or free send buffer.
+    /// Returns as soon as the WRITEs are posted: [`Write::flush`] waits for them to complete.
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);

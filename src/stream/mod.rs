@@ -46,9 +46,12 @@
 //! ```
 //!
 //! **What happens on the wire** (`docs/rsocket-protocol.md` has the whole protocol): data is
-//! copied into a registered send buffer (16 pieces of 16 KiB) and RDMA-WRITTEN with immediate
-//! data (`DATA | len`) into the half of the peer's receive buffer it granted, consecutively,
-//! never past the grant, and never more messages than the peer's credits. Received data is
+//! copied into a registered 256 KiB send buffer, used as a ring, and RDMA-WRITTEN with
+//! immediate data (`DATA | len`, up to 64 KiB a message) into the half of the peer's receive
+//! buffer it granted, consecutively, never past the grant, and never more messages than the
+//! peer's credits; writes of up to 64 bytes go inline, from the caller's buffer. A blocking
+//! call that must wait polls for 10 µs before it sleeps on the completion channel, as
+//! rsocket does. Received data is
 //! copied out of this side's 256 KiB receive buffer with volatile reads (the peer can write
 //! there at any moment), receives are posted again as they are reaped, and a credit update
 //! goes back as rsocket sends it: a grant of the next free half written into the peer's

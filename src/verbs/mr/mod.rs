@@ -757,6 +757,8 @@ unsafe fn volatile_copy_to(src: &[u8], dst: *mut u8) {
 
 mod errors;
 mod remote;
+#[cfg(feature = "stream")]
+mod reshape;
 #[cfg(feature = "bytemuck")]
 mod view;
 
@@ -764,6 +766,8 @@ pub(crate) use errors::check_odp_registration;
 use errors::reg_error;
 pub use errors::IntoBufferError;
 pub use remote::RemoteRegion;
+#[cfg(feature = "stream")]
+pub(crate) use reshape::Spare;
 
 #[cfg(test)]
 mod tests {
