@@ -1,0 +1,122 @@
+//! The example's server and client binaries, end to end on the RDMA device: the server serves
+//! two connections and exits; two clients at once each send `GET /` and three `POST /echo` of
+//! 1 MiB on one connection and check every answer byte for byte (src/bin/client.rs).
+//!
+//! A device test: it fails when the machine has no RDMA device with an IPv4 address. Run it from
+//! the repository root, so cargo's runner (.cargo/config.toml: harness/runner) starts the
+//! Soft-RoCE guest where this machine has no device:
+//! `cargo test --manifest-path examples/hyper-stream/Cargo.toml`.
+
+use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The bound of every wait: the guest emulates its CPU, and a loaded machine slows it further.
+const BOUND: Duration = Duration::from_secs(120);
+
+/// The first RDMA device with an ACTIVE port 1 whose netdev has an IPv4 address: its name and
+/// that address. Panics when there is none: this test never passes without a device.
+fn device() -> (String, IpAddr) {
+    let devices: Vec<_> = std::fs::read_dir("/sys/class/infiniband").map(|d| d.flatten().collect()).unwrap_or_default();
+    for dev in devices {
+        let port = dev.path().join("ports/1");
+        let active = std::fs::read_to_string(port.join("state")).is_ok_and(|s| s.contains("ACTIVE"));
+        let netdev = std::fs::read_to_string(port.join("gid_attrs/ndevs/0")).unwrap_or_default();
+        if !active || netdev.trim().is_empty() {
+            continue;
+        }
+        let out = Command::new("ip").args(["-4", "-o", "addr", "show", "dev", netdev.trim()]).output();
+        let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        // "2: eth0    inet 10.77.0.1/24 brd ..."
+        let ip = text.split_whitespace().skip_while(|w| *w != "inet").nth(1).and_then(|a| a.split('/').next());
+        if let Some(ip) = ip.and_then(|a| a.parse().ok()) {
+            return (dev.file_name().to_string_lossy().into_owned(), ip);
+        }
+    }
+    panic!(
+        "no RDMA device with an IPv4 address: this is a device test. Run it from the repository root \
+         (`cargo test --manifest-path examples/hyper-stream/Cargo.toml`), where cargo's runner \
+         (harness/runner) starts a Soft-RoCE guest"
+    );
+}
+
+/// A child process that is killed (by its own pid) if the test ends before it does.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(bin: &str, args: &[String]) -> (Proc, Receiver<String>) {
+    let mut child =
+        Command::new(bin).args(args).stdout(Stdio::piped()).spawn().unwrap_or_else(|e| panic!("starting {bin}: {e}"));
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = channel();
+    thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            println!("  | {line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (Proc(child), rx)
+}
+
+/// The lines `p` prints until it exits (its stdout closes), then its exit status; bounded.
+fn finish(mut p: Proc, lines: Receiver<String>, what: &str) -> Vec<String> {
+    let deadline = Instant::now() + BOUND;
+    let mut seen = Vec::new();
+    while let Ok(l) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        seen.push(l);
+    }
+    assert!(Instant::now() < deadline, "{what} did not finish within {BOUND:?}; it printed {seen:?}");
+    loop {
+        if let Some(status) = p.0.try_wait().unwrap() {
+            assert!(status.success(), "{what} failed ({status}); it printed {seen:?}");
+            return seen;
+        }
+        assert!(Instant::now() < deadline, "{what} closed its output but did not exit within {BOUND:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn hyper_get_and_1_mib_echoes_on_two_connections_at_once() {
+    let (name, ip) = device();
+    println!("device {name}, address {ip}");
+    let port = "7480".to_string();
+
+    let (server, server_lines) = start(
+        env!("CARGO_BIN_EXE_server"),
+        &["-a".into(), ip.to_string(), "-p".into(), port.clone(), "-c".into(), "2".into()],
+    );
+    // Synchronised on the server's own word that its listener is bound.
+    let first = server_lines.recv_timeout(BOUND).expect("the server's first line");
+    assert!(first.starts_with("[INFO] listening on"), "the server's first line: {first:?}");
+
+    let client_args =
+        ["-a".into(), ip.to_string(), "-p".into(), port, "-n".into(), "3".into(), "-s".into(), "1048576".into()];
+    let clients: Vec<_> = (0..2).map(|_| start(env!("CARGO_BIN_EXE_client"), &client_args)).collect();
+    for (i, (c, lines)) in clients.into_iter().enumerate() {
+        let out = finish(c, lines, &format!("client {i}"));
+        assert!(
+            out.iter().any(|l| l.starts_with("[INFO] ok: GET / and 3 x POST /echo of 1048576 bytes")),
+            "client {i}: {out:?}"
+        );
+    }
+
+    let out = finish(server, server_lines, "the server");
+    assert!(out.iter().filter(|l| l.ends_with(" closed")).count() == 2, "the server: {out:?}");
+    assert!(out.last().is_some_and(|l| l == "[INFO] served 2 connections"), "the server: {out:?}");
+    // Both connections were accepted before either closed: they were served at once.
+    let second_accepted = out.iter().position(|l| l.starts_with("[INFO] connection 2 from"));
+    let first_closed = out.iter().position(|l| l.ends_with(" closed"));
+    println!("the two connections were open at once: {}", second_accepted < first_closed);
+}
