@@ -1,6 +1,8 @@
 //! The example's server and client binaries, end to end on the RDMA device: the server serves
 //! two connections and exits; two clients at once each send `GET /` and three `POST /echo` of
-//! 1 MiB on one connection and check every answer byte for byte (src/bin/client.rs).
+//! 1 MiB on one connection and check every answer byte for byte (src/bin/client.rs). Then, in
+//! one process, how hyper's connections end on the stream: 1,000 requests on one connection
+//! closed by the server (`connection: close`), a client gone mid-body, a graceful shutdown.
 //!
 //! A device test: it fails when the machine has no RDMA device with an IPv4 address. Run it from
 //! the repository root, so cargo's runner (.cargo/config.toml: harness/runner) starts the
@@ -119,4 +121,124 @@ fn hyper_get_and_1_mib_echoes_on_two_connections_at_once() {
     let second_accepted = out.iter().position(|l| l.starts_with("[INFO] connection 2 from"));
     let first_closed = out.iter().position(|l| l.ends_with(" closed"));
     println!("the two connections were open at once: {}", second_accepted < first_closed);
+}
+
+// In one process: hyper's own corners on the stream, both ends on one current-thread runtime.
+
+mod in_process {
+    use std::net::SocketAddr;
+    use std::time::{Duration, Instant};
+
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::{Bytes, Incoming};
+    use hyper::{Request, Response};
+    use hyper_util::rt::TokioIo;
+    use rdma_cm::stream::{Stream, StreamListener};
+    use tokio::io::AsyncWriteExt;
+
+    const T: Duration = Duration::from_secs(10);
+    const BOUND: Duration = super::BOUND;
+
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async { tokio::time::timeout(BOUND, f).await.expect("the test within its bound") })
+    }
+
+    async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, hyper::Error> {
+        Ok(Response::new(Full::new(req.into_body().collect().await?.to_bytes())))
+    }
+
+    type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+    async fn post(sender: &mut Sender, body: Bytes, close: bool) -> Bytes {
+        let mut req = Request::post("/echo").header("host", "x");
+        if close {
+            req = req.header("connection", "close");
+        }
+        let res = sender.send_request(req.body(Full::new(body)).unwrap()).await.expect("send_request");
+        assert!(res.status().is_success(), "{}", res.status());
+        res.into_body().collect().await.expect("the response's body").to_bytes()
+    }
+
+    /// 1,000 small requests one after the other on one connection, then one that asks the
+    /// server to close (`connection: close`): the server shuts its writing down after the
+    /// response, the client's connection ends without an error, and so does the server's.
+    #[test]
+    fn a_thousand_small_requests_then_the_server_closes() {
+        let (_, ip) = super::device();
+        let addr = SocketAddr::new(ip, 7481);
+        run(async {
+            let listener = StreamListener::bind(addr).unwrap();
+            let server = tokio::spawn(async move {
+                let s = listener.accept_async().await.expect("accept_async");
+                let service = hyper::service::service_fn(echo);
+                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service).await
+            });
+            let s = Stream::connect_async(addr, T).await.expect("connect_async");
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let start = Instant::now();
+            for i in 0..1000u32 {
+                let body = Bytes::from(format!("request {i} {}", "x".repeat(i as usize % 100)));
+                assert_eq!(post(&mut sender, body.clone(), false).await, body);
+            }
+            println!("1,000 requests on one connection: {:?} each", start.elapsed() / 1000);
+            assert_eq!(post(&mut sender, Bytes::from_static(b"last"), true).await, &b"last"[..]);
+            conn.await.unwrap().expect("the client's connection ends cleanly after the server's close");
+            server.await.unwrap().expect("the server's connection ends cleanly");
+        });
+    }
+
+    /// A client that sends the head and part of a body, then vanishes (its stream dropped: a
+    /// DISCONNECT): the server's connection ends with hyper's error, not a hang.
+    #[test]
+    fn a_client_gone_mid_body_fails_the_servers_connection() {
+        let (_, ip) = super::device();
+        let addr = SocketAddr::new(ip, 7482);
+        run(async {
+            let listener = StreamListener::bind(addr).unwrap();
+            let server = tokio::spawn(async move {
+                let s = listener.accept_async().await.expect("accept_async");
+                let service = hyper::service::service_fn(echo);
+                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service).await
+            });
+            let mut s = Stream::connect_async(addr, T).await.expect("connect_async");
+            s.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n").await.unwrap();
+            s.write_all(&[7u8; 65536]).await.unwrap();
+            s.flush().await.unwrap();
+            drop(s);
+            let err = server.await.unwrap().expect_err("the server's connection fails");
+            println!("the server's connection, its client gone mid-body: {err} ({err:?})");
+        });
+    }
+
+    /// An idle keep-alive connection ended by the server's graceful shutdown: hyper shuts the
+    /// stream's writing down, and the client's connection sees the end and ends cleanly.
+    #[test]
+    fn a_graceful_shutdown_ends_an_idle_connection() {
+        let (_, ip) = super::device();
+        let addr = SocketAddr::new(ip, 7483);
+        run(async {
+            let listener = StreamListener::bind(addr).unwrap();
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(async move {
+                let s = listener.accept_async().await.expect("accept_async");
+                let service = hyper::service::service_fn(echo);
+                let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service);
+                let mut conn = std::pin::pin!(conn);
+                tokio::select! {
+                    r = conn.as_mut() => return r,
+                    _ = stop_rx => conn.as_mut().graceful_shutdown(),
+                }
+                conn.await
+            });
+            let s = Stream::connect_async(addr, T).await.expect("connect_async");
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
+            let conn = tokio::spawn(conn);
+            assert_eq!(post(&mut sender, Bytes::from_static(b"one"), false).await, &b"one"[..]);
+            stop_tx.send(()).unwrap();
+            server.await.unwrap().expect("the server's connection ends cleanly");
+            conn.await.unwrap().expect("the client's connection ends cleanly");
+        });
+    }
 }
