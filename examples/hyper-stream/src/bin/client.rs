@@ -5,12 +5,14 @@
 //! cargo run --bin client -- -a 10.77.0.1 -p 7480 -n 10 -s 65536
 //! ```
 //!
-//! Start `src/bin/server.rs` first. What it shows: one RDMA connection (`Stream::connect_async`)
-//! handed to hyper's HTTP/1.1 client handshake through `hyper_util::rt::TokioIo`; hyper's
-//! connection task runs beside the requests, which go one after the other on that connection
-//! (keep-alive). It sends `GET /` and checks the greeting, then `-n` times `POST /echo` with a
-//! body of `-s` bytes (a pattern that differs per request) and checks that the answer is the
-//! same bytes. It prints one `[INFO] ok: ...` line, or says what differed and exits with 1.
+//! Run it on a machine with an RDMA device, from this directory, once `src/bin/server.rs`
+//! listens (`tests/stream_hyper.rs` runs both in the Soft-RoCE guest). What it shows: one RDMA
+//! connection (`Stream::connect_async`) handed to hyper's HTTP/1.1 client handshake through
+//! `hyper_util::rt::TokioIo`; hyper's connection task runs beside the requests, which go one
+//! after the other on that connection (keep-alive). It sends `GET /` and checks the greeting,
+//! then `-n` times `POST /echo` with a body of `-s` bytes (a pattern that differs per request)
+//! and checks that the answer is the same bytes. It prints one `[INFO] ok: ...` line, or says
+//! what differed and exits with 1.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};

@@ -5,19 +5,20 @@
 //! cargo run --bin server -- -a 10.77.0.1 -p 7480 -c 2     # serve two connections, then exit
 //! ```
 //!
-//! Then run `src/bin/client.rs` against it. What it shows: hyper needs nothing but a byte stream
-//! that implements tokio's `AsyncRead` and `AsyncWrite`, which `rdma_cm::stream::Stream` does
-//! (features `stream` and `tokio`); `hyper_util::rt::TokioIo` adapts it to hyper's own I/O
-//! traits. The listener takes connects with `accept_async` on the runtime, and each connection
-//! is served by hyper's HTTP/1.1 `serve_connection` in a task of its own:
+//! Run it on a machine with an RDMA device, from this directory, then `src/bin/client.rs`
+//! against it (`tests/stream_hyper.rs` runs both in the Soft-RoCE guest). What it shows: hyper
+//! needs nothing but a byte stream that implements tokio's `AsyncRead` and `AsyncWrite`, which
+//! `rdma_cm::stream::Stream` does (features `stream` and `tokio`); `hyper_util::rt::TokioIo`
+//! adapts it to hyper's own I/O traits. The listener takes connects with `accept_async` on the
+//! runtime, and each connection is served by hyper's HTTP/1.1 `serve_connection` in a task of
+//! its own:
 //!
 //! - `GET /` answers a fixed greeting;
 //! - `POST /echo` answers the request's body, byte for byte;
 //! - anything else is a 404.
 //!
 //! It prints `[INFO] listening on ADDR` once the listener is bound (a client may connect from
-//! then on) and one line per connection served. It also serves rsocket clients (a TCP program
-//! under `LD_PRELOAD=librspreload.so`, such as `curl`), since the stream speaks their protocol.
+//! then on) and one line per connection accepted and per connection ended.
 
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
