@@ -5,9 +5,9 @@
 //! closed by the server (`connection: close`), a client gone mid-body, a graceful shutdown.
 //!
 //! A device test: it fails when the machine has no RDMA device with an IPv4 address. Run it from
-//! the repository root, so cargo's runner (.cargo/config.toml: harness/runner) starts the
-//! Soft-RoCE guest where this machine has no device:
-//! `cargo test --manifest-path examples/hyper-stream/Cargo.toml`.
+//! anywhere in the repository, so cargo finds its runner (.cargo/config.toml: harness/runner),
+//! which starts the Soft-RoCE guest where this machine has no device: `cargo test` in this
+//! directory, or `cargo test --manifest-path examples/hyper-stream/Cargo.toml` at the root.
 
 use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
@@ -39,9 +39,8 @@ fn device() -> (String, IpAddr) {
         }
     }
     panic!(
-        "no RDMA device with an IPv4 address: this is a device test. Run it from the repository root \
-         (`cargo test --manifest-path examples/hyper-stream/Cargo.toml`), where cargo's runner \
-         (harness/runner) starts a Soft-RoCE guest"
+        "no RDMA device with an IPv4 address: this is a device test. Run it with `cargo test` from \
+         within the repository, where cargo's runner (harness/runner) starts a Soft-RoCE guest"
     );
 }
 
