@@ -116,7 +116,8 @@ fn hyper_get_and_1_mib_echoes_on_two_connections_at_once() {
     let out = finish(server, server_lines, "the server");
     assert!(out.iter().filter(|l| l.ends_with(" closed")).count() == 2, "the server: {out:?}");
     assert!(out.last().is_some_and(|l| l == "[INFO] served 2 connections"), "the server: {out:?}");
-    // Both connections were accepted before either closed: they were served at once.
+    // Whether both were accepted before either closed (they are started together, so they
+    // should be; printed, not asserted: the order of two processes is the scheduler's).
     let second_accepted = out.iter().position(|l| l.starts_with("[INFO] connection 2 from"));
     let first_closed = out.iter().position(|l| l.ends_with(" closed"));
     println!("the two connections were open at once: {}", second_accepted < first_closed);
