@@ -233,12 +233,15 @@ impl Read for Stream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = deadline(self.read_timeout);
+        // The clock is read only once the call must wait: a read of data already there
+        // costs no clock read (a system call on machines without a vDSO clock source).
+        let mut until = None;
         loop {
             if let Some(r) = self.try_read(buf) {
                 return r;
             }
-            if !self.wait_until(deadline) {
+            let d = *until.get_or_insert_with(|| deadline(self.read_timeout));
+            if !self.wait_until(d) {
                 return Err(self.timeout_error("read", self.read_timeout));
             }
         }
@@ -254,12 +257,13 @@ impl Write for Stream {
         if buf.is_empty() {
             return Ok(0);
         }
-        let deadline = deadline(self.write_timeout);
+        let mut until = None;
         loop {
             if let Some(r) = self.try_write(buf) {
                 return r;
             }
-            if !self.wait_until(deadline) {
+            let d = *until.get_or_insert_with(|| deadline(self.write_timeout));
+            if !self.wait_until(d) {
                 return Err(self.timeout_error("write", self.write_timeout));
             }
         }
