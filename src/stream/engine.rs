@@ -549,9 +549,14 @@ impl Stream {
             };
             // A chunk longer than `want` (no spare handle to split it with) is sent in part.
             let n = want.min(chunk.len());
-            if let Err(e) = chunk.write_at(0, &src[..n]) {
-                self.send_free.push_front(chunk);
-                return Err(io::Error::other(e));
+            // A plain copy: the send buffer is registered for local access only and the chunk
+            // is in no work request, so `as_mut_slice` hands it out.
+            match chunk.as_mut_slice() {
+                Ok(bytes) => bytes[..n].copy_from_slice(&src[..n]),
+                Err(e) => {
+                    self.send_free.push_front(chunk);
+                    return Err(io::Error::other(e));
+                }
             }
             let wr = crate::verbs::lane::SendWr::write(chunk, 0..n, &remote, 0).imm(imm(n)).wr_id(WR_DATA);
             if let Err(r) = self.lane.post_send(self.qp, wr) {

@@ -703,64 +703,13 @@ pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<()> 
     }
 }
 
-/// Copies `dst.len()` bytes from `src` with volatile reads (8 bytes at a time where aligned).
-///
-/// # Safety
-/// `src..src + dst.len()` must be readable (it may change concurrently).
-unsafe fn volatile_copy_from(src: *const u8, dst: &mut [u8]) {
-    let n = dst.len();
-    let mut i = 0;
-    // SAFETY (whole function): every pointer read is within src..src+n, which the caller
-    // guarantees readable; u64 reads are made only at 8-byte aligned addresses.
-    while i < n && (src as usize + i) % 8 != 0 {
-        // SAFETY: see above.
-        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
-        i += 1;
-    }
-    while i + 8 <= n {
-        // SAFETY: see above; aligned.
-        let w = unsafe { std::ptr::read_volatile(src.add(i).cast::<u64>()) };
-        dst[i..i + 8].copy_from_slice(&w.to_ne_bytes());
-        i += 8;
-    }
-    while i < n {
-        // SAFETY: see above.
-        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
-        i += 1;
-    }
-}
-
-/// Copies `src` to `dst` with volatile writes (8 bytes at a time where aligned).
-///
-/// # Safety
-/// `dst..dst + src.len()` must be writable and referenced by nothing.
-unsafe fn volatile_copy_to(src: &[u8], dst: *mut u8) {
-    let n = src.len();
-    let mut i = 0;
-    while i < n && (dst as usize + i) % 8 != 0 {
-        // SAFETY: within the caller's writable range.
-        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
-        i += 1;
-    }
-    while i + 8 <= n {
-        let w = u64::from_ne_bytes(src[i..i + 8].try_into().unwrap_or([0; 8]));
-        // SAFETY: within the caller's writable range; aligned.
-        unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), w) };
-        i += 8;
-    }
-    while i < n {
-        // SAFETY: within the caller's writable range.
-        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
-        i += 1;
-    }
-}
-
 mod errors;
 mod remote;
 #[cfg(feature = "stream")]
 mod reshape;
 #[cfg(feature = "bytemuck")]
 mod view;
+mod volatile;
 
 pub(crate) use errors::check_odp_registration;
 use errors::reg_error;
@@ -768,6 +717,7 @@ pub use errors::IntoBufferError;
 pub use remote::RemoteRegion;
 #[cfg(feature = "stream")]
 pub(crate) use reshape::Spare;
+use volatile::{volatile_copy_from, volatile_copy_to};
 
 #[cfg(test)]
 mod tests {
