@@ -312,10 +312,11 @@ fn echo_between_our_streams() {
     t.finish();
 }
 
-/// Writes of every kind the send path has, echoed through a send buffer of 8 KiB at each end
-/// (its ring wraps every few writes): inline (up to 64 bytes) and not, one byte past and short
-/// of the buffer, larger than one WRITE carries (64 KiB) and than the whole buffer; every byte
-/// comes back in order.
+/// Writes of every kind the send path has, sent through small send buffers (their ring wraps
+/// every few writes) and echoed back: inline (up to 64 bytes) and not, one byte past and short of the
+/// buffer, larger than one WRITE carries (64 KiB) and than the whole buffer; every byte comes
+/// back in order. Once with an 8 KiB send buffer at each end, once with the smallest sizes
+/// `StreamConfig` takes (1 KiB to send, 4 KiB to receive, one credit).
 #[test]
 fn writes_of_every_size_echo_through_a_small_send_ring() {
     let t = DeviceTest::start();
@@ -323,35 +324,40 @@ fn writes_of_every_size_echo_through_a_small_send_ring() {
     if !common::require(Cap::ImmediateData) {
         return;
     }
-    let port = 7729u16;
-    let cfg = StreamConfig::new().send_buffer(8 * 1024);
+    echo_every_size(&t, 7729, StreamConfig::new().send_buffer(8 * 1024));
+    echo_every_size(&t, 7730, StreamConfig::new().recv_buffer(4096).send_buffer(1024).credits(1));
+    t.finish();
+}
+
+/// The client writes every size in turn and shuts its writing down; the server reads to the
+/// end, then writes it all back (an echo as it reads would deadlock once a write outgrows both
+/// ends' buffers, as on any stream).
+fn echo_every_size(t: &DeviceTest, port: u16, cfg: StreamConfig) {
     let listener = cfg.bind(SocketAddr::new(t.addr, port)).unwrap();
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept");
-        let mut buf = vec![0u8; 10_000];
-        loop {
-            let n = s.read(&mut buf).expect("server read");
-            if n == 0 {
-                break;
-            }
-            s.write_all(&buf[..n]).expect("server echo");
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("server read");
+        if let Err(e) = s.write_all(&got) {
+            panic!("server echo: {e}: {s:?}");
         }
         s.shutdown(Shutdown::Both).expect("server shutdown");
     });
-    let sizes = [1, 63, 64, 65, 1000, 8191, 8192, 8193, 3, 70_000, 65_536, 65_537, 200_000, 2];
+    let sizes = [1, 63, 64, 65, 1000, 1023, 1024, 1025, 8191, 8192, 8193, 3, 70_000, 65_536, 65_537, 200_000, 2];
     let data = pattern(sizes.iter().sum::<usize>() * 3, 11);
     let mut c = cfg.connect(SocketAddr::new(t.addr, port), T).expect("connect");
-    let (mut at, mut got) = (0, vec![0u8; data.len()]);
+    let mut at = 0;
     for &n in sizes.iter().cycle().take(sizes.len() * 3) {
         c.write_all(&data[at..at + n]).unwrap();
-        c.read_exact(&mut got[at..at + n]).unwrap();
         at += n;
     }
-    assert!(got == data, "the echo differs from what was sent");
-    c.shutdown(Shutdown::Both).unwrap();
+    if let Err(e) = c.shutdown(Shutdown::Write) {
+        panic!("client shutdown: {e}: {c:?}");
+    }
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).unwrap();
+    assert!(got == data, "the echo differs from what was sent ({cfg:?})");
     server.join().unwrap();
-    drop(c);
-    t.finish();
 }
 
 /// A half-close: the client sends 3 MiB (more than both buffers together) and shuts down its

@@ -149,6 +149,13 @@ impl StreamConfig {
         self.credits
     }
 
+    /// Data messages read between two bare credit updates: half the credits, as rsocket's
+    /// (whose receive queue is never under 16), and at least one: with a single credit, half
+    /// would be none, and an update would be due at every poll, forever.
+    pub(super) fn update_every(&self) -> u16 {
+        (self.credits / 2).max(1)
+    }
+
     /// The send buffer's size.
     pub(super) fn sbuf_size(&self) -> usize {
         self.send_buffer

@@ -141,6 +141,11 @@ impl std::fmt::Debug for Stream {
             .field("writable", &self.writable)
             .field("peer_eof", &self.peer_eof)
             .field("fatal", &self.fatal)
+            .field("sent", &(self.sseq_no, self.sseq_comp))
+            .field("in_flight", &(self.data_in_flight, self.ctrl_in_flight))
+            .field("target", &self.target.map(|t| t.length))
+            .field("unread", &self.rx_msgs.len())
+            .field("received", &(self.rx_seq, self.rx_limit))
             .finish_non_exhaustive()
     }
 }
@@ -187,7 +192,7 @@ impl Stream {
             data_in_flight: 0,
             ctrl_in_flight: 0,
             rseq_no: 0,
-            rseq_comp: credits / 2,
+            rseq_comp: cfg.update_every(),
             rbuf_bytes_avail: half,
             rbuf_free_offset: half,
             remote_sge: 1,
@@ -519,10 +524,13 @@ impl Stream {
     /// receives also cover this side's control messages), and granted space.
     pub(super) fn can_send_data(&self, len: usize) -> bool {
         let reserve = if self.peer_credits > 2 * QP_CTRL_SIZE { QP_CTRL_SIZE } else { 0 };
+        // What the WRITE would carry: the grant's rest may make it small enough to go inline.
+        let Some(room) = self.target.map(|t| t.length as usize).filter(|&r| r > 0) else {
+            return false;
+        };
         self.data_in_flight < self.cfg.data_slots()
-            && (len <= self.inline_max || !self.send_free.is_empty())
+            && (len.min(room) <= self.inline_max || !self.send_free.is_empty())
             && self.sseq_comp.wrapping_sub(self.sseq_no) > reserve
-            && self.target.is_some_and(|t| t.length > 0)
     }
 
     /// Posts one data WRITE of the start of `src` (non-empty; the caller checked
@@ -662,7 +670,7 @@ impl Stream {
             self.send_ctrl(Msg::Sgl { limit });
         }
         self.rx_limit = limit;
-        self.rseq_comp = self.rseq_no.wrapping_add(credits / 2);
+        self.rseq_comp = self.rseq_no.wrapping_add(self.cfg.update_every());
     }
 
     /// Copies queued data into `dst`, in order; returns the bytes copied.

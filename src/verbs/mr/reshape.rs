@@ -9,6 +9,8 @@
 //! or by posted work requests, which hold clones of it. Both calls take unique handles only
 //! (no work request holds either), and the ranges after them are exactly a partition of the
 //! ranges before, so chunks still never overlap and nothing posted sees its range change.
+//! (A peer given the registration's rkey reaches its bytes too; the only registration
+//! reshaped, the stream's send buffer, is registered for local access only.)
 //! Each reshaped handle takes a new serial: a prepared work request that recorded the old
 //! range by its region's serial does not match the new one.
 
