@@ -150,6 +150,13 @@ mod in_process {
 
     type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
+    /// Accepts one stream and serves `echo` on it until the connection ends.
+    async fn serve_one(listener: StreamListener) -> Result<(), hyper::Error> {
+        let s = listener.accept_async().await.expect("accept_async");
+        let service = hyper::service::service_fn(echo);
+        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service).await
+    }
+
     async fn post(sender: &mut Sender, body: Bytes, close: bool) -> Bytes {
         let mut req = Request::post("/echo").header("host", "x");
         if close {
@@ -170,11 +177,7 @@ mod in_process {
         let addr = SocketAddr::new(ip, 7481);
         run(async {
             let listener = StreamListener::bind(addr).unwrap();
-            let server = tokio::spawn(async move {
-                let s = listener.accept_async().await.expect("accept_async");
-                let service = hyper::service::service_fn(echo);
-                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service).await
-            });
+            let server = tokio::spawn(serve_one(listener));
             let s = Stream::connect_async(addr, T).await.expect("connect_async");
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await.unwrap();
             let conn = tokio::spawn(conn);
@@ -198,11 +201,7 @@ mod in_process {
         let addr = SocketAddr::new(ip, 7482);
         run(async {
             let listener = StreamListener::bind(addr).unwrap();
-            let server = tokio::spawn(async move {
-                let s = listener.accept_async().await.expect("accept_async");
-                let service = hyper::service::service_fn(echo);
-                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), service).await
-            });
+            let server = tokio::spawn(serve_one(listener));
             let mut s = Stream::connect_async(addr, T).await.expect("connect_async");
             s.write_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n").await.unwrap();
             s.write_all(&[7u8; 65536]).await.unwrap();
