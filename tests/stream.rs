@@ -112,7 +112,8 @@ fn rstream_client_against_our_server() {
 
 /// rstream as the server, our stream as the client doing what rstream's client does: 16 bytes
 /// each way, then per iteration COUNT × SIZE bytes each way, with rstream's counter pattern
-/// (rstream verifies what we send, we verify what it sends).
+/// (rstream verifies what we send, we verify what it sends). The second iteration is sent
+/// zero-copy, from a registered region.
 #[test]
 fn our_client_against_rstream_server() {
     let t = DeviceTest::start();
@@ -132,16 +133,22 @@ fn our_client_against_rstream_server() {
     s.set_read_timeout(LONG);
     s.set_write_timeout(LONG);
     let (mut out, mut back) = (Counter(0), Counter(0));
-    let mut xfer = |s: &mut Stream, len: usize| {
+    // Copied, or sent straight from a registered region (`write_region`): rstream checks both.
+    let mut xfer = |s: &mut Stream, len: usize, zero_copy: bool| {
         let mut b = vec![0u8; len];
         out.fill(&mut b);
-        s.write_all(&b).expect("send to rstream");
+        if zero_copy {
+            let mr = MemoryRegion::register(s.pd(), b.clone(), AccessFlags::empty()).unwrap();
+            s.write_region(&mr, 0..len).expect("send to rstream from a region");
+        } else {
+            s.write_all(&b).expect("send to rstream");
+        }
         s.read_exact(&mut b).expect("receive from rstream");
         back.check(&b, 0);
     };
-    xfer(&mut s, 16);
-    for _ in 0..ITERS {
-        xfer(&mut s, COUNT * SIZE);
+    xfer(&mut s, 16, false);
+    for k in 0..ITERS {
+        xfer(&mut s, COUNT * SIZE, k % 2 == 1);
     }
     // rstream shuts down (a DISCONNECT) once its run is over: the end of the stream.
     let mut rest = [0u8; 1];

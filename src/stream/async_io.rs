@@ -223,6 +223,31 @@ impl Stream {
         std::future::poll_fn(|cx| self.poll_close(cx)).await
     }
 
+    /// [`Stream::write_region`] for async code: pending while the peer's credits or granted
+    /// space run out. Cancel-safe as a write is: a future dropped before it ended leaves some
+    /// of the range sent (the region is held by the WRITEs posted until they complete).
+    ///
+    /// # Errors
+    /// As for [`Stream::write_region`], without its timeout.
+    pub async fn write_region_async(
+        &mut self,
+        mr: &crate::MemoryRegion,
+        range: std::ops::Range<usize>,
+    ) -> io::Result<()> {
+        self.check_region(mr, &range)?;
+        let mut at = range.start;
+        std::future::poll_fn(|cx| loop {
+            let seen = self.handled;
+            let r = self.try_write_region(mr, &mut at, range.end);
+            self.woke_other_if_handled(seen, Dir::Write);
+            if let Some(r) = r {
+                return Poll::Ready(r.map_err(|e| crate::stream::region::posted_so_far(e, &range, at)));
+            }
+            std::task::ready!(self.poll_progress(cx, Dir::Write))?;
+        })
+        .await
+    }
+
     /// Sends the close message that is due once a control slot is free, then waits for the
     /// sends. The message is worked out from the stream's state at each poll: a future
     /// dropped before it went out leaves it due for the next shutdown (or the drop's

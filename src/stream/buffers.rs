@@ -19,6 +19,10 @@ pub(super) const WR_RECV: u64 = 1;
 pub(super) const WR_DATA: u64 = 2;
 /// `wr_id` of a control message or grant.
 pub(super) const WR_CTRL: u64 = 3;
+/// `wr_id` of a data WRITE straight from a caller's region ([`Stream::write_region`]).
+///
+/// [`Stream::write_region`]: crate::stream::Stream::write_region
+pub(super) const WR_REGION: u64 = 4;
 
 /// What a stream registers: its receive buffer and target SGL (remotely writable, read only
 /// with volatile copies), its send buffer (one chunk, and the spare handles its ring splits

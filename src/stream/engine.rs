@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::stream::buffers::{Buffers, WR_CTRL, WR_DATA, WR_RECV};
+use crate::stream::buffers::{Buffers, WR_CTRL, WR_DATA, WR_RECV, WR_REGION};
 use crate::stream::config::{StreamConfig, CTRL_SLOTS, INLINE};
 use crate::stream::wire::{ByteOrder, ConnData, Ctrl, Msg, Sge, QP_CTRL_SIZE, SGE_LEN, SGL_SLOTS};
-use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr};
+use crate::verbs::lane::{Completion, InlineWr, Lane, LaneQp, RecvWr, SendWr};
 use crate::verbs::mr::{MemoryRegion, RemoteRegion, Spare};
 
 /// The default bound of a blocking read or write.
@@ -23,6 +23,11 @@ const POLL_WINDOW: Duration = Duration::from_micros(10);
 const POLLS_PER_LOOK: u32 = 16;
 /// How long one wait on the CQ sleeps before the connection's CM events are looked at.
 const SLICE: Duration = Duration::from_millis(200);
+
+/// The immediate data of a data message of `n` bytes (at most 64 KiB).
+fn data_imm(n: usize) -> u32 {
+    Msg::Data { len: n as u32 }.to_imm()
+}
 
 /// A byte stream over one RC connection that speaks librdmacm's rsocket protocol: made by
 /// [`Stream::connect`] or [`StreamListener::accept`](crate::stream::StreamListener::accept),
@@ -363,10 +368,14 @@ impl Stream {
                 }
                 self.message(c.imm_data(), c.byte_len());
             }
-            WR_DATA => {
+            WR_DATA | WR_REGION => {
                 self.data_in_flight = self.data_in_flight.saturating_sub(1);
+                // A send-buffer chunk joins the ring again; a caller's region's handle is
+                // dropped: the device is done reading it for this WRITE.
                 if let Some(r) = c.take_region() {
-                    self.give_back(r);
+                    if c.wr_id() == WR_DATA {
+                        self.give_back(r);
+                    }
                 }
                 if !c.is_ok() {
                     if self.write_lost.is_none() {
@@ -402,7 +411,7 @@ impl Stream {
         }
         let what = match c.wr_id() {
             WR_RECV => "a receive",
-            WR_DATA => "a data WRITE",
+            WR_DATA | WR_REGION => "a data WRITE",
             _ => "a control message",
         };
         let status = c.status();
@@ -523,14 +532,21 @@ impl Stream {
     /// send-buffer space unless it goes inline, a credit (a few kept back so the peer's
     /// receives also cover this side's control messages), and granted space.
     pub(super) fn can_send_data(&self, len: usize) -> bool {
-        let reserve = if self.peer_credits > 2 * QP_CTRL_SIZE { QP_CTRL_SIZE } else { 0 };
         // What the WRITE would carry: the grant's rest may make it small enough to go inline.
-        let Some(room) = self.target.map(|t| t.length as usize).filter(|&r| r > 0) else {
+        let Some(room) = self.can_post_data() else {
             return false;
         };
-        self.data_in_flight < self.cfg.data_slots()
-            && (len.min(room) <= self.inline_max || !self.send_free.is_empty())
-            && self.sseq_comp.wrapping_sub(self.sseq_no) > reserve
+        len.min(room) <= self.inline_max || !self.send_free.is_empty()
+    }
+
+    /// The granted space left, when a data WRITE that needs no send-buffer space (inline, or
+    /// from a caller's region) may start now: a send-queue entry, a credit (a few kept back so
+    /// the peer's receives also cover this side's control messages) and granted space.
+    pub(super) fn can_post_data(&self) -> Option<usize> {
+        let reserve = if self.peer_credits > 2 * QP_CTRL_SIZE { QP_CTRL_SIZE } else { 0 };
+        let room = self.target.map(|t| t.length as usize).filter(|&r| r > 0)?;
+        (self.data_in_flight < self.cfg.data_slots() && self.sseq_comp.wrapping_sub(self.sseq_no) > reserve)
+            .then_some(room)
     }
 
     /// Posts one data WRITE of the start of `src` (non-empty; the caller checked
@@ -538,17 +554,15 @@ impl Stream {
     /// current grant has left, and the send buffer's contiguous free space; inline, from `src`
     /// itself, when that is at most 64 bytes. Returns the bytes taken.
     pub(super) fn send_data(&mut self, src: &[u8]) -> io::Result<usize> {
-        let Some(mut t) = self.target else {
+        let Some(t) = self.target else {
             return Ok(0);
         };
         let want = src.len().min(MAX_WRITE).min(t.length as usize);
         let remote = RemoteRegion::new(t.addr, t.key, u64::from(t.length));
-        let imm = |n: usize| Msg::Data { len: n as u32 }.to_imm();
         let n = if want <= self.inline_max {
-            let wr = InlineWr::write(&src[..want], &remote, 0).imm(imm(want)).wr_id(WR_DATA);
+            let wr = InlineWr::write(&src[..want], &remote, 0).imm(data_imm(want)).wr_id(WR_DATA);
             if let Err(e) = self.lane.post_inline(self.qp, wr) {
-                self.fail(io::ErrorKind::Other, e.to_string());
-                return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
+                return Err(self.post_failed(e));
             }
             want
         } else {
@@ -566,17 +580,49 @@ impl Stream {
                     return Err(io::Error::other(e));
                 }
             }
-            let wr = crate::verbs::lane::SendWr::write(chunk, 0..n, &remote, 0).imm(imm(n)).wr_id(WR_DATA);
+            let wr = SendWr::write(chunk, 0..n, &remote, 0).imm(data_imm(n)).wr_id(WR_DATA);
             if let Err(r) = self.lane.post_send(self.qp, wr) {
                 let (e, back) = r.into_parts();
                 if let Some(c) = back {
                     self.send_free.push_front(c);
                 }
-                self.fail(io::ErrorKind::Other, e.to_string());
-                return Err(self.fatal_error().unwrap_or_else(|| io::Error::other("post failed")));
+                return Err(self.post_failed(e));
             }
             n
         };
+        self.data_posted(t, n);
+        Ok(n)
+    }
+
+    /// Posts one data WRITE straight from `mr`'s bytes `at..end` (a non-empty range; the
+    /// caller checked [`Stream::can_post_data`], the range and the region's protection domain):
+    /// at most 64 KiB and what the current grant has left. The work request holds a handle of
+    /// the region until its completion, so the region's bytes cannot change meanwhile. Returns
+    /// the bytes taken.
+    pub(super) fn send_region(&mut self, mr: &MemoryRegion, at: usize, end: usize) -> io::Result<usize> {
+        let Some(t) = self.target else {
+            return Ok(0);
+        };
+        let n = (end - at).min(MAX_WRITE).min(t.length as usize);
+        let remote = RemoteRegion::new(t.addr, t.key, u64::from(t.length));
+        let wr = SendWr::write(mr.share_for_reading(), at..at + n, &remote, 0).imm(data_imm(n)).wr_id(WR_REGION);
+        if let Err(r) = self.lane.post_send(self.qp, wr) {
+            return Err(self.post_failed(r.into_parts().0));
+        }
+        self.data_posted(t, n);
+        Ok(n)
+    }
+
+    /// A refused post of a data WRITE: the stream is broken with it (what was posted before
+    /// may have been taken or not); the error to return.
+    fn post_failed(&mut self, e: Error) -> io::Error {
+        self.fail(io::ErrorKind::Other, e.to_string());
+        self.fatal_error().unwrap_or_else(|| io::Error::other("post failed"))
+    }
+
+    /// A data WRITE of `n` bytes posted into `t`, the current grant: one more message in
+    /// flight, and the grant's rest (or the next grant once it is used up).
+    fn data_posted(&mut self, mut t: Sge, n: usize) {
         self.data_in_flight += 1;
         self.sseq_no = self.sseq_no.wrapping_add(1);
         // check_grant: the range ends at or below 2^64; an address that reaches 2^64 exactly
@@ -584,7 +630,6 @@ impl Stream {
         t.addr = t.addr.wrapping_add(n as u64);
         t.length -= n as u32;
         self.target = if t.length == 0 { self.next_target.take() } else { Some(t) };
-        Ok(n)
     }
 
     /// The send buffer's next `want` bytes (fewer where its free space ends or wraps), as a

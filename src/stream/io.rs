@@ -12,7 +12,7 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The instant `timeout` from now; a timeout too large for the clock (`Duration::MAX`) never
 /// runs out in practice.
-fn deadline(timeout: Duration) -> Instant {
+pub(super) fn deadline(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600))).unwrap_or(now)
 }

@@ -62,6 +62,25 @@
 //! protocol violation that closes the stream with an [`std::io::ErrorKind::InvalidData`]
 //! error naming it, never a panic.
 //!
+//! **Zero-copy writes.** [`Stream::write_region`] sends a range of a region registered on
+//! [`Stream::pd`] without copying it: each data WRITE goes from the region straight into the
+//! peer's granted space (the peer, rsocket or not, sees the same messages). The WRITEs hold the
+//! region until they complete, so it cannot be changed meanwhile (it can be read and sent
+//! again); `flush` waits for them. Nothing is allocated per WRITE.
+//!
+//! ```no_run
+//! use std::io::Write;
+//! use rdma_cm::{stream::Stream, AccessFlags, MemoryRegion};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut s = Stream::connect("10.77.0.1:7471".parse()?, std::time::Duration::from_secs(5))?;
+//! let mut mr = MemoryRegion::register(s.pd(), vec![7u8; 1 << 20], AccessFlags::empty())?;
+//! s.write_region(&mr, 0..mr.len())?;     // posted: the WRITEs read the region itself
+//! s.flush()?;                            // completed: the region may change again
+//! mr.as_mut_slice()?.fill(8);
+//! # Ok(()) }
+//! ```
+//!
 //! **Flow control.** The protocol counts data messages only; the peer's grants and credit
 //! updates ride on receives it does not count, and rsocket leans on RNR retries for those.
 //! This side advertises 128 credits and posts 16 receives beyond them, and keeps 4 of the
@@ -74,13 +93,15 @@
 //! half-close larger than every buffer; a killed peer; hostile peers breaking each rule above.
 //! `tests/stream_interop.rs`: against `rcopy` as its client and as its server (a file of a few
 //! MiB copied byte-identical each way), and against a plain TCP program under
-//! `LD_PRELOAD=librspreload.so` as its client and as its server.
+//! `LD_PRELOAD=librspreload.so` as its client and as its server. `tests/stream_region.rs`:
+//! zero-copy writes in order with copied ones, through grants smaller than a WRITE, refused
+//! for a foreign region or range, the region unchangeable while a peer without receives
+//! keeps its WRITE in flight, and given back whole by the stream's drop.
 //!
 //! **Limits of this version.** iWARP devices are refused with
 //! [`Error::Unsupported`](crate::Error::Unsupported): iWARP has no immediate data and rsocket
 //! sends every message there as a 4-byte SEND, which is not implemented. No iomap
-//! (`riomap`/`riowrite`), no keepalive; `AF_IB` addresses are not supported. Every write is
-//! copied into the send buffer (no zero-copy WRITE from the caller's memory yet). A drop
+//! (`riomap`/`riowrite`), no keepalive; `AF_IB` addresses are not supported. A drop
 //! blocks briefly, as rsocket's `rclose` does, for its DISCONNECT to complete (normally one
 //! round trip, at most 2 s): async code that minds calls `shutdown_async(Shutdown::Both)`
 //! first.
@@ -92,6 +113,7 @@ mod config;
 mod conn;
 mod engine;
 mod io;
+mod region;
 pub mod wire;
 
 pub use config::StreamConfig;

@@ -64,6 +64,15 @@ impl MemoryRegion {
         Ok((whole, spares))
     }
 
+    /// Another handle of this region, for a work request that only reads it (the source of an
+    /// RDMA WRITE): what a posted request holds, as the module docs of `mr` describe, so the
+    /// region stays registered and Rust code cannot change its bytes (that needs a unique
+    /// handle) until the request's completion drops the handle. Never given to user code: the
+    /// stream posts it and drops it when the WRITE completes.
+    pub(crate) fn share_for_reading(&self) -> MemoryRegion {
+        MemoryRegion { inner: Arc::clone(&self.inner) }
+    }
+
     /// Splits off the bytes from `at` on into `spare`, which becomes a chunk covering them;
     /// this region keeps the first `at` bytes. Gives the spare back unchanged when `at` is not
     /// inside the region, when a work request uses the region, or when the spare is of another
