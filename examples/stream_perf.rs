@@ -14,6 +14,8 @@
 //! rstream abbreviates them), the bytes both ways counted. A
 //! latency test is `-C 1` with many iterations, a bandwidth test one iteration of many
 //! messages. Because the stream speaks rsocket's protocol, either end may be `rstream` itself.
+//! With `--zero-copy` each end sends from a registered region (`Stream::write_region`)
+//! instead of copying into the send buffer: the peer cannot tell the difference.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -21,6 +23,7 @@ use std::process::exit;
 use std::time::{Duration, Instant};
 
 use rdma_cm::stream::{Stream, StreamListener};
+use rdma_cm::{AccessFlags, MemoryRegion};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -32,19 +35,41 @@ struct Args {
     count: usize,
     iters: usize,
     tcp: bool,
+    zero_copy: bool,
+}
+
+/// How a transfer's bytes go out: copied (`write_all`), or, for the stream with
+/// `--zero-copy`, RDMA-WRITTEN straight from `region`.
+trait Out: Read + Write {
+    fn send(&mut self, buf: &[u8], region: Option<&MemoryRegion>) -> std::io::Result<()> {
+        let _ = region;
+        self.write_all(buf)
+    }
+}
+
+impl Out for TcpStream {}
+
+impl Out for Stream {
+    fn send(&mut self, buf: &[u8], region: Option<&MemoryRegion>) -> std::io::Result<()> {
+        match region {
+            Some(mr) => self.write_region(mr, 0..buf.len()),
+            None => self.write_all(buf),
+        }
+    }
 }
 
 fn usage() -> ! {
-    eprintln!("usage: stream_perf (-s server_address | -b bind_address) [-p port] [-S size] [-C count] [-I iterations] [--tcp]");
+    eprintln!("usage: stream_perf (-s server_address | -b bind_address) [-p port] [-S size] [-C count] [-I iterations] [--tcp | --zero-copy]");
     exit(1)
 }
 
 fn parse() -> Args {
-    let mut a = Args { client: None, bind: None, port: 7471, size: 1000, count: 1000, iters: 1, tcp: false };
+    let mut a =
+        Args { client: None, bind: None, port: 7471, size: 1000, count: 1000, iters: 1, tcp: false, zero_copy: false };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
-        if f == "--tcp" {
-            a.tcp = true;
+        if f == "--tcp" || f == "--zero-copy" {
+            (a.tcp, a.zero_copy) = (a.tcp || f == "--tcp", a.zero_copy || f == "--zero-copy");
             continue;
         }
         let v = it.next().unwrap_or_else(|| usage());
@@ -59,7 +84,7 @@ fn parse() -> Args {
             _ => usage(),
         }
     }
-    if a.client.is_some() == a.bind.is_some() || a.size == 0 || a.count == 0 || a.iters == 0 {
+    if a.client.is_some() == a.bind.is_some() || a.size == 0 || a.count == 0 || a.iters == 0 || a.tcp && a.zero_copy {
         usage();
     }
     a
@@ -70,25 +95,35 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     exit(1)
 }
 
-/// rstream's `run_test`: the exchange, timed from after the 16-byte sync.
-fn run<S: Read + Write>(s: &mut S, client: bool, a: &Args) -> Duration {
+/// rstream's `run_test`: the exchange, timed from after the 16-byte sync. The transfers are
+/// sent from `region` when one is given (the sync is copied).
+fn run<S: Out>(s: &mut S, client: bool, a: &Args, region: Option<&MemoryRegion>) -> Duration {
     let mut buf = vec![0u8; a.size.max(16)];
-    let mut xfer = |s: &mut S, send: bool, n: usize| {
-        let r = if send { s.write_all(&buf[..n]) } else { s.read_exact(&mut buf[..n]) };
+    let mut xfer = |s: &mut S, send: bool, n: usize, region: Option<&MemoryRegion>| {
+        let r = if send { s.send(&buf[..n], region) } else { s.read_exact(&mut buf[..n]) };
         r.unwrap_or_else(|e| fail(if send { "send" } else { "receive" }, e));
     };
-    xfer(s, client, 16);
-    xfer(s, !client, 16);
+    xfer(s, client, 16, None);
+    xfer(s, !client, 16, None);
     let start = Instant::now();
     for _ in 0..a.iters {
         for _ in 0..a.count {
-            xfer(s, client, a.size);
+            xfer(s, client, a.size, region);
         }
         for _ in 0..a.count {
-            xfer(s, !client, a.size);
+            xfer(s, !client, a.size, region);
         }
     }
     start.elapsed()
+}
+
+/// The stream's run: with `--zero-copy`, from a region of the transfer's size registered on
+/// the stream's protection domain.
+fn run_stream(s: &mut Stream, client: bool, a: &Args) -> Duration {
+    let region = a.zero_copy.then(|| {
+        MemoryRegion::new(s.pd(), a.size, AccessFlags::empty()).unwrap_or_else(|e| fail("registering the region", e))
+    });
+    run(s, client, a, region.as_ref())
 }
 
 /// rstream's `show_perf` line.
@@ -114,12 +149,12 @@ fn main() {
     let addr: SocketAddr = format!("{host}:{}", a.port).parse().unwrap_or_else(|e| fail("the address", e));
     let client = a.client.is_some();
     let took = match (a.tcp, client) {
-        (false, true) => run(&mut Stream::connect(addr, T).unwrap_or_else(|e| fail("connect", e)), true, &a),
+        (false, true) => run_stream(&mut Stream::connect(addr, T).unwrap_or_else(|e| fail("connect", e)), true, &a),
         (false, false) => {
             let l = StreamListener::bind(addr).unwrap_or_else(|e| fail("listen", e));
             println!("[INFO] Listening on {addr}");
             let mut s = l.accept(Duration::from_secs(120)).unwrap_or_else(|e| fail("accept", e));
-            let took = run(&mut s, false, &a);
+            let took = run_stream(&mut s, false, &a);
             // Until the client has read everything: then its close ends our stream.
             let _ = s.read(&mut [0u8; 1]);
             took
@@ -127,14 +162,14 @@ fn main() {
         (true, true) => {
             let mut s = TcpStream::connect_timeout(&addr, T).unwrap_or_else(|e| fail("connect", e));
             s.set_nodelay(true).unwrap_or_else(|e| fail("TCP_NODELAY", e));
-            run(&mut s, true, &a)
+            run(&mut s, true, &a, None)
         }
         (true, false) => {
             let l = TcpListener::bind(addr).unwrap_or_else(|e| fail("listen", e));
             println!("[INFO] Listening on {addr}");
             let (mut s, _) = l.accept().unwrap_or_else(|e| fail("accept", e));
             s.set_nodelay(true).unwrap_or_else(|e| fail("TCP_NODELAY", e));
-            let took = run(&mut s, false, &a);
+            let took = run(&mut s, false, &a, None);
             let _ = s.read(&mut [0u8; 1]);
             took
         }
