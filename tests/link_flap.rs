@@ -50,17 +50,25 @@ fn link_up(netdev: &str) {
     sh_local(&format!("ip link set {netdev} up && {}", port_state_script("ACTIVE")));
 }
 
-/// The example server on `port`, once it listens; its stdout lines.
-fn server(addr: &str, port: &str) -> (Child, Receiver<String>) {
+/// The example server on `port`, its disconnects held up to `hold` seconds, once it listens;
+/// its stdout and stderr lines.
+///
+/// The server's own disconnect must be held as long as the client's. It echoes each WRITE
+/// back, so its side fails as the link goes down too, and it disconnects at once: with the
+/// example's default bound (10 s), a link kept down longer (the test waits for the client to
+/// notice first, which on a loaded machine took that long) sent the server's DREQ while the
+/// link was still down, and the host was deaf to the next connection just the same.
+fn server(addr: &str, port: &str, hold: &str) -> (Child, Receiver<String>, Receiver<String>) {
     let mut s = Command::new(example("perf_server"))
-        .args(["-a", addr, "-p", port, "--timeout", "30"])
+        .args(["-a", addr, "-p", port, "--timeout", "30", "--disconnect-hold", hold])
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let lines = common::lines_of(&mut s);
+    let err = common::stderr_lines_of(&mut s);
     common::wait_for_line(&lines, &format!("Listening on port {port}"), WITHIN);
-    (s, lines)
+    (s, lines, err)
 }
 
 /// The example client streaming RDMA WRITEs to `port` without end, once it is connected; its
@@ -129,6 +137,16 @@ impl Drop for Cleanup {
     }
 }
 
+/// The device's counters, its QPs (QP1, the CM's, among them) and the kernel's last lines: what
+/// a failed reconnect prints, taken before the link went down and after.
+fn device_state() -> String {
+    let dev = common::caps::device_under_test();
+    sh_local(&format!(
+        "cd /sys/class/infiniband/{dev}/ports/1/hw_counters && grep -H . * | tr '\\n' ' '; echo; \
+         rdma res show qp; dmesg | tail -n 15"
+    ))
+}
+
 /// Whether this test may take the link down here: in the harness's guest, on a device whose CM
 /// speaks MADs (not iWARP); otherwise it says why it skips.
 fn may_flap() -> bool {
@@ -159,10 +177,11 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
     let a = t.addr.to_string();
 
     // Held (the crate's default; 60 s here, for a busy machine).
-    let (mut srv, srv_lines) = server(&a, "7960");
+    let (mut srv, srv_lines, srv_err) = server(&a, "7960", "60");
     cleanup.pids.push(srv.id());
     let (client, err) = streaming_client(&a, "7960", "60");
     cleanup.pids.push(client.id());
+    let before = device_state();
     link_down(&netdev);
     common::wait_for_line(&err, "rdma-cm: holding the disconnect of the connection with", WITHIN);
     let mut client = client;
@@ -180,16 +199,19 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
     // the link came back once found no answer within 20 s (alone it connects at once).
     let (ok, log) = connects(&a, "7960", "60");
     // What the server said so far (whether it saw the first client leave), should this fail.
-    let server_said: Vec<String> = srv_lines.try_iter().collect();
+    let server_said: Vec<String> = srv_lines.try_iter().chain(srv_err.try_iter()).collect();
     assert!(
         ok,
-        "after a disconnect held until the link was back, this host could not connect again:\n{log}\nthe server said: {server_said:#?}"
+        "after a disconnect held until the link was back, this host could not connect again:\n{log}\nthe server said: \
+         {server_said:#?}\nthe held client said: {said:#?}\nthe device before the link went down:\n{before}\nand \
+         now:\n{}",
+        device_state()
     );
     srv.kill().unwrap();
     srv.wait().unwrap();
 
     // Not held: measured.
-    let (mut srv, _srv_lines) = server(&a, "7961");
+    let (mut srv, _srv_lines, _srv_err) = server(&a, "7961", "0");
     cleanup.pids.push(srv.id());
     let (client, err) = streaming_client(&a, "7961", "0");
     cleanup.pids.push(client.id());
@@ -214,7 +236,7 @@ fn a_disconnect_waits_for_the_link_and_the_host_connects_again() {
             "rdma link delete {dev} && rdma link add {dev} type rxe netdev {netdev} && {}",
             port_state_script("ACTIVE")
         ));
-        let (mut srv, _srv_lines) = server(&a, "7962");
+        let (mut srv, _srv_lines, _srv_err) = server(&a, "7962", "60");
         cleanup.pids.push(srv.id());
         let (ok, log) = connects(&a, "7962", "60");
         srv.kill().unwrap();
