@@ -41,7 +41,7 @@ struct Args {
 /// How a transfer's bytes go out: copied (`write_all`), or, for the stream with
 /// `--zero-copy`, RDMA-WRITTEN straight from `region`.
 trait Out: Read + Write {
-    fn send(&mut self, buf: &[u8], region: Option<&MemoryRegion>) -> std::io::Result<()> {
+    fn send(&mut self, buf: &[u8], region: &mut Option<MemoryRegion>) -> std::io::Result<()> {
         let _ = region;
         self.write_all(buf)
     }
@@ -50,11 +50,13 @@ trait Out: Read + Write {
 impl Out for TcpStream {}
 
 impl Out for Stream {
-    fn send(&mut self, buf: &[u8], region: Option<&MemoryRegion>) -> std::io::Result<()> {
-        match region {
-            Some(mr) => self.write_region(mr, 0..buf.len()),
-            None => self.write_all(buf),
+    /// From the region when there is one: it moves into `write_region` and comes back.
+    fn send(&mut self, buf: &[u8], region: &mut Option<MemoryRegion>) -> std::io::Result<()> {
+        match region.take() {
+            Some(mr) => *region = Some(self.write_region(mr, 0..buf.len())?),
+            None => self.write_all(buf)?,
         }
+        Ok(())
     }
 }
 
@@ -97,21 +99,21 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
 
 /// rstream's `run_test`: the exchange, timed from after the 16-byte sync. The transfers are
 /// sent from `region` when one is given (the sync is copied).
-fn run<S: Out>(s: &mut S, client: bool, a: &Args, region: Option<&MemoryRegion>) -> Duration {
+fn run<S: Out>(s: &mut S, client: bool, a: &Args, mut region: Option<MemoryRegion>) -> Duration {
     let mut buf = vec![0u8; a.size.max(16)];
-    let mut xfer = |s: &mut S, send: bool, n: usize, region: Option<&MemoryRegion>| {
+    let mut xfer = |s: &mut S, send: bool, n: usize, region: &mut Option<MemoryRegion>| {
         let r = if send { s.send(&buf[..n], region) } else { s.read_exact(&mut buf[..n]) };
         r.unwrap_or_else(|e| fail(if send { "send" } else { "receive" }, e));
     };
-    xfer(s, client, 16, None);
-    xfer(s, !client, 16, None);
+    xfer(s, client, 16, &mut None);
+    xfer(s, !client, 16, &mut None);
     let start = Instant::now();
     for _ in 0..a.iters {
         for _ in 0..a.count {
-            xfer(s, client, a.size, region);
+            xfer(s, client, a.size, &mut region);
         }
         for _ in 0..a.count {
-            xfer(s, !client, a.size, region);
+            xfer(s, !client, a.size, &mut region);
         }
     }
     start.elapsed()
@@ -123,7 +125,7 @@ fn run_stream(s: &mut Stream, client: bool, a: &Args) -> Duration {
     let region = a.zero_copy.then(|| {
         MemoryRegion::new(s.pd(), a.size, AccessFlags::empty()).unwrap_or_else(|e| fail("registering the region", e))
     });
-    run(s, client, a, region.as_ref())
+    run(s, client, a, region)
 }
 
 /// rstream's `show_perf` line.

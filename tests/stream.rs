@@ -139,7 +139,7 @@ fn our_client_against_rstream_server() {
         out.fill(&mut b);
         if zero_copy {
             let mr = MemoryRegion::register(s.pd(), b.clone(), AccessFlags::empty()).unwrap();
-            s.write_region(&mr, 0..len).expect("send to rstream from a region");
+            s.write_region(mr, 0..len).expect("send to rstream from a region");
         } else {
             s.write_all(&b).expect("send to rstream");
         }

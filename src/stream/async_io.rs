@@ -224,28 +224,53 @@ impl Stream {
     }
 
     /// [`Stream::write_region`] for async code: pending while the peer's credits or granted
-    /// space run out. Cancel-safe as a write is: a future dropped before it ended leaves some
-    /// of the range sent (the region is held by the WRITEs posted until they complete).
+    /// space run out, and until its last WRITE completes. A future dropped before it ended
+    /// leaves part of the range sent, and drops the region (the WRITEs in flight keep its
+    /// registration until they complete).
     ///
     /// # Errors
-    /// As for [`Stream::write_region`], without its timeout.
+    /// As for [`Stream::write_region`], without its timeout. On a broken stream the region
+    /// comes back only if the flush of its WRITEs was already there.
     pub async fn write_region_async(
         &mut self,
-        mr: &crate::MemoryRegion,
+        mr: crate::MemoryRegion,
         range: std::ops::Range<usize>,
-    ) -> io::Result<()> {
-        self.check_region(mr, &range)?;
+    ) -> std::result::Result<crate::MemoryRegion, crate::stream::WriteRegionError> {
+        use crate::stream::region::{posted_so_far, WriteRegionError};
+        if let Err(error) = self.check_region(&mr, &range) {
+            return Err(WriteRegionError::new(error, Some(mr)));
+        }
         let mut at = range.start;
-        std::future::poll_fn(|cx| loop {
+        let error = std::future::poll_fn(|cx| loop {
             let seen = self.handled;
-            let r = self.try_write_region(mr, &mut at, range.end);
+            let r = if at < range.end {
+                self.try_write_region(&mr, &mut at, range.end)
+                    .map(|r| r.map_err(|e| posted_so_far(e, &range, at)).err())
+                    .filter(|e| e.is_some() || mr.outstanding() == 0)
+            } else {
+                self.poll_now();
+                (mr.outstanding() == 0 || self.fatal.is_some() || self.peer_gone).then(|| self.region_result())
+            };
             self.woke_other_if_handled(seen, Dir::Write);
-            if let Some(r) = r {
-                return Poll::Ready(r.map_err(|e| crate::stream::region::posted_so_far(e, &range, at)));
+            if let Some(e) = r {
+                return Poll::Ready(e);
             }
-            std::task::ready!(self.poll_progress(cx, Dir::Write))?;
+            if let Err(e) = std::task::ready!(self.poll_progress(cx, Dir::Write)) {
+                return Poll::Ready(Some(e));
+            }
         })
-        .await
+        .await;
+        if mr.outstanding() > 0 {
+            let _ = self.lane.set_error(self.qp);
+            self.poll_now();
+            let region = (mr.outstanding() == 0).then_some(mr);
+            let error = error.unwrap_or_else(|| self.fatal_error().unwrap_or_else(|| self.gone_error()));
+            return Err(WriteRegionError::new(error, region));
+        }
+        match error {
+            None => Ok(mr),
+            Some(error) => Err(WriteRegionError::new(error, Some(mr))),
+        }
     }
 
     /// Sends the close message that is due once a control slot is free, then waits for the

@@ -349,6 +349,26 @@ impl Stream {
         }
     }
 
+    /// Waits until `deadline` for completions, the flushes of a broken stream's too, until
+    /// `done` holds; whether it does.
+    pub(super) fn wait_flushed(&mut self, deadline: Instant, done: impl Fn(&Stream) -> bool) -> bool {
+        loop {
+            self.poll_now();
+            if done(self) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            match self.lane.wait((deadline - now).min(SLICE)) {
+                Ok(c) => self.handle(c),
+                Err(Error::Timeout { .. }) => {}
+                Err(_) => return done(self),
+            }
+        }
+    }
+
     /// One completion.
     fn handle(&mut self, mut c: Completion) {
         match c.wr_id() {
@@ -597,8 +617,9 @@ impl Stream {
     /// Posts one data WRITE straight from `mr`'s bytes `at..end` (a non-empty range; the
     /// caller checked [`Stream::can_post_data`], the range and the region's protection domain):
     /// at most 64 KiB and what the current grant has left. The work request holds a handle of
-    /// the region until its completion, so the region's bytes cannot change meanwhile. Returns
-    /// the bytes taken.
+    /// the region until its completion; the caller holds the region itself until then, out of
+    /// its owner's reach ([`Stream::write_region`]), so its bytes cannot change meanwhile.
+    /// Returns the bytes taken.
     pub(super) fn send_region(&mut self, mr: &MemoryRegion, at: usize, end: usize) -> io::Result<usize> {
         let Some(t) = self.target else {
             return Ok(0);

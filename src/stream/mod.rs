@@ -64,19 +64,18 @@
 //!
 //! **Zero-copy writes.** [`Stream::write_region`] sends a range of a region registered on
 //! [`Stream::pd`] without copying it: each data WRITE goes from the region straight into the
-//! peer's granted space (the peer, rsocket or not, sees the same messages). The WRITEs hold the
-//! region until they complete, so it cannot be changed meanwhile (it can be read and sent
-//! again); `flush` waits for them. Nothing is allocated per WRITE.
+//! peer's granted space (the peer, rsocket or not, sees the same messages). The region moves
+//! into the call and comes back once its last WRITE has completed, so nothing can change it
+//! while the device reads it. Nothing is allocated per WRITE.
 //!
 //! ```no_run
-//! use std::io::Write;
 //! use rdma_cm::{stream::Stream, AccessFlags, MemoryRegion};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let mut s = Stream::connect("10.77.0.1:7471".parse()?, std::time::Duration::from_secs(5))?;
-//! let mut mr = MemoryRegion::register(s.pd(), vec![7u8; 1 << 20], AccessFlags::empty())?;
-//! s.write_region(&mr, 0..mr.len())?;     // posted: the WRITEs read the region itself
-//! s.flush()?;                            // completed: the region may change again
+//! let mr = MemoryRegion::register(s.pd(), vec![7u8; 1 << 20], AccessFlags::empty())?;
+//! let len = mr.len();
+//! let mut mr = s.write_region(mr, 0..len)?; // back once the peer's device has every byte
 //! mr.as_mut_slice()?.fill(8);
 //! # Ok(()) }
 //! ```
@@ -94,9 +93,9 @@
 //! `tests/stream_interop.rs`: against `rcopy` as its client and as its server (a file of a few
 //! MiB copied byte-identical each way), and against a plain TCP program under
 //! `LD_PRELOAD=librspreload.so` as its client and as its server. `tests/stream_region.rs`:
-//! zero-copy writes in order with copied ones, through grants smaller than a WRITE, refused
-//! for a foreign region or range, the region unchangeable while a peer without receives
-//! keeps its WRITE in flight, and given back whole by the stream's drop.
+//! zero-copy writes in order with copied ones and flushes, through grants smaller than a
+//! WRITE, refused for a foreign region or range, after a shutdown or the peer's departure,
+//! and a WRITE the peer never takes: each error gives the region back, unchanged.
 //!
 //! **Limits of this version.** iWARP devices are refused with
 //! [`Error::Unsupported`](crate::Error::Unsupported): iWARP has no immediate data and rsocket
@@ -119,3 +118,4 @@ pub mod wire;
 pub use config::StreamConfig;
 pub use conn::StreamListener;
 pub use engine::Stream;
+pub use region::WriteRegionError;

@@ -1,13 +1,81 @@
 //! Writes straight from the caller's registered memory: [`Stream::write_region`].
+//!
+//! The region moves into the call and comes back once no WRITE of it is in flight: while one
+//! is, the device reads the region, and the caller holds no handle of it, so nothing (no Rust
+//! code, no other work request made to write it) can change its bytes under the WRITE.
 
+use std::fmt;
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::stream::engine::Stream;
 use crate::stream::io::deadline;
 use crate::verbs::mr::MemoryRegion;
 use crate::verbs::pd::ProtectionDomain;
+
+/// How long a broken stream's call waits for the flush of its region's WRITEs (normally
+/// immediate: the QP is in the error state).
+const FLUSH_BOUND: Duration = Duration::from_secs(2);
+
+/// A [`Stream::write_region`] that failed: the error, and the region once no WRITE holds it.
+pub struct WriteRegionError {
+    error: io::Error,
+    region: Option<MemoryRegion>,
+}
+
+impl WriteRegionError {
+    pub(super) fn new(error: io::Error, region: Option<MemoryRegion>) -> WriteRegionError {
+        WriteRegionError { error, region }
+    }
+
+    /// What went wrong.
+    pub fn error(&self) -> &io::Error {
+        &self.error
+    }
+
+    /// The region, untouched. `None` only when the stream broke and the flush of its WRITEs
+    /// did not come back within 2 s: the stream's QP then keeps the region's registration
+    /// until it is destroyed.
+    pub fn into_region(self) -> Option<MemoryRegion> {
+        self.region
+    }
+
+    /// The error and the region.
+    pub fn into_parts(self) -> (io::Error, Option<MemoryRegion>) {
+        (self.error, self.region)
+    }
+}
+
+impl fmt::Debug for WriteRegionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WriteRegionError").field("error", &self.error).field("region", &self.region).finish()
+    }
+}
+
+impl fmt::Display for WriteRegionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.error)?;
+        if self.region.is_none() {
+            write!(f, " (the region stays with the stream's QP until it is destroyed)")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for WriteRegionError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl From<WriteRegionError> for io::Error {
+    /// The error alone (the region is dropped).
+    fn from(e: WriteRegionError) -> io::Error {
+        e.error
+    }
+}
 
 impl Stream {
     /// The protection domain of the stream's own buffers: a region registered on it
@@ -17,48 +85,94 @@ impl Stream {
         self.rbuf.pd()
     }
 
-    /// Sends bytes `range` of `mr` without copying them: each data WRITE (up to 64 KiB, within
-    /// what the peer granted) goes from the region straight into the peer's receive buffer.
-    /// The peer reads them as any other data, in order with this stream's other writes
-    /// (an rsocket peer too: the messages on the wire are the same). Returns once every byte
-    /// is posted, waiting as [`Write::write_all`](std::io::Write::write_all) does while the
-    /// peer's credits or granted space run out; the write timeout bounds each wait that makes
-    /// no progress.
+    /// Sends bytes `range` of `mr` without copying them, and gives the region back once the
+    /// peer's device has them. Each data WRITE (up to 64 KiB, within what the peer granted)
+    /// goes from the region straight into the peer's receive buffer, as many in flight as
+    /// credits and grants allow. The peer reads them as any other data, in order with this
+    /// stream's other writes (an rsocket peer too: the messages on the wire are the same).
+    /// Waits, as [`Write::write_all`](std::io::Write::write_all) does, while the peer's credits
+    /// or granted space run out; the write timeout bounds each wait that makes no progress.
     ///
-    /// The WRITEs may still be in flight when it returns. Until they complete, the region
-    /// can be read and sent again, but not changed: [`MemoryRegion::as_mut_slice`],
-    /// [`MemoryRegion::write_at`] and [`MemoryRegion::into_buffer`] return
-    /// [`Error::InFlight`](crate::Error::InFlight) (each WRITE holds a handle of it, as a posted
-    /// work request does). [`Write::flush`](std::io::Write::flush) waits for them.
-    ///
-    /// A write is copied when it is small: [`Write::write`](std::io::Write::write) copies
-    /// into the registered send buffer, which costs less than a WRITE per small region on the
-    /// devices measured (BENCHMARKS.md, "Zero-copy writes", has the crossover).
+    /// The region moves in: while its WRITEs are in flight the caller holds no handle of it,
+    /// so nothing can change its bytes under them. It pays for large writes: each call waits
+    /// for its last WRITE's completion (one round trip), where [`Write::write`](std::io::Write::write)
+    /// returns once its copy is posted. BENCHMARKS.md, "The stream beside `rstream` and TCP",
+    /// has the sizes from which it is faster.
     ///
     /// # Errors
     /// [`io::ErrorKind::InvalidInput`] for a range outside the region, or a region registered
     /// on another protection domain than [`Stream::pd`]; otherwise as for
-    /// [`Write::write`](std::io::Write::write). After an error some of the range may have been
-    /// sent: the message says how much was posted.
-    pub fn write_region(&mut self, mr: &MemoryRegion, range: Range<usize>) -> io::Result<()> {
-        self.check_region(mr, &range)?;
+    /// [`Write::write`](std::io::Write::write) and [`Write::flush`](std::io::Write::flush). The
+    /// region comes back with the error ([`WriteRegionError::into_region`]); part of the range
+    /// may have been sent (the message says how much was posted). A WRITE that did not
+    /// complete in time breaks the stream: its region is then given back only once the flush
+    /// has released it.
+    pub fn write_region(&mut self, mr: MemoryRegion, range: Range<usize>) -> Result<MemoryRegion, WriteRegionError> {
+        if let Err(error) = self.check_region(&mr, &range) {
+            return Err(WriteRegionError { error, region: Some(mr) });
+        }
         let (mut at, end) = (range.start, range.end);
         let mut until = None;
-        loop {
+        let mut error = loop {
             let before = at;
-            let step = self.try_write_region(mr, &mut at, end);
-            if let Some(r) = step {
-                return r.map_err(|e| posted_so_far(e, &range, at));
+            match self.try_write_region(&mr, &mut at, end) {
+                Some(Ok(())) => break None,
+                Some(Err(e)) => break Some(posted_so_far(e, &range, at)),
+                None => {}
             }
             if at > before {
                 until = None;
             }
             let d = *until.get_or_insert_with(|| deadline(self.write_timeout));
             if !self.wait_until(d) {
-                let e = self.timeout_error("write_region", self.write_timeout);
-                return Err(posted_so_far(e, &range, at));
+                break Some(posted_so_far(self.timeout_error("write_region", self.write_timeout), &range, at));
+            }
+        };
+        // Until the last WRITE completes (they complete in order); each wait without progress
+        // bounded by the write timeout.
+        let mut until = None;
+        while error.is_none() && mr.outstanding() > 0 && self.fatal.is_none() && !self.peer_gone {
+            let before = mr.outstanding();
+            let d = *until.get_or_insert_with(|| deadline(self.write_timeout));
+            if !self.wait_until(d) {
+                let t = self.write_timeout;
+                self.fail(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "write_region: its WRITEs did not complete within {t:?}: the peer's device does not acknowledge \
+                         them; the stream is closed"
+                    ),
+                );
+            }
+            if mr.outstanding() < before {
+                until = None;
             }
         }
+        if error.is_none() {
+            error = self.region_result();
+        }
+        // A WRITE still holds the region only if the stream broke or the peer left: the QP
+        // goes to the error state, and the flush releases it.
+        if mr.outstanding() > 0 {
+            let _ = self.lane.set_error(self.qp);
+            self.wait_flushed(deadline(FLUSH_BOUND), |_| mr.outstanding() == 0);
+            let region = (mr.outstanding() == 0).then_some(mr);
+            let error = error.unwrap_or_else(|| self.fatal_error().unwrap_or_else(|| self.gone_error()));
+            return Err(WriteRegionError { error, region });
+        }
+        match error {
+            None => Ok(mr),
+            Some(error) => Err(WriteRegionError { error, region: Some(mr) }),
+        }
+    }
+
+    /// What became of a region's WRITEs once none is in flight: the error that broke the
+    /// stream, or the first data WRITE that failed.
+    pub(super) fn region_result(&self) -> Option<io::Error> {
+        if let Some(e) = self.fatal_error() {
+            return Some(e);
+        }
+        self.write_lost.as_ref().map(|w| io::Error::new(io::ErrorKind::BrokenPipe, w.clone()))
     }
 
     /// Refuses a range outside `mr`, and a region of another protection domain (the device

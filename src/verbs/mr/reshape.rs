@@ -67,8 +67,13 @@ impl MemoryRegion {
     /// Another handle of this region, for a work request that only reads it (the source of an
     /// RDMA WRITE): what a posted request holds, as the module docs of `mr` describe, so the
     /// region stays registered and Rust code cannot change its bytes (that needs a unique
-    /// handle) until the request's completion drops the handle. Never given to user code: the
-    /// stream posts it and drops it when the WRITE completes.
+    /// handle) until the request's completion drops the handle.
+    ///
+    /// The caller must keep `self` out of user code's reach until every such handle is gone:
+    /// a user holding `self` could post it where the device writes it (a receive, a READ
+    /// target, a writable window: those posts assume the handle outside a lane is the only
+    /// one), under the WRITE that reads it. The stream's `write_region` takes the region by
+    /// value and gives it back only once its WRITEs' completions dropped their handles.
     pub(crate) fn share_for_reading(&self) -> MemoryRegion {
         MemoryRegion { inner: Arc::clone(&self.inner) }
     }
