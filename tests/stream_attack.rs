@@ -6,6 +6,8 @@
 //! wake-up fails a test instead of hanging it.
 
 mod common;
+#[path = "common/raw_peer.rs"]
+mod raw_peer;
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, SocketAddr};
@@ -14,10 +16,11 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{Cap, DeviceTest, T};
-use rdma_cm::stream::wire::{ConnData, Ctrl, Msg, Sge};
+use raw_peer::RawPeer;
+use rdma_cm::stream::wire::{Ctrl, Msg};
 use rdma_cm::stream::{Stream, StreamConfig, StreamListener};
-use rdma_cm::verbs::lane::{Lane, RecvWr, SendWr};
-use rdma_cm::{AccessFlags, Client, ConnParam, Error, MemoryRegion, QpInit, RemoteRegion};
+use rdma_cm::verbs::lane::SendWr;
+use rdma_cm::{AccessFlags, Error, MemoryRegion};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The bound of a whole transfer under the emulator.
@@ -423,55 +426,8 @@ fn cancelled_shutdown_futures_lose_no_bytes_and_end_the_stream_once() {
     t.finish();
 }
 
-/// A client speaking the verbs itself (as in `tests/stream.rs`): valid connection data, a
-/// grant of 2,048 bytes and 16 credits, and `recvs` receives posted at first (none leaves the
-/// stream's control messages waiting on RNR retries, each 0.01 ms here, until `post_recvs`).
-struct RawPeer {
-    lane: Lane,
-    qp: rdma_cm::verbs::lane::LaneQp,
-    pd: std::sync::Arc<rdma_cm::ProtectionDomain>,
-    half: RemoteRegion,
-    _bufs: (MemoryRegion, MemoryRegion),
-}
-
+/// [`RawPeer`]'s messages here.
 impl RawPeer {
-    fn connect(t: &DeviceTest, port: u16, recvs: usize) -> RawPeer {
-        let route = Client::new()
-            .unwrap()
-            .resolve_addr(None, SocketAddr::new(t.addr, port), T)
-            .unwrap()
-            .resolve_route(T)
-            .unwrap();
-        let pd = route.alloc_pd().unwrap();
-        let mut lane = Lane::new(&route.context().unwrap(), 512).unwrap();
-        let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let rbuf = MemoryRegion::new(&pd, 4096, remote).unwrap();
-        let sgl = MemoryRegion::new(&pd, 32, remote).unwrap();
-        let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(64).max_send_wr(256)).unwrap();
-        let qp = client.qp();
-        let mine = ConnData::new(
-            16,
-            Sge { addr: sgl.addr(), key: sgl.rkey(), length: 2 },
-            Sge { addr: rbuf.addr(), key: rbuf.rkey(), length: 2048 },
-        );
-        let mut peer = RawPeer { lane, qp, pd, half: RemoteRegion::new(0, 0, 0), _bufs: (rbuf, sgl) };
-        peer.post_recvs(recvs);
-        let param = ConnParam::new().min_rnr_timer(1).private_data(&mine.encode()).unwrap();
-        let reply = client.connect(&mut peer.lane, &param, T).unwrap();
-        let theirs = ConnData::decode(&reply).expect("the server's connection data");
-        peer.half = RemoteRegion::new(theirs.data_buf.addr, theirs.data_buf.key, u64::from(theirs.data_buf.length));
-        peer
-    }
-
-    fn post_recvs(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        for r in MemoryRegion::new(&self.pd, n, AccessFlags::LOCAL_WRITE).unwrap().split(1).unwrap() {
-            self.lane.post_recv(self.qp, RecvWr::range(r, 0..0).wr_id(1)).unwrap();
-        }
-    }
-
     /// Sends a data message of `len` bytes at `at` in the server's first half, and waits for
     /// its completion.
     fn send_data(&mut self, len: usize, at: usize) {

@@ -9,6 +9,8 @@
 mod common;
 #[path = "common/counting.rs"]
 mod counting;
+#[path = "common/raw_peer.rs"]
+mod raw_peer;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr};
@@ -17,10 +19,9 @@ use std::thread;
 use std::time::Duration;
 
 use common::{Cap, DeviceTest, T};
-use rdma_cm::stream::wire::{ConnData, Sge};
+use raw_peer::RawPeer;
 use rdma_cm::stream::{Stream, StreamConfig, StreamListener};
-use rdma_cm::verbs::lane::Lane;
-use rdma_cm::{AccessFlags, Client, ConnParam, MemoryRegion, ProtectionDomain, QpInit, VerbsContext};
+use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
 
 /// Bytes that differ at every offset of a long run.
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
@@ -275,42 +276,6 @@ fn write_region_after_shutdown_and_after_the_peer_left() {
     t.finish();
 }
 
-/// A client speaking the verbs itself, with valid connection data (one grant of 2048 bytes)
-/// and no receive posted: the server's WRITEs with immediate data find none and wait on RNR
-/// retries (infinite, as the stream asks), in flight for good.
-struct SilentPeer {
-    lane: Lane,
-    qp: rdma_cm::verbs::lane::LaneQp,
-    _pd: std::sync::Arc<ProtectionDomain>,
-    rbuf: MemoryRegion,
-    _sgl: MemoryRegion,
-}
-
-impl SilentPeer {
-    fn connect(t: &DeviceTest, port: u16) -> SilentPeer {
-        let route = Client::new()
-            .unwrap()
-            .resolve_addr(None, SocketAddr::new(t.addr, port), T)
-            .unwrap()
-            .resolve_route(T)
-            .unwrap();
-        let pd = route.alloc_pd().unwrap();
-        let mut lane = Lane::new(&route.context().unwrap(), 256).unwrap();
-        let remote = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let rbuf = MemoryRegion::new(&pd, 4096, remote).unwrap();
-        let sgl = MemoryRegion::new(&pd, 32, remote).unwrap();
-        let client = route.lane_qp(&mut lane, &pd, QpInit::new().max_recv_wr(32).max_send_wr(16)).unwrap();
-        let qp = client.qp();
-        let mine = ConnData::new(
-            16,
-            Sge { addr: sgl.addr(), key: sgl.rkey(), length: 2 },
-            Sge { addr: rbuf.addr(), key: rbuf.rkey(), length: 2048 },
-        );
-        client.connect(&mut lane, &ConnParam::new().private_data(&mine.encode()).unwrap(), T).unwrap();
-        SilentPeer { lane, qp, _pd: pd, rbuf, _sgl: sgl }
-    }
-}
-
 /// A peer without receives never takes the WRITE (it waits on RNR retries): with a 1 s write
 /// timeout, `write_region` fails with `TimedOut` saying the WRITEs did not complete, the
 /// stream is closed (a later write fails with the same cause), and the region comes back once
@@ -338,7 +303,7 @@ fn a_write_the_peer_never_takes_times_out_and_gives_the_region_back() {
         drop(s);
         mr.into_buffer().expect("the buffer comes back")
     });
-    let mut peer = SilentPeer::connect(&t, port);
+    let mut peer = RawPeer::connect(&t, port, 0);
     done.recv().unwrap();
     assert_eq!(server.join().unwrap().len(), 1500);
     let mut at_peer = vec![0u8; 1500];
@@ -372,7 +337,7 @@ fn write_region_times_out_when_no_grant_comes() {
         done_tx.send(()).unwrap();
         drop((s, mr));
     });
-    let peer = SilentPeer::connect(&t, port);
+    let peer = RawPeer::connect(&t, port, 0);
     done.recv().unwrap();
     server.join().unwrap();
     drop(peer);
