@@ -109,7 +109,7 @@ impl Stream {
     /// has released it.
     pub fn write_region(&mut self, mr: MemoryRegion, range: Range<usize>) -> Result<MemoryRegion, WriteRegionError> {
         if let Err(error) = self.check_region(&mr, &range) {
-            return Err(WriteRegionError { error, region: Some(mr) });
+            return Err(WriteRegionError::new(error, Some(mr)));
         }
         let (mut at, end) = (range.start, range.end);
         let mut until = None;
@@ -158,11 +158,11 @@ impl Stream {
             self.wait_flushed(deadline(FLUSH_BOUND), |_| mr.outstanding() == 0);
             let region = (mr.outstanding() == 0).then_some(mr);
             let error = error.unwrap_or_else(|| self.fatal_error().unwrap_or_else(|| self.gone_error()));
-            return Err(WriteRegionError { error, region });
+            return Err(WriteRegionError::new(error, region));
         }
         match error {
             None => Ok(mr),
-            Some(error) => Err(WriteRegionError { error, region: Some(mr) }),
+            Some(error) => Err(WriteRegionError::new(error, Some(mr))),
         }
     }
 
