@@ -352,6 +352,11 @@ impl Stream {
     /// Waits until `deadline` for completions, the flushes of a broken stream's too, until
     /// `done` holds; whether it does.
     pub(super) fn wait_flushed(&mut self, deadline: Instant, done: impl Fn(&Stream) -> bool) -> bool {
+        // The lane's wait reads the CQ's events: an async wait must arm it again.
+        #[cfg(feature = "tokio")]
+        {
+            self.cq_armed = false;
+        }
         loop {
             self.poll_now();
             if done(self) {
