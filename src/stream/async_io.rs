@@ -260,17 +260,8 @@ impl Stream {
             }
         })
         .await;
-        if mr.outstanding() > 0 {
-            let _ = self.lane.set_error(self.qp);
-            self.poll_now();
-            let region = (mr.outstanding() == 0).then_some(mr);
-            let error = error.unwrap_or_else(|| self.fatal_error().unwrap_or_else(|| self.gone_error()));
-            return Err(WriteRegionError::new(error, region));
-        }
-        match error {
-            None => Ok(mr),
-            Some(error) => Err(WriteRegionError::new(error, Some(mr))),
-        }
+        // A flush not there at once is not waited for: that would block the runtime's thread.
+        self.region_back(mr, error, Duration::ZERO)
     }
 
     /// Sends the close message that is due once a control slot is free, then waits for the

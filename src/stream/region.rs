@@ -152,11 +152,21 @@ impl Stream {
         if error.is_none() {
             error = self.region_result();
         }
-        // A WRITE still holds the region only if the stream broke or the peer left: the QP
-        // goes to the error state, and the flush releases it.
+        self.region_back(mr, error, FLUSH_BOUND)
+    }
+
+    /// A region call's end: the region back, with `error` if any. A WRITE still holds it only
+    /// if the stream broke or the peer left: the QP goes to the error state, and the flush,
+    /// waited for up to `flush`, releases it; without the flush, the error comes without it.
+    pub(super) fn region_back(
+        &mut self,
+        mr: MemoryRegion,
+        error: Option<io::Error>,
+        flush: Duration,
+    ) -> Result<MemoryRegion, WriteRegionError> {
         if mr.outstanding() > 0 {
             let _ = self.lane.set_error(self.qp);
-            self.wait_flushed(deadline(FLUSH_BOUND), |_| mr.outstanding() == 0);
+            self.wait_flushed(deadline(flush), |_| mr.outstanding() == 0);
             let region = (mr.outstanding() == 0).then_some(mr);
             let error = error.unwrap_or_else(|| self.fatal_error().unwrap_or_else(|| self.gone_error()));
             return Err(WriteRegionError::new(error, region));
