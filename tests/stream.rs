@@ -14,7 +14,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use common::{Cap, DeviceTest, T};
+use common::{scrambled, Cap, DeviceTest, T};
 use rdma_cm::stream::wire::{ConnData, Ctrl, Msg, Sge};
 use rdma_cm::stream::{Stream, StreamConfig, StreamListener};
 use rdma_cm::verbs::lane::{InlineWr, Lane, RecvWr, SendWr};
@@ -262,19 +262,6 @@ fn iwarp_is_refused_naming_why() {
     t.finish();
 }
 
-/// A deterministic pattern that differs at every offset of a long run.
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
-
 /// Two of our streams: the client sends 6 MiB in blocks of 192 KiB, written in odd-sized
 /// pieces that line up with nothing; the server echoes what it reads as it reads it; every
 /// byte comes back in order.
@@ -302,7 +289,7 @@ fn echo_between_our_streams() {
         s.shutdown(Shutdown::Both).expect("server shutdown");
         total
     });
-    let data = pattern(6 << 20, 7);
+    let data = scrambled(6 << 20, 7);
     let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
     let mut got = vec![0u8; data.len()];
     for (k, block) in data.chunks(192 * 1024).enumerate() {
@@ -351,7 +338,7 @@ fn echo_every_size(t: &DeviceTest, port: u16, cfg: StreamConfig) {
         s.shutdown(Shutdown::Both).expect("server shutdown");
     });
     let sizes = [1, 63, 64, 65, 1000, 1023, 1024, 1025, 8191, 8192, 8193, 3, 70_000, 65_536, 65_537, 200_000, 2];
-    let data = pattern(sizes.iter().sum::<usize>() * 3, 11);
+    let data = scrambled(sizes.iter().sum::<usize>() * 3, 11);
     let mut c = cfg.connect(SocketAddr::new(t.addr, port), T).expect("connect");
     let mut at = 0;
     for &n in sizes.iter().cycle().take(sizes.len() * 3) {
@@ -379,7 +366,7 @@ fn half_close_between_our_streams() {
     }
     let port = 7714u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
-    let data = pattern(3 << 20, 11);
+    let data = scrambled(3 << 20, 11);
     let expect = data.clone();
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept");
@@ -696,7 +683,7 @@ fn reads_and_writes_allocate_nothing() {
         });
         sum
     });
-    let data = pattern(TOTAL, 5);
+    let data = scrambled(TOTAL, 5);
     let expect = data.iter().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
     let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
     counting::watched(|| {

@@ -18,23 +18,10 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
-use common::{Cap, DeviceTest, T};
+use common::{scrambled, Cap, DeviceTest, T};
 use raw_peer::RawPeer;
 use rdma_cm::stream::{Stream, StreamConfig, StreamListener};
 use rdma_cm::{AccessFlags, MemoryRegion, ProtectionDomain, VerbsContext};
-
-/// Bytes that differ at every offset of a long run.
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
 
 /// `data` registered on the stream's protection domain with `access` (its buffer comes back
 /// with `into_buffer`).
@@ -83,12 +70,12 @@ fn region_ranges_arrive_in_order_with_copied_writes() {
     for (port, cfg, len) in [(7761u16, StreamConfig::new(), (3 << 20) + 7), (7762, small, 300_007)] {
         let server = reader(cfg.bind(SocketAddr::new(t.addr, port)).unwrap());
         let mut c = cfg.connect(SocketAddr::new(t.addr, port), T).expect("connect");
-        let data = pattern(len, 3);
+        let data = scrambled(len, 3);
         let mut mr = region_of(&c, &data);
         let mut sent = Vec::new();
         let ranges = [5..data.len() - 2, 0..1, 64..128, 1000..1000 + 65_536, 7..7, 0..data.len()];
         for (k, r) in ranges.into_iter().enumerate() {
-            let head = pattern(k * 37 + 1, k as u32);
+            let head = scrambled(k * 37 + 1, k as u32);
             c.write_all(&head).unwrap();
             sent.extend_from_slice(&head);
             mr = c.write_region(mr, r.clone()).unwrap_or_else(|e| panic!("write_region({r:?}): {e}"));
@@ -123,7 +110,7 @@ fn odd_ranges_and_foreign_regions_are_refused() {
     let s2 = reader(StreamListener::bind(SocketAddr::new(t.addr, p2)).unwrap());
     let mut c = Stream::connect(SocketAddr::new(t.addr, p1), T).expect("connect");
     let mut d = Stream::connect(SocketAddr::new(t.addr, p2), T).expect("connect");
-    let data = pattern(4096, 1);
+    let data = scrambled(4096, 1);
     let mut mr = region_of(&c, &data);
     let mut sent = Vec::new();
     for r in [0..0, 4096..4096, 17..17, 0..1, 4095..4096] {
@@ -172,7 +159,7 @@ fn mixed_writes_regions_and_flushes_keep_their_order() {
     let cfg = StreamConfig::new().recv_buffer(8192).credits(2);
     let server = reader(cfg.bind(SocketAddr::new(t.addr, port)).unwrap());
     let mut c = cfg.connect(SocketAddr::new(t.addr, port), T).expect("connect");
-    let (plain, remote, split) = (pattern(300_000, 51), pattern(70_001, 52), pattern(200_000, 53));
+    let (plain, remote, split) = (scrambled(300_000, 51), scrambled(70_001, 52), scrambled(200_000, 53));
     let mut regions = vec![
         (Some(region_of(&c, &plain)), plain.clone()),
         (Some(region_with(&c, &remote, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)), remote.clone()),
@@ -192,7 +179,7 @@ fn mixed_writes_regions_and_flushes_keep_their_order() {
         match next(5) {
             0 | 1 => {
                 let len = [1, 63, 64, 65, 4095, 4097, 40_000][next(7) as usize];
-                let bytes = pattern(len, step);
+                let bytes = scrambled(len, step);
                 c.write_all(&bytes).unwrap();
                 sent.extend_from_slice(&bytes);
             }
@@ -237,7 +224,7 @@ fn write_region_after_shutdown_and_after_the_peer_left() {
     let port = 7770u16;
     let server = reader(StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap());
     let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
-    let data = pattern(4096, 71);
+    let data = scrambled(4096, 71);
     let mr = c.write_region(region_of(&c, &data), 0..100).unwrap();
     c.shutdown(Shutdown::Write).unwrap();
     let (e, mr) = given_back(c.write_region(mr, 0..10).expect_err("after shutdown(Write)"), &data);
@@ -289,7 +276,7 @@ fn a_write_the_peer_never_takes_times_out_and_gives_the_region_back() {
     let port = 7764u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let (done_tx, done) = mpsc::channel();
-    let data = pattern(1500, 9);
+    let data = scrambled(1500, 9);
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept");
         s.set_write_timeout(Duration::from_secs(1));
@@ -326,7 +313,7 @@ fn write_region_times_out_when_no_grant_comes() {
     let port = 7765u16;
     let listener = StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap();
     let (done_tx, done) = mpsc::channel();
-    let data = pattern(10_000, 91);
+    let data = scrambled(10_000, 91);
     let server = thread::spawn(move || {
         let mut s = listener.accept(T).expect("accept");
         s.set_write_timeout(Duration::from_secs(1));
@@ -367,7 +354,7 @@ fn region_writes_allocate_nothing() {
         }
     });
     let mut c = Stream::connect(SocketAddr::new(t.addr, port), T).expect("connect");
-    let mut mr = Some(region_of(&c, &pattern(1 << 20, 2)));
+    let mut mr = Some(region_of(&c, &scrambled(1 << 20, 2)));
     let ranges = [0..1 << 20, 3..70_003, 65_536..1 << 20, 1..2, 100..(1 << 20) - 100];
     let mut total = 0;
     counting::watched(|| {
@@ -397,7 +384,7 @@ fn region_writes_under_tokio() {
     }
     let port = 7767u16;
     let server = reader(StreamListener::bind(SocketAddr::new(t.addr, port)).unwrap());
-    let data = pattern(1 << 20, 5);
+    let data = scrambled(1 << 20, 5);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let sent = rt.block_on(async {
         use tokio::io::AsyncWriteExt;
@@ -440,7 +427,7 @@ fn a_dropped_write_region_async_leaves_a_prefix() {
         s.read_to_end(&mut got).expect("server read");
         got
     });
-    let data = pattern(100_000, 99);
+    let data = scrambled(100_000, 99);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let mut c = Stream::connect_async(SocketAddr::new(t.addr, port), T).await.expect("connect");

@@ -305,6 +305,21 @@ impl IpV4 {
     }
 }
 
+/// Bytes that differ at every offset of a long run (xorshift), unlike [`pattern`], which
+/// repeats every 256 bytes: what a stream's tests send, so that no offset or order mistake
+/// reproduces them.
+pub fn scrambled(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
 /// A deterministic pattern distinct per `seed`.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u32).wrapping_mul(131).wrapping_add(seed as u32 * 17 + 3) as u8).collect()
